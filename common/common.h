@@ -1,0 +1,90 @@
+/*
+ * common: the few primitives every ember module shares.
+ *
+ * Errors follow the RocksDB C API: a function returns 0 on success or a negative code, and on
+ * failure stores a heap-allocated message in *errptr (freeing any message already there). The
+ * caller owns that message and releases it with free(). errptr may be NULL when the caller
+ * does not want the text.
+ *
+ * Files are written the Redis rdb.c way: into a temporary file beside the target, fsync'd, then
+ * renamed over the target and the directory fsync'd, so a reader sees either the old file or
+ * the complete new one, never a prefix. cm_afile hashes everything written with xxh3-64 so the
+ * caller can record the checksum in a trailer or manifest without a second pass.
+ */
+#ifndef EMBER_COMMON_H
+#define EMBER_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+    CM_OK = 0,
+    CM_ERR = -1,       /* generic failure */
+    CM_EINVAL = -2,    /* bad argument or configuration */
+    CM_EIO = -3,       /* operating-system I/O failure */
+    CM_ECORRUPT = -4,  /* data failed a magic, version, size or checksum check */
+    CM_ENOMEM = -5,    /* allocation failed */
+    CM_ENOTFOUND = -6, /* a named file or object does not exist */
+};
+
+/* Formats a message into *errptr (if errptr is non-NULL) and returns code. */
+int cm_err(char **errptr, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Like cm_err, appending ": strerror(errno)" (errno read at entry). */
+int cm_err_errno(char **errptr, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* xxh3-64 of a buffer with seed 0: the checksum every ember file and message uses. */
+uint64_t cm_xxh3(const void *buf, size_t len);
+
+/* Monotonic seconds, for timing and rates. */
+double cm_now(void);
+
+/* Creates dir and its parents (mode 0755); an existing directory is fine. */
+int cm_mkdirs(const char *dir, char **errptr);
+
+/* fsyncs a directory so renames inside it are durable. */
+int cm_fsync_dir(const char *dir, char **errptr);
+
+/* Removes a directory tree (like rm -rf); a missing path is fine. */
+int cm_rmtree(const char *path, char **errptr);
+
+/* Writes all n bytes to fd, retrying on EINTR and short writes. 0 or CM_EIO (errno set). */
+int cm_write_full(int fd, const void *buf, size_t n);
+
+/* Reads a whole file into a heap buffer (*buf, owned by the caller, free()), length in *len. */
+int cm_read_file(const char *path, void **buf, size_t *len, char **errptr);
+
+/* An atomically-committed output file. Storage is the caller's (cm_afile_init/...); the
+ * members are private. */
+typedef struct cm_afile {
+    int fd;
+    char *path; /* final path (owned) */
+    char *tmp;  /* temporary path (owned) */
+    void *hash; /* XXH3 state (owned) */
+    uint64_t bytes;
+} cm_afile;
+
+/* Opens "<path>.tmp.<pid>" for writing. On error nothing is left on disk. */
+int cm_afile_open(cm_afile *f, const char *path, char **errptr);
+/* Appends bytes, folding them into the running xxh3. */
+int cm_afile_write(cm_afile *f, const void *buf, size_t n, char **errptr);
+/* xxh3-64 of everything written so far. */
+uint64_t cm_afile_digest(const cm_afile *f);
+/* fsync, close, rename over the target, fsync the directory; releases f. On error the
+ * temporary is removed and the target is untouched. */
+int cm_afile_commit(cm_afile *f, char **errptr);
+/* Closes and removes the temporary; releases f. Safe after a failed open or commit. */
+void cm_afile_abort(cm_afile *f);
+
+/* Writes a whole buffer atomically (open + write + commit). */
+int cm_write_file_atomic(const char *path, const void *buf, size_t n, char **errptr);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,54 @@
+#include "common/common.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <xxhash.h>
+
+static void err_vset(char **errptr, const char *suffix, const char *fmt, va_list ap)
+{
+    if (errptr == NULL) return;
+    char buf[1024];
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    size_t len = strlen(buf) + (suffix ? strlen(suffix) + 2 : 0) + 1;
+    char *msg = malloc(len);
+    if (msg == NULL) return; /* keep any older message rather than lose both */
+    snprintf(msg, len, "%s%s%s", buf, suffix ? ": " : "", suffix ? suffix : "");
+    free(*errptr);
+    *errptr = msg;
+}
+
+int cm_err(char **errptr, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    err_vset(errptr, NULL, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+int cm_err_errno(char **errptr, int code, const char *fmt, ...)
+{
+    int saved = errno;
+    va_list ap;
+    va_start(ap, fmt);
+    err_vset(errptr, strerror(saved), fmt, ap);
+    va_end(ap);
+    errno = saved;
+    return code;
+}
+
+uint64_t cm_xxh3(const void *buf, size_t len)
+{
+    return XXH3_64bits(buf, len);
+}
+
+double cm_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}

@@ -1,0 +1,252 @@
+/*
+ * embedding: the embedding store that each parameter-server shard keeps.
+ *
+ * Design
+ * ------
+ * A table maps a 64-bit feature key to a row. A row is a fixed-size record:
+ *
+ *     key (u64) | updates (u64) | last_step (u64) | weights[dim] (f32) | state[slots] (f32)
+ *
+ * `updates` counts optimizer steps applied to the row (it is also lazy Adam's per-row t);
+ * `last_step` is the table step at which the row was last pulled or pushed (TTL eviction and
+ * CLOCK use it). `state` holds the optimizer's slots: none for SGD, dim for Adagrad, 1 for
+ * row-wise Adagrad, 2*dim for Adam (m then v) and FTRL (z then n).
+ *
+ * Keys are unbounded: rows live in open-addressing hash tables that grow (linear probing over
+ * a capacity of any size, mapped with a multiply-shift of xxh3(key)), never key % size. The
+ * table is split into sub-shards by the high bits of xxh3(key), each behind its own mutex; a
+ * batched call groups its keys by sub-shard and takes each lock once.
+ *
+ * A key never seen is initialised from the key itself: weight j is uniform(-init_scale,
+ * init_scale) drawn from xxh3(key, seed) and j, so a run is reproducible whatever the order in
+ * which keys arrive or how they are sharded.
+ *
+ * Memory budget and spill: with mem_budget_bytes > 0 each sub-shard may hold at most
+ * budget / n_sub bytes of hash table (capacity x row bytes, exactly what is allocated). When a
+ * sub-shard is full, a CLOCK sweep picks rows not touched since the last sweep and moves them
+ * (whole records, bit for bit) into a RocksDB database at spill_path, then drops them from
+ * memory. A pull or push of a spilled key reads it back with one batched MultiGet and deletes
+ * it from RocksDB: every key lives in exactly one place. Because records move whole and the
+ * optimizer math does not depend on where a row lives, a table ten times its budget ends a
+ * training sequence with exactly the rows the same table would have fully in memory.
+ *
+ * Admission (admit_threshold > 1): a key absent from the table is counted in a count-min
+ * sketch each time it appears in a pull; only when its estimate reaches the threshold is the row
+ * created. Until then a pull returns zeros and a push to it is dropped (both counted).
+ * TTL (ttl_steps > 0): emb_table_expire drops rows whose last_step is more than ttl_steps
+ * behind the table step, in memory and on disk. The table step advances by one per push call.
+ *
+ * Snapshots: emb_table_snapshot pauses the table (all sub-shard locks, in order), writes every
+ * row (in memory and spilled) to <dir>/rows.bin and a MANIFEST naming the config, step, row
+ * count and xxh3 of each file, into a temporary directory that is fsync'd and renamed to dir.
+ * emb_table_restore verifies every checksum and size before it builds anything, so a corrupted
+ * or truncated snapshot is refused with an error naming the file and never half-loaded.
+ *
+ * Row stores: the two places a row can live (memory, rocksdb) implement one interface
+ * (emb_store below, static ops tables inside); tests run one conformance suite over both.
+ *
+ * Thread safety: every emb_table_* call may be made from many threads at once, except
+ * emb_table_destroy. emb_store handles are not thread-safe.
+ *
+ * Errors: functions return 0 or a negative CM_* code (common/common.h) and store a message the
+ * caller owns (free()) in *errptr when errptr is non-NULL. Library code never exits.
+ */
+#ifndef EMBER_EMBEDDING_H
+#define EMBER_EMBEDDING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EMB_MAX_DIM 4096u
+
+typedef enum emb_opt_kind {
+    EMB_OPT_SGD = 0,
+    EMB_OPT_ADAGRAD = 1,         /* per-element accumulator */
+    EMB_OPT_ADAGRAD_ROWWISE = 2, /* one accumulator per row: mean of squared grads */
+    EMB_OPT_ADAM = 3,            /* lazy: only touched rows step, per-row t = updates */
+    EMB_OPT_FTRL = 4,            /* FTRL-Proximal, per coordinate */
+} emb_opt_kind;
+
+/*
+ * Optimizer update rules, applied per element to a pushed gradient g (float storage, double
+ * arithmetic). For all but FTRL, g' = g + l2 * w first.
+ *   sgd:              w -= lr * g'
+ *   adagrad:          a += g'^2;           w -= lr * g' / (sqrt(a) + eps)
+ *   adagrad_rowwise:  A += mean_j(g'_j^2); w -= lr * g' / (sqrt(A) + eps)
+ *   adam:             t = updates + 1; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
+ *                     w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
+ *   ftrl (alpha=lr, beta=ftrl_beta, l1=ftrl_l1, l2=l2):
+ *                     sigma = (sqrt(n + g^2) - sqrt(n)) / alpha; z += g - sigma w; n += g^2;
+ *                     w = |z| <= l1 ? 0 : -(z - sgn(z) l1) / ((beta + sqrt(n)) / alpha + l2)
+ *   A new FTRL row starts with n = 0 and z chosen so that w equals its initial value.
+ * Adagrad accumulators start at adagrad_init.
+ */
+
+/* Parses "sgd", "adagrad", "adagrad_rowwise", "adam", "ftrl". 0 or CM_EINVAL. */
+int emb_opt_parse(const char *name, emb_opt_kind *out);
+/* Name of an optimizer kind (static string). */
+const char *emb_opt_name(emb_opt_kind kind);
+
+/* Everything that defines a table. Fill with emb_table_config_init, then override. */
+typedef struct emb_table_config {
+    /* model: must match across snapshot/restore */
+    uint32_t dim;
+    emb_opt_kind opt;
+    float lr, l2;
+    float eps;          /* adagrad, adam */
+    float beta1, beta2; /* adam */
+    float adagrad_init;
+    float ftrl_beta, ftrl_l1;
+    float init_scale; /* weights start uniform(-init_scale, init_scale); 0 gives zeros */
+    uint64_t seed;
+    /* storage: may differ between a snapshot and its restore */
+    uint64_t mem_budget_bytes; /* 0 = unlimited (no spill) */
+    const char *spill_path;    /* RocksDB directory; required when mem_budget_bytes > 0.
+                                  Borrowed: copied by emb_table_create. Must not be in use. */
+    uint32_t admit_threshold;  /* 0 or 1 = admit on first sight */
+    uint64_t ttl_steps;        /* 0 = never expire */
+    uint32_t n_sub;            /* sub-shards (lock stripes), 1..4096; 0 = default (64) */
+} emb_table_config;
+
+/* Defaults: dim 16, adagrad, lr 0.05, l2 0, eps 1e-8, betas 0.9/0.999, adagrad_init 0,
+ * ftrl_beta 1, ftrl_l1 0, init_scale 0.01, seed 0, unlimited memory, no admission, no TTL. */
+void emb_table_config_init(emb_table_config *cfg);
+
+/* Checks a config; 0 or CM_EINVAL with a message naming the bad field. */
+int emb_table_config_check(const emb_table_config *cfg, char **errptr);
+
+/* Optimizer slots (floats of state) per row for this config. */
+uint32_t emb_row_slots(const emb_table_config *cfg);
+
+/* Exact bytes one row takes in a record (what a row costs on disk and per hash slot). */
+size_t emb_row_bytes(const emb_table_config *cfg);
+
+/* Bytes of memory per resident row including the hash table's empty slots at its maximum
+ * load factor: what a budget buys, row for row. */
+double emb_row_mem_bytes(const emb_table_config *cfg);
+
+/* One row, as seen by emb_table_get_row and emb_table_foreach. weights and state point into
+ * storage that is valid only for the duration of the call or callback. */
+typedef struct emb_row {
+    uint64_t key;
+    uint64_t updates;
+    uint64_t last_step;
+    const float *weights; /* dim floats */
+    const float *state;   /* emb_row_slots() floats */
+} emb_row;
+
+typedef struct emb_table emb_table;
+
+/* Creates a table. On success *out is owned by the caller (emb_table_destroy). Fails with
+ * CM_EINVAL on a bad config (dim 0 or > EMB_MAX_DIM, unknown optimizer, a budget smaller than
+ * one row per sub-shard, no spill_path with a budget) and CM_EIO when the spill database cannot
+ * be created. The spill database is private scratch: an existing one at spill_path is wiped. */
+int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr);
+
+/* Frees the table and removes its spill database. NULL is fine. */
+void emb_table_destroy(emb_table *t);
+
+/* The table's config (owned by the table). */
+const emb_table_config *emb_table_get_config(const emb_table *t);
+
+/* Reads weights of n keys into out (n * dim floats, caller's). Keys never seen are created
+ * (initialised) unless admission holds them back, in which case their weights read as zero.
+ * Duplicates are allowed. Advances no step, but marks each row touched at the current step. */
+int emb_table_pull(emb_table *t, const uint64_t *keys, size_t n, float *out, char **errptr);
+
+/* Applies one optimizer step per (key, gradient) pair: grads is n * dim floats. Duplicated
+ * keys are applied in order, as separate steps. Keys not yet admitted are dropped and counted.
+ * A non-finite gradient rejects the whole call with CM_EINVAL before any row changes. Advances
+ * the table step by one. */
+int emb_table_push(emb_table *t, const uint64_t *keys, size_t n, const float *grads,
+                   char **errptr);
+
+/* Copies one row into *row; weights/state are copied into the caller's buffers (dim and
+ * emb_row_slots floats). Returns CM_ENOTFOUND (no message) for a key the table does not hold;
+ * never creates a row and does not mark it touched. */
+int emb_table_get_row(emb_table *t, uint64_t key, emb_row *row, float *weights, float *state,
+                      char **errptr);
+
+/* Calls cb once per stored row (memory and spilled), with the table paused (no concurrent
+ * update). A non-zero return from cb stops the walk and is returned. */
+typedef int (*emb_row_cb)(const emb_row *row, void *arg);
+int emb_table_foreach(emb_table *t, emb_row_cb cb, void *arg, char **errptr);
+
+/* Drops rows untouched for more than ttl_steps; *dropped (optional) gets the count. A no-op
+ * when ttl_steps is 0. */
+int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr);
+
+/* The table step (number of push calls so far, or as restored). */
+uint64_t emb_table_step(const emb_table *t);
+
+typedef struct emb_table_stats {
+    uint64_t rows_mem;        /* rows resident in memory */
+    uint64_t rows_spilled;    /* rows in the RocksDB spill */
+    uint64_t bytes_mem;       /* hash-table bytes allocated (capacity x row bytes) */
+    uint64_t bytes_budget;    /* mem_budget_bytes, 0 = unlimited */
+    uint64_t row_bytes;       /* emb_row_bytes */
+    uint64_t step;            /* table step */
+    uint64_t pulls, pushes;   /* keys pulled and pushed */
+    uint64_t created;         /* rows initialised */
+    uint64_t admissions;      /* keys admitted by the sketch (admission on) */
+    uint64_t admit_rejects;   /* pulled keys held back by admission */
+    uint64_t push_dropped;    /* pushed keys dropped because not admitted */
+    uint64_t spill_evictions; /* rows moved memory -> RocksDB */
+    uint64_t spill_loads;     /* rows moved RocksDB -> memory */
+    uint64_t ttl_evictions;   /* rows dropped by TTL */
+} emb_table_stats;
+
+void emb_table_stats_get(emb_table *t, emb_table_stats *out);
+
+/* Writes a consistent snapshot of the table into dir (created; an existing snapshot there is
+ * replaced atomically). The table is paused for the duration. */
+int emb_table_snapshot(emb_table *t, const char *dir, char **errptr);
+
+/* Reads the model config stored in a snapshot's MANIFEST into *cfg (storage fields set to
+ * defaults; spill_path NULL). Verifies the manifest's checksum. */
+int emb_snapshot_read_config(const char *dir, emb_table_config *cfg, char **errptr);
+
+/* Builds a new table from a snapshot: the model part of cfg must equal the snapshot's (else
+ * CM_EINVAL naming the field); the storage part (budget, spill path, admission, ttl, n_sub) is
+ * taken from cfg. Every file is verified before any row is loaded (CM_ECORRUPT naming the file).
+ * On success *out is the caller's. */
+int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **out,
+                      char **errptr);
+
+/*
+ * Row stores. A store holds whole row records (emb_row_bytes each, laid out as in the design
+ * block) by key. "memory" is an open-addressing hash table; "rocksdb" a RocksDB database.
+ * Handles are not thread-safe.
+ */
+typedef struct emb_store emb_store;
+
+/* kind: "memory" or "rocksdb"; path is used by rocksdb only (created, wiped if present).
+ * record_bytes >= 8 (the first 8 bytes of a record are its key). */
+int emb_store_create(const char *kind, const char *path, size_t record_bytes, emb_store **out,
+                     char **errptr);
+void emb_store_destroy(emb_store *s);
+const char *emb_store_kind(const emb_store *s);
+/* For each of n keys copies its record into recs + i*record_bytes and sets found[i] to 1, or
+ * sets found[i] to 0 and leaves that record untouched. */
+int emb_store_get(emb_store *s, const uint64_t *keys, size_t n, void *recs, uint8_t *found,
+                  char **errptr);
+/* Inserts or replaces n records (each carries its key). */
+int emb_store_put(emb_store *s, const void *recs, size_t n, char **errptr);
+/* Deletes n keys; absent keys are fine. */
+int emb_store_del(emb_store *s, const uint64_t *keys, size_t n, char **errptr);
+/* Number of records held. */
+uint64_t emb_store_count(const emb_store *s);
+/* Calls cb(record, arg) for every record, in no particular order; non-zero stops and returns. */
+typedef int (*emb_record_cb)(const void *record, void *arg);
+int emb_store_foreach(emb_store *s, emb_record_cb cb, void *arg, char **errptr);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

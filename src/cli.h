@@ -1,0 +1,17 @@
+/*
+ * The ember CLI: one binary, git-style subcommands. Each subcommand lives in src/cmd_NAME.c
+ * and is listed in the table in src/main.c. A subcommand gets argv starting at its own name,
+ * returns the process exit code (0 ok, 1 runtime failure, 2 usage error), and prints errors to
+ * stderr naming what and where.
+ */
+#ifndef EMBER_SRC_CLI_H
+#define EMBER_SRC_CLI_H
+
+#define EMBER_VERSION "0.1.0"
+
+typedef int (*cli_cmd_fn)(int argc, char **argv);
+
+int cmd_gen(int argc, char **argv);
+int cmd_ingest(int argc, char **argv);
+
+#endif

@@ -1,0 +1,40 @@
+#include <stdio.h>
+#include <string.h>
+
+#include "src/cli.h"
+
+static int cmd_version(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    printf("ember %s\n", EMBER_VERSION);
+    return 0;
+}
+
+static const struct {
+    const char *name;
+    cli_cmd_fn fn;
+    const char *help;
+} commands[] = {
+    {"version", cmd_version, "print the version"},
+};
+
+static void usage(FILE *to)
+{
+    fprintf(to, "usage: ember COMMAND [options]   (ember COMMAND --help for a command's options)\n\n");
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        fprintf(to, "  %-10s %s\n", commands[i].name, commands[i].help);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "help") == 0) {
+        usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        if (strcmp(argv[1], commands[i].name) == 0) return commands[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "ember: unknown command '%s'\n", argv[1]);
+    usage(stderr);
+    return 2;
+}
