@@ -46,7 +46,8 @@
  * (emb_store below, static ops tables inside); tests run one conformance suite over both.
  *
  * Thread safety: every emb_table_* call may be made from many threads at once, except
- * emb_table_destroy. emb_store handles are not thread-safe.
+ * emb_table_destroy. A "memory" emb_store is not thread-safe; a
+ * "rocksdb" one is.
  *
  * Errors: functions return 0 or a negative CM_* code (common/common.h) and store a message the
  * caller owns (free()) in *errptr when errptr is non-NULL. Library code never exits.
@@ -222,7 +223,7 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
 /*
  * Row stores. A store holds whole row records (emb_row_bytes each, laid out as in the design
  * block) by key. "memory" is an open-addressing hash table; "rocksdb" a RocksDB database.
- * Handles are not thread-safe.
+ * A "memory" handle is not thread-safe; a "rocksdb" handle is (RocksDB's own guarantee).
  */
 typedef struct emb_store emb_store;
 

@@ -1,0 +1,127 @@
+/*
+ * Private to embedding/: record layout, the in-memory hash table the table uses in place, the
+ * row-store ops table, and the optimizer kernels.
+ */
+#ifndef EMBER_EMBEDDING_INTERNAL_H
+#define EMBER_EMBEDDING_INTERNAL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "embedding/embedding.h"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+/* Record header; weights and state follow, then zero padding to a multiple of 8 bytes. */
+typedef struct emb_rec_hdr {
+    uint64_t key;
+    uint64_t updates;
+    uint64_t last_step;
+} emb_rec_hdr;
+
+#define EMB_REC_HDR sizeof(emb_rec_hdr)
+
+static inline uint64_t emb_rec_key(const void *rec)
+{
+    uint64_t k;
+    memcpy(&k, rec, 8);
+    return k;
+}
+static inline float *emb_rec_weights(void *rec)
+{
+    return (float *)((char *)rec + EMB_REC_HDR);
+}
+
+/* The one hash of a key: its low half picks the sub-shard, its high half the slot, bits 8..13
+ * the ctrl tag. Inlined: it runs once per key on the hot path. */
+static inline uint64_t emb_key_hash(uint64_t key)
+{
+    return XXH3_64bits(&key, sizeof key);
+}
+
+/* ---- in-memory open-addressing table (store_mem.c) ----
+ * ctrl[i]: 0 = empty; else EMB_CTRL_USED | tag (6 bits of the hash), plus EMB_CTRL_REF, the
+ * CLOCK reference bit. Probing reads the dense ctrl bytes and touches a record only on a tag
+ * match. Deletion shifts the cluster back, so there are no tombstones. */
+#define EMB_CTRL_USED 0x80u
+#define EMB_CTRL_REF 0x40u
+#define EMB_CTRL_TAG 0x3fu
+/* Maximum load factor, as a fraction: 4/5. */
+#define EMB_LOAD_NUM 4u
+#define EMB_LOAD_DEN 5u
+
+typedef struct emb_mem {
+    size_t rec;       /* record bytes */
+    uint64_t cap;     /* slots */
+    uint64_t count;   /* used slots */
+    uint64_t max_cap; /* growth limit (budget), UINT64_MAX = none */
+    uint8_t *ctrl;
+    uint8_t *recs;
+    uint64_t hand; /* CLOCK hand */
+} emb_mem;
+
+int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap, char **errptr);
+void emb_mem_fini(emb_mem *m);
+/* Slot holding key, or -1. */
+int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h);
+/* Hints the cache about the slot key hashes to. */
+void emb_mem_prefetch(const emb_mem *m, uint64_t h);
+/* Rows the table may hold before it must grow, or, at max_cap, evict. */
+uint64_t emb_mem_limit(const emb_mem *m);
+/* True when one more row needs eviction first (at max_cap and at the load limit). */
+bool emb_mem_full(const emb_mem *m);
+/* Inserts a key known to be absent, growing if allowed; returns the slot (record zeroed except
+ * the key) or -1 on allocation failure. The caller ensures !emb_mem_full(). */
+int64_t emb_mem_insert(emb_mem *m, uint64_t key, uint64_t h);
+static inline uint8_t *emb_mem_rec(const emb_mem *m, int64_t slot)
+{
+    return m->recs + (size_t)slot * m->rec;
+}
+/* Removes the record at slot; later records of its cluster shift back one slot. */
+void emb_mem_delete(emb_mem *m, int64_t slot);
+/* Bytes allocated. */
+static inline uint64_t emb_mem_bytes(const emb_mem *m)
+{
+    return m->cap * (m->rec + 1);
+}
+
+/* ---- row-store variants ---- */
+struct emb_store_ops {
+    const char *kind;
+    int (*open)(const char *path, size_t rec, void **impl, char **errptr);
+    void (*close)(void *impl);
+    int (*get)(void *impl, const uint64_t *keys, size_t n, void *recs, uint8_t *found,
+               char **errptr);
+    int (*put)(void *impl, const void *recs, size_t n, char **errptr);
+    int (*del)(void *impl, const uint64_t *keys, size_t n, char **errptr);
+    uint64_t (*count)(const void *impl);
+    int (*foreach)(void *impl, emb_record_cb cb, void *arg, char **errptr);
+};
+extern const struct emb_store_ops emb_store_mem_ops;
+extern const struct emb_store_ops emb_store_rocksdb_ops;
+
+/* ---- optimizers (opt.c) ---- */
+/* Initialises a new record for key: weights from the key and seed, optimizer state. */
+void emb_opt_init_row(const emb_table_config *cfg, uint8_t *rec, uint64_t key);
+/* Applies one step of the configured optimizer with gradient g (dim floats). */
+void emb_opt_apply(const emb_table_config *cfg, uint8_t *rec, const float *g);
+
+/* ---- table internals used by snapshot.c (table.c) ---- */
+/* Locks every sub-shard in order / unlocks them. */
+void emb_table_pause(emb_table *t);
+void emb_table_resume(emb_table *t);
+/* Rows held, memory and spill; the caller has paused the table. */
+uint64_t emb_table_rows_locked(emb_table *t);
+/* Every record, memory first, then spill; the caller has paused the table. */
+int emb_table_foreach_record_locked(emb_table *t, emb_record_cb cb, void *arg, char **errptr);
+void emb_table_set_step(emb_table *t, uint64_t step);
+/* Inserts whole records into a fresh table (restore); a key already in memory is corrupt. */
+int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **errptr);
+
+/* ---- snapshot files (snapshot.c) ---- */
+#define EMB_SNAP_ROWS "rows.bin"
+#define EMB_SNAP_MANIFEST "MANIFEST"
+
+#endif

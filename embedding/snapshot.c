@@ -1,0 +1,385 @@
+#define _GNU_SOURCE /* renameat2 */
+/*
+ * Table snapshots: <dir>/rows.bin and <dir>/MANIFEST.
+ *
+ * rows.bin (little-endian): a 32-byte header {magic "EMBROWS1", u32 version, u32 dim,
+ * u32 slots, u32 row_bytes, u64 rows}, the records, then the xxh3-64 of everything before it.
+ * MANIFEST is text, one "name value" per line: the model config (floats in C99 hex, exact),
+ * the step, the row count, "file rows.bin SIZE XXH3", and last "checksum XXH3" over every byte
+ * before that line. Both are built in "<dir>.tmp.<pid>" and swapped into place with one
+ * rename (RENAME_EXCHANGE when dir already exists), so a crash leaves the old snapshot or the
+ * new one, never a mixture.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "embedding/internal.h"
+
+#define ROWS_MAGIC "EMBROWS1"
+#define ROWS_VERSION 1u
+#define ROWS_HDR 32u
+#define MANIFEST_TAG "ember-embedding-snapshot 1"
+#define IO_CHUNK (1u << 20)
+
+typedef struct rows_hdr {
+    char magic[8];
+    uint32_t version, dim, slots, row_bytes;
+    uint64_t rows;
+} rows_hdr;
+_Static_assert(sizeof(rows_hdr) == ROWS_HDR, "rows.bin header is 32 bytes");
+
+/* ---- writing ---- */
+
+struct writer {
+    cm_afile f;
+    uint8_t *buf;
+    size_t len;
+    size_t rec;
+    uint64_t rows;
+    char **errptr;
+    int rc;
+};
+
+static int writer_flush(struct writer *w)
+{
+    if (w->len == 0) return CM_OK;
+    int rc = cm_afile_write(&w->f, w->buf, w->len, w->errptr);
+    w->len = 0;
+    return rc;
+}
+
+static int write_rec(const void *rec, void *arg)
+{
+    struct writer *w = arg;
+    if (w->len + w->rec > IO_CHUNK) {
+        w->rc = writer_flush(w);
+        if (w->rc != CM_OK) return w->rc;
+    }
+    memcpy(w->buf + w->len, rec, w->rec);
+    w->len += w->rec;
+    w->rows++;
+    return 0;
+}
+
+/* dir/name into out; a path too long for out is an error the caller reports. */
+static int path_join(char *out, size_t n, const char *dir, const char *name, char **errptr)
+{
+    int len = snprintf(out, n, "%s/%s", dir, name);
+    if (len < 0 || (size_t)len >= n) return cm_err(errptr, CM_EINVAL, "path too long: %s", dir);
+    return CM_OK;
+}
+
+static int write_rows(emb_table *t, const char *tmpdir, uint64_t rows, uint64_t *size,
+                      uint64_t *hash, char **errptr)
+{
+    const emb_table_config *cfg = emb_table_get_config(t);
+    char path[4096];
+    if (path_join(path, sizeof path, tmpdir, EMB_SNAP_ROWS, errptr) != CM_OK) return CM_EINVAL;
+    struct writer w = {.rec = emb_row_bytes(cfg), .errptr = errptr};
+    w.buf = malloc(IO_CHUNK);
+    if (w.buf == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    int rc = cm_afile_open(&w.f, path, errptr);
+    if (rc != CM_OK) {
+        free(w.buf);
+        return rc;
+    }
+    rows_hdr hdr = {.version = ROWS_VERSION, .dim = cfg->dim, .slots = emb_row_slots(cfg),
+                    .row_bytes = (uint32_t)w.rec, .rows = rows};
+    memcpy(hdr.magic, ROWS_MAGIC, 8);
+    memcpy(w.buf, &hdr, sizeof hdr);
+    w.len = sizeof hdr;
+    rc = emb_table_foreach_record_locked(t, write_rec, &w, errptr);
+    if (rc == CM_OK) rc = writer_flush(&w);
+    if (rc == CM_OK && w.rows != rows)
+        rc = cm_err(errptr, CM_ERR, "snapshot counted %" PRIu64 " rows but wrote %" PRIu64, rows,
+                    w.rows);
+    if (rc == CM_OK) {
+        uint64_t digest = cm_afile_digest(&w.f);
+        rc = cm_afile_write(&w.f, &digest, sizeof digest, errptr);
+        *hash = digest;
+        *size = w.f.bytes;
+    }
+    if (rc == CM_OK) rc = cm_afile_commit(&w.f, errptr);
+    else cm_afile_abort(&w.f);
+    free(w.buf);
+    return rc;
+}
+
+static int manifest_format(const emb_table_config *c, uint64_t step, uint64_t rows,
+                           uint64_t size, uint64_t hash, char *out, size_t n)
+{
+    int len = snprintf(out, n,
+                       MANIFEST_TAG "\n"
+                                    "dim %u\nopt %s\nlr %a\nl2 %a\neps %a\nbeta1 %a\nbeta2 %a\n"
+                                    "adagrad_init %a\nftrl_beta %a\nftrl_l1 %a\ninit_scale %a\n"
+                                    "seed %" PRIu64 "\nrow_bytes %zu\nstep %" PRIu64
+                                    "\nrows %" PRIu64 "\nfile " EMB_SNAP_ROWS " %" PRIu64
+                                    " %016" PRIx64 "\n",
+                       c->dim, emb_opt_name(c->opt), (double)c->lr, (double)c->l2,
+                       (double)c->eps, (double)c->beta1, (double)c->beta2,
+                       (double)c->adagrad_init, (double)c->ftrl_beta, (double)c->ftrl_l1,
+                       (double)c->init_scale, c->seed, emb_row_bytes(c), step, rows, size, hash);
+    if (len < 0 || (size_t)len >= n) return -1;
+    int tail = snprintf(out + len, n - (size_t)len, "checksum %016" PRIx64 "\n",
+                        cm_xxh3(out, (size_t)len));
+    if (tail < 0 || (size_t)(len + tail) >= n) return -1;
+    return len + tail;
+}
+
+/* Puts tmpdir where dir is, atomically when dir exists, and removes what was there. */
+static int swap_into_place(const char *tmpdir, const char *dir, char **errptr)
+{
+    struct stat st;
+    if (stat(dir, &st) != 0) {
+        if (rename(tmpdir, dir) != 0)
+            return cm_err_errno(errptr, CM_EIO, "cannot rename %s to %s", tmpdir, dir);
+    } else {
+        if (renameat2(AT_FDCWD, tmpdir, AT_FDCWD, dir, RENAME_EXCHANGE) != 0)
+            return cm_err_errno(errptr, CM_EIO, "cannot swap %s into %s", tmpdir, dir);
+        int rc = cm_rmtree(tmpdir, errptr); /* now the previous snapshot */
+        if (rc != CM_OK) return rc;
+    }
+    char parent[4096];
+    snprintf(parent, sizeof parent, "%s", dir);
+    char *slash = strrchr(parent, '/');
+    if (slash == parent) slash[1] = '\0';
+    else if (slash) *slash = '\0';
+    return cm_fsync_dir(slash ? parent : ".", errptr);
+}
+
+int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
+{
+    char tmpdir[4096], mpath[4096], manifest[2048];
+    size_t dlen = strlen(dir);
+    while (dlen > 1 && dir[dlen - 1] == '/') dlen--;
+    snprintf(tmpdir, sizeof tmpdir, "%.*s.tmp.%ld", (int)dlen, dir, (long)getpid());
+    int rc = cm_rmtree(tmpdir, errptr);
+    if (rc == CM_OK) rc = cm_mkdirs(tmpdir, errptr);
+    if (rc != CM_OK) return rc;
+    uint64_t size = 0, hash = 0, rows, step;
+    emb_table_pause(t);
+    rows = emb_table_rows_locked(t);
+    step = emb_table_step(t);
+    rc = write_rows(t, tmpdir, rows, &size, &hash, errptr);
+    emb_table_resume(t);
+    if (rc == CM_OK) {
+        int len = manifest_format(emb_table_get_config(t), step, rows, size, hash, manifest,
+                                  sizeof manifest);
+        rc = path_join(mpath, sizeof mpath, tmpdir, EMB_SNAP_MANIFEST, errptr);
+        if (rc == CM_OK)
+            rc = len < 0 ? cm_err(errptr, CM_ERR, "manifest too long")
+                     : cm_write_file_atomic(mpath, manifest, (size_t)len, errptr);
+    }
+    char dcopy[4096];
+    snprintf(dcopy, sizeof dcopy, "%.*s", (int)dlen, dir);
+    if (rc == CM_OK) rc = cm_fsync_dir(tmpdir, errptr);
+    if (rc == CM_OK) rc = swap_into_place(tmpdir, dcopy, errptr);
+    if (rc != CM_OK) cm_rmtree(tmpdir, NULL);
+    return rc;
+}
+
+/* ---- reading ---- */
+
+typedef struct manifest {
+    emb_table_config cfg;
+    uint64_t step, rows, size, hash, row_bytes;
+} manifest;
+
+/* Finds "name " at a line start and returns the value text after it, or NULL. */
+static const char *mf_field(const char *text, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (strncmp(p, name, n) == 0 && p[n] == ' ') return p + n + 1;
+    return NULL;
+}
+
+static int mf_u64(const char *text, const char *name, int base, uint64_t *out)
+{
+    const char *v = mf_field(text, name);
+    if (v == NULL) return -1;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, base);
+    if (errno || end == v || *end != '\n') return -1;
+    *out = x;
+    return 0;
+}
+
+static int mf_float(const char *text, const char *name, float *out)
+{
+    const char *v = mf_field(text, name);
+    if (v == NULL) return -1;
+    char *end;
+    double x = strtod(v, &end);
+    if (end == v || *end != '\n') return -1;
+    *out = (float)x;
+    return 0;
+}
+
+static int manifest_read(const char *dir, manifest *m, char **errptr)
+{
+    char path[4096];
+    if (path_join(path, sizeof path, dir, EMB_SNAP_MANIFEST, errptr) != CM_OK) return CM_EINVAL;
+    char *text = NULL;
+    size_t len = 0;
+    int rc = cm_read_file(path, (void **)&text, &len, errptr);
+    if (rc != CM_OK) return rc;
+    rc = CM_ECORRUPT;
+    memset(m, 0, sizeof *m);
+    emb_table_config_init(&m->cfg);
+    /* The checksum line is last and covers everything before it. */
+    char *cl = NULL;
+    for (char *p = text; (p = strstr(p, "checksum ")) != NULL; p++)
+        if (p == text || p[-1] == '\n') cl = p;
+    uint64_t want, dim64 = 0, seed = 0;
+    char optname[32] = {0};
+    const char *ov;
+    if (strncmp(text, MANIFEST_TAG "\n", strlen(MANIFEST_TAG) + 1) != 0 || cl == NULL ||
+        mf_u64(cl, "checksum", 16, &want) != 0 || cm_xxh3(text, (size_t)(cl - text)) != want) {
+        cm_err(errptr, rc, "%s: not an ember embedding manifest or checksum mismatch", path);
+        goto out;
+    }
+    if (mf_u64(text, "dim", 10, &dim64) || mf_u64(text, "seed", 10, &seed) ||
+        mf_u64(text, "row_bytes", 10, &m->row_bytes) || mf_u64(text, "step", 10, &m->step) ||
+        mf_u64(text, "rows", 10, &m->rows) || mf_float(text, "lr", &m->cfg.lr) ||
+        mf_float(text, "l2", &m->cfg.l2) || mf_float(text, "eps", &m->cfg.eps) ||
+        mf_float(text, "beta1", &m->cfg.beta1) || mf_float(text, "beta2", &m->cfg.beta2) ||
+        mf_float(text, "adagrad_init", &m->cfg.adagrad_init) ||
+        mf_float(text, "ftrl_beta", &m->cfg.ftrl_beta) ||
+        mf_float(text, "ftrl_l1", &m->cfg.ftrl_l1) ||
+        mf_float(text, "init_scale", &m->cfg.init_scale) || (ov = mf_field(text, "opt")) == NULL ||
+        sscanf(ov, "%31s", optname) != 1 || emb_opt_parse(optname, &m->cfg.opt) != CM_OK ||
+        dim64 == 0 || dim64 > EMB_MAX_DIM) {
+        cm_err(errptr, rc, "%s: missing or invalid field", path);
+        goto out;
+    }
+    m->cfg.dim = (uint32_t)dim64;
+    m->cfg.seed = seed;
+    const char *fv = mf_field(text, "file");
+    char fname[64];
+    unsigned long long fsize, fhash;
+    if (fv == NULL || sscanf(fv, "%63s %llu %llx", fname, &fsize, &fhash) != 3 ||
+        strcmp(fname, EMB_SNAP_ROWS) != 0 || m->row_bytes != emb_row_bytes(&m->cfg)) {
+        cm_err(errptr, rc, "%s: bad file entry or row size", path);
+        goto out;
+    }
+    m->size = fsize;
+    m->hash = fhash;
+    rc = CM_OK;
+out:
+    free(text);
+    return rc;
+}
+
+int emb_snapshot_read_config(const char *dir, emb_table_config *cfg, char **errptr)
+{
+    manifest m;
+    int rc = manifest_read(dir, &m, errptr);
+    if (rc == CM_OK) *cfg = m.cfg;
+    return rc;
+}
+
+/* Reads rows.bin in chunks; with t == NULL it only verifies size, header and checksum. */
+static int rows_pass(const char *dir, const manifest *m, emb_table *t, char **errptr)
+{
+    char path[4096];
+    if (path_join(path, sizeof path, dir, EMB_SNAP_ROWS, errptr) != CM_OK) return CM_EINVAL;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return cm_err_errno(errptr, CM_ECORRUPT, "snapshot file %s", path);
+    int rc = CM_OK;
+    uint8_t *buf = NULL;
+    void *hs = NULL;
+    struct stat st;
+    uint64_t expect = ROWS_HDR + m->rows * m->row_bytes + 8;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != expect || m->size != expect) {
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: size %lld, expected %" PRIu64 " (truncated?)", path,
+                    (long long)st.st_size, expect);
+        goto out;
+    }
+    size_t chunk_rows = IO_CHUNK / m->row_bytes + 1;
+    buf = malloc(chunk_rows * m->row_bytes + ROWS_HDR);
+    hs = XXH3_createState();
+    if (buf == NULL || hs == NULL) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto out;
+    }
+    XXH3_64bits_reset(hs);
+    rows_hdr hdr;
+    if (pread(fd, &hdr, sizeof hdr, 0) != (ssize_t)sizeof hdr || memcmp(hdr.magic, ROWS_MAGIC, 8) ||
+        hdr.version != ROWS_VERSION || hdr.dim != m->cfg.dim ||
+        hdr.slots != emb_row_slots(&m->cfg) || hdr.row_bytes != m->row_bytes ||
+        hdr.rows != m->rows) {
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: bad header (magic, version or shape)", path);
+        goto out;
+    }
+    XXH3_64bits_update(hs, &hdr, sizeof hdr);
+    uint64_t off = ROWS_HDR, left = m->rows;
+    while (left > 0) {
+        size_t nrows = left < chunk_rows ? (size_t)left : chunk_rows;
+        size_t bytes = nrows * m->row_bytes;
+        if (pread(fd, buf, bytes, (off_t)off) != (ssize_t)bytes) {
+            rc = cm_err_errno(errptr, CM_ECORRUPT, "%s: short read at offset %" PRIu64, path, off);
+            goto out;
+        }
+        if (t == NULL) XXH3_64bits_update(hs, buf, bytes);
+        else if ((rc = emb_table_load_records(t, buf, nrows, errptr)) != CM_OK) goto out;
+        off += bytes;
+        left -= nrows;
+    }
+    if (t == NULL) {
+        uint64_t trailer, digest = XXH3_64bits_digest(hs);
+        if (pread(fd, &trailer, 8, (off_t)off) != 8 || trailer != digest || digest != m->hash)
+            rc = cm_err(errptr, CM_ECORRUPT, "%s: checksum mismatch", path);
+    }
+out:
+    if (hs) XXH3_freeState(hs);
+    free(buf);
+    close(fd);
+    return rc;
+}
+
+/* Names the first model field where two configs differ, or NULL. */
+static const char *model_mismatch(const emb_table_config *a, const emb_table_config *b)
+{
+    if (a->dim != b->dim) return "dim";
+    if (a->opt != b->opt) return "opt";
+    if (a->lr != b->lr) return "lr";
+    if (a->l2 != b->l2) return "l2";
+    if (a->eps != b->eps) return "eps";
+    if (a->beta1 != b->beta1 || a->beta2 != b->beta2) return "adam betas";
+    if (a->adagrad_init != b->adagrad_init) return "adagrad_init";
+    if (a->ftrl_beta != b->ftrl_beta || a->ftrl_l1 != b->ftrl_l1) return "ftrl parameters";
+    if (a->init_scale != b->init_scale) return "init_scale";
+    if (a->seed != b->seed) return "seed";
+    return NULL;
+}
+
+int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **out,
+                      char **errptr)
+{
+    manifest m;
+    int rc = manifest_read(dir, &m, errptr);
+    if (rc != CM_OK) return rc;
+    const char *bad = model_mismatch(&m.cfg, cfg);
+    if (bad != NULL)
+        return cm_err(errptr, CM_EINVAL, "snapshot %s: %s differs from the table config", dir, bad);
+    rc = rows_pass(dir, &m, NULL, errptr);
+    if (rc != CM_OK) return rc;
+    emb_table *t = NULL;
+    rc = emb_table_create(cfg, &t, errptr);
+    if (rc != CM_OK) return rc;
+    rc = rows_pass(dir, &m, t, errptr);
+    if (rc != CM_OK) {
+        emb_table_destroy(t);
+        return rc;
+    }
+    emb_table_set_step(t, m.step);
+    *out = t;
+    return CM_OK;
+}

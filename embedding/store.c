@@ -1,0 +1,73 @@
+/* emb_store: one handle over the static ops table of each row-store variant. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "embedding/internal.h"
+
+struct emb_store {
+    const struct emb_store_ops *ops;
+    void *impl;
+};
+
+static const struct emb_store_ops *const store_kinds[] = {&emb_store_mem_ops,
+                                                          &emb_store_rocksdb_ops};
+
+int emb_store_create(const char *kind, const char *path, size_t record_bytes, emb_store **out,
+                     char **errptr)
+{
+    if (record_bytes < 8) return cm_err(errptr, CM_EINVAL, "record_bytes %zu < 8", record_bytes);
+    const struct emb_store_ops *ops = NULL;
+    for (size_t i = 0; i < sizeof store_kinds / sizeof store_kinds[0]; i++)
+        if (kind != NULL && strcmp(kind, store_kinds[i]->kind) == 0) ops = store_kinds[i];
+    if (ops == NULL)
+        return cm_err(errptr, CM_EINVAL, "unknown row store kind '%s' (memory, rocksdb)",
+                      kind ? kind : "(null)");
+    emb_store *s = calloc(1, sizeof *s);
+    if (s == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    s->ops = ops;
+    int rc = ops->open(path, record_bytes, &s->impl, errptr);
+    if (rc != CM_OK) {
+        free(s);
+        return rc;
+    }
+    *out = s;
+    return CM_OK;
+}
+
+void emb_store_destroy(emb_store *s)
+{
+    if (s == NULL) return;
+    s->ops->close(s->impl);
+    free(s);
+}
+
+const char *emb_store_kind(const emb_store *s)
+{
+    return s->ops->kind;
+}
+
+int emb_store_get(emb_store *s, const uint64_t *keys, size_t n, void *recs, uint8_t *found,
+                  char **errptr)
+{
+    return s->ops->get(s->impl, keys, n, recs, found, errptr);
+}
+
+int emb_store_put(emb_store *s, const void *recs, size_t n, char **errptr)
+{
+    return s->ops->put(s->impl, recs, n, errptr);
+}
+
+int emb_store_del(emb_store *s, const uint64_t *keys, size_t n, char **errptr)
+{
+    return s->ops->del(s->impl, keys, n, errptr);
+}
+
+uint64_t emb_store_count(const emb_store *s)
+{
+    return s->ops->count(s->impl);
+}
+
+int emb_store_foreach(emb_store *s, emb_record_cb cb, void *arg, char **errptr)
+{
+    return s->ops->foreach(s->impl, cb, arg, errptr);
+}

@@ -1,0 +1,234 @@
+/* The "memory" row store: open addressing with linear probing over a capacity of any size. */
+#include <stdlib.h>
+
+#include "embedding/internal.h"
+
+static inline uint64_t slot_home(uint64_t h, uint64_t cap)
+{
+    return (uint64_t)(((unsigned __int128)h * cap) >> 64);
+}
+
+static inline uint8_t ctrl_tag(uint64_t h)
+{
+    return (uint8_t)(EMB_CTRL_USED | ((h >> 8) & EMB_CTRL_TAG));
+}
+
+static uint64_t limit_of(uint64_t cap)
+{
+    if (cap < 2) return 0;
+    uint64_t lim = cap / EMB_LOAD_DEN * EMB_LOAD_NUM + cap % EMB_LOAD_DEN * EMB_LOAD_NUM / EMB_LOAD_DEN;
+    return lim == 0 ? 1 : lim;
+}
+
+int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap, char **errptr)
+{
+    memset(m, 0, sizeof *m);
+    m->rec = rec;
+    m->max_cap = max_cap;
+    if (initial_cap < 2) initial_cap = 2;
+    if (initial_cap > max_cap) initial_cap = max_cap;
+    m->cap = initial_cap;
+    m->ctrl = calloc(initial_cap, 1);
+    m->recs = malloc(initial_cap * rec);
+    if (m->ctrl == NULL || m->recs == NULL) {
+        emb_mem_fini(m);
+        return cm_err(errptr, CM_ENOMEM, "out of memory allocating %llu rows",
+                      (unsigned long long)initial_cap);
+    }
+    return CM_OK;
+}
+
+void emb_mem_fini(emb_mem *m)
+{
+    free(m->ctrl);
+    free(m->recs);
+    memset(m, 0, sizeof *m);
+}
+
+int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h)
+{
+    uint64_t cap = m->cap, i = slot_home(h, cap);
+    uint8_t tag = ctrl_tag(h);
+    for (uint64_t probes = 0; probes < cap; probes++) {
+        uint8_t c = m->ctrl[i];
+        if (c == 0) return -1;
+        if ((c & (EMB_CTRL_USED | EMB_CTRL_TAG)) == tag &&
+            emb_rec_key(m->recs + i * m->rec) == key)
+            return (int64_t)i;
+        if (++i == cap) i = 0;
+    }
+    return -1;
+}
+
+void emb_mem_prefetch(const emb_mem *m, uint64_t h)
+{
+    uint64_t i = slot_home(h, m->cap);
+    __builtin_prefetch(m->ctrl + i);
+    __builtin_prefetch(m->recs + i * m->rec);
+}
+
+uint64_t emb_mem_limit(const emb_mem *m)
+{
+    return limit_of(m->cap);
+}
+
+bool emb_mem_full(const emb_mem *m)
+{
+    return m->cap >= m->max_cap && m->count >= limit_of(m->cap);
+}
+
+/* Places a record whose key is absent into the first free slot of its probe sequence. */
+static uint64_t place(uint8_t *ctrl, uint64_t cap, uint64_t h)
+{
+    uint64_t i = slot_home(h, cap);
+    while (ctrl[i] != 0)
+        if (++i == cap) i = 0;
+    return i;
+}
+
+static int grow(emb_mem *m)
+{
+    uint64_t ncap = m->cap * 2;
+    if (ncap > m->max_cap) ncap = m->max_cap;
+    uint8_t *nctrl = calloc(ncap, 1), *nrecs = malloc(ncap * m->rec);
+    if (nctrl == NULL || nrecs == NULL) {
+        free(nctrl);
+        free(nrecs);
+        return CM_ENOMEM;
+    }
+    for (uint64_t i = 0; i < m->cap; i++) {
+        if (m->ctrl[i] == 0) continue;
+        const uint8_t *r = m->recs + i * m->rec;
+        uint64_t j = place(nctrl, ncap, emb_key_hash(emb_rec_key(r)));
+        nctrl[j] = m->ctrl[i];
+        memcpy(nrecs + j * m->rec, r, m->rec);
+    }
+    free(m->ctrl);
+    free(m->recs);
+    m->ctrl = nctrl;
+    m->recs = nrecs;
+    m->cap = ncap;
+    m->hand = 0;
+    return CM_OK;
+}
+
+int64_t emb_mem_insert(emb_mem *m, uint64_t key, uint64_t h)
+{
+    if (m->count >= limit_of(m->cap)) {
+        if (m->cap >= m->max_cap || grow(m) != CM_OK) return -1;
+    }
+    uint64_t i = place(m->ctrl, m->cap, h);
+    m->ctrl[i] = ctrl_tag(h);
+    uint8_t *r = m->recs + i * m->rec;
+    memset(r, 0, m->rec);
+    memcpy(r, &key, 8);
+    m->count++;
+    return (int64_t)i;
+}
+
+void emb_mem_delete(emb_mem *m, int64_t slot)
+{
+    uint64_t cap = m->cap, i = (uint64_t)slot, j = i;
+    for (;;) {
+        if (++j == cap) j = 0;
+        if (m->ctrl[j] == 0) break;
+        uint64_t k = slot_home(emb_key_hash(emb_rec_key(m->recs + j * m->rec)), cap);
+        /* j's record may fill hole i only if its home is not cyclically within (i, j]. */
+        bool stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
+        if (stays) continue;
+        m->ctrl[i] = m->ctrl[j];
+        memcpy(m->recs + i * m->rec, m->recs + j * m->rec, m->rec);
+        i = j;
+    }
+    m->ctrl[i] = 0;
+    m->count--;
+}
+
+/* ---- emb_store ops for the memory kind ---- */
+
+static int mem_open(const char *path, size_t rec, void **impl, char **errptr)
+{
+    (void)path;
+    emb_mem *m = malloc(sizeof *m);
+    if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    int rc = emb_mem_init(m, rec, 16, UINT64_MAX, errptr);
+    if (rc != CM_OK) {
+        free(m);
+        return rc;
+    }
+    *impl = m;
+    return CM_OK;
+}
+
+static void mem_close(void *impl)
+{
+    if (impl == NULL) return;
+    emb_mem_fini(impl);
+    free(impl);
+}
+
+static int mem_get(void *impl, const uint64_t *keys, size_t n, void *recs, uint8_t *found,
+                   char **errptr)
+{
+    (void)errptr;
+    emb_mem *m = impl;
+    for (size_t i = 0; i < n; i++) {
+        int64_t s = emb_mem_find(m, keys[i], emb_key_hash(keys[i]));
+        found[i] = s >= 0;
+        if (s >= 0) memcpy((char *)recs + i * m->rec, emb_mem_rec(m, s), m->rec);
+    }
+    return CM_OK;
+}
+
+static int mem_put(void *impl, const void *recs, size_t n, char **errptr)
+{
+    emb_mem *m = impl;
+    for (size_t i = 0; i < n; i++) {
+        const uint8_t *r = (const uint8_t *)recs + i * m->rec;
+        uint64_t key = emb_rec_key(r), h = emb_key_hash(key);
+        int64_t s = emb_mem_find(m, key, h);
+        if (s < 0) s = emb_mem_insert(m, key, h);
+        if (s < 0) return cm_err(errptr, CM_ENOMEM, "out of memory growing the memory store");
+        memcpy(emb_mem_rec(m, s), r, m->rec);
+    }
+    return CM_OK;
+}
+
+static int mem_del(void *impl, const uint64_t *keys, size_t n, char **errptr)
+{
+    (void)errptr;
+    emb_mem *m = impl;
+    for (size_t i = 0; i < n; i++) {
+        int64_t s = emb_mem_find(m, keys[i], emb_key_hash(keys[i]));
+        if (s >= 0) emb_mem_delete(m, s);
+    }
+    return CM_OK;
+}
+
+static uint64_t mem_count(const void *impl)
+{
+    return ((const emb_mem *)impl)->count;
+}
+
+static int mem_foreach(void *impl, emb_record_cb cb, void *arg, char **errptr)
+{
+    (void)errptr;
+    emb_mem *m = impl;
+    for (uint64_t i = 0; i < m->cap; i++) {
+        if (m->ctrl[i] == 0) continue;
+        int rc = cb(m->recs + i * m->rec, arg);
+        if (rc != 0) return rc;
+    }
+    return CM_OK;
+}
+
+const struct emb_store_ops emb_store_mem_ops = {
+    .kind = "memory",
+    .open = mem_open,
+    .close = mem_close,
+    .get = mem_get,
+    .put = mem_put,
+    .del = mem_del,
+    .count = mem_count,
+    .foreach = mem_foreach,
+};

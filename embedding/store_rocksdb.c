@@ -1,0 +1,242 @@
+/*
+ * The "rocksdb" row store: one RocksDB database, key = the row key as 8 big-endian bytes (so
+ * iteration is in key order), value = the whole record. It is a spill tier, not a durable
+ * copy (snapshots are), so writes skip the WAL and values are stored uncompressed: float rows
+ * barely compress and the spill's job is speed. Calls are thread-safe (RocksDB's handles are).
+ */
+#include <rocksdb/c.h>
+#include <stdlib.h>
+
+#include "embedding/internal.h"
+
+typedef struct rdb {
+    rocksdb_t *db;
+    rocksdb_options_t *opts;
+    rocksdb_block_based_table_options_t *tbl;
+    rocksdb_cache_t *cache;
+    rocksdb_column_family_handle_t *cf;
+    rocksdb_readoptions_t *ropts;
+    rocksdb_writeoptions_t *wopts;
+    size_t rec;
+    char *path;
+} rdb;
+
+static void key_encode(uint64_t key, char out[8])
+{
+    for (int i = 7; i >= 0; i--, key >>= 8) out[i] = (char)(key & 0xff);
+}
+
+static void rdb_close(void *impl)
+{
+    rdb *r = impl;
+    if (r == NULL) return;
+    if (r->cf) rocksdb_column_family_handle_destroy(r->cf);
+    if (r->db) rocksdb_close(r->db);
+    if (r->opts) rocksdb_options_destroy(r->opts);
+    if (r->tbl) rocksdb_block_based_options_destroy(r->tbl);
+    if (r->cache) rocksdb_cache_destroy(r->cache);
+    if (r->ropts) rocksdb_readoptions_destroy(r->ropts);
+    if (r->wopts) rocksdb_writeoptions_destroy(r->wopts);
+    free(r->path);
+    free(r);
+}
+
+static int rdb_open(const char *path, size_t rec, void **impl, char **errptr)
+{
+    if (path == NULL || path[0] == '\0')
+        return cm_err(errptr, CM_EINVAL, "rocksdb row store needs a path");
+    rdb *r = calloc(1, sizeof *r);
+    if (r == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    int rc = CM_OK;
+    char *err = NULL;
+    r->rec = rec;
+    r->path = strdup(path);
+    r->opts = rocksdb_options_create();
+    r->tbl = rocksdb_block_based_options_create();
+    r->cache = rocksdb_cache_create_lru(32u << 20);
+    r->ropts = rocksdb_readoptions_create();
+    r->wopts = rocksdb_writeoptions_create();
+    if (r->path == NULL || !r->opts || !r->tbl || !r->cache || !r->ropts || !r->wopts) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto fail;
+    }
+    rocksdb_block_based_options_set_block_cache(r->tbl, r->cache);
+    rocksdb_block_based_options_set_filter_policy(r->tbl, rocksdb_filterpolicy_create_bloom_full(10));
+    rocksdb_options_set_block_based_table_factory(r->opts, r->tbl);
+    rocksdb_options_set_create_if_missing(r->opts, 1);
+    rocksdb_options_set_compression(r->opts, rocksdb_no_compression);
+    rocksdb_options_set_write_buffer_size(r->opts, 64u << 20);
+    rocksdb_options_increase_parallelism(r->opts, 2);
+    rocksdb_writeoptions_disable_WAL(r->wopts, 1);
+    rocksdb_readoptions_set_verify_checksums(r->ropts, 1);
+    if (cm_mkdirs(path, &err) != CM_OK) {
+        rc = cm_err(errptr, CM_EIO, "cannot create spill directory %s: %s", path, err);
+        goto fail;
+    }
+    /* Scratch from an earlier run is stale: start empty. */
+    rocksdb_destroy_db(r->opts, path, &err);
+    free(err);
+    err = NULL;
+    const char *cf_names[1] = {"default"};
+    const rocksdb_options_t *cf_opts[1] = {r->opts};
+    r->db = rocksdb_open_column_families(r->opts, path, 1, cf_names, cf_opts, &r->cf, &err);
+    if (err != NULL) {
+        rc = cm_err(errptr, CM_EIO, "cannot open RocksDB spill database at %s: %s", path, err);
+        r->db = NULL;
+        r->cf = NULL;
+        goto fail;
+    }
+    *impl = r;
+    return CM_OK;
+fail:
+    free(err);
+    rdb_close(r);
+    return rc;
+}
+
+static int rdb_get(void *impl, const uint64_t *keys, size_t n, void *recs, uint8_t *found,
+                   char **errptr)
+{
+    rdb *r = impl;
+    if (n == 0) return CM_OK;
+    int rc = CM_OK;
+    char *kbuf = malloc(n * 8);
+    const char **kptr = malloc(n * sizeof *kptr);
+    size_t *klen = malloc(n * sizeof *klen);
+    rocksdb_pinnableslice_t **vals = calloc(n, sizeof *vals);
+    char **errs = calloc(n, sizeof *errs);
+    if (!kbuf || !kptr || !klen || !vals || !errs) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        key_encode(keys[i], kbuf + i * 8);
+        kptr[i] = kbuf + i * 8;
+        klen[i] = 8;
+    }
+    rocksdb_batched_multi_get_cf(r->db, r->ropts, r->cf, n, kptr, klen, vals, errs, false);
+    for (size_t i = 0; i < n; i++) {
+        found[i] = 0;
+        if (errs[i] != NULL) {
+            if (rc == CM_OK)
+                rc = cm_err(errptr, CM_EIO, "RocksDB read failed in %s: %s", r->path, errs[i]);
+            continue;
+        }
+        if (vals[i] == NULL) continue;
+        size_t vlen = 0;
+        const char *v = rocksdb_pinnableslice_value(vals[i], &vlen);
+        if (v == NULL) continue;
+        if (vlen != r->rec) {
+            if (rc == CM_OK)
+                rc = cm_err(errptr, CM_ECORRUPT,
+                            "RocksDB spill %s: record of %zu bytes, expected %zu", r->path, vlen,
+                            r->rec);
+            continue;
+        }
+        memcpy((char *)recs + i * r->rec, v, vlen);
+        found[i] = 1;
+    }
+out:
+    if (vals)
+        for (size_t i = 0; i < n; i++)
+            if (vals[i]) rocksdb_pinnableslice_destroy(vals[i]);
+    if (errs)
+        for (size_t i = 0; i < n; i++) free(errs[i]);
+    free(kbuf);
+    free(kptr);
+    free(klen);
+    free(vals);
+    free(errs);
+    return rc;
+}
+
+/* Writes one batch of puts (recs != NULL) or deletes (keys != NULL). */
+static int rdb_write(rdb *r, const void *recs, const uint64_t *keys, size_t n, char **errptr)
+{
+    if (n == 0) return CM_OK;
+    rocksdb_writebatch_t *wb = rocksdb_writebatch_create();
+    if (wb == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        char k[8];
+        if (recs != NULL) {
+            const char *rec = (const char *)recs + i * r->rec;
+            key_encode(emb_rec_key(rec), k);
+            rocksdb_writebatch_put(wb, k, 8, rec, r->rec);
+        } else {
+            key_encode(keys[i], k);
+            rocksdb_writebatch_delete(wb, k, 8);
+        }
+    }
+    char *err = NULL;
+    rocksdb_write(r->db, r->wopts, wb, &err);
+    rocksdb_writebatch_destroy(wb);
+    if (err != NULL) {
+        int rc = cm_err(errptr, CM_EIO, "RocksDB write failed in %s: %s", r->path, err);
+        free(err);
+        return rc;
+    }
+    return CM_OK;
+}
+
+static int rdb_put(void *impl, const void *recs, size_t n, char **errptr)
+{
+    return rdb_write(impl, recs, NULL, n, errptr);
+}
+
+static int rdb_del(void *impl, const uint64_t *keys, size_t n, char **errptr)
+{
+    return rdb_write(impl, NULL, keys, n, errptr);
+}
+
+static int rdb_foreach(void *impl, emb_record_cb cb, void *arg, char **errptr)
+{
+    rdb *r = impl;
+    rocksdb_iterator_t *it = rocksdb_create_iterator(r->db, r->ropts);
+    if (it == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    int rc = CM_OK;
+    for (rocksdb_iter_seek_to_first(it); rocksdb_iter_valid(it); rocksdb_iter_next(it)) {
+        size_t vlen = 0;
+        const char *v = rocksdb_iter_value(it, &vlen);
+        if (vlen != r->rec) {
+            rc = cm_err(errptr, CM_ECORRUPT, "RocksDB spill %s: record of %zu bytes, expected %zu",
+                        r->path, vlen, r->rec);
+            break;
+        }
+        rc = cb(v, arg);
+        if (rc != 0) break;
+    }
+    char *err = NULL;
+    if (rc == CM_OK) {
+        rocksdb_iter_get_error(it, &err);
+        if (err != NULL) rc = cm_err(errptr, CM_EIO, "RocksDB scan failed in %s: %s", r->path, err);
+        free(err);
+    }
+    rocksdb_iter_destroy(it);
+    return rc;
+}
+
+static int count_cb(const void *rec, void *arg)
+{
+    (void)rec;
+    (*(uint64_t *)arg)++;
+    return 0;
+}
+
+/* Exact, by a scan: the table keeps its own count on the hot path. */
+static uint64_t rdb_count(const void *impl)
+{
+    uint64_t n = 0;
+    rdb_foreach((void *)impl, count_cb, &n, NULL);
+    return n;
+}
+
+const struct emb_store_ops emb_store_rocksdb_ops = {
+    .kind = "rocksdb",
+    .open = rdb_open,
+    .close = rdb_close,
+    .get = rdb_get,
+    .put = rdb_put,
+    .del = rdb_del,
+    .count = rdb_count,
+    .foreach = rdb_foreach,
+};

@@ -1,0 +1,706 @@
+/*
+ * emb_table: sub-shards of in-memory rows, a spill store for cold rows, admission and TTL.
+ * The design block in embedding.h explains the layout; this file is the mechanism.
+ *
+ * A batched call hashes its keys once, groups them by sub-shard with a counting sort, and
+ * processes each group under that sub-shard's lock in three phases:
+ *   1. (only when the sub-shard has spilled rows) find which keys are absent from memory and
+ *      mark the present ones referenced, so the CLOCK spares them while this group evicts;
+ *   2. read the absent keys from the spill store with one batched get;
+ *   3. walk the keys in the caller's order: find, else fault in (spilled record, new row, or
+ *      held back by admission), then copy out or apply the optimizer.
+ * Promotions leave pending deletes in the spill store; they are flushed before any eviction
+ * writes and before any single-key read, so the spill store sees every operation in order and
+ * a key is never in two places once a group ends.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "embedding/internal.h"
+
+#define CMS_DEPTH 4
+#define CMS_BITS 18
+#define PREFETCH_AHEAD 8
+
+typedef struct sub {
+    pthread_mutex_t mu;
+    emb_mem mem;
+    uint64_t spilled; /* this sub-shard's rows in the spill store */
+    uint64_t pulls, pushes, created, admissions, admit_rejects, push_dropped;
+    uint64_t spill_evictions, spill_loads, ttl_evictions;
+} __attribute__((aligned(64))) sub;
+
+struct emb_table {
+    emb_table_config cfg;
+    char *spill_path;
+    size_t rec;
+    uint32_t dim, n_sub;
+    sub *subs;
+    emb_store *spill;
+    uint64_t step;  /* atomic */
+    uint16_t *cms;  /* admission sketch, CMS_DEPTH x 2^CMS_BITS, atomic saturating counters */
+};
+
+/* Per-call scratch for the groups of one batched call; grown, never shrunk. */
+typedef struct scratch {
+    /* phase 1/2: absent keys, sorted and unique, with what the spill store held */
+    uint64_t *miss;
+    uint8_t *miss_found, *miss_used;
+    uint8_t *miss_recs;
+    size_t n_miss, cap_miss;
+    /* pending spill deletes (promoted keys) */
+    uint64_t *del;
+    size_t n_del, cap_del;
+    /* eviction buffer */
+    uint8_t *ev;
+    size_t cap_ev;
+} scratch;
+
+static int grow_buf(void **p, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap) return CM_OK;
+    size_t ncap = *cap ? *cap : 64;
+    while (ncap < need) ncap *= 2;
+    void *np = realloc(*p, ncap * elem);
+    if (np == NULL) return CM_ENOMEM;
+    *p = np;
+    *cap = ncap;
+    return CM_OK;
+}
+
+static void scratch_fini(scratch *sc)
+{
+    free(sc->miss);
+    free(sc->miss_found);
+    free(sc->miss_used);
+    free(sc->miss_recs);
+    free(sc->del);
+    free(sc->ev);
+}
+
+static inline uint32_t sub_of(const emb_table *t, uint64_t h)
+{
+    return (uint32_t)(((h & 0xffffffffu) * t->n_sub) >> 32);
+}
+
+/* ---- admission sketch ---- */
+
+static inline size_t cms_index(uint64_t h, int d)
+{
+    static const uint64_t mult[CMS_DEPTH] = {0x9E3779B97F4A7C15ull, 0xC2B2AE3D27D4EB4Full,
+                                             0x165667B19E3779F9ull, 0xD6E8FEB86659FD93ull};
+    return (size_t)d << CMS_BITS | (size_t)((h * mult[d]) >> (64 - CMS_BITS));
+}
+
+/* Counts one sighting and returns the new estimate (min over rows). */
+static uint32_t cms_add(emb_table *t, uint64_t h)
+{
+    uint32_t est = UINT32_MAX;
+    for (int d = 0; d < CMS_DEPTH; d++) {
+        uint16_t *c = &t->cms[cms_index(h, d)];
+        uint16_t v = __atomic_load_n(c, __ATOMIC_RELAXED);
+        if (v < UINT16_MAX) v = (uint16_t)(__atomic_add_fetch(c, 1, __ATOMIC_RELAXED));
+        if (v < est) est = v;
+    }
+    return est;
+}
+
+/* ---- spill traffic ---- */
+
+static int flush_deletes(emb_table *t, scratch *sc, char **errptr)
+{
+    if (sc->n_del == 0) return CM_OK;
+    int rc = emb_store_del(t->spill, sc->del, sc->n_del, errptr);
+    sc->n_del = 0;
+    return rc;
+}
+
+/* Moves a batch of unreferenced rows from memory to the spill store (CLOCK sweep). */
+static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
+{
+    emb_mem *m = &s->mem;
+    uint64_t target = emb_mem_limit(m) / 32;
+    if (target == 0) target = 1;
+    if (grow_buf((void **)&sc->ev, &sc->cap_ev, target, t->rec) != CM_OK)
+        return cm_err(errptr, CM_ENOMEM, "out of memory for the eviction buffer");
+    uint64_t n = 0;
+    for (uint64_t scanned = 0; n < target && m->count > 0 && scanned <= 2 * m->cap; scanned++) {
+        if (m->hand >= m->cap) m->hand = 0;
+        uint8_t c = m->ctrl[m->hand];
+        if (c == 0) {
+            m->hand++;
+        } else if (c & EMB_CTRL_REF) {
+            m->ctrl[m->hand] = (uint8_t)(c & ~EMB_CTRL_REF);
+            m->hand++;
+        } else {
+            /* The cluster shifts back into this slot, so the hand stays to look at it. */
+            memcpy(sc->ev + n * t->rec, emb_mem_rec(m, (int64_t)m->hand), t->rec);
+            emb_mem_delete(m, (int64_t)m->hand);
+            n++;
+        }
+    }
+    int rc = flush_deletes(t, sc, errptr);
+    if (rc == CM_OK) rc = emb_store_put(t->spill, sc->ev, n, errptr);
+    if (rc != CM_OK) {
+        /* Put the rows back rather than lose them; room exists since they just left. */
+        for (uint64_t i = 0; i < n; i++) {
+            uint8_t *r = sc->ev + i * t->rec;
+            uint64_t k = emb_rec_key(r);
+            int64_t slot = emb_mem_insert(m, k, emb_key_hash(k));
+            if (slot >= 0) memcpy(emb_mem_rec(m, slot), r, t->rec);
+        }
+        return rc;
+    }
+    s->spilled += n;
+    s->spill_evictions += n;
+    return CM_OK;
+}
+
+/* Inserts an absent key into memory, evicting first when the sub-shard is at its budget. */
+static int insert_room(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
+                       int64_t *slot, char **errptr)
+{
+    if (emb_mem_full(&s->mem)) {
+        int rc = evict(t, s, sc, errptr);
+        if (rc != CM_OK) return rc;
+    }
+    *slot = emb_mem_insert(&s->mem, key, h);
+    if (*slot < 0)
+        return cm_err(errptr, CM_ENOMEM, "out of memory growing an embedding sub-shard to %llu rows",
+                      (unsigned long long)s->mem.count);
+    return CM_OK;
+}
+
+static int miss_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Phases 1 and 2: which keys of the group are absent, and what the spill store holds of them. */
+static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *keys,
+                            const uint64_t *h, const uint32_t *idx, size_t m, char **errptr)
+{
+    sc->n_miss = 0;
+    for (size_t i = 0; i < m; i++) {
+        uint32_t k = idx[i];
+        int64_t slot = emb_mem_find(&s->mem, keys[k], h[k]);
+        if (slot >= 0) {
+            s->mem.ctrl[slot] |= EMB_CTRL_REF;
+            continue;
+        }
+        if (grow_buf((void **)&sc->miss, &sc->cap_miss, sc->n_miss + 1, sizeof(uint64_t)) != CM_OK)
+            return cm_err(errptr, CM_ENOMEM, "out of memory");
+        sc->miss[sc->n_miss++] = keys[k];
+    }
+    if (sc->n_miss == 0) return CM_OK;
+    qsort(sc->miss, sc->n_miss, sizeof(uint64_t), miss_cmp);
+    size_t u = 0;
+    for (size_t i = 0; i < sc->n_miss; i++)
+        if (u == 0 || sc->miss[u - 1] != sc->miss[i]) sc->miss[u++] = sc->miss[i];
+    sc->n_miss = u;
+    free(sc->miss_found);
+    free(sc->miss_used);
+    free(sc->miss_recs);
+    sc->miss_found = malloc(u);
+    sc->miss_used = calloc(u, 1);
+    sc->miss_recs = malloc(u * t->rec);
+    if (!sc->miss_found || !sc->miss_used || !sc->miss_recs)
+        return cm_err(errptr, CM_ENOMEM, "out of memory");
+    return emb_store_get(t->spill, sc->miss, u, sc->miss_recs, sc->miss_found, errptr);
+}
+
+enum { OP_PULL, OP_PUSH };
+
+/* Brings an absent key into memory: from the spill store, as a new row, or not at all (held
+ * back by admission: *slot = -1). */
+static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h, int op,
+                    int64_t *slot, char **errptr)
+{
+    int rc = CM_OK;
+    *slot = -1;
+    if (t->spill != NULL && s->spilled > 0) {
+        const uint8_t *src = NULL;
+        uint64_t *hit = sc->n_miss ? bsearch(&key, sc->miss, sc->n_miss, sizeof key, miss_cmp) : NULL;
+        size_t u = hit ? (size_t)(hit - sc->miss) : 0;
+        uint8_t one_found = 0;
+        if (hit != NULL && !sc->miss_used[u]) {
+            sc->miss_used[u] = 1;
+            if (sc->miss_found[u]) src = sc->miss_recs + u * t->rec;
+        } else {
+            /* Not looked up in phase 2, or evicted again since: ask the store now. */
+            if (grow_buf((void **)&sc->ev, &sc->cap_ev, 1, t->rec) != CM_OK)
+                return cm_err(errptr, CM_ENOMEM, "out of memory");
+            rc = flush_deletes(t, sc, errptr);
+            if (rc == CM_OK) rc = emb_store_get(t->spill, &key, 1, sc->ev, &one_found, errptr);
+            if (rc != CM_OK) return rc;
+            if (one_found) src = sc->ev;
+        }
+        if (src != NULL) {
+            uint8_t row[t->rec];
+            memcpy(row, src, t->rec); /* the eviction inside insert_room may reuse src's buffer */
+            rc = insert_room(t, s, sc, key, h, slot, errptr);
+            if (rc != CM_OK) return rc;
+            memcpy(emb_mem_rec(&s->mem, *slot), row, t->rec);
+            if (grow_buf((void **)&sc->del, &sc->cap_del, sc->n_del + 1, sizeof(uint64_t)) != CM_OK)
+                return cm_err(errptr, CM_ENOMEM, "out of memory");
+            sc->del[sc->n_del++] = key;
+            s->spilled--;
+            s->spill_loads++;
+            return CM_OK;
+        }
+    }
+    if (t->cms != NULL) {
+        if (op == OP_PUSH) {
+            s->push_dropped++;
+            return CM_OK;
+        }
+        if (cms_add(t, h) < t->cfg.admit_threshold) {
+            s->admit_rejects++;
+            return CM_OK;
+        }
+        s->admissions++;
+    }
+    rc = insert_room(t, s, sc, key, h, slot, errptr);
+    if (rc != CM_OK) return rc;
+    emb_opt_init_row(&t->cfg, emb_mem_rec(&s->mem, *slot), key);
+    s->created++;
+    return CM_OK;
+}
+
+/* Phase 3 for one sub-shard's group; the caller holds s->mu. */
+static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys,
+                         const uint64_t *h, const uint32_t *idx, size_t m, int op, float *out,
+                         const float *grads, uint64_t step, char **errptr)
+{
+    int rc = CM_OK;
+    const size_t dim = t->dim;
+    sc->n_miss = 0;
+    sc->n_del = 0;
+    if (t->spill != NULL && s->spilled > 0) {
+        rc = prefetch_spilled(t, s, sc, keys, h, idx, m, errptr);
+        if (rc != CM_OK) return rc;
+    }
+    for (size_t i = 0; i < m; i++) {
+        if (i + PREFETCH_AHEAD < m) emb_mem_prefetch(&s->mem, h[idx[i + PREFETCH_AHEAD]]);
+        uint32_t k = idx[i];
+        int64_t slot = emb_mem_find(&s->mem, keys[k], h[k]);
+        if (slot < 0) {
+            rc = fault_in(t, s, sc, keys[k], h[k], op, &slot, errptr);
+            if (rc != CM_OK) break;
+        }
+        if (slot < 0) {
+            if (op == OP_PULL) memset(out + k * dim, 0, dim * sizeof(float));
+            continue;
+        }
+        s->mem.ctrl[slot] |= EMB_CTRL_REF;
+        uint8_t *rec = emb_mem_rec(&s->mem, slot);
+        if (op == OP_PULL)
+            memcpy(out + k * dim, emb_rec_weights(rec), dim * sizeof(float));
+        else
+            emb_opt_apply(&t->cfg, rec, grads + k * dim);
+        ((emb_rec_hdr *)rec)->last_step = step;
+    }
+    if (op == OP_PULL) s->pulls += m;
+    else s->pushes += m;
+    int frc = flush_deletes(t, sc, rc == CM_OK ? errptr : NULL);
+    return rc != CM_OK ? rc : frc;
+}
+
+/* Hashes the keys and groups their indices by sub-shard; *order and *starts are the
+ * caller's (free()). */
+static int group_keys(const emb_table *t, const uint64_t *keys, size_t n, uint64_t **hash,
+                      uint32_t **order, uint32_t **starts, char **errptr)
+{
+    uint64_t *h = malloc(n * sizeof *h + 1);
+    uint32_t *sub_id = malloc(n * sizeof *sub_id + 1);
+    uint32_t *ord = malloc(n * sizeof *ord + 1);
+    uint32_t *st = calloc(t->n_sub + 1, sizeof *st);
+    if (!h || !sub_id || !ord || !st) {
+        free(h);
+        free(sub_id);
+        free(ord);
+        free(st);
+        return cm_err(errptr, CM_ENOMEM, "out of memory for a batch of %zu keys", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        h[i] = emb_key_hash(keys[i]);
+        sub_id[i] = sub_of(t, h[i]);
+        st[sub_id[i] + 1]++;
+    }
+    for (uint32_t b = 0; b < t->n_sub; b++) st[b + 1] += st[b];
+    uint32_t *fill = malloc((t->n_sub + 1) * sizeof *fill);
+    if (fill == NULL) {
+        free(h);
+        free(sub_id);
+        free(ord);
+        free(st);
+        return cm_err(errptr, CM_ENOMEM, "out of memory");
+    }
+    memcpy(fill, st, (t->n_sub + 1) * sizeof *fill);
+    for (size_t i = 0; i < n; i++) ord[fill[sub_id[i]]++] = (uint32_t)i;
+    free(fill);
+    free(sub_id);
+    *hash = h;
+    *order = ord;
+    *starts = st;
+    return CM_OK;
+}
+
+static int table_batch(emb_table *t, const uint64_t *keys, size_t n, int op, float *out,
+                       const float *grads, char **errptr)
+{
+    if (n == 0) return CM_OK;
+    if (keys == NULL || (op == OP_PULL ? out == NULL : grads == NULL))
+        return cm_err(errptr, CM_EINVAL, "NULL keys or values for a batch of %zu", n);
+    if (n > UINT32_MAX) return cm_err(errptr, CM_EINVAL, "batch of %zu keys is too large", n);
+    uint64_t step;
+    if (op == OP_PUSH) {
+        for (size_t i = 0; i < n * t->dim; i++)
+            if (!isfinite(grads[i]))
+                return cm_err(errptr, CM_EINVAL,
+                              "non-finite gradient for key %llu (element %zu): push rejected",
+                              (unsigned long long)keys[i / t->dim], i % t->dim);
+        step = __atomic_add_fetch(&t->step, 1, __ATOMIC_RELAXED);
+    } else {
+        step = __atomic_load_n(&t->step, __ATOMIC_RELAXED);
+    }
+    uint64_t *h = NULL;
+    uint32_t *ord = NULL, *st = NULL;
+    int rc = group_keys(t, keys, n, &h, &ord, &st, errptr);
+    if (rc != CM_OK) return rc;
+    scratch sc = {0};
+    for (uint32_t b = 0; b < t->n_sub && rc == CM_OK; b++) {
+        if (st[b] == st[b + 1]) continue;
+        sub *s = &t->subs[b];
+        pthread_mutex_lock(&s->mu);
+        rc = process_group(t, s, &sc, keys, h, ord + st[b], st[b + 1] - st[b], op, out, grads,
+                           step, errptr);
+        pthread_mutex_unlock(&s->mu);
+    }
+    scratch_fini(&sc);
+    free(h);
+    free(ord);
+    free(st);
+    return rc;
+}
+
+int emb_table_pull(emb_table *t, const uint64_t *keys, size_t n, float *out, char **errptr)
+{
+    return table_batch(t, keys, n, OP_PULL, out, NULL, errptr);
+}
+
+int emb_table_push(emb_table *t, const uint64_t *keys, size_t n, const float *grads,
+                   char **errptr)
+{
+    return table_batch(t, keys, n, OP_PUSH, NULL, grads, errptr);
+}
+
+/* ---- life cycle ---- */
+
+int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr)
+{
+    int rc = emb_table_config_check(cfg, errptr);
+    if (rc != CM_OK) return rc;
+    emb_table *t = calloc(1, sizeof *t);
+    if (t == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    t->cfg = *cfg;
+    t->cfg.spill_path = NULL;
+    t->n_sub = cfg->n_sub ? cfg->n_sub : 64;
+    t->cfg.n_sub = t->n_sub;
+    t->dim = cfg->dim;
+    t->rec = emb_row_bytes(cfg);
+    t->subs = aligned_alloc(64, sizeof(sub) * t->n_sub);
+    if (t->subs == NULL) {
+        free(t);
+        return cm_err(errptr, CM_ENOMEM, "out of memory");
+    }
+    memset(t->subs, 0, sizeof(sub) * t->n_sub);
+    uint64_t max_cap = UINT64_MAX;
+    if (cfg->mem_budget_bytes > 0) {
+        max_cap = cfg->mem_budget_bytes / t->n_sub / (t->rec + 1);
+        t->spill_path = strdup(cfg->spill_path);
+        t->cfg.spill_path = t->spill_path;
+        if (t->spill_path == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        if (rc == CM_OK) rc = emb_store_create("rocksdb", cfg->spill_path, t->rec, &t->spill, errptr);
+    }
+    uint32_t inited = 0;
+    for (; rc == CM_OK && inited < t->n_sub; inited++) {
+        pthread_mutex_init(&t->subs[inited].mu, NULL);
+        rc = emb_mem_init(&t->subs[inited].mem, t->rec, 64, max_cap, errptr);
+        if (rc != CM_OK) pthread_mutex_destroy(&t->subs[inited].mu);
+    }
+    if (rc == CM_OK && cfg->admit_threshold > 1) {
+        t->cms = calloc((size_t)CMS_DEPTH << CMS_BITS, sizeof *t->cms);
+        if (t->cms == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory for the admission sketch");
+    }
+    if (rc != CM_OK) {
+        for (uint32_t i = 0; i < inited && i < t->n_sub; i++) {
+            if (t->subs[i].mem.ctrl == NULL) continue;
+            emb_mem_fini(&t->subs[i].mem);
+            pthread_mutex_destroy(&t->subs[i].mu);
+        }
+        emb_store_destroy(t->spill);
+        if (t->spill_path) cm_rmtree(t->spill_path, NULL);
+        free(t->spill_path);
+        free(t->subs);
+        free(t);
+        return rc;
+    }
+    *out = t;
+    return CM_OK;
+}
+
+void emb_table_destroy(emb_table *t)
+{
+    if (t == NULL) return;
+    for (uint32_t i = 0; i < t->n_sub; i++) {
+        emb_mem_fini(&t->subs[i].mem);
+        pthread_mutex_destroy(&t->subs[i].mu);
+    }
+    emb_store_destroy(t->spill);
+    if (t->spill_path) cm_rmtree(t->spill_path, NULL);
+    free(t->spill_path);
+    free(t->subs);
+    free(t->cms);
+    free(t);
+}
+
+const emb_table_config *emb_table_get_config(const emb_table *t)
+{
+    return &t->cfg;
+}
+
+uint64_t emb_table_step(const emb_table *t)
+{
+    return __atomic_load_n(&t->step, __ATOMIC_RELAXED);
+}
+
+/* ---- whole-table operations (the table paused) ---- */
+
+static void pause_all(emb_table *t)
+{
+    for (uint32_t i = 0; i < t->n_sub; i++) pthread_mutex_lock(&t->subs[i].mu);
+}
+
+static void resume_all(emb_table *t)
+{
+    for (uint32_t i = t->n_sub; i-- > 0;) pthread_mutex_unlock(&t->subs[i].mu);
+}
+
+static void row_view(const emb_table *t, const uint8_t *rec, emb_row *row)
+{
+    const emb_rec_hdr *hdr = (const emb_rec_hdr *)rec;
+    row->key = hdr->key;
+    row->updates = hdr->updates;
+    row->last_step = hdr->last_step;
+    row->weights = (const float *)(rec + EMB_REC_HDR);
+    row->state = row->weights + t->dim;
+}
+
+int emb_table_get_row(emb_table *t, uint64_t key, emb_row *row, float *weights, float *state,
+                      char **errptr)
+{
+    uint64_t h = emb_key_hash(key);
+    sub *s = &t->subs[sub_of(t, h)];
+    uint8_t rec[t->rec];
+    uint8_t found = 0;
+    int rc = CM_OK;
+    pthread_mutex_lock(&s->mu);
+    int64_t slot = emb_mem_find(&s->mem, key, h);
+    if (slot >= 0) {
+        memcpy(rec, emb_mem_rec(&s->mem, slot), t->rec);
+        found = 1;
+    } else if (t->spill != NULL && s->spilled > 0) {
+        rc = emb_store_get(t->spill, &key, 1, rec, &found, errptr);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (rc != CM_OK) return rc;
+    if (!found) return CM_ENOTFOUND;
+    emb_row view;
+    row_view(t, rec, &view);
+    *row = view;
+    if (weights) memcpy(weights, view.weights, t->dim * sizeof(float));
+    if (state) memcpy(state, view.state, emb_row_slots(&t->cfg) * sizeof(float));
+    row->weights = weights;
+    row->state = state;
+    return CM_OK;
+}
+
+/* Calls rec_cb on every record, memory first, then spill; the caller holds every lock. */
+int emb_table_foreach_record_locked(emb_table *t, emb_record_cb cb, void *arg, char **errptr)
+{
+    for (uint32_t i = 0; i < t->n_sub; i++) {
+        emb_mem *m = &t->subs[i].mem;
+        for (uint64_t j = 0; j < m->cap; j++) {
+            if (m->ctrl[j] == 0) continue;
+            int rc = cb(emb_mem_rec(m, (int64_t)j), arg);
+            if (rc != 0) return rc;
+        }
+    }
+    if (t->spill == NULL) return CM_OK;
+    return emb_store_foreach(t->spill, cb, arg, errptr);
+}
+
+struct foreach_arg {
+    emb_table *t;
+    emb_row_cb cb;
+    void *arg;
+};
+
+static int foreach_rec(const void *rec, void *arg)
+{
+    struct foreach_arg *fa = arg;
+    emb_row row;
+    row_view(fa->t, rec, &row);
+    return fa->cb(&row, fa->arg);
+}
+
+int emb_table_foreach(emb_table *t, emb_row_cb cb, void *arg, char **errptr)
+{
+    struct foreach_arg fa = {t, cb, arg};
+    pause_all(t);
+    int rc = emb_table_foreach_record_locked(t, foreach_rec, &fa, errptr);
+    resume_all(t);
+    return rc;
+}
+
+struct expire_arg {
+    emb_table *t;
+    uint64_t step, ttl;
+    uint64_t *keys;
+    size_t n, cap;
+};
+
+static bool expired(uint64_t step, uint64_t last, uint64_t ttl)
+{
+    return step > last && step - last > ttl;
+}
+
+static int expire_rec(const void *rec, void *arg)
+{
+    struct expire_arg *ea = arg;
+    const emb_rec_hdr *hdr = rec;
+    if (!expired(ea->step, hdr->last_step, ea->ttl)) return 0;
+    if (grow_buf((void **)&ea->keys, &ea->cap, ea->n + 1, sizeof(uint64_t)) != CM_OK) return CM_ENOMEM;
+    ea->keys[ea->n++] = hdr->key;
+    return 0;
+}
+
+int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
+{
+    uint64_t total = 0;
+    int rc = CM_OK;
+    if (t->cfg.ttl_steps == 0) goto out;
+    uint64_t step = emb_table_step(t), ttl = t->cfg.ttl_steps;
+    pause_all(t);
+    for (uint32_t i = 0; i < t->n_sub; i++) {
+        sub *s = &t->subs[i];
+        emb_mem *m = &s->mem;
+        for (uint64_t j = 0; j < m->cap;) {
+            /* A deletion shifts the cluster back into slot j: look at it again. */
+            if (m->ctrl[j] != 0 &&
+                expired(step, ((emb_rec_hdr *)emb_mem_rec(m, (int64_t)j))->last_step, ttl)) {
+                emb_mem_delete(m, (int64_t)j);
+                s->ttl_evictions++;
+                total++;
+                continue;
+            }
+            j++;
+        }
+    }
+    if (t->spill != NULL) {
+        struct expire_arg ea = {t, step, ttl, NULL, 0, 0};
+        rc = emb_store_foreach(t->spill, expire_rec, &ea, errptr);
+        if (rc == CM_ENOMEM) rc = cm_err(errptr, CM_ENOMEM, "out of memory expiring rows");
+        if (rc == CM_OK) rc = emb_store_del(t->spill, ea.keys, ea.n, errptr);
+        if (rc == CM_OK) {
+            for (size_t i = 0; i < ea.n; i++) {
+                sub *s = &t->subs[sub_of(t, emb_key_hash(ea.keys[i]))];
+                s->spilled--;
+                s->ttl_evictions++;
+            }
+            total += ea.n;
+        }
+        free(ea.keys);
+    }
+    resume_all(t);
+out:
+    if (dropped) *dropped = total;
+    return rc;
+}
+
+void emb_table_stats_get(emb_table *t, emb_table_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    for (uint32_t i = 0; i < t->n_sub; i++) {
+        sub *s = &t->subs[i];
+        pthread_mutex_lock(&s->mu);
+        out->rows_mem += s->mem.count;
+        out->bytes_mem += emb_mem_bytes(&s->mem);
+        out->rows_spilled += s->spilled;
+        out->pulls += s->pulls;
+        out->pushes += s->pushes;
+        out->created += s->created;
+        out->admissions += s->admissions;
+        out->admit_rejects += s->admit_rejects;
+        out->push_dropped += s->push_dropped;
+        out->spill_evictions += s->spill_evictions;
+        out->spill_loads += s->spill_loads;
+        out->ttl_evictions += s->ttl_evictions;
+        pthread_mutex_unlock(&s->mu);
+    }
+    out->bytes_budget = t->cfg.mem_budget_bytes;
+    out->row_bytes = t->rec;
+    out->step = emb_table_step(t);
+}
+
+/* ---- used by snapshot.c ---- */
+
+void emb_table_pause(emb_table *t)
+{
+    pause_all(t);
+}
+
+void emb_table_resume(emb_table *t)
+{
+    resume_all(t);
+}
+
+uint64_t emb_table_rows_locked(emb_table *t)
+{
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < t->n_sub; i++) n += t->subs[i].mem.count + t->subs[i].spilled;
+    return n;
+}
+
+void emb_table_set_step(emb_table *t, uint64_t step)
+{
+    __atomic_store_n(&t->step, step, __ATOMIC_RELAXED);
+}
+
+/* Inserts whole records (a restore); keys must be new to the table. */
+int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **errptr)
+{
+    scratch sc = {0};
+    int rc = CM_OK;
+    for (size_t i = 0; i < n && rc == CM_OK; i++) {
+        const uint8_t *r = recs + i * t->rec;
+        uint64_t key = emb_rec_key(r), h = emb_key_hash(key);
+        sub *s = &t->subs[sub_of(t, h)];
+        pthread_mutex_lock(&s->mu);
+        int64_t slot = emb_mem_find(&s->mem, key, h);
+        if (slot >= 0) {
+            rc = cm_err(errptr, CM_ECORRUPT, "duplicate key %llu in snapshot",
+                        (unsigned long long)key);
+        } else {
+            rc = insert_room(t, s, &sc, key, h, &slot, errptr);
+            if (rc == CM_OK) memcpy(emb_mem_rec(&s->mem, slot), r, t->rec);
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    scratch_fini(&sc);
+    return rc;
+}
