@@ -53,6 +53,11 @@ int cm_fsync_dir(const char *dir, char **errptr);
 /* Removes a directory tree (like rm -rf); a missing path is fine. */
 int cm_rmtree(const char *path, char **errptr);
 
+/* Puts directory tmpdir at dir: a plain rename when dir does not exist, else an atomic
+ * exchange (renameat2 RENAME_EXCHANGE) followed by removal of the old tree. Either way a
+ * reader sees the old dir or the new one, never a mixture. fsyncs dir's parent. */
+int cm_dir_swap(const char *tmpdir, const char *dir, char **errptr);
+
 /* Writes all n bytes to fd, retrying on EINTR and short writes. 0 or CM_EIO (errno set). */
 int cm_write_full(int fd, const void *buf, size_t n);
 

@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* renameat2 */
 #include "common/common.h"
 
 #include <dirent.h>
@@ -71,6 +72,28 @@ int cm_rmtree(const char *path, char **errptr)
     }
     if (unlink(path) != 0) return cm_err_errno(errptr, CM_EIO, "cannot remove %s", path);
     return CM_OK;
+}
+
+int cm_dir_swap(const char *tmpdir, const char *dir, char **errptr)
+{
+    struct stat st;
+    if (stat(dir, &st) != 0) {
+        if (rename(tmpdir, dir) != 0)
+            return cm_err_errno(errptr, CM_EIO, "cannot rename %s to %s", tmpdir, dir);
+    } else {
+        if (renameat2(AT_FDCWD, tmpdir, AT_FDCWD, dir, RENAME_EXCHANGE) != 0)
+            return cm_err_errno(errptr, CM_EIO, "cannot swap %s into %s", tmpdir, dir);
+        int rc = cm_rmtree(tmpdir, errptr); /* now the previous tree */
+        if (rc != CM_OK) return rc;
+    }
+    char *parent = strdup(dir);
+    if (parent == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    char *slash = strrchr(parent, '/');
+    if (slash == parent) slash[1] = '\0';
+    else if (slash) *slash = '\0';
+    int rc = cm_fsync_dir(slash ? parent : ".", errptr);
+    free(parent);
+    return rc;
 }
 
 int cm_write_full(int fd, const void *buf, size_t n)

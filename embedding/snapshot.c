@@ -1,4 +1,3 @@
-#define _GNU_SOURCE /* renameat2 */
 /*
  * Table snapshots: <dir>/rows.bin and <dir>/MANIFEST.
  *
@@ -131,27 +130,6 @@ static int manifest_format(const emb_table_config *c, uint64_t step, uint64_t ro
     return len + tail;
 }
 
-/* Puts tmpdir where dir is, atomically when dir exists, and removes what was there. */
-static int swap_into_place(const char *tmpdir, const char *dir, char **errptr)
-{
-    struct stat st;
-    if (stat(dir, &st) != 0) {
-        if (rename(tmpdir, dir) != 0)
-            return cm_err_errno(errptr, CM_EIO, "cannot rename %s to %s", tmpdir, dir);
-    } else {
-        if (renameat2(AT_FDCWD, tmpdir, AT_FDCWD, dir, RENAME_EXCHANGE) != 0)
-            return cm_err_errno(errptr, CM_EIO, "cannot swap %s into %s", tmpdir, dir);
-        int rc = cm_rmtree(tmpdir, errptr); /* now the previous snapshot */
-        if (rc != CM_OK) return rc;
-    }
-    char parent[4096];
-    snprintf(parent, sizeof parent, "%s", dir);
-    char *slash = strrchr(parent, '/');
-    if (slash == parent) slash[1] = '\0';
-    else if (slash) *slash = '\0';
-    return cm_fsync_dir(slash ? parent : ".", errptr);
-}
-
 int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
 {
     char tmpdir[4096], mpath[4096], manifest[2048];
@@ -178,7 +156,7 @@ int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
     char dcopy[4096];
     snprintf(dcopy, sizeof dcopy, "%.*s", (int)dlen, dir);
     if (rc == CM_OK) rc = cm_fsync_dir(tmpdir, errptr);
-    if (rc == CM_OK) rc = swap_into_place(tmpdir, dcopy, errptr);
+    if (rc == CM_OK) rc = cm_dir_swap(tmpdir, dcopy, errptr);
     if (rc != CM_OK) cm_rmtree(tmpdir, NULL);
     return rc;
 }

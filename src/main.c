@@ -17,6 +17,8 @@ static const struct {
     const char *help;
 } commands[] = {
     {"version", cmd_version, "print the version"},
+    {"gen", cmd_gen, "write synthetic Criteo-format click logs"},
+    {"ps", cmd_ps, "serve one parameter-server shard"},
 };
 
 static void usage(FILE *to)

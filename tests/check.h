@@ -51,7 +51,7 @@ static inline const char *check_tmpdir(const char *name)
     const char *base = getenv("EMBER_TEST_TMP");
     if (base == NULL) base = "/tmp";
     snprintf(buf, sizeof buf, "%s/%s.%ld", base, name, (long)getpid());
-    char cmd[4200];
+    char cmd[8400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s'", buf, buf);
     if (system(cmd) != 0) {
         fprintf(stderr, "cannot create %s\n", buf);

@@ -1,0 +1,807 @@
+/*
+ * The PS client. Each shard has a req socket and a window of contexts ("slots"). A slot runs
+ * send -> recv from nng callbacks; a synchronous caller waits on the client's condition
+ * variable, an asynchronous push frees its slot from the callback and leaves any error for a
+ * later call to report. Idempotent requests let nng resend them after a reconnect; pushes are
+ * never resent (a duplicate would apply twice).
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ps/net.h"
+
+enum { SL_FREE, SL_SEND, SL_RECV, SL_DONE };
+enum { K_SYNC, K_ASYNC };
+
+typedef struct slot {
+    struct ps_client *c;
+    uint32_t shard;
+    nng_ctx ctx;
+    nng_aio *aio;
+    int state, kind;
+    uint16_t op;
+    uint64_t req_id;
+    nng_msg *reply;
+    int rc;
+    char *err;
+} slot;
+
+typedef struct shard_conn {
+    nng_socket sock;
+    bool open;
+    slot *slots;
+    uint32_t busy;
+} shard_conn;
+
+struct ps_client {
+    ps_config cfg;
+    uint32_t worker, window, timeout_ms;
+    shard_conn *shards;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    uint64_t next_req;
+    int async_rc;
+    char *async_err;
+    uint64_t clock, barrier_gen;
+    emb_store *residual[PS_MAX_TABLES]; /* int8 error feedback, per table */
+    ps_client_stats st;
+};
+
+/* ---- slots ---- */
+
+static void slot_finish(slot *s, int rc, char *err)
+{
+    struct ps_client *c = s->c;
+    pthread_mutex_lock(&c->mu);
+    if (s->kind == K_ASYNC) {
+        if (rc != CM_OK && c->async_rc == CM_OK) {
+            c->async_rc = rc;
+            c->async_err = err;
+            err = NULL;
+        }
+        if (s->reply) nng_msg_free(s->reply);
+        s->reply = NULL;
+        s->state = SL_FREE;
+        c->shards[s->shard].busy--;
+    } else {
+        s->rc = rc;
+        s->err = err;
+        err = NULL;
+        s->state = SL_DONE;
+    }
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    free(err);
+}
+
+static int reply_check(slot *s, nng_msg *m, char **errptr)
+{
+    ps_hdr h;
+    char *err = NULL;
+    const char *url_shard = "shard";
+    int rc = ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, &err);
+    if (rc != CM_OK) {
+        rc = cm_err(errptr, rc, "%s %u sent a bad reply: %s", url_shard, s->shard, err);
+        free(err);
+        return rc;
+    }
+    if (h.req_id != s->req_id || h.op != s->op)
+        return cm_err(errptr, CM_ECORRUPT, "shard %u replied to request %" PRIu64 " op %u, expected %" PRIu64
+                      " op %u", s->shard, h.req_id, h.op, s->req_id, s->op);
+    if (h.status < 0) {
+        const char *p = (const char *)nng_msg_body(m) + PS_HDR_BYTES;
+        return cm_err(errptr, h.status, "shard %u: %.*s", s->shard, (int)h.payload_len, p);
+    }
+    return CM_OK;
+}
+
+static void slot_cb(void *arg)
+{
+    slot *s = arg;
+    int rv = nng_aio_result(s->aio);
+    char *err = NULL;
+    if (s->state == SL_SEND) {
+        if (rv != 0) {
+            nng_msg_free(nng_aio_get_msg(s->aio));
+            cm_err(&err, CM_EIO, "cannot send to shard %u: %s", s->shard, nng_strerror(rv));
+            slot_finish(s, CM_EIO, err);
+            return;
+        }
+        s->state = SL_RECV;
+        nng_ctx_recv(s->ctx, s->aio);
+        return;
+    }
+    if (rv != 0) {
+        cm_err(&err, CM_EIO, "no reply from shard %u: %s%s", s->shard, nng_strerror(rv),
+               rv == NNG_ETIMEDOUT ? " (is the PS running and reachable?)" : "");
+        slot_finish(s, CM_EIO, err);
+        return;
+    }
+    nng_msg *m = nng_aio_get_msg(s->aio);
+    __atomic_add_fetch(&s->c->st.bytes_received, nng_msg_len(m), __ATOMIC_RELAXED);
+    int rc = reply_check(s, m, &err);
+    s->reply = m;
+    slot_finish(s, rc, err);
+}
+
+/* Waits for a free slot of a shard and claims it. */
+static slot *slot_acquire(struct ps_client *c, uint32_t shard, int kind)
+{
+    shard_conn *sc = &c->shards[shard];
+    pthread_mutex_lock(&c->mu);
+    while (sc->busy == c->window) pthread_cond_wait(&c->cv, &c->mu);
+    slot *s = NULL;
+    for (uint32_t i = 0; i < c->window && s == NULL; i++)
+        if (sc->slots[i].state == SL_FREE) s = &sc->slots[i];
+    s->state = SL_SEND;
+    s->kind = kind;
+    sc->busy++;
+    s->req_id = ++c->next_req;
+    pthread_mutex_unlock(&c->mu);
+    return s;
+}
+
+/* Sends a message built with ps_msg_new: fills the request id, seals, sends. Idempotent
+ * requests may be resent by nng after a reconnect; long-waiting ones get a long timeout. */
+static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout)
+{
+    struct ps_client *c = s->c;
+    ps_hdr h;
+    memcpy(&h, nng_msg_body(m), sizeof h);
+    h.req_id = s->req_id;
+    h.worker = (uint16_t)c->worker;
+    s->op = h.op;
+    memcpy(nng_msg_body(m), &h, sizeof h);
+    ps_msg_seal(m);
+    __atomic_add_fetch(&c->st.bytes_sent, nng_msg_len(m), __ATOMIC_RELAXED);
+    nng_ctx_set_ms(s->ctx, NNG_OPT_REQ_RESENDTIME,
+                   idempotent ? (nng_duration)(c->timeout_ms / 4 + 1) : NNG_DURATION_INFINITE);
+    nng_aio_set_timeout(s->aio, timeout);
+    nng_aio_set_msg(s->aio, m);
+    nng_ctx_send(s->ctx, s->aio);
+}
+
+/* Waits for a synchronous slot; hands over its reply (caller frees) and frees the slot. */
+static int slot_wait(struct ps_client *c, slot *s, nng_msg **reply, char **errptr)
+{
+    pthread_mutex_lock(&c->mu);
+    while (s->state != SL_DONE) pthread_cond_wait(&c->cv, &c->mu);
+    int rc = s->rc;
+    char *err = s->err;
+    nng_msg *m = s->reply;
+    s->err = NULL;
+    s->reply = NULL;
+    s->state = SL_FREE;
+    c->shards[s->shard].busy--;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    if (rc != CM_OK) {
+        if (errptr) {
+            free(*errptr);
+            *errptr = err;
+        } else {
+            free(err);
+        }
+        if (m) nng_msg_free(m);
+        return rc;
+    }
+    free(err);
+    if (reply) *reply = m;
+    else if (m) nng_msg_free(m);
+    return CM_OK;
+}
+
+/* One synchronous request to one shard. */
+static int request(struct ps_client *c, uint32_t shard, nng_msg *m, bool idempotent,
+                   nng_duration timeout, nng_msg **reply, char **errptr)
+{
+    slot *s = slot_acquire(c, shard, K_SYNC);
+    slot_send(s, m, idempotent, timeout);
+    return slot_wait(c, s, reply, errptr);
+}
+
+static int take_async_error(struct ps_client *c, char **errptr)
+{
+    pthread_mutex_lock(&c->mu);
+    int rc = c->async_rc;
+    char *err = c->async_err;
+    c->async_rc = CM_OK;
+    c->async_err = NULL;
+    pthread_mutex_unlock(&c->mu);
+    if (rc != CM_OK) cm_err(errptr, rc, "earlier push failed: %s", err ? err : "?");
+    free(err);
+    return rc;
+}
+
+static nng_msg *msg_simple(uint16_t op, uint32_t table, uint32_t clock, const void *payload,
+                           size_t len)
+{
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = op;
+    h.table = table;
+    h.clock = clock;
+    nng_msg *m;
+    uint8_t *p;
+    if (ps_msg_new(&h, len, &m, &p) != CM_OK) return NULL;
+    if (len) memcpy(p, payload, len);
+    return m;
+}
+
+/* ---- life cycle ---- */
+
+static int hello(struct ps_client *c, uint32_t shard, char **errptr)
+{
+    const ps_config *cfg = &c->cfg;
+    size_t len = 5 * 4 + 8ull * (cfg->n_tables + cfg->n_dense);
+    uint8_t buf[5 * 4 + 8 * (PS_MAX_TABLES + PS_MAX_DENSE)];
+    uint32_t v[5] = {shard, cfg->n_shards, cfg->n_workers, cfg->n_tables, cfg->n_dense};
+    memcpy(buf, v, sizeof v);
+    for (uint32_t i = 0; i < cfg->n_tables + cfg->n_dense; i++) {
+        uint64_t fp = i < cfg->n_tables ? ps_table_fingerprint(&cfg->tables[i])
+                                        : ps_dense_fingerprint(&cfg->dense[i - cfg->n_tables]);
+        memcpy(buf + sizeof v + 8 * i, &fp, 8);
+    }
+    nng_msg *m = msg_simple(PS_OP_HELLO, 0, 0, buf, len);
+    if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    return request(c, shard, m, true, (nng_duration)c->timeout_ms, NULL, errptr);
+}
+
+int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
+{
+    int rc = ps_config_check(o->cfg, errptr);
+    if (rc != CM_OK) return rc;
+    if (o->worker >= o->cfg->n_workers)
+        return cm_err(errptr, CM_EINVAL, "worker %u out of range (the cluster has %u)", o->worker,
+                      o->cfg->n_workers);
+    struct ps_client *c = calloc(1, sizeof *c);
+    if (c == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    c->cfg = *o->cfg;
+    c->worker = o->worker;
+    c->window = o->window ? o->window : 8;
+    c->timeout_ms = o->timeout_ms ? o->timeout_ms : 30000;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    c->shards = calloc(c->cfg.n_shards, sizeof *c->shards);
+    if (c->shards == NULL) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (uint32_t i = 0; i < c->cfg.n_tables && rc == CM_OK; i++) {
+        if (c->cfg.tables[i].push_codec != PS_CODEC_INT8) continue;
+        size_t rec = (8 + 4 * (size_t)c->cfg.tables[i].cfg.dim + 7) & ~(size_t)7;
+        rc = emb_store_create("memory", NULL, rec, &c->residual[i], errptr);
+    }
+    for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
+        shard_conn *sc = &c->shards[i];
+        int rv = nng_req0_open(&sc->sock);
+        if (rv != 0) {
+            rc = cm_err(errptr, CM_EIO, "cannot open req socket: %s", nng_strerror(rv));
+            break;
+        }
+        sc->open = true;
+        nng_socket_set_size(sc->sock, NNG_OPT_RECVMAXSZ, (size_t)c->cfg.max_msg_bytes);
+        nng_socket_set_ms(sc->sock, NNG_OPT_RECONNMINT, 20);
+        nng_socket_set_ms(sc->sock, NNG_OPT_RECONNMAXT, 500);
+        sc->slots = calloc(c->window, sizeof *sc->slots);
+        if (sc->slots == NULL) {
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+            break;
+        }
+        for (uint32_t j = 0; j < c->window && rc == CM_OK; j++) {
+            slot *s = &sc->slots[j];
+            s->c = c;
+            s->shard = i;
+            if ((rv = nng_aio_alloc(&s->aio, slot_cb, s)) != 0 || (rv = nng_ctx_open(&s->ctx, sc->sock)) != 0)
+                rc = cm_err(errptr, CM_EIO, "cannot set up contexts: %s", nng_strerror(rv));
+        }
+        if (rc == CM_OK) rc = ps_net_dial(sc->sock, o->urls[i], &c->cfg, errptr);
+    }
+    for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
+        char *err = NULL;
+        rc = hello(c, i, &err);
+        if (rc != CM_OK) cm_err(errptr, rc, "HELLO to %s failed: %s", o->urls[i], err);
+        free(err);
+    }
+    if (rc != CM_OK) goto fail;
+    *out = c;
+    return CM_OK;
+fail:
+    ps_client_destroy(c);
+    return rc;
+}
+
+void ps_client_destroy(ps_client *c)
+{
+    if (c == NULL) return;
+    if (c->shards) {
+        ps_client_flush(c, NULL);
+        for (uint32_t i = 0; i < c->cfg.n_shards; i++) {
+            shard_conn *sc = &c->shards[i];
+            for (uint32_t j = 0; sc->slots && j < c->window; j++)
+                if (sc->slots[j].aio) nng_aio_stop(sc->slots[j].aio);
+            if (sc->open) nng_close(sc->sock);
+            for (uint32_t j = 0; sc->slots && j < c->window; j++) {
+                if (sc->slots[j].aio) nng_aio_free(sc->slots[j].aio);
+                if (sc->slots[j].reply) nng_msg_free(sc->slots[j].reply);
+                free(sc->slots[j].err);
+            }
+            free(sc->slots);
+        }
+    }
+    for (uint32_t i = 0; i < PS_MAX_TABLES; i++) emb_store_destroy(c->residual[i]);
+    free(c->shards);
+    free(c->async_err);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    free(c);
+}
+
+/* ---- batching: sort, dedup, split by shard ---- */
+
+typedef struct kv {
+    uint64_t key;
+    uint32_t idx;
+} kv;
+
+/* LSD radix sort by key, 16 bits a pass, skipping passes where every key has the same digit. */
+static void radix_sort(kv *a, kv *tmp, size_t n)
+{
+    uint64_t or_all = 0, and_all = ~0ull;
+    for (size_t i = 0; i < n; i++) {
+        or_all |= a[i].key;
+        and_all &= a[i].key;
+    }
+    for (int shift = 0; shift < 64; shift += 16) {
+        if ((((or_all ^ and_all) >> shift) & 0xffff) == 0) continue;
+        static __thread size_t count[65537];
+        memset(count, 0, sizeof count);
+        for (size_t i = 0; i < n; i++) count[((a[i].key >> shift) & 0xffff) + 1]++;
+        for (size_t d = 0; d < 65536; d++) count[d + 1] += count[d];
+        for (size_t i = 0; i < n; i++) tmp[count[(a[i].key >> shift) & 0xffff]++] = a[i];
+        memcpy(a, tmp, n * sizeof *a);
+    }
+}
+
+/* A batch split by shard: uniq[u] are the sorted distinct keys, inv[i] the position of the
+ * caller's key i among them; shard s owns uniq positions pos[start[s] .. start[s+1]). */
+typedef struct split {
+    uint64_t *uniq;
+    uint32_t *inv, *pos, *start;
+    size_t n_uniq;
+    uint64_t *skeys; /* keys grouped by shard, each group sorted */
+} split;
+
+static void split_free(split *sp)
+{
+    free(sp->uniq);
+    free(sp->inv);
+    free(sp->pos);
+    free(sp->start);
+    free(sp->skeys);
+}
+
+static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n, split *sp,
+                      char **errptr)
+{
+    memset(sp, 0, sizeof *sp);
+    uint32_t ns = c->cfg.n_shards;
+    kv *a = malloc(n * sizeof *a), *tmp = malloc(n * sizeof *tmp);
+    sp->uniq = malloc(n * sizeof *sp->uniq);
+    sp->inv = malloc(n * sizeof *sp->inv);
+    sp->pos = malloc(n * sizeof *sp->pos);
+    sp->skeys = malloc(n * sizeof *sp->skeys);
+    sp->start = calloc(ns + 1, sizeof *sp->start);
+    uint32_t *owner = malloc(n * sizeof *owner);
+    int rc = CM_OK;
+    if (!a || !tmp || !sp->uniq || !sp->inv || !sp->pos || !sp->skeys || !sp->start || !owner) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory splitting %zu keys", n);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) a[i] = (kv){keys[i], (uint32_t)i};
+    radix_sort(a, tmp, n);
+    size_t u = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (u == 0 || sp->uniq[u - 1] != a[i].key) sp->uniq[u++] = a[i].key;
+        sp->inv[a[i].idx] = (uint32_t)(u - 1);
+    }
+    sp->n_uniq = u;
+    for (size_t i = 0; i < u; i++) {
+        owner[i] = ns == 1 ? 0 : ps_key_shard(sp->uniq[i], ns);
+        sp->start[owner[i] + 1]++;
+    }
+    for (uint32_t s = 0; s < ns; s++) sp->start[s + 1] += sp->start[s];
+    uint32_t *fill = (uint32_t *)tmp; /* reuse: ns + 1 <= n is not guaranteed, so allocate */
+    fill = malloc((ns + 1) * sizeof *fill);
+    if (fill == NULL) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto out;
+    }
+    memcpy(fill, sp->start, (ns + 1) * sizeof *fill);
+    for (size_t i = 0; i < u; i++) {
+        uint32_t p = fill[owner[i]]++;
+        sp->pos[p] = (uint32_t)i;
+        sp->skeys[p] = sp->uniq[i];
+    }
+    free(fill);
+out:
+    free(a);
+    free(tmp);
+    free(owner);
+    if (rc != CM_OK) split_free(sp);
+    return rc;
+}
+
+static int check_table(const struct ps_client *c, uint32_t table, size_t n, char **errptr)
+{
+    if (table >= c->cfg.n_tables)
+        return cm_err(errptr, CM_EINVAL, "no table %u (the cluster has %u)", table, c->cfg.n_tables);
+    if (n > UINT32_MAX) return cm_err(errptr, CM_EINVAL, "batch of %zu keys is too large", n);
+    return CM_OK;
+}
+
+/* Builds a PULL or PUSH message for one shard's keys (and rows, for PUSH). */
+static nng_msg *rows_msg(uint16_t op, uint32_t table, ps_codec codec, const uint64_t *keys,
+                         size_t n, const uint8_t *rows, size_t row_bytes)
+{
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = op;
+    h.table = table;
+    h.count = (uint32_t)n;
+    h.codec = (uint8_t)codec;
+    size_t head = op == PS_OP_PUSH ? 4 : 0, max = head + 10 * n + n * row_bytes;
+    nng_msg *m;
+    uint8_t *p;
+    if (ps_msg_new(&h, max, &m, &p) != CM_OK) return NULL;
+    uint32_t kb = (uint32_t)ps_keys_encode(keys, n, p + head);
+    if (op == PS_OP_PUSH) {
+        memcpy(p, &kb, 4);
+        memcpy(p + head + kb, rows, n * row_bytes);
+    }
+    nng_msg_realloc(m, PS_HDR_BYTES + head + kb + (op == PS_OP_PUSH ? n * row_bytes : 0));
+    return m;
+}
+
+int ps_client_pull(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, float *out,
+                   char **errptr)
+{
+    int rc = check_table(c, table, n, errptr);
+    if (rc != CM_OK || n == 0) return rc;
+    const uint32_t dim = c->cfg.tables[table].cfg.dim, ns = c->cfg.n_shards;
+    const ps_codec codec = c->cfg.tables[table].pull_codec;
+    const size_t rb = ps_codec_row_bytes(codec, dim);
+    split sp;
+    rc = split_keys(c, keys, n, &sp, errptr);
+    if (rc != CM_OK) return rc;
+    float *rows = malloc(sp.n_uniq * dim * sizeof *rows), *tmp = malloc(sp.n_uniq * dim * sizeof *tmp);
+    slot **slots = calloc(ns, sizeof *slots);
+    if (!rows || !tmp || !slots) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    for (uint32_t s = 0; s < ns && rc == CM_OK; s++) {
+        size_t cnt = sp.start[s + 1] - sp.start[s];
+        if (cnt == 0) continue;
+        nng_msg *m = rows_msg(PS_OP_PULL, table, codec, sp.skeys + sp.start[s], cnt, NULL, 0);
+        if (m == NULL) {
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+            break;
+        }
+        slots[s] = slot_acquire(c, s, K_SYNC);
+        slot_send(slots[s], m, true, (nng_duration)c->timeout_ms);
+    }
+    /* Every slot sent must be waited for, even after an error. */
+    for (uint32_t s = 0; s < ns; s++) {
+        if (slots == NULL || slots[s] == NULL) continue;
+        nng_msg *reply = NULL;
+        char *err = NULL;
+        int r = slot_wait(c, slots[s], &reply, &err);
+        size_t cnt = sp.start[s + 1] - sp.start[s];
+        if (r == CM_OK && nng_msg_len(reply) != PS_HDR_BYTES + cnt * rb)
+            r = cm_err(&err, CM_ECORRUPT, "shard %u returned %zu bytes for %zu rows", s,
+                       nng_msg_len(reply) - PS_HDR_BYTES, cnt);
+        if (r == CM_OK)
+            r = ps_codec_decode(codec, (const uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, cnt, dim,
+                                tmp + (size_t)sp.start[s] * dim, &err);
+        if (r == CM_OK)
+            for (size_t j = 0; j < cnt; j++)
+                memcpy(rows + (size_t)sp.pos[sp.start[s] + j] * dim, tmp + (sp.start[s] + j) * dim,
+                       dim * sizeof(float));
+        if (r != CM_OK && rc == CM_OK) {
+            rc = r;
+            cm_err(errptr, r, "%s", err ? err : "pull failed");
+        }
+        free(err);
+        if (reply) nng_msg_free(reply);
+    }
+    if (rc == CM_OK) {
+        for (size_t i = 0; i < n; i++)
+            memcpy(out + i * dim, rows + (size_t)sp.inv[i] * dim, dim * sizeof(float));
+        __atomic_add_fetch(&c->st.rows_pulled, sp.n_uniq, __ATOMIC_RELAXED);
+    }
+    free(slots);
+    free(rows);
+    free(tmp);
+    split_free(&sp);
+    return rc;
+}
+
+/* int8 error feedback: adds each key's stored residual into g and keeps the new residual. */
+static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
+                          float *g, const float *back, int phase, char **errptr)
+{
+    emb_store *st = c->residual[table];
+    const uint32_t dim = c->cfg.tables[table].cfg.dim;
+    const size_t rec = (8 + 4 * (size_t)dim + 7) & ~(size_t)7;
+    uint8_t *recs = calloc(n, rec), *found = malloc(n);
+    int rc = CM_OK;
+    if (recs == NULL || found == NULL) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto out;
+    }
+    if (phase == 0) {
+        rc = emb_store_get(st, keys, n, recs, found, errptr);
+        for (size_t i = 0; rc == CM_OK && i < n; i++) {
+            if (!found[i]) continue;
+            const float *r = (const float *)(recs + i * rec + 8);
+            for (uint32_t j = 0; j < dim; j++) g[i * dim + j] += r[j];
+        }
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            memcpy(recs + i * rec, &keys[i], 8);
+            float *r = (float *)(recs + i * rec + 8);
+            for (uint32_t j = 0; j < dim; j++) {
+                r[j] = g[i * dim + j] - back[i * dim + j];
+                c->st.push_sq_error += (double)r[j] * r[j];
+                c->st.push_sq_norm += (double)g[i * dim + j] * g[i * dim + j];
+            }
+        }
+        rc = emb_store_put(st, recs, n, errptr);
+    }
+out:
+    free(recs);
+    free(found);
+    return rc;
+}
+
+int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
+                   const float *grads, char **errptr)
+{
+    int rc = check_table(c, table, n, errptr);
+    if (rc == CM_OK) rc = take_async_error(c, errptr);
+    if (rc != CM_OK || n == 0) return rc;
+    const uint32_t dim = c->cfg.tables[table].cfg.dim, ns = c->cfg.n_shards;
+    const ps_codec codec = c->cfg.tables[table].push_codec;
+    const size_t rb = ps_codec_row_bytes(codec, dim);
+    for (size_t i = 0; i < n * dim; i++)
+        if (!isfinite(grads[i]))
+            return cm_err(errptr, CM_EINVAL, "non-finite gradient for key %" PRIu64 " (element %zu)",
+                          keys[i / dim], i % dim);
+    split sp;
+    rc = split_keys(c, keys, n, &sp, errptr);
+    if (rc != CM_OK) return rc;
+    /* Sum duplicates into shard-grouped order. */
+    float *g = calloc(sp.n_uniq * dim, sizeof *g), *gs = malloc(sp.n_uniq * dim * sizeof *gs);
+    float *back = malloc(sp.n_uniq * dim * sizeof *back);
+    uint32_t *where = malloc(sp.n_uniq * sizeof *where);
+    uint8_t *enc = malloc(sp.n_uniq * rb + 1);
+    if (!g || !gs || !back || !where || !enc) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++)
+        for (uint32_t j = 0; j < dim; j++) g[(size_t)sp.inv[i] * dim + j] += grads[i * dim + j];
+    for (size_t p = 0; p < sp.n_uniq; p++) where[sp.pos[p]] = (uint32_t)p;
+    for (size_t u = 0; u < sp.n_uniq; u++)
+        memcpy(gs + (size_t)where[u] * dim, g + u * dim, dim * sizeof(float));
+    if (codec == PS_CODEC_INT8) rc = error_feedback(c, table, sp.skeys, sp.n_uniq, gs, NULL, 0, errptr);
+    if (rc != CM_OK) goto out;
+    ps_codec_encode(codec, gs, sp.n_uniq, dim, enc, codec == PS_CODEC_INT8 ? back : NULL);
+    if (codec == PS_CODEC_INT8) rc = error_feedback(c, table, sp.skeys, sp.n_uniq, gs, back, 1, errptr);
+    for (uint32_t s = 0; s < ns && rc == CM_OK; s++) {
+        size_t cnt = sp.start[s + 1] - sp.start[s];
+        if (cnt == 0) continue;
+        nng_msg *m = rows_msg(PS_OP_PUSH, table, codec, sp.skeys + sp.start[s], cnt,
+                              enc + (size_t)sp.start[s] * rb, rb);
+        if (m == NULL) {
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+            break;
+        }
+        slot_send(slot_acquire(c, s, K_ASYNC), m, false, (nng_duration)c->timeout_ms);
+    }
+    if (rc == CM_OK) __atomic_add_fetch(&c->st.rows_pushed, sp.n_uniq, __ATOMIC_RELAXED);
+out:
+    free(g);
+    free(gs);
+    free(back);
+    free(where);
+    free(enc);
+    split_free(&sp);
+    return rc;
+}
+
+int ps_client_flush(ps_client *c, char **errptr)
+{
+    pthread_mutex_lock(&c->mu);
+    for (uint32_t s = 0; s < c->cfg.n_shards; s++)
+        while (c->shards[s].busy > 0) pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    return take_async_error(c, errptr);
+}
+
+/* ---- dense blocks ---- */
+
+static int dense_call(ps_client *c, uint16_t op, uint32_t block, const float *in, float *out,
+                      int *assigned, char **errptr)
+{
+    if (block >= c->cfg.n_dense)
+        return cm_err(errptr, CM_EINVAL, "no dense block %u (the cluster has %u)", block, c->cfg.n_dense);
+    size_t bytes = (size_t)c->cfg.dense[block].size * sizeof(float);
+    nng_msg *m = msg_simple(op, block, 0, in, in ? bytes : 0), *reply = NULL;
+    if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    int rc = request(c, block % c->cfg.n_shards, m, op == PS_OP_PULL_DENSE,
+                     (nng_duration)c->timeout_ms, &reply, errptr);
+    if (rc != CM_OK) return rc;
+    ps_hdr h;
+    memcpy(&h, nng_msg_body(reply), sizeof h);
+    if (out != NULL) {
+        if (h.payload_len != bytes)
+            rc = cm_err(errptr, CM_ECORRUPT, "dense block %u: %" PRIu64 " bytes, expected %zu", block,
+                        h.payload_len, bytes);
+        else memcpy(out, (uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, bytes);
+    }
+    if (assigned) *assigned = h.flags & 1;
+    nng_msg_free(reply);
+    return rc;
+}
+
+int ps_client_dense_pull(ps_client *c, uint32_t block, float *out, char **errptr)
+{
+    return dense_call(c, PS_OP_PULL_DENSE, block, NULL, out, NULL, errptr);
+}
+
+int ps_client_dense_push(ps_client *c, uint32_t block, const float *grads, char **errptr)
+{
+    return dense_call(c, PS_OP_PUSH_DENSE, block, grads, NULL, NULL, errptr);
+}
+
+int ps_client_dense_init(ps_client *c, uint32_t block, const float *values, int *assigned,
+                         char **errptr)
+{
+    return dense_call(c, PS_OP_INIT_DENSE, block, values, NULL, assigned, errptr);
+}
+
+/* ---- coordination ---- */
+
+/* Waits on shard 0; a slow peer is not an error until the (long) barrier timeout. */
+static int coord(ps_client *c, uint16_t op, uint32_t value, char **errptr)
+{
+    nng_msg *m = msg_simple(op, 0, value, NULL, 0);
+    if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    return request(c, 0, m, false, (nng_duration)c->timeout_ms * 20, NULL, errptr);
+}
+
+int ps_client_clock(ps_client *c, uint64_t *clock, char **errptr)
+{
+    int rc = ps_client_flush(c, errptr);
+    if (rc != CM_OK) return rc;
+    rc = coord(c, PS_OP_CLOCK, (uint32_t)(c->clock + 1), errptr);
+    if (rc != CM_OK) return rc;
+    c->clock++;
+    if (clock) *clock = c->clock;
+    return CM_OK;
+}
+
+int ps_client_barrier(ps_client *c, char **errptr)
+{
+    int rc = coord(c, PS_OP_BARRIER, (uint32_t)c->barrier_gen, errptr);
+    if (rc == CM_OK) c->barrier_gen++;
+    return rc;
+}
+
+/* Sends the same request to every shard at once and waits for all. */
+static int broadcast(ps_client *c, uint16_t op, const void *payload, size_t len, bool idempotent,
+                     char **errptr)
+{
+    uint32_t ns = c->cfg.n_shards;
+    slot **slots = calloc(ns, sizeof *slots);
+    if (slots == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    int rc = CM_OK;
+    for (uint32_t s = 0; s < ns && rc == CM_OK; s++) {
+        nng_msg *m = msg_simple(op, 0, 0, payload, len);
+        if (m == NULL) {
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+            break;
+        }
+        slots[s] = slot_acquire(c, s, K_SYNC);
+        slot_send(slots[s], m, idempotent, (nng_duration)c->timeout_ms * 20);
+    }
+    for (uint32_t s = 0; s < ns; s++) {
+        if (slots[s] == NULL) continue;
+        char *err = NULL;
+        int r = slot_wait(c, slots[s], NULL, &err);
+        if (r != CM_OK && rc == CM_OK) {
+            rc = r;
+            cm_err(errptr, r, "%s", err ? err : "request failed");
+        }
+        free(err);
+    }
+    free(slots);
+    return rc;
+}
+
+static int checkpoint(ps_client *c, uint16_t op, const char *dir, char **errptr)
+{
+    size_t len = strlen(dir);
+    if (len == 0 || len > 1024) return cm_err(errptr, CM_EINVAL, "checkpoint path must be 1..1024 bytes");
+    int rc = ps_client_flush(c, errptr);
+    if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
+    if (rc == CM_OK && c->worker == 0) rc = broadcast(c, op, dir, len, false, errptr);
+    /* The second barrier holds every worker until worker 0's snapshot is complete. */
+    int rc2 = ps_client_barrier(c, rc == CM_OK ? errptr : NULL);
+    return rc != CM_OK ? rc : rc2;
+}
+
+int ps_client_save(ps_client *c, const char *dir, char **errptr)
+{
+    return checkpoint(c, PS_OP_SAVE, dir, errptr);
+}
+
+int ps_client_load(ps_client *c, const char *dir, char **errptr)
+{
+    return checkpoint(c, PS_OP_LOAD, dir, errptr);
+}
+
+int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
+{
+    *out = c->st;
+    memset(&out->shard_total, 0, sizeof out->shard_total);
+    memset(out->table_total, 0, sizeof out->table_total);
+    for (uint32_t s = 0; s < c->cfg.n_shards; s++) {
+        nng_msg *m = msg_simple(PS_OP_STATS, 0, 0, NULL, 0), *reply = NULL;
+        if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        int rc = request(c, s, m, true, (nng_duration)c->timeout_ms, &reply, errptr);
+        if (rc != CM_OK) return rc;
+        size_t want = sizeof(ps_server_stats) + c->cfg.n_tables * sizeof(emb_table_stats);
+        if (nng_msg_len(reply) != PS_HDR_BYTES + want) {
+            nng_msg_free(reply);
+            return cm_err(errptr, CM_ECORRUPT, "shard %u: STATS reply of unexpected size", s);
+        }
+        const uint8_t *p = (const uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES;
+        ps_server_stats ss;
+        memcpy(&ss, p, sizeof ss);
+        ps_server_stats *t = &out->shard_total;
+        t->requests += ss.requests;
+        t->errors += ss.errors;
+        t->bad_messages += ss.bad_messages;
+        t->bytes_in += ss.bytes_in;
+        t->bytes_out += ss.bytes_out;
+        t->rows_pulled += ss.rows_pulled;
+        t->rows_pushed += ss.rows_pushed;
+        if (s == 0) {
+            t->clocks_min = ss.clocks_min;
+            t->clocks_max = ss.clocks_max;
+            t->staleness_max = ss.staleness_max;
+        }
+        for (uint32_t i = 0; i < c->cfg.n_tables; i++) {
+            emb_table_stats ts;
+            memcpy(&ts, p + sizeof ss + i * sizeof ts, sizeof ts);
+            emb_table_stats *o = &out->table_total[i];
+            uint64_t *dst = (uint64_t *)o;
+            const uint64_t *src = (const uint64_t *)&ts;
+            for (size_t k = 0; k < sizeof ts / sizeof(uint64_t); k++) dst[k] += src[k];
+        }
+        nng_msg_free(reply);
+    }
+    return CM_OK;
+}
+
+int ps_client_shutdown(ps_client *c, char **errptr)
+{
+    ps_client_flush(c, NULL);
+    return broadcast(c, PS_OP_SHUTDOWN, NULL, 0, false, errptr);
+}

@@ -1,0 +1,171 @@
+#include "ps/dense.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* File: {magic "EMBDENS1", u32 version, u32 opt, u64 size, u64 step, u64 initialised}
+ * then values and the optimizer slots (adam: m, v; adagrad: a), then xxh3-64 of all before. */
+#define DENSE_MAGIC "EMBDENS1"
+#define DENSE_VERSION 1u
+
+struct ps_dense {
+    ps_dense_spec spec;
+    pthread_mutex_t mu;
+    uint64_t step, initialised;
+    float *w, *s1, *s2; /* values, first and second optimizer slots */
+};
+
+typedef struct dense_hdr {
+    char magic[8];
+    uint32_t version, opt;
+    uint64_t size, step, initialised;
+} dense_hdr;
+
+static uint32_t slots(ps_dense_opt opt)
+{
+    return opt == PS_DENSE_ADAM ? 2 : opt == PS_DENSE_ADAGRAD ? 1 : 0;
+}
+
+int ps_dense_create(const ps_dense_spec *spec, ps_dense **out, char **errptr)
+{
+    ps_dense *d = calloc(1, sizeof *d);
+    size_t n = (size_t)spec->size;
+    if (d == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    d->spec = *spec;
+    d->w = calloc(n, sizeof(float));
+    uint32_t k = slots(spec->opt);
+    if (k >= 1) d->s1 = calloc(n, sizeof(float));
+    if (k >= 2) d->s2 = calloc(n, sizeof(float));
+    if (d->w == NULL || (k >= 1 && d->s1 == NULL) || (k >= 2 && d->s2 == NULL)) {
+        ps_dense_destroy(d);
+        return cm_err(errptr, CM_ENOMEM, "out of memory for dense block '%s' (%zu floats)",
+                      spec->name, n);
+    }
+    pthread_mutex_init(&d->mu, NULL);
+    *out = d;
+    return CM_OK;
+}
+
+void ps_dense_destroy(ps_dense *d)
+{
+    if (d == NULL) return;
+    if (d->w) pthread_mutex_destroy(&d->mu);
+    free(d->w);
+    free(d->s1);
+    free(d->s2);
+    free(d);
+}
+
+void ps_dense_pull(ps_dense *d, float *out)
+{
+    pthread_mutex_lock(&d->mu);
+    memcpy(out, d->w, d->spec.size * sizeof(float));
+    pthread_mutex_unlock(&d->mu);
+}
+
+void ps_dense_push(ps_dense *d, const float *g)
+{
+    const size_t n = (size_t)d->spec.size;
+    const double lr = d->spec.lr, b1 = d->spec.beta1, b2 = d->spec.beta2, eps = d->spec.eps;
+    pthread_mutex_lock(&d->mu);
+    d->step++;
+    switch (d->spec.opt) {
+    case PS_DENSE_SGD:
+        for (size_t i = 0; i < n; i++) d->w[i] = (float)(d->w[i] - lr * g[i]);
+        break;
+    case PS_DENSE_ADAGRAD:
+        for (size_t i = 0; i < n; i++) {
+            double a = d->s1[i] + (double)g[i] * g[i];
+            d->s1[i] = (float)a;
+            d->w[i] = (float)(d->w[i] - lr * g[i] / (sqrt(a) + eps));
+        }
+        break;
+    case PS_DENSE_ADAM: {
+        double bc1 = 1.0 - pow(b1, (double)d->step), bc2 = 1.0 - pow(b2, (double)d->step);
+        double a = lr * sqrt(bc2) / bc1;
+        for (size_t i = 0; i < n; i++) {
+            double m = b1 * d->s1[i] + (1.0 - b1) * g[i];
+            double v = b2 * d->s2[i] + (1.0 - b2) * (double)g[i] * g[i];
+            d->s1[i] = (float)m;
+            d->s2[i] = (float)v;
+            d->w[i] = (float)(d->w[i] - a * m / (sqrt(v) + eps * sqrt(bc2)));
+        }
+        break;
+    }
+    }
+    pthread_mutex_unlock(&d->mu);
+}
+
+int ps_dense_init(ps_dense *d, const float *values)
+{
+    int assigned = 0;
+    pthread_mutex_lock(&d->mu);
+    if (!d->initialised) {
+        memcpy(d->w, values, d->spec.size * sizeof(float));
+        d->initialised = 1;
+        assigned = 1;
+    }
+    pthread_mutex_unlock(&d->mu);
+    return assigned;
+}
+
+int ps_dense_save(ps_dense *d, const char *path, char **errptr)
+{
+    cm_afile f;
+    int rc = cm_afile_open(&f, path, errptr);
+    if (rc != CM_OK) return rc;
+    size_t bytes = d->spec.size * sizeof(float);
+    pthread_mutex_lock(&d->mu);
+    dense_hdr h = {.version = DENSE_VERSION, .opt = (uint32_t)d->spec.opt, .size = d->spec.size,
+                   .step = d->step, .initialised = d->initialised};
+    memcpy(h.magic, DENSE_MAGIC, 8);
+    rc = cm_afile_write(&f, &h, sizeof h, errptr);
+    if (rc == CM_OK) rc = cm_afile_write(&f, d->w, bytes, errptr);
+    if (rc == CM_OK && d->s1) rc = cm_afile_write(&f, d->s1, bytes, errptr);
+    if (rc == CM_OK && d->s2) rc = cm_afile_write(&f, d->s2, bytes, errptr);
+    pthread_mutex_unlock(&d->mu);
+    if (rc == CM_OK) {
+        uint64_t digest = cm_afile_digest(&f);
+        rc = cm_afile_write(&f, &digest, sizeof digest, errptr);
+    }
+    if (rc == CM_OK) return cm_afile_commit(&f, errptr);
+    cm_afile_abort(&f);
+    return rc;
+}
+
+int ps_dense_load(const char *path, const ps_dense_spec *spec, ps_dense **out, char **errptr)
+{
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int rc = cm_read_file(path, (void **)&buf, &len, errptr);
+    if (rc != CM_OK) return rc == CM_ENOTFOUND ? CM_ECORRUPT : rc;
+    size_t bytes = spec->size * sizeof(float), k = slots(spec->opt);
+    dense_hdr h;
+    uint64_t trailer;
+    ps_dense *d = NULL;
+    if (len != sizeof h + (1 + k) * bytes + 8) {
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: size %zu, expected %zu (truncated or wrong block)",
+                    path, len, sizeof h + (1 + k) * bytes + 8);
+        goto out;
+    }
+    memcpy(&h, buf, sizeof h);
+    memcpy(&trailer, buf + len - 8, 8);
+    if (memcmp(h.magic, DENSE_MAGIC, 8) || h.version != DENSE_VERSION ||
+        h.opt != (uint32_t)spec->opt || h.size != spec->size || cm_xxh3(buf, len - 8) != trailer) {
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: bad header or checksum mismatch", path);
+        goto out;
+    }
+    rc = ps_dense_create(spec, &d, errptr);
+    if (rc != CM_OK) goto out;
+    memcpy(d->w, buf + sizeof h, bytes);
+    if (k >= 1) memcpy(d->s1, buf + sizeof h + bytes, bytes);
+    if (k >= 2) memcpy(d->s2, buf + sizeof h + 2 * bytes, bytes);
+    d->step = h.step;
+    d->initialised = h.initialised;
+    *out = d;
+out:
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,26 @@
+/*
+ * Private to ps/: a dense parameter block (e.g. an MLP's weights) held by one shard and
+ * updated there by its optimizer. A block is uninitialised until the first INIT_DENSE (workers
+ * race; the first one's values win) and reads as zeros until then.
+ */
+#ifndef EMBER_PS_DENSE_H
+#define EMBER_PS_DENSE_H
+
+#include "ps/ps.h"
+
+typedef struct ps_dense ps_dense;
+
+int ps_dense_create(const ps_dense_spec *spec, ps_dense **out, char **errptr);
+void ps_dense_destroy(ps_dense *d);
+/* Copies the values (spec->size floats) into out. Thread-safe. */
+void ps_dense_pull(ps_dense *d, float *out);
+/* One optimizer step with gradient g (spec->size floats). Thread-safe. */
+void ps_dense_push(ps_dense *d, const float *g);
+/* Assigns values unless already initialised; returns 1 when assigned, 0 otherwise. */
+int ps_dense_init(ps_dense *d, const float *values);
+/* Writes/reads the block (values, optimizer state, step) as one checksummed file. load builds
+ * a new block and fails with CM_ECORRUPT naming the file on any mismatch. */
+int ps_dense_save(ps_dense *d, const char *path, char **errptr);
+int ps_dense_load(const char *path, const ps_dense_spec *spec, ps_dense **out, char **errptr);
+
+#endif

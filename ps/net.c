@@ -1,0 +1,102 @@
+#include "ps/net.h"
+
+#include <nng/supplemental/tls/tls.h>
+#include <string.h>
+
+static int tls_config(const ps_config *cfg, nng_tls_mode mode, nng_tls_config **out,
+                      char **errptr)
+{
+    nng_tls_config *tls = NULL;
+    int rv = nng_tls_config_alloc(&tls, mode);
+    if (rv != 0) return cm_err(errptr, CM_EIO, "TLS unavailable: %s", nng_strerror(rv));
+    const char *what = NULL;
+    if (cfg->tls_cert[0] && (rv = nng_tls_config_cert_key_file(tls, cfg->tls_cert,
+                                                               cfg->tls_key[0] ? cfg->tls_key : NULL)) != 0)
+        what = cfg->tls_cert;
+    else if (cfg->tls_ca[0] && (rv = nng_tls_config_ca_file(tls, cfg->tls_ca)) != 0)
+        what = cfg->tls_ca;
+    else if ((rv = nng_tls_config_auth_mode(tls, cfg->tls_ca[0] ? NNG_TLS_AUTH_MODE_REQUIRED
+                                                               : NNG_TLS_AUTH_MODE_NONE)) != 0)
+        what = "auth mode";
+    else if (mode == NNG_TLS_MODE_CLIENT && cfg->tls_ca[0])
+        rv = nng_tls_config_server_name(tls, "localhost");
+    if (rv != 0) {
+        nng_tls_config_free(tls);
+        return cm_err(errptr, CM_EIO, "TLS setup failed at %s: %s", what ? what : "server name",
+                      nng_strerror(rv));
+    }
+    *out = tls;
+    return CM_OK;
+}
+
+static int is_tls(const char *url)
+{
+    return strncmp(url, "tls+", 4) == 0;
+}
+
+int ps_net_listen(nng_socket sock, const char *url, const ps_config *cfg, char **errptr)
+{
+    nng_listener l;
+    int rv = nng_listener_create(&l, sock, url);
+    if (rv != 0) return cm_err(errptr, CM_EIO, "cannot listen on %s: %s", url, nng_strerror(rv));
+    if (is_tls(url)) {
+        if (!cfg->tls_cert[0])
+            return cm_err(errptr, CM_EINVAL, "%s needs tls_cert and tls_key in [cluster]", url);
+        nng_tls_config *tls;
+        int rc = tls_config(cfg, NNG_TLS_MODE_SERVER, &tls, errptr);
+        if (rc != CM_OK) return rc;
+        rv = nng_listener_set_ptr(l, NNG_OPT_TLS_CONFIG, tls);
+        nng_tls_config_free(tls); /* the listener holds its own reference */
+        if (rv != 0) return cm_err(errptr, CM_EIO, "cannot set TLS on %s: %s", url, nng_strerror(rv));
+    }
+    rv = nng_listener_start(l, 0);
+    if (rv != 0) return cm_err(errptr, CM_EIO, "cannot listen on %s: %s", url, nng_strerror(rv));
+    return CM_OK;
+}
+
+int ps_net_dial(nng_socket sock, const char *url, const ps_config *cfg, char **errptr)
+{
+    nng_dialer d;
+    int rv = nng_dialer_create(&d, sock, url);
+    if (rv != 0) return cm_err(errptr, CM_EIO, "cannot dial %s: %s", url, nng_strerror(rv));
+    if (is_tls(url)) {
+        nng_tls_config *tls;
+        int rc = tls_config(cfg, NNG_TLS_MODE_CLIENT, &tls, errptr);
+        if (rc != CM_OK) return rc;
+        rv = nng_dialer_set_ptr(d, NNG_OPT_TLS_CONFIG, tls);
+        nng_tls_config_free(tls);
+        if (rv != 0) return cm_err(errptr, CM_EIO, "cannot set TLS on %s: %s", url, nng_strerror(rv));
+    }
+    /* Non-blocking: the dialer keeps retrying in the background, so a PS that starts later
+     * (or restarts) is picked up; requests time out on their own. */
+    rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK);
+    if (rv != 0) return cm_err(errptr, CM_EIO, "cannot dial %s: %s", url, nng_strerror(rv));
+    return CM_OK;
+}
+
+int ps_msg_new(const ps_hdr *h, size_t payload_len, nng_msg **out, uint8_t **payload)
+{
+    nng_msg *m;
+    if (nng_msg_alloc(&m, PS_HDR_BYTES + payload_len) != 0) return CM_ENOMEM;
+    ps_hdr hdr;
+    memset(&hdr, 0, sizeof hdr);
+    if (h != NULL) {
+        hdr.op = h->op;
+        hdr.table = h->table;
+        hdr.count = h->count;
+        hdr.codec = h->codec;
+        hdr.worker = h->worker;
+        hdr.clock = h->clock;
+        hdr.req_id = h->req_id;
+        hdr.flags = h->flags;
+    }
+    memcpy(nng_msg_body(m), &hdr, sizeof hdr);
+    *out = m;
+    *payload = (uint8_t *)nng_msg_body(m) + PS_HDR_BYTES;
+    return CM_OK;
+}
+
+void ps_msg_seal(nng_msg *m)
+{
+    ps_wire_seal(nng_msg_body(m), nng_msg_len(m) - PS_HDR_BYTES);
+}

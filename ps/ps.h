@@ -1,0 +1,232 @@
+/*
+ * ps: the parameter server and its client.
+ *
+ * Design
+ * ------
+ * A cluster has N shards. Each `ember ps` process serves one shard of every embedding table
+ * (an emb_table from embedding/) and the dense parameter blocks assigned to it. A key belongs
+ * to shard jump_consistent_hash(xxh3(key), N): every client computes the same function, and
+ * growing N moves only ~1/N of the keys. Dense block b lives on shard b % N.
+ *
+ * Transport is nng req/rep. The server opens one rep socket with many contexts, each an
+ * independent recv -> handle -> send state machine, so requests from many workers are served
+ * on all cores and a worker can keep several requests in flight per shard. The client opens a
+ * req socket per shard with a window of contexts; pull() fans out to every shard at once and
+ * gathers, push() returns as soon as its messages are queued and blocks only when the window is
+ * full (back-pressure instead of unbounded memory).
+ *
+ * The wire format (docs/PROTOCOL.md) is a 56-byte header {magic, version, op, table, count,
+ * codec, flags, status, worker, clock, request id, payload length, checksum} and a payload.
+ * The checksum is xxh3-64 over the header (checksum field zeroed) and payload. The server
+ * validates every field and length before it touches a table; a bad message gets an error
+ * reply (status < 0 and a text payload) and is counted; nothing is applied in part.
+ *
+ * Codecs: keys travel sorted and delta-varint encoded; values as fp32, fp16, bf16, or int8 with
+ * a per-row fp32 scale. With int8 the client keeps each row's quantisation residual and adds it
+ * into that row's next push (error feedback).
+ *
+ * Consistency: asynchronous by default. With staleness k >= 0 a worker's clock() blocks until
+ * it is at most k clocks ahead of the slowest worker (k = 0 is synchronous); shard 0 keeps the
+ * clocks and defers its replies. Workers flush their
+ * pushes before they clock, so clock c means "all my updates of iterations < c are applied".
+ *
+ * Checkpoints are collective: every worker flushes and meets the others at a barrier (served by
+ * shard 0), so all updates issued before the checkpoint are applied and none after; worker 0
+ * has every shard snapshot its tables (each table paused while it is copied), and all meet
+ * again. The same cut on every shard, no update half applied, no optimizer slot ahead of its
+ * weights. Training pauses for the length of the snapshot (docs/PROTOCOL.md).
+ *
+ * Errors: 0 or a negative CM_* code, message in *errptr (caller frees). Network and RocksDB
+ * errors are converted at the boundary. The server never exits on bad input.
+ */
+#ifndef EMBER_PS_H
+#define EMBER_PS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+#include "embedding/embedding.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PS_PROTOCOL_VERSION 1u
+#define PS_MAX_TABLES 64u
+#define PS_MAX_DENSE 64u
+#define PS_MAX_SHARDS 1024u
+#define PS_MAX_WORKERS 1024u
+#define PS_NAME_MAX 32u
+
+typedef enum ps_codec {
+    PS_CODEC_F32 = 0,
+    PS_CODEC_F16 = 1,
+    PS_CODEC_BF16 = 2,
+    PS_CODEC_INT8 = 3, /* per-row fp32 scale + dim int8 */
+} ps_codec;
+
+/* "fp32", "fp16", "bf16", "int8". 0 or CM_EINVAL. */
+int ps_codec_parse(const char *name, ps_codec *out);
+const char *ps_codec_name(ps_codec c);
+/* Bytes one row of dim values takes in a codec. */
+size_t ps_codec_row_bytes(ps_codec c, uint32_t dim);
+
+/* The shard a key belongs to among n (jump consistent hash of xxh3(key)). */
+uint32_t ps_key_shard(uint64_t key, uint32_t n_shards);
+
+typedef enum ps_dense_opt { PS_DENSE_ADAM = 0, PS_DENSE_ADAGRAD = 1, PS_DENSE_SGD = 2 } ps_dense_opt;
+
+typedef struct ps_table_spec {
+    char name[PS_NAME_MAX];
+    emb_table_config cfg; /* spill_path is derived per shard; mem budget is per shard */
+    ps_codec push_codec, pull_codec;
+} ps_table_spec;
+
+typedef struct ps_dense_spec {
+    char name[PS_NAME_MAX];
+    uint64_t size; /* floats */
+    ps_dense_opt opt;
+    float lr, beta1, beta2, eps;
+} ps_dense_spec;
+
+/* A whole cluster's configuration: the same file for every PS and worker. */
+typedef struct ps_config {
+    uint32_t n_shards;
+    uint32_t n_workers;
+    int32_t staleness;        /* -1 = asynchronous */
+    uint64_t max_msg_bytes;   /* receive limit, default 256 MiB */
+    char spill_dir[1024];     /* shard s, table t spills to <spill_dir>/shard-<s>/<name> */
+    char tls_cert[1024], tls_key[1024], tls_ca[1024]; /* PEM files for tls+tcp:// */
+    uint32_t n_tables, n_dense;
+    ps_table_spec tables[PS_MAX_TABLES];
+    ps_dense_spec dense[PS_MAX_DENSE];
+} ps_config;
+
+/* Defaults: 1 shard, 1 worker, asynchronous, 256 MiB messages, spill under /tmp/ember-spill,
+ * no tables. */
+void ps_config_init(ps_config *cfg);
+
+/*
+ * Parses an INI-style config file:
+ *   [cluster]  shards, workers, staleness, max_message (bytes; K/M/G suffixes), spill_dir,
+ *              tls_cert, tls_key, tls_ca
+ *   [table NAME]  dim, optimizer, lr, l2, eps, beta1, beta2, adagrad_init, ftrl_beta, ftrl_l1,
+ *              init_scale, seed, memory (per-shard budget, K/M/G), admit, ttl, push_codec,
+ *              pull_codec
+ *   [dense NAME]  size, optimizer (adam|adagrad|sgd), lr, beta1, beta2, eps
+ * '#' starts a comment. An unknown section or key, a bad value, or a missing required field is
+ * an error naming the file and line. Tables and dense blocks get ids in file order.
+ */
+int ps_config_load(const char *path, ps_config *cfg, char **errptr);
+/* Validates a config (also run by ps_config_load). */
+int ps_config_check(const ps_config *cfg, char **errptr);
+
+/* Memory and disk cost of holding `rows` rows of table t in one shard: exact bytes per row
+ * (record + hash slot overhead at the maximum load factor) and totals. */
+typedef struct ps_plan_row {
+    uint64_t row_bytes;      /* one record */
+    double mem_bytes_per_row; /* record + ctrl byte, over the maximum load factor */
+    uint64_t rows_in_memory; /* rows the budget holds (all when unlimited) */
+    uint64_t rows_spilled;
+    double mem_bytes, disk_bytes;
+} ps_plan_row;
+void ps_plan(const ps_config *cfg, uint32_t table, uint64_t rows, ps_plan_row *out);
+
+/* ---------------- server ---------------- */
+
+typedef struct ps_server ps_server;
+
+typedef struct ps_server_opts {
+    const ps_config *cfg; /* borrowed for the server's life */
+    const char *listen;   /* nng URL, e.g. tcp://127.0.0.1:7000, ipc:///tmp/ps0 */
+    uint32_t shard;
+    uint32_t n_contexts; /* concurrent requests in service; 0 = 64 */
+} ps_server_opts;
+
+/* Creates the shard's tables and starts listening. *out is the caller's (ps_server_destroy). */
+int ps_server_create(const ps_server_opts *opts, ps_server **out, char **errptr);
+/* Blocks until a SHUTDOWN request arrives or ps_server_stop is called. */
+int ps_server_wait(ps_server *s);
+/* Asks the server to stop (async-signal-safe apart from being a store). */
+void ps_server_stop(ps_server *s);
+/* Stops serving and frees everything. */
+void ps_server_destroy(ps_server *s);
+
+typedef struct ps_server_stats {
+    uint64_t requests, errors, bad_messages;
+    uint64_t bytes_in, bytes_out;
+    uint64_t rows_pulled, rows_pushed;
+    uint64_t clocks_min, clocks_max; /* slowest and fastest worker clock seen */
+    uint64_t staleness_max;          /* largest observed clock gap */
+} ps_server_stats;
+void ps_server_stats_get(ps_server *s, ps_server_stats *out);
+
+/* ---------------- client ---------------- */
+
+typedef struct ps_client ps_client;
+
+typedef struct ps_client_opts {
+    const ps_config *cfg;    /* borrowed for the client's life */
+    const char *const *urls; /* cfg->n_shards URLs, shard order */
+    uint32_t worker;         /* this worker's index < cfg->n_workers */
+    uint32_t window;         /* in-flight requests per shard; 0 = 8 */
+    uint32_t timeout_ms;     /* per request; 0 = 30000 */
+} ps_client_opts;
+
+/* Connects to every shard and runs the HELLO handshake (protocol version, shard index and
+ * count, table configs); a mismatch is an error naming the shard and field. */
+int ps_client_create(const ps_client_opts *opts, ps_client **out, char **errptr);
+/* Waits for in-flight pushes, then disconnects. NULL is fine. */
+void ps_client_destroy(ps_client *c);
+
+/* Pulls n keys of a table into out (n * dim floats, caller's order). Duplicates are fetched
+ * once. Waits for this client's earlier pushes to the same shards to be applied first. */
+int ps_client_pull(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, float *out,
+                   char **errptr);
+/* Pushes gradients for n keys (n * dim floats); duplicated keys are summed first. Returns once
+ * queued; an error of an earlier asynchronous push is reported by a later call. */
+int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
+                   const float *grads, char **errptr);
+/* Waits until every queued push is acknowledged. */
+int ps_client_flush(ps_client *c, char **errptr);
+
+/* Dense blocks: whole-block pull; push of a gradient (applied by the block's optimizer).
+ * ps_client_dense_init assigns initial values unless the block was already initialised (the
+ * first worker wins); *assigned tells which happened. */
+int ps_client_dense_pull(ps_client *c, uint32_t block, float *out, char **errptr);
+int ps_client_dense_push(ps_client *c, uint32_t block, const float *grads, char **errptr);
+int ps_client_dense_init(ps_client *c, uint32_t block, const float *values, int *assigned,
+                         char **errptr);
+
+/* Flushes, then advances this worker's clock; blocks while it is more than staleness clocks
+ * ahead of the slowest worker. Returns the new clock in *clock (optional). */
+int ps_client_clock(ps_client *c, uint64_t *clock, char **errptr);
+
+/* Waits until all workers have entered the same barrier (by count of calls). */
+int ps_client_barrier(ps_client *c, char **errptr);
+
+/* Collective: every worker calls it at the same point. All flush and meet at a barrier, so
+ * every update issued before the call is applied and none after; worker 0 then has every shard
+ * snapshot into dir/shard-<i>; all meet again and continue. The result is one consistent cut. */
+int ps_client_save(ps_client *c, const char *dir, char **errptr);
+/* Collective like save: every shard replaces its tables and dense blocks with a checkpoint's. */
+int ps_client_load(ps_client *c, const char *dir, char **errptr);
+
+typedef struct ps_client_stats {
+    uint64_t bytes_sent, bytes_received;
+    uint64_t rows_pulled, rows_pushed;
+    double push_sq_error, push_sq_norm; /* quantisation error of pushes (sum of squares) */
+    ps_server_stats shard_total;        /* summed over shards by ps_client_stats_get */
+    emb_table_stats table_total[PS_MAX_TABLES];
+} ps_client_stats;
+/* Local counters plus every shard's STATS reply. */
+int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr);
+
+/* Asks every shard to exit. */
+int ps_client_shutdown(ps_client *c, char **errptr);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,693 @@
+/*
+ * The PS server: one rep socket, many contexts, each a recv -> handle -> send loop run from
+ * nng's completion callbacks. CLOCK and BARRIER replies may be deferred: the context parks on
+ * a wait list (it stops receiving) and whoever completes the condition sends its reply.
+ *
+ * Tables sit behind a read-write lock: every request holds it shared; LOAD takes it exclusive
+ * only to swap in tables it has already built and verified, so a bad checkpoint never
+ * replaces good state.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/rep.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ps/dense.h"
+#include "ps/net.h"
+
+enum { ST_RECV, ST_SEND, ST_PARKED };
+
+typedef struct srv_ctx {
+    struct ps_server *s;
+    nng_ctx ctx;
+    nng_aio *aio;
+    int state;
+    uint64_t wait_for; /* parked: the clock or barrier generation awaited */
+    ps_hdr req;        /* parked: the request's header, for the reply */
+    struct srv_ctx *next;
+} srv_ctx;
+
+struct ps_server {
+    ps_config cfg;
+    uint32_t shard;
+    nng_socket sock;
+    bool sock_open;
+    uint32_t n_ctx;
+    srv_ctx *ctxs;
+    pthread_rwlock_t tables_lock;
+    emb_table *tables[PS_MAX_TABLES];
+    ps_dense *dense[PS_MAX_DENSE]; /* NULL for blocks other shards own */
+    pthread_mutex_t mu;            /* clocks, barrier, stop */
+    pthread_cond_t stop_cv;
+    bool stopping;
+    uint64_t *clocks; /* per worker */
+    srv_ctx *clock_waiters, *barrier_waiters;
+    uint64_t barrier_gen, barrier_arrived;
+    ps_server_stats st; /* atomics */
+};
+
+#define STAT_ADD(s, field, v) __atomic_add_fetch(&(s)->st.field, (v), __ATOMIC_RELAXED)
+
+/* ---- replies ---- */
+
+static void ctx_send(srv_ctx *c, nng_msg *reply)
+{
+    ps_msg_seal(reply);
+    STAT_ADD(c->s, bytes_out, nng_msg_len(reply));
+    c->state = ST_SEND;
+    nng_aio_set_msg(c->aio, reply);
+    nng_ctx_send(c->ctx, c->aio);
+}
+
+/* An error reply: status < 0 and the message as payload. NULL when out of memory. */
+static nng_msg *reply_error(struct ps_server *s, const ps_hdr *req, int code, const char *msg)
+{
+    STAT_ADD(s, errors, 1);
+    size_t len = strlen(msg);
+    nng_msg *m;
+    uint8_t *p;
+    if (ps_msg_new(req, len, &m, &p) != CM_OK) return NULL;
+    memcpy(p, msg, len);
+    ps_hdr h;
+    memcpy(&h, nng_msg_body(m), sizeof h);
+    h.status = (int16_t)(code < 0 ? code : CM_ERR);
+    memcpy(nng_msg_body(m), &h, sizeof h);
+    return m;
+}
+
+static nng_msg *reply_ok(const ps_hdr *req, size_t payload, uint8_t **p)
+{
+    nng_msg *m;
+    uint8_t *dummy;
+    if (ps_msg_new(req, payload, &m, p ? p : &dummy) != CM_OK) return NULL;
+    return m;
+}
+
+/* ---- clocks and barriers (shard 0) ---- */
+
+static uint64_t min_clock(const struct ps_server *s)
+{
+    uint64_t m = UINT64_MAX;
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++)
+        if (s->clocks[w] < m) m = s->clocks[w];
+    return m;
+}
+
+static bool clock_ready(const struct ps_server *s, uint64_t c)
+{
+    return s->cfg.staleness < 0 || c <= min_clock(s) + (uint64_t)s->cfg.staleness;
+}
+
+/* Sends the replies of parked contexts whose condition now holds; s->mu held. */
+static void release_clock_waiters(struct ps_server *s)
+{
+    srv_ctx **pp = &s->clock_waiters;
+    while (*pp) {
+        srv_ctx *c = *pp;
+        if (!clock_ready(s, c->wait_for)) {
+            pp = &c->next;
+            continue;
+        }
+        *pp = c->next;
+        nng_msg *m = reply_ok(&c->req, 0, NULL);
+        if (m) ctx_send(c, m);
+    }
+}
+
+static void note_clock(struct ps_server *s, uint32_t worker, uint64_t c)
+{
+    if (c > s->clocks[worker]) s->clocks[worker] = c;
+    uint64_t lo = min_clock(s), hi = 0;
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++)
+        if (s->clocks[w] > hi) hi = s->clocks[w];
+    s->st.clocks_min = lo;
+    s->st.clocks_max = hi;
+    if (hi - lo > s->st.staleness_max) s->st.staleness_max = hi - lo;
+}
+
+/* Returns true when the context was parked (reply later). */
+static bool handle_clock(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_msg **reply)
+{
+    pthread_mutex_lock(&s->mu);
+    note_clock(s, h->worker, h->clock);
+    release_clock_waiters(s);
+    bool park = !clock_ready(s, h->clock);
+    if (park) {
+        c->state = ST_PARKED;
+        c->wait_for = h->clock;
+        c->req = *h;
+        c->next = s->clock_waiters;
+        s->clock_waiters = c;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!park) *reply = reply_ok(h, 0, NULL);
+    return park;
+}
+
+static bool handle_barrier(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_msg **reply)
+{
+    bool park = false;
+    pthread_mutex_lock(&s->mu);
+    if (h->clock != s->barrier_gen) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "worker %u entered barrier %u, the cluster is at %" PRIu64,
+                 h->worker, h->clock, s->barrier_gen);
+        *reply = reply_error(s, h, CM_EINVAL, msg);
+    } else if (++s->barrier_arrived == s->cfg.n_workers) {
+        s->barrier_gen++;
+        s->barrier_arrived = 0;
+        for (srv_ctx *w = s->barrier_waiters, *next; w; w = next) {
+            next = w->next;
+            nng_msg *m = reply_ok(&w->req, 0, NULL);
+            if (m) ctx_send(w, m);
+        }
+        s->barrier_waiters = NULL;
+        *reply = reply_ok(h, 0, NULL);
+    } else {
+        park = true;
+        c->state = ST_PARKED;
+        c->req = *h;
+        c->next = s->barrier_waiters;
+        s->barrier_waiters = c;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return park;
+}
+
+/* ---- tables ---- */
+
+static int check_keys_owned(struct ps_server *s, const uint64_t *keys, size_t n, char *msg,
+                            size_t msgn)
+{
+    for (size_t i = 0; i < n; i++)
+        if (ps_key_shard(keys[i], s->cfg.n_shards) != s->shard) {
+            snprintf(msg, msgn, "key %" PRIu64 " belongs to shard %u, not %u", keys[i],
+                     ps_key_shard(keys[i], s->cfg.n_shards), s->shard);
+            return CM_EINVAL;
+        }
+    return CM_OK;
+}
+
+/* PULL payload: keys. Reply: rows in the requested codec. PUSH payload: u32 key bytes, keys,
+ * rows. Everything is validated before the table is touched. */
+static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t *p)
+{
+    char msg[256];
+    char *err = NULL;
+    nng_msg *reply = NULL;
+    uint64_t *keys = NULL;
+    float *vals = NULL;
+    int rc = CM_OK;
+    if (h->table >= s->cfg.n_tables) {
+        snprintf(msg, sizeof msg, "no table %u (the cluster has %u)", h->table, s->cfg.n_tables);
+        return reply_error(s, h, CM_EINVAL, msg);
+    }
+    const uint32_t dim = s->cfg.tables[h->table].cfg.dim;
+    const size_t n = h->count;
+    if (h->codec > PS_CODEC_INT8) {
+        snprintf(msg, sizeof msg, "unknown codec %u", h->codec);
+        return reply_error(s, h, CM_EINVAL, msg);
+    }
+    const size_t row_bytes = ps_codec_row_bytes((ps_codec)h->codec, dim);
+    /* Every key takes at least one byte, so count is bounded by what arrived. */
+    if (n == 0 || n > h->payload_len || (double)n * row_bytes > (double)s->cfg.max_msg_bytes) {
+        snprintf(msg, sizeof msg, "count %zu is zero or does not fit the message", n);
+        STAT_ADD(s, bad_messages, 1);
+        return reply_error(s, h, CM_EINVAL, msg);
+    }
+    size_t key_bytes = h->payload_len;
+    if (h->op == PS_OP_PUSH) {
+        uint32_t kb;
+        if (h->payload_len < 4) goto short_payload;
+        memcpy(&kb, p, 4);
+        if ((uint64_t)kb + 4 + (uint64_t)n * row_bytes != h->payload_len) goto short_payload;
+        key_bytes = kb;
+        p += 4;
+    }
+    keys = malloc(n * sizeof *keys);
+    vals = malloc(n * dim * sizeof *vals);
+    if (keys == NULL || vals == NULL) {
+        reply = reply_error(s, h, CM_ENOMEM, "server out of memory");
+        goto out;
+    }
+    rc = ps_keys_decode(p, key_bytes, n, keys, &err);
+    if (rc == CM_OK && h->op == PS_OP_PUSH)
+        rc = ps_codec_decode((ps_codec)h->codec, p + key_bytes, n, dim, vals, &err);
+    if (rc != CM_OK) {
+        STAT_ADD(s, bad_messages, 1);
+        reply = reply_error(s, h, rc, err);
+        goto out;
+    }
+    if (check_keys_owned(s, keys, n, msg, sizeof msg) != CM_OK) {
+        STAT_ADD(s, bad_messages, 1);
+        reply = reply_error(s, h, CM_EINVAL, msg);
+        goto out;
+    }
+    pthread_rwlock_rdlock(&s->tables_lock);
+    emb_table *t = s->tables[h->table];
+    if (h->op == PS_OP_PULL) {
+        rc = emb_table_pull(t, keys, n, vals, &err);
+        uint8_t *out;
+        if (rc == CM_OK && (reply = reply_ok(h, n * row_bytes, &out)) != NULL)
+            ps_codec_encode((ps_codec)h->codec, vals, n, dim, out, NULL);
+        if (rc == CM_OK) STAT_ADD(s, rows_pulled, n);
+    } else {
+        rc = emb_table_push(t, keys, n, vals, &err);
+        if (rc == CM_OK) reply = reply_ok(h, 0, NULL);
+        if (rc == CM_OK) STAT_ADD(s, rows_pushed, n);
+    }
+    pthread_rwlock_unlock(&s->tables_lock);
+    if (rc != CM_OK) reply = reply_error(s, h, rc, err);
+out:
+    free(err);
+    free(keys);
+    free(vals);
+    return reply;
+short_payload:
+    STAT_ADD(s, bad_messages, 1);
+    snprintf(msg, sizeof msg, "payload of %" PRIu64 " bytes does not match %zu rows of %s",
+             h->payload_len, n, ps_codec_name((ps_codec)h->codec));
+    return reply_error(s, h, CM_EINVAL, msg);
+}
+
+static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t *p)
+{
+    char msg[160];
+    if (h->table >= s->cfg.n_dense || s->dense[h->table] == NULL) {
+        snprintf(msg, sizeof msg, "dense block %u is not on shard %u", h->table, s->shard);
+        return reply_error(s, h, CM_EINVAL, msg);
+    }
+    size_t n = (size_t)s->cfg.dense[h->table].size;
+    size_t want = h->op == PS_OP_PULL_DENSE ? 0 : n * sizeof(float);
+    if (h->payload_len != want) {
+        STAT_ADD(s, bad_messages, 1);
+        snprintf(msg, sizeof msg, "dense payload of %" PRIu64 " bytes, expected %zu", h->payload_len,
+                 want);
+        return reply_error(s, h, CM_EINVAL, msg);
+    }
+    nng_msg *reply = NULL;
+    pthread_rwlock_rdlock(&s->tables_lock);
+    ps_dense *d = s->dense[h->table];
+    if (h->op == PS_OP_PULL_DENSE) {
+        uint8_t *out;
+        if ((reply = reply_ok(h, n * sizeof(float), &out)) != NULL) ps_dense_pull(d, (float *)out);
+    } else {
+        float *g = malloc(n * sizeof *g);
+        bool finite = g != NULL;
+        if (g) memcpy(g, p, n * sizeof *g);
+        for (size_t i = 0; finite && i < n; i++) finite = isfinite(g[i]);
+        if (g == NULL) {
+            reply = reply_error(s, h, CM_ENOMEM, "server out of memory");
+        } else if (!finite) {
+            STAT_ADD(s, bad_messages, 1);
+            reply = reply_error(s, h, CM_EINVAL, "non-finite value in a dense push");
+        } else if (h->op == PS_OP_PUSH_DENSE) {
+            ps_dense_push(d, g);
+            reply = reply_ok(h, 0, NULL);
+        } else {
+            ps_hdr r = *h;
+            r.flags = (uint8_t)ps_dense_init(d, g);
+            reply = reply_ok(&r, 0, NULL);
+        }
+        free(g);
+    }
+    pthread_rwlock_unlock(&s->tables_lock);
+    return reply;
+}
+
+/* ---- checkpoints ---- */
+
+static int shard_paths(const char *dir, uint32_t shard, char *out, size_t n, char *tmp, size_t tn)
+{
+    int a = snprintf(out, n, "%s/shard-%u", dir, shard);
+    int b = snprintf(tmp, tn, "%s/shard-%u.tmp", dir, shard);
+    return (a < 0 || (size_t)a >= n || b < 0 || (size_t)b >= tn) ? CM_EINVAL : CM_OK;
+}
+
+static int shard_manifest(struct ps_server *s, char *buf, size_t n)
+{
+    int len = snprintf(buf, n, "ember-ps-shard 1\nshard %u\nshards %u\n", s->shard, s->cfg.n_shards);
+    for (uint32_t i = 0; i < s->cfg.n_tables && len > 0 && (size_t)len < n; i++)
+        len += snprintf(buf + len, n - (size_t)len, "table %s %016" PRIx64 "\n", s->cfg.tables[i].name,
+                        ps_table_fingerprint(&s->cfg.tables[i]));
+    for (uint32_t i = 0; i < s->cfg.n_dense && len > 0 && (size_t)len < n; i++)
+        len += snprintf(buf + len, n - (size_t)len, "dense %s %016" PRIx64 "\n", s->cfg.dense[i].name,
+                        ps_dense_fingerprint(&s->cfg.dense[i]));
+    if (len < 0 || (size_t)len >= n) return -1;
+    int t = snprintf(buf + len, n - (size_t)len, "checksum %016" PRIx64 "\n", cm_xxh3(buf, (size_t)len));
+    return (t < 0 || (size_t)(len + t) >= n) ? -1 : len + t;
+}
+
+static int save_shard(struct ps_server *s, const char *dir, char **errptr)
+{
+    char final[2048], tmp[2048], path[2300], manifest[16384];
+    if (shard_paths(dir, s->shard, final, sizeof final, tmp, sizeof tmp) != CM_OK)
+        return cm_err(errptr, CM_EINVAL, "checkpoint path too long: %s", dir);
+    int rc = cm_rmtree(tmp, errptr);
+    if (rc == CM_OK) rc = cm_mkdirs(tmp, errptr);
+    for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_tables; i++) {
+        snprintf(path, sizeof path, "%s/table-%s", tmp, s->cfg.tables[i].name);
+        rc = emb_table_snapshot(s->tables[i], path, errptr);
+    }
+    for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_dense; i++) {
+        if (s->dense[i] == NULL) continue;
+        snprintf(path, sizeof path, "%s/dense-%s.bin", tmp, s->cfg.dense[i].name);
+        rc = ps_dense_save(s->dense[i], path, errptr);
+    }
+    if (rc == CM_OK) {
+        int len = shard_manifest(s, manifest, sizeof manifest);
+        snprintf(path, sizeof path, "%s/MANIFEST", tmp);
+        rc = len < 0 ? cm_err(errptr, CM_ERR, "shard manifest too long")
+                     : cm_write_file_atomic(path, manifest, (size_t)len, errptr);
+    }
+    if (rc == CM_OK) rc = cm_fsync_dir(tmp, errptr);
+    if (rc == CM_OK) rc = cm_dir_swap(tmp, final, errptr);
+    if (rc != CM_OK) cm_rmtree(tmp, NULL);
+    return rc;
+}
+
+static int load_shard(struct ps_server *s, const char *dir, char **errptr)
+{
+    char final[2048], tmp[2048], path[2300], manifest[16384];
+    if (shard_paths(dir, s->shard, final, sizeof final, tmp, sizeof tmp) != CM_OK)
+        return cm_err(errptr, CM_EINVAL, "checkpoint path too long: %s", dir);
+    snprintf(path, sizeof path, "%s/MANIFEST", final);
+    char *text = NULL;
+    size_t len = 0;
+    int rc = cm_read_file(path, (void **)&text, &len, errptr);
+    if (rc != CM_OK) return rc;
+    int want = shard_manifest(s, manifest, sizeof manifest);
+    if (want < 0 || (size_t)want != len || memcmp(text, manifest, len) != 0)
+        rc = cm_err(errptr, CM_ECORRUPT,
+                    "%s does not match this shard (index, shard count, table configs) or is "
+                    "corrupt",
+                    path);
+    free(text);
+    emb_table *tables[PS_MAX_TABLES] = {0};
+    ps_dense *dense[PS_MAX_DENSE] = {0};
+    for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_tables; i++) {
+        emb_table_config cfg = *emb_table_get_config(s->tables[i]);
+        snprintf(path, sizeof path, "%s/table-%s", final, s->cfg.tables[i].name);
+        /* The live table owns its spill path: the restored one gets a sibling. */
+        char spill[2100];
+        if (cfg.spill_path) {
+            snprintf(spill, sizeof spill, "%s.load", cfg.spill_path);
+            cfg.spill_path = spill;
+        }
+        rc = emb_table_restore(path, &cfg, &tables[i], errptr);
+    }
+    for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_dense; i++) {
+        if (s->dense[i] == NULL) continue;
+        snprintf(path, sizeof path, "%s/dense-%s.bin", final, s->cfg.dense[i].name);
+        rc = ps_dense_load(path, &s->cfg.dense[i], &dense[i], errptr);
+    }
+    if (rc == CM_OK) {
+        pthread_rwlock_wrlock(&s->tables_lock);
+        for (uint32_t i = 0; i < s->cfg.n_tables; i++) {
+            emb_table *old = s->tables[i];
+            s->tables[i] = tables[i];
+            tables[i] = old;
+        }
+        for (uint32_t i = 0; i < s->cfg.n_dense; i++) {
+            if (dense[i] == NULL) continue;
+            ps_dense *old = s->dense[i];
+            s->dense[i] = dense[i];
+            dense[i] = old;
+        }
+        pthread_rwlock_unlock(&s->tables_lock);
+    }
+    for (uint32_t i = 0; i < PS_MAX_TABLES; i++) emb_table_destroy(tables[i]);
+    for (uint32_t i = 0; i < PS_MAX_DENSE; i++) ps_dense_destroy(dense[i]);
+    return rc;
+}
+
+static nng_msg *handle_save_load(struct ps_server *s, const ps_hdr *h, const uint8_t *p)
+{
+    if (h->payload_len == 0 || h->payload_len > 1024 || memchr(p, '\0', h->payload_len)) {
+        STAT_ADD(s, bad_messages, 1);
+        return reply_error(s, h, CM_EINVAL, "checkpoint directory must be 1..1024 bytes, no NUL");
+    }
+    char dir[1025];
+    memcpy(dir, p, h->payload_len);
+    dir[h->payload_len] = '\0';
+    char *err = NULL;
+    int rc;
+    if (h->op == PS_OP_SAVE) {
+        pthread_rwlock_rdlock(&s->tables_lock);
+        rc = cm_mkdirs(dir, &err);
+        if (rc == CM_OK) rc = save_shard(s, dir, &err);
+        pthread_rwlock_unlock(&s->tables_lock);
+    } else {
+        rc = load_shard(s, dir, &err);
+    }
+    nng_msg *reply = rc == CM_OK ? reply_ok(h, 0, NULL) : reply_error(s, h, rc, err);
+    free(err);
+    return reply;
+}
+
+/* STATS reply: ps_server_stats, then n_tables emb_table_stats (native layout; both ends run
+ * the same build). */
+static nng_msg *handle_stats(struct ps_server *s, const ps_hdr *h)
+{
+    uint8_t *p;
+    size_t n = s->cfg.n_tables;
+    nng_msg *m = reply_ok(h, sizeof(ps_server_stats) + n * sizeof(emb_table_stats), &p);
+    if (m == NULL) return NULL;
+    ps_server_stats_get(s, (ps_server_stats *)(void *)p);
+    pthread_rwlock_rdlock(&s->tables_lock);
+    for (size_t i = 0; i < n; i++) {
+        emb_table_stats ts;
+        emb_table_stats_get(s->tables[i], &ts);
+        memcpy(p + sizeof(ps_server_stats) + i * sizeof ts, &ts, sizeof ts);
+    }
+    pthread_rwlock_unlock(&s->tables_lock);
+    return m;
+}
+
+/* HELLO payload: u32 shard, u32 shards, u32 workers, u32 tables, u32 dense, then a u64
+ * fingerprint per table and per dense block. */
+static nng_msg *handle_hello(struct ps_server *s, const ps_hdr *h, const uint8_t *p)
+{
+    char msg[256];
+    uint32_t v[5];
+    if (h->payload_len < sizeof v) goto bad;
+    memcpy(v, p, sizeof v);
+    if (v[3] > PS_MAX_TABLES || v[4] > PS_MAX_DENSE ||
+        h->payload_len != sizeof v + 8ull * (v[3] + v[4]))
+        goto bad;
+    if (v[0] != s->shard || v[1] != s->cfg.n_shards || v[2] != s->cfg.n_workers) {
+        snprintf(msg, sizeof msg,
+                 "client expects shard %u of %u with %u workers; this is shard %u of %u with %u",
+                 v[0], v[1], v[2], s->shard, s->cfg.n_shards, s->cfg.n_workers);
+        return reply_error(s, h, CM_EINVAL, msg);
+    }
+    if (v[3] != s->cfg.n_tables || v[4] != s->cfg.n_dense) {
+        snprintf(msg, sizeof msg, "client has %u tables and %u dense blocks; server %u and %u", v[3],
+                 v[4], s->cfg.n_tables, s->cfg.n_dense);
+        return reply_error(s, h, CM_EINVAL, msg);
+    }
+    for (uint32_t i = 0; i < v[3] + v[4]; i++) {
+        uint64_t fp;
+        memcpy(&fp, p + sizeof v + 8 * i, 8);
+        bool table = i < v[3];
+        uint64_t mine = table ? ps_table_fingerprint(&s->cfg.tables[i])
+                              : ps_dense_fingerprint(&s->cfg.dense[i - v[3]]);
+        if (fp != mine) {
+            snprintf(msg, sizeof msg, "%s '%s' is configured differently on the client",
+                     table ? "table" : "dense block",
+                     table ? s->cfg.tables[i].name : s->cfg.dense[i - v[3]].name);
+            return reply_error(s, h, CM_EINVAL, msg);
+        }
+    }
+    return reply_ok(h, 0, NULL);
+bad:
+    STAT_ADD(s, bad_messages, 1);
+    return reply_error(s, h, CM_EINVAL, "malformed HELLO");
+}
+
+/* Handles one request; returns true when the context was parked. */
+static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **reply)
+{
+    ps_hdr h;
+    char *err = NULL;
+    const uint8_t *body = nng_msg_body(msg);
+    size_t len = nng_msg_len(msg);
+    bool parked = false;
+    STAT_ADD(s, requests, 1);
+    STAT_ADD(s, bytes_in, len);
+    if (ps_wire_open(body, len, &h, &err) != CM_OK) {
+        STAT_ADD(s, bad_messages, 1);
+        ps_hdr e;
+        memset(&e, 0, sizeof e);
+        if (len >= PS_HDR_BYTES) memcpy(&e, body, sizeof e); /* echo the request id if any */
+        *reply = reply_error(s, &e, CM_ECORRUPT, err);
+        free(err);
+        nng_msg_free(msg);
+        return false;
+    }
+    const uint8_t *p = body + PS_HDR_BYTES;
+    if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER) &&
+        (s->shard != 0 || h.worker >= s->cfg.n_workers)) {
+        *reply = reply_error(s, &h, CM_EINVAL, "clocks and barriers are served by shard 0 for "
+                                               "known workers only");
+    } else {
+        switch ((ps_op)h.op) {
+        case PS_OP_HELLO: *reply = handle_hello(s, &h, p); break;
+        case PS_OP_PULL:
+        case PS_OP_PUSH: *reply = handle_rows(s, &h, p); break;
+        case PS_OP_PULL_DENSE:
+        case PS_OP_PUSH_DENSE:
+        case PS_OP_INIT_DENSE: *reply = handle_dense(s, &h, p); break;
+        case PS_OP_CLOCK: parked = handle_clock(s, c, &h, reply); break;
+        case PS_OP_BARRIER: parked = handle_barrier(s, c, &h, reply); break;
+        case PS_OP_SAVE:
+        case PS_OP_LOAD: *reply = handle_save_load(s, &h, p); break;
+        case PS_OP_STATS: *reply = handle_stats(s, &h); break;
+        case PS_OP_SHUTDOWN:
+            *reply = reply_ok(&h, 0, NULL);
+            ps_server_stop(s);
+            break;
+        default: *reply = reply_error(s, &h, CM_EINVAL, "unknown op"); break;
+        }
+    }
+    nng_msg_free(msg);
+    return parked;
+}
+
+static void ctx_cb(void *arg)
+{
+    srv_ctx *c = arg;
+    struct ps_server *s = c->s;
+    int rv = nng_aio_result(c->aio);
+    if (c->state == ST_SEND) {
+        if (rv != 0) nng_msg_free(nng_aio_get_msg(c->aio));
+    } else if (c->state == ST_RECV) {
+        if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) return;
+        if (rv == 0) {
+            nng_msg *reply = NULL;
+            if (handle(s, c, nng_aio_get_msg(c->aio), &reply)) return; /* parked */
+            if (reply != NULL) {
+                ctx_send(c, reply);
+                return;
+            }
+        }
+    }
+    if (rv == NNG_ECLOSED) return;
+    c->state = ST_RECV;
+    nng_ctx_recv(c->ctx, c->aio);
+}
+
+/* ---- life cycle ---- */
+
+int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
+{
+    int rc = ps_config_check(o->cfg, errptr);
+    if (rc != CM_OK) return rc;
+    if (o->shard >= o->cfg->n_shards)
+        return cm_err(errptr, CM_EINVAL, "shard %u out of range (the cluster has %u)", o->shard,
+                      o->cfg->n_shards);
+    struct ps_server *s = calloc(1, sizeof *s);
+    if (s == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    s->cfg = *o->cfg;
+    s->shard = o->shard;
+    s->n_ctx = o->n_contexts ? o->n_contexts : 64 + 2 * s->cfg.n_workers;
+    pthread_rwlock_init(&s->tables_lock, NULL);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->stop_cv, NULL);
+    s->clocks = calloc(s->cfg.n_workers, sizeof *s->clocks);
+    s->ctxs = calloc(s->n_ctx, sizeof *s->ctxs);
+    if (s->clocks == NULL || s->ctxs == NULL) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_tables; i++) {
+        emb_table_config cfg = s->cfg.tables[i].cfg;
+        char spill[2200];
+        snprintf(spill, sizeof spill, "%s/shard-%u/%s", s->cfg.spill_dir, s->shard,
+                 s->cfg.tables[i].name);
+        cfg.spill_path = cfg.mem_budget_bytes > 0 ? spill : NULL;
+        char *err = NULL;
+        rc = emb_table_create(&cfg, &s->tables[i], &err);
+        if (rc != CM_OK) cm_err(errptr, rc, "table '%s': %s", s->cfg.tables[i].name, err);
+        free(err);
+    }
+    for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_dense; i++)
+        if (i % s->cfg.n_shards == s->shard) rc = ps_dense_create(&s->cfg.dense[i], &s->dense[i], errptr);
+    if (rc != CM_OK) goto fail;
+    int rv = nng_rep0_open(&s->sock);
+    if (rv != 0) {
+        rc = cm_err(errptr, CM_EIO, "cannot open rep socket: %s", nng_strerror(rv));
+        goto fail;
+    }
+    s->sock_open = true;
+    nng_socket_set_size(s->sock, NNG_OPT_RECVMAXSZ, (size_t)s->cfg.max_msg_bytes);
+    for (uint32_t i = 0; i < s->n_ctx; i++) {
+        srv_ctx *c = &s->ctxs[i];
+        c->s = s;
+        if ((rv = nng_aio_alloc(&c->aio, ctx_cb, c)) != 0 || (rv = nng_ctx_open(&c->ctx, s->sock)) != 0) {
+            rc = cm_err(errptr, CM_EIO, "cannot set up contexts: %s", nng_strerror(rv));
+            goto fail;
+        }
+    }
+    rc = ps_net_listen(s->sock, o->listen, &s->cfg, errptr);
+    if (rc != CM_OK) goto fail;
+    for (uint32_t i = 0; i < s->n_ctx; i++) {
+        s->ctxs[i].state = ST_RECV;
+        nng_ctx_recv(s->ctxs[i].ctx, s->ctxs[i].aio);
+    }
+    *out = s;
+    return CM_OK;
+fail:
+    ps_server_destroy(s);
+    return rc;
+}
+
+int ps_server_wait(ps_server *s)
+{
+    pthread_mutex_lock(&s->mu);
+    while (!__atomic_load_n(&s->stopping, __ATOMIC_RELAXED)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 100 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
+        pthread_cond_timedwait(&s->stop_cv, &s->mu, &ts);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return CM_OK;
+}
+
+void ps_server_stop(ps_server *s)
+{
+    __atomic_store_n(&s->stopping, true, __ATOMIC_RELAXED);
+}
+
+void ps_server_destroy(ps_server *s)
+{
+    if (s == NULL) return;
+    if (s->ctxs)
+        for (uint32_t i = 0; i < s->n_ctx; i++)
+            if (s->ctxs[i].aio) nng_aio_stop(s->ctxs[i].aio);
+    if (s->sock_open) nng_close(s->sock);
+    if (s->ctxs)
+        for (uint32_t i = 0; i < s->n_ctx; i++)
+            if (s->ctxs[i].aio) nng_aio_free(s->ctxs[i].aio);
+    for (uint32_t i = 0; i < PS_MAX_TABLES; i++) emb_table_destroy(s->tables[i]);
+    for (uint32_t i = 0; i < PS_MAX_DENSE; i++) ps_dense_destroy(s->dense[i]);
+    free(s->ctxs);
+    free(s->clocks);
+    pthread_rwlock_destroy(&s->tables_lock);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->stop_cv);
+    free(s);
+}
+
+void ps_server_stats_get(ps_server *s, ps_server_stats *out)
+{
+    pthread_mutex_lock(&s->mu);
+    *out = s->st;
+    pthread_mutex_unlock(&s->mu);
+}

@@ -1,0 +1,316 @@
+#include "ps/wire.h"
+
+#include <math.h>
+#include <string.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+static const char *const codec_names[] = {"fp32", "fp16", "bf16", "int8"};
+
+int ps_codec_parse(const char *name, ps_codec *out)
+{
+    for (size_t i = 0; name != NULL && i < 4; i++)
+        if (strcmp(name, codec_names[i]) == 0) {
+            *out = (ps_codec)i;
+            return CM_OK;
+        }
+    return CM_EINVAL;
+}
+
+const char *ps_codec_name(ps_codec c)
+{
+    return (unsigned)c < 4 ? codec_names[c] : "unknown";
+}
+
+size_t ps_codec_row_bytes(ps_codec c, uint32_t dim)
+{
+    switch (c) {
+    case PS_CODEC_F32: return 4u * dim;
+    case PS_CODEC_F16:
+    case PS_CODEC_BF16: return 2u * dim;
+    case PS_CODEC_INT8: return 4u + dim;
+    }
+    return 0;
+}
+
+uint32_t ps_key_shard(uint64_t key, uint32_t n_shards)
+{
+    /* Jump consistent hash (Lamping & Veach) over xxh3 of the key. */
+    uint64_t h = XXH3_64bits(&key, sizeof key);
+    int64_t b = -1, j = 0;
+    while (j < (int64_t)n_shards) {
+        b = j;
+        h = h * 2862933555777941757ull + 1;
+        j = (int64_t)((double)(b + 1) * ((double)(1ull << 31) / (double)((h >> 33) + 1)));
+    }
+    return (uint32_t)b;
+}
+
+static uint64_t seal_hash(const void *buf, size_t total)
+{
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, buf, offsetof(ps_hdr, checksum));
+    static const uint64_t zero = 0;
+    XXH3_64bits_update(&st, &zero, sizeof zero);
+    XXH3_64bits_update(&st, (const char *)buf + PS_HDR_BYTES, total - PS_HDR_BYTES);
+    return XXH3_64bits_digest(&st);
+}
+
+void ps_wire_seal(void *buf, size_t payload_len)
+{
+    ps_hdr h;
+    memcpy(&h, buf, sizeof h);
+    h.magic = PS_MAGIC;
+    h.version = PS_PROTOCOL_VERSION;
+    h.payload_len = payload_len;
+    h.checksum = 0;
+    memcpy(buf, &h, sizeof h);
+    h.checksum = seal_hash(buf, PS_HDR_BYTES + payload_len);
+    memcpy(buf, &h, sizeof h);
+}
+
+int ps_wire_open(const void *buf, size_t len, ps_hdr *h, char **errptr)
+{
+    if (len < PS_HDR_BYTES)
+        return cm_err(errptr, CM_ECORRUPT, "message of %zu bytes is shorter than the %u-byte header",
+                      len, PS_HDR_BYTES);
+    memcpy(h, buf, sizeof *h);
+    if (h->magic != PS_MAGIC)
+        return cm_err(errptr, CM_ECORRUPT, "bad magic 0x%08x", h->magic);
+    if (h->version != PS_PROTOCOL_VERSION)
+        return cm_err(errptr, CM_ECORRUPT, "protocol version %u, this side speaks %u", h->version,
+                      PS_PROTOCOL_VERSION);
+    if (h->op == 0 || h->op >= PS_OP_MAX_) return cm_err(errptr, CM_ECORRUPT, "unknown op %u", h->op);
+    if (h->payload_len != len - PS_HDR_BYTES)
+        return cm_err(errptr, CM_ECORRUPT, "payload length %llu but %zu bytes arrived",
+                      (unsigned long long)h->payload_len, len - PS_HDR_BYTES);
+    if (seal_hash(buf, len) != h->checksum)
+        return cm_err(errptr, CM_ECORRUPT, "checksum mismatch (op %u, %zu bytes)", h->op, len);
+    return CM_OK;
+}
+
+size_t ps_varint_put(uint8_t *out, uint64_t v)
+{
+    size_t n = 0;
+    while (v >= 0x80) {
+        out[n++] = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    out[n++] = (uint8_t)v;
+    return n;
+}
+
+size_t ps_varint_get(const uint8_t *in, size_t len, uint64_t *v)
+{
+    uint64_t x = 0;
+    for (size_t i = 0; i < len && i < 10; i++) {
+        uint64_t b = in[i] & 0x7f;
+        if (i == 9 && b > 1) return 0; /* bits beyond 64 */
+        x |= b << (7 * i);
+        if ((in[i] & 0x80) == 0) {
+            *v = x;
+            return i + 1;
+        }
+    }
+    return 0;
+}
+
+size_t ps_keys_encode(const uint64_t *keys, size_t n, uint8_t *out)
+{
+    size_t off = 0;
+    uint64_t prev = 0;
+    for (size_t i = 0; i < n; i++) {
+        off += ps_varint_put(out + off, keys[i] - prev);
+        prev = keys[i];
+    }
+    return off;
+}
+
+int ps_keys_decode(const uint8_t *in, size_t len, size_t n, uint64_t *keys, char **errptr)
+{
+    size_t off = 0;
+    uint64_t prev = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t d;
+        size_t used = ps_varint_get(in + off, len - off, &d);
+        if (used == 0)
+            return cm_err(errptr, CM_ECORRUPT, "key %zu of %zu: truncated or overlong varint", i, n);
+        if ((i > 0 && d == 0) || d > UINT64_MAX - prev)
+            return cm_err(errptr, CM_ECORRUPT, "key %zu of %zu: keys not strictly increasing", i, n);
+        prev += d;
+        keys[i] = prev;
+        off += used;
+    }
+    if (off != len)
+        return cm_err(errptr, CM_ECORRUPT, "%zu trailing bytes after %zu keys", len - off, n);
+    return CM_OK;
+}
+
+uint16_t ps_f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t a = x & 0x7fffffffu;
+    if (a >= 0x7f800000u) return (uint16_t)(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past the largest half */
+    if (a < 0x38800000u) {
+        /* Below the smallest normal half: the subnormal's mantissa is f * 2^24, rounded to
+         * nearest even (the default rounding mode). */
+        float af;
+        memcpy(&af, &a, 4);
+        return (uint16_t)(sign | (uint16_t)lrintf(af * 16777216.0f));
+    }
+    uint32_t h = ((a >> 23) - 112u) << 10 | ((a >> 13) & 0x3ffu);
+    uint32_t rem = a & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+float ps_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
+    if (e == 0) {
+        float f = (float)m * (1.0f / 16777216.0f);
+        return sign ? -f : f;
+    }
+    if (e == 31) x = sign | 0x7f800000u | (m << 13);
+    else x = sign | ((e + 112u) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+uint16_t ps_f32_to_bf16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+float ps_bf16_to_f32(uint16_t h)
+{
+    uint32_t x = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, uint8_t *dst,
+                     float *back)
+{
+    size_t n = rows * dim;
+    switch (c) {
+    case PS_CODEC_F32:
+        memcpy(dst, src, n * 4);
+        if (back) memcpy(back, src, n * 4);
+        break;
+    case PS_CODEC_F16:
+    case PS_CODEC_BF16:
+        for (size_t i = 0; i < n; i++) {
+            uint16_t v = c == PS_CODEC_F16 ? ps_f32_to_f16(src[i]) : ps_f32_to_bf16(src[i]);
+            memcpy(dst + 2 * i, &v, 2);
+            if (back) back[i] = c == PS_CODEC_F16 ? ps_f16_to_f32(v) : ps_bf16_to_f32(v);
+        }
+        break;
+    case PS_CODEC_INT8:
+        for (size_t r = 0; r < rows; r++) {
+            const float *x = src + r * dim;
+            uint8_t *out = dst + r * (4u + dim);
+            float amax = 0.0f;
+            for (uint32_t j = 0; j < dim; j++) amax = fmaxf(amax, fabsf(x[j]));
+            float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            memcpy(out, &scale, 4);
+            for (uint32_t j = 0; j < dim; j++) {
+                long q = lrintf(x[j] * inv);
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                out[4 + j] = (uint8_t)(int8_t)q;
+                if (back) back[r * dim + j] = (float)q * scale;
+            }
+        }
+        break;
+    }
+}
+
+int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, float *dst,
+                    char **errptr)
+{
+    size_t n = rows * dim;
+    switch (c) {
+    case PS_CODEC_F32: memcpy(dst, src, n * 4); break;
+    case PS_CODEC_F16:
+    case PS_CODEC_BF16:
+        for (size_t i = 0; i < n; i++) {
+            uint16_t v;
+            memcpy(&v, src + 2 * i, 2);
+            dst[i] = c == PS_CODEC_F16 ? ps_f16_to_f32(v) : ps_bf16_to_f32(v);
+        }
+        break;
+    case PS_CODEC_INT8:
+        for (size_t r = 0; r < rows; r++) {
+            const uint8_t *in = src + r * (4u + dim);
+            float scale;
+            memcpy(&scale, in, 4);
+            if (!isfinite(scale) || scale < 0.0f)
+                return cm_err(errptr, CM_ECORRUPT, "row %zu: bad int8 scale %g", r, (double)scale);
+            for (uint32_t j = 0; j < dim; j++) dst[r * dim + j] = (float)(int8_t)in[4 + j] * scale;
+        }
+        return CM_OK;
+    default: return cm_err(errptr, CM_ECORRUPT, "unknown codec %d", (int)c);
+    }
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(dst[i]))
+            return cm_err(errptr, CM_ECORRUPT, "row %zu: non-finite value", i / dim);
+    return CM_OK;
+}
+
+uint64_t ps_table_fingerprint(const ps_table_spec *t)
+{
+    const emb_table_config *c = &t->cfg;
+    /* Only what both sides must agree on; storage settings are each shard's own business. */
+    struct {
+        char name[PS_NAME_MAX];
+        uint32_t dim, opt, push, pull;
+        float lr, l2, eps, b1, b2, ai, fb, fl1, init;
+        uint64_t seed;
+    } fp;
+    memset(&fp, 0, sizeof fp);
+    memcpy(fp.name, t->name, PS_NAME_MAX);
+    fp.dim = c->dim;
+    fp.opt = (uint32_t)c->opt;
+    fp.push = (uint32_t)t->push_codec;
+    fp.pull = (uint32_t)t->pull_codec;
+    fp.lr = c->lr;
+    fp.l2 = c->l2;
+    fp.eps = c->eps;
+    fp.b1 = c->beta1;
+    fp.b2 = c->beta2;
+    fp.ai = c->adagrad_init;
+    fp.fb = c->ftrl_beta;
+    fp.fl1 = c->ftrl_l1;
+    fp.init = c->init_scale;
+    fp.seed = c->seed;
+    return XXH3_64bits(&fp, sizeof fp);
+}
+
+uint64_t ps_dense_fingerprint(const ps_dense_spec *d)
+{
+    struct {
+        char name[PS_NAME_MAX];
+        uint64_t size;
+        uint32_t opt;
+        float lr, b1, b2, eps;
+    } fp;
+    memset(&fp, 0, sizeof fp);
+    memcpy(fp.name, d->name, PS_NAME_MAX);
+    fp.size = d->size;
+    fp.opt = (uint32_t)d->opt;
+    fp.lr = d->lr;
+    fp.b1 = d->beta1;
+    fp.b2 = d->beta2;
+    fp.eps = d->eps;
+    return XXH3_64bits(&fp, sizeof fp);
+}

@@ -1,0 +1,91 @@
+/*
+ * Private to ps/: the wire format (docs/PROTOCOL.md) and the value codecs.
+ *
+ * Every message is a 56-byte little-endian header followed by the payload. Decoding never
+ * trusts a field: lengths are checked against the received size before anything is read, and
+ * the checksum covers header and payload.
+ */
+#ifndef EMBER_PS_WIRE_H
+#define EMBER_PS_WIRE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ps/ps.h"
+
+#define PS_MAGIC 0x53504d45u /* "EMPS" */
+#define PS_HDR_BYTES 56u
+
+typedef enum ps_op {
+    PS_OP_HELLO = 1,
+    PS_OP_PULL = 2,
+    PS_OP_PUSH = 3,
+    PS_OP_PULL_DENSE = 4,
+    PS_OP_PUSH_DENSE = 5,
+    PS_OP_INIT_DENSE = 6,
+    PS_OP_CLOCK = 7,
+    PS_OP_BARRIER = 8,
+    PS_OP_SAVE = 9,
+    PS_OP_LOAD = 10,
+    PS_OP_STATS = 11,
+    PS_OP_SHUTDOWN = 12,
+    PS_OP_MAX_ = 13,
+} ps_op;
+
+typedef struct ps_hdr {
+    uint32_t magic;
+    uint16_t version;
+    uint16_t op;
+    uint32_t table; /* table or dense block id */
+    uint32_t count; /* keys, or values for dense ops */
+    uint8_t codec;
+    uint8_t flags;
+    int16_t status; /* replies: 0 ok, < 0 error (payload = message) */
+    uint16_t worker;
+    uint16_t reserved;
+    uint32_t clock;
+    uint32_t reserved2;
+    uint64_t req_id;
+    uint64_t payload_len;
+    uint64_t checksum; /* xxh3-64 of header (this field zero) + payload */
+} ps_hdr;
+_Static_assert(sizeof(ps_hdr) == PS_HDR_BYTES, "wire header is 56 bytes");
+
+/* Seals a message in place: buf holds the header then payload_len bytes; fills magic, version,
+ * payload_len and checksum. */
+void ps_wire_seal(void *buf, size_t payload_len);
+
+/* Checks a received message: size >= header, magic, version, op range, payload_len equal to
+ * what arrived, checksum. On success copies the header into *h. Errors name the field. */
+int ps_wire_open(const void *buf, size_t len, ps_hdr *h, char **errptr);
+
+/* Unsigned LEB128. put returns bytes written (<= 10). get returns bytes read, 0 when the
+ * input ends first or the value overflows 64 bits. */
+size_t ps_varint_put(uint8_t *out, uint64_t v);
+size_t ps_varint_get(const uint8_t *in, size_t len, uint64_t *v);
+
+/* Keys, strictly increasing, as delta varints. Worst case 10 bytes a key. */
+size_t ps_keys_encode(const uint64_t *keys, size_t n, uint8_t *out);
+/* Decodes exactly n strictly increasing keys from exactly len bytes. */
+int ps_keys_decode(const uint8_t *in, size_t len, size_t n, uint64_t *keys, char **errptr);
+
+/* Rows of dim floats to a codec and back. encode may write the decoded (lossy) values into
+ * back (optional) so the caller can keep the quantisation residual. */
+void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, uint8_t *dst,
+                     float *back);
+/* Decodes rows; fails (naming the row) on a non-finite value or scale. */
+int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, float *dst,
+                    char **errptr);
+
+uint16_t ps_f32_to_f16(float f);
+float ps_f16_to_f32(uint16_t h);
+uint16_t ps_f32_to_bf16(float f);
+float ps_bf16_to_f32(uint16_t h);
+
+/* A fingerprint of everything about a table or dense block that client and server must
+ * agree on (name, model config, codecs). */
+uint64_t ps_table_fingerprint(const ps_table_spec *t);
+uint64_t ps_dense_fingerprint(const ps_dense_spec *d);
+
+#endif

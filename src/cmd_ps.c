@@ -1,0 +1,126 @@
+/* ember ps: serve one shard of every table in a cluster config, or print its memory plan. */
+#include <getopt.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ps/ps.h"
+#include "src/cli.h"
+
+static ps_server *volatile running;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    if (running) ps_server_stop(running);
+}
+
+static void ps_usage(FILE *to)
+{
+    fprintf(to,
+            "usage: ember ps --config FILE [--listen URL] [--shard I] [--shards N]\n"
+            "       ember ps --config FILE --plan ROWS\n"
+            "  --config FILE  cluster config (tables, dense blocks; see docs/PROTOCOL.md)\n"
+            "  --listen URL   nng URL to serve on (default tcp://127.0.0.1:7400+I; loopback\n"
+            "                 unless you name another address; tls+tcp:// uses [cluster] tls_*)\n"
+            "  --shard I      which shard this process serves (default 0)\n"
+            "  --shards N     override the config's shard count\n"
+            "  --contexts K   requests served concurrently (default 64 + 2 x workers)\n"
+            "  --plan ROWS    print each table's memory and disk cost for ROWS rows per shard\n");
+}
+
+static int print_plan(const ps_config *cfg, uint64_t rows)
+{
+    printf("%-16s %6s %10s %14s %14s %14s %12s %12s\n", "table", "dim", "row_bytes",
+           "mem_bytes/row", "rows_in_mem", "rows_spilled", "mem_GiB", "disk_GiB");
+    for (uint32_t i = 0; i < cfg->n_tables; i++) {
+        ps_plan_row p;
+        ps_plan(cfg, i, rows, &p);
+        printf("%-16s %6u %10" PRIu64 " %14.2f %14" PRIu64 " %14" PRIu64 " %12.3f %12.3f\n",
+               cfg->tables[i].name, cfg->tables[i].cfg.dim, p.row_bytes, p.mem_bytes_per_row,
+               p.rows_in_memory, p.rows_spilled, p.mem_bytes / (1 << 30), p.disk_bytes / (1 << 30));
+    }
+    return 0;
+}
+
+int cmd_ps(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"config", required_argument, 0, 'c'}, {"listen", required_argument, 0, 'l'},
+        {"shard", required_argument, 0, 's'},  {"shards", required_argument, 0, 'n'},
+        {"contexts", required_argument, 0, 'k'}, {"plan", required_argument, 0, 'p'},
+        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
+    const char *config = NULL, *listen = NULL;
+    long shard = 0, shards = 0, contexts = 0;
+    long long plan = -1;
+    int o;
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        char *end = NULL;
+        switch (o) {
+        case 'c': config = optarg; break;
+        case 'l': listen = optarg; break;
+        case 's': shard = strtol(optarg, &end, 10); break;
+        case 'n': shards = strtol(optarg, &end, 10); break;
+        case 'k': contexts = strtol(optarg, &end, 10); break;
+        case 'p': plan = strtoll(optarg, &end, 10); break;
+        case 'h': ps_usage(stdout); return 0;
+        default: ps_usage(stderr); return 2;
+        }
+        if (end != NULL && (*end != '\0' || end == optarg)) {
+            fprintf(stderr, "ember ps: bad number '%s'\n", optarg);
+            return 2;
+        }
+    }
+    if (config == NULL || optind != argc || shard < 0 || shards < 0 || contexts < 0) {
+        ps_usage(stderr);
+        return 2;
+    }
+    ps_config *cfg = malloc(sizeof *cfg);
+    char *err = NULL;
+    if (cfg == NULL || ps_config_load(config, cfg, &err) != CM_OK) {
+        fprintf(stderr, "ember ps: %s\n", err ? err : "out of memory");
+        free(err);
+        free(cfg);
+        return 2;
+    }
+    if (shards > 0) cfg->n_shards = (uint32_t)shards;
+    int rc = 0;
+    if (plan >= 0) {
+        rc = print_plan(cfg, (uint64_t)plan);
+        free(cfg);
+        return rc;
+    }
+    char url[64];
+    if (listen == NULL) {
+        snprintf(url, sizeof url, "tcp://127.0.0.1:%ld", 7400 + shard);
+        listen = url;
+    }
+    ps_server_opts so = {.cfg = cfg, .listen = listen, .shard = (uint32_t)shard,
+                         .n_contexts = (uint32_t)contexts};
+    ps_server *s = NULL;
+    if (ps_server_create(&so, &s, &err) != CM_OK) {
+        fprintf(stderr, "ember ps: shard %ld on %s: %s\n", shard, listen, err);
+        free(err);
+        free(cfg);
+        return 1;
+    }
+    running = s;
+    signal(SIGINT, on_signal);
+    signal(SIGTERM, on_signal);
+    fprintf(stderr, "ember ps: shard %ld of %u serving %u tables on %s\n", shard, cfg->n_shards,
+            cfg->n_tables, listen);
+    ps_server_wait(s);
+    running = NULL;
+    ps_server_stats st;
+    ps_server_stats_get(s, &st);
+    fprintf(stderr,
+            "ember ps: shard %ld stopping: %" PRIu64 " requests, %" PRIu64 " errors, %" PRIu64
+            " bad messages\n",
+            shard, st.requests, st.errors, st.bad_messages);
+    ps_server_destroy(s);
+    free(cfg);
+    return rc;
+}
