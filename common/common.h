@@ -89,6 +89,18 @@ void cm_afile_abort(cm_afile *f);
 /* Writes a whole buffer atomically (open + write + commit). */
 int cm_write_file_atomic(const char *path, const void *buf, size_t n, char **errptr);
 
+/*
+ * INI files: "[name]" or "[name arg]" section headers, "key = value" lines, '#' comments.
+ * cb is called with key == NULL at each section header, then once per key; a non-zero return
+ * stops the parse. Messages from cb are prefixed with "path:line: ".
+ */
+typedef int (*cm_ini_cb)(void *arg, const char *section, const char *section_arg,
+                         const char *key, const char *value, char **errptr);
+int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr);
+
+/* Parses an unsigned decimal with an optional K/M/G/T (binary) suffix. 0 or -1. */
+int cm_parse_size(const char *v, uint64_t *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,5 +1,4 @@
 /* The cluster config file (INI-style; the grammar is in ps.h) and the memory plan. */
-#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdbool.h>
@@ -19,29 +18,9 @@ void ps_config_init(ps_config *cfg)
     snprintf(cfg->spill_dir, sizeof cfg->spill_dir, "/tmp/ember-spill");
 }
 
-static char *trim(char *s)
-{
-    while (isspace((unsigned char)*s)) s++;
-    char *e = s + strlen(s);
-    while (e > s && isspace((unsigned char)e[-1])) *--e = '\0';
-    return s;
-}
-
 static int parse_u64(const char *v, uint64_t *out)
 {
-    char *end;
-    errno = 0;
-    if (*v == '-') return -1;
-    unsigned long long x = strtoull(v, &end, 10);
-    if (errno || end == v) return -1;
-    uint64_t mult = 1;
-    if (*end == 'K' || *end == 'k') mult = 1ull << 10, end++;
-    else if (*end == 'M' || *end == 'm') mult = 1ull << 20, end++;
-    else if (*end == 'G' || *end == 'g') mult = 1ull << 30, end++;
-    else if (*end == 'T' || *end == 't') mult = 1ull << 40, end++;
-    if (*end != '\0' || (x != 0 && mult > UINT64_MAX / x)) return -1;
-    *out = x * mult;
-    return 0;
+    return cm_parse_size(v, out);
 }
 
 static int parse_float(const char *v, float *out)
@@ -77,8 +56,6 @@ static int copy_str(char *dst, size_t n, const char *v)
     memcpy(dst, v, strlen(v) + 1);
     return 0;
 }
-
-enum section { SEC_NONE, SEC_CLUSTER, SEC_TABLE, SEC_DENSE };
 
 static int set_cluster(ps_config *c, const char *k, const char *v)
 {
@@ -143,87 +120,51 @@ static void dense_spec_init(ps_dense_spec *d)
     d->eps = 1e-8f;
 }
 
+/* The cm_ini_parse callback: sections open tables and dense blocks, keys fill them. */
+static int config_entry(void *arg, const char *section, const char *sarg, const char *k,
+                        const char *v, char **errptr)
+{
+    ps_config *cfg = arg;
+    bool table = !strcmp(section, "table"), dense = !strcmp(section, "dense");
+    if (k == NULL) {
+        if (!strcmp(section, "cluster") && *sarg == '\0') return CM_OK;
+        if (!(table || dense) || *sarg == '\0')
+            return cm_err(errptr, CM_EINVAL, "unknown section [%s%s%s]", section, *sarg ? " " : "",
+                          sarg);
+        uint32_t *n = table ? &cfg->n_tables : &cfg->n_dense;
+        if (*n >= (table ? PS_MAX_TABLES : PS_MAX_DENSE) || strlen(sarg) >= PS_NAME_MAX)
+            return cm_err(errptr, CM_EINVAL, "too many %s sections or name too long", section);
+        for (uint32_t i = 0; i < *n; i++)
+            if (!strcmp(table ? cfg->tables[i].name : cfg->dense[i].name, sarg))
+                return cm_err(errptr, CM_EINVAL, "duplicate %s '%s'", section, sarg);
+        if (table) {
+            ps_table_spec *t = &cfg->tables[*n];
+            memset(t, 0, sizeof *t);
+            emb_table_config_init(&t->cfg);
+            t->cfg.dim = 0; /* required */
+            copy_str(t->name, sizeof t->name, sarg);
+        } else {
+            dense_spec_init(&cfg->dense[*n]);
+            copy_str(cfg->dense[*n].name, sizeof cfg->dense[*n].name, sarg);
+        }
+        (*n)++;
+        return CM_OK;
+    }
+    int r = 1;
+    if (!strcmp(section, "cluster")) r = set_cluster(cfg, k, v);
+    else if (table) r = set_table(&cfg->tables[cfg->n_tables - 1], k, v);
+    else if (dense) r = set_dense(&cfg->dense[cfg->n_dense - 1], k, v);
+    if (r > 0)
+        return cm_err(errptr, CM_EINVAL, "unknown key '%s'%s", k,
+                      *section ? "" : " outside any section");
+    if (r < 0) return cm_err(errptr, CM_EINVAL, "bad value '%s' for %s", v, k);
+    return CM_OK;
+}
+
 int ps_config_load(const char *path, ps_config *cfg, char **errptr)
 {
     ps_config_init(cfg);
-    FILE *f = fopen(path, "r");
-    if (f == NULL) return cm_err_errno(errptr, CM_ENOTFOUND, "cannot open config %s", path);
-    char line[2048];
-    int rc = CM_OK, lineno = 0;
-    enum section sec = SEC_NONE;
-    while (rc == CM_OK && fgets(line, sizeof line, f) != NULL) {
-        lineno++;
-        if (strchr(line, '\n') == NULL && !feof(f)) {
-            rc = cm_err(errptr, CM_EINVAL, "%s:%d: line too long", path, lineno);
-            break;
-        }
-        char *hash = strchr(line, '#');
-        if (hash) *hash = '\0';
-        char *s = trim(line);
-        if (*s == '\0') continue;
-        if (*s == '[') {
-            char *close = strchr(s, ']');
-            if (close == NULL || close[1] != '\0') {
-                rc = cm_err(errptr, CM_EINVAL, "%s:%d: malformed section header", path, lineno);
-                break;
-            }
-            *close = '\0';
-            char *name = trim(s + 1), *arg = name;
-            while (*arg && !isspace((unsigned char)*arg)) arg++;
-            if (*arg) *arg++ = '\0';
-            arg = trim(arg);
-            if (!strcmp(name, "cluster") && *arg == '\0') {
-                sec = SEC_CLUSTER;
-            } else if ((!strcmp(name, "table") || !strcmp(name, "dense")) && *arg != '\0') {
-                bool table = !strcmp(name, "table");
-                uint32_t *n = table ? &cfg->n_tables : &cfg->n_dense;
-                if (*n >= (table ? PS_MAX_TABLES : PS_MAX_DENSE) || strlen(arg) >= PS_NAME_MAX) {
-                    rc = cm_err(errptr, CM_EINVAL, "%s:%d: too many %s sections or name too long",
-                                path, lineno, name);
-                    break;
-                }
-                for (uint32_t i = 0; i < *n; i++)
-                    if (!strcmp(table ? cfg->tables[i].name : cfg->dense[i].name, arg))
-                        rc = cm_err(errptr, CM_EINVAL, "%s:%d: duplicate %s '%s'", path, lineno,
-                                    name, arg);
-                if (rc != CM_OK) break;
-                if (table) {
-                    ps_table_spec *t = &cfg->tables[*n];
-                    memset(t, 0, sizeof *t);
-                    emb_table_config_init(&t->cfg);
-                    t->cfg.dim = 0; /* required */
-                    copy_str(t->name, sizeof t->name, arg);
-                    sec = SEC_TABLE;
-                } else {
-                    dense_spec_init(&cfg->dense[*n]);
-                    copy_str(cfg->dense[*n].name, sizeof cfg->dense[*n].name, arg);
-                    sec = SEC_DENSE;
-                }
-                (*n)++;
-            } else {
-                rc = cm_err(errptr, CM_EINVAL, "%s:%d: unknown section [%s%s%s]", path, lineno,
-                            name, *arg ? " " : "", arg);
-            }
-            continue;
-        }
-        char *eq = strchr(s, '=');
-        if (eq == NULL) {
-            rc = cm_err(errptr, CM_EINVAL, "%s:%d: expected key = value", path, lineno);
-            break;
-        }
-        *eq = '\0';
-        char *k = trim(s), *v = trim(eq + 1);
-        int r = 1;
-        if (sec == SEC_CLUSTER) r = set_cluster(cfg, k, v);
-        else if (sec == SEC_TABLE) r = set_table(&cfg->tables[cfg->n_tables - 1], k, v);
-        else if (sec == SEC_DENSE) r = set_dense(&cfg->dense[cfg->n_dense - 1], k, v);
-        if (r > 0)
-            rc = cm_err(errptr, CM_EINVAL, "%s:%d: unknown key '%s'%s", path, lineno, k,
-                        sec == SEC_NONE ? " outside any section" : "");
-        else if (r < 0)
-            rc = cm_err(errptr, CM_EINVAL, "%s:%d: bad value '%s' for %s", path, lineno, v, k);
-    }
-    fclose(f);
+    int rc = cm_ini_parse(path, config_entry, cfg, errptr);
     if (rc == CM_OK) {
         char *err = NULL;
         rc = ps_config_check(cfg, &err);
