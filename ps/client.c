@@ -37,6 +37,7 @@ typedef struct shard_conn {
     bool open;
     slot *slots;
     uint32_t busy;
+    uint32_t pushing; /* asynchronous pushes in flight: a pull to this shard waits for them */
 } shard_conn;
 
 struct ps_client {
@@ -69,6 +70,7 @@ static void slot_finish(slot *s, int rc, char *err)
         s->reply = NULL;
         s->state = SL_FREE;
         c->shards[s->shard].busy--;
+        c->shards[s->shard].pushing--;
     } else {
         s->rc = rc;
         s->err = err;
@@ -109,7 +111,8 @@ static void slot_cb(void *arg)
     if (s->state == SL_SEND) {
         if (rv != 0) {
             nng_msg_free(nng_aio_get_msg(s->aio));
-            cm_err(&err, CM_EIO, "cannot send to shard %u: %s", s->shard, nng_strerror(rv));
+            cm_err(&err, CM_EIO, "cannot send to shard %u: %s%s", s->shard, nng_strerror(rv),
+                   rv == NNG_ETIMEDOUT ? " (is the PS running and reachable?)" : "");
             slot_finish(s, CM_EIO, err);
             return;
         }
@@ -142,6 +145,7 @@ static slot *slot_acquire(struct ps_client *c, uint32_t shard, int kind)
     s->state = SL_SEND;
     s->kind = kind;
     sc->busy++;
+    if (kind == K_ASYNC) sc->pushing++;
     s->req_id = ++c->next_req;
     pthread_mutex_unlock(&c->mu);
     return s;
@@ -483,6 +487,13 @@ int ps_client_pull(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     float *rows = malloc(sp.n_uniq * dim * sizeof *rows), *tmp = malloc(sp.n_uniq * dim * sizeof *tmp);
     slot **slots = calloc(ns, sizeof *slots);
     if (!rows || !tmp || !slots) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    /* Read your writes: the server serves requests on many contexts at once, so a pull sent
+     * while this client's push to the same shard is in flight could overtake it. */
+    pthread_mutex_lock(&c->mu);
+    for (uint32_t s = 0; s < ns; s++)
+        while (sp.start[s + 1] > sp.start[s] && c->shards[s].pushing > 0)
+            pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
     for (uint32_t s = 0; s < ns && rc == CM_OK; s++) {
         size_t cnt = sp.start[s + 1] - sp.start[s];
         if (cnt == 0) continue;

@@ -1,4 +1,5 @@
 /* The cluster config file (INI-style; the grammar is in ps.h) and the memory plan. */
+#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdbool.h>
@@ -161,10 +162,43 @@ static int config_entry(void *arg, const char *section, const char *sarg, const 
     return CM_OK;
 }
 
+/* The line of the "[table NAME]" header in path, 0 if not found. Only for error messages:
+ * cm_ini_parse's callback does not see line numbers, and a missing key is only known once the
+ * section has ended. */
+static int table_line(const char *path, const char *name)
+{
+    FILE *f = fopen(path, "r");
+    char line[4096];
+    int lineno = 0, found = 0;
+    while (f != NULL && !found && fgets(line, sizeof line, f) != NULL) {
+        lineno++;
+        char *s = line;
+        while (isspace((unsigned char)*s)) s++;
+        if (*s++ != '[') continue;
+        while (isspace((unsigned char)*s)) s++;
+        if (strncmp(s, "table", 5) != 0 || !isspace((unsigned char)s[5])) continue;
+        s += 5;
+        while (isspace((unsigned char)*s)) s++;
+        size_t n = strlen(name);
+        if (strncmp(s, name, n) != 0) continue;
+        s += n;
+        while (isspace((unsigned char)*s)) s++;
+        found = *s == ']';
+    }
+    if (f) fclose(f);
+    return found ? lineno : 0;
+}
+
 int ps_config_load(const char *path, ps_config *cfg, char **errptr)
 {
     ps_config_init(cfg);
     int rc = cm_ini_parse(path, config_entry, cfg, errptr);
+    /* dim is required: name the section that lacks it (before the range checks below, which
+     * would only say "dim 0 out of range"). */
+    for (uint32_t i = 0; rc == CM_OK && i < cfg->n_tables; i++)
+        if (cfg->tables[i].cfg.dim == 0)
+            rc = cm_err(errptr, CM_EINVAL, "%s:%d: table '%s' has no dim", path,
+                        table_line(path, cfg->tables[i].name), cfg->tables[i].name);
     if (rc == CM_OK) {
         char *err = NULL;
         rc = ps_config_check(cfg, &err);

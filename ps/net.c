@@ -1,7 +1,24 @@
 #include "ps/net.h"
 
 #include <nng/supplemental/tls/tls.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* Our certificate and key. nng_tls_config_cert_key_file wants both PEM blocks in one file
+ * (its third argument is the key's password), so separate files are read and passed as text. */
+static int own_cert(nng_tls_config *tls, const ps_config *cfg)
+{
+    if (!cfg->tls_key[0]) return nng_tls_config_cert_key_file(tls, cfg->tls_cert, NULL);
+    void *cert = NULL, *key = NULL;
+    size_t n;
+    int rv = NNG_ENOENT;
+    if (cm_read_file(cfg->tls_cert, &cert, &n, NULL) == CM_OK &&
+        cm_read_file(cfg->tls_key, &key, &n, NULL) == CM_OK) /* both NUL-terminated */
+        rv = nng_tls_config_own_cert(tls, cert, key, NULL);
+    free(cert);
+    free(key);
+    return rv;
+}
 
 static int tls_config(const ps_config *cfg, nng_tls_mode mode, nng_tls_config **out,
                       char **errptr)
@@ -10,8 +27,7 @@ static int tls_config(const ps_config *cfg, nng_tls_mode mode, nng_tls_config **
     int rv = nng_tls_config_alloc(&tls, mode);
     if (rv != 0) return cm_err(errptr, CM_EIO, "TLS unavailable: %s", nng_strerror(rv));
     const char *what = NULL;
-    if (cfg->tls_cert[0] && (rv = nng_tls_config_cert_key_file(tls, cfg->tls_cert,
-                                                               cfg->tls_key[0] ? cfg->tls_key : NULL)) != 0)
+    if (cfg->tls_cert[0] && (rv = own_cert(tls, cfg)) != 0)
         what = cfg->tls_cert;
     else if (cfg->tls_ca[0] && (rv = nng_tls_config_ca_file(tls, cfg->tls_ca)) != 0)
         what = cfg->tls_ca;

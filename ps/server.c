@@ -203,12 +203,14 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
     float *vals = NULL;
     int rc = CM_OK;
     if (h->table >= s->cfg.n_tables) {
+        STAT_ADD(s, bad_messages, 1);
         snprintf(msg, sizeof msg, "no table %u (the cluster has %u)", h->table, s->cfg.n_tables);
         return reply_error(s, h, CM_EINVAL, msg);
     }
     const uint32_t dim = s->cfg.tables[h->table].cfg.dim;
     const size_t n = h->count;
     if (h->codec > PS_CODEC_INT8) {
+        STAT_ADD(s, bad_messages, 1);
         snprintf(msg, sizeof msg, "unknown codec %u", h->codec);
         return reply_error(s, h, CM_EINVAL, msg);
     }

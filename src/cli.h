@@ -14,5 +14,6 @@ typedef int (*cli_cmd_fn)(int argc, char **argv);
 int cmd_gen(int argc, char **argv);
 int cmd_ingest(int argc, char **argv);
 int cmd_ps(int argc, char **argv);
+int cmd_train(int argc, char **argv);
 
 #endif

@@ -17,8 +17,10 @@ static const struct {
     const char *help;
 } commands[] = {
     {"version", cmd_version, "print the version"},
+    {"ingest", cmd_ingest, "convert click logs to checksummed binary shards"},
     {"gen", cmd_gen, "write synthetic Criteo-format click logs"},
     {"ps", cmd_ps, "serve one parameter-server shard"},
+    {"train", cmd_train, "train a CTR model against the parameter servers"},
 };
 
 static void usage(FILE *to)

@@ -1,0 +1,314 @@
+/*
+ * The CPU backend: OpenBLAS sgemm for the dense layers, plain loops for the CSR pooling and
+ * its transpose, the interactions and the loss. This is the reference the CUDA backend is
+ * tested against, so it favours the obvious formulation over cleverness.
+ */
+#include <cblas.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/common.h"
+#include "src/model.h"
+
+typedef struct cpu {
+    model_cfg m;
+    model_layout l;
+    uint32_t max_b, max_u;
+    float *xe, *dxe;        /* B x F*d pooled embeddings and their gradient */
+    float *xl, *dxl;        /* B x F pooled first-order weights (lr, deepfm) */
+    float *in, *din;        /* B x top_in: the top MLP's input */
+    float *act[MODEL_MAX_LAYERS + 1], *bact[MODEL_MAX_LAYERS]; /* layer outputs */
+    float *g1, *g2;         /* B x widest layer: gradient ping-pong */
+    float *logit, *dlogit;  /* B */
+} cpu;
+
+static void cpu_destroy(void *state)
+{
+    cpu *c = state;
+    if (c == NULL) return;
+    free(c->xe);
+    free(c->dxe);
+    free(c->xl);
+    free(c->dxl);
+    free(c->in);
+    free(c->din);
+    for (int i = 0; i < MODEL_MAX_LAYERS + 1; i++) free(c->act[i]);
+    for (int i = 0; i < MODEL_MAX_LAYERS; i++) free(c->bact[i]);
+    free(c->g1);
+    free(c->g2);
+    free(c->logit);
+    free(c->dlogit);
+    free(c);
+}
+
+static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b, uint32_t max_u,
+                      void **state, char **errptr)
+{
+    cpu *c = calloc(1, sizeof *c);
+    if (c == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    c->m = *m;
+    c->l = *l;
+    c->max_b = max_b;
+    c->max_u = max_u;
+    size_t B = max_b, F = m->n_fields, d = m->dim, widest = l->top_in + m->n_dense;
+    for (uint32_t i = 0; i < l->n_top; i++) widest = l->top[i].out > widest ? l->top[i].out : widest;
+    for (uint32_t i = 0; i < l->n_bot; i++) widest = l->bot[i].out > widest ? l->bot[i].out : widest;
+    bool ok = true;
+#define ALLOC(p, n) ok = ok && ((p) = malloc((n) * sizeof(float) + 1)) != NULL
+    ALLOC(c->xe, B * F * d);
+    ALLOC(c->dxe, B * F * d);
+    ALLOC(c->xl, B * F);
+    ALLOC(c->dxl, B * F);
+    ALLOC(c->in, B * (l->top_in + 1));
+    ALLOC(c->din, B * (l->top_in + 1));
+    for (uint32_t i = 0; i < l->n_top; i++) ALLOC(c->act[i], B * l->top[i].out);
+    for (uint32_t i = 0; i < l->n_bot; i++) ALLOC(c->bact[i], B * l->bot[i].out);
+    ALLOC(c->g1, B * widest);
+    ALLOC(c->g2, B * widest);
+    ALLOC(c->logit, B);
+    ALLOC(c->dlogit, B);
+#undef ALLOC
+    if (!ok) {
+        cpu_destroy(c);
+        return cm_err(errptr, CM_ENOMEM, "out of memory for batches of %u", max_b);
+    }
+    *state = c;
+    return CM_OK;
+}
+
+/* X = A * E over the batch's CSR rows; each CSR row is one (sample, field) slot of width d. */
+static void pool(const model_batch *b, const float *E, uint32_t d, float *X)
+{
+    size_t rows = (size_t)b->B * b->F;
+    for (size_t r = 0; r < rows; r++) {
+        float *x = X + r * d;
+        memset(x, 0, d * sizeof(float));
+        for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+            const float *e = E + (size_t)b->col[k] * d;
+            float v = b->val[k];
+            for (uint32_t j = 0; j < d; j++) x[j] += v * e[j];
+        }
+    }
+}
+
+/* dE = A^T * dX (dE overwritten). */
+static void pool_backward(const model_batch *b, const float *dX, uint32_t d, float *dE)
+{
+    memset(dE, 0, (size_t)b->U * d * sizeof(float));
+    size_t rows = (size_t)b->B * b->F;
+    for (size_t r = 0; r < rows; r++) {
+        const float *g = dX + r * d;
+        for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+            float *e = dE + (size_t)b->col[k] * d;
+            float v = b->val[k];
+            for (uint32_t j = 0; j < d; j++) e[j] += v * g[j];
+        }
+    }
+}
+
+/* Y = act(X W^T + b) for B rows. */
+static void layer_fwd(const model_layer *ly, const float *P, const float *X, float *Y, uint32_t B)
+{
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)B, (int)ly->out, (int)ly->in, 1.0f, X,
+                (int)ly->in, P + ly->w, (int)ly->in, 0.0f, Y, (int)ly->out);
+    const float *bias = P + ly->b;
+    for (size_t i = 0; i < B; i++) {
+        float *y = Y + i * ly->out;
+        for (uint32_t j = 0; j < ly->out; j++) {
+            float v = y[j] + bias[j];
+            y[j] = ly->relu && v < 0.0f ? 0.0f : v;
+        }
+    }
+}
+
+/* Given dY (gradient of the layer's output, B x out; modified in place by the ReLU mask),
+ * accumulates dW, db into dP and writes dX (B x in) when dX != NULL. */
+static void layer_bwd(const model_layer *ly, const float *P, const float *X, const float *Y,
+                      float *dY, float *dP, float *dX, uint32_t B)
+{
+    if (ly->relu)
+        for (size_t i = 0; i < (size_t)B * ly->out; i++)
+            if (Y[i] <= 0.0f) dY[i] = 0.0f;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)ly->out, (int)ly->in, (int)B, 1.0f, dY,
+                (int)ly->out, X, (int)ly->in, 0.0f, dP + ly->w, (int)ly->in);
+    float *db = dP + ly->b;
+    memset(db, 0, ly->out * sizeof(float));
+    for (size_t i = 0; i < B; i++)
+        for (uint32_t j = 0; j < ly->out; j++) db[j] += dY[i * ly->out + j];
+    if (dX != NULL)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)B, (int)ly->in, (int)ly->out, 1.0f,
+                    dY, (int)ly->out, P + ly->w, (int)ly->in, 0.0f, dX, (int)ly->in);
+}
+
+/* Runs the MLP stack ly[0..n) on X; returns the last layer's output buffer. */
+static const float *stack_fwd(const model_layer *ly, uint32_t n, float *const *act, const float *P,
+                              const float *X, uint32_t B)
+{
+    const float *in = X;
+    for (uint32_t i = 0; i < n; i++) {
+        layer_fwd(&ly[i], P, in, act[i], B);
+        in = act[i];
+    }
+    return in;
+}
+
+/* Backward through the stack from dOut (B x last out); dX (B x ly[0].in) if non-NULL. */
+static void stack_bwd(cpu *c, const model_layer *ly, uint32_t n, float *const *act, const float *P,
+                      const float *X, const float *dOut, float *dP, float *dX, uint32_t B)
+{
+    float *g = c->g1, *h = c->g2;
+    memcpy(g, dOut, (size_t)B * ly[n - 1].out * sizeof(float));
+    for (uint32_t i = n; i-- > 0;) {
+        const float *in = i ? act[i - 1] : X;
+        float *dx = i ? h : dX;
+        layer_bwd(&ly[i], P, in, act[i], g, dP, dx, B);
+        float *t = g;
+        g = h;
+        h = t;
+    }
+}
+
+static int cpu_step(void *state, const float *P, const model_batch *b, float *probs, double *loss,
+                    float *dP, float *const *demb, char **errptr)
+{
+    cpu *c = state;
+    const model_cfg *m = &c->m;
+    const model_layout *l = &c->l;
+    const uint32_t B = b->B, F = m->n_fields, D = m->n_dense, d = m->dim;
+    if (B > c->max_b || b->F != F || b->D != D || b->U > c->max_u)
+        return cm_err(errptr, CM_EINVAL, "batch shape (B %u, F %u, D %u, U %u) does not fit the model "
+                      "(F %u, D %u, at most %u rows, %u keys)", B, b->F, b->D, b->U, F, D, c->max_b,
+                      c->max_u);
+    const bool bwd = dP != NULL;
+    if (bwd) memset(dP, 0, l->n_params * sizeof(float));
+    float *logit = c->logit;
+    memset(logit, 0, B * sizeof(float));
+    if (l->emb_table >= 0) pool(b, b->emb[l->emb_table], d, c->xe);
+    if (l->lin_table >= 0) {
+        pool(b, b->emb[l->lin_table], 1, c->xl);
+        for (uint32_t i = 0; i < B; i++) {
+            float s = P[l->lin_c];
+            for (uint32_t f = 0; f < F; f++) s += c->xl[(size_t)i * F + f];
+            for (uint32_t k = 0; k < D; k++) s += P[l->lin_w + k] * b->dense[(size_t)i * D + k];
+            logit[i] += s;
+        }
+    }
+    if (m->kind == MODEL_DEEPFM)
+        for (uint32_t i = 0; i < B; i++) {
+            const float *v = c->xe + (size_t)i * F * d;
+            float fm = 0;
+            for (uint32_t j = 0; j < d; j++) {
+                float s = 0, q = 0;
+                for (uint32_t f = 0; f < F; f++) {
+                    s += v[f * d + j];
+                    q += v[f * d + j] * v[f * d + j];
+                }
+                fm += 0.5f * (s * s - q);
+            }
+            logit[i] += fm;
+        }
+    const float *z0 = NULL;
+    if (l->n_top > 0) {
+        /* Build the top MLP's input. */
+        uint32_t ti = l->top_in;
+        if (m->kind == MODEL_DLRM) {
+            z0 = stack_fwd(l->bot, l->n_bot, c->bact, P, b->dense, B);
+            for (uint32_t i = 0; i < B; i++) {
+                float *row = c->in + (size_t)i * ti;
+                const float *v0 = z0 + (size_t)i * d, *ve = c->xe + (size_t)i * F * d;
+                memcpy(row, v0, d * sizeof(float));
+                uint32_t p = d;
+                for (uint32_t a = 0; a <= F; a++)
+                    for (uint32_t e = a + 1; e <= F; e++) {
+                        const float *va = a ? ve + (a - 1) * d : v0, *vb = ve + (e - 1) * d;
+                        float s = 0;
+                        for (uint32_t j = 0; j < d; j++) s += va[j] * vb[j];
+                        row[p++] = s;
+                    }
+            }
+        } else {
+            for (uint32_t i = 0; i < B; i++) {
+                memcpy(c->in + (size_t)i * ti, c->xe + (size_t)i * F * d, (size_t)F * d * sizeof(float));
+                memcpy(c->in + (size_t)i * ti + (size_t)F * d, b->dense + (size_t)i * D, D * sizeof(float));
+            }
+        }
+        const float *out = stack_fwd(l->top, l->n_top, c->act, P, c->in, B);
+        for (uint32_t i = 0; i < B; i++) logit[i] += out[i];
+    }
+    /* Loss and its gradient: mean of softplus(z) - y z, computed without overflow. */
+    double sum = 0;
+    for (uint32_t i = 0; i < B; i++) {
+        float z = logit[i];
+        probs[i] = 1.0f / (1.0f + expf(-z));
+        if (b->labels) {
+            float y = b->labels[i];
+            sum += fmaxf(z, 0.0f) - z * y + log1pf(expf(-fabsf(z)));
+            c->dlogit[i] = (probs[i] - y) / (float)B;
+        }
+    }
+    if (loss) *loss = B ? sum / B : 0.0;
+    if (!bwd) return CM_OK;
+    if (b->labels == NULL) return cm_err(errptr, CM_EINVAL, "backward pass needs labels");
+    const float *g = c->dlogit;
+    if (l->emb_table >= 0) memset(c->dxe, 0, (size_t)B * F * d * sizeof(float));
+    if (l->lin_table >= 0) {
+        for (uint32_t i = 0; i < B; i++) {
+            for (uint32_t f = 0; f < F; f++) c->dxl[(size_t)i * F + f] = g[i];
+            for (uint32_t k = 0; k < D; k++) dP[l->lin_w + k] += g[i] * b->dense[(size_t)i * D + k];
+            dP[l->lin_c] += g[i];
+        }
+        pool_backward(b, c->dxl, 1, demb[l->lin_table]);
+    }
+    if (m->kind == MODEL_DEEPFM)
+        for (uint32_t i = 0; i < B; i++) {
+            const float *v = c->xe + (size_t)i * F * d;
+            float *dv = c->dxe + (size_t)i * F * d;
+            for (uint32_t j = 0; j < d; j++) {
+                float s = 0;
+                for (uint32_t f = 0; f < F; f++) s += v[f * d + j];
+                for (uint32_t f = 0; f < F; f++) dv[f * d + j] += g[i] * (s - v[f * d + j]);
+            }
+        }
+    if (l->n_top > 0) {
+        uint32_t ti = l->top_in;
+        stack_bwd(c, l->top, l->n_top, c->act, P, c->in, g, dP, c->din, B);
+        if (m->kind == MODEL_DLRM) {
+            float *dz0 = c->din; /* reuse: first d of each din row, rewritten below */
+            for (uint32_t i = 0; i < B; i++) {
+                const float *row = c->din + (size_t)i * ti;
+                const float *v0 = z0 + (size_t)i * d, *ve = c->xe + (size_t)i * F * d;
+                float *dve = c->dxe + (size_t)i * F * d;
+                float dv0[1024];
+                memcpy(dv0, row, d * sizeof(float));
+                uint32_t p = d;
+                for (uint32_t a = 0; a <= F; a++)
+                    for (uint32_t e = a + 1; e <= F; e++) {
+                        const float *va = a ? ve + (a - 1) * d : v0, *vb = ve + (e - 1) * d;
+                        float gp = row[p++];
+                        float *dva = a ? dve + (a - 1) * d : dv0, *dvb = dve + (e - 1) * d;
+                        for (uint32_t j = 0; j < d; j++) {
+                            dva[j] += gp * vb[j];
+                            dvb[j] += gp * va[j];
+                        }
+                    }
+                memcpy(dz0 + (size_t)i * d, dv0, d * sizeof(float)); /* rows before i are done */
+            }
+            stack_bwd(c, l->bot, l->n_bot, c->bact, P, b->dense, dz0, dP, NULL, B);
+        } else {
+            for (uint32_t i = 0; i < B; i++)
+                for (size_t k = 0; k < (size_t)F * d; k++)
+                    c->dxe[(size_t)i * F * d + k] += c->din[(size_t)i * ti + k];
+        }
+    }
+    if (l->emb_table >= 0) pool_backward(b, c->dxe, d, demb[l->emb_table]);
+    return CM_OK;
+}
+
+const backend_ops backend_cpu_ops = {
+    .name = "cpu",
+    .create = cpu_create,
+    .destroy = cpu_destroy,
+    .step = cpu_step,
+};

@@ -1,0 +1,134 @@
+/* ember ingest: a thin shell over ds_ingest_run (datasets/datasets.h). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "datasets/datasets.h"
+#include "src/cli.h"
+
+static void ingest_usage(FILE *to)
+{
+    fprintf(to,
+            "usage: ember ingest --format criteo|criteo-csv|avazu|libsvm|libffm|csv [--schema FILE]\n"
+            "                    --out DIR [--shards N] [--eval-fraction F] [--split-seed S]\n"
+            "                    [--strict] [--bucketize] [--threads N] [--block-rows N]\n"
+            "                    [--ffm-fields N] FILE...\n"
+            "Converts click logs (plain, .gz or .zst) into checksummed shards in DIR/train and\n"
+            "DIR/eval, writes DIR/stats.json, and prints one JSON line of counts on stdout.\n"
+            "Malformed lines are reported on stderr and skipped (--strict: stop, exit 1).\n"
+            "See docs/INGEST.md.\n");
+}
+
+/* Parses an unsigned decimal option value; 0 when it is not one. */
+static int parse_u64(const char *s, unsigned long long max, unsigned long long *out)
+{
+    char *end;
+    if (s == NULL || *s == '\0' || *s == '-') return 0;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end != '\0' || v > max) return 0;
+    *out = v;
+    return 1;
+}
+
+int cmd_ingest(int argc, char **argv)
+{
+    ds_ingest_opts o;
+    ds_ingest_opts_init(&o);
+    const char *format = NULL;
+    const char **inputs = calloc((size_t)argc + 1, sizeof *inputs);
+    size_t n_inputs = 0;
+    int rc = 2;
+    if (inputs == NULL) {
+        fprintf(stderr, "ember ingest: out of memory\n");
+        return 1;
+    }
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        unsigned long long n;
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            ingest_usage(stdout);
+            rc = 0;
+            goto out;
+        } else if (strcmp(a, "--strict") == 0) {
+            o.strict = 1;
+            continue;
+        } else if (strcmp(a, "--bucketize") == 0) {
+            o.parser.bucketize = 1;
+            continue;
+        } else if (strncmp(a, "--", 2) != 0 || strcmp(a, "--") == 0) {
+            inputs[n_inputs++] = a;
+            continue;
+        }
+        if (v == NULL) {
+            fprintf(stderr, "ember ingest: %s needs a value\n", a);
+            goto usage;
+        }
+        i++;
+        if (strcmp(a, "--format") == 0) {
+            format = v;
+        } else if (strcmp(a, "--schema") == 0) {
+            o.parser.schema_path = v;
+        } else if (strcmp(a, "--out") == 0) {
+            o.out_dir = v;
+        } else if (strcmp(a, "--shards") == 0 && parse_u64(v, 100000, &n) && n > 0) {
+            o.n_shards = (uint32_t)n;
+        } else if (strcmp(a, "--threads") == 0 && parse_u64(v, 4096, &n)) {
+            o.threads = (int)n;
+        } else if (strcmp(a, "--block-rows") == 0 && parse_u64(v, 1u << 24, &n) && n > 0) {
+            o.block_rows = (uint32_t)n;
+        } else if (strcmp(a, "--ffm-fields") == 0 && parse_u64(v, 1u << 20, &n) && n > 0) {
+            o.parser.ffm_fields = (uint32_t)n;
+        } else if (strcmp(a, "--split-seed") == 0 && parse_u64(v, UINT64_MAX, &n)) {
+            o.split_seed = n;
+        } else if (strcmp(a, "--eval-fraction") == 0) {
+            char *end;
+            o.eval_fraction = strtod(v, &end);
+            if (*end != '\0' || !(o.eval_fraction >= 0 && o.eval_fraction < 1)) {
+                fprintf(stderr, "ember ingest: --eval-fraction takes a number in [0, 1)\n");
+                goto usage;
+            }
+        } else {
+            fprintf(stderr, "ember ingest: unknown option or bad value: %s %s\n", a, v);
+            goto usage;
+        }
+    }
+    if (format == NULL || ds_format_from_name(format, &o.parser.format) != CM_OK) {
+        fprintf(stderr, "ember ingest: --format must be criteo, criteo-csv, avazu, libsvm, "
+                        "libffm or csv\n");
+        goto usage;
+    }
+    if (o.parser.format == DS_FMT_CSV && o.parser.schema_path == NULL) {
+        fprintf(stderr, "ember ingest: --format csv needs --schema FILE\n");
+        goto usage;
+    }
+    if (o.out_dir == NULL || n_inputs == 0) {
+        fprintf(stderr, "ember ingest: needs --out DIR and at least one input file\n");
+        goto usage;
+    }
+    o.inputs = inputs;
+    o.n_inputs = n_inputs;
+    o.progress = isatty(STDERR_FILENO);
+    ds_ingest_result res;
+    char *err = NULL;
+    int r = ds_ingest_run(&o, &res, &err);
+    ds_ingest_result_json(&res, stdout);
+    fflush(stdout);
+    if (r != CM_OK) {
+        fprintf(stderr, "ember ingest: %s\n", err ? err : "failed");
+        free(err);
+        rc = 1;
+    } else {
+        rc = 0;
+    }
+    goto out;
+usage:
+    ingest_usage(stderr);
+    rc = 2;
+out:
+    free(inputs);
+    return rc;
+}

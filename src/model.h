@@ -1,0 +1,102 @@
+/*
+ * Models and compute backends (private to src/).
+ *
+ * A model sees one mini-batch as:
+ *   - dense features x: B x D floats (already log1p-transformed, missing = 0);
+ *   - for each embedding table t, the pulled rows E_t: U x dim_t floats, one per distinct key
+ *     of the batch (U distinct keys, the same for every table);
+ *   - the pooling matrix A in CSR: (B*F) rows x U columns; row b*F+f holds field f of sample
+ *     b, with values = pooling weights (1 for sum, 1/len for mean, times a key weight).
+ * Pooling is X_t = A * E_t for every table (an SpMM), and the backward pass gives the row
+ * gradients dE_t = A^T * dX_t: exactly the deduplicated gradients pushed to the PS. Both
+ * backends (cpu, cuda) share this layout.
+ *
+ * Presets (tables: "emb" of dim d, "lin" of dim 1; dense params are one flat vector):
+ *   lr      logit = sum_f X_lin[b,f] + w . x + c
+ *   mlp     logit = MLP([X_emb[b,0..F), x])                      (F*d + D -> hidden -> 1)
+ *   dlrm    z0 = MLP_bottom(x) (-> d); logit = MLP_top([z0, <v_i,v_j> for i<j over z0,X_emb])
+ *   deepfm  logit = sum_f X_lin + w . x + c + FM(X_emb) + MLP([X_emb, x])
+ * Hidden layers use ReLU; the loss is the mean sigmoid cross-entropy over the batch.
+ */
+#ifndef EMBER_SRC_MODEL_H
+#define EMBER_SRC_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MODEL_MAX_LAYERS 8
+#define MODEL_MAX_TABLES 2
+
+typedef enum model_kind { MODEL_LR, MODEL_MLP, MODEL_DLRM, MODEL_DEEPFM } model_kind;
+
+typedef struct model_cfg {
+    model_kind kind;
+    uint32_t n_fields, n_dense, dim;
+    uint32_t n_hidden, hidden[MODEL_MAX_LAYERS]; /* top MLP widths (before the 1-unit output) */
+    uint32_t n_bottom, bottom[MODEL_MAX_LAYERS]; /* dlrm bottom MLP widths (last must be dim) */
+    uint64_t seed;
+} model_cfg;
+
+/* Parses "lr", "mlp", "dlrm", "deepfm". 0 or -1. */
+int model_kind_parse(const char *name, model_kind *out);
+const char *model_kind_name(model_kind k);
+/* Fills the preset's default shape for F fields and D dense features. */
+void model_cfg_preset(model_cfg *m, model_kind kind, uint32_t n_fields, uint32_t n_dense);
+
+/* One fully connected layer: y = W x + b, W is out x in row-major, at params[w], b at params[b]. */
+typedef struct model_layer {
+    uint32_t in, out;
+    size_t w, b;
+    int relu;
+} model_layer;
+
+/* The flat parameter layout a config implies. */
+typedef struct model_layout {
+    uint32_t n_tables, table_dim[MODEL_MAX_TABLES]; /* table 0 "emb" or "lin"; table 1 "lin" */
+    int emb_table, lin_table;                       /* index or -1 */
+    uint32_t n_top, n_bot;
+    model_layer top[MODEL_MAX_LAYERS + 1], bot[MODEL_MAX_LAYERS];
+    size_t lin_w, lin_c; /* lr/deepfm: dense linear weights (D) and bias (1) */
+    size_t n_params;
+    uint32_t top_in, inter; /* top MLP input width; dlrm interaction pairs */
+} model_layout;
+
+int model_layout_make(const model_cfg *m, model_layout *out, char **errptr);
+/* Initial dense parameters (Xavier-uniform weights, zero biases) from the seed. */
+void model_init_params(const model_cfg *m, const model_layout *l, float *params);
+/* FLOPs of forward + backward per sample of the dense tower (GEMMs only): the roofline count. */
+double model_flops_per_sample(const model_layout *l);
+
+/* A batch in the model's layout. Arrays are borrowed. */
+typedef struct model_batch {
+    uint32_t B, F, D, U;
+    const float *dense;       /* B x D */
+    const float *labels;      /* B */
+    const uint32_t *row_ptr;  /* B*F + 1 */
+    const uint32_t *col;      /* nnz, < U */
+    const float *val;         /* nnz */
+    const float *emb[MODEL_MAX_TABLES]; /* U x dim_t */
+} model_batch;
+
+/* A compute backend: a static ops table per variant (cpu, cuda). */
+typedef struct backend backend;
+typedef struct backend_ops {
+    const char *name;
+    /* Creates per-backend state for batches of at most max_batch rows and max_uniq keys. */
+    int (*create)(const model_cfg *m, const model_layout *l, uint32_t max_batch,
+                  uint32_t max_uniq, void **state, char **errptr);
+    void (*destroy)(void *state);
+    /* Forward pass: probs (B) and, with labels, the mean loss. With dparams != NULL also the
+     * backward pass: dparams (n_params, overwritten) and demb[t] (U x dim_t, overwritten). */
+    int (*step)(void *state, const float *params, const model_batch *b, float *probs,
+                double *loss, float *dparams, float *const *demb, char **errptr);
+} backend_ops;
+
+extern const backend_ops backend_cpu_ops;
+/* NULL when ember was built without CUDA. */
+extern const backend_ops *const backend_cuda_ops;
+
+/* "cpu" or "cuda" (error when not built or no device). */
+int backend_find(const char *name, const backend_ops **out, char **errptr);
+
+#endif

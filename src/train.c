@@ -1,0 +1,889 @@
+/* The training job; train.h explains the design. */
+#include "src/train.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "datasets/datasets.h"
+#include "src/metrics.h"
+
+#define DENSE_BLOCK 0
+
+void train_opts_init(train_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->batch = 2048;
+    o->epochs = 1;
+    o->workers = 1;
+    o->shards = 1;
+    o->staleness = -1;
+    o->emb_lr = 0.05f;
+    o->dense_lr = 0.001f;
+    o->emb_opt = EMB_OPT_ADAGRAD;
+    o->push_codec = PS_CODEC_F32;
+    o->progress = -1;
+    o->seed = 1;
+    o->model.kind = MODEL_MLP;
+}
+
+/* ---- config file ---- */
+
+static int parse_widths(const char *v, uint32_t *out, uint32_t *n)
+{
+    *n = 0;
+    const char *p = v;
+    while (*p) {
+        char *end;
+        unsigned long x = strtoul(p, &end, 10);
+        if (end == p || x == 0 || x > 65536 || *n >= MODEL_MAX_LAYERS) return -1;
+        out[(*n)++] = (uint32_t)x;
+        p = end;
+        while (*p == ',' || *p == ' ') p++;
+    }
+    return *n ? 0 : -1;
+}
+
+static int train_entry(void *arg, const char *section, const char *sarg, const char *k,
+                       const char *v, char **errptr)
+{
+    train_opts *o = arg;
+    if (k == NULL)
+        return (!strcmp(section, "model") || !strcmp(section, "train")) && !*sarg
+                   ? CM_OK
+                   : cm_err(errptr, CM_EINVAL, "unknown section [%s] (model, train)", section);
+    uint64_t u = 0;
+    char *end = NULL;
+    int bad = 0;
+    if (!strcmp(section, "model")) {
+        if (!strcmp(k, "kind")) bad = model_kind_parse(v, &o->model.kind), o->model_set = !bad;
+        else if (!strcmp(k, "dim")) bad = cm_parse_size(v, &u) || u == 0 || u > 1024, o->dim_override = (uint32_t)u;
+        else if (!strcmp(k, "hidden")) bad = parse_widths(v, o->model.hidden, &o->model.n_hidden), o->hidden_override = 1;
+        else if (!strcmp(k, "bottom")) bad = parse_widths(v, o->model.bottom, &o->model.n_bottom);
+        else if (!strcmp(k, "seed")) bad = cm_parse_size(v, &o->model.seed);
+        else if (!strcmp(k, "pool")) o->mean_pool = !strcmp(v, "mean"), bad = strcmp(v, "mean") && strcmp(v, "sum");
+        else return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [model]", k);
+    } else {
+        if (!strcmp(k, "batch")) bad = cm_parse_size(v, &u) || u == 0 || u > 1000000, o->batch = (uint32_t)u;
+        else if (!strcmp(k, "epochs")) bad = cm_parse_size(v, &u) || u == 0 || u > 10000, o->epochs = (uint32_t)u;
+        else if (!strcmp(k, "emb_lr")) o->emb_lr = strtof(v, &end), bad = *end || !(o->emb_lr > 0);
+        else if (!strcmp(k, "dense_lr")) o->dense_lr = strtof(v, &end), bad = *end || !(o->dense_lr > 0);
+        else if (!strcmp(k, "emb_optimizer")) bad = emb_opt_parse(v, &o->emb_opt);
+        else if (!strcmp(k, "push_codec")) bad = ps_codec_parse(v, &o->push_codec);
+        else if (!strcmp(k, "memory")) bad = cm_parse_size(v, &o->memory);
+        else if (!strcmp(k, "shuffle")) bad = cm_parse_size(v, &o->shuffle_rows);
+        else if (!strcmp(k, "staleness")) o->staleness = (int32_t)strtol(v, &end, 10), bad = *end || o->staleness < -1;
+        else if (!strcmp(k, "checkpoint_every")) bad = cm_parse_size(v, &o->ckpt_every);
+        else return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
+    }
+    return bad ? cm_err(errptr, CM_EINVAL, "bad value '%s' for %s", v, k) : CM_OK;
+}
+
+int train_config_load(const char *path, train_opts *o, char **errptr)
+{
+    return cm_ini_parse(path, train_entry, o, errptr);
+}
+
+/* ---- the job's shared setup ---- */
+
+typedef struct setup {
+    const train_opts *o;
+    ps_config ps;
+    model_cfg m;
+    model_layout l;
+    const backend_ops *be;
+    char **urls;
+    const char *train_paths[1], *eval_paths[1];
+    uint64_t *steps_of; /* per worker: total steps */
+    uint64_t min_steps, max_steps;
+    char ckpt_root[2048];
+    uint64_t resume_step;
+    FILE *metrics; /* worker 0 */
+    double t0;
+} setup;
+
+/* ---- batches in the model's layout ---- */
+
+typedef struct stage {
+    int status; /* 1 batch, 0 end of data, < 0 error */
+    uint32_t B, U, nnz, cap_b, cap_nnz;
+    float *labels, *dense, *val;
+    uint32_t *row_ptr, *col;
+    uint64_t *ukeys;
+    float *emb[MODEL_MAX_TABLES];
+    float *params;
+    /* dedup table: keys and their column, valid where gen[i] == cur */
+    uint64_t *hkeys;
+    uint32_t *hcol, *hgen, hcap, cur;
+} stage;
+
+static void stage_free(stage *s)
+{
+    free(s->labels);
+    free(s->dense);
+    free(s->val);
+    free(s->row_ptr);
+    free(s->col);
+    free(s->ukeys);
+    for (int t = 0; t < MODEL_MAX_TABLES; t++) free(s->emb[t]);
+    free(s->params);
+    free(s->hkeys);
+    free(s->hcol);
+    free(s->hgen);
+    memset(s, 0, sizeof *s);
+}
+
+static int stage_reserve(stage *s, const setup *S, uint32_t B, uint32_t nnz, char **errptr)
+{
+    const uint32_t F = S->m.n_fields, D = S->m.n_dense;
+    if (s->params == NULL) {
+        s->params = malloc(S->l.n_params * sizeof(float) + 1);
+        if (s->params == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    }
+    if (B > s->cap_b) {
+        free(s->labels);
+        free(s->dense);
+        free(s->row_ptr);
+        s->labels = malloc(B * sizeof(float));
+        s->dense = malloc((size_t)B * D * sizeof(float) + 1);
+        s->row_ptr = malloc(((size_t)B * F + 1) * sizeof(uint32_t));
+        if (!s->labels || !s->dense || !s->row_ptr) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        s->cap_b = B;
+    }
+    if (nnz > s->cap_nnz || s->hkeys == NULL) {
+        uint32_t cap = nnz > 1024 ? nnz : 1024;
+        free(s->val);
+        free(s->col);
+        free(s->ukeys);
+        for (uint32_t t = 0; t < S->l.n_tables; t++) free(s->emb[t]);
+        free(s->hkeys);
+        free(s->hcol);
+        free(s->hgen);
+        s->val = malloc(cap * sizeof(float));
+        s->col = malloc(cap * sizeof(uint32_t));
+        s->ukeys = malloc(cap * sizeof(uint64_t));
+        bool ok = s->val && s->col && s->ukeys;
+        for (uint32_t t = 0; t < S->l.n_tables; t++)
+            ok = ok && (s->emb[t] = malloc((size_t)cap * S->l.table_dim[t] * sizeof(float))) != NULL;
+        s->hcap = 1;
+        while (s->hcap < 2 * cap) s->hcap <<= 1;
+        s->hkeys = malloc(s->hcap * sizeof(uint64_t));
+        s->hcol = malloc(s->hcap * sizeof(uint32_t));
+        s->hgen = calloc(s->hcap, sizeof(uint32_t));
+        s->cur = 0;
+        if (!ok || !s->hkeys || !s->hcol || !s->hgen)
+            return cm_err(errptr, CM_ENOMEM, "out of memory for %u keys", cap);
+        s->cap_nnz = cap;
+    }
+    return CM_OK;
+}
+
+/* Integer features are heavy-tailed: sign(x) log1p(|x|) keeps them in a small range. */
+static inline float squash(float x)
+{
+    return x >= 0.0f ? log1pf(x) : -log1pf(-x);
+}
+
+/* Copies a reader batch into the model layout and deduplicates its keys. */
+static int stage_build(stage *s, const setup *S, const ds_batch *b, char **errptr)
+{
+    const uint32_t F = S->m.n_fields, D = S->m.n_dense;
+    if (b->n_fields != F || b->n_dense != D)
+        return cm_err(errptr, CM_EINVAL, "batch has %u fields and %u dense values; the model expects "
+                      "%u and %u", b->n_fields, b->n_dense, F, D);
+    uint32_t nnz = (uint32_t)b->n_keys;
+    int rc = stage_reserve(s, S, b->n_rows, nnz, errptr);
+    if (rc != CM_OK) return rc;
+    s->B = b->n_rows;
+    s->nnz = nnz;
+    memcpy(s->labels, b->labels, s->B * sizeof(float));
+    for (size_t i = 0; i < (size_t)s->B * D; i++) s->dense[i] = squash(b->dense[i]);
+    memcpy(s->row_ptr, b->offsets, ((size_t)s->B * F + 1) * sizeof(uint32_t));
+    if (++s->cur == 0) {
+        memset(s->hgen, 0, s->hcap * sizeof(uint32_t));
+        s->cur = 1;
+    }
+    uint32_t U = 0, mask = s->hcap - 1;
+    for (uint32_t k = 0; k < nnz; k++) {
+        uint64_t key = b->keys[k];
+        uint32_t h = (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> 32) & mask;
+        while (s->hgen[h] == s->cur && s->hkeys[h] != key) h = (h + 1) & mask;
+        if (s->hgen[h] != s->cur) {
+            s->hgen[h] = s->cur;
+            s->hkeys[h] = key;
+            s->hcol[h] = U;
+            s->ukeys[U++] = key;
+        }
+        s->col[k] = s->hcol[h];
+    }
+    s->U = U;
+    for (size_t r = 0; r < (size_t)s->B * F; r++) {
+        uint32_t lo = s->row_ptr[r], hi = s->row_ptr[r + 1];
+        float w = S->o->mean_pool && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;
+        for (uint32_t k = lo; k < hi; k++) s->val[k] = b->weights ? w * b->weights[k] : w;
+    }
+    return CM_OK;
+}
+
+/* Pulls the stage's rows and the dense tower. */
+static int stage_pull(stage *s, const setup *S, ps_client *c, char **errptr)
+{
+    int rc = CM_OK;
+    for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
+        rc = ps_client_pull(c, t, s->ukeys, s->U, s->emb[t], errptr);
+    if (rc == CM_OK && S->l.n_params > 0) rc = ps_client_dense_pull(c, DENSE_BLOCK, s->params, errptr);
+    return rc;
+}
+
+static void batch_view(const stage *s, const setup *S, model_batch *mb)
+{
+    memset(mb, 0, sizeof *mb);
+    mb->B = s->B;
+    mb->F = S->m.n_fields;
+    mb->D = S->m.n_dense;
+    mb->U = s->U;
+    mb->dense = s->dense;
+    mb->labels = s->labels;
+    mb->row_ptr = s->row_ptr;
+    mb->col = s->col;
+    mb->val = s->val;
+    for (uint32_t t = 0; t < S->l.n_tables; t++) mb->emb[t] = s->emb[t];
+}
+
+/* ---- prefetch: builds and pulls batch t+1 while t computes ---- */
+
+typedef struct prefetch {
+    const setup *S;
+    ds_reader *r;
+    ps_client *c;
+    stage st[2];
+    int full[2]; /* 1 when st[i] is ready for the consumer */
+    int next_fill, next_take;
+    bool stop;
+    char *err;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t th;
+} prefetch;
+
+static void *prefetch_main(void *arg)
+{
+    prefetch *p = arg;
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        while (p->full[p->next_fill] && !p->stop) pthread_cond_wait(&p->cv, &p->mu);
+        bool stop = p->stop;
+        int i = p->next_fill;
+        pthread_mutex_unlock(&p->mu);
+        if (stop) break;
+        stage *s = &p->st[i];
+        const ds_batch *b = NULL;
+        char *err = NULL;
+        int got = ds_reader_next(p->r, &b, &err), rc = got < 0 ? got : CM_OK;
+        if (got == 1) rc = stage_build(s, p->S, b, &err);
+        if (got == 1 && rc == CM_OK) rc = stage_pull(s, p->S, p->c, &err);
+        s->status = rc != CM_OK ? rc : got;
+        pthread_mutex_lock(&p->mu);
+        if (rc < 0 && p->err == NULL) p->err = err, err = NULL;
+        p->full[i] = 1;
+        p->next_fill ^= 1;
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+        free(err);
+        if (s->status <= 0) break;
+    }
+    return NULL;
+}
+
+static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *c, char **errptr)
+{
+    memset(p, 0, sizeof *p);
+    p->S = S;
+    p->r = r;
+    p->c = c;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    if (pthread_create(&p->th, NULL, prefetch_main, p) != 0)
+        return cm_err(errptr, CM_ERR, "cannot start the prefetch thread");
+    return CM_OK;
+}
+
+/* The next ready stage (status 1), or NULL at the end (*rc 0) or on error (*rc < 0). */
+static stage *prefetch_take(prefetch *p, int *rc, char **errptr)
+{
+    pthread_mutex_lock(&p->mu);
+    while (!p->full[p->next_take]) pthread_cond_wait(&p->cv, &p->mu);
+    stage *s = &p->st[p->next_take];
+    *rc = s->status > 0 ? CM_OK : s->status;
+    if (s->status < 0) cm_err(errptr, s->status, "%s", p->err ? p->err : "prefetch failed");
+    pthread_mutex_unlock(&p->mu);
+    return s->status > 0 ? s : NULL;
+}
+
+/* Gives the taken stage back for refilling. */
+static void prefetch_release(prefetch *p)
+{
+    pthread_mutex_lock(&p->mu);
+    p->full[p->next_take] = 0;
+    p->next_take ^= 1;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void prefetch_stop(prefetch *p)
+{
+    pthread_mutex_lock(&p->mu);
+    p->stop = true;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    pthread_join(p->th, NULL);
+    stage_free(&p->st[0]);
+    stage_free(&p->st[1]);
+    free(p->err);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+}
+
+/* ---- readers ---- */
+
+static int reader_open(const setup *S, const char *path, uint32_t worker, uint32_t n_workers,
+                       uint32_t epochs, uint64_t shuffle, ds_reader **out, char **errptr)
+{
+    ds_reader_opts ro;
+    ds_reader_opts_init(&ro);
+    const char *paths[1] = {path};
+    ro.paths = paths;
+    ro.n_paths = 1;
+    ro.batch_size = S->o->batch;
+    ro.worker = worker;
+    ro.n_workers = n_workers;
+    ro.n_epochs = epochs;
+    ro.shuffle_rows = shuffle;
+    ro.seed = S->o->seed;
+    return ds_reader_open(&ro, out, errptr);
+}
+
+/* ---- evaluation ---- */
+
+static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, char **errptr)
+{
+    ds_reader *r = NULL;
+    int rc = reader_open(S, S->o->eval_path, 0, 1, 1, 0, &r, errptr);
+    if (rc != CM_OK) return rc;
+    uint64_t rows = ds_reader_rows(r), n = 0;
+    float *probs = malloc((rows + 1) * sizeof(float)), *labels = malloc((rows + 1) * sizeof(float));
+    stage s;
+    memset(&s, 0, sizeof s);
+    if (probs == NULL || labels == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory for %" PRIu64 " eval rows", rows);
+    while (rc == CM_OK) {
+        const ds_batch *b;
+        int got = ds_reader_next(r, &b, errptr);
+        if (got <= 0) {
+            rc = got;
+            break;
+        }
+        if (n + b->n_rows > rows) {
+            rc = cm_err(errptr, CM_ECORRUPT, "eval shards hold more rows than their index says");
+            break;
+        }
+        rc = stage_build(&s, S, b, errptr);
+        if (rc == CM_OK) rc = stage_pull(&s, S, c, errptr);
+        model_batch mb;
+        batch_view(&s, S, &mb);
+        mb.labels = NULL;
+        if (rc == CM_OK) rc = S->be->step(be, s.params, &mb, probs + n, NULL, NULL, NULL, errptr);
+        if (rc == CM_OK) {
+            memcpy(labels + n, s.labels, s.B * sizeof(float));
+            n += s.B;
+        }
+    }
+    if (rc == CM_OK && n == 0) rc = cm_err(errptr, CM_EINVAL, "no eval rows in %s", S->o->eval_path);
+    if (rc == CM_OK) rc = metrics_auc(probs, labels, n, &res->auc, errptr);
+    if (rc == CM_OK) rc = metrics_logloss(probs, labels, n, &res->logloss, errptr);
+    res->eval_rows = n;
+    stage_free(&s);
+    free(probs);
+    free(labels);
+    ds_reader_destroy(r);
+    return rc;
+}
+
+/* ---- checkpoints ---- */
+
+static int ckpt_dir(const setup *S, uint64_t step, char *out, size_t n)
+{
+    int len = snprintf(out, n, "%s/step-%" PRIu64, S->ckpt_root, step);
+    return len > 0 && (size_t)len < n ? CM_OK : CM_EINVAL;
+}
+
+/* Collective: PS snapshot named by tag (the same for every worker), each worker's own data
+ * position (batches consumed), then LATEST (worker 0). */
+static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t own,
+                      char **errptr)
+{
+    char dir[2200], path[2400], text[256];
+    if (ckpt_dir(S, tag, dir, sizeof dir) != CM_OK) return cm_err(errptr, CM_EINVAL, "path too long");
+    int rc = ps_client_save(c, dir, errptr);
+    if (rc != CM_OK) return rc;
+    snprintf(path, sizeof path, "%s/worker-%u.pos", dir, w);
+    int len = snprintf(text, sizeof text, "step %" PRIu64 "\n", own);
+    rc = cm_write_file_atomic(path, text, (size_t)len, errptr);
+    if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
+    if (rc == CM_OK && w == 0) {
+        snprintf(path, sizeof path, "%s/LATEST", S->ckpt_root);
+        len = snprintf(text, sizeof text, "step-%" PRIu64 "\n", tag);
+        rc = cm_write_file_atomic(path, text, (size_t)len, errptr);
+    }
+    return rc;
+}
+
+/* Reads "<prefix><number>" from a small file. */
+static int read_tagged(const char *path, const char *fmt, uint64_t *out, char **errptr)
+{
+    char *text = NULL;
+    size_t len;
+    int rc = cm_read_file(path, (void **)&text, &len, errptr);
+    if (rc != CM_OK) return rc;
+    unsigned long long v;
+    if (sscanf(text, fmt, &v) != 1) rc = cm_err(errptr, CM_ECORRUPT, "%s: unexpected contents", path);
+    else *out = v;
+    free(text);
+    return rc;
+}
+
+static int latest_step(const char *root, uint64_t *step, char **errptr)
+{
+    char path[2300];
+    snprintf(path, sizeof path, "%s/LATEST", root);
+    return read_tagged(path, "step-%llu", step, errptr);
+}
+
+/* ---- one worker ---- */
+
+typedef struct worker {
+    setup *S;
+    uint32_t index;
+    int rc;
+    char *err;
+    uint64_t start, steps, samples; /* batches consumed before this run, and in total */
+    double loss_sum;
+    train_result res; /* worker 0: eval */
+} worker;
+
+static bool all_finite(const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) return false;
+    return true;
+}
+
+static void log_progress(const setup *S, uint64_t step, uint64_t samples, double loss, bool final)
+{
+    double el = cm_now() - S->t0, rate = el > 0 ? (double)samples / el : 0;
+    double eta = rate > 0 && S->max_steps > step ? (double)(S->max_steps - step) * S->o->batch / rate : 0;
+    bool tty = S->o->progress == 1 || (S->o->progress < 0 && isatty(2));
+    if (tty)
+        fprintf(stderr, "\r[%" PRIu64 "/%" PRIu64 "] %.0f samples/s  loss %.5f  ETA %.0fs   %s", step,
+                S->max_steps, rate, loss, eta, final ? "\n" : "");
+    else
+        fprintf(stderr, "step %" PRIu64 "/%" PRIu64 " samples/s %.0f loss %.5f eta %.0fs\n", step,
+                S->max_steps, rate, loss, eta);
+    if (S->metrics) {
+        fprintf(S->metrics, "{\"step\":%" PRIu64 ",\"samples\":%" PRIu64 ",\"seconds\":%.3f,\"loss\":%.6f,\"samples_per_s\":%.1f}\n",
+                step, samples, el, loss, rate);
+        fflush(S->metrics);
+    }
+}
+
+static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
+{
+    setup *S = W->S;
+    const train_opts *o = S->o;
+    const uint32_t w = W->index;
+    uint64_t step = W->start, total = S->steps_of[w];
+    int rc = CM_OK;
+    ds_reader *r = NULL;
+    float *probs = NULL, *dparams = NULL, *demb[MODEL_MAX_TABLES] = {0};
+    prefetch pf;
+    bool pf_started = false;
+    /* Every worker skips the batches it consumed before the checkpoint. */
+    rc = reader_open(S, o->train_path, w, o->workers, o->epochs, o->shuffle_rows, &r, errptr);
+    if (rc != CM_OK) goto out;
+    for (uint64_t i = 0; i < step && rc == CM_OK; i++) {
+        const ds_batch *b;
+        int got = ds_reader_next(r, &b, errptr);
+        if (got < 0) rc = got;
+    }
+    probs = malloc(o->batch * sizeof(float));
+    dparams = malloc(S->l.n_params * sizeof(float) + 1);
+    if (probs == NULL || dparams == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    if (rc != CM_OK) goto out;
+    rc = prefetch_start(&pf, S, r, c, errptr);
+    if (rc != CM_OK) goto out;
+    pf_started = true;
+    uint32_t cap_u = 0;
+    double loss_window = 0, last_log = cm_now();
+    uint64_t window_n = 0;
+    while (rc == CM_OK && (o->max_steps == 0 || step < o->max_steps)) {
+        int trc;
+        stage *s = prefetch_take(&pf, &trc, errptr);
+        if (s == NULL) {
+            rc = trc;
+            break;
+        }
+        if (s->U > cap_u) {
+            for (uint32_t t = 0; t < S->l.n_tables; t++) {
+                free(demb[t]);
+                demb[t] = malloc((size_t)s->U * S->l.table_dim[t] * sizeof(float));
+                if (demb[t] == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+            }
+            cap_u = s->U;
+        }
+        model_batch mb;
+        batch_view(s, S, &mb);
+        double loss = 0;
+        if (rc == CM_OK) rc = S->be->step(be, s->params, &mb, probs, &loss, dparams, demb, errptr);
+        if (rc == CM_OK && (!isfinite(loss) || !all_finite(dparams, S->l.n_params)))
+            rc = cm_err(errptr, CM_EINVAL, "non-finite loss or gradient at step %" PRIu64 " (worker %u)",
+                        step, w);
+        for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
+            rc = ps_client_push(c, t, s->ukeys, s->U, demb[t], errptr);
+        if (rc == CM_OK && S->l.n_params > 0) rc = ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
+        uint32_t B = s->B;
+        prefetch_release(&pf);
+        if (rc != CM_OK) break;
+        if (o->staleness >= 0) rc = ps_client_clock(c, NULL, errptr);
+        step++;
+        W->steps++;
+        W->samples += B;
+        W->loss_sum += loss * B;
+        loss_window += loss * B;
+        window_n += B;
+        if (w == 0 && (cm_now() - last_log > 1.0 || step == total)) {
+            log_progress(S, step, W->samples * o->workers, loss_window / (double)window_n, step == total);
+            loss_window = 0;
+            window_n = 0;
+            last_log = cm_now();
+        }
+        if (rc == CM_OK && o->ckpt_every && step % o->ckpt_every == 0 && step < S->min_steps)
+            rc = checkpoint(S, c, w, step, step, errptr);
+    }
+    /* Synchronous mode: keep clocking until the slowest worker is through. */
+    for (uint64_t s = step; rc == CM_OK && o->staleness >= 0 && s < S->max_steps; s++)
+        rc = ps_client_clock(c, NULL, errptr);
+out:
+    if (pf_started) prefetch_stop(&pf);
+    ds_reader_destroy(r);
+    free(probs);
+    free(dparams);
+    for (int t = 0; t < MODEL_MAX_TABLES; t++) free(demb[t]);
+    if (rc == CM_OK) rc = ps_client_flush(c, errptr);
+    W->steps = step;
+    return rc;
+}
+
+/* A whole worker: connect, initialise the tower, (resume), train, checkpoint, evaluate. */
+static void *worker_main(void *arg)
+{
+    worker *W = arg;
+    setup *S = W->S;
+    const train_opts *o = S->o;
+    ps_client *c = NULL;
+    void *be = NULL;
+    char **errptr = &W->err;
+    ps_client_opts co = {.cfg = &S->ps, .urls = (const char *const *)S->urls, .worker = W->index};
+    int rc = ps_client_create(&co, &c, errptr);
+    if (rc == CM_OK) rc = S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024, &be, errptr);
+    if (rc == CM_OK && W->index == 0 && S->l.n_params > 0) {
+        float *p = malloc(S->l.n_params * sizeof(float));
+        int assigned;
+        if (p == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        else model_init_params(&S->m, &S->l, p);
+        if (rc == CM_OK) rc = ps_client_dense_init(c, DENSE_BLOCK, p, &assigned, errptr);
+        free(p);
+    }
+    if (rc == CM_OK && o->resume) {
+        char dir[2200], pos[2400];
+        ckpt_dir(S, S->resume_step, dir, sizeof dir);
+        rc = ps_client_load(c, dir, errptr);
+        snprintf(pos, sizeof pos, "%s/worker-%u.pos", dir, W->index);
+        if (rc == CM_OK) rc = read_tagged(pos, "step %llu", &W->start, errptr);
+    }
+    if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
+    if (rc == CM_OK) rc = worker_loop(W, c, be, errptr);
+    /* The final checkpoint is named after the longest schedule, so every worker agrees. */
+    if (rc == CM_OK) rc = checkpoint(S, c, W->index, S->max_steps, W->steps, errptr);
+    if (rc == CM_OK && W->index == 0 && o->eval_path) rc = evaluate(S, c, be, &W->res, errptr);
+    if (be) S->be->destroy(be);
+    if (c && rc != CM_OK) ps_client_flush(c, NULL);
+    ps_client_destroy(c);
+    W->rc = rc;
+    return NULL;
+}
+
+/* ---- the job ---- */
+
+static int setup_make(setup *S, const train_opts *o, char **errptr)
+{
+    memset(S, 0, sizeof *S);
+    S->o = o;
+    ds_reader *r = NULL;
+    int rc = reader_open(S, o->train_path, 0, 1, 1, 0, &r, errptr);
+    if (rc != CM_OK) return rc;
+    const ds_schema *sch = ds_reader_schema(r);
+    model_cfg_preset(&S->m, o->model.kind, sch->n_fields, sch->n_dense);
+    ds_reader_destroy(r);
+    if (o->hidden_override) {
+        S->m.n_hidden = o->model.n_hidden;
+        memcpy(S->m.hidden, o->model.hidden, sizeof S->m.hidden);
+    }
+    if (o->model.n_bottom) {
+        S->m.n_bottom = o->model.n_bottom;
+        memcpy(S->m.bottom, o->model.bottom, sizeof S->m.bottom);
+    }
+    if (o->dim_override && o->model.kind != MODEL_LR) {
+        S->m.dim = o->dim_override;
+        if (o->model.kind == MODEL_DLRM && S->m.n_bottom) S->m.bottom[S->m.n_bottom - 1] = S->m.dim;
+    }
+    if (o->model.seed) S->m.seed = o->model.seed;
+    if (S->m.kind == MODEL_DLRM && S->m.n_dense == 0)
+        return cm_err(errptr, CM_EINVAL, "dlrm needs dense features; the shards have none");
+    rc = model_layout_make(&S->m, &S->l, errptr);
+    if (rc != CM_OK) return rc;
+    const char *dev = o->device;
+    if (dev == NULL) dev = backend_cuda_ops ? "cuda" : "cpu";
+    rc = backend_find(dev, &S->be, errptr);
+    if (rc != CM_OK && o->device == NULL) rc = backend_find("cpu", &S->be, errptr);
+    if (rc != CM_OK) return rc;
+    /* The PS cluster this model needs. */
+    ps_config *p = &S->ps;
+    ps_config_init(p);
+    p->n_shards = o->shards;
+    p->n_workers = o->workers;
+    p->staleness = o->staleness;
+    snprintf(p->spill_dir, sizeof p->spill_dir, "%s/spill", o->out_dir);
+    for (uint32_t t = 0; t < S->l.n_tables; t++) {
+        ps_table_spec *ts = &p->tables[p->n_tables++];
+        memset(ts, 0, sizeof *ts);
+        snprintf(ts->name, sizeof ts->name, "%s", (int)t == S->l.lin_table ? "lin" : "emb");
+        emb_table_config_init(&ts->cfg);
+        ts->cfg.dim = S->l.table_dim[t];
+        ts->cfg.opt = o->emb_opt;
+        ts->cfg.lr = o->emb_lr;
+        ts->cfg.init_scale = (int)t == S->l.lin_table ? 0.0f : 0.05f;
+        ts->cfg.seed = o->seed;
+        ts->cfg.mem_budget_bytes = o->memory;
+        ts->push_codec = o->push_codec;
+        ts->pull_codec = PS_CODEC_F32;
+    }
+    if (S->l.n_params > 0) {
+        ps_dense_spec *d = &p->dense[p->n_dense++];
+        memset(d, 0, sizeof *d);
+        snprintf(d->name, sizeof d->name, "tower");
+        d->size = S->l.n_params;
+        d->opt = PS_DENSE_ADAM;
+        d->lr = o->dense_lr;
+        d->beta1 = 0.9f;
+        d->beta2 = 0.999f;
+        d->eps = 1e-8f;
+    }
+    rc = ps_config_check(p, errptr);
+    if (rc != CM_OK) return rc;
+    /* Everyone's schedule, from the shard indexes. */
+    S->steps_of = calloc(o->workers, sizeof *S->steps_of);
+    if (S->steps_of == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    S->min_steps = UINT64_MAX;
+    for (uint32_t w = 0; w < o->workers && rc == CM_OK; w++) {
+        rc = reader_open(S, o->train_path, w, o->workers, 1, 0, &r, errptr);
+        if (rc != CM_OK) break;
+        uint64_t rows = ds_reader_rows(r);
+        ds_reader_destroy(r);
+        uint64_t steps = (rows + o->batch - 1) / o->batch * o->epochs;
+        if (o->max_steps && steps > o->max_steps) steps = o->max_steps;
+        S->steps_of[w] = steps;
+        if (steps < S->min_steps) S->min_steps = steps;
+        if (steps > S->max_steps) S->max_steps = steps;
+    }
+    if (rc == CM_OK && S->min_steps == 0)
+        rc = cm_err(errptr, CM_EINVAL, "a worker has no training rows in %s (fewer blocks than workers?)",
+                    o->train_path);
+    snprintf(S->ckpt_root, sizeof S->ckpt_root, "%s/ckpt", o->out_dir);
+    if (rc == CM_OK) rc = cm_mkdirs(S->ckpt_root, errptr);
+    if (rc == CM_OK && o->resume) {
+        char *err = NULL;
+        int lr = latest_step(S->ckpt_root, &S->resume_step, &err);
+        if (lr != CM_OK) rc = cm_err(errptr, lr, "--resume: no checkpoint to resume from: %s", err);
+        free(err);
+    }
+    return rc;
+}
+
+static void setup_free(setup *S)
+{
+    if (S->urls)
+        for (uint32_t i = 0; i < S->ps.n_shards; i++) free(S->urls[i]);
+    free(S->urls);
+    free(S->steps_of);
+    if (S->metrics) fclose(S->metrics);
+}
+
+static int cluster_urls(setup *S, const char *path, char **errptr);
+
+int train_run(const train_opts *o, train_result *res, char **errptr)
+{
+    memset(res, 0, sizeof *res);
+    setup S;
+    train_opts oc = *o;
+    int rc = CM_OK;
+    if (o->cluster_path) {
+        /* The cluster file fixes shards and workers for every role. */
+        rc = cluster_urls(&S, o->cluster_path, errptr);
+        if (rc != CM_OK) return rc;
+        oc.shards = S.ps.n_shards;
+        oc.workers = S.ps.n_workers;
+        char **urls = S.urls;
+        S.urls = NULL;
+        rc = setup_make(&S, &oc, errptr);
+        S.urls = urls;
+    } else {
+        rc = setup_make(&S, &oc, errptr);
+    }
+    ps_server **servers = NULL;
+    worker *workers = NULL;
+    if (rc != CM_OK) goto out;
+    S.o = &oc;
+    S.t0 = cm_now();
+    bool run_ps = !o->cluster_path, run_workers = !o->cluster_path;
+    uint32_t first_w = 0, n_w = oc.workers, first_s = 0, n_s = oc.shards;
+    if (o->cluster_path) {
+        run_ps = !strcmp(o->role, "ps");
+        run_workers = !strcmp(o->role, "worker");
+        if (!run_ps && !run_workers) {
+            rc = cm_err(errptr, CM_EINVAL, "--role must be ps or worker");
+            goto out;
+        }
+        if (o->index >= (run_ps ? oc.shards : oc.workers)) {
+            rc = cm_err(errptr, CM_EINVAL, "--index %u out of range", o->index);
+            goto out;
+        }
+        first_w = first_s = o->index;
+        n_w = n_s = 1;
+    } else {
+        S.urls = calloc(oc.shards, sizeof *S.urls);
+        for (uint32_t i = 0; S.urls && i < oc.shards; i++) {
+            S.urls[i] = malloc(64);
+            if (S.urls[i]) snprintf(S.urls[i], 64, "inproc://ember-%ld-%u", (long)getpid(), i);
+        }
+    }
+    if (run_ps) {
+        servers = calloc(oc.shards, sizeof *servers);
+        for (uint32_t i = first_s; rc == CM_OK && i < first_s + n_s; i++) {
+            ps_server_opts so = {.cfg = &S.ps, .listen = S.urls[i], .shard = i};
+            rc = ps_server_create(&so, &servers[i], errptr);
+        }
+    }
+    if (rc == CM_OK && run_workers) {
+        char path[2300];
+        snprintf(path, sizeof path, "%s/metrics.jsonl", oc.out_dir);
+        if (first_w == 0) S.metrics = fopen(path, oc.resume ? "a" : "w");
+        workers = calloc(n_w, sizeof *workers);
+        pthread_t *th = calloc(n_w, sizeof *th);
+        if (workers == NULL || th == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        for (uint32_t i = 0; rc == CM_OK && i < n_w; i++) {
+            workers[i].S = &S;
+            workers[i].index = first_w + i;
+            if (pthread_create(&th[i], NULL, worker_main, &workers[i]) != 0) {
+                rc = cm_err(errptr, CM_ERR, "cannot start worker threads");
+                n_w = i;
+            }
+        }
+        for (uint32_t i = 0; th && i < n_w; i++) pthread_join(th[i], NULL);
+        free(th);
+        uint64_t samples = 0;
+        double loss = 0;
+        for (uint32_t i = 0; workers && i < n_w; i++) {
+            if (workers[i].rc != CM_OK && rc == CM_OK)
+                rc = cm_err(errptr, workers[i].rc, "worker %u: %s", workers[i].index,
+                            workers[i].err ? workers[i].err : "failed");
+            samples += workers[i].samples;
+            loss += workers[i].loss_sum;
+        }
+        if (rc == CM_OK) {
+            *res = workers[0].res;
+            res->seconds = cm_now() - S.t0;
+            res->rows = samples;
+            res->steps = workers[0].steps;
+            res->samples_per_s = res->seconds > 0 ? (double)samples / res->seconds : 0;
+            res->train_loss = samples ? loss / (double)samples : 0;
+        }
+        if (o->cluster_path && first_w == 0 && rc == CM_OK) {
+            /* The job is done: worker 0 takes the cluster down. */
+            ps_client *c = NULL;
+            ps_client_opts co = {.cfg = &S.ps, .urls = (const char *const *)S.urls, .worker = 0};
+            if (ps_client_create(&co, &c, NULL) == CM_OK) ps_client_shutdown(c, NULL);
+            ps_client_destroy(c);
+        }
+    } else if (rc == CM_OK && run_ps) {
+        ps_server_wait(servers[first_s]);
+    }
+out:
+    for (uint32_t i = 0; servers && i < oc.shards; i++) ps_server_destroy(servers[i]);
+    free(servers);
+    for (uint32_t i = 0; workers && i < n_w; i++) free(workers[i].err);
+    free(workers);
+    setup_free(&S);
+    return rc;
+}
+
+/* ---- cluster file: [cluster] ps = url, url, ...  workers = N ---- */
+
+static int cluster_entry(void *arg, const char *section, const char *sarg, const char *k,
+                         const char *v, char **errptr)
+{
+    setup *S = arg;
+    if (strcmp(section, "cluster") || *sarg)
+        return cm_err(errptr, CM_EINVAL, "unknown section [%s] (cluster)", section);
+    if (k == NULL) return CM_OK;
+    if (!strcmp(k, "workers")) {
+        uint64_t n;
+        if (cm_parse_size(v, &n) || n == 0 || n > PS_MAX_WORKERS)
+            return cm_err(errptr, CM_EINVAL, "bad workers '%s'", v);
+        S->ps.n_workers = (uint32_t)n;
+        return CM_OK;
+    }
+    if (strcmp(k, "ps")) return cm_err(errptr, CM_EINVAL, "unknown key '%s' (ps, workers)", k);
+    for (const char *p = v; *p;) {
+        while (*p == ' ' || *p == ',') p++;
+        size_t n = strcspn(p, " ,");
+        if (n == 0) break;
+        if (S->ps.n_shards >= PS_MAX_SHARDS) return cm_err(errptr, CM_EINVAL, "too many ps URLs");
+        char **urls = realloc(S->urls, (S->ps.n_shards + 1) * sizeof *urls);
+        if (urls == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        S->urls = urls;
+        S->urls[S->ps.n_shards] = strndup(p, n);
+        if (S->urls[S->ps.n_shards] == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        S->ps.n_shards++;
+        p += n;
+    }
+    return CM_OK;
+}
+
+static int cluster_urls(setup *S, const char *path, char **errptr)
+{
+    memset(S, 0, sizeof *S);
+    S->ps.n_workers = 1;
+    int rc = cm_ini_parse(path, cluster_entry, S, errptr);
+    if (rc == CM_OK && S->ps.n_shards == 0) rc = cm_err(errptr, CM_EINVAL, "%s: no ps URLs", path);
+    if (rc != CM_OK) {
+        for (uint32_t i = 0; i < S->ps.n_shards; i++) free(S->urls[i]);
+        free(S->urls);
+        S->urls = NULL;
+    }
+    return rc;
+}

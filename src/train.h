@@ -1,0 +1,62 @@
+/*
+ * ember train: the worker loop and its embedded or cluster deployment (private to src/).
+ *
+ * Worker loop: reader -> dedup the batch's keys -> pull the touched rows (and the dense
+ * tower) -> forward/backward on the backend -> push row gradients and dense gradients. A
+ * prefetch thread builds and pulls batch t+1 while the main thread computes batch t (so the
+ * rows used at step t+1 may miss step t's update: asynchronous SGD, one step stale).
+ *
+ * Deployment: with no cluster file the PS shards run inside the process (nng inproc://) and
+ * the workers are threads, all through the same PS protocol as a cluster. With --cluster the
+ * same code runs as one role (ps or worker) of a multi-process job.
+ *
+ * Schedule: every worker computes every worker's step count from the shard indexes, so all
+ * agree on when to checkpoint (only at steps every worker reaches) and, in synchronous mode,
+ * a worker that runs out of data keeps clocking until the slowest is done.
+ *
+ * Run directory (--out): ckpt/step-<N>/ (PS shards + worker-<i>.pos), ckpt/LATEST,
+ * metrics.jsonl, train.log. --resume continues from ckpt/LATEST.
+ */
+#ifndef EMBER_SRC_TRAIN_H
+#define EMBER_SRC_TRAIN_H
+
+#include <stdint.h>
+
+#include "ps/ps.h"
+#include "src/model.h"
+
+typedef struct train_opts {
+    const char *train_path, *eval_path; /* shard directories or files */
+    const char *out_dir;
+    const char *config_path; /* optional INI: [model], [train] */
+    const char *cluster_path; /* optional: [cluster] ps = url,url...; workers = N */
+    const char *role;         /* with cluster: "ps" or "worker" */
+    uint32_t index;           /* role index */
+    const char *device;       /* "cpu", "cuda", NULL = cuda when available */
+    model_cfg model;          /* kind set by the caller; shape filled from the shards */
+    int model_set;            /* model.kind given */
+    uint32_t batch, epochs, workers, shards;
+    int32_t staleness; /* -1 async */
+    uint64_t ckpt_every, max_steps, shuffle_rows, seed, memory;
+    uint32_t hidden_override, dim_override; /* 0 = preset */
+    float emb_lr, dense_lr;
+    emb_opt_kind emb_opt;
+    ps_codec push_codec;
+    int mean_pool, resume, progress; /* progress: -1 auto (terminal) */
+    int eval_every;                  /* steps, 0 = end only */
+} train_opts;
+
+void train_opts_init(train_opts *o);
+
+/* Applies a config file's [model] and [train] sections to o. */
+int train_config_load(const char *path, train_opts *o, char **errptr);
+
+typedef struct train_result {
+    double auc, logloss, seconds, samples_per_s, train_loss;
+    uint64_t rows, eval_rows, steps;
+} train_result;
+
+/* Runs the whole job (embedded) or this process's role (cluster). */
+int train_run(const train_opts *o, train_result *res, char **errptr);
+
+#endif

@@ -1,0 +1,190 @@
+/*
+ * emb_admit_ttl: admission (count-min threshold) and TTL expiry.
+ *  - admit_threshold 3: the first two pulls of a key read zeros and store nothing, pushes to it
+ *    are dropped and counted; the third pull creates the row with its normal initial weights.
+ *  - ttl_steps: expire drops rows whose last_step is more than ttl behind the step (exactly at
+ *    the boundary), in memory and in the spill; rows kept alive by pulls or pushes stay and
+ *    equal those of the same table without spill.
+ */
+#include "emb_util.h"
+
+#define D 4u
+
+static int all_zero(const float *w, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (w[i] != 0.0f) return 0;
+    return 1;
+}
+
+static void test_admission(void)
+{
+    emb_table_config c = eu_config(EMB_OPT_SGD, D);
+    c.init_scale = 0.1f;
+    emb_table *twin = eu_create(&c);
+    c.admit_threshold = 3;
+    emb_table *t = eu_create(&c);
+    eu_row row;
+    float w[D], want[D], g[2 * D];
+    const uint64_t k = eu_key(1);
+    eu_pull(twin, &k, 1, want);
+
+    for (int i = 0; i < 2; i++) {
+        memset(w, 0x7f, sizeof w);
+        eu_pull(t, &k, 1, w);
+        CHECK_MSG(all_zero(w, D), "pull %d of an unadmitted key is not zeros", i + 1);
+        CHECK_MSG(!eu_get(t, k, &row), "pull %d stored an unadmitted key", i + 1);
+    }
+    emb_table_stats s = eu_stats(t);
+    CHECK(s.admit_rejects == 2 && s.created == 0 && s.admissions == 0 && s.rows_mem == 0);
+    for (size_t j = 0; j < D; j++) g[j] = 1.0f;
+    eu_push(t, &k, 1, g);
+    s = eu_stats(t);
+    CHECK_MSG(s.push_dropped == 1 && !eu_get(t, k, &row), "push to an unadmitted key not dropped");
+    CHECK(emb_table_step(t) == 1);
+
+    eu_pull(t, &k, 1, w);
+    CHECK_MSG(memcmp(w, want, sizeof w) == 0 && !all_zero(w, D),
+              "third pull does not return the key's initial weights");
+    CHECK(eu_get(t, k, &row) && row.updates == 0 && memcmp(row.w, want, sizeof want) == 0);
+    s = eu_stats(t);
+    CHECK(s.admissions == 1 && s.created == 1 && s.rows_mem == 1);
+
+    /* a mixed push: the admitted key steps (plain SGD), the new one is dropped */
+    const uint64_t mixed[2] = {k, eu_key(2)};
+    for (size_t j = 0; j < 2 * D; j++) g[j] = 0.5f;
+    eu_push(t, mixed, 2, g);
+    CHECK(eu_get(t, k, &row) && row.updates == 1);
+    for (size_t j = 0; j < D; j++)
+        CHECK(row.w[j] == (float)((double)want[j] - (double)c.lr * 0.5));
+    CHECK(!eu_get(t, mixed[1], &row));
+    CHECK(eu_stats(t).push_dropped == 2);
+
+    /* many keys: two pulls store none, pushes are all dropped, the third pull stores all */
+    enum { N = 200 };
+    uint64_t keys[N];
+    float *out = eu_xmalloc(N * D * sizeof *out), *ref = eu_xmalloc(N * D * sizeof *ref);
+    float *gr = eu_xcalloc(N * D, sizeof *gr);
+    for (uint32_t i = 0; i < N; i++) keys[i] = eu_key(1000 + i);
+    emb_table_stats before = eu_stats(t);
+    for (int r = 0; r < 2; r++) {
+        eu_pull(t, keys, N, out);
+        CHECK_MSG(all_zero(out, N * D), "round %d: unadmitted keys read non-zero", r);
+    }
+    eu_push(t, keys, N, gr);
+    s = eu_stats(t);
+    CHECK_MSG(s.rows_mem == before.rows_mem && s.admit_rejects == before.admit_rejects + 2 * N &&
+                  s.push_dropped == before.push_dropped + N,
+              "after 2 pulls: rows %" PRIu64 " rejects %" PRIu64 " dropped %" PRIu64, s.rows_mem,
+              s.admit_rejects, s.push_dropped);
+    eu_pull(t, keys, N, out);
+    eu_pull(twin, keys, N, ref);
+    CHECK_MSG(memcmp(out, ref, N * D * sizeof *out) == 0, "admitted keys' initial weights differ");
+    s = eu_stats(t);
+    CHECK(s.rows_mem == before.rows_mem + N && s.admissions == before.admissions + N &&
+          s.created == before.created + N);
+    uint64_t dropped = 99;
+    char *err = NULL;
+    CHECK_OK(emb_table_expire(t, &dropped, &err), err); /* ttl 0: never expires */
+    CHECK(dropped == 0 && eu_count_rows(t) == 1 + N);
+    free(out);
+    free(ref);
+    free(gr);
+    emb_table_destroy(t);
+    emb_table_destroy(twin);
+}
+
+static uint64_t expire(emb_table *t)
+{
+    uint64_t dropped = UINT64_MAX;
+    char *err = NULL;
+    CHECK_OK(emb_table_expire(t, &dropped, &err), err);
+    return dropped;
+}
+
+/* The boundary: a row last touched at step s survives expire at s + ttl, not at s + ttl + 1. */
+static void test_ttl_boundary(void)
+{
+    emb_table_config c = eu_config(EMB_OPT_SGD, D);
+    c.ttl_steps = 5;
+    emb_table *t = eu_create(&c), *twin = eu_create(&c);
+    const uint64_t stale = eu_key(7), live = eu_key(8);
+    float w[D], w0[D], g[D] = {0.1f, 0.2f, 0.3f, 0.4f};
+    eu_pull(t, &stale, 1, w0);
+    for (int i = 0; i < 5; i++) eu_push(t, &live, 1, g);
+    CHECK(emb_table_step(t) == 5);
+    CHECK_MSG(expire(t) == 0, "a row exactly ttl steps behind was dropped");
+    eu_row row;
+    CHECK(eu_get(t, stale, &row) && eu_get(t, live, &row));
+    eu_push(t, &live, 1, g);
+    CHECK_MSG(expire(t) == 1, "a row ttl+1 steps behind was not dropped");
+    CHECK(!eu_get(t, stale, &row) && eu_get(t, live, &row) && row.updates == 6);
+    CHECK(eu_stats(t).ttl_evictions == 1);
+    CHECK(expire(t) == 0);
+    /* an expired key comes back as a fresh row */
+    eu_pull(t, &stale, 1, w);
+    CHECK(memcmp(w, w0, sizeof w) == 0 && eu_get(t, stale, &row) && row.updates == 0);
+    eu_pull(twin, &stale, 1, w);
+    CHECK(memcmp(w, w0, sizeof w) == 0);
+    emb_table_destroy(t);
+    emb_table_destroy(twin);
+}
+
+/* Stale rows mostly spilled; rows kept alive by pushes or by pulls only. */
+static void test_ttl_spill(const char *dir)
+{
+    enum { STALE = 20000, LIVE = 500, READ = 100, TTL = 10, DM = 8 };
+    emb_table_config c = eu_config(EMB_OPT_ADAGRAD, DM);
+    c.ttl_steps = TTL;
+    c.n_sub = 16;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/ttl_spill", dir);
+    emb_table_config cs = c;
+    cs.mem_budget_bytes = (uint64_t)(0.1 * STALE * emb_row_mem_bytes(&c));
+    cs.spill_path = path;
+    emb_table *t = eu_create(&cs), *twin = eu_create(&c);
+    uint64_t *keys = eu_xmalloc(STALE * sizeof *keys);
+    float *out = eu_xmalloc((size_t)STALE * DM * sizeof *out);
+    float *g = eu_xmalloc((size_t)LIVE * DM * sizeof *g);
+    uint64_t live[LIVE], read[READ], rng = 3;
+    for (uint32_t i = 0; i < STALE; i++) keys[i] = eu_key(i);
+    for (uint32_t i = 0; i < LIVE; i++) live[i] = eu_key(STALE + i);
+    for (uint32_t i = 0; i < READ; i++) read[i] = eu_key(STALE + LIVE + i);
+    eu_pull(t, keys, STALE, out);
+    eu_pull(twin, keys, STALE, out);
+    for (uint32_t step = 0; step < 2 * TTL; step++) {
+        for (size_t i = 0; i < (size_t)LIVE * DM; i++) g[i] = (float)(eu_unif(&rng) - 0.5);
+        eu_push(t, live, LIVE, g);
+        eu_push(twin, live, LIVE, g);
+        eu_pull(t, read, READ, out);
+        eu_pull(twin, read, READ, out);
+    }
+    emb_table_stats s = eu_stats(t);
+    CHECK_MSG(s.rows_spilled > LIVE + READ, "stale rows not spilled (%" PRIu64 ")", s.rows_spilled);
+    uint64_t dropped = expire(t);
+    CHECK_MSG(dropped == STALE, "expire dropped %" PRIu64 " of %u stale rows", dropped, STALE);
+    CHECK(expire(twin) == STALE);
+    s = eu_stats(t);
+    CHECK(s.ttl_evictions == STALE && s.rows_mem + s.rows_spilled == LIVE + READ);
+    uint64_t found = 0;
+    eu_row *row = eu_xmalloc(sizeof *row);
+    for (uint32_t i = 0; i < STALE; i++) found += eu_get(t, keys[i], row);
+    CHECK_MSG(found == 0, "%" PRIu64 " expired rows still readable", found);
+    CHECK_MSG(eu_diff_tables(t, twin, 1) == 0, "surviving rows differ from the in-memory twin");
+    free(row);
+    free(keys);
+    free(out);
+    free(g);
+    emb_table_destroy(t);
+    emb_table_destroy(twin);
+}
+
+int main(void)
+{
+    const char *dir = check_tmpdir("emb_admit_ttl");
+    test_admission();
+    test_ttl_boundary();
+    test_ttl_spill(dir);
+    cm_rmtree(dir, NULL);
+    return check_done();
+}

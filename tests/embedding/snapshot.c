@@ -1,0 +1,271 @@
+/*
+ * emb_snapshot: snapshot / restore.
+ *  - a trained Adam table with most rows spilled is snapshotted and restored fully in memory
+ *    and into a smaller budget: every row bit-identical, same step and model config; the three
+ *    tables then train on identically (Adam's per-row t and state must have come back).
+ *  - a snapshot over an existing one replaces it.
+ *  - corruption (a flipped byte in rows.bin or MANIFEST, a truncated, extended or missing
+ *    file) is refused with an error naming the file, and no table is returned.
+ *  - a model-config mismatch is refused naming the field.
+ */
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include "emb_util.h"
+
+#define N 30000u
+#define DIM 8u
+#define BATCH 2048u
+
+static const char *g_dir;
+
+static void path_in(char *buf, size_t n, const char *a, const char *b)
+{
+    if ((size_t)snprintf(buf, n, "%s/%s", a, b) >= n) {
+        fprintf(stderr, "path too long: %s/%s\n", a, b);
+        exit(2);
+    }
+}
+
+/* Trains the tables with one identical sequence: Zipf-like pulls then pushes. */
+static void train(emb_table **ts, size_t nt, uint32_t steps, uint64_t seed)
+{
+    uint64_t keys[BATCH];
+    float *w = eu_xmalloc(BATCH * DIM * sizeof *w), *g = eu_xmalloc(BATCH * DIM * sizeof *g);
+    for (uint32_t s = 0; s < steps; s++) {
+        for (uint32_t i = 0; i < BATCH; i++) keys[i] = eu_key(eu_zipfish(&seed, N));
+        for (size_t i = 0; i < (size_t)BATCH * DIM; i++) g[i] = (float)(eu_unif(&seed) - 0.5);
+        for (size_t t = 0; t < nt; t++) {
+            eu_pull(ts[t], keys, BATCH / 2, w);
+            eu_push(ts[t], keys, BATCH, g);
+        }
+    }
+    free(w);
+    free(g);
+}
+
+static void check_same_model(const emb_table_config *a, const emb_table_config *b, const char *what)
+{
+    CHECK_MSG(a->dim == b->dim && a->opt == b->opt && a->lr == b->lr && a->l2 == b->l2 &&
+                  a->eps == b->eps && a->beta1 == b->beta1 && a->beta2 == b->beta2 &&
+                  a->adagrad_init == b->adagrad_init && a->ftrl_beta == b->ftrl_beta &&
+                  a->ftrl_l1 == b->ftrl_l1 && a->init_scale == b->init_scale && a->seed == b->seed,
+              "%s: model config differs", what);
+}
+
+static emb_table *restore_ok(const char *snap, const emb_table_config *cfg)
+{
+    emb_table *t = NULL;
+    char *err = NULL;
+    CHECK_OK(emb_table_restore(snap, cfg, &t, &err), err);
+    if (t == NULL) exit(check_done()); /* nothing below can run without it */
+    return t;
+}
+
+static void copy_dir(const char *src, const char *dst)
+{
+    char *err = NULL;
+    cm_rmtree(dst, NULL);
+    CHECK_OK(cm_mkdirs(dst, &err), err);
+    DIR *d = opendir(src);
+    CHECK(d != NULL);
+    if (d == NULL) return;
+    struct dirent *e;
+    char a[4400], b[4400];
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        path_in(a, sizeof a, src, e->d_name);
+        path_in(b, sizeof b, dst, e->d_name);
+        void *buf = NULL;
+        size_t len = 0;
+        CHECK_OK(cm_read_file(a, &buf, &len, &err), err);
+        CHECK_OK(cm_write_file_atomic(b, buf, len, &err), err);
+        free(buf);
+    }
+    closedir(d);
+}
+
+typedef enum { FLIP, TRUNCATE, EXTEND, REMOVE } damage;
+
+/* Damages one file of a copy of the snapshot and checks that restore refuses it by name. */
+static void corrupt_case(const char *snap, const emb_table_config *cfg, const char *file,
+                         damage how, double where)
+{
+    char dst[4200], p[4400];
+    snprintf(dst, sizeof dst, "%s/corrupt", g_dir);
+    copy_dir(snap, dst);
+    path_in(p, sizeof p, dst, file);
+    void *buf = NULL;
+    size_t len = 0;
+    char *err = NULL;
+    CHECK_OK(cm_read_file(p, &buf, &len, &err), err);
+    size_t at = (size_t)(where * (double)(len ? len - 1 : 0));
+    uint8_t *bytes = buf;
+    switch (how) {
+    case FLIP:
+        bytes[at] ^= 0x01;
+        CHECK_OK(cm_write_file_atomic(p, buf, len, &err), err);
+        break;
+    case TRUNCATE: CHECK(truncate(p, (off_t)at) == 0); break;
+    case EXTEND: {
+        uint8_t *more = eu_xmalloc(len + 1);
+        memcpy(more, buf, len);
+        more[len] = 0;
+        CHECK_OK(cm_write_file_atomic(p, more, len + 1, &err), err);
+        free(more);
+        break;
+    }
+    case REMOVE: CHECK(unlink(p) == 0); break;
+    }
+    free(buf);
+    static const char *const names[] = {"flip", "truncate", "extend", "remove"};
+    emb_table *t = NULL;
+    int rc = emb_table_restore(dst, cfg, &t, &err);
+    CHECK_MSG(rc < 0 && t == NULL && eu_has(err, file),
+              "%s %s at %zu of %zu: restore rc=%d table=%p err=%s", names[how], file, at, len, rc,
+              (void *)t, err ? err : "(none)");
+    if (rc == 0) emb_table_destroy(t);
+    free(err);
+    err = NULL;
+    if (strcmp(file, "MANIFEST") == 0) {
+        emb_table_config back;
+        rc = emb_snapshot_read_config(dst, &back, &err);
+        CHECK_MSG(rc < 0 && eu_has(err, file), "%s MANIFEST: read_config rc=%d err=%s",
+                  names[how], rc, err ? err : "(none)");
+        free(err);
+    }
+    cm_rmtree(dst, NULL);
+}
+
+static void mismatch_case(const char *snap, const emb_table_config *good, const char *field,
+                          void (*edit)(emb_table_config *))
+{
+    emb_table_config c = *good;
+    edit(&c);
+    emb_table *t = NULL;
+    char *err = NULL;
+    int rc = emb_table_restore(snap, &c, &t, &err);
+    CHECK_MSG(rc == CM_EINVAL && t == NULL && eu_has(err, field),
+              "restore with a different %s: rc=%d err=%s", field, rc, err ? err : "(none)");
+    if (rc == 0) emb_table_destroy(t);
+    free(err);
+}
+
+static void edit_dim(emb_table_config *c) { c->dim++; }
+static void edit_opt(emb_table_config *c) { c->opt = EMB_OPT_ADAGRAD; }
+static void edit_lr(emb_table_config *c) { c->lr *= 2; }
+static void edit_seed(emb_table_config *c) { c->seed++; }
+static void edit_beta1(emb_table_config *c) { c->beta1 = 0.8f; }
+
+int main(void)
+{
+    g_dir = check_tmpdir("emb_snapshot");
+    char spill0[4200], spill1[4200], snap[4200], p[4400];
+    path_in(spill0, sizeof spill0, g_dir, "spill0");
+    path_in(spill1, sizeof spill1, g_dir, "spill1");
+    path_in(snap, sizeof snap, g_dir, "snap");
+
+    emb_table_config model = eu_config(EMB_OPT_ADAM, DIM);
+    model.seed = 11;
+    model.l2 = 1e-3f;
+    emb_table_config c = model;
+    c.mem_budget_bytes = (uint64_t)(0.1 * N * emb_row_mem_bytes(&model));
+    c.spill_path = spill0;
+    emb_table *orig = eu_create(&c);
+    uint64_t *keys = eu_xmalloc(N * sizeof *keys);
+    float *w = eu_xmalloc((size_t)N * DIM * sizeof *w);
+    for (uint32_t i = 0; i < N; i++) keys[i] = eu_key(i);
+    eu_pull(orig, keys, N, w);
+    train(&orig, 1, 20, 1);
+    CHECK_MSG(eu_stats(orig).rows_spilled > 0, "nothing spilled before the snapshot");
+
+    char *err = NULL;
+    CHECK_OK(emb_table_snapshot(orig, snap, &err), err);
+    path_in(p, sizeof p, snap, "rows.bin");
+    CHECK(access(p, R_OK) == 0);
+    path_in(p, sizeof p, snap, "MANIFEST");
+    CHECK(access(p, R_OK) == 0);
+
+    emb_table_config read_back;
+    memset(&read_back, 0xff, sizeof read_back);
+    CHECK_OK(emb_snapshot_read_config(snap, &read_back, &err), err);
+    check_same_model(&read_back, &model, "read_config");
+    CHECK(read_back.spill_path == NULL && read_back.mem_budget_bytes == 0);
+
+    /* restore fully in memory, and into half the budget with other storage settings */
+    emb_table *a = restore_ok(snap, &model);
+    emb_table_config small = model;
+    small.mem_budget_bytes = c.mem_budget_bytes / 2;
+    small.spill_path = spill1;
+    small.n_sub = 4;
+    emb_table *b = restore_ok(snap, &small);
+    emb_table *all[3] = {orig, a, b};
+    for (int i = 1; i < 3; i++) {
+        CHECK_MSG(eu_diff_tables(orig, all[i], 1) == 0, "restore %d: rows differ", i);
+        CHECK_MSG(eu_diff_tables(all[i], orig, 1) == 0, "restore %d: rows differ (reverse)", i);
+        CHECK(emb_table_step(all[i]) == emb_table_step(orig));
+        check_same_model(emb_table_get_config(all[i]), &model, "restored table");
+    }
+    emb_table_stats sb = eu_stats(b);
+    CHECK_MSG(sb.bytes_mem <= small.mem_budget_bytes && sb.rows_spilled > 0,
+              "restore into a smaller budget: %" PRIu64 " bytes, %" PRIu64 " spilled", sb.bytes_mem,
+              sb.rows_spilled);
+    CHECK(emb_table_get_config(b)->mem_budget_bytes == small.mem_budget_bytes);
+
+    /* training goes on identically from the restored state */
+    train(all, 3, 10, 2);
+    for (int i = 1; i < 3; i++)
+        CHECK_MSG(eu_diff_tables(orig, all[i], 1) == 0, "restore %d diverges when training", i);
+
+    /* a second snapshot into the same directory replaces the first */
+    CHECK_OK(emb_table_snapshot(orig, snap, &err), err);
+    emb_table_destroy(a);
+    a = restore_ok(snap, &model);
+    CHECK_MSG(eu_diff_tables(orig, a, 1) == 0 && emb_table_step(a) == emb_table_step(orig),
+              "replaced snapshot does not hold the new state");
+    emb_table_destroy(a);
+    emb_table_destroy(b);
+
+    /* corruption of any kind is refused, naming the file */
+    static const double spots[] = {0.0, 0.5, 1.0};
+    for (size_t i = 0; i < 3; i++) {
+        corrupt_case(snap, &model, "rows.bin", FLIP, spots[i]);
+        corrupt_case(snap, &model, "MANIFEST", FLIP, spots[i]);
+    }
+    corrupt_case(snap, &model, "rows.bin", TRUNCATE, 0.5);
+    corrupt_case(snap, &model, "rows.bin", TRUNCATE, 1.0); /* one byte short */
+    corrupt_case(snap, &model, "rows.bin", TRUNCATE, 0.0); /* empty */
+    corrupt_case(snap, &model, "rows.bin", EXTEND, 0);
+    corrupt_case(snap, &model, "MANIFEST", TRUNCATE, 0.5);
+    corrupt_case(snap, &model, "rows.bin", REMOVE, 0);
+    corrupt_case(snap, &model, "MANIFEST", REMOVE, 0);
+
+    mismatch_case(snap, &model, "dim", edit_dim);
+    mismatch_case(snap, &model, "opt", edit_opt);
+    mismatch_case(snap, &model, "lr", edit_lr);
+    mismatch_case(snap, &model, "seed", edit_seed);
+    mismatch_case(snap, &model, "beta", edit_beta1); /* the message says "betas" */
+
+    /* no snapshot at all */
+    emb_table *t = NULL;
+    path_in(p, sizeof p, g_dir, "no_such_snapshot");
+    int rc = emb_table_restore(p, &model, &t, &err);
+    CHECK_MSG(rc < 0 && t == NULL && err != NULL, "restore of a missing dir: rc=%d", rc);
+    free(err);
+    err = NULL;
+
+    /* an empty table round-trips too */
+    emb_table *empty = eu_create(&model);
+    path_in(p, sizeof p, g_dir, "snap_empty");
+    CHECK_OK(emb_table_snapshot(empty, p, &err), err);
+    t = restore_ok(p, &model);
+    CHECK(eu_count_rows(t) == 0 && emb_table_step(t) == 0);
+    emb_table_destroy(t);
+    emb_table_destroy(empty);
+
+    emb_table_destroy(orig);
+    free(keys);
+    free(w);
+    cm_rmtree(g_dir, NULL);
+    return check_done();
+}

@@ -1,0 +1,72 @@
+/*
+ * libFuzzer target: the PS server's decoding of a received message, in the order the server
+ * does it: ps_wire_open, then for PULL/PUSH the count and length checks, the key list and the
+ * rows in the message's codec. A checksum stops random bytes at the first step, so the first
+ * input byte picks a mode: odd = seal the rest first (a valid frame with fuzzed fields and
+ * payload, reaching the key and codec decoders), even = the bytes as they are (header checks).
+ *
+ * Properties checked (abort on violation): decoded keys are strictly increasing and re-encode
+ * to the same bytes' length or less (overlong varints shrink); decoded rows are finite; a
+ * successful open reports the length that arrived.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ps/wire.h"
+
+#define MAX_BYTES (1u << 20) /* like the server's max_message, kept small for speed */
+
+static void decode_rows(const ps_hdr *h, const uint8_t *p)
+{
+    const uint32_t dim = 1 + h->table % 17; /* as if the cluster had tables of dim 1..17 */
+    if (h->codec > PS_CODEC_INT8) return;
+    const size_t n = h->count, row_bytes = ps_codec_row_bytes((ps_codec)h->codec, dim);
+    if (n == 0 || n > h->payload_len || (double)n * row_bytes > MAX_BYTES) return;
+    size_t key_bytes = h->payload_len;
+    if (h->op == PS_OP_PUSH) {
+        uint32_t kb;
+        if (h->payload_len < 4) return;
+        memcpy(&kb, p, 4);
+        if ((uint64_t)kb + 4 + (uint64_t)n * row_bytes != h->payload_len) return;
+        key_bytes = kb;
+        p += 4;
+    }
+    uint64_t *keys = malloc(n * sizeof *keys);
+    float *vals = malloc(n * dim * sizeof *vals);
+    uint8_t *re = malloc(n * 10);
+    char *err = NULL;
+    if (ps_keys_decode(p, key_bytes, n, keys, &err) == CM_OK) {
+        for (size_t i = 1; i < n; i++)
+            if (keys[i] <= keys[i - 1]) abort();
+        if (ps_keys_encode(keys, n, re) > key_bytes) abort();
+        if (h->op == PS_OP_PUSH && ps_codec_decode((ps_codec)h->codec, p + key_bytes, n, dim, vals, &err) == CM_OK)
+            for (size_t i = 0; i < n * dim; i++)
+                if (!isfinite(vals[i])) abort();
+    }
+    free(err);
+    free(keys);
+    free(vals);
+    free(re);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 1 || size > MAX_BYTES) return 0;
+    const int seal = data[0] & 1;
+    size--;
+    uint8_t *buf = malloc(size ? size : 1);
+    memcpy(buf, data + 1, size);
+    if (seal && size >= PS_HDR_BYTES) ps_wire_seal(buf, size - PS_HDR_BYTES);
+    ps_hdr h;
+    char *err = NULL;
+    if (ps_wire_open(buf, size, &h, &err) == CM_OK) {
+        if (h.payload_len != size - PS_HDR_BYTES) abort();
+        if (h.op == PS_OP_PULL || h.op == PS_OP_PUSH) decode_rows(&h, buf + PS_HDR_BYTES);
+    } else if (err == NULL) {
+        abort(); /* every refusal names its reason */
+    }
+    free(err);
+    free(buf);
+    return 0;
+}

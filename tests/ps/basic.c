@@ -1,0 +1,155 @@
+/*
+ * One client against two in-process shards: a pull sees this client's earlier pushes without
+ * an explicit flush (ps.h promises it), duplicates and caller order in pull and push, the
+ * lossy codecs end to end with int8 error feedback, dense blocks, and the STATS counters.
+ */
+#include <math.h>
+
+#include "ps_test_util.h"
+
+#define DIM 4u
+
+static const char conf[] =
+    "[cluster]\nshards = 2\nworkers = 1\n"
+    "[table exact]\ndim = 4\noptimizer = sgd\nlr = 0.5\ninit_scale = 0\n"
+    "[table lossy]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\npush_codec = int8\n"
+    "pull_codec = fp16\n"
+    "[table init]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0.1\nseed = 5\n"
+    "[dense d0]\nsize = 6\noptimizer = sgd\nlr = 0.25\n"
+    "[dense d1]\nsize = 3\n";
+
+/* Push then pull at once, many times: every pull must see every earlier push. */
+static void test_read_your_writes(ps_client *c)
+{
+    enum { K = 64, ITERS = 1000 };
+    uint64_t keys[K];
+    float g[K * DIM], out[K * DIM];
+    for (int i = 0; i < K; i++) keys[i] = 1000 + (uint64_t)i; /* both shards */
+    for (int i = 0; i < K * (int)DIM; i++) g[i] = 1.0f;
+    char *err = NULL;
+    int stale = 0;
+    for (int it = 0; it < ITERS; it++) {
+        CHECK_OK(ps_client_push(c, 0, keys, K, g, &err), err);
+        CHECK_OK(ps_client_pull(c, 0, keys, K, out, &err), err);
+        for (int i = 0; i < K * (int)DIM; i++)
+            if (out[i] != -0.5f * (float)(it + 1)) {
+                stale++;
+                break;
+            }
+    }
+    CHECK_MSG(stale == 0, "%d of %d pulls missed this client's own earlier push", stale, ITERS);
+}
+
+/* Duplicated keys: pushes sum them, pulls return each position its row. */
+static void test_duplicates(ps_client *c)
+{
+    char *err = NULL;
+    uint64_t keys[5] = {7, 3, 7, 99, 7};
+    float g[5 * DIM], out[5 * DIM], init[5 * DIM];
+    CHECK_OK(ps_client_pull(c, 2, keys, 5, init, &err), err);
+    /* Rows initialise from the key: same key, same row; different keys differ. */
+    CHECK(memcmp(init, init + 2 * DIM, DIM * 4) == 0 && memcmp(init, init + 4 * DIM, DIM * 4) == 0);
+    CHECK(memcmp(init, init + DIM, DIM * 4) != 0);
+    for (int i = 0; i < 5 * (int)DIM; i++) CHECK(fabsf(init[i]) <= 0.1f);
+    for (int i = 0; i < 5; i++)
+        for (uint32_t j = 0; j < DIM; j++) g[i * DIM + j] = (float)(i + 1) * 0.125f;
+    CHECK_OK(ps_client_push(c, 2, keys, 5, g, &err), err);
+    CHECK_OK(ps_client_pull(c, 2, keys, 5, out, &err), err);
+    for (uint32_t j = 0; j < DIM; j++) {
+        /* key 7: grads 0.125 + 0.375 + 0.625 summed by the client, one sgd step (lr 1). */
+        float sum = 0.125f + 0.375f + 0.625f;
+        CHECK(out[j] == (float)((double)init[j] - 1.0 * (double)sum));
+        CHECK(out[2 * DIM + j] == out[j] && out[4 * DIM + j] == out[j]);
+        CHECK(out[DIM + j] == (float)((double)init[DIM + j] - 0.25));
+        CHECK(out[3 * DIM + j] == (float)((double)init[3 * DIM + j] - 0.5));
+    }
+    /* An empty batch is a no-op; a bad table id is an error naming it. */
+    CHECK_OK(ps_client_pull(c, 2, keys, 0, out, &err), err);
+    CHECK(ps_client_pull(c, 9, keys, 1, out, &err) == CM_EINVAL && err && strstr(err, "table 9"));
+    free(err), err = NULL;
+    float bad[DIM] = {0, NAN, 0, 0};
+    CHECK(ps_client_push(c, 2, keys, 1, bad, &err) == CM_EINVAL && err && strstr(err, "non-finite"));
+    free(err);
+}
+
+/* int8 pushes with error feedback: a component too small to survive one quantisation still
+ * arrives in full over many pushes, within one quantum. */
+static void test_lossy(ps_client *c)
+{
+    enum { K = 40, PUSHES = 100 };
+    uint64_t keys[K];
+    float g[K * DIM], out[K * DIM];
+    for (int i = 0; i < K; i++) keys[i] = 5000 + (uint64_t)i * 7919;
+    for (int i = 0; i < K; i++) {
+        g[i * DIM + 0] = 1.0f;
+        g[i * DIM + 1] = 0.003f; /* < half an int8 step of 1/127: rounds to 0 alone */
+        g[i * DIM + 2] = -0.25f;
+        g[i * DIM + 3] = 0.0421f;
+    }
+    char *err = NULL;
+    for (int p = 0; p < PUSHES; p++) CHECK_OK(ps_client_push(c, 1, keys, K, g, &err), err);
+    CHECK_OK(ps_client_pull(c, 1, keys, K, out, &err), err);
+    double worst = 0;
+    for (int i = 0; i < K * (int)DIM; i++) {
+        double want = -(double)PUSHES * g[i];
+        /* one int8 step (1/127) of residual left behind, plus fp16 rounding of the pull */
+        double tol = 1.0 / 127 + fabs(want) * 0x1p-10;
+        worst = fmax(worst, fabs(out[i] - want) / tol);
+    }
+    CHECK_MSG(worst <= 1.0, "int8+fp16 path off by %.2f x the bound", worst);
+    ps_client_stats st;
+    CHECK_OK(ps_client_stats_get(c, &st, &err), err);
+    CHECK(st.push_sq_norm > 0 && st.push_sq_error > 0 && st.push_sq_error < st.push_sq_norm * 1e-3);
+}
+
+static void test_dense(ps_client *c)
+{
+    char *err = NULL;
+    float v[6] = {1, 2, 3, 4, 5, 6}, w[6] = {9, 9, 9, 9, 9, 9}, out[6], g[6] = {4, 0, -4, 8, 1, 2};
+    int assigned = -1;
+    CHECK_OK(ps_client_dense_pull(c, 0, out, &err), err);
+    for (int i = 0; i < 6; i++) CHECK(out[i] == 0.0f); /* uninitialised reads as zeros */
+    CHECK_OK(ps_client_dense_init(c, 0, v, &assigned, &err), err);
+    CHECK(assigned == 1);
+    CHECK_OK(ps_client_dense_init(c, 0, w, &assigned, &err), err); /* the first one wins */
+    CHECK(assigned == 0);
+    CHECK_OK(ps_client_dense_pull(c, 0, out, &err), err);
+    CHECK(memcmp(out, v, sizeof v) == 0);
+    CHECK_OK(ps_client_dense_push(c, 0, g, &err), err);
+    CHECK_OK(ps_client_dense_pull(c, 0, out, &err), err);
+    for (int i = 0; i < 6; i++) CHECK(out[i] == v[i] - 0.25f * g[i]);
+    /* Block 1 lives on shard 1 (b % N). */
+    float o1[3];
+    CHECK_OK(ps_client_dense_init(c, 1, v, &assigned, &err), err);
+    CHECK_OK(ps_client_dense_pull(c, 1, o1, &err), err);
+    CHECK(memcmp(o1, v, sizeof o1) == 0);
+    CHECK(ps_client_dense_pull(c, 2, o1, &err) == CM_EINVAL);
+    free(err);
+}
+
+int main(void)
+{
+    psp_watchdog(PT_WATCHDOG_S);
+    const char *dir = check_tmpdir("ps_basic");
+    ps_config cfg;
+    pt_config(dir, "ps.conf", conf, &cfg);
+    const char *urls[2] = {pt_ipc(dir, "s0"), pt_ipc(dir, "s1")};
+    ps_server *s0 = pt_server(&cfg, urls[0], 0), *s1 = pt_server(&cfg, urls[1], 1);
+    ps_client *c = pt_client(&cfg, urls, 0, 10000);
+    test_read_your_writes(c);
+    test_duplicates(c);
+    test_lossy(c);
+    test_dense(c);
+    char *err = NULL;
+    CHECK_OK(ps_client_flush(c, &err), err);
+    ps_client_stats st;
+    CHECK_OK(ps_client_stats_get(c, &st, &err), err);
+    CHECK(st.shard_total.bad_messages == 0);
+    CHECK(st.rows_pulled > 0 && st.shard_total.rows_pulled == st.rows_pulled);
+    CHECK(st.shard_total.rows_pushed == st.rows_pushed);
+    CHECK(st.bytes_sent > 0 && st.shard_total.bytes_in > 0);
+    ps_client_destroy(c);
+    ps_server_destroy(s0);
+    ps_server_destroy(s1);
+    return pt_finish(dir);
+}

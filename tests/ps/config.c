@@ -1,0 +1,170 @@
+/* The cluster config parser: a full good file, and each kind of error naming file:line. Also
+ * `ember ps --plan` on the good file. */
+#include <sys/wait.h>
+
+#include "ps_test_util.h"
+
+static const char *dir;
+
+static const char good[] =
+    "# a comment line\n"
+    "[cluster]\n"
+    "shards = 3\n"
+    "workers = 4   # trailing comment\n"
+    "staleness = 2\n"
+    "max_message = 64M\n"
+    "spill_dir = /tmp/x y\n"
+    "tls_cert = /c.pem\n"
+    "tls_key = /k.pem\n"
+    "tls_ca = /ca.pem\n"
+    "\n"
+    "[table user]\n"
+    "dim = 8\n"
+    "optimizer = adam\n"
+    "lr = 0.01\n"
+    "l2 = 0.5\n"
+    "eps = 1e-6\n"
+    "beta1 = 0.8\n"
+    "beta2 = 0.99\n"
+    "adagrad_init = 0.1\n"
+    "ftrl_beta = 2\n"
+    "ftrl_l1 = 0.25\n"
+    "init_scale = 0.05\n"
+    "seed = 99\n"
+    "memory = 2M\n"
+    "admit = 3\n"
+    "ttl = 100\n"
+    "push_codec = int8\n"
+    "pull_codec = fp16\n"
+    "  [ table item ]  \n"
+    "dim = 32\n"
+    "[dense mlp]\n"
+    "size = 1000\n"
+    "optimizer = sgd\n"
+    "lr = 0.5\n"
+    "beta1 = 0.5\n"
+    "beta2 = 0.6\n"
+    "eps = 1e-4\n";
+
+static void test_good(void)
+{
+    ps_config c;
+    pt_config(dir, "good.conf", good, &c);
+    CHECK(c.n_shards == 3 && c.n_workers == 4 && c.staleness == 2);
+    CHECK(c.max_msg_bytes == 64ull << 20);
+    CHECK(!strcmp(c.spill_dir, "/tmp/x y") && !strcmp(c.tls_cert, "/c.pem"));
+    CHECK(!strcmp(c.tls_key, "/k.pem") && !strcmp(c.tls_ca, "/ca.pem"));
+    CHECK(c.n_tables == 2 && c.n_dense == 1);
+    const ps_table_spec *u = &c.tables[0];
+    CHECK(!strcmp(u->name, "user") && u->cfg.dim == 8 && u->cfg.opt == EMB_OPT_ADAM);
+    CHECK(u->cfg.lr == 0.01f && u->cfg.l2 == 0.5f && u->cfg.eps == 1e-6f);
+    CHECK(u->cfg.beta1 == 0.8f && u->cfg.beta2 == 0.99f && u->cfg.adagrad_init == 0.1f);
+    CHECK(u->cfg.ftrl_beta == 2.0f && u->cfg.ftrl_l1 == 0.25f && u->cfg.init_scale == 0.05f);
+    CHECK(u->cfg.seed == 99 && u->cfg.mem_budget_bytes == 2ull << 20 && u->cfg.admit_threshold == 3);
+    CHECK(u->cfg.ttl_steps == 100 && u->push_codec == PS_CODEC_INT8 && u->pull_codec == PS_CODEC_F16);
+    /* Unset fields keep the documented defaults. */
+    const ps_table_spec *it = &c.tables[1];
+    emb_table_config def;
+    emb_table_config_init(&def);
+    CHECK(!strcmp(it->name, "item") && it->cfg.dim == 32 && it->cfg.opt == def.opt);
+    CHECK(it->cfg.lr == def.lr && it->cfg.init_scale == def.init_scale);
+    CHECK(it->push_codec == PS_CODEC_F32 && it->pull_codec == PS_CODEC_F32);
+    const ps_dense_spec *d = &c.dense[0];
+    CHECK(!strcmp(d->name, "mlp") && d->size == 1000 && d->opt == PS_DENSE_SGD && d->lr == 0.5f);
+    CHECK(d->beta1 == 0.5f && d->beta2 == 0.6f && d->eps == 1e-4f);
+
+    /* Defaults of an empty file. */
+    ps_config e;
+    pt_config(dir, "empty.conf", "# nothing\n", &e);
+    CHECK(e.n_shards == 1 && e.n_workers == 1 && e.staleness == -1 && e.n_tables == 0);
+    CHECK(e.max_msg_bytes == 256ull << 20);
+}
+
+/* Loads text and expects an error mentioning "<path>:<line>" and `what`. */
+static void expect_error(const char *text, int line, const char *what)
+{
+    const char *path = pt_path(dir, "bad.conf");
+    pt_write(path, text);
+    ps_config c;
+    char *err = NULL;
+    int rc = ps_config_load(path, &c, &err);
+    char where[600];
+    snprintf(where, sizeof where, "%s:%d:", path, line);
+    CHECK_MSG(rc == CM_EINVAL, "rc %d for: %s", rc, text);
+    CHECK_MSG(err && strstr(err, where) && strstr(err, what), "want '%s' and '%s' in: %s", where, what,
+              err ? err : "(none)");
+    free(err);
+}
+
+static void test_errors(void)
+{
+    expect_error("[cluster]\nshards = 2\nshard = 2\n", 3, "unknown key 'shard'");
+    expect_error("[table t]\ndim = 4\nlearning_rate = 1\n", 3, "unknown key 'learning_rate'");
+    expect_error("[dense d]\nsize = 4\nmomentum = 1\n", 3, "unknown key 'momentum'");
+    expect_error("dim = 4\n", 1, "outside any section");
+    expect_error("[cluster]\nshards = two\n", 2, "bad value 'two' for shards");
+    expect_error("[cluster]\nshards = -1\n", 2, "bad value");
+    expect_error("[cluster]\nworkers = 5000000000\n", 2, "bad value");
+    expect_error("[cluster]\nmax_message = 10Q\n", 2, "bad value");
+    expect_error("[cluster]\nstaleness = 1.5\n", 2, "bad value");
+    expect_error("\n[table t]\ndim = 4\noptimizer = rmsprop\n", 4, "bad value 'rmsprop'");
+    expect_error("[table t]\ndim = 4\nlr = fast\n", 3, "bad value 'fast' for lr");
+    expect_error("[table t]\ndim = 4\nlr = inf\n", 3, "bad value");
+    expect_error("[table t]\ndim = 4\npush_codec = fp8\n", 3, "bad value 'fp8'");
+    expect_error("[dense d]\nsize = 4\noptimizer = adamw\n", 3, "bad value 'adamw'");
+    expect_error("[cluster]\n[clusters]\n", 2, "unknown section [clusters]");
+    expect_error("[cluster]\n[table]\n", 2, "unknown section");
+    expect_error("[cluster]\n[cluster x]\n", 2, "unknown section");
+    expect_error("[cluster\n", 1, "malformed section");
+    expect_error("[cluster]\nshards\n", 2, "expected key = value");
+    expect_error("[table t]\ndim = 4\n[table t]\ndim = 4\n", 3, "duplicate table 't'");
+    /* A table without dim: the error points at the table's section line. */
+    expect_error("[cluster]\nshards = 2\n[table nodim]\nlr = 0.1\n[table ok]\ndim = 4\n", 3,
+                 "nodim");
+    expect_error("[table a]\ndim = 4\n\n[table last]\nlr = 0.1\n", 4, "'last'");
+
+    /* Range checks after parsing name the file. */
+    const char *path = pt_path(dir, "bad.conf");
+    pt_write(path, "[cluster]\nshards = 0\n");
+    ps_config c;
+    char *err = NULL;
+    CHECK(ps_config_load(path, &c, &err) == CM_EINVAL);
+    CHECK_MSG(err && strstr(err, path) && strstr(err, "shards"), "%s", err ? err : "");
+    free(err), err = NULL;
+    CHECK(ps_config_load(pt_path(dir, "missing.conf"), &c, &err) == CM_ENOTFOUND);
+    CHECK(err && strstr(err, "missing.conf"));
+    free(err);
+}
+
+/* `ember ps --plan` prints a line per table and exits 0; a bad config exits non-zero. */
+static void test_plan_cli(void)
+{
+    const char *bin = getenv("EMBER_BIN");
+    CHECK_MSG(bin != NULL, "EMBER_BIN not set");
+    if (bin == NULL) return;
+    pt_write(pt_path(dir, "plan.conf"), "[table user]\ndim = 16\nmemory = 1M\n");
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "'%s' ps --config '%s' --plan 1000000 > '%s'", bin, pt_path(dir, "plan.conf"),
+             pt_path(dir, "plan.out"));
+    CHECK(system(cmd) == 0);
+    FILE *f = fopen(pt_path(dir, "plan.out"), "r");
+    char line[512];
+    int rows = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, "user", 4) == 0) rows++;
+    if (f) fclose(f);
+    CHECK(rows == 1);
+    snprintf(cmd, sizeof cmd, "'%s' ps --config '%s' --plan 10 2>/dev/null", bin, pt_path(dir, "bad.conf"));
+    int st = system(cmd);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 2);
+}
+
+int main(void)
+{
+    psp_watchdog(PT_WATCHDOG_S);
+    dir = check_tmpdir("ps_config");
+    test_good();
+    test_errors();
+    test_plan_cli();
+    return pt_finish(dir);
+}

@@ -1,0 +1,273 @@
+/*
+ * Hostile input against a live server through a raw nng req socket: every malformed message
+ * gets an error reply (status < 0, a message naming the problem), is counted in STATS
+ * bad_messages, applies nothing, and the server keeps serving (a valid pull right after each
+ * one works).
+ */
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
+
+#include "ps/wire.h"
+#include "ps_test_util.h"
+
+#define DIM 4u
+
+static const char conf[] = "[cluster]\nshards = 2\nworkers = 1\n"
+                           "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0.1\n"
+                           "[dense d]\nsize = 8\noptimizer = sgd\n";
+
+static nng_socket raw;
+static uint64_t owned[4], foreign_key; /* keys of shard 0 (this server) and of shard 1 */
+static uint64_t bad_expected;         /* how many messages should have been counted bad */
+
+typedef struct msg {
+    uint8_t buf[4096];
+    size_t len;
+} msg;
+
+/* A sealed message: header fields as given, then payload. */
+static void build(msg *m, uint16_t op, uint32_t table, uint32_t count, uint8_t codec,
+                  const void *payload, size_t plen)
+{
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = op;
+    h.table = table;
+    h.count = count;
+    h.codec = codec;
+    h.req_id = 42;
+    memcpy(m->buf, &h, sizeof h);
+    if (plen) memcpy(m->buf + PS_HDR_BYTES, payload, plen);
+    m->len = PS_HDR_BYTES + plen;
+    ps_wire_seal(m->buf, plen);
+}
+
+/* A PULL of keys (sorted) or a PUSH of keys + rows in codec (rows given already encoded). */
+static void build_rows(msg *m, uint16_t op, uint32_t table, const uint64_t *keys, uint32_t n,
+                       uint8_t codec, const void *rows, size_t rows_bytes)
+{
+    uint8_t p[2048];
+    size_t head = op == PS_OP_PUSH ? 4 : 0;
+    uint32_t kb = (uint32_t)ps_keys_encode(keys, n, p + head);
+    if (op == PS_OP_PUSH) {
+        memcpy(p, &kb, 4);
+        memcpy(p + head + kb, rows, rows_bytes);
+    }
+    build(m, op, table, n, codec, p, head + kb + (op == PS_OP_PUSH ? rows_bytes : 0));
+}
+
+/* Sends, receives, checks the reply's own framing and checksum; returns its status and copies
+ * the payload (the error text) into text. */
+static int call(const void *buf, size_t len, char *text, size_t textn, size_t *reply_payload)
+{
+    nng_msg *req, *rep = NULL;
+    text[0] = '\0';
+    if (nng_msg_alloc(&req, len) != 0) return 1;
+    memcpy(nng_msg_body(req), buf, len);
+    int rv = nng_sendmsg(raw, req, 0);
+    if (rv == 0) rv = nng_recvmsg(raw, &rep, 0);
+    if (rv != 0) {
+        if (rv) nng_msg_free(req);
+        snprintf(text, textn, "no reply: %s", nng_strerror(rv));
+        return 1;
+    }
+    size_t rl = nng_msg_len(rep);
+    ps_hdr h;
+    int status = 1;
+    if (rl >= PS_HDR_BYTES) {
+        memcpy(&h, nng_msg_body(rep), sizeof h);
+        /* Verify the checksum by resealing a copy (op may echo a bad one, so no wire_open). */
+        uint8_t *copy = malloc(rl);
+        memcpy(copy, nng_msg_body(rep), rl);
+        ps_wire_seal(copy, rl - PS_HDR_BYTES);
+        ps_hdr ch;
+        memcpy(&ch, copy, sizeof ch);
+        free(copy);
+        if (h.magic == PS_MAGIC && h.payload_len == rl - PS_HDR_BYTES && ch.checksum == h.checksum) {
+            status = h.status;
+            size_t n = rl - PS_HDR_BYTES < textn - 1 ? rl - PS_HDR_BYTES : textn - 1;
+            memcpy(text, (uint8_t *)nng_msg_body(rep) + PS_HDR_BYTES, n);
+            text[n] = '\0';
+            if (reply_payload) *reply_payload = rl - PS_HDR_BYTES;
+        } else {
+            snprintf(text, textn, "reply framing broken");
+        }
+    }
+    nng_msg_free(rep);
+    return status;
+}
+
+/* The server still answers a valid pull of owned keys correctly. */
+static void check_alive(const char *after)
+{
+    msg m;
+    build_rows(&m, PS_OP_PULL, 0, owned, 4, PS_CODEC_F32, NULL, 0);
+    char text[512];
+    size_t plen = 0;
+    int st = call(m.buf, m.len, text, sizeof text, &plen);
+    CHECK_MSG(st == 0 && plen == 4 * DIM * 4, "valid pull after %s: status %d %s", after, st, text);
+}
+
+static void expect_error(const char *name, const void *buf, size_t len, const char *what, int bad)
+{
+    char text[512];
+    int st = call(buf, len, text, sizeof text, NULL);
+    CHECK_MSG(st < 0 && text[0] != '\0', "%s: status %d, message '%s'", name, st, text);
+    CHECK_MSG(strstr(text, what) != NULL, "%s: want '%s' in '%s'", name, what, text);
+    bad_expected += (uint64_t)bad;
+    check_alive(name);
+}
+
+static void test_framing(void)
+{
+    msg m;
+    build_rows(&m, PS_OP_PULL, 0, owned, 4, PS_CODEC_F32, NULL, 0);
+    expect_error("tiny", m.buf, 20, "shorter", 1);
+    expect_error("truncated payload", m.buf, m.len - 3, "payload length", 1);
+    msg t = m;
+    t.buf[t.len - 1] ^= 1;
+    expect_error("payload bit flip", t.buf, t.len, "checksum", 1);
+    t = m;
+    t.buf[offsetof(ps_hdr, table)] ^= 1;
+    expect_error("header bit flip", t.buf, t.len, "checksum", 1);
+    t = m;
+    t.buf[0] ^= 0xff;
+    expect_error("magic", t.buf, t.len, "magic", 1);
+    t = m;
+    t.buf[offsetof(ps_hdr, version)] = 9;
+    expect_error("version", t.buf, t.len, "version", 1);
+    build(&t, 99, 0, 0, 0, NULL, 0);
+    expect_error("unknown op", t.buf, t.len, "unknown op", 1);
+    build(&t, 0, 0, 0, 0, NULL, 0);
+    expect_error("op 0", t.buf, t.len, "unknown op", 1);
+}
+
+static void test_rows(void)
+{
+    msg m;
+    uint8_t p[256];
+    size_t kb = ps_keys_encode(owned, 4, p);
+    build(&m, PS_OP_PULL, 0, 0xffffffffu, PS_CODEC_F32, p, kb);
+    expect_error("huge count", m.buf, m.len, "count", 1);
+    build(&m, PS_OP_PULL, 0, 0, PS_CODEC_F32, p, kb);
+    expect_error("zero count", m.buf, m.len, "count", 1);
+    build(&m, PS_OP_PULL, 0, 5, PS_CODEC_F32, p, kb);
+    expect_error("count > key bytes", m.buf, m.len, "count 5", 1);
+    build_rows(&m, PS_OP_PULL, 7, owned, 4, PS_CODEC_F32, NULL, 0);
+    expect_error("wrong table", m.buf, m.len, "no table 7", 1);
+    build_rows(&m, PS_OP_PULL, 0, owned, 4, 9, NULL, 0);
+    expect_error("unknown codec", m.buf, m.len, "unknown codec", 1);
+    uint64_t desc[2] = {owned[1], owned[0]};
+    build(&m, PS_OP_PULL, 0, 2, PS_CODEC_F32, p, ps_keys_encode(desc, 2, p));
+    expect_error("unsorted keys", m.buf, m.len, "increasing", 1);
+    uint64_t mixed[2] = {owned[0] < foreign_key ? owned[0] : foreign_key,
+                         owned[0] < foreign_key ? foreign_key : owned[0]};
+    build_rows(&m, PS_OP_PULL, 0, mixed, 2, PS_CODEC_F32, NULL, 0);
+    expect_error("foreign key", m.buf, m.len, "belongs to shard 1", 1);
+
+    /* PUSH framing: the key-bytes field disagreeing with the payload, and a 2-byte payload. */
+    float rows[4 * DIM];
+    for (uint32_t i = 0; i < 4 * DIM; i++) rows[i] = 0.5f;
+    build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_F32, rows, sizeof rows - 4);
+    expect_error("push rows short", m.buf, m.len, "does not match", 1);
+    build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_F32, rows, sizeof rows);
+    uint32_t kbf;
+    memcpy(&kbf, m.buf + PS_HDR_BYTES, 4);
+    kbf += 1;
+    memcpy(m.buf + PS_HDR_BYTES, &kbf, 4);
+    ps_wire_seal(m.buf, m.len - PS_HDR_BYTES);
+    expect_error("push key bytes", m.buf, m.len, "does not match", 1);
+    build(&m, PS_OP_PUSH, 0, 1, PS_CODEC_F32, "ab", 2);
+    expect_error("push tiny", m.buf, m.len, "does not match", 1);
+
+    /* Non-finite gradients in each codec; only the last row is bad, and nothing is applied. */
+    rows[3 * DIM + 1] = NAN;
+    build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_F32, rows, sizeof rows);
+    expect_error("NaN fp32", m.buf, m.len, "non-finite", 1);
+    uint8_t enc[4 * DIM * 4];
+    rows[3 * DIM + 1] = INFINITY;
+    ps_codec_encode(PS_CODEC_F16, rows, 4, DIM, enc, NULL);
+    build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_F16, enc, 4 * DIM * 2);
+    expect_error("inf fp16", m.buf, m.len, "non-finite", 1);
+    rows[3 * DIM + 1] = 0.5f;
+    ps_codec_encode(PS_CODEC_INT8, rows, 4, DIM, enc, NULL);
+    float nan = NAN;
+    memcpy(enc + 3 * (4 + DIM), &nan, 4);
+    build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_INT8, enc, 4 * (4 + DIM));
+    expect_error("NaN int8 scale", m.buf, m.len, "scale", 1);
+}
+
+static void test_other_ops(void)
+{
+    msg m;
+    build(&m, PS_OP_HELLO, 0, 0, 0, "abc", 3);
+    expect_error("short hello", m.buf, m.len, "HELLO", 1);
+    build(&m, PS_OP_SAVE, 0, 0, 0, "/tmp/a\0b", 8);
+    expect_error("save NUL", m.buf, m.len, "NUL", 1);
+    build(&m, PS_OP_LOAD, 0, 0, 0, NULL, 0);
+    expect_error("load empty", m.buf, m.len, "directory", 1);
+    float d[7] = {0};
+    build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, d, sizeof d);
+    expect_error("dense size", m.buf, m.len, "expected 32", 1);
+    float dn[8] = {0, 0, NAN, 0, 0, 0, 0, 0};
+    build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, dn, sizeof dn);
+    expect_error("dense NaN", m.buf, m.len, "non-finite", 1);
+    build(&m, PS_OP_PULL_DENSE, 5, 0, 0, NULL, 0);
+    expect_error("dense id", m.buf, m.len, "dense block 5", 0);
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = PS_OP_CLOCK;
+    h.worker = 3;
+    h.clock = 1;
+    memcpy(m.buf, &h, sizeof h);
+    ps_wire_seal(m.buf, 0);
+    expect_error("clock of unknown worker", m.buf, PS_HDR_BYTES, "known workers", 0);
+}
+
+int main(void)
+{
+    psp_watchdog(PT_WATCHDOG_S);
+    const char *dir = check_tmpdir("ps_malformed");
+    ps_config cfg;
+    pt_config(dir, "ps.conf", conf, &cfg);
+    const char *url = pt_ipc(dir, "s0");
+    ps_server *s = pt_server(&cfg, url, 0);
+    pt_keys_of_shard(0, 2, 1, owned, 4);
+    pt_keys_of_shard(1, 2, 1, &foreign_key, 1);
+
+    CHECK(nng_req0_open(&raw) == 0);
+    nng_socket_set_ms(raw, NNG_OPT_RECVTIMEO, 5000);
+    nng_socket_set_ms(raw, NNG_OPT_SENDTIMEO, 5000);
+    CHECK(nng_dial(raw, url, NULL, 0) == 0);
+
+    /* The rows of the owned keys before anything: rejected pushes must leave them alone. */
+    float before[4 * DIM], after[4 * DIM];
+    msg m;
+    build_rows(&m, PS_OP_PULL, 0, owned, 4, PS_CODEC_F32, NULL, 0);
+    nng_msg *req, *rep;
+    nng_msg_alloc(&req, m.len);
+    memcpy(nng_msg_body(req), m.buf, m.len);
+    CHECK(nng_sendmsg(raw, req, 0) == 0 && nng_recvmsg(raw, &rep, 0) == 0);
+    memcpy(before, (uint8_t *)nng_msg_body(rep) + PS_HDR_BYTES, sizeof before);
+    nng_msg_free(rep);
+
+    test_framing();
+    test_rows();
+    test_other_ops();
+
+    nng_msg_alloc(&req, m.len);
+    memcpy(nng_msg_body(req), m.buf, m.len);
+    CHECK(nng_sendmsg(raw, req, 0) == 0 && nng_recvmsg(raw, &rep, 0) == 0);
+    memcpy(after, (uint8_t *)nng_msg_body(rep) + PS_HDR_BYTES, sizeof after);
+    nng_msg_free(rep);
+    CHECK_MSG(memcmp(before, after, sizeof before) == 0, "a rejected push changed a row");
+
+    ps_server_stats st;
+    ps_server_stats_get(s, &st);
+    CHECK_MSG(st.bad_messages == bad_expected, "bad_messages %llu, expected %llu",
+              (unsigned long long)st.bad_messages, (unsigned long long)bad_expected);
+    CHECK(st.rows_pushed == 0 && st.errors >= bad_expected);
+    nng_close(raw);
+    ps_server_destroy(s);
+    return pt_finish(dir);
+}

@@ -1,0 +1,126 @@
+/* Helpers shared by the PS tests: configs, URLs, clusters of `ember ps` processes or
+ * in-process servers, and clients. Setup failures exit(2) (a failed test) after cleanup. */
+#ifndef EMBER_TESTS_PS_TEST_UTIL_H
+#define EMBER_TESTS_PS_TEST_UTIL_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "ps/ps.h"
+#include "ps_proc.h"
+
+/* Every PS test runs under this bound (ctest's TIMEOUT is the outer one). */
+#define PT_WATCHDOG_S 55u
+
+static inline void pt_die(const char *what, char *err)
+{
+    fprintf(stderr, "setup failed: %s: %s\n", what, err ? err : "?");
+    free(err);
+    psp_stop_all();
+    exit(2);
+}
+
+/* a + "/" + b in one of 16 rotating static buffers (so calls can nest). */
+static inline const char *pt_path(const char *a, const char *b)
+{
+    static char buf[16][512];
+    static int k;
+    char *s = buf[k++ % 16];
+    if ((size_t)snprintf(s, sizeof buf[0], "%s/%s", a, b) >= sizeof buf[0]) pt_die("path too long", NULL);
+    return s;
+}
+
+static inline void pt_write(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    if (f == NULL || fputs(text, f) < 0 || fclose(f) != 0) pt_die("cannot write", strdup(path));
+}
+
+/* Writes text to dir/name and loads it into *cfg; returns the path. */
+static inline const char *pt_config(const char *dir, const char *name, const char *text,
+                                    ps_config *cfg)
+{
+    const char *path = pt_path(dir, name);
+    pt_write(path, text);
+    char *err = NULL;
+    if (ps_config_load(path, cfg, &err) != CM_OK) pt_die("config", err);
+    return path;
+}
+
+/* "ipc://dir/name" in a rotating static buffer. */
+static inline const char *pt_ipc(const char *dir, const char *name)
+{
+    static char buf[16][512];
+    static int k;
+    char *s = buf[k++ % 16];
+    snprintf(s, sizeof buf[0], "ipc://%s", pt_path(dir, name));
+    return s;
+}
+
+static inline uint16_t pt_free_port(void)
+{
+    uint16_t port = psp_free_port();
+    if (port == 0) pt_die("cannot find a free port", NULL);
+    return port;
+}
+
+/* Starts shards 0..n-1 of config as `ember ps` processes ($EMBER_BIN) and waits for each to
+ * listen; pids[] gets their ids. */
+static inline void pt_spawn_cluster(const char *config, uint32_t n, const char *const *urls,
+                                    pid_t *pids)
+{
+    const char *bin = getenv("EMBER_BIN");
+    for (uint32_t i = 0; i < n; i++) {
+        pids[i] = psp_spawn(bin, config, i, urls[i], NULL);
+        if (pids[i] < 0) pt_die("spawn ember ps", NULL);
+    }
+    for (uint32_t i = 0; i < n; i++)
+        if (psp_wait_ready(pids[i], urls[i], 20.0) != 0) pt_die("ember ps did not come up", strdup(urls[i]));
+}
+
+/* An in-process server for shard s. */
+static inline ps_server *pt_server(const ps_config *cfg, const char *url, uint32_t shard)
+{
+    ps_server_opts o = {.cfg = cfg, .listen = url, .shard = shard};
+    ps_server *s = NULL;
+    char *err = NULL;
+    if (ps_server_create(&o, &s, &err) != CM_OK) pt_die("ps_server_create", err);
+    return s;
+}
+
+static inline ps_client *pt_client(const ps_config *cfg, const char *const *urls, uint32_t worker,
+                                   uint32_t timeout_ms)
+{
+    ps_client_opts o = {.cfg = cfg, .urls = urls, .worker = worker, .timeout_ms = timeout_ms};
+    ps_client *c = NULL;
+    char *err = NULL;
+    if (ps_client_create(&o, &c, &err) != CM_OK) pt_die("ps_client_create", err);
+    return c;
+}
+
+/* Fills out[0..n) with the smallest keys >= from that belong to shard of n_shards. */
+static inline void pt_keys_of_shard(uint32_t shard, uint32_t n_shards, uint64_t from, uint64_t *out,
+                                    size_t n)
+{
+    for (uint64_t k = from; n > 0; k++)
+        if (ps_key_shard(k, n_shards) == shard) {
+            *out++ = k;
+            n--;
+        }
+}
+
+/* Ends a test: kills leftover children, removes its directory (ipc sockets included), and
+ * returns check_done()'s verdict. */
+static inline int pt_finish(const char *dir)
+{
+    psp_stop_all();
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", dir);
+    return check_done();
+}
+
+#endif
