@@ -4,6 +4,7 @@
  * tested against, so it favours the obvious formulation over cleverness.
  */
 #include <cblas.h>
+#include <pthread.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -12,7 +13,142 @@
 #include "common/common.h"
 #include "src/model.h"
 
+/*
+ * A small pool that runs one function over n parts, the caller doing part 0. Every GEMM is
+ * split by rows of its output, each part a single-threaded OpenBLAS call, so every output
+ * element is computed by one call in one order: the result is the same for any timing (OpenBLAS's
+ * own threads are not, and they spin on cores the PS and prefetch threads need).
+ */
+typedef void (*part_fn)(void *arg, int part, int nparts);
+
+typedef struct pool {
+    int n;
+    pthread_t *th;
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    uint64_t gen;
+    int pending;
+    part_fn fn;
+    void *arg;
+    bool stop;
+} pool;
+
+typedef struct pool_arg {
+    pool *p;
+    int part;
+} pool_arg;
+
+static void *pool_main(void *v)
+{
+    pool_arg *pa = v;
+    pool *p = pa->p;
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        while (p->gen == seen && !p->stop) pthread_cond_wait(&p->go, &p->mu);
+        if (p->stop) {
+            pthread_mutex_unlock(&p->mu);
+            break;
+        }
+        seen = p->gen;
+        part_fn fn = p->fn;
+        void *arg = p->arg;
+        pthread_mutex_unlock(&p->mu);
+        fn(arg, pa->part, p->n);
+        pthread_mutex_lock(&p->mu);
+        if (--p->pending == 0) pthread_cond_signal(&p->done);
+        pthread_mutex_unlock(&p->mu);
+    }
+    free(pa);
+    return NULL;
+}
+
+static void pool_run(pool *p, part_fn fn, void *arg)
+{
+    if (p->n <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->fn = fn;
+    p->arg = arg;
+    p->pending = p->n - 1;
+    p->gen++;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    fn(arg, 0, p->n);
+    pthread_mutex_lock(&p->mu);
+    while (p->pending > 0) pthread_cond_wait(&p->done, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void pool_fini(pool *p)
+{
+    if (p->th == NULL) return;
+    pthread_mutex_lock(&p->mu);
+    p->stop = true;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 1; i < p->n; i++) pthread_join(p->th[i], NULL);
+    free(p->th);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->go);
+    pthread_cond_destroy(&p->done);
+}
+
+static int pool_init(pool *p, int n)
+{
+    memset(p, 0, sizeof *p);
+    p->n = n < 1 ? 1 : n;
+    if (p->n == 1) return CM_OK;
+    p->th = calloc((size_t)p->n, sizeof *p->th);
+    if (p->th == NULL) return CM_ENOMEM;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->go, NULL);
+    pthread_cond_init(&p->done, NULL);
+    for (int i = 1; i < p->n; i++) {
+        pool_arg *pa = malloc(sizeof *pa);
+        if (pa == NULL) return CM_ENOMEM;
+        pa->p = p;
+        pa->part = i;
+        if (pthread_create(&p->th[i], NULL, pool_main, pa) != 0) {
+            free(pa);
+            p->n = i;
+            return CM_ERR;
+        }
+    }
+    return CM_OK;
+}
+
+/* C (M x N) = op(A) op(B), row-major, split over M. */
+typedef struct gemm {
+    enum CBLAS_TRANSPOSE ta, tb;
+    int M, N, K, lda, ldb, ldc;
+    const float *A, *B;
+    float *C;
+} gemm;
+
+static void gemm_part(void *arg, int part, int nparts)
+{
+    const gemm *g = arg;
+    int m0 = (int)((int64_t)g->M * part / nparts), m1 = (int)((int64_t)g->M * (part + 1) / nparts);
+    if (m1 <= m0) return;
+    const float *A = g->ta == CblasNoTrans ? g->A + (size_t)m0 * g->lda : g->A + m0;
+    cblas_sgemm(CblasRowMajor, g->ta, g->tb, m1 - m0, g->N, g->K, 1.0f, A, g->lda, g->B, g->ldb,
+                0.0f, g->C + (size_t)m0 * g->ldc, g->ldc);
+}
+
+static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int M, int N, int K,
+                  const float *A, int lda, const float *B, int ldb, float *C, int ldc)
+{
+    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C};
+    /* Small products are not worth waking threads for. */
+    if ((double)M * N * K < 2e5) gemm_part(&g, 0, 1);
+    else pool_run(p, gemm_part, &g);
+}
+
 typedef struct cpu {
+    pool pool;
     model_cfg m;
     model_layout l;
     uint32_t max_b, max_u;
@@ -28,6 +164,7 @@ static void cpu_destroy(void *state)
 {
     cpu *c = state;
     if (c == NULL) return;
+    pool_fini(&c->pool);
     free(c->xe);
     free(c->dxe);
     free(c->xl);
@@ -44,10 +181,15 @@ static void cpu_destroy(void *state)
 }
 
 static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b, uint32_t max_u,
-                      void **state, char **errptr)
+                      uint32_t threads, void **state, char **errptr)
 {
     cpu *c = calloc(1, sizeof *c);
     if (c == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    openblas_set_num_threads(1);
+    if (pool_init(&c->pool, (int)threads) != CM_OK) {
+        cpu_destroy(c);
+        return cm_err(errptr, CM_ERR, "cannot start %u compute threads", threads);
+    }
     c->m = *m;
     c->l = *l;
     c->max_b = max_b;
@@ -79,7 +221,7 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
 }
 
 /* X = A * E over the batch's CSR rows; each CSR row is one (sample, field) slot of width d. */
-static void pool(const model_batch *b, const float *E, uint32_t d, float *X)
+static void spmm(const model_batch *b, const float *E, uint32_t d, float *X)
 {
     size_t rows = (size_t)b->B * b->F;
     for (size_t r = 0; r < rows; r++) {
@@ -94,7 +236,7 @@ static void pool(const model_batch *b, const float *E, uint32_t d, float *X)
 }
 
 /* dE = A^T * dX (dE overwritten). */
-static void pool_backward(const model_batch *b, const float *dX, uint32_t d, float *dE)
+static void spmm_t(const model_batch *b, const float *dX, uint32_t d, float *dE)
 {
     memset(dE, 0, (size_t)b->U * d * sizeof(float));
     size_t rows = (size_t)b->B * b->F;
@@ -109,10 +251,11 @@ static void pool_backward(const model_batch *b, const float *dX, uint32_t d, flo
 }
 
 /* Y = act(X W^T + b) for B rows. */
-static void layer_fwd(const model_layer *ly, const float *P, const float *X, float *Y, uint32_t B)
+static void layer_fwd(pool *pl, const model_layer *ly, const float *P, const float *X, float *Y,
+                      uint32_t B)
 {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)B, (int)ly->out, (int)ly->in, 1.0f, X,
-                (int)ly->in, P + ly->w, (int)ly->in, 0.0f, Y, (int)ly->out);
+    sgemm(pl, CblasNoTrans, CblasTrans, (int)B, (int)ly->out, (int)ly->in, X, (int)ly->in,
+          P + ly->w, (int)ly->in, Y, (int)ly->out);
     const float *bias = P + ly->b;
     for (size_t i = 0; i < B; i++) {
         float *y = Y + i * ly->out;
@@ -125,30 +268,30 @@ static void layer_fwd(const model_layer *ly, const float *P, const float *X, flo
 
 /* Given dY (gradient of the layer's output, B x out; modified in place by the ReLU mask),
  * accumulates dW, db into dP and writes dX (B x in) when dX != NULL. */
-static void layer_bwd(const model_layer *ly, const float *P, const float *X, const float *Y,
-                      float *dY, float *dP, float *dX, uint32_t B)
+static void layer_bwd(pool *pl, const model_layer *ly, const float *P, const float *X,
+                      const float *Y, float *dY, float *dP, float *dX, uint32_t B)
 {
     if (ly->relu)
         for (size_t i = 0; i < (size_t)B * ly->out; i++)
             if (Y[i] <= 0.0f) dY[i] = 0.0f;
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)ly->out, (int)ly->in, (int)B, 1.0f, dY,
-                (int)ly->out, X, (int)ly->in, 0.0f, dP + ly->w, (int)ly->in);
+    sgemm(pl, CblasTrans, CblasNoTrans, (int)ly->out, (int)ly->in, (int)B, dY, (int)ly->out, X,
+          (int)ly->in, dP + ly->w, (int)ly->in);
     float *db = dP + ly->b;
     memset(db, 0, ly->out * sizeof(float));
     for (size_t i = 0; i < B; i++)
         for (uint32_t j = 0; j < ly->out; j++) db[j] += dY[i * ly->out + j];
     if (dX != NULL)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)B, (int)ly->in, (int)ly->out, 1.0f,
-                    dY, (int)ly->out, P + ly->w, (int)ly->in, 0.0f, dX, (int)ly->in);
+        sgemm(pl, CblasNoTrans, CblasNoTrans, (int)B, (int)ly->in, (int)ly->out, dY, (int)ly->out,
+              P + ly->w, (int)ly->in, dX, (int)ly->in);
 }
 
 /* Runs the MLP stack ly[0..n) on X; returns the last layer's output buffer. */
-static const float *stack_fwd(const model_layer *ly, uint32_t n, float *const *act, const float *P,
-                              const float *X, uint32_t B)
+static const float *stack_fwd(pool *pl, const model_layer *ly, uint32_t n, float *const *act,
+                              const float *P, const float *X, uint32_t B)
 {
     const float *in = X;
     for (uint32_t i = 0; i < n; i++) {
-        layer_fwd(&ly[i], P, in, act[i], B);
+        layer_fwd(pl, &ly[i], P, in, act[i], B);
         in = act[i];
     }
     return in;
@@ -163,7 +306,7 @@ static void stack_bwd(cpu *c, const model_layer *ly, uint32_t n, float *const *a
     for (uint32_t i = n; i-- > 0;) {
         const float *in = i ? act[i - 1] : X;
         float *dx = i ? h : dX;
-        layer_bwd(&ly[i], P, in, act[i], g, dP, dx, B);
+        layer_bwd(&c->pool, &ly[i], P, in, act[i], g, dP, dx, B);
         float *t = g;
         g = h;
         h = t;
@@ -185,9 +328,9 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     if (bwd) memset(dP, 0, l->n_params * sizeof(float));
     float *logit = c->logit;
     memset(logit, 0, B * sizeof(float));
-    if (l->emb_table >= 0) pool(b, b->emb[l->emb_table], d, c->xe);
+    if (l->emb_table >= 0) spmm(b, b->emb[l->emb_table], d, c->xe);
     if (l->lin_table >= 0) {
-        pool(b, b->emb[l->lin_table], 1, c->xl);
+        spmm(b, b->emb[l->lin_table], 1, c->xl);
         for (uint32_t i = 0; i < B; i++) {
             float s = P[l->lin_c];
             for (uint32_t f = 0; f < F; f++) s += c->xl[(size_t)i * F + f];
@@ -214,7 +357,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
         /* Build the top MLP's input. */
         uint32_t ti = l->top_in;
         if (m->kind == MODEL_DLRM) {
-            z0 = stack_fwd(l->bot, l->n_bot, c->bact, P, b->dense, B);
+            z0 = stack_fwd(&c->pool, l->bot, l->n_bot, c->bact, P, b->dense, B);
             for (uint32_t i = 0; i < B; i++) {
                 float *row = c->in + (size_t)i * ti;
                 const float *v0 = z0 + (size_t)i * d, *ve = c->xe + (size_t)i * F * d;
@@ -234,7 +377,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                 memcpy(c->in + (size_t)i * ti + (size_t)F * d, b->dense + (size_t)i * D, D * sizeof(float));
             }
         }
-        const float *out = stack_fwd(l->top, l->n_top, c->act, P, c->in, B);
+        const float *out = stack_fwd(&c->pool, l->top, l->n_top, c->act, P, c->in, B);
         for (uint32_t i = 0; i < B; i++) logit[i] += out[i];
     }
     /* Loss and its gradient: mean of softplus(z) - y z, computed without overflow. */
@@ -259,7 +402,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
             for (uint32_t k = 0; k < D; k++) dP[l->lin_w + k] += g[i] * b->dense[(size_t)i * D + k];
             dP[l->lin_c] += g[i];
         }
-        pool_backward(b, c->dxl, 1, demb[l->lin_table]);
+        spmm_t(b, c->dxl, 1, demb[l->lin_table]);
     }
     if (m->kind == MODEL_DEEPFM)
         for (uint32_t i = 0; i < B; i++) {
@@ -302,7 +445,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                     c->dxe[(size_t)i * F * d + k] += c->din[(size_t)i * ti + k];
         }
     }
-    if (l->emb_table >= 0) pool_backward(b, c->dxe, d, demb[l->emb_table]);
+    if (l->emb_table >= 0) spmm_t(b, c->dxe, d, demb[l->emb_table]);
     return CM_OK;
 }
 

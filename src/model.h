@@ -82,9 +82,11 @@ typedef struct model_batch {
 typedef struct backend backend;
 typedef struct backend_ops {
     const char *name;
-    /* Creates per-backend state for batches of at most max_batch rows and max_uniq keys. */
+    /* Creates per-backend state for batches of at most max_batch rows and max_uniq keys;
+     * threads: CPU threads for the dense math (the cpu backend splits every GEMM by output
+     * rows, so results do not depend on the thread count's timing). */
     int (*create)(const model_cfg *m, const model_layout *l, uint32_t max_batch,
-                  uint32_t max_uniq, void **state, char **errptr);
+                  uint32_t max_uniq, uint32_t threads, void **state, char **errptr);
     void (*destroy)(void *state);
     /* Forward pass: probs (B) and, with labels, the mean loss. With dparams != NULL also the
      * backward pass: dparams (n_params, overwritten) and demb[t] (U x dim_t, overwritten). */

@@ -23,6 +23,7 @@ void train_opts_init(train_opts *o)
     o->epochs = 1;
     o->workers = 1;
     o->shards = 1;
+    o->threads = 1;
     o->staleness = -1;
     o->emb_lr = 0.05f;
     o->dense_lr = 0.001f;
@@ -336,6 +337,25 @@ static void prefetch_release(prefetch *p)
     pthread_mutex_unlock(&p->mu);
 }
 
+/* Waits until the stage after the one taken is ready (or the prefetcher has stopped). */
+static void prefetch_wait_next(prefetch *p)
+{
+    pthread_mutex_lock(&p->mu);
+    while (!p->full[p->next_take ^ 1]) pthread_cond_wait(&p->cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Pulls the ready stage again (after prefetch_release: the one to be taken next), so it
+ * reflects every update applied so far. */
+static int prefetch_refresh(prefetch *p, char **errptr)
+{
+    pthread_mutex_lock(&p->mu);
+    while (!p->full[p->next_take]) pthread_cond_wait(&p->cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    stage *s = &p->st[p->next_take];
+    return s->status > 0 ? stage_pull(s, p->S, p->c, errptr) : CM_OK;
+}
+
 static void prefetch_stop(prefetch *p)
 {
     pthread_mutex_lock(&p->mu);
@@ -552,6 +572,9 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         if (rc == CM_OK && (!isfinite(loss) || !all_finite(dparams, S->l.n_params)))
             rc = cm_err(errptr, CM_EINVAL, "non-finite loss or gradient at step %" PRIu64 " (worker %u)",
                         step, w);
+        /* Push only once batch t+1 is pulled: then t+1 always sees the updates up to t-1 and
+         * never t's, whatever the thread timing, so a one-worker run is deterministic. */
+        prefetch_wait_next(&pf);
         for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
             rc = ps_client_push(c, t, s->ukeys, s->U, demb[t], errptr);
         if (rc == CM_OK && S->l.n_params > 0) rc = ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
@@ -571,8 +594,11 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             window_n = 0;
             last_log = cm_now();
         }
-        if (rc == CM_OK && o->ckpt_every && step % o->ckpt_every == 0 && step < S->min_steps)
+        if (rc == CM_OK && o->ckpt_every && step % o->ckpt_every == 0 && step < S->min_steps) {
             rc = checkpoint(S, c, w, step, step, errptr);
+            /* A resumed run pulls batch step+1 after the checkpoint; so does this one. */
+            if (rc == CM_OK) rc = prefetch_refresh(&pf, errptr);
+        }
     }
     /* Synchronous mode: keep clocking until the slowest worker is through. */
     for (uint64_t s = step; rc == CM_OK && o->staleness >= 0 && s < S->max_steps; s++)
@@ -599,7 +625,8 @@ static void *worker_main(void *arg)
     char **errptr = &W->err;
     ps_client_opts co = {.cfg = &S->ps, .urls = (const char *const *)S->urls, .worker = W->index};
     int rc = ps_client_create(&co, &c, errptr);
-    if (rc == CM_OK) rc = S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024, &be, errptr);
+    if (rc == CM_OK) rc = S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024,
+                                        o->threads, &be, errptr);
     if (rc == CM_OK && W->index == 0 && S->l.n_params > 0) {
         float *p = malloc(S->l.n_params * sizeof(float));
         int assigned;

@@ -36,6 +36,7 @@ typedef struct train_opts {
     model_cfg model;          /* kind set by the caller; shape filled from the shards */
     int model_set;            /* model.kind given */
     uint32_t batch, epochs, workers, shards;
+    uint32_t threads; /* compute threads per worker */
     int32_t staleness; /* -1 async */
     uint64_t ckpt_every, max_steps, shuffle_rows, seed, memory;
     uint32_t hidden_override, dim_override; /* 0 = preset */
