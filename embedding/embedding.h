@@ -168,6 +168,12 @@ int emb_table_pull(emb_table *t, const uint64_t *keys, size_t n, float *out, cha
 int emb_table_push(emb_table *t, const uint64_t *keys, size_t n, const float *grads,
                    char **errptr);
 
+/* Reads the weights of n keys with no side effect: nothing is created, admitted or marked
+ * touched, and spilled rows are read where they lie. A key the table does not hold reads as
+ * zeros with found[i] = 0 (found may be NULL). This is what evaluation and serving see. */
+int emb_table_lookup(emb_table *t, const uint64_t *keys, size_t n, float *out, uint8_t *found,
+                     char **errptr);
+
 /* Copies one row into *row; weights/state are copied into the caller's buffers (dim and
  * emb_row_slots floats). Returns CM_ENOTFOUND (no message) for a key the table does not hold;
  * never creates a row and does not mark it touched. */
@@ -212,6 +218,10 @@ int emb_table_snapshot(emb_table *t, const char *dir, char **errptr);
 /* Reads the model config stored in a snapshot's MANIFEST into *cfg (storage fields set to
  * defaults; spill_path NULL). Verifies the manifest's checksum. */
 int emb_snapshot_read_config(const char *dir, emb_table_config *cfg, char **errptr);
+
+/* Calls cb once per row of a snapshot without building a table (export). The manifest and
+ * the rows file are verified in full before the first call. */
+int emb_snapshot_foreach(const char *dir, emb_row_cb cb, void *arg, char **errptr);
 
 /* Builds a new table from a snapshot: the model part of cfg must equal the snapshot's (else
  * CM_EINVAL naming the field); the storage part (budget, spill path, admission, ttl, n_sub) is

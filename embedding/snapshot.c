@@ -263,8 +263,32 @@ int emb_snapshot_read_config(const char *dir, emb_table_config *cfg, char **errp
     return rc;
 }
 
-/* Reads rows.bin in chunks; with t == NULL it only verifies size, header and checksum. */
-static int rows_pass(const char *dir, const manifest *m, emb_table *t, char **errptr)
+/* What a rows pass does with each chunk of records: nothing (verify only), load them into a
+ * table, or hand each to a row callback. */
+typedef struct rows_sink {
+    emb_table *t;
+    emb_row_cb cb;
+    void *arg;
+    const emb_table_config *cfg;
+} rows_sink;
+
+static int sink_chunk(const rows_sink *k, const uint8_t *buf, size_t nrows, size_t row_bytes,
+                      char **errptr)
+{
+    if (k->t) return emb_table_load_records(k->t, buf, nrows, errptr);
+    for (size_t i = 0; i < nrows; i++) {
+        const uint8_t *rec = buf + i * row_bytes;
+        const emb_rec_hdr *h = (const emb_rec_hdr *)rec;
+        emb_row row = {h->key, h->updates, h->last_step, (const float *)(rec + EMB_REC_HDR),
+                       (const float *)(rec + EMB_REC_HDR) + k->cfg->dim};
+        int rc = k->cb(&row, k->arg);
+        if (rc != 0) return rc;
+    }
+    return CM_OK;
+}
+
+/* Reads rows.bin in chunks; with sink NULL it only verifies size, header and checksum. */
+static int rows_pass(const char *dir, const manifest *m, const rows_sink *sink, char **errptr)
 {
     char path[4096];
     if (path_join(path, sizeof path, dir, EMB_SNAP_ROWS, errptr) != CM_OK) return CM_EINVAL;
@@ -305,12 +329,12 @@ static int rows_pass(const char *dir, const manifest *m, emb_table *t, char **er
             rc = cm_err_errno(errptr, CM_ECORRUPT, "%s: short read at offset %" PRIu64, path, off);
             goto out;
         }
-        if (t == NULL) XXH3_64bits_update(hs, buf, bytes);
-        else if ((rc = emb_table_load_records(t, buf, nrows, errptr)) != CM_OK) goto out;
+        if (sink == NULL) XXH3_64bits_update(hs, buf, bytes);
+        else if ((rc = sink_chunk(sink, buf, nrows, m->row_bytes, errptr)) != CM_OK) goto out;
         off += bytes;
         left -= nrows;
     }
-    if (t == NULL) {
+    if (sink == NULL) {
         uint64_t trailer, digest = XXH3_64bits_digest(hs);
         if (pread(fd, &trailer, 8, (off_t)off) != 8 || trailer != digest || digest != m->hash)
             rc = cm_err(errptr, CM_ECORRUPT, "%s: checksum mismatch", path);
@@ -352,7 +376,8 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
     emb_table *t = NULL;
     rc = emb_table_create(cfg, &t, errptr);
     if (rc != CM_OK) return rc;
-    rc = rows_pass(dir, &m, t, errptr);
+    rows_sink sink = {.t = t};
+    rc = rows_pass(dir, &m, &sink, errptr);
     if (rc != CM_OK) {
         emb_table_destroy(t);
         return rc;
@@ -360,4 +385,14 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
     emb_table_set_step(t, m.step);
     *out = t;
     return CM_OK;
+}
+
+int emb_snapshot_foreach(const char *dir, emb_row_cb cb, void *arg, char **errptr)
+{
+    manifest m;
+    int rc = manifest_read(dir, &m, errptr);
+    if (rc == CM_OK) rc = rows_pass(dir, &m, NULL, errptr);
+    rows_sink sink = {.cb = cb, .arg = arg, .cfg = &m.cfg};
+    if (rc == CM_OK) rc = rows_pass(dir, &m, &sink, errptr);
+    return rc;
 }

@@ -387,6 +387,58 @@ static int table_batch(emb_table *t, const uint64_t *keys, size_t n, int op, flo
     return rc;
 }
 
+int emb_table_lookup(emb_table *t, const uint64_t *keys, size_t n, float *out, uint8_t *found,
+                     char **errptr)
+{
+    if (n == 0) return CM_OK;
+    uint64_t *h = NULL;
+    uint32_t *ord = NULL, *st = NULL;
+    int rc = group_keys(t, keys, n, &h, &ord, &st, errptr);
+    if (rc != CM_OK) return rc;
+    const size_t dim = t->dim;
+    uint64_t *miss = malloc(n * sizeof *miss);
+    uint32_t *miss_at = malloc(n * sizeof *miss_at);
+    uint8_t *recs = NULL, *got = malloc(n);
+    if (miss == NULL || miss_at == NULL || got == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    for (uint32_t b = 0; b < t->n_sub && rc == CM_OK; b++) {
+        sub *s = &t->subs[b];
+        size_t n_miss = 0;
+        pthread_mutex_lock(&s->mu);
+        for (uint32_t i = st[b]; i < st[b + 1]; i++) {
+            uint32_t k = ord[i];
+            int64_t slot = emb_mem_find(&s->mem, keys[k], h[k]);
+            if (found) found[k] = slot >= 0;
+            if (slot >= 0) {
+                memcpy(out + k * dim, emb_rec_weights(emb_mem_rec(&s->mem, slot)), dim * sizeof(float));
+                continue;
+            }
+            memset(out + k * dim, 0, dim * sizeof(float));
+            miss[n_miss] = keys[k];
+            miss_at[n_miss++] = k;
+        }
+        if (n_miss > 0 && t->spill != NULL && s->spilled > 0) {
+            if (recs == NULL && (recs = malloc(n * t->rec)) == NULL)
+                rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+            if (rc == CM_OK) rc = emb_store_get(t->spill, miss, n_miss, recs, got, errptr);
+            for (size_t j = 0; rc == CM_OK && j < n_miss; j++) {
+                if (!got[j]) continue;
+                uint32_t k = miss_at[j];
+                memcpy(out + k * dim, emb_rec_weights(recs + j * t->rec), dim * sizeof(float));
+                if (found) found[k] = 1;
+            }
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    free(miss);
+    free(miss_at);
+    free(recs);
+    free(got);
+    free(h);
+    free(ord);
+    free(st);
+    return rc;
+}
+
 int emb_table_pull(emb_table *t, const uint64_t *keys, size_t n, float *out, char **errptr)
 {
     return table_batch(t, keys, n, OP_PULL, out, NULL, errptr);

@@ -473,8 +473,8 @@ static nng_msg *rows_msg(uint16_t op, uint32_t table, ps_codec codec, const uint
     return m;
 }
 
-int ps_client_pull(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, float *out,
-                   char **errptr)
+static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, float *out,
+                     uint8_t flags, char **errptr)
 {
     int rc = check_table(c, table, n, errptr);
     if (rc != CM_OK || n == 0) return rc;
@@ -502,6 +502,7 @@ int ps_client_pull(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");
             break;
         }
+        ((ps_hdr *)nng_msg_body(m))->flags = flags;
         slots[s] = slot_acquire(c, s, K_SYNC);
         slot_send(slots[s], m, true, (nng_duration)c->timeout_ms);
     }
@@ -539,6 +540,18 @@ int ps_client_pull(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     free(tmp);
     split_free(&sp);
     return rc;
+}
+
+int ps_client_pull(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, float *out,
+                   char **errptr)
+{
+    return pull_rows(c, table, keys, n, out, 0, errptr);
+}
+
+int ps_client_lookup(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, float *out,
+                     char **errptr)
+{
+    return pull_rows(c, table, keys, n, out, PS_FLAG_LOOKUP, errptr);
 }
 
 /* int8 error feedback: adds each key's stored residual into g and keeps the new residual. */

@@ -135,26 +135,39 @@ int ps_dense_save(ps_dense *d, const char *path, char **errptr)
     return rc;
 }
 
+/* Reads and verifies a dense file; *buf (caller frees) holds it, *h its header. */
+static int dense_read(const char *path, uint8_t **buf, dense_hdr *h, char **errptr)
+{
+    size_t len = 0;
+    int rc = cm_read_file(path, (void **)buf, &len, errptr);
+    if (rc != CM_OK) return rc == CM_ENOTFOUND ? CM_ECORRUPT : rc;
+    uint64_t trailer;
+    if (len < sizeof *h + 8) goto bad;
+    memcpy(h, *buf, sizeof *h);
+    memcpy(&trailer, *buf + len - 8, 8);
+    if (memcmp(h->magic, DENSE_MAGIC, 8) || h->version != DENSE_VERSION || h->opt > PS_DENSE_SGD ||
+        h->size > (1ull << 32) ||
+        len != sizeof *h + (1 + slots((ps_dense_opt)h->opt)) * h->size * sizeof(float) + 8 ||
+        cm_xxh3(*buf, len - 8) != trailer)
+        goto bad;
+    return CM_OK;
+bad:
+    free(*buf);
+    *buf = NULL;
+    return cm_err(errptr, CM_ECORRUPT, "%s: truncated, bad header or checksum mismatch", path);
+}
+
 int ps_dense_load(const char *path, const ps_dense_spec *spec, ps_dense **out, char **errptr)
 {
     uint8_t *buf = NULL;
-    size_t len = 0;
-    int rc = cm_read_file(path, (void **)&buf, &len, errptr);
-    if (rc != CM_OK) return rc == CM_ENOTFOUND ? CM_ECORRUPT : rc;
-    size_t bytes = spec->size * sizeof(float), k = slots(spec->opt);
     dense_hdr h;
-    uint64_t trailer;
+    int rc = dense_read(path, &buf, &h, errptr);
+    if (rc != CM_OK) return rc;
     ps_dense *d = NULL;
-    if (len != sizeof h + (1 + k) * bytes + 8) {
-        rc = cm_err(errptr, CM_ECORRUPT, "%s: size %zu, expected %zu (truncated or wrong block)",
-                    path, len, sizeof h + (1 + k) * bytes + 8);
-        goto out;
-    }
-    memcpy(&h, buf, sizeof h);
-    memcpy(&trailer, buf + len - 8, 8);
-    if (memcmp(h.magic, DENSE_MAGIC, 8) || h.version != DENSE_VERSION ||
-        h.opt != (uint32_t)spec->opt || h.size != spec->size || cm_xxh3(buf, len - 8) != trailer) {
-        rc = cm_err(errptr, CM_ECORRUPT, "%s: bad header or checksum mismatch", path);
+    size_t bytes = spec->size * sizeof(float), k = slots(spec->opt);
+    if (h.opt != (uint32_t)spec->opt || h.size != spec->size) {
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: block of %llu floats (optimizer %u), expected %llu (%u)",
+                    path, (unsigned long long)h.size, h.opt, (unsigned long long)spec->size, spec->opt);
         goto out;
     }
     rc = ps_dense_create(spec, &d, errptr);
@@ -166,6 +179,20 @@ int ps_dense_load(const char *path, const ps_dense_spec *spec, ps_dense **out, c
     d->initialised = h.initialised;
     *out = d;
 out:
+    free(buf);
+    return rc;
+}
+
+int ps_dense_read_values(const char *path, float **values, uint64_t *n, char **errptr)
+{
+    uint8_t *buf = NULL;
+    dense_hdr h;
+    int rc = dense_read(path, &buf, &h, errptr);
+    if (rc != CM_OK) return rc;
+    *values = malloc(h.size * sizeof(float) + 1);
+    if (*values == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    else memcpy(*values, buf + sizeof h, h.size * sizeof(float));
+    *n = h.size;
     free(buf);
     return rc;
 }

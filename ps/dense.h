@@ -23,4 +23,7 @@ int ps_dense_init(ps_dense *d, const float *values);
 int ps_dense_save(ps_dense *d, const char *path, char **errptr);
 int ps_dense_load(const char *path, const ps_dense_spec *spec, ps_dense **out, char **errptr);
 
+/* Reads only the values of a saved block (any size and optimizer), verified. */
+int ps_dense_read_values(const char *path, float **values, uint64_t *n, char **errptr);
+
 #endif

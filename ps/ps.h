@@ -184,6 +184,10 @@ void ps_client_destroy(ps_client *c);
  * once. Waits for this client's earlier pushes to the same shards to be applied first. */
 int ps_client_pull(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, float *out,
                    char **errptr);
+/* Like pull, but read only: no row is created or marked touched, and keys the PS does not
+ * hold read as zeros (emb_table_lookup). Evaluation uses it, so it sees what serving sees. */
+int ps_client_lookup(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, float *out,
+                     char **errptr);
 /* Pushes gradients for n keys (n * dim floats); duplicated keys are summed first. Returns once
  * queued; an error of an earlier asynchronous push is reported by a later call. */
 int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
@@ -225,6 +229,20 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr);
 
 /* Asks every shard to exit. */
 int ps_client_shutdown(ps_client *c, char **errptr);
+
+/* ---------------- reading a checkpoint offline ---------------- */
+
+/* Number of shards in a checkpoint directory (shard-0 .. shard-(n-1)). */
+int ps_checkpoint_shards(const char *ckpt, uint32_t *n, char **errptr);
+/* The model config of a table as saved. */
+int ps_checkpoint_table_config(const char *ckpt, const char *table, emb_table_config *cfg,
+                               char **errptr);
+/* Calls cb for every row of a table across all shards (each shard verified first). */
+int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb, void *arg,
+                              char **errptr);
+/* The values of a dense block (caller frees *values). */
+int ps_checkpoint_dense(const char *ckpt, const char *name, float **values, uint64_t *n,
+                        char **errptr);
 
 #ifdef __cplusplus
 }

@@ -252,7 +252,8 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
     pthread_rwlock_rdlock(&s->tables_lock);
     emb_table *t = s->tables[h->table];
     if (h->op == PS_OP_PULL) {
-        rc = emb_table_pull(t, keys, n, vals, &err);
+        rc = h->flags & PS_FLAG_LOOKUP ? emb_table_lookup(t, keys, n, vals, NULL, &err)
+                                       : emb_table_pull(t, keys, n, vals, &err);
         uint8_t *out;
         if (rc == CM_OK && (reply = reply_ok(h, n * row_bytes, &out)) != NULL)
             ps_codec_encode((ps_codec)h->codec, vals, n, dim, out, NULL);

@@ -33,6 +33,9 @@ typedef enum ps_op {
     PS_OP_MAX_ = 13,
 } ps_op;
 
+/* PULL flag: read only (emb_table_lookup): nothing created, absent keys read as zeros. */
+#define PS_FLAG_LOOKUP 0x01u
+
 typedef struct ps_hdr {
     uint32_t magic;
     uint16_t version;

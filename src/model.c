@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/common.h"
@@ -42,6 +43,77 @@ void model_cfg_preset(model_cfg *m, model_kind kind, uint32_t n_fields, uint32_t
         m->bottom[0] = 64;
         m->bottom[1] = m->dim;
     }
+}
+
+static int format_widths(char *out, size_t n, const uint32_t *w, uint32_t k)
+{
+    int len = 0;
+    out[0] = '\0';
+    for (uint32_t i = 0; i < k && len >= 0 && (size_t)len < n; i++)
+        len += snprintf(out + len, n - (size_t)len, "%s%u", i ? "," : "", w[i]);
+    return len;
+}
+
+int model_cfg_format(const model_cfg *m, int mean_pool, char *out, size_t n)
+{
+    char hidden[128], bottom[128];
+    format_widths(hidden, sizeof hidden, m->hidden, m->n_hidden);
+    format_widths(bottom, sizeof bottom, m->bottom, m->n_bottom);
+    int len = snprintf(out, n,
+                       "kind %s\nfields %u\ndense %u\ndim %u\nhidden %s\nbottom %s\nseed %llu\n"
+                       "pool %s\n",
+                       model_kind_name(m->kind), m->n_fields, m->n_dense, m->dim,
+                       m->n_hidden ? hidden : "-", m->n_bottom ? bottom : "-",
+                       (unsigned long long)m->seed, mean_pool ? "mean" : "sum");
+    return len < 0 || (size_t)len >= n ? -1 : len;
+}
+
+int model_parse_widths(const char *v, uint32_t *w, uint32_t *k)
+{
+    *k = 0;
+    if (strcmp(v, "-") == 0) return 0;
+    for (const char *p = v; *p;) {
+        char *end;
+        unsigned long x = strtoul(p, &end, 10);
+        if (end == p || x == 0 || x > 65536 || *k >= MODEL_MAX_LAYERS) return -1;
+        w[(*k)++] = (uint32_t)x;
+        p = *end == ',' ? end + 1 : end;
+        if (end == p && *p) return -1;
+    }
+    return 0;
+}
+
+int model_cfg_parse(const char *text, model_cfg *m, int *mean_pool, char **errptr)
+{
+    memset(m, 0, sizeof *m);
+    int seen = 0;
+    const char *line = text;
+    while (line && *line) {
+        const char *nl = strchr(line, '\n');
+        size_t len = nl ? (size_t)(nl - line) : strlen(line);
+        char buf[256], name[32], val[200];
+        if (len >= sizeof buf) return cm_err(errptr, CM_ECORRUPT, "model config: line too long");
+        memcpy(buf, line, len);
+        buf[len] = '\0';
+        line = nl ? nl + 1 : NULL;
+        if (len == 0) continue;
+        if (sscanf(buf, "%31s %199s", name, val) != 2)
+            return cm_err(errptr, CM_ECORRUPT, "model config: bad line '%s'", buf);
+        unsigned long long u = strtoull(val, NULL, 10);
+        int bad = 0;
+        if (!strcmp(name, "kind")) bad = model_kind_parse(val, &m->kind), seen |= 1;
+        else if (!strcmp(name, "fields")) m->n_fields = (uint32_t)u, seen |= 2;
+        else if (!strcmp(name, "dense")) m->n_dense = (uint32_t)u, seen |= 4;
+        else if (!strcmp(name, "dim")) m->dim = (uint32_t)u, seen |= 8;
+        else if (!strcmp(name, "hidden")) bad = model_parse_widths(val, m->hidden, &m->n_hidden);
+        else if (!strcmp(name, "bottom")) bad = model_parse_widths(val, m->bottom, &m->n_bottom);
+        else if (!strcmp(name, "seed")) m->seed = u;
+        else if (!strcmp(name, "pool")) *mean_pool = !strcmp(val, "mean"), bad = strcmp(val, "mean") && strcmp(val, "sum");
+        else return cm_err(errptr, CM_ECORRUPT, "model config: unknown name '%s'", name);
+        if (bad) return cm_err(errptr, CM_ECORRUPT, "model config: bad value '%s' for %s", val, name);
+    }
+    if (seen != 15) return cm_err(errptr, CM_ECORRUPT, "model config: kind, fields, dense or dim missing");
+    return CM_OK;
 }
 
 static size_t add_layer(model_layer *l, uint32_t in, uint32_t out, int relu, size_t at)

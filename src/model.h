@@ -61,6 +61,14 @@ typedef struct model_layout {
     uint32_t top_in, inter; /* top MLP input width; dlrm interaction pairs */
 } model_layout;
 
+/* Text form of a config ("name value" lines: kind, fields, dense, dim, hidden, bottom, seed,
+ * pool) as stored beside checkpoints and in serving bundles. format returns the length
+ * written (< n), or -1 when n is too small. parse rejects unknown or missing names. */
+int model_cfg_format(const model_cfg *m, int mean_pool, char *out, size_t n);
+int model_cfg_parse(const char *text, model_cfg *m, int *mean_pool, char **errptr);
+/* Layer widths "256,128" ("-" for none) into w[0..*k). 0 or -1. */
+int model_parse_widths(const char *v, uint32_t *w, uint32_t *k);
+
 int model_layout_make(const model_cfg *m, model_layout *out, char **errptr);
 /* Initial dense parameters (Xavier-uniform weights, zero biases) from the seed. */
 void model_init_params(const model_cfg *m, const model_layout *l, float *params);

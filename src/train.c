@@ -36,21 +36,6 @@ void train_opts_init(train_opts *o)
 
 /* ---- config file ---- */
 
-static int parse_widths(const char *v, uint32_t *out, uint32_t *n)
-{
-    *n = 0;
-    const char *p = v;
-    while (*p) {
-        char *end;
-        unsigned long x = strtoul(p, &end, 10);
-        if (end == p || x == 0 || x > 65536 || *n >= MODEL_MAX_LAYERS) return -1;
-        out[(*n)++] = (uint32_t)x;
-        p = end;
-        while (*p == ',' || *p == ' ') p++;
-    }
-    return *n ? 0 : -1;
-}
-
 static int train_entry(void *arg, const char *section, const char *sarg, const char *k,
                        const char *v, char **errptr)
 {
@@ -65,8 +50,8 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
     if (!strcmp(section, "model")) {
         if (!strcmp(k, "kind")) bad = model_kind_parse(v, &o->model.kind), o->model_set = !bad;
         else if (!strcmp(k, "dim")) bad = cm_parse_size(v, &u) || u == 0 || u > 1024, o->dim_override = (uint32_t)u;
-        else if (!strcmp(k, "hidden")) bad = parse_widths(v, o->model.hidden, &o->model.n_hidden), o->hidden_override = 1;
-        else if (!strcmp(k, "bottom")) bad = parse_widths(v, o->model.bottom, &o->model.n_bottom);
+        else if (!strcmp(k, "hidden")) bad = model_parse_widths(v, o->model.hidden, &o->model.n_hidden) || !o->model.n_hidden, o->hidden_override = 1;
+        else if (!strcmp(k, "bottom")) bad = model_parse_widths(v, o->model.bottom, &o->model.n_bottom);
         else if (!strcmp(k, "seed")) bad = cm_parse_size(v, &o->model.seed);
         else if (!strcmp(k, "pool")) o->mean_pool = !strcmp(v, "mean"), bad = strcmp(v, "mean") && strcmp(v, "sum");
         else return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [model]", k);
@@ -232,12 +217,14 @@ static int stage_build(stage *s, const setup *S, const ds_batch *b, char **errpt
     return CM_OK;
 }
 
-/* Pulls the stage's rows and the dense tower. */
-static int stage_pull(stage *s, const setup *S, ps_client *c, char **errptr)
+/* Pulls the stage's rows and the dense tower; for evaluation read only (lookup), so unseen
+ * keys read as zeros exactly as in a serving bundle. */
+static int stage_pull(stage *s, const setup *S, ps_client *c, bool lookup, char **errptr)
 {
     int rc = CM_OK;
     for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
-        rc = ps_client_pull(c, t, s->ukeys, s->U, s->emb[t], errptr);
+        rc = lookup ? ps_client_lookup(c, t, s->ukeys, s->U, s->emb[t], errptr)
+                    : ps_client_pull(c, t, s->ukeys, s->U, s->emb[t], errptr);
     if (rc == CM_OK && S->l.n_params > 0) rc = ps_client_dense_pull(c, DENSE_BLOCK, s->params, errptr);
     return rc;
 }
@@ -288,7 +275,7 @@ static void *prefetch_main(void *arg)
         char *err = NULL;
         int got = ds_reader_next(p->r, &b, &err), rc = got < 0 ? got : CM_OK;
         if (got == 1) rc = stage_build(s, p->S, b, &err);
-        if (got == 1 && rc == CM_OK) rc = stage_pull(s, p->S, p->c, &err);
+        if (got == 1 && rc == CM_OK) rc = stage_pull(s, p->S, p->c, false, &err);
         s->status = rc != CM_OK ? rc : got;
         pthread_mutex_lock(&p->mu);
         if (rc < 0 && p->err == NULL) p->err = err, err = NULL;
@@ -353,7 +340,7 @@ static int prefetch_refresh(prefetch *p, char **errptr)
     while (!p->full[p->next_take]) pthread_cond_wait(&p->cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
     stage *s = &p->st[p->next_take];
-    return s->status > 0 ? stage_pull(s, p->S, p->c, errptr) : CM_OK;
+    return s->status > 0 ? stage_pull(s, p->S, p->c, false, errptr) : CM_OK;
 }
 
 static void prefetch_stop(prefetch *p)
@@ -391,6 +378,17 @@ static int reader_open(const setup *S, const char *path, uint32_t worker, uint32
 
 /* ---- evaluation ---- */
 
+int write_probs(const char *path, const float *p, uint64_t n, char **errptr)
+{
+    char *buf = malloc(n * 20 + 1);
+    if (buf == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    size_t len = 0;
+    for (uint64_t i = 0; i < n; i++) len += (size_t)snprintf(buf + len, 20, "%.9g\n", (double)p[i]);
+    int rc = cm_write_file_atomic(path, buf, len, errptr);
+    free(buf);
+    return rc;
+}
+
 static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, char **errptr)
 {
     ds_reader *r = NULL;
@@ -413,7 +411,7 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
             break;
         }
         rc = stage_build(&s, S, b, errptr);
-        if (rc == CM_OK) rc = stage_pull(&s, S, c, errptr);
+        if (rc == CM_OK) rc = stage_pull(&s, S, c, true, errptr);
         model_batch mb;
         batch_view(&s, S, &mb);
         mb.labels = NULL;
@@ -426,6 +424,12 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
     if (rc == CM_OK && n == 0) rc = cm_err(errptr, CM_EINVAL, "no eval rows in %s", S->o->eval_path);
     if (rc == CM_OK) rc = metrics_auc(probs, labels, n, &res->auc, errptr);
     if (rc == CM_OK) rc = metrics_logloss(probs, labels, n, &res->logloss, errptr);
+    if (rc == CM_OK) {
+        /* One probability per eval row, in reader order: what `ember predict` must reproduce. */
+        char path[2300];
+        snprintf(path, sizeof path, "%s/eval_predictions.txt", S->o->out_dir);
+        rc = write_probs(path, probs, n, errptr);
+    }
     res->eval_rows = n;
     stage_free(&s);
     free(probs);
@@ -455,6 +459,14 @@ static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, ui
     int len = snprintf(text, sizeof text, "step %" PRIu64 "\n", own);
     rc = cm_write_file_atomic(path, text, (size_t)len, errptr);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
+    if (rc == CM_OK && w == 0) {
+        /* The model's shape travels with its weights: export and serving read it. */
+        char model[1024];
+        snprintf(path, sizeof path, "%s/model.txt", dir);
+        len = model_cfg_format(&S->m, S->o->mean_pool, model, sizeof model);
+        rc = len < 0 ? cm_err(errptr, CM_ERR, "model config too long")
+                     : cm_write_file_atomic(path, model, (size_t)len, errptr);
+    }
     if (rc == CM_OK && w == 0) {
         snprintf(path, sizeof path, "%s/LATEST", S->ckpt_root);
         len = snprintf(text, sizeof text, "step-%" PRIu64 "\n", tag);

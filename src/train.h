@@ -57,6 +57,9 @@ typedef struct train_result {
     uint64_t rows, eval_rows, steps;
 } train_result;
 
+/* Writes one probability per line ("%.9g"), atomically. */
+int write_probs(const char *path, const float *p, uint64_t n, char **errptr);
+
 /* Runs the whole job (embedded) or this process's role (cluster). */
 int train_run(const train_opts *o, train_result *res, char **errptr);
 

@@ -13,6 +13,9 @@
  * distribution is favoured by what happens to be resident afterwards), then a warm-up run of
  * training batches (pull + push) drawn from the same Zipf stream, so that the timed batches,
  * which follow on in the stream, meet a steady-state table rather than a freshly filled one.
+ * Each thread count gets its own, fresh segment of the stream, pulled and then pushed (as a
+ * training step does): re-pulling a segment would find every key of it already resident and
+ * hide the spill's cost.
  *
  * Usage: tools/bench table [--quick] [--keys N] [--batches N] [--warm-batches N]
  * Prints a table, then one JSON object as the last line.
@@ -316,9 +319,9 @@ static void bench_table(const opts *o, const emb_table_config *cfg, const uint64
     r->warm_s = cm_now() - t0;
     die_if_failed(&w, "warm-up");
 
-    w.stream = stream + (size_t)o->warm_batches * o->batch;
     w.batches = o->batches;
     for (uint32_t nt = 1; nt <= MAX_THREADS; nt++) {
+        w.stream = stream + (size_t)(o->warm_batches + (nt - 1) * o->batches) * o->batch;
         measure(&w, WORK_PULL, nt, outs, r);
         measure(&w, WORK_PUSH, nt, outs, r);
     }
@@ -360,13 +363,13 @@ static void usage(void)
 
 static void parse_args(int argc, char **argv, opts *o)
 {
-    *o = (opts){.keys = 10000000, .batch = 32768, .batches = 96, .warm_batches = 32};
+    *o = (opts){.keys = 10000000, .batch = 32768, .batches = 96, .warm_batches = 64};
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0) {
             o->quick = 1;
             o->keys = 1000000;
             o->batches = 48;
-            o->warm_batches = 8;
+            o->warm_batches = 16;
         } else if (strcmp(argv[i], "--keys") == 0 && i + 1 < argc) {
             o->keys = strtoull(argv[++i], NULL, 10);
         } else if (strcmp(argv[i], "--batches") == 0 && i + 1 < argc) {
@@ -397,12 +400,13 @@ int main(int argc, char **argv)
     parse_args(argc, argv, &o);
 
     /* streams, all made before any timing: the first touch (every key once), the training
-     * stream (warm-up batches, then the timed ones), and uniform row indices for the gathers */
+     * stream (warm-up batches, then one timed segment per thread count), and uniform row
+     * indices for the gathers */
     double t0 = cm_now();
     uint32_t touch_batches = 0;
     uint64_t *touch = touch_stream(o.keys, o.batch, &touch_batches);
     const size_t timed_n = (size_t)o.batches * o.batch;
-    const size_t stream_n = (size_t)(o.batches + o.warm_batches) * o.batch;
+    const size_t stream_n = (size_t)(MAX_THREADS * o.batches + o.warm_batches) * o.batch;
     uint64_t *stream = xmalloc(stream_n * sizeof *stream);
     uint64_t *gidx = xmalloc(timed_n * sizeof *gidx);
     zipf z;
