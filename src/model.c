@@ -218,6 +218,130 @@ double model_flops_per_sample(const model_layout *l)
     return f;
 }
 
+void model_staging_fini(model_staging *s)
+{
+    free(s->labels);
+    free(s->dense);
+    free(s->val);
+    free(s->row_ptr);
+    free(s->col);
+    free(s->ukeys);
+    for (int t = 0; t < MODEL_MAX_TABLES; t++) free(s->emb[t]);
+    free(s->hkeys);
+    free(s->hcol);
+    free(s->hgen);
+    memset(s, 0, sizeof *s);
+}
+
+static int staging_reserve(model_staging *s, const model_layout *l, uint32_t B, uint32_t F,
+                           uint32_t D, uint32_t nnz, char **errptr)
+{
+    if (B > s->cap_b) {
+        free(s->labels);
+        free(s->dense);
+        free(s->row_ptr);
+        s->labels = malloc(B * sizeof(float));
+        s->dense = malloc((size_t)B * D * sizeof(float) + 1);
+        s->row_ptr = malloc(((size_t)B * F + 1) * sizeof(uint32_t));
+        if (!s->labels || !s->dense || !s->row_ptr) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        s->cap_b = B;
+    }
+    if (nnz > s->cap_nnz || s->hkeys == NULL) {
+        uint32_t cap = nnz > 1024 ? nnz : 1024;
+        free(s->val);
+        free(s->col);
+        free(s->ukeys);
+        for (int t = 0; t < MODEL_MAX_TABLES; t++) free(s->emb[t]);
+        memset(s->emb, 0, sizeof s->emb);
+        free(s->hkeys);
+        free(s->hcol);
+        free(s->hgen);
+        s->val = malloc(cap * sizeof(float));
+        s->col = malloc(cap * sizeof(uint32_t));
+        s->ukeys = malloc(cap * sizeof(uint64_t));
+        int ok = s->val && s->col && s->ukeys;
+        for (uint32_t t = 0; t < l->n_tables; t++)
+            ok = ok && (s->emb[t] = malloc((size_t)cap * l->table_dim[t] * sizeof(float))) != NULL;
+        s->hcap = 1;
+        while (s->hcap < 2 * cap) s->hcap <<= 1;
+        s->hkeys = malloc(s->hcap * sizeof(uint64_t));
+        s->hcol = malloc(s->hcap * sizeof(uint32_t));
+        s->hgen = calloc(s->hcap, sizeof(uint32_t));
+        s->cur = 0;
+        if (!ok || !s->hkeys || !s->hcol || !s->hgen)
+            return cm_err(errptr, CM_ENOMEM, "out of memory for %u keys", cap);
+        s->cap_nnz = cap;
+    }
+    s->n_tables = l->n_tables;
+    memcpy(s->table_dim, l->table_dim, sizeof s->table_dim);
+    return CM_OK;
+}
+
+/* Integer features are heavy-tailed: sign(x) log1p(|x|) keeps them in a small range. */
+static inline float squash(float x)
+{
+    return x >= 0.0f ? log1pf(x) : -log1pf(-x);
+}
+
+int model_staging_build(model_staging *s, const model_cfg *m, const model_layout *l,
+                        int mean_pool, const model_input *b, char **errptr)
+{
+    const uint32_t F = m->n_fields, D = m->n_dense;
+    if (b->n_fields != F || b->n_dense != D)
+        return cm_err(errptr, CM_EINVAL, "batch has %u fields and %u dense values; the model expects "
+                      "%u and %u", b->n_fields, b->n_dense, F, D);
+    uint32_t nnz = b->offsets[(size_t)b->n_rows * F];
+    int rc = staging_reserve(s, l, b->n_rows, F, D, nnz, errptr);
+    if (rc != CM_OK) return rc;
+    s->B = b->n_rows;
+    s->F = F;
+    s->D = D;
+    s->nnz = nnz;
+    if (b->labels) memcpy(s->labels, b->labels, s->B * sizeof(float));
+    else memset(s->labels, 0, s->B * sizeof(float));
+    for (size_t i = 0; i < (size_t)s->B * D; i++) s->dense[i] = squash(b->dense[i]);
+    memcpy(s->row_ptr, b->offsets, ((size_t)s->B * F + 1) * sizeof(uint32_t));
+    if (++s->cur == 0) {
+        memset(s->hgen, 0, s->hcap * sizeof(uint32_t));
+        s->cur = 1;
+    }
+    uint32_t U = 0, mask = s->hcap - 1;
+    for (uint32_t k = 0; k < nnz; k++) {
+        uint64_t key = b->keys[k];
+        uint32_t h = (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> 32) & mask;
+        while (s->hgen[h] == s->cur && s->hkeys[h] != key) h = (h + 1) & mask;
+        if (s->hgen[h] != s->cur) {
+            s->hgen[h] = s->cur;
+            s->hkeys[h] = key;
+            s->hcol[h] = U;
+            s->ukeys[U++] = key;
+        }
+        s->col[k] = s->hcol[h];
+    }
+    s->U = U;
+    for (size_t r = 0; r < (size_t)s->B * F; r++) {
+        uint32_t lo = s->row_ptr[r], hi = s->row_ptr[r + 1];
+        float w = mean_pool && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;
+        for (uint32_t k = lo; k < hi; k++) s->val[k] = b->weights ? w * b->weights[k] : w;
+    }
+    return CM_OK;
+}
+
+void model_staging_view(const model_staging *s, model_batch *mb)
+{
+    memset(mb, 0, sizeof *mb);
+    mb->B = s->B;
+    mb->F = s->F;
+    mb->D = s->D;
+    mb->U = s->U;
+    mb->dense = s->dense;
+    mb->labels = s->labels;
+    mb->row_ptr = s->row_ptr;
+    mb->col = s->col;
+    mb->val = s->val;
+    for (uint32_t t = 0; t < s->n_tables; t++) mb->emb[t] = s->emb[t];
+}
+
 int backend_find(const char *name, const backend_ops **out, char **errptr)
 {
     if (strcmp(name, "cpu") == 0) {

@@ -86,6 +86,36 @@ typedef struct model_batch {
     const float *emb[MODEL_MAX_TABLES]; /* U x dim_t */
 } model_batch;
 
+/* Raw rows as a reader or a serving caller has them (datasets' ds_batch layout). */
+typedef struct model_input {
+    uint32_t n_rows, n_dense, n_fields;
+    const float *labels;     /* n_rows, or NULL */
+    const float *dense;      /* n_rows x n_dense raw values */
+    const uint32_t *offsets; /* n_rows * n_fields + 1 */
+    const uint64_t *keys;    /* offsets[n_rows * n_fields] keys */
+    const float *weights;    /* per key, or NULL */
+} model_input;
+
+/* A batch turned into the model layout: dense values squashed (sign(x) log1p|x|), keys
+ * deduplicated into ukeys[0..U) with CSR columns and pooling weights. Buffers grow and are
+ * reused; the caller fills the pulled rows into emb[t] (U x dim_t, sized by
+ * model_staging_build). Zero-initialise before first use. */
+typedef struct model_staging {
+    uint32_t B, F, D, U, nnz, cap_b, cap_nnz, n_tables, table_dim[MODEL_MAX_TABLES];
+    float *labels, *dense, *val;
+    uint32_t *row_ptr, *col;
+    uint64_t *ukeys;
+    float *emb[MODEL_MAX_TABLES];
+    uint64_t *hkeys; /* dedup table: slot valid where hgen == cur */
+    uint32_t *hcol, *hgen, hcap, cur;
+} model_staging;
+
+int model_staging_build(model_staging *s, const model_cfg *m, const model_layout *l,
+                        int mean_pool, const model_input *in, char **errptr);
+void model_staging_fini(model_staging *s);
+/* The staged batch as the backends take it. */
+void model_staging_view(const model_staging *s, model_batch *mb);
+
 /* A compute backend: a static ops table per variant (cpu, cuda). */
 typedef struct backend backend;
 typedef struct backend_ops {

@@ -98,123 +98,25 @@ typedef struct setup {
 
 typedef struct stage {
     int status; /* 1 batch, 0 end of data, < 0 error */
-    uint32_t B, U, nnz, cap_b, cap_nnz;
-    float *labels, *dense, *val;
-    uint32_t *row_ptr, *col;
-    uint64_t *ukeys;
-    float *emb[MODEL_MAX_TABLES];
+    model_staging ms;
     float *params;
-    /* dedup table: keys and their column, valid where gen[i] == cur */
-    uint64_t *hkeys;
-    uint32_t *hcol, *hgen, hcap, cur;
 } stage;
 
 static void stage_free(stage *s)
 {
-    free(s->labels);
-    free(s->dense);
-    free(s->val);
-    free(s->row_ptr);
-    free(s->col);
-    free(s->ukeys);
-    for (int t = 0; t < MODEL_MAX_TABLES; t++) free(s->emb[t]);
+    model_staging_fini(&s->ms);
     free(s->params);
-    free(s->hkeys);
-    free(s->hcol);
-    free(s->hgen);
     memset(s, 0, sizeof *s);
-}
-
-static int stage_reserve(stage *s, const setup *S, uint32_t B, uint32_t nnz, char **errptr)
-{
-    const uint32_t F = S->m.n_fields, D = S->m.n_dense;
-    if (s->params == NULL) {
-        s->params = malloc(S->l.n_params * sizeof(float) + 1);
-        if (s->params == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-    }
-    if (B > s->cap_b) {
-        free(s->labels);
-        free(s->dense);
-        free(s->row_ptr);
-        s->labels = malloc(B * sizeof(float));
-        s->dense = malloc((size_t)B * D * sizeof(float) + 1);
-        s->row_ptr = malloc(((size_t)B * F + 1) * sizeof(uint32_t));
-        if (!s->labels || !s->dense || !s->row_ptr) return cm_err(errptr, CM_ENOMEM, "out of memory");
-        s->cap_b = B;
-    }
-    if (nnz > s->cap_nnz || s->hkeys == NULL) {
-        uint32_t cap = nnz > 1024 ? nnz : 1024;
-        free(s->val);
-        free(s->col);
-        free(s->ukeys);
-        for (uint32_t t = 0; t < S->l.n_tables; t++) free(s->emb[t]);
-        free(s->hkeys);
-        free(s->hcol);
-        free(s->hgen);
-        s->val = malloc(cap * sizeof(float));
-        s->col = malloc(cap * sizeof(uint32_t));
-        s->ukeys = malloc(cap * sizeof(uint64_t));
-        bool ok = s->val && s->col && s->ukeys;
-        for (uint32_t t = 0; t < S->l.n_tables; t++)
-            ok = ok && (s->emb[t] = malloc((size_t)cap * S->l.table_dim[t] * sizeof(float))) != NULL;
-        s->hcap = 1;
-        while (s->hcap < 2 * cap) s->hcap <<= 1;
-        s->hkeys = malloc(s->hcap * sizeof(uint64_t));
-        s->hcol = malloc(s->hcap * sizeof(uint32_t));
-        s->hgen = calloc(s->hcap, sizeof(uint32_t));
-        s->cur = 0;
-        if (!ok || !s->hkeys || !s->hcol || !s->hgen)
-            return cm_err(errptr, CM_ENOMEM, "out of memory for %u keys", cap);
-        s->cap_nnz = cap;
-    }
-    return CM_OK;
-}
-
-/* Integer features are heavy-tailed: sign(x) log1p(|x|) keeps them in a small range. */
-static inline float squash(float x)
-{
-    return x >= 0.0f ? log1pf(x) : -log1pf(-x);
 }
 
 /* Copies a reader batch into the model layout and deduplicates its keys. */
 static int stage_build(stage *s, const setup *S, const ds_batch *b, char **errptr)
 {
-    const uint32_t F = S->m.n_fields, D = S->m.n_dense;
-    if (b->n_fields != F || b->n_dense != D)
-        return cm_err(errptr, CM_EINVAL, "batch has %u fields and %u dense values; the model expects "
-                      "%u and %u", b->n_fields, b->n_dense, F, D);
-    uint32_t nnz = (uint32_t)b->n_keys;
-    int rc = stage_reserve(s, S, b->n_rows, nnz, errptr);
-    if (rc != CM_OK) return rc;
-    s->B = b->n_rows;
-    s->nnz = nnz;
-    memcpy(s->labels, b->labels, s->B * sizeof(float));
-    for (size_t i = 0; i < (size_t)s->B * D; i++) s->dense[i] = squash(b->dense[i]);
-    memcpy(s->row_ptr, b->offsets, ((size_t)s->B * F + 1) * sizeof(uint32_t));
-    if (++s->cur == 0) {
-        memset(s->hgen, 0, s->hcap * sizeof(uint32_t));
-        s->cur = 1;
-    }
-    uint32_t U = 0, mask = s->hcap - 1;
-    for (uint32_t k = 0; k < nnz; k++) {
-        uint64_t key = b->keys[k];
-        uint32_t h = (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> 32) & mask;
-        while (s->hgen[h] == s->cur && s->hkeys[h] != key) h = (h + 1) & mask;
-        if (s->hgen[h] != s->cur) {
-            s->hgen[h] = s->cur;
-            s->hkeys[h] = key;
-            s->hcol[h] = U;
-            s->ukeys[U++] = key;
-        }
-        s->col[k] = s->hcol[h];
-    }
-    s->U = U;
-    for (size_t r = 0; r < (size_t)s->B * F; r++) {
-        uint32_t lo = s->row_ptr[r], hi = s->row_ptr[r + 1];
-        float w = S->o->mean_pool && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;
-        for (uint32_t k = lo; k < hi; k++) s->val[k] = b->weights ? w * b->weights[k] : w;
-    }
-    return CM_OK;
+    if (s->params == NULL && (s->params = malloc(S->l.n_params * sizeof(float) + 1)) == NULL)
+        return cm_err(errptr, CM_ENOMEM, "out of memory");
+    model_input in = {b->n_rows, b->n_dense, b->n_fields, b->labels, b->dense,
+                      b->offsets, b->keys, b->weights};
+    return model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
 }
 
 /* Pulls the stage's rows and the dense tower; for evaluation read only (lookup), so unseen
@@ -222,26 +124,12 @@ static int stage_build(stage *s, const setup *S, const ds_batch *b, char **errpt
 static int stage_pull(stage *s, const setup *S, ps_client *c, bool lookup, char **errptr)
 {
     int rc = CM_OK;
+    const model_staging *m = &s->ms;
     for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
-        rc = lookup ? ps_client_lookup(c, t, s->ukeys, s->U, s->emb[t], errptr)
-                    : ps_client_pull(c, t, s->ukeys, s->U, s->emb[t], errptr);
+        rc = lookup ? ps_client_lookup(c, t, m->ukeys, m->U, m->emb[t], errptr)
+                    : ps_client_pull(c, t, m->ukeys, m->U, m->emb[t], errptr);
     if (rc == CM_OK && S->l.n_params > 0) rc = ps_client_dense_pull(c, DENSE_BLOCK, s->params, errptr);
     return rc;
-}
-
-static void batch_view(const stage *s, const setup *S, model_batch *mb)
-{
-    memset(mb, 0, sizeof *mb);
-    mb->B = s->B;
-    mb->F = S->m.n_fields;
-    mb->D = S->m.n_dense;
-    mb->U = s->U;
-    mb->dense = s->dense;
-    mb->labels = s->labels;
-    mb->row_ptr = s->row_ptr;
-    mb->col = s->col;
-    mb->val = s->val;
-    for (uint32_t t = 0; t < S->l.n_tables; t++) mb->emb[t] = s->emb[t];
 }
 
 /* ---- prefetch: builds and pulls batch t+1 while t computes ---- */
@@ -413,12 +301,12 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
         rc = stage_build(&s, S, b, errptr);
         if (rc == CM_OK) rc = stage_pull(&s, S, c, true, errptr);
         model_batch mb;
-        batch_view(&s, S, &mb);
+        model_staging_view(&s.ms, &mb);
         mb.labels = NULL;
         if (rc == CM_OK) rc = S->be->step(be, s.params, &mb, probs + n, NULL, NULL, NULL, errptr);
         if (rc == CM_OK) {
-            memcpy(labels + n, s.labels, s.B * sizeof(float));
-            n += s.B;
+            memcpy(labels + n, s.ms.labels, s.ms.B * sizeof(float));
+            n += s.ms.B;
         }
     }
     if (rc == CM_OK && n == 0) rc = cm_err(errptr, CM_EINVAL, "no eval rows in %s", S->o->eval_path);
@@ -569,16 +457,16 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             rc = trc;
             break;
         }
-        if (s->U > cap_u) {
+        if (s->ms.U > cap_u) {
             for (uint32_t t = 0; t < S->l.n_tables; t++) {
                 free(demb[t]);
-                demb[t] = malloc((size_t)s->U * S->l.table_dim[t] * sizeof(float));
+                demb[t] = malloc((size_t)s->ms.U * S->l.table_dim[t] * sizeof(float));
                 if (demb[t] == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
             }
-            cap_u = s->U;
+            cap_u = s->ms.U;
         }
         model_batch mb;
-        batch_view(s, S, &mb);
+        model_staging_view(&s->ms, &mb);
         double loss = 0;
         if (rc == CM_OK) rc = S->be->step(be, s->params, &mb, probs, &loss, dparams, demb, errptr);
         if (rc == CM_OK && (!isfinite(loss) || !all_finite(dparams, S->l.n_params)))
@@ -588,9 +476,9 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
          * never t's, whatever the thread timing, so a one-worker run is deterministic. */
         prefetch_wait_next(&pf);
         for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
-            rc = ps_client_push(c, t, s->ukeys, s->U, demb[t], errptr);
+            rc = ps_client_push(c, t, s->ms.ukeys, s->ms.U, demb[t], errptr);
         if (rc == CM_OK && S->l.n_params > 0) rc = ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
-        uint32_t B = s->B;
+        uint32_t B = s->ms.B;
         prefetch_release(&pf);
         if (rc != CM_OK) break;
         if (o->staleness >= 0) rc = ps_client_clock(c, NULL, errptr);

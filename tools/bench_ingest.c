@@ -1,0 +1,232 @@
+/*
+ * bench ingest: Criteo TSV -> shards throughput (ds_ingest_run) against the machine's own
+ * read limit.
+ *
+ *   - input: a synthetic Criteo TSV of >= 1 GB (4.2M rows, ~244 bytes a row) written by
+ *     `ember gen --seed 1`, cached as <dir>/criteo-<rows>-s<seed>.tsv with a .size file beside
+ *     it: a later run reuses it when the file still has the recorded size;
+ *   - I/O limit: `cat FILE > /dev/null`, run twice, the second timed, so the file is in the page
+ *     cache (nothing is dropped from the cache): what reading the bytes costs at best, one core;
+ *   - ds_ingest_run (the library call behind `ember ingest --format criteo`) over the same file
+ *     with threads = all cores and with 1 thread, shards written to <dir>/out (removed after).
+ * MB are 10^6 bytes of input text. Per-core figures divide by the parse threads asked for;
+ * ds_ingest_run also has a reader thread and the calling thread writes the shards, so on a
+ * 2-core machine "all cores" means 2 parse workers sharing the cores with those two.
+ *
+ * Usage: tools/bench ingest [--quick] [--rows N] [--seed S] [--dir DIR] [--ember PATH]
+ *   --quick   300K rows (~73 MB) instead of 4.2M
+ *   --dir     cache directory (default $EMBER_BENCH_DIR, else /tmp/ember-bench)
+ * Prints a table, then one JSON object as the last line.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <libgen.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/common.h"
+#include "datasets/datasets.h"
+
+#define FULL_ROWS 4200000ull
+#define QUICK_ROWS 300000ull
+#define GOAL_MB_PER_S_PER_CORE 300.0
+
+typedef struct opts {
+    uint64_t rows, seed;
+    int quick;
+    const char *dir, *ember;
+} opts;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void die(const char *what, char *err)
+{
+    fprintf(stderr, "bench ingest: %s%s%s\n", what, err ? ": " : "", err ? err : "");
+    free(err);
+    exit(1);
+}
+
+/* Runs argv (no shell), stdout to /dev/null when quiet; returns the exit status or -1. */
+static int run_cmd(char *const argv[], int quiet)
+{
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        if (quiet && freopen("/dev/null", "w", stdout) == NULL) _exit(127);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    int st;
+    while (waitpid(pid, &st, 0) < 0)
+        if (errno != EINTR) return -1;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static uint64_t file_size(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 ? (uint64_t)st.st_size : 0;
+}
+
+/* The cached TSV: reused when its .size file matches; else generated with ember gen. */
+static void ensure_tsv(const opts *o, const char *tsv, double *gen_s, int *reused)
+{
+    char sizefile[4200], buf[64] = {0};
+    snprintf(sizefile, sizeof sizefile, "%s.size", tsv);
+    FILE *f = fopen(sizefile, "r");
+    uint64_t want = 0;
+    if (f) {
+        if (fgets(buf, sizeof buf, f)) want = strtoull(buf, NULL, 10);
+        fclose(f);
+    }
+    *gen_s = 0;
+    *reused = want > 0 && file_size(tsv) == want;
+    if (*reused) return;
+    char rows[32], seed[32];
+    snprintf(rows, sizeof rows, "%" PRIu64, o->rows);
+    snprintf(seed, sizeof seed, "%" PRIu64, o->seed);
+    char *argv[] = {(char *)o->ember, "gen", "--rows", rows, "--seed", seed, "--out", (char *)tsv, NULL};
+    fprintf(stderr, "bench ingest: generating %s rows (seed %s) into %s\n", rows, seed, tsv);
+    double t0 = now_s();
+    if (run_cmd(argv, 1) != 0) die("ember gen failed", NULL);
+    *gen_s = now_s() - t0;
+    f = fopen(sizefile, "w");
+    if (f == NULL) die("cannot write the size file", NULL);
+    fprintf(f, "%" PRIu64 "\n", file_size(tsv));
+    fclose(f);
+}
+
+/* `cat FILE > /dev/null` twice; returns the seconds of the second run. */
+static double time_cat(const char *tsv)
+{
+    char *argv[] = {"/bin/cat", (char *)tsv, NULL};
+    double t = 0;
+    for (int i = 0; i < 2; i++) {
+        double t0 = now_s();
+        if (run_cmd(argv, 1) != 0) die("cat failed", NULL);
+        t = now_s() - t0;
+    }
+    return t;
+}
+
+static void ingest(const char *tsv, const char *out, int threads, ds_ingest_result *res)
+{
+    ds_ingest_opts io;
+    ds_ingest_opts_init(&io);
+    io.parser.format = DS_FMT_CRITEO;
+    const char *inputs[1] = {tsv};
+    io.inputs = inputs;
+    io.n_inputs = 1;
+    io.out_dir = out;
+    io.threads = threads;
+    io.progress = 0;
+    char *err = NULL;
+    if (ds_ingest_run(&io, res, &err) != CM_OK) die("ds_ingest_run", err);
+}
+
+static void default_ember(opts *o)
+{
+    static char buf[4096];
+    o->ember = getenv("EMBER_BIN");
+    if (o->ember) return;
+    ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 16);
+    if (n <= 0) return;
+    buf[n] = '\0';
+    /* build/tools/bench_ingest -> build/ember */
+    char *d = dirname(dirname(buf));
+    memmove(buf, d, strlen(d) + 1);
+    strcat(buf, "/ember");
+    o->ember = buf;
+}
+
+int main(int argc, char **argv)
+{
+    opts o = {.rows = 0, .seed = 1};
+    default_ember(&o);
+    o.dir = getenv("EMBER_BENCH_DIR") ? getenv("EMBER_BENCH_DIR") : "/tmp/ember-bench";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) o.quick = 1;
+        else if (!strcmp(argv[i], "--rows") && i + 1 < argc) o.rows = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) o.seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--dir") && i + 1 < argc) o.dir = argv[++i];
+        else if (!strcmp(argv[i], "--ember") && i + 1 < argc) o.ember = argv[++i];
+        else {
+            fprintf(stderr, "usage: bench_ingest [--quick] [--rows N] [--seed S] [--dir DIR] [--ember PATH]\n");
+            return 2;
+        }
+    }
+    if (o.rows == 0) o.rows = o.quick ? QUICK_ROWS : FULL_ROWS;
+    if (o.ember == NULL || access(o.ember, X_OK) != 0) {
+        fprintf(stderr, "bench ingest: no ember binary at %s (build it, or --ember PATH)\n", o.ember ? o.ember : "?");
+        return 1;
+    }
+    char *err = NULL;
+    if (cm_mkdirs(o.dir, &err) != CM_OK) die("cache directory", err);
+    char tsv[4096], out[4200];
+    snprintf(tsv, sizeof tsv, "%s/criteo-%" PRIu64 "-s%" PRIu64 ".tsv", o.dir, o.rows, o.seed);
+    snprintf(out, sizeof out, "%s/ingest-out-%ld", o.dir, (long)getpid());
+
+    double gen_s;
+    int reused;
+    ensure_tsv(&o, tsv, &gen_s, &reused);
+    uint64_t bytes = file_size(tsv);
+    if (!o.quick && bytes < 1000000000ull)
+        fprintf(stderr, "bench ingest: note: input is %.2f GB, below the 1 GB the full run asks for "
+                        "(use --rows)\n", bytes / 1e9);
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int cores = ncpu > 0 ? (int)ncpu : 1;
+
+    double cat_s = time_cat(tsv);
+    ds_ingest_result all, one;
+    ingest(tsv, out, cores, &all);
+    ingest(tsv, out, 1, &one);
+    char *rm[] = {"/bin/rm", "-rf", out, NULL};
+    run_cmd(rm, 0);
+
+    double mb = (double)bytes / 1e6;
+    double cat_mbs = mb / cat_s;
+    double mbs = all.bytes_in / 1e6 / all.seconds, rps = all.rows_in / all.seconds;
+    double mbs1 = one.bytes_in / 1e6 / one.seconds, rps1 = one.rows_in / one.seconds;
+    double per_core = mbs / cores;
+
+    printf("bench ingest: %s, %" PRIu64 " rows, %.1f MB (%s), %d cores\n", tsv, o.rows, mb,
+           reused ? "cached" : "generated now", cores);
+    printf("%-34s %8s %10s %12s %10s %12s\n", "what", "threads", "seconds", "rows/s", "MB/s", "MB/s/core");
+    printf("%-34s %8d %10.3f %12s %10.1f %12.1f\n", "cat FILE > /dev/null (2nd, cached)", 1, cat_s, "-",
+           cat_mbs, cat_mbs);
+    printf("%-34s %8d %10.3f %12.0f %10.1f %12.1f\n", "ds_ingest_run (all cores)", all.threads,
+           all.seconds, rps, mbs, per_core);
+    printf("%-34s %8d %10.3f %12.0f %10.1f %12.1f\n", "ds_ingest_run (1 thread)", one.threads,
+           one.seconds, rps1, mbs1, mbs1);
+    printf("rows: in %" PRIu64 ", written %" PRIu64 ", rejected %" PRIu64 "; shard bytes %.1f MB "
+           "(%.2fx smaller)\n", all.rows_in, all.rows_written, all.rows_rejected, all.bytes_out / 1e6,
+           all.bytes_out ? (double)all.bytes_in / all.bytes_out : 0);
+    printf("ingest / cat: %.2f (all cores), %.2f (1 thread)\n", mbs / cat_mbs, mbs1 / cat_mbs);
+    printf("goal >= %.0f MB/s per core: %s (all cores %.1f, 1 thread %.1f)\n", GOAL_MB_PER_S_PER_CORE,
+           per_core >= GOAL_MB_PER_S_PER_CORE && mbs1 >= GOAL_MB_PER_S_PER_CORE ? "met"
+           : per_core >= GOAL_MB_PER_S_PER_CORE || mbs1 >= GOAL_MB_PER_S_PER_CORE ? "partly met"
+                                                                                 : "NOT met",
+           per_core, mbs1);
+    printf("{\"bench\":\"ingest\",\"quick\":%s,\"rows\":%" PRIu64 ",\"seed\":%" PRIu64
+           ",\"bytes\":%" PRIu64 ",\"cached_input\":%s,\"gen_seconds\":%.3f,\"cores\":%d,"
+           "\"threads\":%d,\"seconds\":%.3f,\"mb_per_s\":%.1f,\"rows_per_s\":%.0f,"
+           "\"mb_per_s_per_core\":%.1f,\"seconds_1t\":%.3f,\"mb_per_s_1t\":%.1f,\"rows_per_s_1t\":%.0f,"
+           "\"cat_seconds\":%.3f,\"cat_mb_per_s\":%.1f,\"cat_note\":\"second of two runs, file in page cache\","
+           "\"shard_bytes\":%" PRIu64 ",\"goal_mb_per_s_per_core\":%.0f,\"goal_met\":%s}\n",
+           o.quick ? "true" : "false", o.rows, o.seed, bytes, reused ? "true" : "false", gen_s, cores,
+           all.threads, all.seconds, mbs, rps, per_core, one.seconds, mbs1, rps1, cat_s, cat_mbs,
+           all.bytes_out, GOAL_MB_PER_S_PER_CORE,
+           per_core >= GOAL_MB_PER_S_PER_CORE ? "true" : "false");
+    return 0;
+}
