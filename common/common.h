@@ -41,6 +41,12 @@ int cm_err_errno(char **errptr, int code, const char *fmt, ...)
 /* xxh3-64 of a buffer with seed 0: the checksum every ember file and message uses. */
 uint64_t cm_xxh3(const void *buf, size_t len);
 
+/* IEEE half and bfloat16, rounding to nearest even; NaN stays NaN, overflow goes to inf. */
+uint16_t cm_f32_to_f16(float f);
+float cm_f16_to_f32(uint16_t h);
+uint16_t cm_f32_to_bf16(float f);
+float cm_bf16_to_f32(uint16_t h);
+
 /* Monotonic seconds, for timing and rates. */
 double cm_now(void);
 

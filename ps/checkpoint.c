@@ -4,6 +4,7 @@
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
 
 #include "ps/dense.h"
@@ -57,4 +58,24 @@ int ps_checkpoint_dense(const char *ckpt, const char *name, float **values, uint
         if (stat(path, &st) == 0) return ps_dense_read_values(path, values, n, errptr);
     }
     return cm_err(errptr, CM_ENOTFOUND, "%s: no dense block '%s' in any shard", ckpt, name);
+}
+
+int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t *n_tables,
+                        char (*dense)[PS_NAME_MAX], uint32_t *n_dense, char **errptr)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/shard-0/MANIFEST", ckpt);
+    char *text = NULL;
+    size_t len;
+    int rc = cm_read_file(path, (void **)&text, &len, errptr);
+    if (rc != CM_OK) return rc;
+    *n_tables = *n_dense = 0;
+    for (char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+        char kind[8], name[PS_NAME_MAX];
+        if (sscanf(p, "%7s %31s", kind, name) != 2) continue;
+        if (!strcmp(kind, "table") && *n_tables < PS_MAX_TABLES) strcpy(tables[(*n_tables)++], name);
+        if (!strcmp(kind, "dense") && *n_dense < PS_MAX_DENSE) strcpy(dense[(*n_dense)++], name);
+    }
+    free(text);
+    return CM_OK;
 }

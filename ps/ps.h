@@ -234,6 +234,9 @@ int ps_client_shutdown(ps_client *c, char **errptr);
 
 /* Number of shards in a checkpoint directory (shard-0 .. shard-(n-1)). */
 int ps_checkpoint_shards(const char *ckpt, uint32_t *n, char **errptr);
+/* The table and dense block names of a checkpoint (arrays of PS_MAX_TABLES / PS_MAX_DENSE). */
+int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t *n_tables,
+                        char (*dense)[PS_NAME_MAX], uint32_t *n_dense, char **errptr);
 /* The model config of a table as saved. */
 int ps_checkpoint_table_config(const char *ckpt, const char *table, emb_table_config *cfg,
                                char **errptr);

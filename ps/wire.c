@@ -147,58 +147,6 @@ int ps_keys_decode(const uint8_t *in, size_t len, size_t n, uint64_t *keys, char
     return CM_OK;
 }
 
-uint16_t ps_f32_to_f16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    uint32_t a = x & 0x7fffffffu;
-    if (a >= 0x7f800000u) return (uint16_t)(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past the largest half */
-    if (a < 0x38800000u) {
-        /* Below the smallest normal half: the subnormal's mantissa is f * 2^24, rounded to
-         * nearest even (the default rounding mode). */
-        float af;
-        memcpy(&af, &a, 4);
-        return (uint16_t)(sign | (uint16_t)lrintf(af * 16777216.0f));
-    }
-    uint32_t h = ((a >> 23) - 112u) << 10 | ((a >> 13) & 0x3ffu);
-    uint32_t rem = a & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
-    return (uint16_t)(sign | h);
-}
-
-float ps_f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
-    if (e == 0) {
-        float f = (float)m * (1.0f / 16777216.0f);
-        return sign ? -f : f;
-    }
-    if (e == 31) x = sign | 0x7f800000u | (m << 13);
-    else x = sign | ((e + 112u) << 23) | (m << 13);
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
-
-uint16_t ps_f32_to_bf16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
-
-float ps_bf16_to_f32(uint16_t h)
-{
-    uint32_t x = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
-
 void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, uint8_t *dst,
                      float *back)
 {
@@ -211,9 +159,9 @@ void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, ui
     case PS_CODEC_F16:
     case PS_CODEC_BF16:
         for (size_t i = 0; i < n; i++) {
-            uint16_t v = c == PS_CODEC_F16 ? ps_f32_to_f16(src[i]) : ps_f32_to_bf16(src[i]);
+            uint16_t v = c == PS_CODEC_F16 ? cm_f32_to_f16(src[i]) : cm_f32_to_bf16(src[i]);
             memcpy(dst + 2 * i, &v, 2);
-            if (back) back[i] = c == PS_CODEC_F16 ? ps_f16_to_f32(v) : ps_bf16_to_f32(v);
+            if (back) back[i] = c == PS_CODEC_F16 ? cm_f16_to_f32(v) : cm_bf16_to_f32(v);
         }
         break;
     case PS_CODEC_INT8:
@@ -246,7 +194,7 @@ int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, f
         for (size_t i = 0; i < n; i++) {
             uint16_t v;
             memcpy(&v, src + 2 * i, 2);
-            dst[i] = c == PS_CODEC_F16 ? ps_f16_to_f32(v) : ps_bf16_to_f32(v);
+            dst[i] = c == PS_CODEC_F16 ? cm_f16_to_f32(v) : cm_bf16_to_f32(v);
         }
         break;
     case PS_CODEC_INT8:

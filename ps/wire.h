@@ -81,10 +81,6 @@ void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, ui
 int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, float *dst,
                     char **errptr);
 
-uint16_t ps_f32_to_f16(float f);
-float ps_f16_to_f32(uint16_t h);
-uint16_t ps_f32_to_bf16(float f);
-float ps_bf16_to_f32(uint16_t h);
 
 /* A fingerprint of everything about a table or dense block that client and server must
  * agree on (name, model config, codecs). */

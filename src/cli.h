@@ -15,5 +15,7 @@ int cmd_gen(int argc, char **argv);
 int cmd_ingest(int argc, char **argv);
 int cmd_ps(int argc, char **argv);
 int cmd_train(int argc, char **argv);
+int cmd_export(int argc, char **argv);
+int cmd_predict(int argc, char **argv);
 
 #endif

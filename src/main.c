@@ -21,6 +21,8 @@ static const struct {
     {"gen", cmd_gen, "write synthetic Criteo-format click logs"},
     {"ps", cmd_ps, "serve one parameter-server shard"},
     {"train", cmd_train, "train a CTR model against the parameter servers"},
+    {"export", cmd_export, "write a serving bundle (or safetensors, RocksDB) from a checkpoint"},
+    {"predict", cmd_predict, "score shards with a serving bundle"},
 };
 
 static void usage(FILE *to)

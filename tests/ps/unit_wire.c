@@ -269,7 +269,7 @@ static void test_f16(void)
     /* Decode: every half against the reference. */
     int bad = 0;
     for (uint32_t h = 0; h < 65536; h++) {
-        float got = ps_f16_to_f32((uint16_t)h);
+        float got = cm_f16_to_f32((uint16_t)h);
         double want = ref_f16((uint16_t)h);
         if (isnan(want) ? !isnan(got) : (got != (float)want || !signbit(got) != !signbit(want))) bad++;
     }
@@ -277,7 +277,7 @@ static void test_f16(void)
     /* Round trip of every finite half. */
     bad = 0;
     for (uint32_t h = 0; h < 65536; h++)
-        if (((h >> 10) & 31) != 31 && ps_f32_to_f16(ps_f16_to_f32((uint16_t)h)) != h) bad++;
+        if (((h >> 10) & 31) != 31 && cm_f32_to_f16(cm_f16_to_f32((uint16_t)h)) != h) bad++;
     CHECK_MSG(bad == 0, "%d halves do not round-trip", bad);
 
     /* Named special values. */
@@ -296,14 +296,14 @@ static void test_f16(void)
         {1.0f + 0x1p-11f, 0x3c00}, {1.0f + 0x3p-11f, 0x3c02}, {1.0f + 0x1.8p-11f, 0x3c01},
     };
     for (size_t i = 0; i < sizeof sp / sizeof sp[0]; i++) {
-        uint16_t h = ps_f32_to_f16(sp[i].f);
+        uint16_t h = cm_f32_to_f16(sp[i].f);
         CHECK_MSG(h == sp[i].h, "f16(%a) = 0x%04x, want 0x%04x", (double)sp[i].f, h, sp[i].h);
     }
-    uint16_t hn = ps_f32_to_f16(NAN), hn2 = ps_f32_to_f16(-NAN);
-    CHECK((hn & 0x7c00) == 0x7c00 && (hn & 0x3ff) != 0 && isnan(ps_f16_to_f32(hn)));
-    CHECK((hn2 & 0x8000) && isnan(ps_f16_to_f32(hn2)));
+    uint16_t hn = cm_f32_to_f16(NAN), hn2 = cm_f32_to_f16(-NAN);
+    CHECK((hn & 0x7c00) == 0x7c00 && (hn & 0x3ff) != 0 && isnan(cm_f16_to_f32(hn)));
+    CHECK((hn2 & 0x8000) && isnan(cm_f16_to_f32(hn2)));
     /* A signalling NaN whose payload sits in the low bits stays a NaN (not inf). */
-    uint16_t hs = ps_f32_to_f16(f_bits(0x7f800001u));
+    uint16_t hs = cm_f32_to_f16(f_bits(0x7f800001u));
     CHECK((hs & 0x7c00) == 0x7c00 && (hs & 0x3ff) != 0);
 
     /* Every midpoint between adjacent finite halves (exact in float): ties go to even. */
@@ -311,14 +311,14 @@ static void test_f16(void)
     for (uint16_t h = 0; h < 0x7bff; h++) {
         double mid = (ref_f16(h) + ref_f16((uint16_t)(h + 1))) / 2;
         uint16_t want = (h & 1) ? (uint16_t)(h + 1) : h;
-        if (ps_f32_to_f16((float)mid) != want || ps_f32_to_f16(-(float)mid) != (want | 0x8000)) bad++;
+        if (cm_f32_to_f16((float)mid) != want || cm_f32_to_f16(-(float)mid) != (want | 0x8000)) bad++;
     }
     CHECK_MSG(bad == 0, "%d midpoints round wrongly", bad);
     /* Random floats across the half range and around it. */
     for (int i = 0; i < 300000; i++) {
         uint32_t e = 127 - 30 + (uint32_t)(rng() % 48); /* 2^-30 .. 2^17 */
         float f = f_bits((uint32_t)(rng() & 0x807fffffu) | e << 23);
-        check_f16_nearest(f, ps_f32_to_f16(f));
+        check_f16_nearest(f, cm_f32_to_f16(f));
     }
 }
 
@@ -331,11 +331,11 @@ static void test_bf16(void)
               {1.0f + 0x3p-8f, 0x3f82}, {1.0f + 0x1.8p-8f, 0x3f81}, {INFINITY, 0x7f80},
               {-INFINITY, 0xff80}, {FLT_MAX, 0x7f80}};
     for (size_t i = 0; i < sizeof sp / sizeof sp[0]; i++)
-        CHECK_MSG(ps_f32_to_bf16(sp[i].f) == sp[i].h, "bf16(%a)", (double)sp[i].f);
-    CHECK(isnan(ps_bf16_to_f32(ps_f32_to_bf16(NAN))));
-    CHECK(isnan(ps_bf16_to_f32(ps_f32_to_bf16(f_bits(0x7f800001u)))));
+        CHECK_MSG(cm_f32_to_bf16(sp[i].f) == sp[i].h, "bf16(%a)", (double)sp[i].f);
+    CHECK(isnan(cm_bf16_to_f32(cm_f32_to_bf16(NAN))));
+    CHECK(isnan(cm_bf16_to_f32(cm_f32_to_bf16(f_bits(0x7f800001u)))));
     for (uint32_t h = 0; h < 65536; h++)
-        if ((h & 0x7f80) != 0x7f80) CHECK(ps_f32_to_bf16(ps_bf16_to_f32((uint16_t)h)) == h);
+        if ((h & 0x7f80) != 0x7f80) CHECK(cm_f32_to_bf16(cm_bf16_to_f32((uint16_t)h)) == h);
 }
 
 /* Round trips of random rows through each codec; back must equal the decoded values. */

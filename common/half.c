@@ -1,0 +1,59 @@
+/* fp16 and bf16 conversions (round to nearest even), shared by the wire codecs and the
+ * serving bundle. */
+#include <math.h>
+#include <string.h>
+
+#include "common/common.h"
+
+uint16_t cm_f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t a = x & 0x7fffffffu;
+    if (a >= 0x7f800000u) return (uint16_t)(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past the largest half */
+    if (a < 0x38800000u) {
+        /* Below the smallest normal half: the subnormal's mantissa is f * 2^24, rounded to
+         * nearest even (the default rounding mode). */
+        float af;
+        memcpy(&af, &a, 4);
+        return (uint16_t)(sign | (uint16_t)lrintf(af * 16777216.0f));
+    }
+    uint32_t h = ((a >> 23) - 112u) << 10 | ((a >> 13) & 0x3ffu);
+    uint32_t rem = a & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+float cm_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
+    if (e == 0) {
+        float f = (float)m * (1.0f / 16777216.0f);
+        return sign ? -f : f;
+    }
+    if (e == 31) x = sign | 0x7f800000u | (m << 13);
+    else x = sign | ((e + 112u) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+uint16_t cm_f32_to_bf16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+float cm_bf16_to_f32(uint16_t h)
+{
+    uint32_t x = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+

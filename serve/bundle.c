@@ -1,0 +1,570 @@
+/* Serving bundles: writing (export) and mapping + lookup (serving). Format in ember_serve.h. */
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "common/common.h"
+#include "serve/ember_serve.h"
+#include "serve/internal.h"
+
+#define TAB_MAGIC "EMBSTAB1"
+#define DNS_MAGIC "EMBSDNS1"
+#define BUNDLE_VERSION 1u
+#define EMPTY_ROW UINT32_MAX
+
+typedef struct tab_hdr {
+    char magic[8];
+    uint32_t version, dim, precision, row_bytes;
+    uint64_t rows, slots, deleted, step;
+    uint8_t reserved[8];
+} tab_hdr;
+_Static_assert(sizeof(tab_hdr) == 64, "table header is 64 bytes");
+
+typedef struct slot_ent {
+    uint64_t key;
+    uint32_t row, pad;
+} slot_ent;
+
+typedef struct dns_hdr {
+    char magic[8];
+    uint32_t version, zero;
+    uint64_t n;
+} dns_hdr;
+
+static const char *const prec_names[] = {"fp32", "fp16", "int8"};
+
+int ember_serve_precision_parse(const char *name, ember_serve_precision *out)
+{
+    for (int i = 0; name && i < 3; i++)
+        if (!strcmp(name, prec_names[i])) {
+            *out = (ember_serve_precision)i;
+            return 0;
+        }
+    return -1;
+}
+
+static size_t row_bytes_of(ember_serve_precision p, uint32_t dim)
+{
+    return p == EMBER_SERVE_FP32 ? 4u * dim : p == EMBER_SERVE_FP16 ? 2u * dim : 4u + dim;
+}
+
+static inline uint64_t key_slot(uint64_t key, uint64_t mask)
+{
+    return XXH3_64bits(&key, sizeof key) & mask;
+}
+
+/* ================= writing ================= */
+
+#define MAX_FILES 16
+
+struct ember_serve_writer {
+    char *dir, *tmp;
+    ember_serve_precision prec;
+    int delta;
+    uint64_t step, base_step;
+    char manifest[8192];
+    size_t mlen;
+    char tables[1024];
+    size_t tlen;
+};
+
+static void manifest_add(ember_serve_writer *w, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void manifest_add(ember_serve_writer *w, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(w->manifest + w->mlen, sizeof w->manifest - w->mlen, fmt, ap);
+    va_end(ap);
+    if (n > 0) w->mlen += (size_t)n < sizeof w->manifest - w->mlen ? (size_t)n : 0;
+}
+
+int ember_serve_writer_create(const char *dir, ember_serve_precision precision, int delta,
+                              uint64_t step, uint64_t base_step, ember_serve_writer **out,
+                              char **errptr)
+{
+    if ((unsigned)precision > EMBER_SERVE_INT8) return cm_err(errptr, CM_EINVAL, "bad precision");
+    ember_serve_writer *w = calloc(1, sizeof *w);
+    if (w == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    size_t n = strlen(dir) + 16;
+    w->dir = strdup(dir);
+    w->tmp = malloc(n);
+    if (w->dir == NULL || w->tmp == NULL) {
+        ember_serve_writer_abort(w);
+        return cm_err(errptr, CM_ENOMEM, "out of memory");
+    }
+    snprintf(w->tmp, n, "%s.tmp", dir);
+    w->prec = precision;
+    w->delta = delta;
+    w->step = step;
+    w->base_step = base_step;
+    int rc = cm_rmtree(w->tmp, errptr);
+    if (rc == CM_OK) rc = cm_mkdirs(w->tmp, errptr);
+    if (rc != CM_OK) {
+        ember_serve_writer_abort(w);
+        return rc;
+    }
+    manifest_add(w, "ember-bundle 1\ntype %s\nstep %" PRIu64 "\nbase_step %" PRIu64 "\nprecision %s\n",
+                 delta ? "delta" : "full", step, base_step, prec_names[precision]);
+    *out = w;
+    return CM_OK;
+}
+
+void ember_serve_writer_abort(ember_serve_writer *w)
+{
+    if (w == NULL) return;
+    if (w->tmp) cm_rmtree(w->tmp, NULL);
+    free(w->dir);
+    free(w->tmp);
+    free(w);
+}
+
+/* Writes parts as one file in the bundle with an xxh3 trailer; records it in the manifest. */
+static int write_parts(ember_serve_writer *w, const char *name, const void *const *parts,
+                       const size_t *lens, int n_parts, bool trailer, char **errptr)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", w->tmp, name);
+    cm_afile f;
+    int rc = cm_afile_open(&f, path, errptr);
+    for (int i = 0; rc == CM_OK && i < n_parts; i++)
+        if (lens[i]) rc = cm_afile_write(&f, parts[i], lens[i], errptr);
+    if (rc == CM_OK && trailer) {
+        uint64_t d = cm_afile_digest(&f);
+        rc = cm_afile_write(&f, &d, sizeof d, errptr);
+    }
+    if (rc != CM_OK) {
+        cm_afile_abort(&f);
+        return rc;
+    }
+    uint64_t size = f.bytes, digest = cm_afile_digest(&f);
+    rc = cm_afile_commit(&f, errptr);
+    if (rc == CM_OK) manifest_add(w, "file %s %" PRIu64 " %016" PRIx64 "\n", name, size, digest);
+    return rc;
+}
+
+int ember_serve_writer_model(ember_serve_writer *w, const char *text, char **errptr)
+{
+    const void *parts[1] = {text};
+    size_t lens[1] = {strlen(text)};
+    return write_parts(w, "model.txt", parts, lens, 1, false, errptr);
+}
+
+int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_t n,
+                             char **errptr)
+{
+    dns_hdr h = {.version = BUNDLE_VERSION, .n = n};
+    memcpy(h.magic, DNS_MAGIC, 8);
+    const void *parts[2] = {&h, values};
+    size_t lens[2] = {sizeof h, n * sizeof(float)};
+    return write_parts(w, "dense-tower.bin", parts, lens, 2, true, errptr);
+}
+
+static void encode_row(ember_serve_precision p, const float *x, uint32_t dim, uint8_t *out)
+{
+    if (p == EMBER_SERVE_FP32) {
+        memcpy(out, x, dim * sizeof(float));
+    } else if (p == EMBER_SERVE_FP16) {
+        for (uint32_t j = 0; j < dim; j++) {
+            uint16_t v = cm_f32_to_f16(x[j]);
+            memcpy(out + 2 * j, &v, 2);
+        }
+    } else {
+        float amax = 0.0f;
+        for (uint32_t j = 0; j < dim; j++) amax = fmaxf(amax, fabsf(x[j]));
+        float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        memcpy(out, &scale, 4);
+        for (uint32_t j = 0; j < dim; j++) {
+            long q = lrintf(x[j] * inv);
+            out[4 + j] = (uint8_t)(int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+        }
+    }
+}
+
+static int u64_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t dim,
+                             const uint64_t *keys, const float *rows, uint64_t n,
+                             const uint64_t *deleted, uint64_t n_deleted, char **errptr)
+{
+    if (dim == 0 || n >= EMPTY_ROW || strlen(name) > 64)
+        return cm_err(errptr, CM_EINVAL, "table %s: dim %u or %" PRIu64 " rows out of range", name, dim, n);
+    uint64_t slots = 16;
+    while (slots < n + n / 4 + 1) slots <<= 1; /* load factor at most 0.8 */
+    size_t rb = row_bytes_of(w->prec, dim);
+    slot_ent *index = malloc(slots * sizeof *index);
+    uint8_t *enc = malloc(n * rb + 1);
+    uint64_t *del = malloc(n_deleted * sizeof *del + 1);
+    int rc = CM_OK;
+    if (index == NULL || enc == NULL || del == NULL) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory exporting table %s (%" PRIu64 " rows)", name, n);
+        goto out;
+    }
+    for (uint64_t i = 0; i < slots; i++) index[i] = (slot_ent){0, EMPTY_ROW, 0};
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t s = key_slot(keys[i], slots - 1);
+        while (index[s].row != EMPTY_ROW) {
+            if (index[s].key == keys[i]) {
+                rc = cm_err(errptr, CM_EINVAL, "table %s: key %" PRIu64 " twice", name, keys[i]);
+                goto out;
+            }
+            s = (s + 1) & (slots - 1);
+        }
+        index[s] = (slot_ent){keys[i], (uint32_t)i, 0};
+        encode_row(w->prec, rows + i * dim, dim, enc + i * rb);
+    }
+    if (n_deleted) memcpy(del, deleted, n_deleted * sizeof *del);
+    qsort(del, n_deleted, sizeof *del, u64_cmp);
+    tab_hdr h = {.version = BUNDLE_VERSION, .dim = dim, .precision = (uint32_t)w->prec,
+                 .row_bytes = (uint32_t)rb, .rows = n, .slots = slots, .deleted = n_deleted,
+                 .step = w->step};
+    memcpy(h.magic, TAB_MAGIC, 8);
+    char fname[96];
+    snprintf(fname, sizeof fname, "table-%s.bin", name);
+    const void *parts[4] = {&h, index, enc, del};
+    size_t lens[4] = {sizeof h, slots * sizeof *index, n * rb, n_deleted * sizeof *del};
+    rc = write_parts(w, fname, parts, lens, 4, true, errptr);
+    if (rc == CM_OK) manifest_add(w, "table %s %u %" PRIu64 "\n", name, dim, n);
+out:
+    free(index);
+    free(enc);
+    free(del);
+    return rc;
+}
+
+int ember_serve_writer_commit(ember_serve_writer *w, char **errptr)
+{
+    manifest_add(w, "checksum %016" PRIx64 "\n", cm_xxh3(w->manifest, w->mlen));
+    char path[4200];
+    snprintf(path, sizeof path, "%s/MANIFEST", w->tmp);
+    int rc = w->mlen + 64 >= sizeof w->manifest ? cm_err(errptr, CM_ERR, "manifest too long")
+                                                : cm_write_file_atomic(path, w->manifest, w->mlen, errptr);
+    if (rc == CM_OK) rc = cm_fsync_dir(w->tmp, errptr);
+    if (rc == CM_OK) rc = cm_dir_swap(w->tmp, w->dir, errptr);
+    ember_serve_writer_abort(w);
+    return rc;
+}
+
+/* ================= reading ================= */
+
+/* Maps a file read-only and checks its size and xxh3 against the manifest. */
+static int map_file(const char *dir, const char *name, uint64_t size, uint64_t digest,
+                    serve_map *m, char **errptr)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return cm_err_errno(errptr, CM_ECORRUPT, "bundle file %s", path);
+    struct stat st;
+    int rc = CM_OK;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != size || size == 0) {
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: size %lld, the manifest says %" PRIu64 " (truncated?)",
+                    path, (long long)st.st_size, size);
+        close(fd);
+        return rc;
+    }
+    void *p = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return cm_err_errno(errptr, CM_EIO, "cannot map %s", path);
+    if (cm_xxh3(p, size) != digest) {
+        munmap(p, size);
+        return cm_err(errptr, CM_ECORRUPT, "%s: checksum mismatch", path);
+    }
+    m->p = p;
+    m->len = size;
+    return CM_OK;
+}
+
+static void unmap(serve_map *m)
+{
+    if (m->p) munmap(m->p, m->len);
+    m->p = NULL;
+}
+
+/* Checks a mapped table file's internal structure. */
+static int table_check(const char *dir, const char *name, serve_table *t, char **errptr)
+{
+    const uint8_t *p = t->map.p;
+    tab_hdr h;
+    memcpy(&h, p, sizeof h);
+    uint64_t trailer;
+    memcpy(&trailer, p + t->map.len - 8, 8);
+    size_t rb = row_bytes_of((ember_serve_precision)h.precision, h.dim);
+    if (memcmp(h.magic, TAB_MAGIC, 8) || h.version != BUNDLE_VERSION || h.precision > 2 ||
+        h.dim == 0 || h.row_bytes != rb || h.slots == 0 || (h.slots & (h.slots - 1)) ||
+        h.rows >= h.slots || h.slots > (1ull << 40) || h.deleted > (1ull << 40) ||
+        t->map.len != sizeof h + h.slots * sizeof(slot_ent) + h.rows * rb + h.deleted * 8 + 8 ||
+        cm_xxh3(p, t->map.len - 8) != trailer)
+        return cm_err(errptr, CM_ECORRUPT, "%s/%s: bad table header or structure", dir, name);
+    t->dim = h.dim;
+    t->prec = (ember_serve_precision)h.precision;
+    t->row_bytes = rb;
+    t->rows = h.rows;
+    t->mask = h.slots - 1;
+    t->index = p + sizeof h;
+    t->data = p + sizeof h + h.slots * sizeof(slot_ent);
+    t->deleted = (const uint64_t *)(t->data + h.rows * rb);
+    t->n_deleted = h.deleted;
+    /* Every index entry must point at a row: a lookup never reads past the data. */
+    const slot_ent *ix = t->index;
+    for (uint64_t i = 0; i < h.slots; i++)
+        if (ix[i].row != EMPTY_ROW && ix[i].row >= h.rows)
+            return cm_err(errptr, CM_ECORRUPT, "%s/%s: index entry %" PRIu64 " out of range", dir, name, i);
+    return CM_OK;
+}
+
+static const char *mf_value(const char *text, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (!strncmp(p, name, n) && p[n] == ' ') return p + n + 1;
+    return NULL;
+}
+
+static void layer_close(serve_layer *L)
+{
+    for (int i = 0; i < L->n_tables; i++) unmap(&L->tables[i].map);
+    unmap(&L->dense_map);
+    free(L->model);
+    memset(L, 0, sizeof *L);
+}
+
+/* Reads one bundle directory into a layer: manifest, every file verified. */
+static int layer_open(const char *dir, serve_layer *L, char **errptr)
+{
+    memset(L, 0, sizeof *L);
+    char path[4200];
+    snprintf(path, sizeof path, "%s/MANIFEST", dir);
+    char *text = NULL;
+    size_t len;
+    int rc = cm_read_file(path, (void **)&text, &len, errptr);
+    if (rc != CM_OK) return rc == CM_ENOTFOUND ? cm_err(errptr, CM_ECORRUPT, "%s: no MANIFEST (not a bundle?)", dir) : rc;
+    char *cl = NULL;
+    for (char *p = text; (p = strstr(p, "checksum ")) != NULL; p++)
+        if (p == text || p[-1] == '\n') cl = p;
+    unsigned long long want = 0, step = 0, base = 0;
+    char type[16] = "";
+    if (strncmp(text, "ember-bundle 1\n", 15) || cl == NULL || sscanf(cl, "checksum %llx", &want) != 1 ||
+        cm_xxh3(text, (size_t)(cl - text)) != want || !mf_value(text, "type") ||
+        sscanf(mf_value(text, "type"), "%15s", type) != 1 || !mf_value(text, "step") ||
+        sscanf(mf_value(text, "step"), "%llu", &step) != 1 || !mf_value(text, "base_step") ||
+        sscanf(mf_value(text, "base_step"), "%llu", &base) != 1) {
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: not a bundle manifest, or its checksum does not match", path);
+        goto out;
+    }
+    L->delta = !strcmp(type, "delta");
+    L->step = step;
+    L->base_step = base;
+    /* Files, then tables (each table names a file listed before it). */
+    for (char *p = text; rc == CM_OK && p < cl; p = strchr(p, '\n') + 1) {
+        char fname[128];
+        unsigned long long size, digest;
+        unsigned dim;
+        if (sscanf(p, "file %127s %llu %llx", fname, &size, &digest) == 3) {
+            if (!strcmp(fname, "model.txt") || !strcmp(fname, "dense-tower.bin")) {
+                bool model = !strcmp(fname, "model.txt");
+                serve_map m = {0};
+                rc = map_file(dir, fname, size, digest, &m, errptr);
+                if (rc != CM_OK) break;
+                if (model) {
+                    L->model = strndup(m.p, m.len);
+                    unmap(&m);
+                    if (L->model == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+                } else {
+                    dns_hdr h;
+                    memcpy(&h, m.p, sizeof h);
+                    uint64_t tr;
+                    memcpy(&tr, (uint8_t *)m.p + m.len - 8, 8);
+                    L->dense_map = m;
+                    if (memcmp(h.magic, DNS_MAGIC, 8) || h.version != BUNDLE_VERSION ||
+                        m.len != sizeof h + h.n * 4 + 8 || cm_xxh3(m.p, m.len - 8) != tr)
+                        rc = cm_err(errptr, CM_ECORRUPT, "%s/%s: bad dense header", dir, fname);
+                    L->dense = (const float *)((const uint8_t *)m.p + sizeof h);
+                    L->n_dense = h.n;
+                }
+            } else if (!strncmp(fname, "table-", 6) && L->n_tables < SERVE_MAX_TABLES) {
+                serve_table *t = &L->tables[L->n_tables];
+                rc = map_file(dir, fname, size, digest, &t->map, errptr);
+                if (rc == CM_OK) {
+                    L->n_tables++;
+                    snprintf(t->name, sizeof t->name, "%.*s", (int)(strlen(fname) - 10), fname + 6);
+                    rc = table_check(dir, fname, t, errptr);
+                }
+            } else {
+                rc = cm_err(errptr, CM_ECORRUPT, "%s: unexpected file %s", path, fname);
+            }
+        } else if (sscanf(p, "table %127s %u %llu", fname, &dim, &size) == 3) {
+            int found = 0;
+            for (int i = 0; i < L->n_tables; i++)
+                if (!strcmp(L->tables[i].name, fname))
+                    found = L->tables[i].dim == dim && L->tables[i].rows == size;
+            if (!found) rc = cm_err(errptr, CM_ECORRUPT, "%s: table %s does not match its file", path, fname);
+        }
+    }
+    if (rc == CM_OK && (L->model == NULL || L->dense == NULL || L->n_tables == 0))
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: model, dense tower or tables missing", path);
+out:
+    free(text);
+    if (rc != CM_OK) layer_close(L);
+    return rc;
+}
+
+int ember_serve_open(const char *bundle, ember_serve **out, char **errptr)
+{
+    ember_serve *h = calloc(1, sizeof *h);
+    if (h == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    int rc = layer_open(bundle, &h->layers[0], errptr);
+    if (rc == CM_OK && h->layers[0].delta)
+        rc = cm_err(errptr, CM_EINVAL, "%s is a delta bundle: open its base, then apply it", bundle);
+    if (rc == CM_OK) {
+        h->n_layers = 1;
+        rc = serve_model_init(h, errptr);
+    }
+    if (rc != CM_OK) {
+        ember_serve_close(h);
+        return rc;
+    }
+    *out = h;
+    return CM_OK;
+}
+
+int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr)
+{
+    if (h->n_layers >= SERVE_MAX_LAYERS)
+        return cm_err(errptr, CM_EINVAL, "too many deltas (%d); export a full bundle", SERVE_MAX_LAYERS - 1);
+    serve_layer L;
+    int rc = layer_open(delta, &L, errptr);
+    if (rc != CM_OK) return rc;
+    const serve_layer *top = &h->layers[h->n_layers - 1];
+    if (!L.delta || L.base_step != top->step || strcmp(L.model, top->model) != 0 ||
+        L.n_dense != top->n_dense || L.n_tables != h->layers[0].n_tables) {
+        layer_close(&L);
+        return cm_err(errptr, CM_EINVAL, "%s is not a delta on step %" PRIu64 " of this model", delta, top->step);
+    }
+    for (int i = 0; i < L.n_tables; i++)
+        if (strcmp(L.tables[i].name, h->layers[0].tables[i].name) || L.tables[i].dim != h->layers[0].tables[i].dim) {
+            layer_close(&L);
+            return cm_err(errptr, CM_EINVAL, "%s: table %d differs from the base", delta, i);
+        }
+    h->layers[h->n_layers++] = L;
+    return CM_OK;
+}
+
+void ember_serve_close(ember_serve *h)
+{
+    if (h == NULL) return;
+    for (int i = 0; i < h->n_layers; i++) layer_close(&h->layers[i]);
+    free(h);
+}
+
+uint64_t ember_serve_step(const ember_serve *h)
+{
+    return h->layers[h->n_layers - 1].step;
+}
+
+const char *ember_serve_model(const ember_serve *h)
+{
+    return h->layers[0].model;
+}
+
+int ember_serve_table(const ember_serve *h, const char *name)
+{
+    for (int i = 0; i < h->layers[0].n_tables; i++)
+        if (!strcmp(h->layers[0].tables[i].name, name)) return i;
+    return -1;
+}
+
+uint32_t ember_serve_table_dim(const ember_serve *h, int table)
+{
+    return h->layers[0].tables[table].dim;
+}
+
+uint64_t ember_serve_table_rows(const ember_serve *h, int table)
+{
+    return h->layers[0].tables[table].rows;
+}
+
+static void decode_row(const serve_table *t, uint32_t row, float *out)
+{
+    const uint8_t *r = t->data + (size_t)row * t->row_bytes;
+    if (t->prec == EMBER_SERVE_FP32) {
+        memcpy(out, r, t->dim * sizeof(float));
+    } else if (t->prec == EMBER_SERVE_FP16) {
+        for (uint32_t j = 0; j < t->dim; j++) {
+            uint16_t v;
+            memcpy(&v, r + 2 * j, 2);
+            out[j] = cm_f16_to_f32(v);
+        }
+    } else {
+        float scale;
+        memcpy(&scale, r, 4);
+        for (uint32_t j = 0; j < t->dim; j++) out[j] = (float)(int8_t)r[4 + j] * scale;
+    }
+}
+
+static int64_t table_find(const serve_table *t, uint64_t key)
+{
+    const slot_ent *ix = t->index;
+    for (uint64_t s = key_slot(key, t->mask), probes = 0; probes <= t->mask; probes++) {
+        if (ix[s].row == EMPTY_ROW) return -1;
+        if (ix[s].key == key) return ix[s].row;
+        s = (s + 1) & t->mask;
+    }
+    return -1;
+}
+
+static bool is_deleted(const serve_table *t, uint64_t key)
+{
+    uint64_t lo = 0, hi = t->n_deleted;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) / 2, v;
+        memcpy(&v, t->deleted + mid, 8);
+        if (v == key) return true;
+        if (v < key) lo = mid + 1;
+        else hi = mid;
+    }
+    return false;
+}
+
+#define LOOKUP_AHEAD 16
+
+int ember_serve_lookup(const ember_serve *h, int table, const uint64_t *keys, size_t n,
+                       float *out, uint8_t *found)
+{
+    if (table < 0 || table >= h->layers[0].n_tables) return CM_EINVAL;
+    const uint32_t dim = h->layers[0].tables[table].dim;
+    const serve_table *base = &h->layers[0].tables[table];
+    for (size_t i = 0; i < n; i++) {
+        /* Prefetch the index slot a few keys ahead: lookups are memory-latency bound. */
+        if (i + LOOKUP_AHEAD < n)
+            __builtin_prefetch((const slot_ent *)base->index + key_slot(keys[i + LOOKUP_AHEAD], base->mask));
+        int64_t row = -1;
+        const serve_table *t = base;
+        for (int l = h->n_layers - 1; l >= 0; l--) {
+            const serve_table *lt = &h->layers[l].tables[table];
+            row = table_find(lt, keys[i]);
+            if (row >= 0) {
+                t = lt;
+                break;
+            }
+            if (l > 0 && is_deleted(lt, keys[i])) break;
+        }
+        if (row >= 0) decode_row(t, (uint32_t)row, out + i * dim);
+        else memset(out + i * dim, 0, dim * sizeof(float));
+        if (found) found[i] = row >= 0;
+    }
+    return CM_OK;
+}

@@ -1,0 +1,116 @@
+/*
+ * ember_serve: trained embeddings and the dense tower, served from a memory-mapped bundle.
+ *
+ * Design
+ * ------
+ * A bundle is a directory written by `ember export`:
+ *   MANIFEST          "name value" lines: type (full|delta), step, base_step, precision, one
+ *                     "file NAME SIZE XXH3" per file, one "table NAME DIM ROWS" per table, and
+ *                     last "checksum XXH3" over every byte before it.
+ *   model.txt         the model's shape (kind, fields, dense, dim, hidden, bottom, seed, pool).
+ *   dense-tower.bin   {magic "EMBSDNS1", u32 version, u32 0, u64 n} n floats, xxh3 trailer.
+ *   table-NAME.bin    a 64-byte header {magic "EMBSTAB1", u32 version, dim, precision,
+ *                     row_bytes, u64 rows, slots, deleted, step, 8 reserved bytes}, then an
+ *                     open-addressing index of `slots` (a power of two) 16-byte entries
+ *                     {u64 key, u32 row (UINT32_MAX = empty), u32 0} probed linearly from
+ *                     xxh3(key), then the rows (fp32; fp16; or int8 after a per-row fp32
+ *                     scale), then `deleted` sorted u64 keys (delta bundles: rows removed since
+ *                     the base), then the xxh3 of everything before it.
+ * Opening maps the files and verifies every size and checksum: there is no load step, and a
+ * damaged bundle is refused with an error naming the file.
+ *
+ * Deltas: ember_serve_apply_delta stacks a delta bundle (rows changed since a base checkpoint,
+ * rows deleted, the new dense tower) on an open handle; lookups consult the newest delta first.
+ * A base plus its deltas serves exactly what a full export of the newest checkpoint serves.
+ *
+ * A key the bundle does not hold reads as zeros (the same convention evaluation uses in
+ * training, so predictions match the trainer's).
+ *
+ * Concurrency: after open (and any apply_delta), lookup and predict may be called from any
+ * number of threads at once; they only read the mappings. apply_delta and close must not run
+ * concurrently with anything else on the handle.
+ *
+ * Errors: 0 or a negative code, with a message the caller owns (free()) in *errptr.
+ */
+#ifndef EMBER_SERVE_H
+#define EMBER_SERVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ember_serve ember_serve;
+
+/* Maps and verifies a full bundle. *out is the caller's (ember_serve_close). */
+int ember_serve_open(const char *bundle, ember_serve **out, char **errptr);
+/* Stacks a delta bundle whose base_step equals the handle's current step. */
+int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr);
+/* Unmaps everything. NULL is fine. */
+void ember_serve_close(ember_serve *h);
+
+/* The training step of the newest bundle applied. */
+uint64_t ember_serve_step(const ember_serve *h);
+/* The model config text (model.txt), owned by the handle. */
+const char *ember_serve_model(const ember_serve *h);
+/* Index of a table by name ("emb", "lin"), or -1. */
+int ember_serve_table(const ember_serve *h, const char *name);
+uint32_t ember_serve_table_dim(const ember_serve *h, int table);
+/* Rows in the base bundle's table (deltas not counted). */
+uint64_t ember_serve_table_rows(const ember_serve *h, int table);
+
+/* Rows of n keys as fp32 into out (n * dim, caller's); absent keys read as zeros and get
+ * found[i] = 0 (found may be NULL). */
+int ember_serve_lookup(const ember_serve *h, int table, const uint64_t *keys, size_t n,
+                       float *out, uint8_t *found);
+
+/* Raw rows to score, in the layout `ember ingest` shards hold (datasets' ds_batch): keys of
+ * row r, field f at keys[offsets[r*n_fields+f] .. offsets[r*n_fields+f+1]). All borrowed. */
+typedef struct ember_serve_batch {
+    uint32_t n_rows, n_dense, n_fields;
+    const float *dense;      /* n_rows x n_dense, raw (the model applies its own transform) */
+    const uint32_t *offsets; /* n_rows * n_fields + 1 */
+    const uint64_t *keys;
+    const float *weights; /* per key, or NULL */
+} ember_serve_batch;
+
+/* Click probabilities for every row into out (n_rows floats, caller's). */
+int ember_serve_predict(const ember_serve *h, const ember_serve_batch *b, float *out,
+                        char **errptr);
+
+/* ---- writing (ember export) ---- */
+
+typedef enum ember_serve_precision {
+    EMBER_SERVE_FP32 = 0,
+    EMBER_SERVE_FP16 = 1,
+    EMBER_SERVE_INT8 = 2,
+} ember_serve_precision;
+
+/* "fp32", "fp16", "int8". 0 or -1. */
+int ember_serve_precision_parse(const char *name, ember_serve_precision *out);
+
+typedef struct ember_serve_writer ember_serve_writer;
+
+/* Starts a bundle at dir (built in "<dir>.tmp", swapped into place by commit). A delta names
+ * the step of the checkpoint it is relative to. */
+int ember_serve_writer_create(const char *dir, ember_serve_precision precision, int delta,
+                              uint64_t step, uint64_t base_step, ember_serve_writer **out,
+                              char **errptr);
+int ember_serve_writer_model(ember_serve_writer *w, const char *model_text, char **errptr);
+int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_t n,
+                             char **errptr);
+/* One table: n rows (keys unique) of dim fp32 values, converted to the bundle's precision;
+ * deleted keys (delta bundles) are removed from what the base serves. */
+int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t dim,
+                             const uint64_t *keys, const float *rows, uint64_t n,
+                             const uint64_t *deleted, uint64_t n_deleted, char **errptr);
+/* Writes the MANIFEST and puts the bundle in place; releases w either way. */
+int ember_serve_writer_commit(ember_serve_writer *w, char **errptr);
+void ember_serve_writer_abort(ember_serve_writer *w);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

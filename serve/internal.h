@@ -1,0 +1,53 @@
+/* Private to serve/: the mapped bundle layers and the model state predict uses. */
+#ifndef EMBER_SERVE_INTERNAL_H
+#define EMBER_SERVE_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "serve/ember_serve.h"
+#include "src/model.h"
+
+#define SERVE_MAX_TABLES 8
+#define SERVE_MAX_LAYERS 64 /* a base and up to 63 deltas */
+
+typedef struct serve_map {
+    void *p;
+    size_t len;
+} serve_map;
+
+typedef struct serve_table {
+    char name[72];
+    serve_map map;
+    uint32_t dim;
+    ember_serve_precision prec;
+    size_t row_bytes;
+    uint64_t rows, mask, n_deleted;
+    const void *index;        /* slot entries */
+    const uint8_t *data;      /* rows */
+    const uint64_t *deleted;  /* sorted (possibly unaligned: read with memcpy) */
+} serve_table;
+
+typedef struct serve_layer {
+    int delta, n_tables;
+    uint64_t step, base_step;
+    char *model;
+    serve_map dense_map;
+    const float *dense;
+    uint64_t n_dense;
+    serve_table tables[SERVE_MAX_TABLES];
+} serve_layer;
+
+struct ember_serve {
+    int n_layers;
+    serve_layer layers[SERVE_MAX_LAYERS];
+    model_cfg m;
+    model_layout l;
+    int mean_pool;
+    int table_of[MODEL_MAX_TABLES]; /* layout table -> bundle table */
+};
+
+/* Parses the model config and checks the bundle's tables and tower fit it (predict.c). */
+int serve_model_init(ember_serve *h, char **errptr);
+
+#endif

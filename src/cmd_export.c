@@ -1,0 +1,334 @@
+/*
+ * ember export: a training checkpoint to a serving bundle (or safetensors, or RocksDB).
+ * A delta (--since OLD) holds the rows whose weights changed since OLD, the rows OLD had that
+ * are gone, and the new tower: stacked on OLD's bundle it serves what a full export serves.
+ */
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <xxhash.h>
+
+#include "ps/ps.h"
+#include "serve/ember_serve.h"
+#include "src/cli.h"
+
+typedef struct rows {
+    uint32_t dim;
+    uint64_t n, cap;
+    uint64_t *keys;
+    float *w;
+} rows;
+
+static int rows_add(const emb_row *r, void *arg)
+{
+    rows *t = arg;
+    if (t->n == t->cap) {
+        uint64_t cap = t->cap ? t->cap * 2 : 4096;
+        uint64_t *k = realloc(t->keys, cap * sizeof *k);
+        if (k) t->keys = k;
+        float *w = realloc(t->w, cap * t->dim * sizeof *w);
+        if (w) t->w = w;
+        if (!k || !w) return CM_ENOMEM;
+        t->cap = cap;
+    }
+    t->keys[t->n] = r->key;
+    memcpy(t->w + t->n * t->dim, r->weights, t->dim * sizeof(float));
+    t->n++;
+    return 0;
+}
+
+static void rows_free(rows *t)
+{
+    free(t->keys);
+    free(t->w);
+    memset(t, 0, sizeof *t);
+}
+
+/* A checkpoint directory: the one given, or a run directory's ckpt/LATEST. */
+static int resolve_ckpt(const char *in, char *out, size_t n, uint64_t *step, char **errptr)
+{
+    struct stat st;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/shard-0", in);
+    if (stat(path, &st) == 0) {
+        snprintf(out, n, "%s", in);
+    } else {
+        snprintf(path, sizeof path, "%s/ckpt/LATEST", in);
+        char *text = NULL;
+        size_t len;
+        if (cm_read_file(path, (void **)&text, &len, NULL) != CM_OK)
+            return cm_err(errptr, CM_ENOTFOUND, "%s is neither a checkpoint (shard-0/) nor a run "
+                          "directory (ckpt/LATEST)", in);
+        text[strcspn(text, "\n")] = '\0';
+        snprintf(out, n, "%s/ckpt/%s", in, text);
+        free(text);
+    }
+    const char *base = strrchr(out, '/');
+    unsigned long long s = 0;
+    *step = sscanf(base ? base + 1 : out, "step-%llu", &s) == 1 ? s : 0;
+    return CM_OK;
+}
+
+/* Open-addressing map key -> xxh3 of the row's weights, for the delta comparison. */
+typedef struct fp_map {
+    uint64_t cap, *keys, *fps;
+    uint8_t *used, *seen;
+} fp_map;
+
+static void fp_map_free(fp_map *m)
+{
+    free(m->keys);
+    free(m->fps);
+    free(m->used);
+    free(m->seen);
+}
+
+static int fp_map_build(fp_map *m, const rows *old)
+{
+    m->cap = 16;
+    while (m->cap < old->n * 2) m->cap <<= 1;
+    m->keys = malloc(m->cap * 8);
+    m->fps = malloc(m->cap * 8);
+    m->used = calloc(m->cap, 1);
+    m->seen = calloc(m->cap, 1);
+    if (!m->keys || !m->fps || !m->used || !m->seen) return CM_ENOMEM;
+    for (uint64_t i = 0; i < old->n; i++) {
+        uint64_t s = XXH3_64bits(&old->keys[i], 8) & (m->cap - 1);
+        while (m->used[s]) s = (s + 1) & (m->cap - 1);
+        m->used[s] = 1;
+        m->keys[s] = old->keys[i];
+        m->fps[s] = XXH3_64bits(old->w + i * old->dim, old->dim * sizeof(float));
+    }
+    return CM_OK;
+}
+
+/* Keeps only rows new or changed since old; fills deleted with old keys now gone. */
+static int delta_rows(rows *cur, const rows *old, uint64_t **deleted, uint64_t *n_deleted,
+                      char **errptr)
+{
+    fp_map m = {0};
+    int rc = fp_map_build(&m, old) == CM_OK ? CM_OK : cm_err(errptr, CM_ENOMEM, "out of memory");
+    uint64_t kept = 0;
+    for (uint64_t i = 0; rc == CM_OK && i < cur->n; i++) {
+        uint64_t s = XXH3_64bits(&cur->keys[i], 8) & (m.cap - 1);
+        bool changed = true;
+        while (m.used[s]) {
+            if (m.keys[s] == cur->keys[i]) {
+                m.seen[s] = 1;
+                changed = m.fps[s] != XXH3_64bits(cur->w + i * cur->dim, cur->dim * sizeof(float));
+                break;
+            }
+            s = (s + 1) & (m.cap - 1);
+        }
+        if (!changed) continue;
+        cur->keys[kept] = cur->keys[i];
+        memmove(cur->w + kept * cur->dim, cur->w + i * cur->dim, cur->dim * sizeof(float));
+        kept++;
+    }
+    cur->n = kept;
+    *n_deleted = 0;
+    *deleted = malloc((old->n + 1) * sizeof **deleted);
+    if (rc == CM_OK && *deleted == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    for (uint64_t s = 0; rc == CM_OK && s < m.cap; s++)
+        if (m.used[s] && !m.seen[s]) (*deleted)[(*n_deleted)++] = m.keys[s];
+    fp_map_free(&m);
+    return rc;
+}
+
+static int load_table(const char *ckpt, const char *name, rows *t, char **errptr)
+{
+    emb_table_config cfg;
+    int rc = ps_checkpoint_table_config(ckpt, name, &cfg, errptr);
+    if (rc != CM_OK) return rc;
+    t->dim = cfg.dim;
+    rc = ps_checkpoint_foreach_row(ckpt, name, rows_add, t, errptr);
+    if (rc == CM_ENOMEM) rc = cm_err(errptr, rc, "out of memory reading table %s", name);
+    return rc;
+}
+
+/* safetensors: u64 header length, JSON header, then the tensors' bytes. */
+static int write_safetensors(const char *out, const char *model, char (*names)[PS_NAME_MAX],
+                             const rows *tabs, uint32_t n_tabs, const float *tower, uint64_t n_tower,
+                             uint64_t step, char **errptr)
+{
+    size_t hcap = 65536;
+    char *hdr = malloc(hcap);
+    if (hdr == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    size_t len = 0;
+    uint64_t off = 0;
+    len += (size_t)snprintf(hdr + len, hcap - len, "{");
+    for (uint32_t i = 0; i < n_tabs; i++) {
+        uint64_t kb = tabs[i].n * 8, wb = tabs[i].n * tabs[i].dim * 4;
+        len += (size_t)snprintf(hdr + len, hcap - len,
+                                "\"%s.keys\":{\"dtype\":\"U64\",\"shape\":[%" PRIu64 "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]},"
+                                "\"%s.weights\":{\"dtype\":\"F32\",\"shape\":[%" PRIu64 ",%u],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]},",
+                                names[i], tabs[i].n, off, off + kb, names[i], tabs[i].n, tabs[i].dim,
+                                off + kb, off + kb + wb);
+        off += kb + wb;
+    }
+    len += (size_t)snprintf(hdr + len, hcap - len,
+                            "\"tower\":{\"dtype\":\"F32\",\"shape\":[%" PRIu64 "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]},"
+                            "\"__metadata__\":{\"step\":\"%" PRIu64 "\",\"model\":\"",
+                            n_tower, off, off + n_tower * 4, step);
+    for (const char *p = model; *p && len + 4 < hcap; p++) {
+        if (*p == '\n') len += (size_t)snprintf(hdr + len, hcap - len, "\\n");
+        else hdr[len++] = *p;
+    }
+    len += (size_t)snprintf(hdr + len, hcap - len, "\"}}");
+    while (len % 8) hdr[len++] = ' '; /* the format pads the header with spaces */
+    if (len + 16 >= hcap) {
+        free(hdr);
+        return cm_err(errptr, CM_ERR, "safetensors header too long");
+    }
+    cm_afile f;
+    uint64_t hl = len;
+    int rc = cm_afile_open(&f, out, errptr);
+    if (rc == CM_OK) rc = cm_afile_write(&f, &hl, 8, errptr);
+    if (rc == CM_OK) rc = cm_afile_write(&f, hdr, len, errptr);
+    for (uint32_t i = 0; rc == CM_OK && i < n_tabs; i++) {
+        rc = cm_afile_write(&f, tabs[i].keys, tabs[i].n * 8, errptr);
+        if (rc == CM_OK) rc = cm_afile_write(&f, tabs[i].w, tabs[i].n * tabs[i].dim * 4, errptr);
+    }
+    if (rc == CM_OK) rc = cm_afile_write(&f, tower, n_tower * 4, errptr);
+    if (rc == CM_OK) rc = cm_afile_commit(&f, errptr);
+    else cm_afile_abort(&f);
+    free(hdr);
+    return rc;
+}
+
+/* RocksDB: out/<table>/ maps the key (8 bytes big-endian) to a record {key, dim fp32};
+ * out/model.txt and out/tower.f32 beside them. */
+static int write_rocksdb(const char *out, const char *model, char (*names)[PS_NAME_MAX],
+                         const rows *tabs, uint32_t n_tabs, const float *tower, uint64_t n_tower,
+                         char **errptr)
+{
+    char path[4200];
+    int rc = cm_mkdirs(out, errptr);
+    for (uint32_t i = 0; rc == CM_OK && i < n_tabs; i++) {
+        size_t rec = 8 + 4 * (size_t)tabs[i].dim;
+        snprintf(path, sizeof path, "%s/%s", out, names[i]);
+        emb_store *st = NULL;
+        rc = emb_store_create("rocksdb", path, rec, &st, errptr);
+        uint8_t *buf = rc == CM_OK ? malloc(4096 * rec) : NULL;
+        if (rc == CM_OK && buf == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        for (uint64_t r = 0; rc == CM_OK && r < tabs[i].n; r += 4096) {
+            uint64_t k = tabs[i].n - r < 4096 ? tabs[i].n - r : 4096;
+            for (uint64_t j = 0; j < k; j++) {
+                memcpy(buf + j * rec, &tabs[i].keys[r + j], 8);
+                memcpy(buf + j * rec + 8, tabs[i].w + (r + j) * tabs[i].dim, rec - 8);
+            }
+            rc = emb_store_put(st, buf, k, errptr);
+        }
+        free(buf);
+        emb_store_destroy(st);
+    }
+    snprintf(path, sizeof path, "%s/model.txt", out);
+    if (rc == CM_OK) rc = cm_write_file_atomic(path, model, strlen(model), errptr);
+    snprintf(path, sizeof path, "%s/tower.f32", out);
+    if (rc == CM_OK) rc = cm_write_file_atomic(path, tower, n_tower * 4, errptr);
+    return rc;
+}
+
+static void export_usage(FILE *to)
+{
+    fprintf(to, "usage: ember export --checkpoint DIR --out PATH [--precision fp32|fp16|int8]\n"
+                "                    [--since OLD_CHECKPOINT] [--format bundle|safetensors|rocksdb]\n"
+                "  DIR is a checkpoint (ckpt/step-N) or a run directory (its ckpt/LATEST)\n");
+}
+
+int cmd_export(int argc, char **argv)
+{
+    static const struct option opts[] = {{"checkpoint", 1, 0, 'c'}, {"out", 1, 0, 'o'},
+                                         {"precision", 1, 0, 'p'},  {"since", 1, 0, 's'},
+                                         {"format", 1, 0, 'f'},     {"help", 0, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *in = NULL, *out = NULL, *since = NULL, *format = "bundle";
+    ember_serve_precision prec = EMBER_SERVE_FP32;
+    int o;
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 'c': in = optarg; break;
+        case 'o': out = optarg; break;
+        case 's': since = optarg; break;
+        case 'f': format = optarg; break;
+        case 'p':
+            if (ember_serve_precision_parse(optarg, &prec) != 0) {
+                fprintf(stderr, "ember export: unknown precision '%s'\n", optarg);
+                return 2;
+            }
+            break;
+        case 'h': export_usage(stdout); return 0;
+        default: export_usage(stderr); return 2;
+        }
+    }
+    bool bundle = !strcmp(format, "bundle"), st = !strcmp(format, "safetensors"),
+         rdb = !strcmp(format, "rocksdb");
+    if (in == NULL || out == NULL || optind != argc || !(bundle || st || rdb) || (since && !bundle)) {
+        fprintf(stderr, "ember export: %s\n", since && !bundle ? "--since needs --format bundle" : "bad arguments");
+        export_usage(stderr);
+        return 2;
+    }
+    char ckpt[4200], old_ckpt[4200], path[4300];
+    char tnames[PS_MAX_TABLES][PS_NAME_MAX], dnames[PS_MAX_DENSE][PS_NAME_MAX];
+    uint32_t n_t = 0, n_d = 0;
+    uint64_t step = 0, old_step = 0, n_tower = 0;
+    char *err = NULL, *model = NULL;
+    size_t mlen;
+    float *tower = NULL;
+    rows tabs[PS_MAX_TABLES];
+    memset(tabs, 0, sizeof tabs);
+    ember_serve_writer *w = NULL;
+    int rc = resolve_ckpt(in, ckpt, sizeof ckpt, &step, &err);
+    if (rc == CM_OK && since) rc = resolve_ckpt(since, old_ckpt, sizeof old_ckpt, &old_step, &err);
+    if (rc == CM_OK) rc = ps_checkpoint_names(ckpt, tnames, &n_t, dnames, &n_d, &err);
+    snprintf(path, sizeof path, "%s/model.txt", ckpt);
+    if (rc == CM_OK) rc = cm_read_file(path, (void **)&model, &mlen, &err);
+    if (rc == CM_OK) rc = ps_checkpoint_dense(ckpt, "tower", &tower, &n_tower, &err);
+    for (uint32_t i = 0; rc == CM_OK && i < n_t; i++) rc = load_table(ckpt, tnames[i], &tabs[i], &err);
+    if (rc == CM_OK && bundle)
+        rc = ember_serve_writer_create(out, prec, since != NULL, step, old_step, &w, &err);
+    if (rc == CM_OK && bundle) rc = ember_serve_writer_model(w, model, &err);
+    if (rc == CM_OK && bundle) rc = ember_serve_writer_dense(w, tower, n_tower, &err);
+    uint64_t total = 0, total_deleted = 0;
+    for (uint32_t i = 0; rc == CM_OK && bundle && i < n_t; i++) {
+        uint64_t *deleted = NULL, n_deleted = 0;
+        if (since) {
+            rows old = {0};
+            rc = load_table(old_ckpt, tnames[i], &old, &err);
+            if (rc == CM_OK) rc = delta_rows(&tabs[i], &old, &deleted, &n_deleted, &err);
+            rows_free(&old);
+        }
+        if (rc == CM_OK)
+            rc = ember_serve_writer_table(w, tnames[i], tabs[i].dim, tabs[i].keys, tabs[i].w, tabs[i].n,
+                                          deleted, n_deleted, &err);
+        total += tabs[i].n;
+        total_deleted += n_deleted;
+        free(deleted);
+    }
+    if (rc == CM_OK && bundle) {
+        rc = ember_serve_writer_commit(w, &err);
+        w = NULL;
+    }
+    if (rc == CM_OK && st) rc = write_safetensors(out, model, tnames, tabs, n_t, tower, n_tower, step, &err);
+    if (rc == CM_OK && rdb) rc = write_rocksdb(out, model, tnames, tabs, n_t, tower, n_tower, &err);
+    for (uint32_t i = 0; !bundle && i < n_t; i++) total += tabs[i].n;
+    ember_serve_writer_abort(w);
+    for (uint32_t i = 0; i < PS_MAX_TABLES; i++) rows_free(&tabs[i]);
+    free(tower);
+    free(model);
+    if (rc != CM_OK) {
+        fprintf(stderr, "ember export: %s\n", err ? err : "failed");
+        free(err);
+        return 1;
+    }
+    printf("{\"out\":\"%s\",\"format\":\"%s\",\"precision\":\"%s\",\"step\":%" PRIu64
+           ",\"rows\":%" PRIu64 ",\"deleted\":%" PRIu64 ",\"delta\":%s}\n",
+           out, format, bundle ? (const char *[]){"fp32", "fp16", "int8"}[prec] : "fp32", step,
+           total, total_deleted, since ? "true" : "false");
+    return 0;
+}

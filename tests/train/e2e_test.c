@@ -1,0 +1,104 @@
+/*
+ * ember gen -> ingest -> train, as a user runs them ($EMBER_BIN): every model trains on 48k
+ * synthetic rows (one epoch, batch 512) and reports a sane final JSON line (auc, logloss,
+ * samples_per_s, rows, seconds, steps, eval_rows, model) and a metrics.jsonl; every model beats
+ * chance clearly (AUC > 0.6); the mlp finds the planted feature interactions that lr cannot
+ * (AUC mlp > lr); a one-worker run is deterministic (same AUC and logloss twice).
+ */
+#include "cli_util.h"
+
+static void check_run(const char *model, const char *json, double rows_train, double rows_eval,
+                      unsigned batch)
+{
+    fprintf(stderr, "    %s\n", json);
+    double auc = jnum(json, "auc"), ll = jnum(json, "logloss"), sps = jnum(json, "samples_per_s");
+    double rows = jnum(json, "rows"), secs = jnum(json, "seconds"), steps = jnum(json, "steps");
+    double erows = jnum(json, "eval_rows");
+    CHECK_MSG(auc > 0.6 && auc < 1.0, "%s: auc %g", model, auc);
+    CHECK_MSG(ll > 0.3 && ll < 0.69, "%s: logloss %g", model, ll); /* CTR ~0.23: chance is ~0.54 */
+    CHECK_MSG(sps > 0 && secs > 0, "%s: samples_per_s %g seconds %g", model, sps, secs);
+    CHECK_MSG(rows == rows_train, "%s: rows %g, ingest wrote %g train rows", model, rows, rows_train);
+    CHECK_MSG(erows == rows_eval, "%s: eval_rows %g, ingest wrote %g eval rows", model, erows, rows_eval);
+    CHECK_MSG(steps == ceil(rows_train / batch), "%s: steps %g", model, steps);
+    char name[64];
+    CHECK(json_raw(json, "model", name, sizeof name) == 0);
+    char want[64];
+    snprintf(want, sizeof want, "\"%s\"", model);
+    CHECK_MSG(strcmp(name, want) == 0, "model %s, expected %s", name, want);
+
+    /* metrics.jsonl: one JSON object a line, the last at the final step. */
+    char path[256];
+    snprintf(path, sizeof path, "run-%s/metrics.jsonl", model);
+    char *m = slurp(path);
+    CHECK_MSG(m != NULL && *m, "%s missing or empty", path);
+    if (m) {
+        size_t lines = 0;
+        const char *last = NULL;
+        for (char *p = m; *p;) {
+            char *nl = strchr(p, '\n');
+            CHECK_MSG(nl != NULL, "%s: unterminated line", path);
+            if (!nl) break;
+            *nl = '\0';
+            CHECK_MSG(p[0] == '{' && nl[-1] == '}' && strstr(p, "\"step\":") && strstr(p, "\"loss\":"),
+                      "%s: bad line %s", path, p);
+            last = p;
+            lines++;
+            p = nl + 1;
+        }
+        CHECK(lines >= 1);
+        if (last) {
+            CHECK_MSG(jnum(last, "step") == steps, "%s: last step %s", path, last);
+            double loss = jnum(last, "loss");
+            CHECK(loss > 0 && loss < 1);
+        }
+    }
+    free(m);
+    snprintf(path, sizeof path, "run-%s/ckpt/LATEST", model);
+    char *latest = slurp(path), wantl[64];
+    snprintf(wantl, sizeof wantl, "step-%.0f\n", steps);
+    CHECK_MSG(latest && strcmp(latest, wantl) == 0, "%s: %s", path, latest ? latest : "(missing)");
+    free(latest);
+}
+
+int main(void)
+{
+    if (cli_init("train_e2e") != 0) return 1;
+    const unsigned batch = 512;
+    if (make_criteo("ds", 60000, 3, 0.2) != 0) return check_done();
+    double rows_train = jnum(last_line(), "rows_train"), rows_eval = jnum(last_line(), "rows_eval");
+    CHECK(rows_train + rows_eval == 60000 && rows_eval > 10000 && rows_eval < 14000);
+    CHECK(exists("ds/train") && exists("ds/eval"));
+
+    const char *models[] = {"lr", "mlp", "dlrm", "deepfm"};
+    double auc[4] = {0};
+    char json0[4096] = "";
+    for (int i = 0; i < 4; i++) {
+        int rc = run("train --train ds/train --eval ds/eval --model %s --batch %u --epochs 1 "
+                     "--out run-%s --no-progress", models[i], batch, models[i]);
+        CHECK_MSG(rc == 0, "train --model %s: exit %d", models[i], rc);
+        if (rc != 0) continue;
+        const char *json = last_line();
+        if (i == 1) snprintf(json0, sizeof json0, "%s", json);
+        check_run(models[i], json, rows_train, rows_eval, batch);
+        auc[i] = jnum(json, "auc");
+    }
+    fprintf(stderr, "AUC lr %.4f mlp %.4f dlrm %.4f deepfm %.4f\n", auc[0], auc[1], auc[2], auc[3]);
+    CHECK_MSG(auc[1] > auc[0] + 0.005, "mlp AUC %.4f does not beat lr AUC %.4f", auc[1], auc[0]);
+
+    /* One worker: the same run twice gives the same numbers. */
+    int rc = run("train --train ds/train --eval ds/eval --model mlp --batch %u --out run-mlp2 "
+                 "--no-progress", batch);
+    CHECK(rc == 0);
+    char a1[64], a2[64], l1[64], l2[64];
+    if (rc == 0 && json_raw(json0, "auc", a1, sizeof a1) == 0 &&
+        json_raw(json0, "logloss", l1, sizeof l1) == 0 &&
+        json_raw(last_line(), "auc", a2, sizeof a2) == 0 &&
+        json_raw(last_line(), "logloss", l2, sizeof l2) == 0)
+        CHECK_MSG(strcmp(a1, a2) == 0 && strcmp(l1, l2) == 0,
+                  "mlp rerun differs: auc %s vs %s, logloss %s vs %s", a1, a2, l1, l2);
+    else
+        CHECK(0);
+    free(out_text);
+    free(err_text);
+    return check_done();
+}

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""PyTorch side of `tools/bench train`: ember's mlp preset on the CPU.
+
+Reads the binary dump written by tools/bench_train.c (labels, log1p-squashed dense values and
+per-field embedding row ids, row 0 = a missing field), trains one epoch in file order with the
+same model and optimisers as ember (F x dim + D -> 256 -> 128 -> 1, ReLU, Xavier-uniform
+weights, zero biases, embeddings uniform +-0.05, BCE-with-logits, Adagrad on the embeddings,
+Adam on the MLP), timing only the training loop, then reports AUC (exact Mann-Whitney, ties
+count one half) and logloss (probabilities clipped to [1e-7, 1 - 1e-7]) on the held-out rows.
+The last line of stdout is one JSON object.
+"""
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+
+def read_dump(path):
+    with open(path, "rb") as f:
+        head = f.read(40)
+    if head[:8] != b"EMBRTB01":
+        sys.exit("bench_train.py: %s is not an ember bench dump" % path)
+    n_train, n_eval = np.frombuffer(head[8:24], dtype="<u8")
+    F, D = np.frombuffer(head[24:32], dtype="<u4")
+    V = int(np.frombuffer(head[32:40], dtype="<u8")[0])
+    off = 40
+    parts = []
+    for n in (int(n_train), int(n_eval)):
+        y = np.fromfile(path, dtype="<f4", count=n, offset=off)
+        off += 4 * n
+        x = np.fromfile(path, dtype="<f4", count=n * int(D), offset=off).reshape(n, int(D))
+        off += 4 * n * int(D)
+        idx = np.fromfile(path, dtype="<i4", count=n * int(F), offset=off).reshape(n, int(F))
+        off += 4 * n * int(F)
+        parts.append((y, x, idx))
+    return parts, int(F), int(D), V
+
+
+def auc_exact(scores, labels):
+    order = np.argsort(scores, kind="mergesort")
+    s = scores[order]
+    y = labels[order] > 0.5
+    _, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    avg_rank = ends - (counts - 1) / 2.0  # 1-based average rank of each tie group
+    ranks = avg_rank[inv]
+    npos = int(y.sum())
+    nneg = len(y) - npos
+    if npos == 0 or nneg == 0:
+        return float("nan")
+    return float((ranks[y].sum() - npos * (npos + 1) / 2.0) / (npos * nneg))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, V, F, D, dim, init_scale):
+        super().__init__()
+        self.F, self.dim = F, dim
+        self.emb = torch.nn.Embedding(V, dim, sparse=True, padding_idx=0)
+        with torch.no_grad():
+            self.emb.weight.uniform_(-init_scale, init_scale)
+            self.emb.weight[0].zero_()
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(F * dim + D, 256), torch.nn.ReLU(),
+            torch.nn.Linear(256, 128), torch.nn.ReLU(),
+            torch.nn.Linear(128, 1))
+        for m in self.mlp:
+            if isinstance(m, torch.nn.Linear):
+                torch.nn.init.xavier_uniform_(m.weight)
+                torch.nn.init.zeros_(m.bias)
+
+    def forward(self, idx, dense):
+        e = self.emb(idx).reshape(idx.shape[0], self.F * self.dim)
+        return self.mlp(torch.cat([e, dense], dim=1)).squeeze(1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--emb-lr", type=float, default=0.05)
+    ap.add_argument("--dense-lr", type=float, default=0.001)
+    ap.add_argument("--init-scale", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args()
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    t0 = time.perf_counter()
+    (tr, ev), F, D, V = read_dump(a.data)
+    ytr, xtr, itr = (torch.from_numpy(tr[0]), torch.from_numpy(tr[1]),
+                     torch.from_numpy(tr[2].astype(np.int64)))
+    yev, xev, iev = (ev[0], torch.from_numpy(ev[1]), torch.from_numpy(ev[2].astype(np.int64)))
+    model = Model(V, F, D, a.dim, a.init_scale)
+    opt_e = torch.optim.Adagrad(model.emb.parameters(), lr=a.emb_lr, eps=1e-8,
+                                initial_accumulator_value=0.0)
+    opt_d = torch.optim.Adam(model.mlp.parameters(), lr=a.dense_lr, betas=(0.9, 0.999), eps=1e-8)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    load_s = time.perf_counter() - t0
+    print("pytorch %s: %d train, %d eval rows, %d table rows, %d threads; loaded in %.1f s"
+          % (torch.__version__, len(ytr), len(yev), V, torch.get_num_threads(), load_s),
+          file=sys.stderr)
+
+    n = len(ytr)
+    loss_sum = 0.0
+    model.train()
+    t0 = time.perf_counter()
+    for s in range(0, n, a.batch):
+        e = min(n, s + a.batch)
+        logits = model(itr[s:e], xtr[s:e])
+        loss = loss_fn(logits, ytr[s:e])
+        opt_e.zero_grad(set_to_none=True)
+        opt_d.zero_grad(set_to_none=True)
+        loss.backward()
+        opt_e.step()
+        opt_d.step()
+        loss_sum += float(loss) * (e - s)
+    train_s = time.perf_counter() - t0
+
+    model.eval()
+    probs = []
+    with torch.no_grad():
+        for s in range(0, len(yev), 65536):
+            probs.append(torch.sigmoid(model(iev[s:s + 65536], xev[s:s + 65536])).numpy())
+    p = np.concatenate(probs).astype(np.float64)
+    auc = auc_exact(p.astype(np.float32), yev)
+    pc = np.clip(p, 1e-7, 1 - 1e-7)
+    logloss = float(-np.mean(yev * np.log(pc) + (1 - yev) * np.log(1 - pc)))
+    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                      "rows": n, "eval_rows": len(yev), "seconds": round(train_s, 3),
+                      "samples_per_s": round(n / train_s, 1), "train_loss": loss_sum / n,
+                      "auc": auc, "logloss": logloss, "load_seconds": round(load_s, 3)},
+                     separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
