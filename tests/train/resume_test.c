@@ -25,43 +25,52 @@ static void same_field(const char *a, const char *b, const char *key, const char
     CHECK_MSG(strcmp(x, y) == 0, "%s: %s %s straight through, %s resumed", model, key, x, y);
 }
 
-static void resume_case(const char *model, unsigned batch)
+static void resume_case(const char *model, unsigned batch, unsigned epochs, unsigned mid, unsigned total)
 {
+    char tag[64];
+    snprintf(tag, sizeof tag, "%s-%u-%u", model, batch, mid);
     char a[4096] = "", b[4096] = "";
     const char *common = "--train ds/train --eval ds/eval --no-progress";
-    int rc = run("train %s --model %s --batch %u --max-steps 40 --checkpoint-every 20 --out A-%s",
-                 common, model, batch, model);
+    int rc = run("train %s --model %s --batch %u --epochs %u --max-steps %u --checkpoint-every %u "
+                 "--out A-%s", common, model, batch, epochs, total, mid, tag);
     CHECK_MSG(rc == 0, "%s: run A exit %d", model, rc);
     snprintf(a, sizeof a, "%s", last_line());
     fprintf(stderr, "    A: %s\n", a);
     char p[256];
-    snprintf(p, sizeof p, "A-%s/ckpt/step-20", model);
+    char want[64];
+    snprintf(p, sizeof p, "A-%s/ckpt/step-%u", tag, mid);
     CHECK_MSG(exists(p), "%s missing", p);
-    snprintf(p, sizeof p, "A-%s/ckpt/step-40", model);
+    snprintf(p, sizeof p, "A-%s/ckpt/step-%u", tag, total);
     CHECK_MSG(exists(p), "%s missing", p);
-    snprintf(p, sizeof p, "A-%s", model);
-    check_latest(p, "step-40\n");
-    CHECK(jnum(a, "steps") == 40 && jnum(a, "rows") == 40.0 * batch);
+    snprintf(p, sizeof p, "A-%s", tag);
+    snprintf(want, sizeof want, "step-%u\n", total);
+    check_latest(p, want);
+    CHECK(jnum(a, "steps") == total);
 
-    rc = run("train %s --model %s --batch %u --max-steps 20 --out B-%s", common, model, batch, model);
+    rc = run("train %s --model %s --batch %u --epochs %u --max-steps %u --out B-%s", common, model,
+             batch, epochs, mid, tag);
     CHECK_MSG(rc == 0, "%s: run B (first half) exit %d", model, rc);
-    CHECK(jnum(last_line(), "steps") == 20);
-    snprintf(p, sizeof p, "B-%s", model);
-    check_latest(p, "step-20\n");
-    rc = run("train %s --model %s --batch %u --resume --max-steps 40 --out B-%s", common, model,
-             batch, model);
+    CHECK(jnum(last_line(), "steps") == mid);
+    snprintf(p, sizeof p, "B-%s", tag);
+    snprintf(want, sizeof want, "step-%u\n", mid);
+    check_latest(p, want);
+    rc = run("train %s --model %s --batch %u --epochs %u --resume --max-steps %u --out B-%s", common,
+             model, batch, epochs, total, tag);
     CHECK_MSG(rc == 0, "%s: run B (resumed) exit %d", model, rc);
     snprintf(b, sizeof b, "%s", last_line());
     fprintf(stderr, "    B: %s\n", b);
     same_field(a, b, "auc", model);
     same_field(a, b, "logloss", model);
     same_field(a, b, "eval_rows", model);
-    CHECK_MSG(jnum(b, "steps") == 40, "%s: resumed run ends at step %g", model, jnum(b, "steps"));
-    CHECK_MSG(jnum(b, "rows") == 20.0 * batch, "%s: resumed run trained %g rows", model, jnum(b, "rows"));
-    check_latest(p, "step-40\n");
+    CHECK_MSG(jnum(b, "steps") == total, "%s: resumed run ends at step %g", model, jnum(b, "steps"));
+    CHECK_MSG(jnum(b, "rows") + jnum(a, "rows") * mid / total == jnum(a, "rows") ||
+              jnum(b, "rows") == (double)(total - mid) * batch,
+              "%s: resumed run trained %g rows", model, jnum(b, "rows"));
+    snprintf(want, sizeof want, "step-%u\n", total);
+    check_latest(p, want);
 
     /* metrics.jsonl: the first half's lines, then the resumed half's, steps increasing. */
-    snprintf(p, sizeof p, "B-%s/metrics.jsonl", model);
+    snprintf(p, sizeof p, "B-%s/metrics.jsonl", tag);
     char *m = slurp(p);
     CHECK_MSG(m != NULL, "%s missing", p);
     if (m) {
@@ -71,8 +80,8 @@ static void resume_case(const char *model, unsigned batch)
             double st = strtod(s + 8, NULL);
             CHECK_MSG(st > prev, "%s: step %g after %g", p, st, prev);
             prev = st;
-            saw20 |= st == 20;
-            saw40 |= st == 40;
+            saw20 |= st == mid;
+            saw40 |= st == total;
         }
         CHECK_MSG(saw20 && saw40, "%s lacks step 20 or step 40:\n%s", p, m);
     }
@@ -83,9 +92,14 @@ int main(void)
 {
     if (cli_init("train_resume") != 0) return 1;
     if (make_criteo("ds", 40000, 11, 0.2) != 0) return check_done();
-    resume_case("mlp", 512);
-    resume_case("deepfm", 512);
-    resume_case("lr", 256);
+    resume_case("mlp", 512, 1, 20, 40);
+    resume_case("deepfm", 512, 1, 20, 40);
+    resume_case("dlrm", 512, 1, 20, 40);
+    resume_case("lr", 256, 1, 20, 40);
+    /* 32k train rows in batches of 2048: 16 steps an epoch. Resume across the epoch boundary,
+     * and from a checkpoint inside the second epoch. */
+    resume_case("mlp", 2048, 2, 10, 24);
+    resume_case("lr", 2048, 2, 20, 28);
     free(out_text);
     free(err_text);
     return check_done();
