@@ -180,6 +180,13 @@ int emb_table_lookup(emb_table *t, const uint64_t *keys, size_t n, float *out, u
 int emb_table_get_row(emb_table *t, uint64_t key, emb_row *row, float *weights, float *state,
                       char **errptr);
 
+/* Stores a whole row (weights, optimizer state, update count, last step) as given, replacing
+ * any row the key had: for moving rows between tables (resharding) and for tests. */
+int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr);
+
+/* Sets the table step (a resharded table continues from its old shards' step). */
+void emb_table_set_step(emb_table *t, uint64_t step);
+
 /* Calls cb once per stored row (memory and spilled), with the table paused (no concurrent
  * update). A non-zero return from cb stops the walk and is returned. */
 typedef int (*emb_row_cb)(const emb_row *row, void *arg);
@@ -218,6 +225,9 @@ int emb_table_snapshot(emb_table *t, const char *dir, char **errptr);
 /* Reads the model config stored in a snapshot's MANIFEST into *cfg (storage fields set to
  * defaults; spill_path NULL). Verifies the manifest's checksum. */
 int emb_snapshot_read_config(const char *dir, emb_table_config *cfg, char **errptr);
+
+/* The table step a snapshot was taken at (manifest verified). */
+int emb_snapshot_step(const char *dir, uint64_t *step, char **errptr);
 
 /* Calls cb once per row of a snapshot without building a table (export). The manifest and
  * the rows file are verified in full before the first call. */

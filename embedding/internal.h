@@ -116,7 +116,6 @@ void emb_table_resume(emb_table *t);
 uint64_t emb_table_rows_locked(emb_table *t);
 /* Every record, memory first, then spill; the caller has paused the table. */
 int emb_table_foreach_record_locked(emb_table *t, emb_record_cb cb, void *arg, char **errptr);
-void emb_table_set_step(emb_table *t, uint64_t step);
 /* Inserts whole records into a fresh table (restore); a key already in memory is corrupt. */
 int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **errptr);
 

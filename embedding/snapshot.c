@@ -396,3 +396,11 @@ int emb_snapshot_foreach(const char *dir, emb_row_cb cb, void *arg, char **errpt
     if (rc == CM_OK) rc = rows_pass(dir, &m, &sink, errptr);
     return rc;
 }
+
+int emb_snapshot_step(const char *dir, uint64_t *step, char **errptr)
+{
+    manifest m;
+    int rc = manifest_read(dir, &m, errptr);
+    if (rc == CM_OK) *step = m.step;
+    return rc;
+}

@@ -557,7 +557,8 @@ int emb_table_get_row(emb_table *t, uint64_t key, emb_row *row, float *weights, 
 {
     uint64_t h = emb_key_hash(key);
     sub *s = &t->subs[sub_of(t, h)];
-    uint8_t rec[t->rec];
+    uint64_t rec_words[(t->rec + 7) / 8]; /* aligned for the header view */
+    uint8_t *rec = (uint8_t *)rec_words;
     uint8_t found = 0;
     int rc = CM_OK;
     pthread_mutex_lock(&s->mu);
@@ -605,8 +606,11 @@ struct foreach_arg {
 static int foreach_rec(const void *rec, void *arg)
 {
     struct foreach_arg *fa = arg;
+    /* Spilled records come from RocksDB at any alignment: view an aligned copy. */
+    uint64_t copy[(fa->t->rec + 7) / 8];
+    memcpy(copy, rec, fa->t->rec);
     emb_row row;
-    row_view(fa->t, rec, &row);
+    row_view(fa->t, (const uint8_t *)copy, &row);
     return fa->cb(&row, fa->arg);
 }
 
@@ -634,10 +638,11 @@ static bool expired(uint64_t step, uint64_t last, uint64_t ttl)
 static int expire_rec(const void *rec, void *arg)
 {
     struct expire_arg *ea = arg;
-    const emb_rec_hdr *hdr = rec;
-    if (!expired(ea->step, hdr->last_step, ea->ttl)) return 0;
+    emb_rec_hdr hdr; /* copied: spilled records are not aligned */
+    memcpy(&hdr, rec, sizeof hdr);
+    if (!expired(ea->step, hdr.last_step, ea->ttl)) return 0;
     if (grow_buf((void **)&ea->keys, &ea->cap, ea->n + 1, sizeof(uint64_t)) != CM_OK) return CM_ENOMEM;
-    ea->keys[ea->n++] = hdr->key;
+    ea->keys[ea->n++] = hdr.key;
     return 0;
 }
 
@@ -731,6 +736,37 @@ uint64_t emb_table_rows_locked(emb_table *t)
 void emb_table_set_step(emb_table *t, uint64_t step)
 {
     __atomic_store_n(&t->step, step, __ATOMIC_RELAXED);
+}
+
+int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
+{
+    uint8_t rec[t->rec];
+    memset(rec, 0, t->rec);
+    emb_rec_hdr hdr = {row->key, row->updates, row->last_step};
+    memcpy(rec, &hdr, sizeof hdr);
+    memcpy(rec + EMB_REC_HDR, row->weights, t->dim * sizeof(float));
+    memcpy(rec + EMB_REC_HDR + t->dim * sizeof(float), row->state,
+           emb_row_slots(&t->cfg) * sizeof(float));
+    uint64_t h = emb_key_hash(row->key);
+    sub *s = &t->subs[sub_of(t, h)];
+    scratch sc = {0};
+    int rc = CM_OK;
+    pthread_mutex_lock(&s->mu);
+    int64_t slot = emb_mem_find(&s->mem, row->key, h);
+    if (slot < 0 && t->spill != NULL && s->spilled > 0) {
+        /* Replacing a spilled row: drop the old copy so the key lives in one place. */
+        uint8_t found = 0, old[t->rec];
+        rc = emb_store_get(t->spill, &row->key, 1, old, &found, errptr);
+        if (rc == CM_OK && found) {
+            rc = emb_store_del(t->spill, &row->key, 1, errptr);
+            if (rc == CM_OK) s->spilled--;
+        }
+    }
+    if (rc == CM_OK && slot < 0) rc = insert_room(t, s, &sc, row->key, h, &slot, errptr);
+    if (rc == CM_OK) memcpy(emb_mem_rec(&s->mem, slot), rec, t->rec);
+    pthread_mutex_unlock(&s->mu);
+    scratch_fini(&sc);
+    return rc;
 }
 
 /* Inserts whole records (a restore); keys must be new to the table. */

@@ -2,11 +2,13 @@
  * Reading a cluster checkpoint without a running cluster (export, reshard): the layout is
  * <ckpt>/shard-<i>/{MANIFEST, table-<name>/ (an embedding snapshot), dense-<name>.bin}.
  */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
+#include "ps/checkpoint.h"
 #include "ps/dense.h"
 #include "ps/ps.h"
 
@@ -78,4 +80,117 @@ int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t 
     }
     free(text);
     return CM_OK;
+}
+
+int ps_shard_manifest_text(uint32_t shard, uint32_t shards, const char *body, char *out, size_t n)
+{
+    int len = snprintf(out, n, "ember-ps-shard 1\nshard %u\nshards %u\n%s", shard, shards, body);
+    if (len < 0 || (size_t)len >= n) return -1;
+    int t = snprintf(out + len, n - (size_t)len, "checksum %016" PRIx64 "\n", cm_xxh3(out, (size_t)len));
+    return (t < 0 || (size_t)(len + t) >= n) ? -1 : len + t;
+}
+
+/* The table/dense fingerprint lines of a shard manifest (what does not depend on the layout). */
+static int manifest_body(const char *ckpt, char *body, size_t n, char **errptr)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/shard-0/MANIFEST", ckpt);
+    char *text = NULL;
+    size_t len;
+    int rc = cm_read_file(path, (void **)&text, &len, errptr);
+    if (rc != CM_OK) return rc;
+    size_t out = 0;
+    body[0] = '\0';
+    for (char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+        size_t l = strcspn(p, "\n");
+        if ((!strncmp(p, "table ", 6) || !strncmp(p, "dense ", 6)) && out + l + 2 < n) {
+            memcpy(body + out, p, l);
+            out += l;
+            body[out++] = '\n';
+            body[out] = '\0';
+        }
+    }
+    free(text);
+    return CM_OK;
+}
+
+typedef struct reshard_arg {
+    emb_table **tables;
+    uint32_t n;
+    char **errptr;
+} reshard_arg;
+
+static int reshard_row(const emb_row *row, void *arg)
+{
+    reshard_arg *ra = arg;
+    return emb_table_put_row(ra->tables[ps_key_shard(row->key, ra->n)], row, ra->errptr);
+}
+
+static int copy_file(const char *from, const char *to, char **errptr)
+{
+    void *buf = NULL;
+    size_t len;
+    int rc = cm_read_file(from, &buf, &len, errptr);
+    if (rc == CM_OK) rc = cm_write_file_atomic(to, buf, len, errptr);
+    free(buf);
+    return rc;
+}
+
+int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char **errptr)
+{
+    char tables[PS_MAX_TABLES][PS_NAME_MAX], dense[PS_MAX_DENSE][PS_NAME_MAX];
+    uint32_t n_old = 0, n_t = 0, n_d = 0;
+    char tmp[4200], path[4400], src[4400], body[16000], text[16400];
+    if (n_new == 0 || n_new > PS_MAX_SHARDS)
+        return cm_err(errptr, CM_EINVAL, "shard count %u out of range 1..%u", n_new, PS_MAX_SHARDS);
+    int rc = ps_checkpoint_shards(from, &n_old, errptr);
+    if (rc == CM_OK) rc = ps_checkpoint_names(from, tables, &n_t, dense, &n_d, errptr);
+    if (rc == CM_OK) rc = manifest_body(from, body, sizeof body, errptr);
+    snprintf(tmp, sizeof tmp, "%s.tmp", to);
+    if (rc == CM_OK) rc = cm_rmtree(tmp, errptr);
+    for (uint32_t i = 0; rc == CM_OK && i < n_new; i++) {
+        snprintf(path, sizeof path, "%s/shard-%u", tmp, i);
+        rc = cm_mkdirs(path, errptr);
+        int len = ps_shard_manifest_text(i, n_new, body, text, sizeof text);
+        snprintf(path, sizeof path, "%s/shard-%u/MANIFEST", tmp, i);
+        if (rc == CM_OK)
+            rc = len < 0 ? cm_err(errptr, CM_ERR, "manifest too long")
+                         : cm_write_file_atomic(path, text, (size_t)len, errptr);
+    }
+    /* Every row goes to the shard the key hashes to among n_new; tables are rebuilt in memory
+     * one at a time and written as snapshots. */
+    for (uint32_t t = 0; rc == CM_OK && t < n_t; t++) {
+        emb_table_config cfg;
+        uint64_t step = 0;
+        rc = ps_checkpoint_table_config(from, tables[t], &cfg, errptr);
+        for (uint32_t i = 0; rc == CM_OK && i < n_old; i++) {
+            uint64_t s = 0;
+            snprintf(path, sizeof path, "%s/shard-%u/table-%s", from, i, tables[t]);
+            rc = emb_snapshot_step(path, &s, errptr);
+            if (s > step) step = s;
+        }
+        emb_table **nt = calloc(n_new, sizeof *nt);
+        if (rc == CM_OK && nt == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        for (uint32_t i = 0; rc == CM_OK && i < n_new; i++) {
+            rc = emb_table_create(&cfg, &nt[i], errptr);
+            if (rc == CM_OK) emb_table_set_step(nt[i], step);
+        }
+        reshard_arg ra = {nt, n_new, errptr};
+        if (rc == CM_OK) rc = ps_checkpoint_foreach_row(from, tables[t], reshard_row, &ra, errptr);
+        for (uint32_t i = 0; rc == CM_OK && i < n_new; i++) {
+            snprintf(path, sizeof path, "%s/shard-%u/table-%s", tmp, i, tables[t]);
+            rc = emb_table_snapshot(nt[i], path, errptr);
+        }
+        for (uint32_t i = 0; nt && i < n_new; i++) emb_table_destroy(nt[i]);
+        free(nt);
+    }
+    /* Dense block b lives on shard b % shards. */
+    for (uint32_t b = 0; rc == CM_OK && b < n_d; b++) {
+        snprintf(src, sizeof src, "%s/shard-%u/dense-%s.bin", from, b % n_old, dense[b]);
+        snprintf(path, sizeof path, "%s/shard-%u/dense-%s.bin", tmp, b % n_new, dense[b]);
+        rc = copy_file(src, path, errptr);
+    }
+    if (rc == CM_OK) rc = cm_dir_swap(tmp, to, errptr);
+    if (rc != CM_OK) cm_rmtree(tmp, NULL);
+    return rc;
 }

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ps/checkpoint.h"
 #include "ps/dense.h"
 #include "ps/net.h"
 
@@ -333,16 +334,16 @@ static int shard_paths(const char *dir, uint32_t shard, char *out, size_t n, cha
 
 static int shard_manifest(struct ps_server *s, char *buf, size_t n)
 {
-    int len = snprintf(buf, n, "ember-ps-shard 1\nshard %u\nshards %u\n", s->shard, s->cfg.n_shards);
-    for (uint32_t i = 0; i < s->cfg.n_tables && len > 0 && (size_t)len < n; i++)
-        len += snprintf(buf + len, n - (size_t)len, "table %s %016" PRIx64 "\n", s->cfg.tables[i].name,
-                        ps_table_fingerprint(&s->cfg.tables[i]));
-    for (uint32_t i = 0; i < s->cfg.n_dense && len > 0 && (size_t)len < n; i++)
-        len += snprintf(buf + len, n - (size_t)len, "dense %s %016" PRIx64 "\n", s->cfg.dense[i].name,
-                        ps_dense_fingerprint(&s->cfg.dense[i]));
-    if (len < 0 || (size_t)len >= n) return -1;
-    int t = snprintf(buf + len, n - (size_t)len, "checksum %016" PRIx64 "\n", cm_xxh3(buf, (size_t)len));
-    return (t < 0 || (size_t)(len + t) >= n) ? -1 : len + t;
+    char body[16000];
+    int len = 0;
+    for (uint32_t i = 0; i < s->cfg.n_tables && len >= 0 && (size_t)len < sizeof body; i++)
+        len += snprintf(body + len, sizeof body - (size_t)len, "table %s %016" PRIx64 "\n",
+                        s->cfg.tables[i].name, ps_table_fingerprint(&s->cfg.tables[i]));
+    for (uint32_t i = 0; i < s->cfg.n_dense && len >= 0 && (size_t)len < sizeof body; i++)
+        len += snprintf(body + len, sizeof body - (size_t)len, "dense %s %016" PRIx64 "\n",
+                        s->cfg.dense[i].name, ps_dense_fingerprint(&s->cfg.dense[i]));
+    if (len < 0 || (size_t)len >= sizeof body) return -1;
+    return ps_shard_manifest_text(s->shard, s->cfg.n_shards, body, buf, n);
 }
 
 static int save_shard(struct ps_server *s, const char *dir, char **errptr)

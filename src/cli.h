@@ -17,5 +17,6 @@ int cmd_ps(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_export(int argc, char **argv);
 int cmd_predict(int argc, char **argv);
+int cmd_reshard(int argc, char **argv);
 
 #endif

@@ -15,6 +15,7 @@
 #include "ps/ps.h"
 #include "serve/ember_serve.h"
 #include "src/cli.h"
+#include "src/train.h"
 
 typedef struct rows {
     uint32_t dim;
@@ -46,31 +47,6 @@ static void rows_free(rows *t)
     free(t->keys);
     free(t->w);
     memset(t, 0, sizeof *t);
-}
-
-/* A checkpoint directory: the one given, or a run directory's ckpt/LATEST. */
-static int resolve_ckpt(const char *in, char *out, size_t n, uint64_t *step, char **errptr)
-{
-    struct stat st;
-    char path[4200];
-    snprintf(path, sizeof path, "%s/shard-0", in);
-    if (stat(path, &st) == 0) {
-        snprintf(out, n, "%s", in);
-    } else {
-        snprintf(path, sizeof path, "%s/ckpt/LATEST", in);
-        char *text = NULL;
-        size_t len;
-        if (cm_read_file(path, (void **)&text, &len, NULL) != CM_OK)
-            return cm_err(errptr, CM_ENOTFOUND, "%s is neither a checkpoint (shard-0/) nor a run "
-                          "directory (ckpt/LATEST)", in);
-        text[strcspn(text, "\n")] = '\0';
-        snprintf(out, n, "%s/ckpt/%s", in, text);
-        free(text);
-    }
-    const char *base = strrchr(out, '/');
-    unsigned long long s = 0;
-    *step = sscanf(base ? base + 1 : out, "step-%llu", &s) == 1 ? s : 0;
-    return CM_OK;
 }
 
 /* Open-addressing map key -> xxh3 of the row's weights, for the delta comparison. */
@@ -283,8 +259,8 @@ int cmd_export(int argc, char **argv)
     rows tabs[PS_MAX_TABLES];
     memset(tabs, 0, sizeof tabs);
     ember_serve_writer *w = NULL;
-    int rc = resolve_ckpt(in, ckpt, sizeof ckpt, &step, &err);
-    if (rc == CM_OK && since) rc = resolve_ckpt(since, old_ckpt, sizeof old_ckpt, &old_step, &err);
+    int rc = train_resolve_checkpoint(in, ckpt, sizeof ckpt, &step, &err);
+    if (rc == CM_OK && since) rc = train_resolve_checkpoint(since, old_ckpt, sizeof old_ckpt, &old_step, &err);
     if (rc == CM_OK) rc = ps_checkpoint_names(ckpt, tnames, &n_t, dnames, &n_d, &err);
     snprintf(path, sizeof path, "%s/model.txt", ckpt);
     if (rc == CM_OK) rc = cm_read_file(path, (void **)&model, &mlen, &err);

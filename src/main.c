@@ -23,6 +23,7 @@ static const struct {
     {"train", cmd_train, "train a CTR model against the parameter servers"},
     {"export", cmd_export, "write a serving bundle (or safetensors, RocksDB) from a checkpoint"},
     {"predict", cmd_predict, "score shards with a serving bundle"},
+    {"reshard", cmd_reshard, "redistribute a checkpoint over a new number of PS shards"},
 };
 
 static void usage(FILE *to)

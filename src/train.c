@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "datasets/datasets.h"
@@ -382,6 +383,31 @@ static int latest_step(const char *root, uint64_t *step, char **errptr)
     char path[2300];
     snprintf(path, sizeof path, "%s/LATEST", root);
     return read_tagged(path, "step-%llu", step, errptr);
+}
+
+/* A checkpoint directory: the one given, or a run directory's ckpt/LATEST. */
+int train_resolve_checkpoint(const char *in, char *out, size_t n, uint64_t *step, char **errptr)
+{
+    struct stat st;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/shard-0", in);
+    if (stat(path, &st) == 0) {
+        snprintf(out, n, "%s", in);
+    } else {
+        snprintf(path, sizeof path, "%s/ckpt/LATEST", in);
+        char *text = NULL;
+        size_t len;
+        if (cm_read_file(path, (void **)&text, &len, NULL) != CM_OK)
+            return cm_err(errptr, CM_ENOTFOUND, "%s is neither a checkpoint (shard-0/) nor a run "
+                          "directory (ckpt/LATEST)", in);
+        text[strcspn(text, "\n")] = '\0';
+        snprintf(out, n, "%s/ckpt/%s", in, text);
+        free(text);
+    }
+    const char *base = strrchr(out, '/');
+    unsigned long long s = 0;
+    *step = sscanf(base ? base + 1 : out, "step-%llu", &s) == 1 ? s : 0;
+    return CM_OK;
 }
 
 /* ---- one worker ---- */

@@ -57,6 +57,10 @@ typedef struct train_result {
     uint64_t rows, eval_rows, steps;
 } train_result;
 
+/* A checkpoint directory from `in`: in itself when it holds shard-0/, else the run directory's
+ * ckpt/LATEST. *step is parsed from the "step-N" name (0 if none). */
+int train_resolve_checkpoint(const char *in, char *out, size_t n, uint64_t *step, char **errptr);
+
 /* Writes one probability per line ("%.9g"), atomically. */
 int write_probs(const char *path, const float *p, uint64_t n, char **errptr);
 

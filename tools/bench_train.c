@@ -264,7 +264,7 @@ static void write_dump(const char *path, const char *train_dir, const char *eval
     read_part(train_dir, &km, &tr, &multi);
     read_part(eval_dir, &km, &ev, &multi);
     if (multi) fprintf(stderr, "bench train: %" PRIu64 " fields held several keys; the dump keeps the first\n", multi);
-    char tmp[4200];
+    char tmp[4400];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     FILE *f = fopen(tmp, "wb");
     if (f == NULL) die("cannot create the PyTorch dump", NULL);
@@ -429,7 +429,7 @@ static void run_ember(const opts *o, const dataset *ds, const char *model, int t
 
 typedef struct torch_run {
     int ran, installed;
-    char why[256], version[32];
+    char why[4600], version[32];
     double samples_per_s, seconds, auc, logloss, train_loss, load_seconds;
 } torch_run;
 
@@ -703,8 +703,8 @@ int main(int argc, char **argv)
            "auc", "logloss");
     for (int i = 0; i < n_runs; i++) {
         const ember_run *r = &runs[i];
-        char name[64];
-        snprintf(name, sizeof name, "ember %s%s", r->model, r == best_mlp || r == best_lr ? " *" : "");
+        char name[80];
+        snprintf(name, sizeof name, "ember %.16s%s", r->model, r == best_mlp || r == best_lr ? " *" : "");
         if (!r->ok) printf("%-22s %7d %12s\n", name, r->threads, "FAILED");
         else
             printf("%-22s %7d %12.0f %12.0f %9.2f %9.4f %9.4f\n", name, r->threads, r->loop_samples_per_s,

@@ -1,0 +1,98 @@
+/* ember reshard: redistribute a checkpoint over a new number of PS shards. */
+#include <dirent.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ps/ps.h"
+#include "src/cli.h"
+#include "src/train.h"
+
+static void reshard_usage(FILE *to)
+{
+    fprintf(to, "usage: ember reshard --from RUNDIR|CKPT --shards N --out RUNDIR\n"
+                "  writes RUNDIR/ckpt/step-S (rows identical, spread over N shards) and points\n"
+                "  RUNDIR/ckpt/LATEST at it; continue with ember train --out RUNDIR --shards N\n"
+                "  --resume\n");
+}
+
+/* Copies the trainer's files (model.txt, worker-<i>.pos) that sit beside the shards. */
+static int copy_side_files(const char *from, const char *to, char **errptr)
+{
+    DIR *d = opendir(from);
+    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", from);
+    struct dirent *e;
+    int rc = CM_OK;
+    while (rc == CM_OK && (e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, "worker-", 7) && strcmp(e->d_name, "model.txt")) continue;
+        char src[4400], dst[4400];
+        if (snprintf(src, sizeof src, "%s/%s", from, e->d_name) >= (int)sizeof src ||
+            snprintf(dst, sizeof dst, "%s/%s", to, e->d_name) >= (int)sizeof dst) {
+            rc = cm_err(errptr, CM_EINVAL, "path too long under %s", to);
+            break;
+        }
+        void *buf = NULL;
+        size_t len;
+        rc = cm_read_file(src, &buf, &len, errptr);
+        if (rc == CM_OK) rc = cm_write_file_atomic(dst, buf, len, errptr);
+        free(buf);
+    }
+    closedir(d);
+    return rc;
+}
+
+int cmd_reshard(int argc, char **argv)
+{
+    static const struct option opts[] = {{"from", 1, 0, 'f'}, {"shards", 1, 0, 'n'},
+                                         {"out", 1, 0, 'o'},  {"help", 0, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *from = NULL, *out = NULL;
+    uint64_t shards = 0;
+    int o;
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 'f': from = optarg; break;
+        case 'o': out = optarg; break;
+        case 'n':
+            if (cm_parse_size(optarg, &shards) != 0 || shards == 0 || shards > PS_MAX_SHARDS) {
+                fprintf(stderr, "ember reshard: bad --shards '%s'\n", optarg);
+                return 2;
+            }
+            break;
+        case 'h': reshard_usage(stdout); return 0;
+        default: reshard_usage(stderr); return 2;
+        }
+    }
+    if (!from || !out || !shards || optind != argc) {
+        reshard_usage(stderr);
+        return 2;
+    }
+    char ckpt[4200], dst[4400], latest[4400], name[64];
+    uint64_t step = 0;
+    char *err = NULL;
+    double t0 = cm_now();
+    int rc = train_resolve_checkpoint(from, ckpt, sizeof ckpt, &step, &err);
+    snprintf(name, sizeof name, "step-%" PRIu64, step);
+    snprintf(dst, sizeof dst, "%s/ckpt/%s", out, name);
+    snprintf(latest, sizeof latest, "%s/ckpt/LATEST", out);
+    if (rc == CM_OK) {
+        char parent[4400];
+        snprintf(parent, sizeof parent, "%s/ckpt", out);
+        rc = cm_mkdirs(parent, &err);
+    }
+    if (rc == CM_OK) rc = ps_checkpoint_reshard(ckpt, dst, (uint32_t)shards, &err);
+    if (rc == CM_OK) rc = copy_side_files(ckpt, dst, &err);
+    strcat(name, "\n");
+    if (rc == CM_OK) rc = cm_write_file_atomic(latest, name, strlen(name), &err);
+    if (rc != CM_OK) {
+        fprintf(stderr, "ember reshard: %s\n", err ? err : "failed");
+        free(err);
+        return 1;
+    }
+    printf("{\"from\":\"%s\",\"to\":\"%s\",\"shards\":%" PRIu64 ",\"seconds\":%.3f}\n", ckpt, dst,
+           shards, cm_now() - t0);
+    return 0;
+}

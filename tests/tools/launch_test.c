@@ -1,0 +1,193 @@
+/*
+ * tools/launch: a 2 PS x 2 worker job on ~20K generated rows must print worker 0's JSON with
+ * auc > 0.55 and leave no process behind; a job whose workers fail, and one stopped with
+ * SIGTERM, must exit non-zero and leave no process behind either.
+ *
+ * argv[1] is tools/launch; $EMBER_BIN the ember binary (set by ember_add_test). Every child runs
+ * in its own process group under a watchdog, so a hung launch cannot outlive the test.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+
+static const char *launch, *ember, *dir;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Starts argv with stdout to out_path, stderr inherited, in a new process group. */
+static pid_t spawn(char *const argv[], const char *out_path)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        setpgid(0, 0);
+        if (out_path && freopen(out_path, "w", stdout) == NULL) _exit(127);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+/* Waits up to limit seconds; then kills the whole group. Exit status, or -1 killed/failed. */
+static int wait_bounded(pid_t pid, double limit)
+{
+    double t0 = now_s();
+    int st;
+    for (;;) {
+        pid_t r = waitpid(pid, &st, WNOHANG);
+        if (r == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        if (r < 0 && errno != EINTR) return -1;
+        if (now_s() - t0 > limit) {
+            fprintf(stderr, "launch_test: pid %d ran past %.0f s; killing its group\n", (int)pid, limit);
+            kill(-pid, SIGKILL);
+            waitpid(pid, &st, 0);
+            return -1;
+        }
+        usleep(50000);
+    }
+}
+
+static int run(char *const argv[], const char *out_path, double limit)
+{
+    pid_t pid = spawn(argv, out_path);
+    return pid < 0 ? -1 : wait_bounded(pid, limit);
+}
+
+/* Counts the pids listed in RUNDIR/pids that are still alive (and not zombies). */
+static int alive_from(const char *run_dir, int *listed)
+{
+    char path[4200], role[32];
+    snprintf(path, sizeof path, "%s/pids", run_dir);
+    FILE *f = fopen(path, "r");
+    *listed = 0;
+    if (f == NULL) return -1;
+    int idx, pid, alive = 0;
+    while (fscanf(f, "%31s %d %d", role, &idx, &pid) == 3) {
+        (*listed)++;
+        char stat[64], buf[512];
+        snprintf(stat, sizeof stat, "/proc/%d/stat", pid);
+        FILE *s = fopen(stat, "r");
+        if (s == NULL) continue;
+        if (fgets(buf, sizeof buf, s)) {
+            char *p = strrchr(buf, ')');
+            if (p && p[1] == ' ' && p[2] != 'Z' && strstr(buf, "(ember)")) {
+                alive++;
+                fprintf(stderr, "launch_test: %s %d (pid %d) is still running\n", role, idx, pid);
+            }
+        }
+        fclose(s);
+    }
+    fclose(f);
+    return alive;
+}
+
+static double json_num(const char *line, const char *key)
+{
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(line, pat);
+    return p ? strtod(p + strlen(pat), NULL) : NAN;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fprintf(stderr, "usage: launch_test PATH/tools/launch\n");
+        return 2;
+    }
+    launch = argv[1];
+    ember = getenv("EMBER_BIN");
+    if (ember == NULL || access(ember, X_OK) != 0) {
+        fprintf(stderr, "launch_test: EMBER_BIN is not an executable\n");
+        return 2;
+    }
+    dir = check_tmpdir("tools_launch");
+    char tsv[4200], data[4200], train[4300], eval[4300], run_ok[4200], run_bad[4200], run_term[4200],
+        out[4300];
+    snprintf(tsv, sizeof tsv, "%s/data.tsv", dir);
+    snprintf(data, sizeof data, "%s/data", dir);
+    snprintf(train, sizeof train, "%s/train", data);
+    snprintf(eval, sizeof eval, "%s/eval", data);
+    snprintf(run_ok, sizeof run_ok, "%s/run-ok", dir);
+    snprintf(run_bad, sizeof run_bad, "%s/run-bad", dir);
+    snprintf(run_term, sizeof run_term, "%s/run-term", dir);
+
+    /* ~20K rows: 18K train in several blocks (so both workers get some), 2K eval. */
+    char *gen[] = {(char *)ember, "gen", "--rows", "20000", "--seed", "3", "--threads", "1", "--out", tsv, NULL};
+    CHECK(run(gen, "/dev/null", 60) == 0);
+    char *ing[] = {(char *)ember, "ingest", "--format", "criteo", "--out", data, "--eval-fraction", "0.1",
+                   "--block-rows", "1024", "--threads", "1", tsv, NULL};
+    CHECK(run(ing, "/dev/null", 60) == 0);
+
+    /* 1. A good job: 2 PS x 2 workers, 3 epochs of small batches so the AUC is meaningful. */
+    snprintf(out, sizeof out, "%s.json", run_ok);
+    char *ok[] = {(char *)launch, "--ps", "2", "--workers", "2", "--out", run_ok, "--timeout", "100", "--",
+                  "--train", train, "--eval", eval, "--model", "mlp", "--batch", "256", "--epochs", "3",
+                  "--device", "cpu", "--no-progress", NULL};
+    double t0 = now_s();
+    int rc = run(ok, out, 120);
+    CHECK_MSG(rc == 0, "launch exited %d (logs in %s/logs)", rc, run_ok);
+    char line[4096] = "";
+    FILE *f = fopen(out, "r");
+    if (f) {
+        char buf[4096];
+        while (fgets(buf, sizeof buf, f))
+            if (buf[0] == '{') snprintf(line, sizeof line, "%s", buf);
+        fclose(f);
+    }
+    double auc = json_num(line, "auc");
+    fprintf(stderr, "launch_test: good job took %.1f s: %s", now_s() - t0, line[0] ? line : "(no JSON)\n");
+    CHECK_MSG(auc > 0.55, "auc %.4f", auc);
+    CHECK(json_num(line, "workers") == 2);
+    CHECK(json_num(line, "shards") == 2);
+    int listed;
+    CHECK(alive_from(run_ok, &listed) == 0);
+    CHECK(listed == 4);
+    struct stat st;
+    char cl[4400];
+    snprintf(cl, sizeof cl, "%s/cluster.ini", run_ok);
+    CHECK(stat(cl, &st) == 0);
+
+    /* 2. A failing job: the workers cannot read their data; launch must stop the PS processes. */
+    char *bad[] = {(char *)launch, "--ps", "2", "--workers", "2", "--out", run_bad, "--timeout", "60", "--",
+                   "--train", "/nonexistent/train", "--no-progress", NULL};
+    rc = run(bad, "/dev/null", 90);
+    CHECK_MSG(rc != 0 && rc != -1, "launch exited %d on a failing job", rc);
+    CHECK(alive_from(run_bad, &listed) == 0);
+
+    /* 3. SIGTERM while the job runs (long enough not to finish first). */
+    char *term[] = {(char *)launch, "--ps", "2", "--workers", "2", "--out", run_term, "--", "--train", train,
+                    "--model", "mlp", "--batch", "64", "--epochs", "1000", "--device", "cpu",
+                    "--no-progress", NULL};
+    pid_t pid = spawn(term, "/dev/null");
+    /* Wait until all four processes are listed (and so started), then a little more. */
+    char pids[4400];
+    snprintf(pids, sizeof pids, "%s/pids", run_term);
+    for (int i = 0; i < 200; i++) {
+        int n = 0;
+        if (alive_from(run_term, &n) >= 0 && n == 4) break;
+        usleep(50000);
+    }
+    usleep(500000);
+    int before = alive_from(run_term, &listed);
+    CHECK_MSG(before > 0, "no process of the job running before SIGTERM (%d listed)", listed);
+    kill(pid, SIGTERM);
+    rc = wait_bounded(pid, 30);
+    CHECK_MSG(rc != 0 && rc != -1, "launch exited %d after SIGTERM", rc);
+    CHECK(alive_from(run_term, &listed) == 0);
+    CHECK(listed == 4);
+    return check_done();
+}
