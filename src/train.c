@@ -143,6 +143,7 @@ typedef struct prefetch {
     int full[2]; /* 1 when st[i] is ready for the consumer */
     int next_fill, next_take;
     bool stop;
+    uint64_t left; /* batches still to produce: nothing is pulled past the schedule */
     char *err;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -162,7 +163,8 @@ static void *prefetch_main(void *arg)
         stage *s = &p->st[i];
         const ds_batch *b = NULL;
         char *err = NULL;
-        int got = ds_reader_next(p->r, &b, &err), rc = got < 0 ? got : CM_OK;
+        int got = p->left == 0 ? 0 : ds_reader_next(p->r, &b, &err), rc = got < 0 ? got : CM_OK;
+        if (got == 1) p->left--;
         if (got == 1) rc = stage_build(s, p->S, b, &err);
         if (got == 1 && rc == CM_OK) rc = stage_pull(s, p->S, p->c, false, &err);
         s->status = rc != CM_OK ? rc : got;
@@ -178,9 +180,11 @@ static void *prefetch_main(void *arg)
     return NULL;
 }
 
-static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *c, char **errptr)
+static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *c, uint64_t left,
+                          char **errptr)
 {
     memset(p, 0, sizeof *p);
+    p->left = left;
     p->S = S;
     p->r = r;
     p->c = c;
@@ -221,14 +225,11 @@ static void prefetch_wait_next(prefetch *p)
     pthread_mutex_unlock(&p->mu);
 }
 
-/* Pulls the ready stage again (after prefetch_release: the one to be taken next), so it
- * reflects every update applied so far. */
+/* Pulls the stage after the one taken again, so it reflects every update applied so far. */
 static int prefetch_refresh(prefetch *p, char **errptr)
 {
-    pthread_mutex_lock(&p->mu);
-    while (!p->full[p->next_take]) pthread_cond_wait(&p->cv, &p->mu);
-    pthread_mutex_unlock(&p->mu);
-    stage *s = &p->st[p->next_take];
+    prefetch_wait_next(p);
+    stage *s = &p->st[p->next_take ^ 1];
     return s->status > 0 ? stage_pull(s, p->S, p->c, false, errptr) : CM_OK;
 }
 
@@ -470,7 +471,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
     dparams = malloc(S->l.n_params * sizeof(float) + 1);
     if (probs == NULL || dparams == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     if (rc != CM_OK) goto out;
-    rc = prefetch_start(&pf, S, r, c, errptr);
+    rc = prefetch_start(&pf, S, r, c, total > step ? total - step : 0, errptr);
     if (rc != CM_OK) goto out;
     pf_started = true;
     uint32_t cap_u = 0;
@@ -505,9 +506,11 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             rc = ps_client_push(c, t, s->ms.ukeys, s->ms.U, demb[t], errptr);
         if (rc == CM_OK && S->l.n_params > 0) rc = ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
         uint32_t B = s->ms.B;
-        prefetch_release(&pf);
-        if (rc != CM_OK) break;
-        if (o->staleness >= 0) rc = ps_client_clock(c, NULL, errptr);
+        if (rc == CM_OK && o->staleness >= 0) rc = ps_client_clock(c, NULL, errptr);
+        if (rc != CM_OK) {
+            prefetch_release(&pf);
+            break;
+        }
         step++;
         W->steps++;
         W->samples += B;
@@ -520,11 +523,14 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             window_n = 0;
             last_log = cm_now();
         }
+        /* Checkpoint while this stage is still held: the prefetcher has pulled exactly batch
+         * step+1 and nothing later, so the cut is the same on every run. A resumed run pulls
+         * batch step+1 after the checkpoint; so does this one. */
         if (rc == CM_OK && o->ckpt_every && step % o->ckpt_every == 0 && step < S->min_steps) {
             rc = checkpoint(S, c, w, step, step, errptr);
-            /* A resumed run pulls batch step+1 after the checkpoint; so does this one. */
             if (rc == CM_OK) rc = prefetch_refresh(&pf, errptr);
         }
+        prefetch_release(&pf);
     }
     /* Synchronous mode: keep clocking until the slowest worker is through. */
     for (uint64_t s = step; rc == CM_OK && o->staleness >= 0 && s < S->max_steps; s++)
@@ -609,10 +615,18 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         return cm_err(errptr, CM_EINVAL, "dlrm needs dense features; the shards have none");
     rc = model_layout_make(&S->m, &S->l, errptr);
     if (rc != CM_OK) return rc;
-    const char *dev = o->device;
-    if (dev == NULL) dev = backend_cuda_ops ? "cuda" : "cpu";
-    rc = backend_find(dev, &S->be, errptr);
-    if (rc != CM_OK && o->device == NULL) rc = backend_find("cpu", &S->be, errptr);
+    if (o->device != NULL) {
+        rc = backend_find(o->device, &S->be, errptr);
+    } else {
+        /* Auto: CUDA when built in and a device answers (a trial create says), else the CPU. */
+        void *probe = NULL;
+        S->be = &backend_cpu_ops;
+        if (backend_cuda_ops != NULL &&
+            backend_cuda_ops->create(&S->m, &S->l, 1, 1, 1, &probe, NULL) == CM_OK) {
+            backend_cuda_ops->destroy(probe);
+            S->be = backend_cuda_ops;
+        }
+    }
     if (rc != CM_OK) return rc;
     /* The PS cluster this model needs. */
     ps_config *p = &S->ps;
