@@ -14,6 +14,11 @@
  * agree on when to checkpoint (only at steps every worker reaches) and, in synchronous mode,
  * a worker that runs out of data keeps clocking until the slowest is done.
  *
+ * Determinism: a one-worker run is bit-for-bit repeatable (pushes of batch t are issued only
+ * after batch t+1 is pulled, so t+1 always sees exactly the updates up to t-1). A checkpoint
+ * re-pulls batch t+1 after the cut, as a resumed run must; so `--resume` reproduces the
+ * uninterrupted run bit for bit when both use the same --checkpoint-every.
+ *
  * Run directory (--out): ckpt/step-<N>/ (PS shards + worker-<i>.pos), ckpt/LATEST,
  * metrics.jsonl, train.log. --resume continues from ckpt/LATEST.
  */
