@@ -42,12 +42,16 @@ static inline uint64_t emb_key_hash(uint64_t key)
 }
 
 /* ---- in-memory open-addressing table (store_mem.c) ----
- * ctrl[i]: 0 = empty; else EMB_CTRL_USED | tag (6 bits of the hash), plus EMB_CTRL_REF, the
- * CLOCK reference bit. Probing reads the dense ctrl bytes and touches a record only on a tag
- * match. Deletion shifts the cluster back, so there are no tombstones. */
+ * ctrl[i]: 0 = empty; else EMB_CTRL_USED | tag (4 bits of the hash), plus flags the table
+ * keeps per resident row: EMB_CTRL_REF, the CLOCK reference bit; EMB_CTRL_DISK, a copy of the
+ * row exists in the spill store; EMB_CTRL_CLEAN, that copy equals the row in memory. Probing
+ * reads the dense ctrl bytes and touches a record only on a tag match. Deletion shifts the
+ * cluster back, so there are no tombstones. */
 #define EMB_CTRL_USED 0x80u
 #define EMB_CTRL_REF 0x40u
-#define EMB_CTRL_TAG 0x3fu
+#define EMB_CTRL_DISK 0x20u
+#define EMB_CTRL_CLEAN 0x10u
+#define EMB_CTRL_TAG 0x0fu
 /* Maximum load factor, as a fraction: 4/5. */
 #define EMB_LOAD_NUM 4u
 #define EMB_LOAD_DEN 5u

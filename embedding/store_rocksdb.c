@@ -65,7 +65,15 @@ static int rdb_open(const char *path, size_t rec, void **impl, char **errptr)
     rocksdb_options_set_block_based_table_factory(r->opts, r->tbl);
     rocksdb_options_set_create_if_missing(r->opts, 1);
     rocksdb_options_set_compression(r->opts, rocksdb_no_compression);
-    rocksdb_options_set_write_buffer_size(r->opts, 64u << 20);
+    /* Point lookups and inserts dominate a spill tier, and a memtable skiplist costs a cache
+     * miss per level: a small memtable stays in cache (measured: 64 MiB made every insert and
+     * lookup several times slower on a 2-core box); flushed tables are found by bloom filter. */
+    rocksdb_options_set_write_buffer_size(r->opts, 4u << 20);
+    rocksdb_options_set_max_write_buffer_number(r->opts, 4);
+    rocksdb_options_set_level0_file_num_compaction_trigger(r->opts, 8);
+    rocksdb_options_set_target_file_size_base(r->opts, 32u << 20);
+    /* Reads through the page cache by mmap: no pread copy per block. */
+    rocksdb_options_set_allow_mmap_reads(r->opts, 1);
     rocksdb_options_increase_parallelism(r->opts, 2);
     rocksdb_writeoptions_disable_WAL(r->wopts, 1);
     rocksdb_readoptions_set_verify_checksums(r->ropts, 1);

@@ -9,9 +9,11 @@
  *   2. read the absent keys from the spill store with one batched get;
  *   3. walk the keys in the caller's order: find, else fault in (spilled record, new row, or
  *      held back by admission), then copy out or apply the optimizer.
- * Promotions leave pending deletes in the spill store; they are flushed before any eviction
- * writes and before any single-key read, so the spill store sees every operation in order and
- * a key is never in two places once a group ends.
+ * A row read back from the spill store keeps its copy there (no delete, so no tombstone) and
+ * is marked DISK|CLEAN; any change to the row clears CLEAN. Evicting a clean row writes
+ * nothing. Memory is authoritative: a key resident in memory is never read from the spill
+ * store, and whole-table walks skip spill records whose key is resident. rows_spilled counts
+ * rows whose current copy exists only in the spill store.
  */
 #include <math.h>
 #include <pthread.h>
@@ -50,9 +52,6 @@ typedef struct scratch {
     uint8_t *miss_found, *miss_used;
     uint8_t *miss_recs;
     size_t n_miss, cap_miss;
-    /* pending spill deletes (promoted keys) */
-    uint64_t *del;
-    size_t n_del, cap_del;
     /* eviction buffer */
     uint8_t *ev;
     size_t cap_ev;
@@ -76,7 +75,6 @@ static void scratch_fini(scratch *sc)
     free(sc->miss_found);
     free(sc->miss_used);
     free(sc->miss_recs);
-    free(sc->del);
     free(sc->ev);
 }
 
@@ -109,14 +107,6 @@ static uint32_t cms_add(emb_table *t, uint64_t h)
 
 /* ---- spill traffic ---- */
 
-static int flush_deletes(emb_table *t, scratch *sc, char **errptr)
-{
-    if (sc->n_del == 0) return CM_OK;
-    int rc = emb_store_del(t->spill, sc->del, sc->n_del, errptr);
-    sc->n_del = 0;
-    return rc;
-}
-
 /* Moves a batch of unreferenced rows from memory to the spill store (CLOCK sweep). */
 static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
 {
@@ -125,7 +115,7 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
     if (target == 0) target = 1;
     if (grow_buf((void **)&sc->ev, &sc->cap_ev, target, t->rec) != CM_OK)
         return cm_err(errptr, CM_ENOMEM, "out of memory for the eviction buffer");
-    uint64_t n = 0;
+    uint64_t n = 0, n_dirty = 0;
     for (uint64_t scanned = 0; n < target && m->count > 0 && scanned <= 2 * m->cap; scanned++) {
         if (m->hand >= m->cap) m->hand = 0;
         uint8_t c = m->ctrl[m->hand];
@@ -135,22 +125,25 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
             m->ctrl[m->hand] = (uint8_t)(c & ~EMB_CTRL_REF);
             m->hand++;
         } else {
-            /* The cluster shifts back into this slot, so the hand stays to look at it. */
-            memcpy(sc->ev + n * t->rec, emb_mem_rec(m, (int64_t)m->hand), t->rec);
+            /* A clean row's spill copy is current: it leaves memory without a write. The
+             * cluster shifts back into this slot, so the hand stays to look at it. */
+            if ((c & (EMB_CTRL_DISK | EMB_CTRL_CLEAN)) != (EMB_CTRL_DISK | EMB_CTRL_CLEAN))
+                memcpy(sc->ev + n_dirty++ * t->rec, emb_mem_rec(m, (int64_t)m->hand), t->rec);
             emb_mem_delete(m, (int64_t)m->hand);
             n++;
         }
     }
-    int rc = flush_deletes(t, sc, errptr);
-    if (rc == CM_OK) rc = emb_store_put(t->spill, sc->ev, n, errptr);
+    int rc = emb_store_put(t->spill, sc->ev, n_dirty, errptr);
     if (rc != CM_OK) {
-        /* Put the rows back rather than lose them; room exists since they just left. */
-        for (uint64_t i = 0; i < n; i++) {
+        /* Put the unwritten rows back rather than lose them; room exists since they left. */
+        for (uint64_t i = 0; i < n_dirty; i++) {
             uint8_t *r = sc->ev + i * t->rec;
             uint64_t k = emb_rec_key(r);
             int64_t slot = emb_mem_insert(m, k, emb_key_hash(k));
             if (slot >= 0) memcpy(emb_mem_rec(m, slot), r, t->rec);
         }
+        s->spilled += n - n_dirty;
+        s->spill_evictions += n - n_dirty;
         return rc;
     }
     s->spilled += n;
@@ -233,8 +226,7 @@ static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
             /* Not looked up in phase 2, or evicted again since: ask the store now. */
             if (grow_buf((void **)&sc->ev, &sc->cap_ev, 1, t->rec) != CM_OK)
                 return cm_err(errptr, CM_ENOMEM, "out of memory");
-            rc = flush_deletes(t, sc, errptr);
-            if (rc == CM_OK) rc = emb_store_get(t->spill, &key, 1, sc->ev, &one_found, errptr);
+            rc = emb_store_get(t->spill, &key, 1, sc->ev, &one_found, errptr);
             if (rc != CM_OK) return rc;
             if (one_found) src = sc->ev;
         }
@@ -244,9 +236,7 @@ static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
             rc = insert_room(t, s, sc, key, h, slot, errptr);
             if (rc != CM_OK) return rc;
             memcpy(emb_mem_rec(&s->mem, *slot), row, t->rec);
-            if (grow_buf((void **)&sc->del, &sc->cap_del, sc->n_del + 1, sizeof(uint64_t)) != CM_OK)
-                return cm_err(errptr, CM_ENOMEM, "out of memory");
-            sc->del[sc->n_del++] = key;
+            s->mem.ctrl[*slot] |= EMB_CTRL_DISK | EMB_CTRL_CLEAN;
             s->spilled--;
             s->spill_loads++;
             return CM_OK;
@@ -278,7 +268,6 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
     int rc = CM_OK;
     const size_t dim = t->dim;
     sc->n_miss = 0;
-    sc->n_del = 0;
     if (t->spill != NULL && s->spilled > 0) {
         rc = prefetch_spilled(t, s, sc, keys, h, idx, m, errptr);
         if (rc != CM_OK) return rc;
@@ -295,18 +284,24 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
             if (op == OP_PULL) memset(out + k * dim, 0, dim * sizeof(float));
             continue;
         }
-        s->mem.ctrl[slot] |= EMB_CTRL_REF;
         uint8_t *rec = emb_mem_rec(&s->mem, slot);
-        if (op == OP_PULL)
+        emb_rec_hdr *hdr = (emb_rec_hdr *)rec;
+        uint8_t ctrl = s->mem.ctrl[slot] | EMB_CTRL_REF;
+        if (op == OP_PULL) {
             memcpy(out + k * dim, emb_rec_weights(rec), dim * sizeof(float));
-        else
+        } else {
             emb_opt_apply(&t->cfg, rec, grads + k * dim);
-        ((emb_rec_hdr *)rec)->last_step = step;
+            ctrl &= (uint8_t)~EMB_CTRL_CLEAN;
+        }
+        if (hdr->last_step != step) {
+            hdr->last_step = step;
+            ctrl &= (uint8_t)~EMB_CTRL_CLEAN;
+        }
+        s->mem.ctrl[slot] = ctrl;
     }
     if (op == OP_PULL) s->pulls += m;
     else s->pushes += m;
-    int frc = flush_deletes(t, sc, rc == CM_OK ? errptr : NULL);
-    return rc != CM_OK ? rc : frc;
+    return rc;
 }
 
 /* Hashes the keys and groups their indices by sub-shard; *order and *starts are the
@@ -582,7 +577,27 @@ int emb_table_get_row(emb_table *t, uint64_t key, emb_row *row, float *weights, 
     return CM_OK;
 }
 
-/* Calls rec_cb on every record, memory first, then spill; the caller holds every lock. */
+/* True when key is resident in memory (its spill copy, if any, is not the current row). */
+static bool resident(const emb_table *t, uint64_t key)
+{
+    uint64_t h = emb_key_hash(key);
+    return emb_mem_find(&t->subs[sub_of(t, h)].mem, key, h) >= 0;
+}
+
+struct spill_walk {
+    const emb_table *t;
+    emb_record_cb cb;
+    void *arg;
+};
+
+static int spill_walk_rec(const void *rec, void *arg)
+{
+    struct spill_walk *sw = arg;
+    return resident(sw->t, emb_rec_key(rec)) ? 0 : sw->cb(rec, sw->arg);
+}
+
+/* Calls rec_cb on every row once, memory first, then rows that live only in the spill store;
+ * the caller holds every lock. */
 int emb_table_foreach_record_locked(emb_table *t, emb_record_cb cb, void *arg, char **errptr)
 {
     for (uint32_t i = 0; i < t->n_sub; i++) {
@@ -594,7 +609,8 @@ int emb_table_foreach_record_locked(emb_table *t, emb_record_cb cb, void *arg, c
         }
     }
     if (t->spill == NULL) return CM_OK;
-    return emb_store_foreach(t->spill, cb, arg, errptr);
+    struct spill_walk sw = {t, cb, arg};
+    return emb_store_foreach(t->spill, spill_walk_rec, &sw, errptr);
 }
 
 struct foreach_arg {
@@ -653,13 +669,31 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
     if (t->cfg.ttl_steps == 0) goto out;
     uint64_t step = emb_table_step(t), ttl = t->cfg.ttl_steps;
     pause_all(t);
-    for (uint32_t i = 0; i < t->n_sub; i++) {
+    struct expire_arg ea = {t, step, ttl, NULL, 0, 0};
+    /* Rows living only in the spill store first (the walk skips resident keys), then resident
+     * rows, whose stale spill copies must go too or they would come back. */
+    size_t n_spill_only = 0;
+    if (t->spill != NULL) {
+        struct spill_walk sw = {t, expire_rec, &ea};
+        rc = emb_store_foreach(t->spill, spill_walk_rec, &sw, errptr);
+        if (rc == CM_ENOMEM) rc = cm_err(errptr, CM_ENOMEM, "out of memory expiring rows");
+        n_spill_only = ea.n;
+        for (size_t i = 0; rc == CM_OK && i < ea.n; i++) {
+            sub *s = &t->subs[sub_of(t, emb_key_hash(ea.keys[i]))];
+            s->spilled--;
+            s->ttl_evictions++;
+        }
+    }
+    for (uint32_t i = 0; rc == CM_OK && i < t->n_sub; i++) {
         sub *s = &t->subs[i];
         emb_mem *m = &s->mem;
         for (uint64_t j = 0; j < m->cap;) {
             /* A deletion shifts the cluster back into slot j: look at it again. */
-            if (m->ctrl[j] != 0 &&
-                expired(step, ((emb_rec_hdr *)emb_mem_rec(m, (int64_t)j))->last_step, ttl)) {
+            uint8_t *rec = m->ctrl[j] ? emb_mem_rec(m, (int64_t)j) : NULL;
+            if (rec && expired(step, ((emb_rec_hdr *)rec)->last_step, ttl)) {
+                if ((m->ctrl[j] & EMB_CTRL_DISK) &&
+                    grow_buf((void **)&ea.keys, &ea.cap, ea.n + 1, sizeof(uint64_t)) == CM_OK)
+                    ea.keys[ea.n++] = emb_rec_key(rec);
                 emb_mem_delete(m, (int64_t)j);
                 s->ttl_evictions++;
                 total++;
@@ -668,21 +702,9 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
             j++;
         }
     }
-    if (t->spill != NULL) {
-        struct expire_arg ea = {t, step, ttl, NULL, 0, 0};
-        rc = emb_store_foreach(t->spill, expire_rec, &ea, errptr);
-        if (rc == CM_ENOMEM) rc = cm_err(errptr, CM_ENOMEM, "out of memory expiring rows");
-        if (rc == CM_OK) rc = emb_store_del(t->spill, ea.keys, ea.n, errptr);
-        if (rc == CM_OK) {
-            for (size_t i = 0; i < ea.n; i++) {
-                sub *s = &t->subs[sub_of(t, emb_key_hash(ea.keys[i]))];
-                s->spilled--;
-                s->ttl_evictions++;
-            }
-            total += ea.n;
-        }
-        free(ea.keys);
-    }
+    if (rc == CM_OK && t->spill != NULL) rc = emb_store_del(t->spill, ea.keys, ea.n, errptr);
+    if (rc == CM_OK) total += n_spill_only;
+    free(ea.keys);
     resume_all(t);
 out:
     if (dropped) *dropped = total;
@@ -753,17 +775,21 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
     int rc = CM_OK;
     pthread_mutex_lock(&s->mu);
     int64_t slot = emb_mem_find(&s->mem, row->key, h);
+    uint8_t on_disk = 0;
     if (slot < 0 && t->spill != NULL && s->spilled > 0) {
-        /* Replacing a spilled row: drop the old copy so the key lives in one place. */
-        uint8_t found = 0, old[t->rec];
-        rc = emb_store_get(t->spill, &row->key, 1, old, &found, errptr);
-        if (rc == CM_OK && found) {
-            rc = emb_store_del(t->spill, &row->key, 1, errptr);
-            if (rc == CM_OK) s->spilled--;
-        }
+        /* Replacing a spilled row: the new row becomes resident and its old copy is stale. */
+        uint8_t old[t->rec];
+        rc = emb_store_get(t->spill, &row->key, 1, old, &on_disk, errptr);
+        if (rc == CM_OK && on_disk) s->spilled--;
     }
-    if (rc == CM_OK && slot < 0) rc = insert_room(t, s, &sc, row->key, h, &slot, errptr);
-    if (rc == CM_OK) memcpy(emb_mem_rec(&s->mem, slot), rec, t->rec);
+    if (rc == CM_OK && slot < 0) {
+        rc = insert_room(t, s, &sc, row->key, h, &slot, errptr);
+        if (rc == CM_OK && on_disk) s->mem.ctrl[slot] |= EMB_CTRL_DISK;
+    }
+    if (rc == CM_OK) {
+        memcpy(emb_mem_rec(&s->mem, slot), rec, t->rec);
+        s->mem.ctrl[slot] &= (uint8_t)~EMB_CTRL_CLEAN;
+    }
     pthread_mutex_unlock(&s->mu);
     scratch_fini(&sc);
     return rc;
