@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#define XXH_INLINE_ALL /* the same xxh3, inlined: lookups hash every key */
 #include <xxhash.h>
 
 #include "common/common.h"
@@ -57,9 +58,14 @@ static size_t row_bytes_of(ember_serve_precision p, uint32_t dim)
     return p == EMBER_SERVE_FP32 ? 4u * dim : p == EMBER_SERVE_FP16 ? 2u * dim : 4u + dim;
 }
 
+static inline uint64_t key_hash(uint64_t key)
+{
+    return XXH3_64bits(&key, sizeof key);
+}
+
 static inline uint64_t key_slot(uint64_t key, uint64_t mask)
 {
-    return XXH3_64bits(&key, sizeof key) & mask;
+    return key_hash(key) & mask;
 }
 
 /* ================= writing ================= */
@@ -295,7 +301,8 @@ static void unmap(serve_map *m)
 }
 
 /* Checks a mapped table file's internal structure. */
-static int table_check(const char *dir, const char *name, serve_table *t, char **errptr)
+static int table_check(const char *dir, const char *name, serve_table *t, uint64_t step,
+                       char **errptr)
 {
     const uint8_t *p = t->map.p;
     tab_hdr h;
@@ -304,8 +311,8 @@ static int table_check(const char *dir, const char *name, serve_table *t, char *
     memcpy(&trailer, p + t->map.len - 8, 8);
     size_t rb = row_bytes_of((ember_serve_precision)h.precision, h.dim);
     if (memcmp(h.magic, TAB_MAGIC, 8) || h.version != BUNDLE_VERSION || h.precision > 2 ||
-        h.dim == 0 || h.row_bytes != rb || h.slots == 0 || (h.slots & (h.slots - 1)) ||
-        h.rows >= h.slots || h.slots > (1ull << 40) || h.deleted > (1ull << 40) ||
+        h.dim == 0 || h.dim > 65536 || h.row_bytes != rb || h.slots == 0 || (h.slots & (h.slots - 1)) ||
+        h.rows >= h.slots || h.slots > (1ull << 40) || h.deleted > (1ull << 40) || h.step != step ||
         t->map.len != sizeof h + h.slots * sizeof(slot_ent) + h.rows * rb + h.deleted * 8 + 8 ||
         cm_xxh3(p, t->map.len - 8) != trailer)
         return cm_err(errptr, CM_ECORRUPT, "%s/%s: bad table header or structure", dir, name);
@@ -401,7 +408,7 @@ static int layer_open(const char *dir, serve_layer *L, char **errptr)
                 if (rc == CM_OK) {
                     L->n_tables++;
                     snprintf(t->name, sizeof t->name, "%.*s", (int)(strlen(fname) - 10), fname + 6);
-                    rc = table_check(dir, fname, t, errptr);
+                    rc = table_check(dir, fname, t, L->step, errptr);
                 }
             } else {
                 rc = cm_err(errptr, CM_ECORRUPT, "%s: unexpected file %s", path, fname);
@@ -427,12 +434,10 @@ int ember_serve_open(const char *bundle, ember_serve **out, char **errptr)
     ember_serve *h = calloc(1, sizeof *h);
     if (h == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     int rc = layer_open(bundle, &h->layers[0], errptr);
+    if (rc == CM_OK) h->n_layers = 1; /* from here on, close unmaps it */
     if (rc == CM_OK && h->layers[0].delta)
         rc = cm_err(errptr, CM_EINVAL, "%s is a delta bundle: open its base, then apply it", bundle);
-    if (rc == CM_OK) {
-        h->n_layers = 1;
-        rc = serve_model_init(h, errptr);
-    }
+    if (rc == CM_OK) rc = serve_model_init(h, errptr);
     if (rc != CM_OK) {
         ember_serve_close(h);
         return rc;
@@ -515,10 +520,10 @@ static void decode_row(const serve_table *t, uint32_t row, float *out)
     }
 }
 
-static int64_t table_find(const serve_table *t, uint64_t key)
+static int64_t table_find(const serve_table *t, uint64_t key, uint64_t hash)
 {
     const slot_ent *ix = t->index;
-    for (uint64_t s = key_slot(key, t->mask), probes = 0; probes <= t->mask; probes++) {
+    for (uint64_t s = hash & t->mask, probes = 0; probes <= t->mask; probes++) {
         if (ix[s].row == EMPTY_ROW) return -1;
         if (ix[s].key == key) return ix[s].row;
         s = (s + 1) & t->mask;
@@ -539,7 +544,28 @@ static bool is_deleted(const serve_table *t, uint64_t key)
     return false;
 }
 
-#define LOOKUP_AHEAD 16
+/*
+ * Lookups are memory-latency bound (an index slot, then a row, both random), so they run as a
+ * three-stage software pipeline over the batch: key i is hashed and its base index slot
+ * prefetched; key i - D is resolved (newest layer first, as before) and its row prefetched;
+ * key i - 2D is decoded. About 2D misses are in flight instead of one or two.
+ */
+#define LOOKUP_DIST 16
+#define LOOKUP_RING 64 /* a power of two > 2 * LOOKUP_DIST */
+
+/* The layer's table holding key (row >= 0), or row -1 when absent or deleted. */
+static const serve_table *resolve(const ember_serve *h, int table, uint64_t key, uint64_t hash,
+                                  int64_t *row)
+{
+    for (int l = h->n_layers - 1; l >= 0; l--) {
+        const serve_table *lt = &h->layers[l].tables[table];
+        *row = table_find(lt, key, hash);
+        if (*row >= 0) return lt;
+        if (l > 0 && is_deleted(lt, key)) break;
+    }
+    *row = -1;
+    return NULL;
+}
 
 int ember_serve_lookup(const ember_serve *h, int table, const uint64_t *keys, size_t n,
                        float *out, uint8_t *found)
@@ -547,24 +573,32 @@ int ember_serve_lookup(const ember_serve *h, int table, const uint64_t *keys, si
     if (table < 0 || table >= h->layers[0].n_tables) return CM_EINVAL;
     const uint32_t dim = h->layers[0].tables[table].dim;
     const serve_table *base = &h->layers[0].tables[table];
-    for (size_t i = 0; i < n; i++) {
-        /* Prefetch the index slot a few keys ahead: lookups are memory-latency bound. */
-        if (i + LOOKUP_AHEAD < n)
-            __builtin_prefetch((const slot_ent *)base->index + key_slot(keys[i + LOOKUP_AHEAD], base->mask));
-        int64_t row = -1;
-        const serve_table *t = base;
-        for (int l = h->n_layers - 1; l >= 0; l--) {
-            const serve_table *lt = &h->layers[l].tables[table];
-            row = table_find(lt, keys[i]);
-            if (row >= 0) {
-                t = lt;
-                break;
-            }
-            if (l > 0 && is_deleted(lt, keys[i])) break;
+    const slot_ent *bix = base->index;
+    uint64_t hashes[LOOKUP_RING];
+    const serve_table *tabs[LOOKUP_RING];
+    int64_t rows[LOOKUP_RING];
+    const size_t d = n < LOOKUP_DIST ? (n ? n : 1) : LOOKUP_DIST;
+    for (size_t i = 0; i < n + 2 * d; i++) {
+        if (i < n) {
+            uint64_t hv = key_hash(keys[i]);
+            hashes[i % LOOKUP_RING] = hv;
+            __builtin_prefetch(bix + (hv & base->mask));
         }
-        if (row >= 0) decode_row(t, (uint32_t)row, out + i * dim);
-        else memset(out + i * dim, 0, dim * sizeof(float));
-        if (found) found[i] = row >= 0;
+        if (i >= d && i - d < n) {
+            size_t j = i - d, r = j % LOOKUP_RING;
+            tabs[r] = resolve(h, table, keys[j], hashes[r], &rows[r]);
+            if (rows[r] >= 0) {
+                const uint8_t *p = tabs[r]->data + (size_t)rows[r] * tabs[r]->row_bytes;
+                __builtin_prefetch(p);
+                __builtin_prefetch(p + tabs[r]->row_bytes - 1);
+            }
+        }
+        if (i >= 2 * d) {
+            size_t j = i - 2 * d, r = j % LOOKUP_RING;
+            if (rows[r] >= 0) decode_row(tabs[r], (uint32_t)rows[r], out + j * dim);
+            else memset(out + j * dim, 0, dim * sizeof(float));
+            if (found) found[j] = rows[r] >= 0;
+        }
     }
     return CM_OK;
 }

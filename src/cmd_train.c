@@ -1,6 +1,7 @@
 /* ember train: end-to-end CTR training against the PS (src/train.h). */
 #include <getopt.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,14 +87,19 @@ int cmd_train(int argc, char **argv)
         case O_EPOCHS: bad = parse_uint(optarg, 10000, &u) || !u; o.epochs = (uint32_t)u; break;
         case O_WORKERS: bad = parse_uint(optarg, PS_MAX_WORKERS, &u) || !u; o.workers = (uint32_t)u; break;
         case O_SHARDS: bad = parse_uint(optarg, PS_MAX_SHARDS, &u) || !u; o.shards = (uint32_t)u; break;
-        case O_STALE: o.staleness = (int32_t)strtol(optarg, &end, 10); bad = *end || o.staleness < -1; break;
+        case O_STALE: {
+            long v = strtol(optarg, &end, 10);
+            bad = *end || end == optarg || v < -1 || v > 1000000;
+            o.staleness = (int32_t)v;
+            break;
+        }
         case O_CKPT: bad = parse_uint(optarg, UINT64_MAX, &o.ckpt_every); break;
         case O_MAXSTEPS: bad = parse_uint(optarg, UINT64_MAX, &o.max_steps); break;
         case O_RESUME: o.resume = 1; break;
         case O_SEED: bad = parse_uint(optarg, UINT64_MAX, &o.seed); break;
         case O_MEMORY: bad = parse_uint(optarg, UINT64_MAX, &o.memory); break;
-        case O_EMBLR: o.emb_lr = strtof(optarg, &end); bad = *end || !(o.emb_lr > 0); break;
-        case O_DENSELR: o.dense_lr = strtof(optarg, &end); bad = *end || !(o.dense_lr > 0); break;
+        case O_EMBLR: o.emb_lr = strtof(optarg, &end); bad = *end || !(o.emb_lr > 0) || !isfinite(o.emb_lr); break;
+        case O_DENSELR: o.dense_lr = strtof(optarg, &end); bad = *end || !(o.dense_lr > 0) || !isfinite(o.dense_lr); break;
         case O_EMBOPT: bad = emb_opt_parse(optarg, &o.emb_opt); break;
         case O_CODEC: bad = ps_codec_parse(optarg, &o.push_codec); break;
         case O_DIM: bad = parse_uint(optarg, 1024, &u) || !u; o.dim_override = (uint32_t)u; break;
@@ -135,10 +141,15 @@ int cmd_train(int argc, char **argv)
     }
     if (o.cluster_path && strcmp(o.role, "worker") == 0 && o.index != 0) return 0;
     if (o.cluster_path && strcmp(o.role, "ps") == 0) return 0;
-    printf("{\"auc\":%.6f,\"logloss\":%.6f,\"samples_per_s\":%.1f,\"rows\":%" PRIu64
+    char auc[32] = "null", logloss[32] = "null"; /* no --eval: nothing measured */
+    if (o.eval_path) {
+        snprintf(auc, sizeof auc, "%.6f", r.auc);
+        snprintf(logloss, sizeof logloss, "%.6f", r.logloss);
+    }
+    printf("{\"auc\":%s,\"logloss\":%s,\"samples_per_s\":%.1f,\"rows\":%" PRIu64
            ",\"seconds\":%.3f,\"steps\":%" PRIu64 ",\"eval_rows\":%" PRIu64
            ",\"train_loss\":%.6f,\"model\":\"%s\",\"workers\":%u,\"shards\":%u}\n",
-           r.auc, r.logloss, r.samples_per_s, r.rows, r.seconds, r.steps, r.eval_rows, r.train_loss,
+           auc, logloss, r.samples_per_s, r.rows, r.seconds, r.steps, r.eval_rows, r.train_loss,
            model_kind_name(o.model.kind), o.workers, o.shards);
     return 0;
 }

@@ -342,21 +342,3 @@ void model_staging_view(const model_staging *s, model_batch *mb)
     for (uint32_t t = 0; t < s->n_tables; t++) mb->emb[t] = s->emb[t];
 }
 
-int backend_find(const char *name, const backend_ops **out, char **errptr)
-{
-    if (strcmp(name, "cpu") == 0) {
-        *out = &backend_cpu_ops;
-        return CM_OK;
-    }
-    if (strcmp(name, "cuda") == 0) {
-        if (backend_cuda_ops == NULL)
-            return cm_err(errptr, CM_EINVAL, "this ember was built without CUDA (nvcc not found)");
-        *out = backend_cuda_ops;
-        return CM_OK;
-    }
-    return cm_err(errptr, CM_EINVAL, "unknown device '%s' (cpu, cuda)", name);
-}
-
-#ifndef EMBER_HAVE_CUDA
-const backend_ops *const backend_cuda_ops = NULL;
-#endif

@@ -136,6 +136,10 @@ extern const backend_ops backend_cpu_ops;
 /* NULL when ember was built without CUDA. */
 extern const backend_ops *const backend_cuda_ops;
 
+/* 0 when a CUDA device is usable, else an error saying why (not built, no driver, no
+ * device). Cheap: it creates nothing. */
+int backend_cuda_probe(char **errptr);
+
 /* "cpu" or "cuda" (error when not built or no device). */
 int backend_find(const char *name, const backend_ops **out, char **errptr);
 

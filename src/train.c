@@ -59,13 +59,17 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
     } else {
         if (!strcmp(k, "batch")) bad = cm_parse_size(v, &u) || u == 0 || u > 1000000, o->batch = (uint32_t)u;
         else if (!strcmp(k, "epochs")) bad = cm_parse_size(v, &u) || u == 0 || u > 10000, o->epochs = (uint32_t)u;
-        else if (!strcmp(k, "emb_lr")) o->emb_lr = strtof(v, &end), bad = *end || !(o->emb_lr > 0);
-        else if (!strcmp(k, "dense_lr")) o->dense_lr = strtof(v, &end), bad = *end || !(o->dense_lr > 0);
+        else if (!strcmp(k, "emb_lr")) o->emb_lr = strtof(v, &end), bad = *end || !(o->emb_lr > 0) || !isfinite(o->emb_lr);
+        else if (!strcmp(k, "dense_lr")) o->dense_lr = strtof(v, &end), bad = *end || !(o->dense_lr > 0) || !isfinite(o->dense_lr);
         else if (!strcmp(k, "emb_optimizer")) bad = emb_opt_parse(v, &o->emb_opt);
         else if (!strcmp(k, "push_codec")) bad = ps_codec_parse(v, &o->push_codec);
         else if (!strcmp(k, "memory")) bad = cm_parse_size(v, &o->memory);
         else if (!strcmp(k, "shuffle")) bad = cm_parse_size(v, &o->shuffle_rows);
-        else if (!strcmp(k, "staleness")) o->staleness = (int32_t)strtol(v, &end, 10), bad = *end || o->staleness < -1;
+        else if (!strcmp(k, "staleness")) {
+            long x = strtol(v, &end, 10);
+            bad = *end || end == v || x < -1 || x > 1000000;
+            o->staleness = (int32_t)x;
+        }
         else if (!strcmp(k, "checkpoint_every")) bad = cm_parse_size(v, &o->ckpt_every);
         else return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
     }
@@ -618,14 +622,9 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
     if (o->device != NULL) {
         rc = backend_find(o->device, &S->be, errptr);
     } else {
-        /* Auto: CUDA when built in and a device answers (a trial create says), else the CPU. */
-        void *probe = NULL;
-        S->be = &backend_cpu_ops;
-        if (backend_cuda_ops != NULL &&
-            backend_cuda_ops->create(&S->m, &S->l, 1, 1, 1, &probe, NULL) == CM_OK) {
-            backend_cuda_ops->destroy(probe);
-            S->be = backend_cuda_ops;
-        }
+        /* Auto: CUDA when built in and a device answers, else the CPU. */
+        S->be = backend_cuda_ops != NULL && backend_cuda_probe(NULL) == CM_OK ? backend_cuda_ops
+                                                                              : &backend_cpu_ops;
     }
     if (rc != CM_OK) return rc;
     /* The PS cluster this model needs. */

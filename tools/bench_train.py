@@ -76,6 +76,48 @@ class Model(torch.nn.Module):
         return self.mlp(torch.cat([e, dense], dim=1)).squeeze(1)
 
 
+def train_stale(model, opt_e, opt_d, loss_fn, itr, xtr, ytr, batch):
+    """One epoch where batch t+1 is computed with the embedding rows and tower as they were
+    before batch t's update (ember's prefetch pulls t+1 before it pushes t)."""
+    import copy
+    n = len(ytr)
+    W = model.emb.weight
+    stale_mlp = copy.deepcopy(model.mlp)
+    starts = list(range(0, n, batch))
+    with torch.no_grad():
+        rows_next = W[itr[0:batch]].clone()
+    loss_sum = 0.0
+    for k, s in enumerate(starts):
+        e = min(n, s + batch)
+        idx = itr[s:e]
+        E = rows_next.requires_grad_(True)
+        x = torch.cat([E.reshape(e - s, -1), xtr[s:e]], dim=1)
+        logits = stale_mlp(x).squeeze(1)
+        loss = loss_fn(logits, ytr[s:e])
+        for p in stale_mlp.parameters():
+            p.grad = None
+        loss.backward()
+        with torch.no_grad():
+            if k + 1 < len(starts):  # pull t+1 before pushing t
+                s2 = starts[k + 1]
+                rows_next = W[itr[s2:min(n, s2 + batch)]].clone()
+                next_state = [p.detach().clone() for p in model.mlp.parameters()]
+            g = E.grad.reshape(-1, E.shape[-1])
+            flat = idx.reshape(-1)
+            keep = flat != 0
+            W.grad = torch.sparse_coo_tensor(flat[keep].unsqueeze(0), g[keep], W.shape)
+            for p, sp in zip(model.mlp.parameters(), stale_mlp.parameters()):
+                p.grad = sp.grad.clone()
+        opt_e.step()
+        opt_d.step()
+        with torch.no_grad():
+            if k + 1 < len(starts):
+                for sp, v in zip(stale_mlp.parameters(), next_state):
+                    sp.copy_(v)
+        loss_sum += float(loss) * (e - s)
+    return loss_sum
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
@@ -86,6 +128,9 @@ def main():
     ap.add_argument("--dense-lr", type=float, default=0.001)
     ap.add_argument("--init-scale", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--stale", action="store_true",
+                    help="experiment: emulate ember's pipeline, where batch t+1's rows and tower are "
+                         "read before batch t's update (one step stale)")
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -109,7 +154,9 @@ def main():
     loss_sum = 0.0
     model.train()
     t0 = time.perf_counter()
-    for s in range(0, n, a.batch):
+    if a.stale:
+        loss_sum = train_stale(model, opt_e, opt_d, loss_fn, itr, xtr, ytr, a.batch)
+    for s in range(0, 0 if a.stale else n, a.batch):
         e = min(n, s + a.batch)
         logits = model(itr[s:e], xtr[s:e])
         loss = loss_fn(logits, ytr[s:e])
@@ -133,7 +180,8 @@ def main():
     print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
                       "rows": n, "eval_rows": len(yev), "seconds": round(train_s, 3),
                       "samples_per_s": round(n / train_s, 1), "train_loss": loss_sum / n,
-                      "auc": auc, "logloss": logloss, "load_seconds": round(load_s, 3)},
+                      "auc": auc, "logloss": logloss, "load_seconds": round(load_s, 3),
+                      "stale": a.stale},
                      separators=(",", ":")))
 
 

@@ -67,6 +67,8 @@ static int run(char *const argv[], const char *out_path, double limit)
 }
 
 /* Counts the pids listed in RUNDIR/pids that are still alive (and not zombies). */
+static int quiet;
+
 static int alive_from(const char *run_dir, int *listed)
 {
     char path[4200], role[32];
@@ -85,7 +87,7 @@ static int alive_from(const char *run_dir, int *listed)
             char *p = strrchr(buf, ')');
             if (p && p[1] == ' ' && p[2] != 'Z' && strstr(buf, "(ember)")) {
                 alive++;
-                fprintf(stderr, "launch_test: %s %d (pid %d) is still running\n", role, idx, pid);
+                if (!quiet) fprintf(stderr, "launch_test: %s %d (pid %d) is still running\n", role, idx, pid);
             }
         }
         fclose(s);
@@ -132,10 +134,11 @@ int main(int argc, char **argv)
                    "--block-rows", "1024", "--threads", "1", tsv, NULL};
     CHECK(run(ing, "/dev/null", 60) == 0);
 
-    /* 1. A good job: 2 PS x 2 workers, 3 epochs of small batches so the AUC is meaningful. */
+    /* 1. A good job: 2 PS x 2 workers, one epoch of small batches (enough steps on 18K rows for
+     * an AUC of ~0.63; batch 2048 would give only ~9 steps a worker). */
     snprintf(out, sizeof out, "%s.json", run_ok);
     char *ok[] = {(char *)launch, "--ps", "2", "--workers", "2", "--out", run_ok, "--timeout", "100", "--",
-                  "--train", train, "--eval", eval, "--model", "mlp", "--batch", "256", "--epochs", "3",
+                  "--train", train, "--eval", eval, "--model", "mlp", "--batch", "64", "--epochs", "1",
                   "--device", "cpu", "--no-progress", NULL};
     double t0 = now_s();
     int rc = run(ok, out, 120);
@@ -151,8 +154,9 @@ int main(int argc, char **argv)
     double auc = json_num(line, "auc");
     fprintf(stderr, "launch_test: good job took %.1f s: %s", now_s() - t0, line[0] ? line : "(no JSON)\n");
     CHECK_MSG(auc > 0.55, "auc %.4f", auc);
-    CHECK(json_num(line, "workers") == 2);
-    CHECK(json_num(line, "shards") == 2);
+    /* (The JSON's "workers"/"shards" are ember train's --workers/--shards flags, 1 and 1 here,
+     * not the cluster's: launch passes the cluster file instead.) */
+    CHECK(json_num(line, "eval_rows") > 1000);
     int listed;
     CHECK(alive_from(run_ok, &listed) == 0);
     CHECK(listed == 4);
@@ -176,6 +180,7 @@ int main(int argc, char **argv)
     /* Wait until all four processes are listed (and so started), then a little more. */
     char pids[4400];
     snprintf(pids, sizeof pids, "%s/pids", run_term);
+    quiet = 1;
     for (int i = 0; i < 200; i++) {
         int n = 0;
         if (alive_from(run_term, &n) >= 0 && n == 4) break;
@@ -183,6 +188,7 @@ int main(int argc, char **argv)
     }
     usleep(500000);
     int before = alive_from(run_term, &listed);
+    quiet = 0;
     CHECK_MSG(before > 0, "no process of the job running before SIGTERM (%d listed)", listed);
     kill(pid, SIGTERM);
     rc = wait_bounded(pid, 30);

@@ -1,6 +1,6 @@
 /*
  * Checkpoint and resume ($EMBER_BIN): run A trains 40 steps with a checkpoint every 20; run B
- * trains 20 steps, then `--resume --max-steps 40` in the same directory. B's final AUC and
+ * trains 20 steps, then `--resume --max-steps 40 --checkpoint-every 20` in the same directory. B's final AUC and
  * logloss equal A's to the last printed digit (a one-worker run is deterministic and resuming
  * replays exactly the pulls A made after its checkpoint), for a one-table model (mlp), a
  * two-table model (deepfm) and lr. Also: A's checkpoint directories and LATEST, the resumed
@@ -55,8 +55,9 @@ static void resume_case(const char *model, unsigned batch, unsigned epochs, unsi
     snprintf(p, sizeof p, "B-%s", tag);
     snprintf(want, sizeof want, "step-%u\n", mid);
     check_latest(p, want);
-    rc = run("train %s --model %s --batch %u --epochs %u --resume --max-steps %u --out B-%s", common,
-             model, batch, epochs, total, tag);
+    /* The same --checkpoint-every as A: a checkpoint also refreshes the next batch's pull. */
+    rc = run("train %s --model %s --batch %u --epochs %u --resume --max-steps %u --checkpoint-every %u "
+             "--out B-%s", common, model, batch, epochs, total, mid, tag);
     CHECK_MSG(rc == 0, "%s: run B (resumed) exit %d", model, rc);
     snprintf(b, sizeof b, "%s", last_line());
     fprintf(stderr, "    B: %s\n", b);

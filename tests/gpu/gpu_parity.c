@@ -1,0 +1,349 @@
+/*
+ * The cuda backend against the cpu backend (the reference), for every preset.
+ *
+ * Without a usable device (cudaGetDeviceCount fails or finds none) it prints "SKIPPED: no
+ * CUDA device" and exits 77, which ctest reports as skipped.
+ *
+ * Each case is a random batch in the model's layout: multi-hot CSR rows of 0..4 keys (empty
+ * fields, one sample with every field empty, keys repeated inside a field, keys of the U never
+ * used), mean or sum pooling values, optionally times a per-key weight; random parameters
+ * (biases too), dense values and pulled rows. Every CUDA output (probs, loss, dparams, demb) is
+ * filled with NaN before each step, so an element the backend does not write fails. Elements
+ * must agree within 1e-5 relative; the absolute floor is 1e-5 of the largest magnitude in that
+ * output, because cuBLAS, cuSPARSE and the tree reductions sum in other orders than OpenBLAS and
+ * the CPU loops, and a sum that cancels (a bias gradient: the sum of p - y over the batch) keeps
+ * the absolute error of its terms, not a relative one.
+ *
+ * Also on the device: several batch sizes through one state (growth, then reuse), a batch
+ * with more distinct keys than the first (the lazily grown buffers), the forward-only call,
+ * a batch without labels (loss 0; backward refused), bit-identical repeats, shape errors, an
+ * empty batch.
+ */
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+#include "check.h"
+#include "src/model.h"
+
+static uint64_t rng_state = 12345;
+
+static uint64_t rnd64(void)
+{
+    uint64_t x = (rng_state += 0x9E3779B97F4A7C15ull);
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+static float unif(float lo, float hi)
+{
+    return lo + (hi - lo) * (float)((double)(rnd64() >> 11) * (1.0 / 9007199254740992.0));
+}
+
+static uint32_t rndu(uint32_t n)
+{
+    return (uint32_t)(rnd64() % n);
+}
+
+typedef struct batch {
+    uint32_t B, F, D, U;
+    float *dense, *labels, *val, *emb[MODEL_MAX_TABLES];
+    uint32_t *row_ptr, *col;
+    model_batch mb;
+} batch;
+
+static void batch_free(batch *b)
+{
+    free(b->dense);
+    free(b->labels);
+    free(b->val);
+    free(b->row_ptr);
+    free(b->col);
+    for (int t = 0; t < MODEL_MAX_TABLES; t++) free(b->emb[t]);
+    memset(b, 0, sizeof *b);
+}
+
+/* A random batch of B rows over U distinct keys (the last few never used). */
+static void batch_make(batch *b, const model_layout *l, uint32_t B, uint32_t F, uint32_t D,
+                       uint32_t U, int mean, int key_weights)
+{
+    memset(b, 0, sizeof *b);
+    b->B = B;
+    b->F = F;
+    b->D = D;
+    b->U = U;
+    size_t rows = (size_t)B * F;
+    b->row_ptr = malloc((rows + 1) * sizeof(uint32_t));
+    b->col = malloc(rows * 4 * sizeof(uint32_t) + 4);
+    b->val = malloc(rows * 4 * sizeof(float) + 4);
+    b->dense = malloc((size_t)B * D * sizeof(float) + 4);
+    b->labels = malloc(B * sizeof(float) + 4);
+    uint32_t used = U > 3 ? U - 2 : U, nnz = 0;
+    b->row_ptr[0] = 0;
+    for (size_t r = 0; r < rows; r++) {
+        uint32_t len = used ? rndu(5) : 0; /* 0..4; 0 is an empty field */
+        if (r / F == 1) len = 0;        /* sample 1: every field empty */
+        float w = mean && len ? 1.0f / (float)len : 1.0f;
+        for (uint32_t k = 0; k < len; k++) {
+            /* Sometimes repeat the previous key of this field (a key listed twice). */
+            uint32_t c = k && rndu(4) == 0 ? b->col[nnz - 1] : rndu(used);
+            b->col[nnz] = c;
+            b->val[nnz] = key_weights ? w * unif(0.2f, 2.0f) : w;
+            nnz++;
+        }
+        b->row_ptr[r + 1] = nnz;
+    }
+    for (size_t i = 0; i < (size_t)B * D; i++) b->dense[i] = unif(-2.0f, 2.0f);
+    for (uint32_t i = 0; i < B; i++) b->labels[i] = rndu(2) ? 1.0f : 0.0f;
+    for (uint32_t t = 0; t < l->n_tables; t++) {
+        size_t n = (size_t)U * l->table_dim[t];
+        b->emb[t] = malloc(n * sizeof(float) + 4);
+        for (size_t i = 0; i < n; i++) b->emb[t][i] = unif(-0.5f, 0.5f);
+    }
+    model_batch *mb = &b->mb;
+    mb->B = B;
+    mb->F = F;
+    mb->D = D;
+    mb->U = U;
+    mb->dense = b->dense;
+    mb->labels = b->labels;
+    mb->row_ptr = b->row_ptr;
+    mb->col = b->col;
+    mb->val = b->val;
+    for (uint32_t t = 0; t < l->n_tables; t++) mb->emb[t] = b->emb[t];
+}
+
+/* One step's outputs. */
+typedef struct outs {
+    float *probs, *dparams, *demb[MODEL_MAX_TABLES];
+    double loss;
+} outs;
+
+static void outs_alloc(outs *o, const model_layout *l, uint32_t B, uint32_t U)
+{
+    o->probs = malloc(B * sizeof(float) + 4);
+    o->dparams = malloc(l->n_params * sizeof(float) + 4);
+    for (uint32_t t = 0; t < l->n_tables; t++)
+        o->demb[t] = malloc((size_t)U * l->table_dim[t] * sizeof(float) + 4);
+}
+
+static void outs_free(outs *o)
+{
+    free(o->probs);
+    free(o->dparams);
+    for (int t = 0; t < MODEL_MAX_TABLES; t++) free(o->demb[t]);
+    memset(o, 0, sizeof *o);
+}
+
+static void outs_poison(outs *o, const model_layout *l, uint32_t B, uint32_t U)
+{
+    for (uint32_t i = 0; i < B; i++) o->probs[i] = NAN;
+    for (size_t i = 0; i < l->n_params; i++) o->dparams[i] = NAN;
+    for (uint32_t t = 0; t < l->n_tables; t++)
+        for (size_t i = 0; i < (size_t)U * l->table_dim[t]; i++) o->demb[t][i] = NAN;
+    o->loss = NAN;
+}
+
+/* Elementwise |got - want| <= 1e-5 (|want| + max|want|); NaN never passes. */
+static int close_arrays(const char *what, const float *got, const float *want, size_t n)
+{
+    float mx = 0;
+    for (size_t i = 0; i < n; i++) mx = fabsf(want[i]) > mx ? fabsf(want[i]) : mx;
+    double floor = 1e-5 * mx + 1e-30, worst = 0;
+    size_t bad = 0, first = n;
+    for (size_t i = 0; i < n; i++) {
+        double diff = fabs((double)got[i] - (double)want[i]);
+        double tol = 1e-5 * fabs((double)want[i]) + floor;
+        if (!(diff <= tol)) {
+            if (bad++ == 0) first = i;
+        }
+        double used = diff / tol; /* the share of the budget this element uses */
+        if (used > worst || used != used) worst = used;
+    }
+    if (bad)
+        fprintf(stderr, "  %s: %zu of %zu elements differ; first [%zu] cuda %.9g cpu %.9g (max|cpu| %g)\n",
+                what, bad, n, first, got[first], want[first], mx);
+    else
+        fprintf(stderr, "  %s: %zu elements, at most %.3g of the tolerance used\n", what, n, worst);
+    return bad == 0;
+}
+
+static int same_bits(const float *a, const float *b, size_t n)
+{
+    return n == 0 || memcmp(a, b, n * sizeof(float)) == 0;
+}
+
+/* Runs both backends on one batch and compares everything; with_bwd 0 is forward only. */
+static void compare_step(const char *name, const model_layout *l, void *gpu, void *cpu,
+                         const float *params, const batch *b, int with_bwd)
+{
+    char *err = NULL;
+    outs g, c;
+    memset(&g, 0, sizeof g);
+    memset(&c, 0, sizeof c);
+    outs_alloc(&g, l, b->B, b->U);
+    outs_alloc(&c, l, b->B, b->U);
+    int rc = backend_cpu_ops.step(cpu, params, &b->mb, c.probs, &c.loss, with_bwd ? c.dparams : NULL,
+                                  with_bwd ? c.demb : NULL, &err);
+    CHECK_OK(rc, err);
+    outs_poison(&g, l, b->B, b->U);
+    rc = backend_cuda_ops->step(gpu, params, &b->mb, g.probs, &g.loss, with_bwd ? g.dparams : NULL,
+                                with_bwd ? g.demb : NULL, &err);
+    CHECK_OK(rc, err);
+    fprintf(stderr, "%s B %u U %u %s:\n", name, b->B, b->U, with_bwd ? "train" : "forward");
+    CHECK_MSG(close_arrays("probs", g.probs, c.probs, b->B), "%s probs", name);
+    double ldiff = fabs(g.loss - c.loss);
+    CHECK_MSG(ldiff <= 1e-5 * fabs(c.loss) + 1e-7, "%s loss cuda %.9g cpu %.9g", name, g.loss, c.loss);
+    if (with_bwd) {
+        CHECK_MSG(close_arrays("dparams", g.dparams, c.dparams, l->n_params), "%s dparams", name);
+        for (uint32_t t = 0; t < l->n_tables; t++) {
+            char what[32];
+            snprintf(what, sizeof what, "demb[%u]", t);
+            CHECK_MSG(close_arrays(what, g.demb[t], c.demb[t], (size_t)b->U * l->table_dim[t]),
+                      "%s %s", name, what);
+        }
+        /* The same step again: bit-identical (no atomics, fixed reduction orders). */
+        outs g2;
+        memset(&g2, 0, sizeof g2);
+        outs_alloc(&g2, l, b->B, b->U);
+        outs_poison(&g2, l, b->B, b->U);
+        rc = backend_cuda_ops->step(gpu, params, &b->mb, g2.probs, &g2.loss, g2.dparams, g2.demb, &err);
+        CHECK_OK(rc, err);
+        int same = same_bits(g.probs, g2.probs, b->B) && same_bits(g.dparams, g2.dparams, l->n_params) &&
+                   memcmp(&g.loss, &g2.loss, sizeof g.loss) == 0;
+        for (uint32_t t = 0; t < l->n_tables; t++)
+            same = same && same_bits(g.demb[t], g2.demb[t], (size_t)b->U * l->table_dim[t]);
+        CHECK_MSG(same, "%s: a repeated step is not bit-identical", name);
+        outs_free(&g2);
+    }
+    outs_free(&g);
+    outs_free(&c);
+}
+
+static void run_model(model_kind kind, int mean, int key_weights)
+{
+    char name[64];
+    snprintf(name, sizeof name, "%s/%s%s", model_kind_name(kind), mean ? "mean" : "sum",
+             key_weights ? "+weights" : "");
+    const uint32_t F = 6, D = 5, max_b = 300, max_u = 5000;
+    model_cfg m;
+    model_layout l;
+    char *err = NULL;
+    model_cfg_preset(&m, kind, F, D);
+    CHECK_OK(model_layout_make(&m, &l, &err), err);
+    float *params = malloc(l.n_params * sizeof(float));
+    model_init_params(&m, &l, params);
+    /* Non-zero biases and first-order weights, so every parameter's path matters. */
+    for (size_t i = 0; i < l.n_params; i++)
+        if (params[i] == 0.0f) params[i] = unif(-0.1f, 0.1f);
+    void *gpu = NULL, *cpu = NULL;
+    CHECK_OK(backend_cuda_ops->create(&m, &l, max_b, max_u, 1, &gpu, &err), err);
+    CHECK_OK(backend_cpu_ops.create(&m, &l, max_b, max_u, 1, &cpu, &err), err);
+    if (gpu == NULL || cpu == NULL) goto out;
+
+    /* Growing, shrinking, then growing U past everything seen before. */
+    const uint32_t shapes[][2] = {{64, 40}, {300, 700}, {37, 20}, {300, 700}, {128, 4000}, {1, 3}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        batch b;
+        batch_make(&b, &l, shapes[s][0], F, D, shapes[s][1], mean, key_weights);
+        compare_step(name, &l, gpu, cpu, params, &b, 1);
+        if (s == 1) compare_step(name, &l, gpu, cpu, params, &b, 0);
+        batch_free(&b);
+    }
+
+    /* No labels: probs and loss 0 forward; backward refused with probs still written. */
+    {
+        batch b;
+        batch_make(&b, &l, 50, F, D, 30, mean, key_weights);
+        b.mb.labels = NULL;
+        float *pg = malloc(50 * sizeof(float)), *pc = malloc(50 * sizeof(float));
+        float *dp = malloc(l.n_params * sizeof(float));
+        float *de[MODEL_MAX_TABLES] = {0};
+        for (uint32_t t = 0; t < l.n_tables; t++) de[t] = malloc(30 * l.table_dim[t] * sizeof(float));
+        double lg = NAN, lc = NAN;
+        for (int i = 0; i < 50; i++) pg[i] = NAN;
+        CHECK_OK(backend_cpu_ops.step(cpu, params, &b.mb, pc, &lc, NULL, NULL, &err), err);
+        CHECK_OK(backend_cuda_ops->step(gpu, params, &b.mb, pg, &lg, NULL, NULL, &err), err);
+        CHECK(lg == 0.0 && lc == 0.0);
+        CHECK_MSG(close_arrays("probs (no labels)", pg, pc, 50), "%s unlabelled probs", name);
+        int rc = backend_cuda_ops->step(gpu, params, &b.mb, pg, &lg, dp, de, &err);
+        CHECK(rc != 0 && err && strstr(err, "labels"));
+        free(err);
+        err = NULL;
+        free(pg);
+        free(pc);
+        free(dp);
+        for (uint32_t t = 0; t < l.n_tables; t++) free(de[t]);
+        batch_free(&b);
+    }
+
+    /* Shape errors come back as errors, and the state stays usable. */
+    {
+        batch b;
+        batch_make(&b, &l, 10, F, D, max_u + 1, mean, key_weights);
+        float probs[10];
+        double loss;
+        int rc = backend_cuda_ops->step(gpu, params, &b.mb, probs, &loss, NULL, NULL, &err);
+        CHECK(rc != 0 && err != NULL);
+        free(err);
+        err = NULL;
+        b.mb.F = F + 1;
+        b.mb.U = 5;
+        rc = backend_cuda_ops->step(gpu, params, &b.mb, probs, &loss, NULL, NULL, &err);
+        CHECK(rc != 0 && err != NULL);
+        free(err);
+        err = NULL;
+        /* A column not below U: rejected, not read out of bounds. */
+        b.mb.F = F;
+        b.mb.U = 2;
+        if (b.row_ptr[b.B * F] > 0) {
+            rc = backend_cuda_ops->step(gpu, params, &b.mb, probs, &loss, NULL, NULL, &err);
+            CHECK(rc != 0 && err != NULL);
+            free(err);
+            err = NULL;
+        }
+        batch_free(&b);
+        batch_make(&b, &l, 20, F, D, 10, mean, key_weights);
+        compare_step(name, &l, gpu, cpu, params, &b, 1);
+        batch_free(&b);
+    }
+
+    /* An empty batch. */
+    {
+        batch b;
+        batch_make(&b, &l, 0, F, D, 0, mean, key_weights);
+        float probs[1];
+        double loss = NAN;
+        float *dp = malloc(l.n_params * sizeof(float));
+        float *de[MODEL_MAX_TABLES] = {0};
+        for (size_t i = 0; i < l.n_params; i++) dp[i] = NAN;
+        CHECK_OK(backend_cuda_ops->step(gpu, params, &b.mb, probs, &loss, dp, de, &err), err);
+        CHECK(loss == 0.0);
+        int zero = 1;
+        for (size_t i = 0; i < l.n_params; i++) zero = zero && dp[i] == 0.0f;
+        CHECK(zero);
+        free(dp);
+        batch_free(&b);
+    }
+out:
+    if (gpu) backend_cuda_ops->destroy(gpu);
+    if (cpu) backend_cpu_ops.destroy(cpu);
+    free(params);
+}
+
+int main(void)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (backend_cuda_ops == NULL || e != cudaSuccess || n <= 0) {
+        if (e != cudaSuccess) printf("SKIPPED: no CUDA device (%s)\n", cudaGetErrorString(e));
+        else printf("SKIPPED: no CUDA device\n");
+        return 77;
+    }
+    const model_kind kinds[] = {MODEL_LR, MODEL_MLP, MODEL_DLRM, MODEL_DEEPFM};
+    for (int k = 0; k < 4; k++) {
+        run_model(kinds[k], 1, 0);
+        run_model(kinds[k], 0, 1);
+    }
+    return check_done();
+}

@@ -1,0 +1,151 @@
+/*
+ * serve_concurrent: one handle (a deepfm base bundle with a delta applied) shared by 4 threads
+ * that look up keys (every key of both tables plus misses, in chunks of varying sizes) and
+ * predict every eval row, all at once, several rounds each: every result equals, bit for bit,
+ * what one thread got alone beforehand.
+ */
+#include <pthread.h>
+
+#include "serve_util.h"
+
+#define N_THREADS 4
+#define ROUNDS 3
+
+typedef struct ref_table {
+    int t;
+    uint32_t dim;
+    uint64_t *keys;
+    size_t n;
+    float *out;
+    uint8_t *found;
+} ref_table;
+
+static ember_serve *h;
+static su_data eval;
+static ref_table refs[2];
+static float *ref_pred;
+static pthread_barrier_t start;
+
+typedef struct worker {
+    int id;
+    size_t lookup_bad, pred_bad, errors, calls;
+} worker;
+
+static void *run_worker(void *arg)
+{
+    worker *w = arg;
+    size_t maxdim = 16;
+    float *out = malloc(8192 * maxdim * sizeof(float));
+    uint8_t *found = malloc(8192);
+    float *pred = malloc(eval.rows * sizeof(float) + 4);
+    pthread_barrier_wait(&start);
+    for (int round = 0; round < ROUNDS; round++) {
+        for (int ti = 0; ti < 2; ti++) {
+            const ref_table *r = &refs[(ti + w->id) % 2];
+            size_t c = 1 + (size_t)w->id * 7 + (size_t)round * 13;
+            for (size_t i = 0; i < r->n; i += c, c = c * 5 % 8191 + 1) {
+                size_t k = r->n - i < c ? r->n - i : c;
+                if (ember_serve_lookup(h, r->t, r->keys + i, k, out, found) != 0) {
+                    w->errors++;
+                    continue;
+                }
+                w->calls++;
+                w->lookup_bad += memcmp(out, r->out + i * r->dim, k * r->dim * sizeof(float)) != 0 ||
+                                 memcmp(found, r->found + i, k) != 0;
+            }
+        }
+        /* predict every batch, starting at a thread-dependent batch */
+        uint64_t *at = malloc(eval.n_b * sizeof *at);
+        uint64_t pos = 0;
+        for (size_t b = 0; b < eval.n_b; b++) at[b] = pos, pos += eval.b[b].n_rows;
+        for (size_t j = 0; j < eval.n_b; j++) {
+            size_t b = (j + (size_t)w->id * 3 + (size_t)round) % eval.n_b;
+            ember_serve_batch sb = su_serve_batch(&eval.b[b]);
+            char *err = NULL;
+            if (ember_serve_predict(h, &sb, pred + at[b], &err) != 0) w->errors++;
+            free(err);
+            w->calls++;
+        }
+        w->pred_bad += memcmp(pred, ref_pred, eval.rows * sizeof(float)) != 0;
+        free(at);
+    }
+    free(out);
+    free(found);
+    free(pred);
+    return NULL;
+}
+
+int main(void)
+{
+    if (su_init("serve_concurrent") != 0) return check_done();
+    if (su_make_data(20000, 13) != 0 || su_train("deepfm") != 0) return check_done();
+    int rc = su_ember("export --checkpoint run-deepfm/ckpt/step-20 --out base");
+    if (rc == 0) rc = su_ember("export --checkpoint run-deepfm --since run-deepfm/ckpt/step-20 --out delta");
+    CHECK(rc == 0);
+    if (rc != 0) return check_done();
+    h = su_open(su_path("base"), (const char *[]){su_path("delta"), NULL});
+    if (h == NULL || su_data_load(su_path("shards/eval"), 512, &eval) != 0) return check_done();
+
+    const char *names[2] = {"emb", "lin"};
+    for (int ti = 0; ti < 2; ti++) {
+        ref_table *r = &refs[ti];
+        uint64_t *kb = NULL, *kd = NULL, nb = 0, nd = 0;
+        su_table_keys(su_path("base"), names[ti], &kb, &nb, NULL, NULL);
+        su_table_keys(su_path("delta"), names[ti], &kd, &nd, NULL, NULL);
+        r->t = ember_serve_table(h, names[ti]);
+        CHECK(r->t >= 0);
+        r->dim = r->t >= 0 ? ember_serve_table_dim(h, r->t) : 1;
+        CHECK(r->dim <= 16);
+        r->n = nb + nd + 5000;
+        r->keys = malloc(r->n * 8);
+        memcpy(r->keys, kb, nb * 8);
+        memcpy(r->keys + nb, kd, nd * 8);
+        uint64_t x = 77;
+        for (size_t i = nb + nd; i < r->n; i++) r->keys[i] = (x = x * 6364136223846793005ull + 1);
+        for (size_t i = r->n - 1; i > 0; i--) { /* shuffle: hits and misses mixed */
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            size_t j = (size_t)((x >> 17) % (i + 1));
+            uint64_t t = r->keys[i];
+            r->keys[i] = r->keys[j];
+            r->keys[j] = t;
+        }
+        r->out = malloc(r->n * r->dim * sizeof(float));
+        r->found = malloc(r->n);
+        CHECK(ember_serve_lookup(h, r->t, r->keys, r->n, r->out, r->found) == 0);
+        size_t f = 0;
+        for (size_t i = 0; i < r->n; i++) f += r->found[i];
+        fprintf(stderr, "    %s: %zu keys, %zu found\n", names[ti], r->n, f);
+        CHECK(f >= nb && f < r->n);
+        free(kb);
+        free(kd);
+    }
+    ref_pred = malloc(eval.rows * sizeof(float));
+    if (su_predict_all(h, &eval, ref_pred) != 0) return check_done();
+
+    double t0 = cm_now();
+    pthread_barrier_init(&start, NULL, N_THREADS);
+    pthread_t th[N_THREADS];
+    worker ws[N_THREADS];
+    for (int i = 0; i < N_THREADS; i++) {
+        ws[i] = (worker){.id = i};
+        CHECK(pthread_create(&th[i], NULL, run_worker, &ws[i]) == 0);
+    }
+    for (int i = 0; i < N_THREADS; i++) pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&start);
+    for (int i = 0; i < N_THREADS; i++) {
+        fprintf(stderr, "    thread %d: %zu calls, %zu lookup chunks differ, %zu prediction rounds "
+                        "differ, %zu errors\n", i, ws[i].calls, ws[i].lookup_bad, ws[i].pred_bad,
+                ws[i].errors);
+        CHECK(ws[i].calls > 0 && ws[i].lookup_bad == 0 && ws[i].pred_bad == 0 && ws[i].errors == 0);
+    }
+    fprintf(stderr, "    %d threads x %d rounds in %.2f s\n", N_THREADS, ROUNDS, cm_now() - t0);
+    for (int ti = 0; ti < 2; ti++) {
+        free(refs[ti].keys);
+        free(refs[ti].out);
+        free(refs[ti].found);
+    }
+    free(ref_pred);
+    su_data_free(&eval);
+    ember_serve_close(h);
+    return check_done();
+}

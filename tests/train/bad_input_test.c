@@ -1,0 +1,130 @@
+/*
+ * ember train refuses bad input with a clear message ($EMBER_BIN): a missing --train directory
+ * (named), a missing --train flag, eval shards whose schema differs from the training shards
+ * (criteo vs avazu: the field counts named), dlrm on shards without dense features, an unknown
+ * model, bad flag values (exit 2, the flag named), --resume with no checkpoint, and a run whose
+ * gradients go non-finite (huge --dense-lr): it stops with a non-finite error and non-zero exit,
+ * and the checkpoints an earlier run left in the same directory are untouched.
+ */
+#include "cli_util.h"
+
+/* A small Avazu CSV (no dense features, 23 fields). */
+static void write_avazu(const char *name, int rows)
+{
+    char path[8192];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (!f) return;
+    fprintf(f, "id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,"
+               "app_category,device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,"
+               "C16,C17,C18,C19,C20,C21\n");
+    for (int i = 0; i < rows; i++)
+        fprintf(f, "%d,%d,141021%02d,1005,%d,s%x,d%x,c%x,a%x,ad%x,ac%x,dv%x,ip%x,m%x,1,%d,%d,320,50,"
+                   "%d,0,35,-1,%d\n", 1000 + i, i % 4 == 0, i % 24, i % 2, i % 7, i % 5, i % 3, i % 11,
+                i % 4, i % 2, i % 13, i % 97, i % 17, i % 3, 15700 + i % 9, 1700 + i % 19, 70 + i % 8);
+    fclose(f);
+}
+
+/* The flag must be refused before any work: exit 2, the flag and the value named. */
+static void bad_flag(const char *flag, const char *value)
+{
+    int rc = run("train --train ds/train --eval ds/eval --model lr --max-steps 2 --out bad %s %s",
+                 flag, value);
+    char want[256];
+    snprintf(want, sizeof want, "'%s'", value);
+    CHECK_MSG(rc == 2 && strstr(err_text, flag + 2) && strstr(err_text, want),
+              "%s %s: exit %d, stderr: %s", flag, value, rc, err_text);
+}
+
+static char *ckpt_listing(const char *run)
+{
+    char cmd[16384];
+    snprintf(cmd, sizeof cmd, "cd '%s/%s/ckpt' && find . -type f | sort | xargs md5sum > '%s/listing.txt'",
+             dir, run, dir);
+    CHECK(system(cmd) == 0);
+    return slurp("listing.txt");
+}
+
+int main(void)
+{
+    if (cli_init("train_bad_input") != 0) return 1;
+    if (make_criteo("ds", 20000, 5, 0.2) != 0) return check_done();
+    write_avazu("av.csv", 300);
+    int rc = run("ingest --format avazu --eval-fraction 0.3 --out av av.csv");
+    CHECK_MSG(rc == 0, "avazu ingest: %s", err_text);
+
+    /* Missing training data. */
+    rc = run("train --train no/such/dir --out r1 --no-progress");
+    CHECK_MSG((rc == 1 || rc == 2) && err_has("no/such/dir"), "missing --train dir: exit %d", rc);
+    rc = run("train --out r1");
+    CHECK_MSG(rc == 2 && err_has("--train"), "no --train: exit %d", rc);
+    rc = run("train --train ds/train --eval no/such/eval --model lr --max-steps 2 --out r1 --no-progress");
+    CHECK_MSG(rc == 1 && err_has("no/such/eval"), "missing --eval dir: exit %d", rc);
+
+    /* Schemas that do not match: criteo training shards, avazu eval shards. */
+    rc = run("train --train ds/train --eval av/eval --model lr --max-steps 2 --out r2 --no-progress");
+    CHECK_MSG(rc == 1 && err_has("fields") && err_has("23") && err_has("26"),
+              "criteo train / avazu eval: exit %d", rc);
+    rc = run("train --train av/train --eval ds/eval --model mlp --max-steps 2 --out r2b --no-progress");
+    CHECK_MSG(rc == 1 && err_has("fields"), "avazu train / criteo eval: exit %d", rc);
+    rc = run("train --train av/train --model dlrm --out r3 --no-progress");
+    CHECK_MSG(rc == 1 && err_has("dense"), "dlrm without dense features: exit %d", rc);
+    /* Avazu alone trains. */
+    rc = run("train --train av/train --eval av/eval --model deepfm --batch 64 --out r3b --no-progress");
+    CHECK_MSG(rc == 0, "avazu deepfm: exit %d", rc);
+
+    /* Unknown model, bad values. */
+    rc = run("train --train ds/train --model bogus --out r4");
+    CHECK_MSG(rc == 2 && err_has("bogus") && err_has("--model"), "unknown model: exit %d", rc);
+    const char *bad[][2] = {
+        {"--batch", "0"}, {"--batch", "abc"}, {"--batch", "-5"}, {"--batch", "1000001"},
+        {"--epochs", "0"}, {"--workers", "0"}, {"--workers", "100000"}, {"--shards", "0"},
+        {"--staleness", "-2"}, {"--staleness", "1x"}, {"--emb-lr", "0"}, {"--emb-lr", "-1"},
+        {"--emb-lr", "nan"}, {"--dense-lr", "abc"}, {"--threads", "0"}, {"--threads", "257"},
+        {"--dim", "0"}, {"--dim", "2000"}, {"--push-codec", "fp64"}, {"--emb-optimizer", "nope"},
+        {"--max-steps", "-1"}, {"--checkpoint-every", "x"}, {"--seed", "-1"}, {"--memory", "xyz"},
+        /* Values the parser should refuse but (at the time of writing) does not: see the report. */
+        {"--emb-lr", "inf"}, {"--dense-lr", "inf"}, {"--dense-lr", "1e39"},
+        {"--staleness", "4294967295"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) bad_flag(bad[i][0], bad[i][1]);
+    rc = run("train --train ds/train --frobnicate --out r4");
+    CHECK_MSG(rc == 2, "unknown flag: exit %d", rc);
+    rc = run("train --train ds/train stray-argument --out r4");
+    CHECK_MSG(rc == 2, "stray argument: exit %d", rc);
+    rc = run("train --train ds/train --device tpu --out r4 --no-progress");
+    CHECK_MSG((rc == 1 || rc == 2) && err_has("tpu"), "unknown device: exit %d", rc);
+
+    /* --resume with nothing to resume from. */
+    rc = run("train --train ds/train --model lr --resume --out r5 --no-progress");
+    CHECK_MSG(rc == 1 && err_has("checkpoint") && err_has("r5/ckpt"), "--resume without checkpoint: exit %d", rc);
+
+    /* Non-finite gradients: a normal run leaves checkpoints; a diverging run in the same
+     * directory stops with an error and leaves them as they were. */
+    rc = run("train --train ds/train --eval ds/eval --model mlp --batch 512 --max-steps 20 "
+             "--checkpoint-every 5 --out r6 --no-progress");
+    CHECK_MSG(rc == 0, "normal run: exit %d", rc);
+    char *latest0 = slurp("r6/ckpt/LATEST"), *list0 = ckpt_listing("r6");
+    CHECK(latest0 && strcmp(latest0, "step-20\n") == 0);
+    CHECK(list0 && strstr(list0, "./step-5/") && strstr(list0, "./step-15/"));
+    rc = run("train --train ds/train --eval ds/eval --model mlp --batch 512 --max-steps 20 "
+             "--checkpoint-every 5 --dense-lr 1e30 --out r6 --no-progress");
+    CHECK_MSG(rc != 0 && rc != 124 && err_has("non-finite"), "diverging run: exit %d", rc);
+    CHECK(strstr(out_text, "\"auc\"") == NULL); /* no result line */
+    char *latest1 = slurp("r6/ckpt/LATEST"), *list1 = ckpt_listing("r6");
+    CHECK_MSG(latest1 && latest0 && strcmp(latest0, latest1) == 0, "LATEST changed: %s", latest1);
+    CHECK_MSG(list0 && list1 && strcmp(list0, list1) == 0, "checkpoint files changed:\n%s\n---\n%s",
+              list0, list1);
+    /* And the intact checkpoint still resumes. */
+    rc = run("train --train ds/train --eval ds/eval --model mlp --batch 512 --max-steps 25 "
+             "--checkpoint-every 5 --resume --out r6 --no-progress");
+    CHECK_MSG(rc == 0 && jnum(last_line(), "steps") == 25, "resume after the failed run: exit %d", rc);
+    free(latest0);
+    free(latest1);
+    free(list0);
+    free(list1);
+    free(out_text);
+    free(err_text);
+    return check_done();
+}
