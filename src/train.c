@@ -148,6 +148,7 @@ typedef struct prefetch {
     int next_fill, next_take;
     bool stop;
     uint64_t left; /* batches still to produce: nothing is pulled past the schedule */
+    uint64_t pulled, granted; /* batches pulled; batches allowed to pull (fresh pulls) */
     char *err;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -170,7 +171,18 @@ static void *prefetch_main(void *arg)
         int got = p->left == 0 ? 0 : ds_reader_next(p->r, &b, &err), rc = got < 0 ? got : CM_OK;
         if (got == 1) p->left--;
         if (got == 1) rc = stage_build(s, p->S, b, &err);
-        if (got == 1 && rc == CM_OK) rc = stage_pull(s, p->S, p->c, false, &err);
+        if (got == 1 && rc == CM_OK) {
+            /* Fresh pulls: wait until the batch before this one has been pushed (the pull then
+             * waits for those pushes to be acknowledged), so every batch sees every earlier
+             * update; reading and deduplicating still overlap the compute. */
+            pthread_mutex_lock(&p->mu);
+            while (p->pulled >= p->granted && !p->stop) pthread_cond_wait(&p->cv, &p->mu);
+            stop = p->stop;
+            pthread_mutex_unlock(&p->mu);
+            if (stop) break;
+            rc = stage_pull(s, p->S, p->c, false, &err);
+            p->pulled++;
+        }
         s->status = rc != CM_OK ? rc : got;
         pthread_mutex_lock(&p->mu);
         if (rc < 0 && p->err == NULL) p->err = err, err = NULL;
@@ -189,6 +201,7 @@ static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *
 {
     memset(p, 0, sizeof *p);
     p->left = left;
+    p->granted = S->o->stale_pull ? UINT64_MAX : 1;
     p->S = S;
     p->r = r;
     p->c = c;
@@ -217,6 +230,15 @@ static void prefetch_release(prefetch *p)
     pthread_mutex_lock(&p->mu);
     p->full[p->next_take] = 0;
     p->next_take ^= 1;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Allows the next batch to be pulled (fresh pulls: called once this batch is pushed). */
+static void prefetch_grant(prefetch *p)
+{
+    pthread_mutex_lock(&p->mu);
+    if (p->granted != UINT64_MAX) p->granted++;
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
 }
@@ -503,15 +525,17 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         if (rc == CM_OK && (!isfinite(loss) || !all_finite(dparams, S->l.n_params)))
             rc = cm_err(errptr, CM_EINVAL, "non-finite loss or gradient at step %" PRIu64 " (worker %u)",
                         step, w);
-        /* Push only once batch t+1 is pulled: then t+1 always sees the updates up to t-1 and
-         * never t's, whatever the thread timing, so a one-worker run is deterministic. */
-        prefetch_wait_next(&pf);
+        /* Stale pulls: push only once batch t+1 is pulled, so t+1 always sees the updates up
+         * to t-1 and never t's, whatever the thread timing: a one-worker run stays
+         * deterministic. (Fresh pulls wait for this push instead.) */
+        if (o->stale_pull) prefetch_wait_next(&pf);
         for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
             rc = ps_client_push(c, t, s->ms.ukeys, s->ms.U, demb[t], errptr);
         if (rc == CM_OK && S->l.n_params > 0) rc = ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
         uint32_t B = s->ms.B;
         if (rc == CM_OK && o->staleness >= 0) rc = ps_client_clock(c, NULL, errptr);
         if (rc != CM_OK) {
+            prefetch_grant(&pf);
             prefetch_release(&pf);
             break;
         }
@@ -532,8 +556,9 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
          * batch step+1 after the checkpoint; so does this one. */
         if (rc == CM_OK && o->ckpt_every && step % o->ckpt_every == 0 && step < S->min_steps) {
             rc = checkpoint(S, c, w, step, step, errptr);
-            if (rc == CM_OK) rc = prefetch_refresh(&pf, errptr);
+            if (rc == CM_OK && o->stale_pull) rc = prefetch_refresh(&pf, errptr);
         }
+        prefetch_grant(&pf); /* after any checkpoint: no pull races the snapshot */
         prefetch_release(&pf);
     }
     /* Synchronous mode: keep clocking until the slowest worker is through. */

@@ -3,8 +3,11 @@
  *
  * Worker loop: reader -> dedup the batch's keys -> pull the touched rows (and the dense
  * tower) -> forward/backward on the backend -> push row gradients and dense gradients. A
- * prefetch thread builds and pulls batch t+1 while the main thread computes batch t (so the
- * rows used at step t+1 may miss step t's update: asynchronous SGD, one step stale).
+ * prefetch thread reads and deduplicates batch t+1 while the main thread computes batch t,
+ * and pulls it as soon as batch t's push is acknowledged, so every batch of a worker sees all
+ * of that worker's earlier updates (as synchronous SGD does). --stale-pull pulls t+1 during
+ * the compute of t as well: more overlap, but t+1 misses t's update (one step stale), which
+ * costs some AUC.
  *
  * Deployment: with no cluster file the PS shards run inside the process (nng inproc://) and
  * the workers are threads, all through the same PS protocol as a cluster. With --cluster the
@@ -14,10 +17,11 @@
  * agree on when to checkpoint (only at steps every worker reaches) and, in synchronous mode,
  * a worker that runs out of data keeps clocking until the slowest is done.
  *
- * Determinism: a one-worker run is bit-for-bit repeatable (pushes of batch t are issued only
- * after batch t+1 is pulled, so t+1 always sees exactly the updates up to t-1). A checkpoint
- * re-pulls batch t+1 after the cut, as a resumed run must; so `--resume` reproduces the
- * uninterrupted run bit for bit when both use the same --checkpoint-every.
+ * Determinism: a one-worker run is bit-for-bit repeatable, and `--resume` reproduces the
+ * uninterrupted run bit for bit. (With --stale-pull the pushes of batch t wait until t+1 is
+ * pulled, so t+1 always sees exactly the updates up to t-1; a checkpoint re-pulls batch t+1
+ * after the cut as a resumed run must, so resume is bitwise equal when both runs use the same
+ * --checkpoint-every.)
  *
  * Run directory (--out): ckpt/step-<N>/ (PS shards + worker-<i>.pos), ckpt/LATEST,
  * metrics.jsonl, train.log. --resume continues from ckpt/LATEST.
@@ -49,6 +53,7 @@ typedef struct train_opts {
     emb_opt_kind emb_opt;
     ps_codec push_codec;
     int mean_pool, resume, progress; /* progress: -1 auto (terminal) */
+    int stale_pull; /* pull batch t+1 before batch t's push (more overlap, one step stale) */
     int eval_every;                  /* steps, 0 = end only */
 } train_opts;
 
