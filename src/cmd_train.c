@@ -153,6 +153,6 @@ int cmd_train(int argc, char **argv)
            ",\"seconds\":%.3f,\"steps\":%" PRIu64 ",\"eval_rows\":%" PRIu64
            ",\"train_loss\":%.6f,\"model\":\"%s\",\"workers\":%u,\"shards\":%u}\n",
            auc, logloss, r.samples_per_s, r.rows, r.seconds, r.steps, r.eval_rows, r.train_loss,
-           model_kind_name(o.model.kind), o.workers, o.shards);
+           model_kind_name(o.model.kind), r.workers, r.shards);
     return 0;
 }

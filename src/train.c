@@ -90,6 +90,7 @@ typedef struct setup {
     model_layout l;
     const backend_ops *be;
     char **urls;
+    uint32_t n_urls;
     const char *train_paths[1], *eval_paths[1];
     uint64_t *steps_of; /* per worker: total steps */
     uint64_t min_steps, max_steps;
@@ -608,6 +609,8 @@ static void *worker_main(void *arg)
     /* The final checkpoint is named after the longest schedule, so every worker agrees. */
     if (rc == CM_OK) rc = checkpoint(S, c, W->index, S->max_steps, W->steps, errptr);
     if (rc == CM_OK && W->index == 0 && o->eval_path) rc = evaluate(S, c, be, &W->res, errptr);
+    /* Nobody leaves before worker 0's evaluation is done: then worker 0 may stop the PS. */
+    if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
     if (be) S->be->destroy(be);
     if (c && rc != CM_OK) ps_client_flush(c, NULL);
     ps_client_destroy(c);
@@ -717,8 +720,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
 
 static void setup_free(setup *S)
 {
-    if (S->urls)
-        for (uint32_t i = 0; i < S->ps.n_shards; i++) free(S->urls[i]);
+    for (uint32_t i = 0; S->urls && i < S->n_urls; i++) free(S->urls[i]);
     free(S->urls);
     free(S->steps_of);
     if (S->metrics) fclose(S->metrics);
@@ -739,9 +741,11 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         oc.shards = S.ps.n_shards;
         oc.workers = S.ps.n_workers;
         char **urls = S.urls;
+        uint32_t n_urls = S.ps.n_shards;
         S.urls = NULL;
         rc = setup_make(&S, &oc, errptr);
         S.urls = urls;
+        S.n_urls = n_urls;
     } else {
         rc = setup_make(&S, &oc, errptr);
     }
@@ -767,6 +771,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         n_w = n_s = 1;
     } else {
         S.urls = calloc(oc.shards, sizeof *S.urls);
+        S.n_urls = S.urls ? oc.shards : 0;
         for (uint32_t i = 0; S.urls && i < oc.shards; i++) {
             S.urls[i] = malloc(64);
             if (S.urls[i]) snprintf(S.urls[i], 64, "inproc://ember-%ld-%u", (long)getpid(), i);
@@ -812,6 +817,8 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             res->steps = workers[0].steps;
             res->samples_per_s = res->seconds > 0 ? (double)samples / res->seconds : 0;
             res->train_loss = samples ? loss / (double)samples : 0;
+            res->workers = oc.workers;
+            res->shards = oc.shards;
         }
         if (o->cluster_path && first_w == 0 && rc == CM_OK) {
             /* The job is done: worker 0 takes the cluster down. */

@@ -65,6 +65,7 @@ int train_config_load(const char *path, train_opts *o, char **errptr);
 typedef struct train_result {
     double auc, logloss, seconds, samples_per_s, train_loss;
     uint64_t rows, eval_rows, steps;
+    uint32_t workers, shards; /* of the whole job (a cluster file may set them) */
 } train_result;
 
 /* A checkpoint directory from `in`: in itself when it holds shard-0/, else the run directory's
