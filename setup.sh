@@ -21,7 +21,8 @@ BUILD=build
 EXTRA=()
 while [ $# -gt 0 ]; do
     case "$1" in
-    --sanitize) EXTRA+=(-DEMBER_SANITIZE=ON); BUILD=build-asan ;;
+    # ASan + UBSan cover host code; the CUDA backend is compiled in the plain build.
+    --sanitize) EXTRA+=(-DEMBER_SANITIZE=ON -DEMBER_CUDA=OFF); BUILD=build-asan ;;
     --build-dir) BUILD="$2"; shift ;;
     *) echo "setup: unknown option $1" >&2; exit 2 ;;
     esac
