@@ -47,6 +47,12 @@ float cm_f16_to_f32(uint16_t h);
 uint16_t cm_f32_to_bf16(float f);
 float cm_bf16_to_f32(uint16_t h);
 
+/* One row of dim floats as int8 with a per-row scale: 4 bytes of fp32 scale (max|x|/127), then
+ * dim int8 values rounded to nearest. back (optional) gets the decoded values, so a caller can
+ * keep the quantisation residual. */
+void cm_int8_row_encode(const float *x, uint32_t dim, uint8_t *out, float *back);
+void cm_int8_row_decode(const uint8_t *in, uint32_t dim, float *out);
+
 /* Monotonic seconds, for timing and rates. */
 double cm_now(void);
 

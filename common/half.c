@@ -1,5 +1,5 @@
-/* fp16 and bf16 conversions (round to nearest even), shared by the wire codecs and the
- * serving bundle. */
+/* Compact number formats shared by the wire codecs and the serving bundle: fp16 and bf16
+ * (round to nearest even) and int8 rows with a per-row scale. */
 #include <math.h>
 #include <string.h>
 
@@ -57,3 +57,24 @@ float cm_bf16_to_f32(uint16_t h)
     return f;
 }
 
+
+void cm_int8_row_encode(const float *x, uint32_t dim, uint8_t *out, float *back)
+{
+    float amax = 0.0f;
+    for (uint32_t j = 0; j < dim; j++) amax = fmaxf(amax, fabsf(x[j]));
+    float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    memcpy(out, &scale, 4);
+    for (uint32_t j = 0; j < dim; j++) {
+        long q = lrintf(x[j] * inv);
+        q = q > 127 ? 127 : q < -127 ? -127 : q;
+        out[4 + j] = (uint8_t)(int8_t)q;
+        if (back) back[j] = (float)q * scale;
+    }
+}
+
+void cm_int8_row_decode(const uint8_t *in, uint32_t dim, float *out)
+{
+    float scale;
+    memcpy(&scale, in, 4);
+    for (uint32_t j = 0; j < dim; j++) out[j] = (float)(int8_t)in[4 + j] * scale;
+}

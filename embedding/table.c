@@ -447,6 +447,8 @@ int emb_table_push(emb_table *t, const uint64_t *keys, size_t n, const float *gr
 
 /* ---- life cycle ---- */
 
+static void table_free(emb_table *t, uint32_t n_subs);
+
 int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr)
 {
     int rc = emb_table_config_check(cfg, errptr);
@@ -484,16 +486,7 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
         if (t->cms == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory for the admission sketch");
     }
     if (rc != CM_OK) {
-        for (uint32_t i = 0; i < inited && i < t->n_sub; i++) {
-            if (t->subs[i].mem.ctrl == NULL) continue;
-            emb_mem_fini(&t->subs[i].mem);
-            pthread_mutex_destroy(&t->subs[i].mu);
-        }
-        emb_store_destroy(t->spill);
-        if (t->spill_path) cm_rmtree(t->spill_path, NULL);
-        free(t->spill_path);
-        free(t->subs);
-        free(t);
+        table_free(t, inited < t->n_sub ? inited : t->n_sub);
         return rc;
     }
     *out = t;
@@ -502,8 +495,14 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
 
 void emb_table_destroy(emb_table *t)
 {
-    if (t == NULL) return;
-    for (uint32_t i = 0; i < t->n_sub; i++) {
+    if (t != NULL) table_free(t, t->n_sub);
+}
+
+/* Frees a table whose first n_subs sub-shards were initialised. */
+static void table_free(emb_table *t, uint32_t n_subs)
+{
+    for (uint32_t i = 0; i < n_subs; i++) {
+        if (t->subs[i].mem.ctrl == NULL) continue;
         emb_mem_fini(&t->subs[i].mem);
         pthread_mutex_destroy(&t->subs[i].mu);
     }

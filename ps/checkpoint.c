@@ -62,14 +62,20 @@ int ps_checkpoint_dense(const char *ckpt, const char *name, float **values, uint
     return cm_err(errptr, CM_ENOTFOUND, "%s: no dense block '%s' in any shard", ckpt, name);
 }
 
+/* Shard 0's manifest text (caller frees): the list of tables and dense blocks. */
+static int read_manifest0(const char *ckpt, char **text, char **errptr)
+{
+    char path[4200];
+    size_t len;
+    snprintf(path, sizeof path, "%s/shard-0/MANIFEST", ckpt);
+    return cm_read_file(path, (void **)text, &len, errptr);
+}
+
 int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t *n_tables,
                         char (*dense)[PS_NAME_MAX], uint32_t *n_dense, char **errptr)
 {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/shard-0/MANIFEST", ckpt);
     char *text = NULL;
-    size_t len;
-    int rc = cm_read_file(path, (void **)&text, &len, errptr);
+    int rc = read_manifest0(ckpt, &text, errptr);
     if (rc != CM_OK) return rc;
     *n_tables = *n_dense = 0;
     for (char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
@@ -93,11 +99,8 @@ int ps_shard_manifest_text(uint32_t shard, uint32_t shards, const char *body, ch
 /* The table/dense fingerprint lines of a shard manifest (what does not depend on the layout). */
 static int manifest_body(const char *ckpt, char *body, size_t n, char **errptr)
 {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/shard-0/MANIFEST", ckpt);
     char *text = NULL;
-    size_t len;
-    int rc = cm_read_file(path, (void **)&text, &len, errptr);
+    int rc = read_manifest0(ckpt, &text, errptr);
     if (rc != CM_OK) return rc;
     size_t out = 0;
     body[0] = '\0';

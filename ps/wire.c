@@ -165,20 +165,8 @@ void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, ui
         }
         break;
     case PS_CODEC_INT8:
-        for (size_t r = 0; r < rows; r++) {
-            const float *x = src + r * dim;
-            uint8_t *out = dst + r * (4u + dim);
-            float amax = 0.0f;
-            for (uint32_t j = 0; j < dim; j++) amax = fmaxf(amax, fabsf(x[j]));
-            float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            memcpy(out, &scale, 4);
-            for (uint32_t j = 0; j < dim; j++) {
-                long q = lrintf(x[j] * inv);
-                q = q > 127 ? 127 : q < -127 ? -127 : q;
-                out[4 + j] = (uint8_t)(int8_t)q;
-                if (back) back[r * dim + j] = (float)q * scale;
-            }
-        }
+        for (size_t r = 0; r < rows; r++)
+            cm_int8_row_encode(src + r * dim, dim, dst + r * (4u + dim), back ? back + r * dim : NULL);
         break;
     }
 }
@@ -204,7 +192,7 @@ int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, f
             memcpy(&scale, in, 4);
             if (!isfinite(scale) || scale < 0.0f)
                 return cm_err(errptr, CM_ECORRUPT, "row %zu: bad int8 scale %g", r, (double)scale);
-            for (uint32_t j = 0; j < dim; j++) dst[r * dim + j] = (float)(int8_t)in[4 + j] * scale;
+            cm_int8_row_decode(in, dim, dst + r * dim);
         }
         return CM_OK;
     default: return cm_err(errptr, CM_ECORRUPT, "unknown codec %d", (int)c);

@@ -185,14 +185,7 @@ static void encode_row(ember_serve_precision p, const float *x, uint32_t dim, ui
             memcpy(out + 2 * j, &v, 2);
         }
     } else {
-        float amax = 0.0f;
-        for (uint32_t j = 0; j < dim; j++) amax = fmaxf(amax, fabsf(x[j]));
-        float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        memcpy(out, &scale, 4);
-        for (uint32_t j = 0; j < dim; j++) {
-            long q = lrintf(x[j] * inv);
-            out[4 + j] = (uint8_t)(int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
-        }
+        cm_int8_row_encode(x, dim, out, NULL);
     }
 }
 
@@ -514,9 +507,7 @@ static void decode_row(const serve_table *t, uint32_t row, float *out)
             out[j] = cm_f16_to_f32(v);
         }
     } else {
-        float scale;
-        memcpy(&scale, r, 4);
-        for (uint32_t j = 0; j < t->dim; j++) out[j] = (float)(int8_t)r[4 + j] * scale;
+        cm_int8_row_decode(r, t->dim, out);
     }
 }
 

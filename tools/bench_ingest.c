@@ -153,6 +153,16 @@ static void default_ember(opts *o)
     o->ember = buf;
 }
 
+static void loadavg(char *buf, size_t n)
+{
+    snprintf(buf, n, "?");
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f) {
+        if (fscanf(f, "%15s", buf) != 1) snprintf(buf, n, "?");
+        fclose(f);
+    }
+}
+
 int main(int argc, char **argv)
 {
     opts o = {.rows = 0, .seed = 1};
@@ -190,10 +200,13 @@ int main(int argc, char **argv)
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     int cores = ncpu > 0 ? (int)ncpu : 1;
 
+    char load0[16], load1[16];
+    loadavg(load0, sizeof load0);
     double cat_s = time_cat(tsv);
     ds_ingest_result all, one;
     ingest(tsv, out, cores, &all);
     ingest(tsv, out, 1, &one);
+    loadavg(load1, sizeof load1);
     char *rm[] = {"/bin/rm", "-rf", out, NULL};
     run_cmd(rm, 0);
 
@@ -221,15 +234,17 @@ int main(int argc, char **argv)
            : per_core >= GOAL_MB_PER_S_PER_CORE || mbs1 >= GOAL_MB_PER_S_PER_CORE ? "partly met"
                                                                                  : "NOT met",
            per_core, mbs1);
+    printf("load average %s at start, %s at end (other load on the cores skews the figures)\n", load0, load1);
     printf("{\"bench\":\"ingest\",\"quick\":%s,\"rows\":%" PRIu64 ",\"seed\":%" PRIu64
            ",\"bytes\":%" PRIu64 ",\"cached_input\":%s,\"gen_seconds\":%.3f,\"cores\":%d,"
            "\"threads\":%d,\"seconds\":%.3f,\"mb_per_s\":%.1f,\"rows_per_s\":%.0f,"
            "\"mb_per_s_per_core\":%.1f,\"seconds_1t\":%.3f,\"mb_per_s_1t\":%.1f,\"rows_per_s_1t\":%.0f,"
            "\"cat_seconds\":%.3f,\"cat_mb_per_s\":%.1f,\"cat_note\":\"second of two runs, file in page cache\","
-           "\"shard_bytes\":%" PRIu64 ",\"goal_mb_per_s_per_core\":%.0f,\"goal_met\":%s}\n",
+           "\"shard_bytes\":%" PRIu64 ",\"goal_mb_per_s_per_core\":%.0f,\"goal_met\":%s,"
+           "\"loadavg_start\":\"%s\",\"loadavg_end\":\"%s\"}\n",
            o.quick ? "true" : "false", o.rows, o.seed, bytes, reused ? "true" : "false", gen_s, cores,
            all.threads, all.seconds, mbs, rps, per_core, one.seconds, mbs1, rps1, cat_s, cat_mbs,
            all.bytes_out, GOAL_MB_PER_S_PER_CORE,
-           per_core >= GOAL_MB_PER_S_PER_CORE ? "true" : "false");
+           per_core >= GOAL_MB_PER_S_PER_CORE ? "true" : "false", load0, load1);
     return 0;
 }
