@@ -708,7 +708,7 @@ typedef struct {
 typedef struct {
     const gen_model *m;
     const gen_opts *o;
-    uint64_t nchunks, next;
+    uint64_t nchunks, next, written; /* chunks handed out; chunks the writer has consumed */
     gen_slot *slots;
     uint32_t nslots;
     int stop;
@@ -742,7 +742,11 @@ static void *gen_worker(void *arg)
         if (j->stop || j->next >= j->nchunks) break;
         uint64_t c = j->next++;
         gen_slot *s = &j->slots[c % j->nslots];
-        while (s->chunk != -1 && !j->stop) pthread_cond_wait(&j->freed, &j->mu);
+        /* The slot is c's only once chunk c - nslots has been written: waiting for "free" alone
+         * lets a later chunk sharing the slot claim it first, and the writer, waiting for c,
+         * would wait forever. */
+        while ((s->chunk != -1 || c >= j->written + j->nslots) && !j->stop)
+            pthread_cond_wait(&j->freed, &j->mu);
         if (j->stop) break;
         s->chunk = (int64_t)c;
         pthread_mutex_unlock(&j->mu);
@@ -827,6 +831,7 @@ int gen_write(const gen_model *m, const gen_opts *o, gen_stats *stats, char **er
             pthread_mutex_lock(&j.mu);
             s->chunk = -1;
             s->ready = 0;
+            j.written = c + 1;
             pthread_cond_broadcast(&j.freed);
             pthread_mutex_unlock(&j.mu);
         }
