@@ -23,7 +23,8 @@ static void train_usage(FILE *to)
             "                       push_codec, memory, shuffle, staleness, checkpoint_every)\n"
             "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
             "  --batch N --epochs N --workers N --shards N --staleness K (-1 async)\n"
-            "  --checkpoint-every N --max-steps N --resume --seed S --memory BYTES (per shard)\n"
+            "  --checkpoint-every N --keep-checkpoints K (default 0 = all) --resume\n"
+            "  --max-steps N --seed S --memory BYTES (per shard)\n"
             "  --emb-lr X --dense-lr X --emb-optimizer NAME --push-codec fp32|fp16|bf16|int8\n"
             "  --dim D --shuffle ROWS --threads T (compute threads per worker, default 1)\n"
             "  --stale-pull         pull batch t+1 before batch t's push (faster, one step stale)\n"
@@ -44,7 +45,7 @@ int cmd_train(int argc, char **argv)
     enum { O_TRAIN = 256, O_EVAL, O_MODEL, O_OUT, O_CONFIG, O_DEVICE, O_BATCH, O_EPOCHS, O_WORKERS,
            O_SHARDS, O_STALE, O_CKPT, O_MAXSTEPS, O_RESUME, O_SEED, O_MEMORY, O_EMBLR, O_DENSELR,
            O_EMBOPT, O_CODEC, O_DIM, O_SHUFFLE, O_PROGRESS, O_NOPROGRESS, O_CLUSTER, O_ROLE,
-           O_INDEX, O_THREADS, O_STALEPULL, O_HELP };
+           O_INDEX, O_THREADS, O_STALEPULL, O_KEEP, O_HELP };
     static const struct option opts[] = {
         {"train", 1, 0, O_TRAIN}, {"eval", 1, 0, O_EVAL}, {"model", 1, 0, O_MODEL},
         {"out", 1, 0, O_OUT}, {"config", 1, 0, O_CONFIG}, {"device", 1, 0, O_DEVICE},
@@ -57,7 +58,7 @@ int cmd_train(int argc, char **argv)
         {"shuffle", 1, 0, O_SHUFFLE}, {"progress", 0, 0, O_PROGRESS},
         {"no-progress", 0, 0, O_NOPROGRESS}, {"cluster", 1, 0, O_CLUSTER}, {"role", 1, 0, O_ROLE},
         {"index", 1, 0, O_INDEX}, {"threads", 1, 0, O_THREADS}, {"stale-pull", 0, 0, O_STALEPULL},
-        {"help", 0, 0, O_HELP},
+        {"keep-checkpoints", 1, 0, O_KEEP}, {"help", 0, 0, O_HELP},
         {0, 0, 0, 0}};
     train_opts o;
     train_opts_init(&o);
@@ -112,6 +113,7 @@ int cmd_train(int argc, char **argv)
         case O_ROLE: o.role = optarg; break;
         case O_INDEX: bad = parse_uint(optarg, UINT32_MAX, &u); o.index = (uint32_t)u; break;
         case O_STALEPULL: o.stale_pull = 1; break;
+        case O_KEEP: bad = parse_uint(optarg, 100000, &u); o.keep_checkpoints = (uint32_t)u; break;
         case O_THREADS: bad = parse_uint(optarg, 256, &u) || !u; o.threads = (uint32_t)u; break;
         case O_HELP: train_usage(stdout); return 0;
         default: train_usage(stderr); return 2;

@@ -1,6 +1,7 @@
 /* The training job; train.h explains the design. */
 #include "src/train.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -25,6 +26,7 @@ void train_opts_init(train_opts *o)
     o->workers = 1;
     o->shards = 1;
     o->threads = 1;
+    o->keep_checkpoints = 0;
     o->staleness = -1;
     o->emb_lr = 0.05f;
     o->dense_lr = 0.001f;
@@ -71,6 +73,7 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
             o->staleness = (int32_t)x;
         }
         else if (!strcmp(k, "checkpoint_every")) bad = cm_parse_size(v, &o->ckpt_every);
+        else if (!strcmp(k, "keep_checkpoints")) bad = cm_parse_size(v, &u) || u > 100000, o->keep_checkpoints = (uint32_t)u;
         else return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
     }
     return bad ? cm_err(errptr, CM_EINVAL, "bad value '%s' for %s", v, k) : CM_OK;
@@ -357,6 +360,8 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
 
 /* ---- checkpoints ---- */
 
+static int prune_checkpoints(const setup *S, uint32_t keep, char **errptr);
+
 static int ckpt_dir(const setup *S, uint64_t step, char *out, size_t n)
 {
     int len = snprintf(out, n, "%s/step-%" PRIu64, S->ckpt_root, step);
@@ -388,6 +393,39 @@ static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, ui
         snprintf(path, sizeof path, "%s/LATEST", S->ckpt_root);
         len = snprintf(text, sizeof text, "step-%" PRIu64 "\n", tag);
         rc = cm_write_file_atomic(path, text, (size_t)len, errptr);
+        if (rc == CM_OK) rc = prune_checkpoints(S, S->o->keep_checkpoints, errptr);
+    }
+    return rc;
+}
+
+static int u64_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Removes all but the newest `keep` step-N checkpoints (0 keeps all). Runs after LATEST points
+ * at the newest, so the one a resume would use is never touched; a crash midway leaves only
+ * extra old checkpoints. */
+static int prune_checkpoints(const setup *S, uint32_t keep, char **errptr)
+{
+    if (keep == 0) return CM_OK;
+    DIR *d = opendir(S->ckpt_root);
+    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", S->ckpt_root);
+    uint64_t steps[4096];
+    size_t n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL && n < 4096) {
+        unsigned long long v;
+        char tail;
+        if (sscanf(e->d_name, "step-%llu%c", &v, &tail) == 1) steps[n++] = v;
+    }
+    closedir(d);
+    qsort(steps, n, sizeof steps[0], u64_cmp);
+    int rc = CM_OK;
+    for (size_t i = 0; rc == CM_OK && i + keep < n; i++) {
+        char dir[2200];
+        if (ckpt_dir(S, steps[i], dir, sizeof dir) == CM_OK) rc = cm_rmtree(dir, errptr);
     }
     return rc;
 }

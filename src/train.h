@@ -23,8 +23,10 @@
  * after the cut as a resumed run must, so resume is bitwise equal when both runs use the same
  * --checkpoint-every.)
  *
- * Run directory (--out): ckpt/step-<N>/ (PS shards + worker-<i>.pos), ckpt/LATEST,
- * metrics.jsonl, train.log. --resume continues from ckpt/LATEST.
+ * Run directory (--out): ckpt/step-<N>/ (PS shards, model.txt, worker-<i>.pos: the batches
+ * each worker had consumed), ckpt/LATEST (atomically replaced once a checkpoint is complete,
+ * so a crashed save never replaces a good one), metrics.jsonl, eval_predictions.txt. Only the
+ * newest --keep-checkpoints are kept. --resume continues from ckpt/LATEST.
  */
 #ifndef EMBER_SRC_TRAIN_H
 #define EMBER_SRC_TRAIN_H
@@ -45,7 +47,8 @@ typedef struct train_opts {
     model_cfg model;          /* kind set by the caller; shape filled from the shards */
     int model_set;            /* model.kind given */
     uint32_t batch, epochs, workers, shards;
-    uint32_t threads; /* compute threads per worker */
+    uint32_t threads;          /* compute threads per worker */
+    uint32_t keep_checkpoints; /* newest checkpoints kept; 0 (default) keeps all */
     int32_t staleness; /* -1 async */
     uint64_t ckpt_every, max_steps, shuffle_rows, seed, memory;
     uint32_t hidden_override, dim_override; /* 0 = preset */

@@ -1,0 +1,35 @@
+/*
+ * Checkpoint retention: --keep-checkpoints K keeps the newest K step-N directories and never
+ * the one LATEST points at loses; the default keeps every checkpoint; a resume from the pruned
+ * run continues from the newest.
+ */
+#include "cli_util.h"
+
+int main(void)
+{
+    if (cli_init("train_retention") != 0) return 1;
+    if (make_criteo("ds", 12000, 4, 0.0) != 0) return check_done();
+    const char *common = "train --train ds/train --model lr --batch 256 --no-progress --device cpu "
+                         "--checkpoint-every 5 --max-steps 30";
+    CHECK(run("%s --keep-checkpoints 2 --out keep2", common) == 0);
+    char *latest = slurp("keep2/ckpt/LATEST");
+    CHECK_MSG(latest && strcmp(latest, "step-30\n") == 0, "LATEST is %s", latest ? latest : "(none)");
+    free(latest);
+    CHECK(exists("keep2/ckpt/step-30/shard-0/MANIFEST") && exists("keep2/ckpt/step-25/model.txt"));
+    CHECK(!exists("keep2/ckpt/step-20") && !exists("keep2/ckpt/step-5"));
+    CHECK(run("%s --out all", common) == 0);
+    for (int s = 5; s <= 30; s += 5) {
+        char name[64];
+        snprintf(name, sizeof name, "all/ckpt/step-%d/model.txt", s);
+        CHECK_MSG(exists(name), "default run lost %s", name);
+    }
+    /* Resuming the pruned run continues from its newest checkpoint. */
+    CHECK(run("train --train ds/train --model lr --batch 256 --no-progress --device cpu "
+              "--checkpoint-every 5 --max-steps 40 --keep-checkpoints 2 --resume --out keep2") == 0);
+    latest = slurp("keep2/ckpt/LATEST");
+    CHECK_MSG(latest && strcmp(latest, "step-40\n") == 0, "LATEST is %s", latest ? latest : "(none)");
+    free(latest);
+    CHECK(exists("keep2/ckpt/step-35") && !exists("keep2/ckpt/step-30"));
+    CHECK(run("train --train ds/train --model lr --keep-checkpoints -1 --out bad") == 2);
+    return check_done();
+}
