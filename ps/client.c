@@ -252,9 +252,14 @@ static int hello(struct ps_client *c, uint32_t shard, char **errptr)
                                         : ps_dense_fingerprint(&cfg->dense[i - cfg->n_tables]);
         memcpy(buf + sizeof v + 8 * i, &fp, 8);
     }
-    nng_msg *m = msg_simple(PS_OP_HELLO, 0, 0, buf, len);
+    nng_msg *m = msg_simple(PS_OP_HELLO, 0, 0, buf, len), *reply = NULL;
     if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-    return request(c, shard, m, true, (nng_duration)c->timeout_ms, NULL, errptr);
+    int rc = request(c, shard, m, true, (nng_duration)c->timeout_ms, &reply, errptr);
+    /* Shard 0 says which barrier generation the cluster is in (a restarted worker joins it). */
+    if (rc == CM_OK && shard == 0 && nng_msg_len(reply) == PS_HDR_BYTES + 8)
+        memcpy(&c->barrier_gen, (uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, 8);
+    if (reply) nng_msg_free(reply);
+    return rc;
 }
 
 int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)

@@ -64,6 +64,7 @@ static int set_cluster(ps_config *c, const char *k, const char *v)
     if (!strcmp(k, "workers")) return parse_u32(v, &c->n_workers);
     if (!strcmp(k, "staleness")) return parse_i32(v, &c->staleness);
     if (!strcmp(k, "max_message")) return parse_u64(v, &c->max_msg_bytes);
+    if (!strcmp(k, "worker_timeout")) return parse_u32(v, &c->worker_timeout_ms);
     if (!strcmp(k, "spill_dir")) return copy_str(c->spill_dir, sizeof c->spill_dir, v);
     if (!strcmp(k, "tls_cert")) return copy_str(c->tls_cert, sizeof c->tls_cert, v);
     if (!strcmp(k, "tls_key")) return copy_str(c->tls_key, sizeof c->tls_key, v);

@@ -96,6 +96,8 @@ typedef struct ps_config {
     uint32_t n_workers;
     int32_t staleness;        /* -1 = asynchronous */
     uint64_t max_msg_bytes;   /* receive limit, default 256 MiB */
+    uint32_t worker_timeout_ms; /* a worker silent this long stops holding back clocks and
+                                   barriers (shard 0); 0 = wait for it forever */
     char spill_dir[1024];     /* shard s, table t spills to <spill_dir>/shard-<s>/<name> */
     char tls_cert[1024], tls_key[1024], tls_ca[1024]; /* PEM files for tls+tcp:// */
     uint32_t n_tables, n_dense;
@@ -110,7 +112,7 @@ void ps_config_init(ps_config *cfg);
 /*
  * Parses an INI-style config file:
  *   [cluster]  shards, workers, staleness, max_message (bytes; K/M/G suffixes), spill_dir,
- *              tls_cert, tls_key, tls_ca
+ *              tls_cert, tls_key, tls_ca, worker_timeout (ms)
  *   [table NAME]  dim, optimizer, lr, l2, eps, beta1, beta2, adagrad_init, ftrl_beta, ftrl_l1,
  *              init_scale, seed, memory (per-shard budget, K/M/G), admit, ttl, push_codec,
  *              pull_codec

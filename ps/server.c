@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ps/checkpoint.h"
 #include "ps/dense.h"
@@ -46,8 +47,12 @@ struct ps_server {
     pthread_cond_t stop_cv;
     bool stopping;
     uint64_t *clocks; /* per worker */
+    uint64_t *last_seen; /* per worker: ms (monotonic) its last request arrived (liveness) */
+    uint8_t *arrived;    /* per worker: entered the current barrier generation */
+    pthread_t reaper;    /* re-checks waiters when workers time out */
+    bool reaper_running;
     srv_ctx *clock_waiters, *barrier_waiters;
-    uint64_t barrier_gen, barrier_arrived;
+    uint64_t barrier_gen;
     ps_server_stats st; /* atomics */
 };
 
@@ -90,11 +95,24 @@ static nng_msg *reply_ok(const ps_hdr *req, size_t payload, uint8_t **p)
 
 /* ---- clocks and barriers (shard 0) ---- */
 
+static uint64_t now_ms(void)
+{
+    return (uint64_t)(cm_now() * 1000.0);
+}
+
+/* A worker silent for longer than worker_timeout_ms no longer holds back clocks and barriers
+ * (it died; if it comes back, its next request makes it count again). */
+static bool alive(const struct ps_server *s, uint32_t w)
+{
+    return s->cfg.worker_timeout_ms == 0 ||
+           now_ms() - __atomic_load_n(&s->last_seen[w], __ATOMIC_RELAXED) <= s->cfg.worker_timeout_ms;
+}
+
 static uint64_t min_clock(const struct ps_server *s)
 {
     uint64_t m = UINT64_MAX;
     for (uint32_t w = 0; w < s->cfg.n_workers; w++)
-        if (s->clocks[w] < m) m = s->clocks[w];
+        if (alive(s, w) && s->clocks[w] < m) m = s->clocks[w];
     return m;
 }
 
@@ -149,34 +167,60 @@ static bool handle_clock(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_m
     return park;
 }
 
+/* Completes the current barrier generation when every live worker has entered it; s->mu
+ * held. The caller's own context (if any) is answered by the caller. */
+static bool barrier_try_release(struct ps_server *s)
+{
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++)
+        if (!s->arrived[w] && alive(s, w)) return false;
+    s->barrier_gen++;
+    memset(s->arrived, 0, s->cfg.n_workers);
+    for (srv_ctx *w = s->barrier_waiters, *next; w; w = next) {
+        next = w->next;
+        nng_msg *m = reply_ok(&w->req, 0, NULL);
+        if (m) ctx_send(w, m);
+    }
+    s->barrier_waiters = NULL;
+    return true;
+}
+
+/* Returns true: the context is answered, now or when the barrier completes, through itself
+ * (an error reply goes back through *reply with false). */
 static bool handle_barrier(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_msg **reply)
 {
-    bool park = false;
+    bool handled = false;
     pthread_mutex_lock(&s->mu);
     if (h->clock != s->barrier_gen) {
         char msg[128];
         snprintf(msg, sizeof msg, "worker %u entered barrier %u, the cluster is at %" PRIu64,
                  h->worker, h->clock, s->barrier_gen);
         *reply = reply_error(s, h, CM_EINVAL, msg);
-    } else if (++s->barrier_arrived == s->cfg.n_workers) {
-        s->barrier_gen++;
-        s->barrier_arrived = 0;
-        for (srv_ctx *w = s->barrier_waiters, *next; w; w = next) {
-            next = w->next;
-            nng_msg *m = reply_ok(&w->req, 0, NULL);
-            if (m) ctx_send(w, m);
-        }
-        s->barrier_waiters = NULL;
-        *reply = reply_ok(h, 0, NULL);
     } else {
-        park = true;
+        s->arrived[h->worker] = 1;
         c->state = ST_PARKED;
         c->req = *h;
         c->next = s->barrier_waiters;
         s->barrier_waiters = c;
+        barrier_try_release(s);
+        handled = true;
     }
     pthread_mutex_unlock(&s->mu);
-    return park;
+    return handled;
+}
+
+/* Wakes every 100 ms while some worker may time out, to release what a dead worker holds. */
+static void *reaper_main(void *arg)
+{
+    struct ps_server *s = arg;
+    while (!__atomic_load_n(&s->stopping, __ATOMIC_RELAXED)) {
+        struct timespec ts = {0, 100 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&s->mu);
+        release_clock_waiters(s);
+        if (s->barrier_waiters) barrier_try_release(s);
+        pthread_mutex_unlock(&s->mu);
+    }
+    return NULL;
 }
 
 /* ---- tables ---- */
@@ -507,7 +551,15 @@ static nng_msg *handle_hello(struct ps_server *s, const ps_hdr *h, const uint8_t
             return reply_error(s, h, CM_EINVAL, msg);
         }
     }
-    return reply_ok(h, 0, NULL);
+    /* A restarted worker joins the barrier generation the others are in. */
+    uint8_t *out;
+    nng_msg *m = reply_ok(h, 8, &out);
+    if (m) {
+        pthread_mutex_lock(&s->mu);
+        memcpy(out, &s->barrier_gen, 8);
+        pthread_mutex_unlock(&s->mu);
+    }
+    return m;
 bad:
     STAT_ADD(s, bad_messages, 1);
     return reply_error(s, h, CM_EINVAL, "malformed HELLO");
@@ -534,6 +586,7 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
         return false;
     }
     const uint8_t *p = body + PS_HDR_BYTES;
+    if (h.worker < s->cfg.n_workers) __atomic_store_n(&s->last_seen[h.worker], now_ms(), __ATOMIC_RELAXED);
     if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER) &&
         (s->shard != 0 || h.worker >= s->cfg.n_workers)) {
         *reply = reply_error(s, &h, CM_EINVAL, "clocks and barriers are served by shard 0 for "
@@ -603,8 +656,11 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->stop_cv, NULL);
     s->clocks = calloc(s->cfg.n_workers, sizeof *s->clocks);
+    s->last_seen = calloc(s->cfg.n_workers, sizeof *s->last_seen);
+    s->arrived = calloc(s->cfg.n_workers, 1);
+    for (uint32_t w = 0; s->last_seen && w < s->cfg.n_workers; w++) s->last_seen[w] = now_ms();
     s->ctxs = calloc(s->n_ctx, sizeof *s->ctxs);
-    if (s->clocks == NULL || s->ctxs == NULL) {
+    if (s->clocks == NULL || s->ctxs == NULL || s->last_seen == NULL || s->arrived == NULL) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto fail;
     }
@@ -643,6 +699,13 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
         s->ctxs[i].state = ST_RECV;
         nng_ctx_recv(s->ctxs[i].ctx, s->ctxs[i].aio);
     }
+    if (s->shard == 0 && s->cfg.worker_timeout_ms > 0) {
+        if (pthread_create(&s->reaper, NULL, reaper_main, s) != 0) {
+            rc = cm_err(errptr, CM_ERR, "cannot start the worker-liveness thread");
+            goto fail;
+        }
+        s->reaper_running = true;
+    }
     *out = s;
     return CM_OK;
 fail:
@@ -672,6 +735,10 @@ void ps_server_stop(ps_server *s)
 void ps_server_destroy(ps_server *s)
 {
     if (s == NULL) return;
+    if (s->reaper_running) {
+        ps_server_stop(s);
+        pthread_join(s->reaper, NULL);
+    }
     if (s->ctxs)
         for (uint32_t i = 0; i < s->n_ctx; i++)
             if (s->ctxs[i].aio) nng_aio_stop(s->ctxs[i].aio);
@@ -683,6 +750,8 @@ void ps_server_destroy(ps_server *s)
     for (uint32_t i = 0; i < PS_MAX_DENSE; i++) ps_dense_destroy(s->dense[i]);
     free(s->ctxs);
     free(s->clocks);
+    free(s->last_seen);
+    free(s->arrived);
     pthread_rwlock_destroy(&s->tables_lock);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->stop_cv);

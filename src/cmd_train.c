@@ -28,6 +28,8 @@ static void train_usage(FILE *to)
             "  --emb-lr X --dense-lr X --emb-optimizer NAME --push-codec fp32|fp16|bf16|int8\n"
             "  --dim D --shuffle ROWS --threads T (compute threads per worker, default 1)\n"
             "  --stale-pull         pull batch t+1 before batch t's push (faster, one step stale)\n"
+            "  --worker-timeout MS  a worker silent this long no longer holds back clocks and\n"
+            "                       barriers (default 0: wait for it)\n"
             "  --progress | --no-progress\n"
             "  --cluster FILE --role ps|worker --index I   one role of a multi-process job\n");
 }
@@ -45,7 +47,7 @@ int cmd_train(int argc, char **argv)
     enum { O_TRAIN = 256, O_EVAL, O_MODEL, O_OUT, O_CONFIG, O_DEVICE, O_BATCH, O_EPOCHS, O_WORKERS,
            O_SHARDS, O_STALE, O_CKPT, O_MAXSTEPS, O_RESUME, O_SEED, O_MEMORY, O_EMBLR, O_DENSELR,
            O_EMBOPT, O_CODEC, O_DIM, O_SHUFFLE, O_PROGRESS, O_NOPROGRESS, O_CLUSTER, O_ROLE,
-           O_INDEX, O_THREADS, O_STALEPULL, O_KEEP, O_HELP };
+           O_INDEX, O_THREADS, O_STALEPULL, O_KEEP, O_WTIMEOUT, O_HELP };
     static const struct option opts[] = {
         {"train", 1, 0, O_TRAIN}, {"eval", 1, 0, O_EVAL}, {"model", 1, 0, O_MODEL},
         {"out", 1, 0, O_OUT}, {"config", 1, 0, O_CONFIG}, {"device", 1, 0, O_DEVICE},
@@ -58,7 +60,8 @@ int cmd_train(int argc, char **argv)
         {"shuffle", 1, 0, O_SHUFFLE}, {"progress", 0, 0, O_PROGRESS},
         {"no-progress", 0, 0, O_NOPROGRESS}, {"cluster", 1, 0, O_CLUSTER}, {"role", 1, 0, O_ROLE},
         {"index", 1, 0, O_INDEX}, {"threads", 1, 0, O_THREADS}, {"stale-pull", 0, 0, O_STALEPULL},
-        {"keep-checkpoints", 1, 0, O_KEEP}, {"help", 0, 0, O_HELP},
+        {"keep-checkpoints", 1, 0, O_KEEP}, {"worker-timeout", 1, 0, O_WTIMEOUT},
+        {"help", 0, 0, O_HELP},
         {0, 0, 0, 0}};
     train_opts o;
     train_opts_init(&o);
@@ -113,6 +116,7 @@ int cmd_train(int argc, char **argv)
         case O_ROLE: o.role = optarg; break;
         case O_INDEX: bad = parse_uint(optarg, UINT32_MAX, &u); o.index = (uint32_t)u; break;
         case O_STALEPULL: o.stale_pull = 1; break;
+        case O_WTIMEOUT: bad = parse_uint(optarg, UINT32_MAX, &u); o.worker_timeout_ms = (uint32_t)u; break;
         case O_KEEP: bad = parse_uint(optarg, 100000, &u); o.keep_checkpoints = (uint32_t)u; break;
         case O_THREADS: bad = parse_uint(optarg, 256, &u) || !u; o.threads = (uint32_t)u; break;
         case O_HELP: train_usage(stdout); return 0;

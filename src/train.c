@@ -73,6 +73,7 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
             o->staleness = (int32_t)x;
         }
         else if (!strcmp(k, "checkpoint_every")) bad = cm_parse_size(v, &o->ckpt_every);
+        else if (!strcmp(k, "worker_timeout")) bad = cm_parse_size(v, &u) || u > UINT32_MAX, o->worker_timeout_ms = (uint32_t)u;
         else if (!strcmp(k, "keep_checkpoints")) bad = cm_parse_size(v, &u) || u > 100000, o->keep_checkpoints = (uint32_t)u;
         else return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
     }
@@ -699,6 +700,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
     p->n_shards = o->shards;
     p->n_workers = o->workers;
     p->staleness = o->staleness;
+    p->worker_timeout_ms = o->worker_timeout_ms;
     snprintf(p->spill_dir, sizeof p->spill_dir, "%s/spill", o->out_dir);
     for (uint32_t t = 0; t < S->l.n_tables; t++) {
         ps_table_spec *ts = &p->tables[p->n_tables++];

@@ -49,6 +49,7 @@ typedef struct train_opts {
     uint32_t batch, epochs, workers, shards;
     uint32_t threads;          /* compute threads per worker */
     uint32_t keep_checkpoints; /* newest checkpoints kept; 0 (default) keeps all */
+    uint32_t worker_timeout_ms; /* a silent worker stops holding back clocks and barriers */
     int32_t staleness; /* -1 async */
     uint64_t ckpt_every, max_steps, shuffle_rows, seed, memory;
     uint32_t hidden_override, dim_override; /* 0 = preset */

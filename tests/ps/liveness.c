@@ -1,0 +1,97 @@
+/*
+ * Worker death: with worker_timeout set, shard 0 stops waiting for a worker that has gone
+ * silent, so a barrier and a synchronous clock release the live workers instead of hanging;
+ * a restarted worker learns the current barrier generation from HELLO and counts again.
+ * Without the timeout the same barrier must still be waiting (the control: the release is the
+ * timeout's doing).
+ */
+#include <pthread.h>
+#include <stdint.h>
+
+#include "ps_test_util.h"
+
+static void *enter_barrier(void *c)
+{
+    return (void *)(intptr_t)ps_client_barrier(c, NULL);
+}
+
+/* Worker c enters the barrier on a thread of its own (the call blocks until all are in). */
+static pthread_t barrier_async(ps_client *c)
+{
+    pthread_t th;
+    if (pthread_create(&th, NULL, enter_barrier, c) != 0) pt_die("pthread_create", NULL);
+    return th;
+}
+
+static int joined(pthread_t th)
+{
+    void *ret;
+    pthread_join(th, &ret);
+    return (int)(intptr_t)ret;
+}
+
+#define CONF                                                                                       \
+    "[cluster]\nshards = 1\nworkers = 2\nstaleness = 0\n%s\n[table t]\ndim = 4\noptimizer = sgd\n"
+
+static double barrier_seconds(ps_client *c, int *rc)
+{
+    char *err = NULL;
+    double t0 = cm_now();
+    *rc = ps_client_barrier(c, &err);
+    if (*rc != CM_OK) fprintf(stderr, "barrier: %s\n", err ? err : "?");
+    free(err);
+    return cm_now() - t0;
+}
+
+int main(void)
+{
+    psp_watchdog(PT_WATCHDOG_S);
+    const char *dir = check_tmpdir("ps_liveness");
+    char text[512];
+    ps_config cfg, cfg_forever;
+    snprintf(text, sizeof text, CONF, "worker_timeout = 400");
+    pt_config(dir, "live.ini", text, &cfg);
+    snprintf(text, sizeof text, CONF, "");
+    pt_config(dir, "forever.ini", text, &cfg_forever);
+    CHECK(cfg.worker_timeout_ms == 400 && cfg_forever.worker_timeout_ms == 0);
+
+    const char *urls[1] = {pt_ipc(dir, "ps0")};
+    ps_server *s = pt_server(&cfg, urls[0], 0);
+    ps_client *a = pt_client(&cfg, urls, 0, 5000);
+    ps_client *b = pt_client(&cfg, urls, 1, 5000);
+    int rc;
+    /* Both alive: a barrier needs both. */
+    pthread_t th = barrier_async(b);
+    double t = barrier_seconds(a, &rc);
+    CHECK_MSG(rc == CM_OK && t < 0.3, "live barrier took %.3f s", t);
+    CHECK(joined(th) == CM_OK);
+    /* b goes silent: a's barrier and clocks are released once b has been quiet 400 ms. */
+    ps_client_destroy(b);
+    t = barrier_seconds(a, &rc);
+    CHECK_MSG(rc == CM_OK && t > 0.2 && t < 3.0, "barrier with a dead worker took %.3f s", t);
+    char *err = NULL;
+    uint64_t clk = 0;
+    double t0 = cm_now();
+    for (int i = 0; i < 3; i++) CHECK_OK(ps_client_clock(a, &clk, &err), err);
+    CHECK_MSG(clk == 3 && cm_now() - t0 < 3.0, "clocks without the dead worker: %llu in %.3f s",
+              (unsigned long long)clk, cm_now() - t0);
+    /* b restarts: HELLO tells it the generation, and the barrier needs it again. */
+    b = pt_client(&cfg, urls, 1, 5000);
+    th = barrier_async(b);
+    t = barrier_seconds(a, &rc);
+    CHECK_MSG(rc == CM_OK && t < 0.3, "barrier with the restarted worker took %.3f s", t);
+    CHECK_MSG(joined(th) == CM_OK, "the restarted worker's barrier failed");
+    ps_client_destroy(a);
+    ps_client_destroy(b);
+    ps_server_destroy(s);
+
+    /* Control: no timeout, the dead worker holds the barrier (it times out client-side). */
+    const char *urls2[1] = {pt_ipc(dir, "ps1")};
+    s = pt_server(&cfg_forever, urls2[0], 0);
+    a = pt_client(&cfg_forever, urls2, 0, 150);
+    t = barrier_seconds(a, &rc);
+    CHECK_MSG(rc != CM_OK, "a barrier with a silent worker and no timeout returned (%.3f s)", t);
+    ps_client_destroy(a);
+    ps_server_destroy(s);
+    return pt_finish(dir);
+}
