@@ -257,11 +257,12 @@ static void layer_fwd(pool *pl, const model_layer *ly, const float *P, const flo
     sgemm(pl, CblasNoTrans, CblasTrans, (int)B, (int)ly->out, (int)ly->in, X, (int)ly->in,
           P + ly->w, (int)ly->in, Y, (int)ly->out);
     const float *bias = P + ly->b;
+    const float floor_ = ly->relu ? 0.0f : -INFINITY; /* one vectorisable loop for both */
     for (size_t i = 0; i < B; i++) {
         float *y = Y + i * ly->out;
         for (uint32_t j = 0; j < ly->out; j++) {
             float v = y[j] + bias[j];
-            y[j] = ly->relu && v < 0.0f ? 0.0f : v;
+            y[j] = v < floor_ ? floor_ : v; /* NaN passes through, as it must */
         }
     }
 }
@@ -271,9 +272,8 @@ static void layer_fwd(pool *pl, const model_layer *ly, const float *P, const flo
 static void layer_bwd(pool *pl, const model_layer *ly, const float *P, const float *X,
                       const float *Y, float *dY, float *dP, float *dX, uint32_t B)
 {
-    if (ly->relu)
-        for (size_t i = 0; i < (size_t)B * ly->out; i++)
-            if (Y[i] <= 0.0f) dY[i] = 0.0f;
+    if (ly->relu) /* a select, not a branch: half the signs are unpredictable */
+        for (size_t i = 0; i < (size_t)B * ly->out; i++) dY[i] = Y[i] <= 0.0f ? 0.0f : dY[i];
     sgemm(pl, CblasTrans, CblasNoTrans, (int)ly->out, (int)ly->in, (int)B, dY, (int)ly->out, X,
           (int)ly->in, dP + ly->w, (int)ly->in);
     float *db = dP + ly->b;
@@ -325,7 +325,8 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                       "(F %u, D %u, at most %u rows, %u keys)", B, b->F, b->D, b->U, F, D, c->max_b,
                       c->max_u);
     const bool bwd = dP != NULL;
-    if (bwd) memset(dP, 0, l->n_params * sizeof(float));
+    /* Every layer overwrites its own dW and db; only the first-order terms accumulate. */
+    if (bwd && l->lin_table >= 0) memset(dP + l->lin_w, 0, (m->n_dense + 1) * sizeof(float));
     float *logit = c->logit;
     memset(logit, 0, B * sizeof(float));
     if (l->emb_table >= 0) spmm(b, b->emb[l->emb_table], d, c->xe);
