@@ -221,18 +221,38 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
 }
 
 /* X = A * E over the batch's CSR rows; each CSR row is one (sample, field) slot of width d. */
-static void spmm(const model_batch *b, const float *E, uint32_t d, float *X)
+typedef struct spmm_job {
+    const model_batch *b;
+    const float *E;
+    uint32_t d;
+    float *X;
+} spmm_job;
+
+/* Rows of the CSR are independent: each part pools its own range. */
+static void spmm_part(void *arg, int part, int nparts)
 {
+    const spmm_job *j = arg;
+    const model_batch *b = j->b;
+    const uint32_t d = j->d;
     size_t rows = (size_t)b->B * b->F;
-    for (size_t r = 0; r < rows; r++) {
+    size_t r0 = rows * (size_t)part / (size_t)nparts, r1 = rows * (size_t)(part + 1) / (size_t)nparts;
+    float *X = j->X;
+    const float *E = j->E;
+    for (size_t r = r0; r < r1; r++) {
         float *x = X + r * d;
         memset(x, 0, d * sizeof(float));
         for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
             const float *e = E + (size_t)b->col[k] * d;
             float v = b->val[k];
-            for (uint32_t j = 0; j < d; j++) x[j] += v * e[j];
+            for (uint32_t q = 0; q < d; q++) x[q] += v * e[q];
         }
     }
+}
+
+static void spmm(pool *p, const model_batch *b, const float *E, uint32_t d, float *X)
+{
+    spmm_job j = {b, E, d, X};
+    pool_run(p, spmm_part, &j);
 }
 
 /* dE = A^T * dX (dE overwritten). */
@@ -329,9 +349,9 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     if (bwd && l->lin_table >= 0) memset(dP + l->lin_w, 0, (m->n_dense + 1) * sizeof(float));
     float *logit = c->logit;
     memset(logit, 0, B * sizeof(float));
-    if (l->emb_table >= 0) spmm(b, b->emb[l->emb_table], d, c->xe);
+    if (l->emb_table >= 0) spmm(&c->pool, b, b->emb[l->emb_table], d, c->xe);
     if (l->lin_table >= 0) {
-        spmm(b, b->emb[l->lin_table], 1, c->xl);
+        spmm(&c->pool, b, b->emb[l->lin_table], 1, c->xl);
         for (uint32_t i = 0; i < B; i++) {
             float s = P[l->lin_c];
             for (uint32_t f = 0; f < F; f++) s += c->xl[(size_t)i * F + f];

@@ -26,7 +26,7 @@ static void train_usage(FILE *to)
             "  --checkpoint-every N --keep-checkpoints K (default 0 = all) --resume\n"
             "  --max-steps N --seed S --memory BYTES (per shard)\n"
             "  --emb-lr X --dense-lr X --emb-optimizer NAME --push-codec fp32|fp16|bf16|int8\n"
-            "  --dim D --shuffle ROWS --threads T (compute threads per worker, default 1)\n"
+            "  --dim D --shuffle ROWS --threads T (compute threads per worker, default: cores, at most 8)\n"
             "  --stale-pull         pull batch t+1 before batch t's push (faster, one step stale)\n"
             "  --worker-timeout MS  a worker silent this long no longer holds back clocks and\n"
             "                       barriers (default 0: wait for it)\n"
