@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "tools/bench_gather.h"
 #include "common/common.h"
 #include "serve/ember_serve.h"
 #include "src/model.h"
@@ -37,7 +38,6 @@
 #define MAX_THREADS 2u
 #define MISS_FRAC 0.05
 #define GATHER_BATCH 4096u
-#define GATHER_PF_DIST 16u
 #define GOAL_LOOKUP_OVER_GATHER 0.5
 #define N_BATCHES 3
 
@@ -155,15 +155,6 @@ typedef struct worker {
     float sink;
 } worker;
 
-static void gather_batch(const uint8_t *rows, const uint64_t *idx, uint32_t n, uint8_t *out,
-                         int prefetch)
-{
-    for (uint32_t i = 0; i < n; i++) {
-        if (prefetch && i + GATHER_PF_DIST < n)
-            __builtin_prefetch(rows + idx[i + GATHER_PF_DIST] * ROW_BYTES);
-        memcpy(out + (size_t)i * ROW_BYTES, rows + idx[i] * ROW_BYTES, ROW_BYTES);
-    }
-}
 
 /* Thread tid makes calls tid, tid + nthreads, ... */
 static void *worker_main(void *arg)
@@ -182,7 +173,7 @@ static void *worker_main(void *arg)
             }
             for (uint32_t i = 0; i < w->batch; i++) k->hits += k->found[i];
         } else {
-            gather_batch(w->rows, keys, w->batch, (uint8_t *)k->out, w->kind == WORK_GATHER_PF);
+            bench_gather_batch(w->rows, keys, w->batch, (uint8_t *)k->out, w->kind == WORK_GATHER_PF);
         }
         k->sink += k->out[c % w->batch * DIM];
     }

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tools/bench_gather.h"
 #include "common/common.h"
 #include "embedding/embedding.h"
 
@@ -184,18 +185,7 @@ typedef struct worker {
     float sink; /* keeps the gathered data live */
 } worker;
 
-/* Prefetch distance for the gather: enough misses in flight to cover DRAM latency. */
-#define GATHER_PF_DIST 16u
 
-static void gather_batch(const uint8_t *rows, const uint64_t *idx, uint32_t n, uint8_t *out,
-                         int prefetch)
-{
-    for (uint32_t i = 0; i < n; i++) {
-        if (prefetch && i + GATHER_PF_DIST < n)
-            __builtin_prefetch(rows + idx[i + GATHER_PF_DIST] * GATHER_ROW);
-        memcpy(out + (size_t)i * GATHER_ROW, rows + idx[i] * GATHER_ROW, GATHER_ROW);
-    }
-}
 
 /* Thread tid takes batches tid, tid + nthreads, ... of the shared stream. */
 static void *worker_main(void *arg)
@@ -211,7 +201,7 @@ static void *worker_main(void *arg)
         case WORK_PUSH: rc = emb_table_push(w->table, keys, w->batch, w->grads, &err); break;
         case WORK_GATHER:
         case WORK_GATHER_PF:
-            gather_batch(w->rows, keys, w->batch, (uint8_t *)k->out, w->kind == WORK_GATHER_PF);
+            bench_gather_batch(w->rows, keys, w->batch, (uint8_t *)k->out, w->kind == WORK_GATHER_PF);
             break;
         }
         k->sink += k->out[b % w->batch];
