@@ -30,6 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tools/bench_util.h"
 #include "common/common.h"
 #include "datasets/datasets.h"
 
@@ -42,13 +43,6 @@ typedef struct opts {
     int quick;
     const char *dir, *ember;
 } opts;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void die(const char *what, char *err)
 {
@@ -101,9 +95,9 @@ static void ensure_tsv(const opts *o, const char *tsv, double *gen_s, int *reuse
     char *argv[] = {(char *)o->ember, "gen", "--rows", rows, "--seed", seed, "--threads", "1",
                     "--out", (char *)tsv, NULL};
     fprintf(stderr, "bench ingest: generating %s rows (seed %s) into %s\n", rows, seed, tsv);
-    double t0 = now_s();
+    double t0 = cm_now();
     if (run_cmd(argv, 1) != 0) die("ember gen failed", NULL);
-    *gen_s = now_s() - t0;
+    *gen_s = cm_now() - t0;
     f = fopen(sizefile, "w");
     if (f == NULL) die("cannot write the size file", NULL);
     fprintf(f, "%" PRIu64 "\n", file_size(tsv));
@@ -116,9 +110,9 @@ static double time_cat(const char *tsv)
     char *argv[] = {"/bin/cat", (char *)tsv, NULL};
     double t = 0;
     for (int i = 0; i < 2; i++) {
-        double t0 = now_s();
+        double t0 = cm_now();
         if (run_cmd(argv, 1) != 0) die("cat failed", NULL);
-        t = now_s() - t0;
+        t = cm_now() - t0;
     }
     return t;
 }
@@ -140,17 +134,7 @@ static void ingest(const char *tsv, const char *out, int threads, ds_ingest_resu
 
 static void default_ember(opts *o)
 {
-    static char buf[4096];
-    o->ember = getenv("EMBER_BIN");
-    if (o->ember) return;
-    ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 16);
-    if (n <= 0) return;
-    buf[n] = '\0';
-    /* build/tools/bench_ingest -> build/ember */
-    char *d = dirname(dirname(buf));
-    memmove(buf, d, strlen(d) + 1);
-    strcat(buf, "/ember");
-    o->ember = buf;
+    o->ember = bench_ember_path();
 }
 
 static void loadavg(char *buf, size_t n)

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tools/bench_util.h"
 #include "ps/ps.h"
 #include "tests/ps/ps_proc.h"
 
@@ -305,17 +306,7 @@ typedef struct row {
 
 static void default_ember(opts *o)
 {
-    static char buf[4096];
-    o->ember = getenv("EMBER_BIN");
-    if (o->ember) return;
-    ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 16);
-    if (n <= 0) return;
-    buf[n] = '\0';
-    /* build/tools/bench_ps -> build/ember */
-    char *d = dirname(dirname(buf));
-    memmove(buf, d, strlen(d) + 1);
-    strcat(buf, "/ember");
-    o->ember = buf;
+    o->ember = bench_ember_path();
 }
 
 int main(int argc, char **argv)

@@ -84,13 +84,6 @@ typedef struct ember_run {
     uint64_t rows, eval_rows;
 } ember_run;
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static void die(const char *what, char *err)
 {
     fprintf(stderr, "bench train: %s%s%s\n", what, err ? ": " : "", err ? err : "");
@@ -330,12 +323,12 @@ static void prepare_data(const opts *o, dataset *ds)
     snprintf(rows_s, sizeof rows_s, "%" PRIu64, total);
     snprintf(seed_s, sizeof seed_s, "%" PRIu64, o->seed);
     fprintf(stderr, "bench train: generating %s rows (seed %s) into %s\n", rows_s, seed_s, ds->tsv);
-    double t0 = now_s();
+    double t0 = cm_now();
     /* --threads 1: see bench_ingest.c (ember gen's threaded writer can deadlock under load). */
     char *gen[] = {(char *)o->ember, "gen", "--rows", rows_s, "--seed", seed_s, "--threads", "1",
                    "--out", ds->tsv, NULL};
     if (run_cmd(gen, "/dev/null", NULL) != 0) die("ember gen failed", NULL);
-    ds->gen_s = now_s() - t0;
+    ds->gen_s = cm_now() - t0;
     ds_ingest_opts io;
     ds_ingest_opts_init(&io);
     io.parser.format = DS_FMT_CRITEO;
@@ -351,9 +344,9 @@ static void prepare_data(const opts *o, dataset *ds)
     ds->rows_eval = res.rows_eval;
     fprintf(stderr, "bench train: ingested %" PRIu64 " train + %" PRIu64 " eval rows; writing the PyTorch dump\n",
             res.rows_train, res.rows_eval);
-    t0 = now_s();
+    t0 = cm_now();
     write_dump(ds->dump, ds->train, ds->eval, &ds->table_rows);
-    ds->dump_s = now_s() - t0;
+    ds->dump_s = cm_now() - t0;
     ds->F = 26, ds->D = 13;
     {
         /* F and D from the shards themselves. */
@@ -529,7 +522,7 @@ static void measure_roofline(uint32_t F, uint32_t D, double seconds, roofline *r
     for (int pass = 0; pass < 2; pass++) {
         if (set_threads) set_threads(pass == 0 ? 2 : 1);
         int steps = 0;
-        double t0 = now_s(), t;
+        double t0 = cm_now(), t;
         do {
             for (uint32_t l = 0; l < n_layers; l++) {
                 int K = (int)in[l], N = (int)outw[l];
@@ -538,7 +531,7 @@ static void measure_roofline(uint32_t F, uint32_t D, double seconds, roofline *r
                 sgemm(ROW_MAJOR, TRANS, NO_TRANS, N, K, (int)B, 1.0f, Y, N, X, K, 0.0f, dW, K);
             }
             steps++;
-            t = now_s() - t0;
+            t = cm_now() - t0;
         } while (t < seconds || steps < 3);
         if (pass == 0) {
             rf->gflops_model = fps * B * steps / t / 1e9;
@@ -558,11 +551,11 @@ static void measure_roofline(uint32_t F, uint32_t D, double seconds, roofline *r
     for (size_t i = 0; i < (size_t)S * S; i++) A[i] = Bm[i] = (float)(i % 97) * 0.01f;
     sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, S, S, S, 1.0f, A, S, Bm, S, 0.0f, C, S);
     steps = 0;
-    t0 = now_s();
+    t0 = cm_now();
     do {
         sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, S, S, S, 1.0f, A, S, Bm, S, 0.0f, C, S);
         steps++;
-        t = now_s() - t0;
+        t = cm_now() - t0;
     } while (t < seconds / 2 || steps < 3);
     rf->gflops_peak = 2.0 * S * S * S * steps / t / 1e9;
     free(A), free(Bm), free(C), free(X), free(W), free(Y), free(dW);
@@ -654,7 +647,7 @@ int main(int argc, char **argv)
     }
     char *err = NULL;
     if (cm_mkdirs(o.dir, &err) != CM_OK) die("bench directory", err);
-    double t_start = now_s();
+    double t_start = cm_now();
     char load0[16], load1[16];
     loadavg(load0, sizeof load0);
 
@@ -769,6 +762,6 @@ int main(int argc, char **argv)
            rf.flops_per_sample, rf.samples_per_s, rf.gflops_model_1t, rf.samples_per_s_1t,
            best_mlp && tr.ran ? (best_mlp->auc >= tr.auc - GOAL_AUC_GAP ? "true" : "false") : "null",
            isfinite(speedup) ? (speedup >= GOAL_SPEEDUP ? "true" : "false") : "null", load0, load1,
-           now_s() - t_start);
+           cm_now() - t_start);
     return head ? 0 : 1;
 }
