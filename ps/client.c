@@ -2,8 +2,13 @@
  * The PS client. Each shard has a req socket and a window of contexts ("slots"). A slot runs
  * send -> recv from nng callbacks; a synchronous caller waits on the client's condition
  * variable, an asynchronous push frees its slot from the callback and leaves any error for a
- * later call to report. Idempotent requests let nng resend them after a reconnect; pushes are
- * never resent (a duplicate would apply twice).
+ * later call to report. nng resends a request after a reconnect or a resend interval; the
+ * server recognises a push it has seen by (worker, request id) and does not apply it twice.
+ *
+ * Failover: a shard with a backup is watched through nng's pipe events. When the connection to
+ * the primary goes away, a thread closes the primary's dialer and dials the backup on the same
+ * socket; nng then resends every request that was in flight to the new connection, so callers
+ * see a pause, not an error. A shard fails over once; its backup has no backup of its own.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -13,8 +18,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ps/net.h"
+#include "ps/wire.h"
 
 enum { SL_FREE, SL_SEND, SL_RECV, SL_DONE };
 enum { K_SYNC, K_ASYNC };
@@ -33,7 +40,12 @@ typedef struct slot {
 } slot;
 
 typedef struct shard_conn {
+    struct ps_client *c;
+    uint32_t index;
     nng_socket sock;
+    nng_dialer dialer;
+    char *url, *backup_url;
+    bool fail_pending, failed_over; /* under the client's mu */
     bool open;
     slot *slots;
     uint32_t busy;
@@ -47,6 +59,9 @@ struct ps_client {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     uint64_t next_req;
+    pthread_cond_t fail_cv; /* wakes the failover thread */
+    pthread_t failover;
+    bool failover_running, closing;
     int async_rc;
     char *async_err;
     uint64_t clock, barrier_gen;
@@ -94,8 +109,9 @@ static int reply_check(slot *s, nng_msg *m, char **errptr)
         return rc;
     }
     if (h.req_id != s->req_id || h.op != s->op)
-        return cm_err(errptr, CM_ECORRUPT, "shard %u replied to request %" PRIu64 " op %u, expected %" PRIu64
-                      " op %u", s->shard, h.req_id, h.op, s->req_id, s->op);
+        return cm_err(errptr, CM_ECORRUPT,
+                      "shard %u replied to request %" PRIu64 " op %u, expected %" PRIu64 " op %u",
+                      s->shard, h.req_id, h.op, s->req_id, s->op);
     if (h.status < 0) {
         const char *p = (const char *)nng_msg_body(m) + PS_HDR_BYTES;
         return cm_err(errptr, h.status, "shard %u: %.*s", s->shard, (int)h.payload_len, p);
@@ -138,7 +154,8 @@ static slot *slot_acquire(struct ps_client *c, uint32_t shard, int kind)
 {
     shard_conn *sc = &c->shards[shard];
     pthread_mutex_lock(&c->mu);
-    while (sc->busy == c->window) pthread_cond_wait(&c->cv, &c->mu);
+    while (sc->busy == c->window)
+        pthread_cond_wait(&c->cv, &c->mu);
     slot *s = NULL;
     for (uint32_t i = 0; i < c->window && s == NULL; i++)
         if (sc->slots[i].state == SL_FREE) s = &sc->slots[i];
@@ -175,7 +192,8 @@ static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout
 static int slot_wait(struct ps_client *c, slot *s, nng_msg **reply, char **errptr)
 {
     pthread_mutex_lock(&c->mu);
-    while (s->state != SL_DONE) pthread_cond_wait(&c->cv, &c->mu);
+    while (s->state != SL_DONE)
+        pthread_cond_wait(&c->cv, &c->mu);
     int rc = s->rc;
     char *err = s->err;
     nng_msg *m = s->reply;
@@ -196,8 +214,10 @@ static int slot_wait(struct ps_client *c, slot *s, nng_msg **reply, char **errpt
         return rc;
     }
     free(err);
-    if (reply) *reply = m;
-    else if (m) nng_msg_free(m);
+    if (reply)
+        *reply = m;
+    else if (m)
+        nng_msg_free(m);
     return CM_OK;
 }
 
@@ -240,6 +260,63 @@ static nng_msg *msg_simple(uint16_t op, uint32_t table, uint32_t clock, const vo
 
 /* ---- life cycle ---- */
 
+/* ---- failover ---- */
+
+/* Moves a shard's socket from its primary to its backup. */
+static int fail_over(struct ps_client *c, uint32_t shard, char **errptr)
+{
+    shard_conn *sc = &c->shards[shard];
+    nng_dialer_close(sc->dialer);
+    int rc = ps_net_dial(sc->sock, sc->backup_url, &c->cfg, &sc->dialer, errptr);
+    __atomic_add_fetch(&c->st.failovers, 1, __ATOMIC_RELAXED);
+    fprintf(stderr,
+            "ember: worker %u: shard %u primary %s is gone; failing over to its backup %s\n",
+            c->worker, shard, sc->url, sc->backup_url);
+    return rc;
+}
+
+/* nng pipe event: the connection to a primary went away. Only flags it (this runs on nng's
+ * thread, which must not block on closing a dialer). */
+static void pipe_removed(nng_pipe p, nng_pipe_ev ev, void *arg)
+{
+    (void)p;
+    (void)ev;
+    shard_conn *sc = arg;
+    struct ps_client *c = sc->c;
+    pthread_mutex_lock(&c->mu);
+    if (!c->closing && !sc->failed_over) {
+        sc->failed_over = true;
+        sc->fail_pending = true;
+        pthread_cond_signal(&c->fail_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void *failover_main(void *arg)
+{
+    struct ps_client *c = arg;
+    pthread_mutex_lock(&c->mu);
+    while (!c->closing) {
+        uint32_t i = 0;
+        while (i < c->cfg.n_shards && !c->shards[i].fail_pending)
+            i++;
+        if (i == c->cfg.n_shards) {
+            pthread_cond_wait(&c->fail_cv, &c->mu);
+            continue;
+        }
+        c->shards[i].fail_pending = false;
+        pthread_mutex_unlock(&c->mu);
+        char *err = NULL;
+        if (fail_over(c, i, &err) != CM_OK)
+            fprintf(stderr, "ember: worker %u: failover of shard %u failed: %s\n", c->worker, i,
+                    err);
+        free(err);
+        pthread_mutex_lock(&c->mu);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
 static int hello(struct ps_client *c, uint32_t shard, char **errptr)
 {
     const ps_config *cfg = &c->cfg;
@@ -275,8 +352,15 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
     c->worker = o->worker;
     c->window = o->window ? o->window : 8;
     c->timeout_ms = o->timeout_ms ? o->timeout_ms : 30000;
+    /* Request ids start at a random base, so a restarted worker's ids are new to the server's
+     * duplicate check. */
+    double t = cm_now();
+    uint64_t seed[2] = {(uint64_t)getpid() ^ ((uint64_t)o->worker << 32), 0};
+    memcpy(&seed[1], &t, sizeof t);
+    c->next_req = (cm_xxh3(seed, sizeof seed) & 0xffffffffull) << 24;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
+    pthread_cond_init(&c->fail_cv, NULL);
     c->shards = calloc(c->cfg.n_shards, sizeof *c->shards);
     if (c->shards == NULL) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
@@ -289,6 +373,14 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
     }
     for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
         shard_conn *sc = &c->shards[i];
+        sc->c = c;
+        sc->index = i;
+        sc->url = strdup(o->urls[i]);
+        if (o->backup_urls && o->backup_urls[i]) sc->backup_url = strdup(o->backup_urls[i]);
+        if (sc->url == NULL || (o->backup_urls && o->backup_urls[i] && sc->backup_url == NULL)) {
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+            break;
+        }
         int rv = nng_req0_open(&sc->sock);
         if (rv != 0) {
             rc = cm_err(errptr, CM_EIO, "cannot open req socket: %s", nng_strerror(rv));
@@ -307,16 +399,40 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
             slot *s = &sc->slots[j];
             s->c = c;
             s->shard = i;
-            if ((rv = nng_aio_alloc(&s->aio, slot_cb, s)) != 0 || (rv = nng_ctx_open(&s->ctx, sc->sock)) != 0)
+            if ((rv = nng_aio_alloc(&s->aio, slot_cb, s)) != 0 ||
+                (rv = nng_ctx_open(&s->ctx, sc->sock)) != 0)
                 rc = cm_err(errptr, CM_EIO, "cannot set up contexts: %s", nng_strerror(rv));
         }
-        if (rc == CM_OK) rc = ps_net_dial(sc->sock, o->urls[i], &c->cfg, errptr);
+        if (rc == CM_OK) rc = ps_net_dial(sc->sock, o->urls[i], &c->cfg, &sc->dialer, errptr);
     }
     for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
         char *err = NULL;
+        shard_conn *sc = &c->shards[i];
         rc = hello(c, i, &err);
-        if (rc != CM_OK) cm_err(errptr, rc, "HELLO to %s failed: %s", o->urls[i], err);
+        if (rc != CM_OK && sc->backup_url) {
+            /* The primary may be gone already (a worker restarted after a failover). */
+            fprintf(stderr, "ember: worker %u: HELLO to %s failed (%s); trying its backup\n",
+                    c->worker, sc->url, err);
+            sc->failed_over = true;
+            rc = fail_over(c, i, NULL);
+            if (rc == CM_OK) rc = hello(c, i, &err);
+        }
+        if (rc != CM_OK)
+            cm_err(errptr, rc, "HELLO to %s failed: %s", sc->failed_over ? sc->backup_url : sc->url,
+                   err);
         free(err);
+    }
+    for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
+        shard_conn *sc = &c->shards[i];
+        if (sc->backup_url == NULL || sc->failed_over) continue;
+        int rv = nng_pipe_notify(sc->sock, NNG_PIPE_EV_REM_POST, pipe_removed, sc);
+        if (rv != 0) rc = cm_err(errptr, CM_EIO, "cannot watch shard %u: %s", i, nng_strerror(rv));
+        if (rc == CM_OK && !c->failover_running) {
+            if (pthread_create(&c->failover, NULL, failover_main, c) != 0)
+                rc = cm_err(errptr, CM_ERR, "cannot start the failover thread");
+            else
+                c->failover_running = true;
+        }
     }
     if (rc != CM_OK) goto fail;
     *out = c;
@@ -329,8 +445,13 @@ fail:
 void ps_client_destroy(ps_client *c)
 {
     if (c == NULL) return;
+    if (c->shards) ps_client_flush(c, NULL);
+    pthread_mutex_lock(&c->mu);
+    c->closing = true;
+    pthread_cond_broadcast(&c->fail_cv);
+    pthread_mutex_unlock(&c->mu);
+    if (c->failover_running) pthread_join(c->failover, NULL);
     if (c->shards) {
-        ps_client_flush(c, NULL);
         for (uint32_t i = 0; i < c->cfg.n_shards; i++) {
             shard_conn *sc = &c->shards[i];
             for (uint32_t j = 0; sc->slots && j < c->window; j++)
@@ -342,13 +463,17 @@ void ps_client_destroy(ps_client *c)
                 free(sc->slots[j].err);
             }
             free(sc->slots);
+            free(sc->url);
+            free(sc->backup_url);
         }
     }
-    for (uint32_t i = 0; i < PS_MAX_TABLES; i++) emb_store_destroy(c->residual[i]);
+    for (uint32_t i = 0; i < PS_MAX_TABLES; i++)
+        emb_store_destroy(c->residual[i]);
     free(c->shards);
     free(c->async_err);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
+    pthread_cond_destroy(&c->fail_cv);
     free(c);
 }
 
@@ -371,9 +496,12 @@ static void radix_sort(kv *a, kv *tmp, size_t n)
         if ((((or_all ^ and_all) >> shift) & 0xffff) == 0) continue;
         static __thread size_t count[65537];
         memset(count, 0, sizeof count);
-        for (size_t i = 0; i < n; i++) count[((a[i].key >> shift) & 0xffff) + 1]++;
-        for (size_t d = 0; d < 65536; d++) count[d + 1] += count[d];
-        for (size_t i = 0; i < n; i++) tmp[count[(a[i].key >> shift) & 0xffff]++] = a[i];
+        for (size_t i = 0; i < n; i++)
+            count[((a[i].key >> shift) & 0xffff) + 1]++;
+        for (size_t d = 0; d < 65536; d++)
+            count[d + 1] += count[d];
+        for (size_t i = 0; i < n; i++)
+            tmp[count[(a[i].key >> shift) & 0xffff]++] = a[i];
         memcpy(a, tmp, n * sizeof *a);
     }
 }
@@ -413,7 +541,8 @@ static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n,
         rc = cm_err(errptr, CM_ENOMEM, "out of memory splitting %zu keys", n);
         goto out;
     }
-    for (size_t i = 0; i < n; i++) a[i] = (kv){keys[i], (uint32_t)i};
+    for (size_t i = 0; i < n; i++)
+        a[i] = (kv){keys[i], (uint32_t)i};
     radix_sort(a, tmp, n);
     size_t u = 0;
     for (size_t i = 0; i < n; i++) {
@@ -425,7 +554,8 @@ static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n,
         owner[i] = ns == 1 ? 0 : ps_key_shard(sp->uniq[i], ns);
         sp->start[owner[i] + 1]++;
     }
-    for (uint32_t s = 0; s < ns; s++) sp->start[s + 1] += sp->start[s];
+    for (uint32_t s = 0; s < ns; s++)
+        sp->start[s + 1] += sp->start[s];
     uint32_t *fill = (uint32_t *)tmp; /* reuse: ns + 1 <= n is not guaranteed, so allocate */
     fill = malloc((ns + 1) * sizeof *fill);
     if (fill == NULL) {
@@ -450,7 +580,8 @@ out:
 static int check_table(const struct ps_client *c, uint32_t table, size_t n, char **errptr)
 {
     if (table >= c->cfg.n_tables)
-        return cm_err(errptr, CM_EINVAL, "no table %u (the cluster has %u)", table, c->cfg.n_tables);
+        return cm_err(errptr, CM_EINVAL, "no table %u (the cluster has %u)", table,
+                      c->cfg.n_tables);
     if (n > UINT32_MAX) return cm_err(errptr, CM_EINVAL, "batch of %zu keys is too large", n);
     return CM_OK;
 }
@@ -489,7 +620,8 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
     split sp;
     rc = split_keys(c, keys, n, &sp, errptr);
     if (rc != CM_OK) return rc;
-    float *rows = malloc(sp.n_uniq * dim * sizeof *rows), *tmp = malloc(sp.n_uniq * dim * sizeof *tmp);
+    float *rows = malloc(sp.n_uniq * dim * sizeof *rows),
+          *tmp = malloc(sp.n_uniq * dim * sizeof *tmp);
     slot **slots = calloc(ns, sizeof *slots);
     if (!rows || !tmp || !slots) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     /* Read your writes: the server serves requests on many contexts at once, so a pull sent
@@ -522,8 +654,8 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
             r = cm_err(&err, CM_ECORRUPT, "shard %u returned %zu bytes for %zu rows", s,
                        nng_msg_len(reply) - PS_HDR_BYTES, cnt);
         if (r == CM_OK)
-            r = ps_codec_decode(codec, (const uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, cnt, dim,
-                                tmp + (size_t)sp.start[s] * dim, &err);
+            r = ps_codec_decode(codec, (const uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, cnt,
+                                dim, tmp + (size_t)sp.start[s] * dim, &err);
         if (r == CM_OK)
             for (size_t j = 0; j < cnt; j++)
                 memcpy(rows + (size_t)sp.pos[sp.start[s] + j] * dim, tmp + (sp.start[s] + j) * dim,
@@ -577,7 +709,8 @@ static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *k
         for (size_t i = 0; rc == CM_OK && i < n; i++) {
             if (!found[i]) continue;
             const float *r = (const float *)(recs + i * rec + 8);
-            for (uint32_t j = 0; j < dim; j++) g[i * dim + j] += r[j];
+            for (uint32_t j = 0; j < dim; j++)
+                g[i * dim + j] += r[j];
         }
     } else {
         for (size_t i = 0; i < n; i++) {
@@ -597,8 +730,8 @@ out:
     return rc;
 }
 
-int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
-                   const float *grads, char **errptr)
+int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, const float *grads,
+                   char **errptr)
 {
     int rc = check_table(c, table, n, errptr);
     if (rc == CM_OK) rc = take_async_error(c, errptr);
@@ -608,8 +741,9 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     const size_t rb = ps_codec_row_bytes(codec, dim);
     for (size_t i = 0; i < n * dim; i++)
         if (!isfinite(grads[i]))
-            return cm_err(errptr, CM_EINVAL, "non-finite gradient for key %" PRIu64 " (element %zu)",
-                          keys[i / dim], i % dim);
+            return cm_err(errptr, CM_EINVAL,
+                          "non-finite gradient for key %" PRIu64 " (element %zu)", keys[i / dim],
+                          i % dim);
     split sp;
     rc = split_keys(c, keys, n, &sp, errptr);
     if (rc != CM_OK) return rc;
@@ -623,14 +757,18 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
         goto out;
     }
     for (size_t i = 0; i < n; i++)
-        for (uint32_t j = 0; j < dim; j++) g[(size_t)sp.inv[i] * dim + j] += grads[i * dim + j];
-    for (size_t p = 0; p < sp.n_uniq; p++) where[sp.pos[p]] = (uint32_t)p;
+        for (uint32_t j = 0; j < dim; j++)
+            g[(size_t)sp.inv[i] * dim + j] += grads[i * dim + j];
+    for (size_t p = 0; p < sp.n_uniq; p++)
+        where[sp.pos[p]] = (uint32_t)p;
     for (size_t u = 0; u < sp.n_uniq; u++)
         memcpy(gs + (size_t)where[u] * dim, g + u * dim, dim * sizeof(float));
-    if (codec == PS_CODEC_INT8) rc = error_feedback(c, table, sp.skeys, sp.n_uniq, gs, NULL, 0, errptr);
+    if (codec == PS_CODEC_INT8)
+        rc = error_feedback(c, table, sp.skeys, sp.n_uniq, gs, NULL, 0, errptr);
     if (rc != CM_OK) goto out;
     ps_codec_encode(codec, gs, sp.n_uniq, dim, enc, codec == PS_CODEC_INT8 ? back : NULL);
-    if (codec == PS_CODEC_INT8) rc = error_feedback(c, table, sp.skeys, sp.n_uniq, gs, back, 1, errptr);
+    if (codec == PS_CODEC_INT8)
+        rc = error_feedback(c, table, sp.skeys, sp.n_uniq, gs, back, 1, errptr);
     for (uint32_t s = 0; s < ns && rc == CM_OK; s++) {
         size_t cnt = sp.start[s + 1] - sp.start[s];
         if (cnt == 0) continue;
@@ -640,7 +778,7 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");
             break;
         }
-        slot_send(slot_acquire(c, s, K_ASYNC), m, false, (nng_duration)c->timeout_ms);
+        slot_send(slot_acquire(c, s, K_ASYNC), m, true, (nng_duration)c->timeout_ms);
     }
     if (rc == CM_OK) __atomic_add_fetch(&c->st.rows_pushed, sp.n_uniq, __ATOMIC_RELAXED);
 out:
@@ -657,7 +795,8 @@ int ps_client_flush(ps_client *c, char **errptr)
 {
     pthread_mutex_lock(&c->mu);
     for (uint32_t s = 0; s < c->cfg.n_shards; s++)
-        while (c->shards[s].busy > 0) pthread_cond_wait(&c->cv, &c->mu);
+        while (c->shards[s].busy > 0)
+            pthread_cond_wait(&c->cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
     return take_async_error(c, errptr);
 }
@@ -668,20 +807,23 @@ static int dense_call(ps_client *c, uint16_t op, uint32_t block, const float *in
                       int *assigned, char **errptr)
 {
     if (block >= c->cfg.n_dense)
-        return cm_err(errptr, CM_EINVAL, "no dense block %u (the cluster has %u)", block, c->cfg.n_dense);
+        return cm_err(errptr, CM_EINVAL, "no dense block %u (the cluster has %u)", block,
+                      c->cfg.n_dense);
     size_t bytes = (size_t)c->cfg.dense[block].size * sizeof(float);
     nng_msg *m = msg_simple(op, block, 0, in, in ? bytes : 0), *reply = NULL;
     if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-    int rc = request(c, block % c->cfg.n_shards, m, op == PS_OP_PULL_DENSE,
-                     (nng_duration)c->timeout_ms, &reply, errptr);
+    /* Every dense op may be resent: pushes are de-duplicated, init and pull are idempotent. */
+    int rc =
+        request(c, block % c->cfg.n_shards, m, true, (nng_duration)c->timeout_ms, &reply, errptr);
     if (rc != CM_OK) return rc;
     ps_hdr h;
     memcpy(&h, nng_msg_body(reply), sizeof h);
     if (out != NULL) {
         if (h.payload_len != bytes)
-            rc = cm_err(errptr, CM_ECORRUPT, "dense block %u: %" PRIu64 " bytes, expected %zu", block,
-                        h.payload_len, bytes);
-        else memcpy(out, (uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, bytes);
+            rc = cm_err(errptr, CM_ECORRUPT, "dense block %u: %" PRIu64 " bytes, expected %zu",
+                        block, h.payload_len, bytes);
+        else
+            memcpy(out, (uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, bytes);
     }
     if (assigned) *assigned = h.flags & 1;
     nng_msg_free(reply);
@@ -766,7 +908,8 @@ static int broadcast(ps_client *c, uint16_t op, const void *payload, size_t len,
 static int checkpoint(ps_client *c, uint16_t op, const char *dir, char **errptr)
 {
     size_t len = strlen(dir);
-    if (len == 0 || len > 1024) return cm_err(errptr, CM_EINVAL, "checkpoint path must be 1..1024 bytes");
+    if (len == 0 || len > 1024)
+        return cm_err(errptr, CM_EINVAL, "checkpoint path must be 1..1024 bytes");
     int rc = ps_client_flush(c, errptr);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
     if (rc == CM_OK && c->worker == 0) rc = broadcast(c, op, dir, len, false, errptr);
@@ -822,7 +965,8 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
             emb_table_stats *o = &out->table_total[i];
             uint64_t *dst = (uint64_t *)o;
             const uint64_t *src = (const uint64_t *)&ts;
-            for (size_t k = 0; k < sizeof ts / sizeof(uint64_t); k++) dst[k] += src[k];
+            for (size_t k = 0; k < sizeof ts / sizeof(uint64_t); k++)
+                dst[k] += src[k];
         }
         nng_msg_free(reply);
     }

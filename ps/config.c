@@ -16,6 +16,7 @@ void ps_config_init(ps_config *cfg)
     cfg->n_workers = 1;
     cfg->staleness = -1;
     cfg->max_msg_bytes = 256u << 20;
+    cfg->replica_timeout_ms = 5000;
     snprintf(cfg->spill_dir, sizeof cfg->spill_dir, "/tmp/ember-spill");
 }
 
@@ -65,6 +66,7 @@ static int set_cluster(ps_config *c, const char *k, const char *v)
     if (!strcmp(k, "staleness")) return parse_i32(v, &c->staleness);
     if (!strcmp(k, "max_message")) return parse_u64(v, &c->max_msg_bytes);
     if (!strcmp(k, "worker_timeout")) return parse_u32(v, &c->worker_timeout_ms);
+    if (!strcmp(k, "replica_timeout")) return parse_u32(v, &c->replica_timeout_ms);
     if (!strcmp(k, "spill_dir")) return copy_str(c->spill_dir, sizeof c->spill_dir, v);
     if (!strcmp(k, "tls_cert")) return copy_str(c->tls_cert, sizeof c->tls_cert, v);
     if (!strcmp(k, "tls_key")) return copy_str(c->tls_key, sizeof c->tls_key, v);

@@ -70,7 +70,8 @@ int ps_net_listen(nng_socket sock, const char *url, const ps_config *cfg, char *
     return CM_OK;
 }
 
-int ps_net_dial(nng_socket sock, const char *url, const ps_config *cfg, char **errptr)
+int ps_net_dial(nng_socket sock, const char *url, const ps_config *cfg, nng_dialer *dialer,
+                char **errptr)
 {
     nng_dialer d;
     int rv = nng_dialer_create(&d, sock, url);
@@ -87,6 +88,7 @@ int ps_net_dial(nng_socket sock, const char *url, const ps_config *cfg, char **e
      * (or restarts) is picked up; requests time out on their own. */
     rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK);
     if (rv != 0) return cm_err(errptr, CM_EIO, "cannot dial %s: %s", url, nng_strerror(rv));
+    if (dialer) *dialer = d;
     return CM_OK;
 }
 

@@ -12,7 +12,9 @@
 /* Starts a listener (server) or dialer (client) on url. For tls+tcp:// the config's cert/key
  * (and CA, which turns on peer verification) are loaded. nng errors become CM_EIO with the URL. */
 int ps_net_listen(nng_socket sock, const char *url, const ps_config *cfg, char **errptr);
-int ps_net_dial(nng_socket sock, const char *url, const ps_config *cfg, char **errptr);
+/* The dialer goes to *dialer when that is not NULL (the client closes it to fail over). */
+int ps_net_dial(nng_socket sock, const char *url, const ps_config *cfg, nng_dialer *dialer,
+                char **errptr);
 
 /* Allocates a message of header + payload_len bytes with the header zeroed but for op, table,
  * count, codec, worker, clock and req_id taken from h (NULL: all zero). *payload points into it.

@@ -42,6 +42,7 @@
 #ifndef EMBER_PS_H
 #define EMBER_PS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -98,6 +99,8 @@ typedef struct ps_config {
     uint64_t max_msg_bytes;   /* receive limit, default 256 MiB */
     uint32_t worker_timeout_ms; /* a worker silent this long stops holding back clocks and
                                    barriers (shard 0); 0 = wait for it forever */
+    uint32_t replica_timeout_ms; /* a primary whose backup has not acknowledged an update this
+                                    long drops the backup and goes on unreplicated */
     char spill_dir[1024];     /* shard s, table t spills to <spill_dir>/shard-<s>/<name> */
     char tls_cert[1024], tls_key[1024], tls_ca[1024]; /* PEM files for tls+tcp:// */
     uint32_t n_tables, n_dense;
@@ -106,13 +109,13 @@ typedef struct ps_config {
 } ps_config;
 
 /* Defaults: 1 shard, 1 worker, asynchronous, 256 MiB messages, spill under /tmp/ember-spill,
- * no tables. */
+ * replica timeout 5 s, no tables. */
 void ps_config_init(ps_config *cfg);
 
 /*
  * Parses an INI-style config file:
  *   [cluster]  shards, workers, staleness, max_message (bytes; K/M/G suffixes), spill_dir,
- *              tls_cert, tls_key, tls_ca, worker_timeout (ms)
+ *              tls_cert, tls_key, tls_ca, worker_timeout (ms), replica_timeout (ms)
  *   [table NAME]  dim, optimizer, lr, l2, eps, beta1, beta2, adagrad_init, ftrl_beta, ftrl_l1,
  *              init_scale, seed, memory (per-shard budget, K/M/G), admit, ttl, push_codec,
  *              pull_codec
@@ -144,6 +147,8 @@ typedef struct ps_server_opts {
     const char *listen;   /* nng URL, e.g. tcp://127.0.0.1:7000, ipc:///tmp/ps0 */
     uint32_t shard;
     uint32_t n_contexts; /* concurrent requests in service; 0 = 64 */
+    const char *replica_url; /* primary with a backup: the backup's URL (NULL: none) */
+    bool backup;             /* this process is the backup of its shard (see Replication) */
 } ps_server_opts;
 
 /* Creates the shard's tables and starts listening. *out is the caller's (ps_server_destroy). */
@@ -154,6 +159,8 @@ int ps_server_wait(ps_server *s);
 void ps_server_stop(ps_server *s);
 /* Stops serving and frees everything. */
 void ps_server_destroy(ps_server *s);
+/* True when this primary stopped because its backup had taken over (it must not serve). */
+bool ps_server_fenced(ps_server *s);
 
 typedef struct ps_server_stats {
     uint64_t requests, errors, bad_messages;
@@ -161,6 +168,11 @@ typedef struct ps_server_stats {
     uint64_t rows_pulled, rows_pushed;
     uint64_t clocks_min, clocks_max; /* slowest and fastest worker clock seen */
     uint64_t staleness_max;          /* largest observed clock gap */
+    uint64_t duplicates;             /* resent pushes recognised and not applied again */
+    uint64_t replicated;             /* primary: updates the backup acknowledged;
+                                        backup: updates received from the primary */
+    uint64_t replica_dropped;        /* primary: 1 once it dropped an unreachable backup */
+    uint64_t promoted;               /* backup: 1 once it took over as primary */
 } ps_server_stats;
 void ps_server_stats_get(ps_server *s, ps_server_stats *out);
 
@@ -174,6 +186,8 @@ typedef struct ps_client_opts {
     uint32_t worker;         /* this worker's index < cfg->n_workers */
     uint32_t window;         /* in-flight requests per shard; 0 = 8 */
     uint32_t timeout_ms;     /* per request; 0 = 30000 */
+    const char *const *backup_urls; /* NULL, or cfg->n_shards URLs of the shards' backups
+                                       (an entry may be NULL: that shard has none) */
 } ps_client_opts;
 
 /* Connects to every shard and runs the HELLO handshake (protocol version, shard index and
@@ -223,6 +237,7 @@ typedef struct ps_client_stats {
     uint64_t bytes_sent, bytes_received;
     uint64_t rows_pulled, rows_pushed;
     double push_sq_error, push_sq_norm; /* quantisation error of pushes (sum of squares) */
+    uint64_t failovers;                 /* shards this client moved to their backup */
     ps_server_stats shard_total;        /* summed over shards by ps_client_stats_get */
     emb_table_stats table_total[PS_MAX_TABLES];
 } ps_client_stats;

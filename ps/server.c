@@ -6,11 +6,20 @@
  * Tables sit behind a read-write lock: every request holds it shared; LOAD takes it exclusive
  * only to swap in tables it has already built and verified, so a bad checkpoint never
  * replaces good state.
+ *
+ * Replication (ps/replica.h): a primary with a backup applies updates one at a time under
+ * repl_mu, numbers them and ships each to the backup from the context's own request context;
+ * the client's reply is held (state ST_REPL) until the backup acknowledges. A backup applies
+ * what it receives in sequence order; the first request it gets from a client means the
+ * clients have failed over: it applies everything it holds, becomes primary, and from then on
+ * answers its old primary's REPLICATE with PS_STATUS_FENCED, which makes the old primary stop
+ * (so no update is ever acknowledged by a primary that its backup does not have).
  */
 #include <inttypes.h>
 #include <math.h>
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
+#include <nng/protocol/reqrep0/req.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,8 +29,10 @@
 #include "ps/checkpoint.h"
 #include "ps/dense.h"
 #include "ps/net.h"
+#include "ps/replica.h"
 
-enum { ST_RECV, ST_SEND, ST_PARKED };
+enum { ST_RECV, ST_SEND, ST_PARKED, ST_REPL };
+enum { RS_SEND, RS_RECV };
 
 typedef struct srv_ctx {
     struct ps_server *s;
@@ -31,6 +42,11 @@ typedef struct srv_ctx {
     uint64_t wait_for; /* parked: the clock or barrier generation awaited */
     ps_hdr req;        /* parked: the request's header, for the reply */
     struct srv_ctx *next;
+    nng_ctx rctx; /* primary with a backup: this context's requests to the backup */
+    nng_aio *raio;
+    int rstate;
+    nng_msg *held;   /* ST_REPL: the client's reply, sent once the backup acknowledged */
+    bool stop_after; /* ST_REPL: the update was a SHUTDOWN */
 } srv_ctx;
 
 struct ps_server {
@@ -46,7 +62,7 @@ struct ps_server {
     pthread_mutex_t mu;            /* clocks, barrier, stop */
     pthread_cond_t stop_cv;
     bool stopping;
-    uint64_t *clocks; /* per worker */
+    uint64_t *clocks;    /* per worker */
     uint64_t *last_seen; /* per worker: ms (monotonic) its last request arrived (liveness) */
     uint8_t *arrived;    /* per worker: entered the current barrier generation */
     pthread_t reaper;    /* re-checks waiters when workers time out */
@@ -54,6 +70,17 @@ struct ps_server {
     srv_ctx *clock_waiters, *barrier_waiters;
     uint64_t barrier_gen;
     ps_server_stats st; /* atomics */
+    ps_dedup *dedup;
+    /* replication */
+    bool is_backup, has_backup;
+    char replica_url[1024];
+    nng_socket rsock;
+    bool rsock_open;
+    pthread_mutex_t repl_mu;        /* orders updates: primary apply + numbering, backup apply */
+    uint64_t seq;                   /* primary: the last update shipped */
+    uint64_t next_seq;              /* backup: the next update to apply */
+    ps_replog log;                  /* backup: updates received, not yet applied */
+    bool promoted, dropped, fenced; /* atomics */
 };
 
 #define STAT_ADD(s, field, v) __atomic_add_fetch(&(s)->st.field, (v), __ATOMIC_RELAXED)
@@ -105,7 +132,8 @@ static uint64_t now_ms(void)
 static bool alive(const struct ps_server *s, uint32_t w)
 {
     return s->cfg.worker_timeout_ms == 0 ||
-           now_ms() - __atomic_load_n(&s->last_seen[w], __ATOMIC_RELAXED) <= s->cfg.worker_timeout_ms;
+           now_ms() - __atomic_load_n(&s->last_seen[w], __ATOMIC_RELAXED) <=
+               s->cfg.worker_timeout_ms;
 }
 
 static uint64_t min_clock(const struct ps_server *s)
@@ -190,6 +218,24 @@ static bool handle_barrier(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng
 {
     bool handled = false;
     pthread_mutex_lock(&s->mu);
+    if (__atomic_load_n(&s->promoted, __ATOMIC_RELAXED) && h->clock != s->barrier_gen) {
+        /* A promoted backup never saw its primary's barriers; the workers know where they
+         * are. A worker past generation g proves g completed; one behind resends a barrier
+         * that completed before the primary died. */
+        if (h->clock < s->barrier_gen) {
+            pthread_mutex_unlock(&s->mu);
+            *reply = reply_ok(h, 0, NULL);
+            return false;
+        }
+        for (srv_ctx *w = s->barrier_waiters, *next; w; w = next) {
+            next = w->next;
+            nng_msg *m = reply_ok(&w->req, 0, NULL);
+            if (m) ctx_send(w, m);
+        }
+        s->barrier_waiters = NULL;
+        memset(s->arrived, 0, s->cfg.n_workers);
+        s->barrier_gen = h->clock;
+    }
     if (h->clock != s->barrier_gen) {
         char msg[128];
         snprintf(msg, sizeof msg, "worker %u entered barrier %u, the cluster is at %" PRIu64,
@@ -333,8 +379,8 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
     size_t want = h->op == PS_OP_PULL_DENSE ? 0 : n * sizeof(float);
     if (h->payload_len != want) {
         STAT_ADD(s, bad_messages, 1);
-        snprintf(msg, sizeof msg, "dense payload of %" PRIu64 " bytes, expected %zu", h->payload_len,
-                 want);
+        snprintf(msg, sizeof msg, "dense payload of %" PRIu64 " bytes, expected %zu",
+                 h->payload_len, want);
         return reply_error(s, h, CM_EINVAL, msg);
     }
     nng_msg *reply = NULL;
@@ -347,7 +393,8 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
         float *g = malloc(n * sizeof *g);
         bool finite = g != NULL;
         if (g) memcpy(g, p, n * sizeof *g);
-        for (size_t i = 0; finite && i < n; i++) finite = isfinite(g[i]);
+        for (size_t i = 0; finite && i < n; i++)
+            finite = isfinite(g[i]);
         if (g == NULL) {
             reply = reply_error(s, h, CM_ENOMEM, "server out of memory");
         } else if (!finite) {
@@ -468,8 +515,10 @@ static int load_shard(struct ps_server *s, const char *dir, char **errptr)
         }
         pthread_rwlock_unlock(&s->tables_lock);
     }
-    for (uint32_t i = 0; i < PS_MAX_TABLES; i++) emb_table_destroy(tables[i]);
-    for (uint32_t i = 0; i < PS_MAX_DENSE; i++) ps_dense_destroy(dense[i]);
+    for (uint32_t i = 0; i < PS_MAX_TABLES; i++)
+        emb_table_destroy(tables[i]);
+    for (uint32_t i = 0; i < PS_MAX_DENSE; i++)
+        ps_dense_destroy(dense[i]);
     return rc;
 }
 
@@ -534,8 +583,8 @@ static nng_msg *handle_hello(struct ps_server *s, const ps_hdr *h, const uint8_t
         return reply_error(s, h, CM_EINVAL, msg);
     }
     if (v[3] != s->cfg.n_tables || v[4] != s->cfg.n_dense) {
-        snprintf(msg, sizeof msg, "client has %u tables and %u dense blocks; server %u and %u", v[3],
-                 v[4], s->cfg.n_tables, s->cfg.n_dense);
+        snprintf(msg, sizeof msg, "client has %u tables and %u dense blocks; server %u and %u",
+                 v[3], v[4], s->cfg.n_tables, s->cfg.n_dense);
         return reply_error(s, h, CM_EINVAL, msg);
     }
     for (uint32_t i = 0; i < v[3] + v[4]; i++) {
@@ -565,6 +614,228 @@ bad:
     return reply_error(s, h, CM_EINVAL, "malformed HELLO");
 }
 
+/* ---- replication ---- */
+
+static bool is_update(uint16_t op)
+{
+    return op == PS_OP_PUSH || op == PS_OP_PUSH_DENSE || op == PS_OP_INIT_DENSE ||
+           op == PS_OP_LOAD || op == PS_OP_SHUTDOWN;
+}
+
+static int16_t reply_status(nng_msg *m)
+{
+    ps_hdr h;
+    memcpy(&h, nng_msg_body(m), sizeof h);
+    return h.status;
+}
+
+/* Applies one update. A push seen before (a resend) is acknowledged without being applied
+ * again; *dup tells. */
+static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t *p, bool *dup)
+{
+    *dup = false;
+    if ((h->op == PS_OP_PUSH || h->op == PS_OP_PUSH_DENSE) &&
+        ps_dedup_check_add(s->dedup, h->worker, h->req_id)) {
+        STAT_ADD(s, duplicates, 1);
+        *dup = true;
+        return reply_ok(h, 0, NULL);
+    }
+    nng_msg *r;
+    switch (h->op) {
+    case PS_OP_PUSH:
+        r = handle_rows(s, h, p);
+        break;
+    case PS_OP_PUSH_DENSE:
+    case PS_OP_INIT_DENSE:
+        r = handle_dense(s, h, p);
+        break;
+    case PS_OP_LOAD:
+        r = handle_save_load(s, h, p);
+        break;
+    default:
+        r = reply_ok(h, 0, NULL);
+        break; /* SHUTDOWN: the caller stops */
+    }
+    if ((h->op == PS_OP_PUSH || h->op == PS_OP_PUSH_DENSE) && (r == NULL || reply_status(r) != 0))
+        ps_dedup_remove(s->dedup, h->worker, h->req_id);
+    return r;
+}
+
+/* Backup: applies a logged update (validated when it arrived); s->repl_mu held. */
+static void apply_logged(struct ps_server *s, ps_replog_entry *e)
+{
+    ps_hdr h;
+    bool dup;
+    memcpy(&h, e->msg, sizeof h);
+    nng_msg *r = apply_update(s, &h, e->msg + PS_HDR_BYTES, &dup);
+    if (r == NULL || reply_status(r) != 0)
+        fprintf(stderr, "ember ps: shard %u backup: update %" PRIu64 " (op %u) failed: %.*s\n",
+                s->shard, e->seq, h.op, r ? (int)(nng_msg_len(r) - PS_HDR_BYTES) : 13,
+                r ? (const char *)nng_msg_body(r) + PS_HDR_BYTES : "out of memory");
+    if (r) nng_msg_free(r);
+    if (h.op == PS_OP_SHUTDOWN) ps_server_stop(s);
+}
+
+/* Backup: the clients have come over. Applies everything received, gaps and all (an update
+ * missing from the sequence was never acknowledged to its client, which resends it here). */
+static void promote(struct ps_server *s)
+{
+    pthread_mutex_lock(&s->repl_mu);
+    if (!s->promoted) {
+        size_t n = s->log.n;
+        ps_replog_entry *e;
+        while ((e = ps_replog_pop(&s->log)) != NULL) {
+            apply_logged(s, e);
+            free(e);
+        }
+        __atomic_store_n(&s->promoted, true, __ATOMIC_RELAXED);
+        s->st.promoted = 1;
+        fprintf(stderr,
+                "ember ps: shard %u backup takes over as primary (%" PRIu64
+                " updates received, %zu applied out of order)\n",
+                s->shard, s->next_seq - 1, n);
+    }
+    pthread_mutex_unlock(&s->repl_mu);
+}
+
+/* REPLICATE payload: u64 seq, then the primary's request as it arrived. Acknowledged on
+ * receipt; applied once every earlier update has been. */
+static nng_msg *handle_replicate(struct ps_server *s, const ps_hdr *h, const uint8_t *p)
+{
+    char *err = NULL;
+    ps_hdr ih;
+    uint64_t seq;
+    if (!s->is_backup)
+        return reply_error(s, h, CM_EINVAL, "REPLICATE sent to a shard that is not a backup");
+    if (h->payload_len < 8 + PS_HDR_BYTES) goto bad;
+    memcpy(&seq, p, 8);
+    if (ps_wire_open(p + 8, h->payload_len - 8, &ih, &err) != CM_OK || !is_update(ih.op)) goto bad;
+    nng_msg *reply;
+    pthread_mutex_lock(&s->repl_mu);
+    if (s->promoted) {
+        pthread_mutex_unlock(&s->repl_mu);
+        reply = reply_error(s, h, CM_EINVAL, "this backup has taken over the shard");
+        if (reply) ((ps_hdr *)nng_msg_body(reply))->status = PS_STATUS_FENCED;
+        return reply;
+    }
+    STAT_ADD(s, replicated, 1);
+    bool ok = seq < s->next_seq || ps_replog_put(&s->log, seq, p + 8, h->payload_len - 8);
+    ps_replog_entry *e;
+    while (s->log.head && s->log.head->seq == s->next_seq && (e = ps_replog_pop(&s->log))) {
+        apply_logged(s, e);
+        free(e);
+        s->next_seq++;
+    }
+    pthread_mutex_unlock(&s->repl_mu);
+    return ok ? reply_ok(h, 0, NULL) : reply_error(s, h, CM_ENOMEM, "backup out of memory");
+bad:
+    STAT_ADD(s, bad_messages, 1);
+    nng_msg *m = reply_error(s, h, CM_ECORRUPT, err ? err : "malformed REPLICATE");
+    free(err);
+    return m;
+}
+
+/* Primary: the backup did not acknowledge; the shard goes on unreplicated. */
+static void replica_lost(struct ps_server *s, const char *why)
+{
+    if (__atomic_exchange_n(&s->dropped, true, __ATOMIC_RELAXED)) return;
+    s->st.replica_dropped = 1;
+    fprintf(stderr, "ember ps: shard %u: backup %s lost (%s); continuing unreplicated\n", s->shard,
+            s->replica_url, why);
+}
+
+static nng_msg *forward_msg(const void *req, size_t len, uint64_t seq)
+{
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = PS_OP_REPLICATE;
+    nng_msg *m;
+    uint8_t *p;
+    if (ps_msg_new(&h, 8 + len, &m, &p) != CM_OK) return NULL;
+    memcpy(p, &seq, 8);
+    memcpy(p + 8, req, len);
+    ps_msg_seal(m);
+    return m;
+}
+
+/* Completion of a context's REPLICATE: answer the client now. */
+static void repl_cb(void *arg)
+{
+    srv_ctx *c = arg;
+    struct ps_server *s = c->s;
+    int rv = nng_aio_result(c->raio);
+    if (c->rstate == RS_SEND && rv == 0) {
+        c->rstate = RS_RECV;
+        nng_ctx_recv(c->rctx, c->raio);
+        return;
+    }
+    if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) {
+        if (c->rstate == RS_SEND) nng_msg_free(nng_aio_get_msg(c->raio));
+        nng_msg_free(c->held);
+        c->held = NULL;
+        return;
+    }
+    if (c->rstate == RS_SEND) {
+        nng_msg_free(nng_aio_get_msg(c->raio));
+        replica_lost(s, nng_strerror(rv));
+    } else if (rv != 0) {
+        replica_lost(s, nng_strerror(rv));
+    } else {
+        nng_msg *m = nng_aio_get_msg(c->raio);
+        ps_hdr h;
+        int16_t st = ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, NULL) == CM_OK ? h.status
+                                                                                      : CM_ECORRUPT;
+        nng_msg_free(m);
+        if (st == PS_STATUS_FENCED) {
+            /* The clients have gone to the backup: this update must not be acknowledged
+             * here, and nothing more may be served. The client resends it to the backup. */
+            if (!__atomic_exchange_n(&s->fenced, true, __ATOMIC_RELAXED))
+                fprintf(stderr, "ember ps: shard %u: the backup has taken over; stopping\n",
+                        s->shard);
+            nng_msg_free(c->held);
+            c->held = NULL;
+            ps_server_stop(s);
+            return;
+        }
+        if (st != 0)
+            replica_lost(s, "it refused an update");
+        else
+            STAT_ADD(s, replicated, 1);
+    }
+    nng_msg *reply = c->held;
+    c->held = NULL;
+    if (c->stop_after) ps_server_stop(s);
+    ctx_send(c, reply);
+}
+
+/* An update on a shard that may replicate it. Returns true when the reply waits for the
+ * backup's acknowledgement. */
+static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, const uint8_t *body,
+                          size_t len, nng_msg **reply)
+{
+    bool replicate = s->has_backup && !__atomic_load_n(&s->dropped, __ATOMIC_RELAXED), dup;
+    nng_msg *fwd = NULL;
+    if (replicate) pthread_mutex_lock(&s->repl_mu);
+    *reply = apply_update(s, h, body + PS_HDR_BYTES, &dup);
+    if (replicate && *reply && !dup && reply_status(*reply) == 0) {
+        fwd = forward_msg(body, len, ++s->seq);
+        if (fwd == NULL) replica_lost(s, "out of memory");
+    }
+    if (replicate) pthread_mutex_unlock(&s->repl_mu);
+    if (fwd == NULL) {
+        if (h->op == PS_OP_SHUTDOWN) ps_server_stop(s);
+        return false;
+    }
+    c->held = *reply;
+    c->stop_after = h->op == PS_OP_SHUTDOWN;
+    *reply = NULL;
+    c->state = ST_REPL;
+    c->rstate = RS_SEND;
+    nng_aio_set_msg(c->raio, fwd);
+    nng_ctx_send(c->rctx, c->raio);
+    return true;
+}
+
 /* Handles one request; returns true when the context was parked. */
 static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **reply)
 {
@@ -586,29 +857,56 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
         return false;
     }
     const uint8_t *p = body + PS_HDR_BYTES;
-    if (h.worker < s->cfg.n_workers) __atomic_store_n(&s->last_seen[h.worker], now_ms(), __ATOMIC_RELAXED);
+    if (__atomic_load_n(&s->fenced, __ATOMIC_RELAXED)) {
+        nng_msg_free(msg); /* no reply: the client fails over when this process is gone */
+        return false;
+    }
+    if (s->is_backup && h.op != PS_OP_REPLICATE && h.op != PS_OP_STATS &&
+        !__atomic_load_n(&s->promoted, __ATOMIC_RELAXED))
+        promote(s);
+    if (h.worker < s->cfg.n_workers && h.op != PS_OP_REPLICATE)
+        __atomic_store_n(&s->last_seen[h.worker], now_ms(), __ATOMIC_RELAXED);
     if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER) &&
         (s->shard != 0 || h.worker >= s->cfg.n_workers)) {
-        *reply = reply_error(s, &h, CM_EINVAL, "clocks and barriers are served by shard 0 for "
-                                               "known workers only");
+        *reply = reply_error(s, &h, CM_EINVAL,
+                             "clocks and barriers are served by shard 0 for "
+                             "known workers only");
     } else {
         switch ((ps_op)h.op) {
-        case PS_OP_HELLO: *reply = handle_hello(s, &h, p); break;
-        case PS_OP_PULL:
-        case PS_OP_PUSH: *reply = handle_rows(s, &h, p); break;
-        case PS_OP_PULL_DENSE:
-        case PS_OP_PUSH_DENSE:
-        case PS_OP_INIT_DENSE: *reply = handle_dense(s, &h, p); break;
-        case PS_OP_CLOCK: parked = handle_clock(s, c, &h, reply); break;
-        case PS_OP_BARRIER: parked = handle_barrier(s, c, &h, reply); break;
-        case PS_OP_SAVE:
-        case PS_OP_LOAD: *reply = handle_save_load(s, &h, p); break;
-        case PS_OP_STATS: *reply = handle_stats(s, &h); break;
-        case PS_OP_SHUTDOWN:
-            *reply = reply_ok(&h, 0, NULL);
-            ps_server_stop(s);
+        case PS_OP_HELLO:
+            *reply = handle_hello(s, &h, p);
             break;
-        default: *reply = reply_error(s, &h, CM_EINVAL, "unknown op"); break;
+        case PS_OP_PULL:
+            *reply = handle_rows(s, &h, p);
+            break;
+        case PS_OP_PUSH:
+        case PS_OP_PUSH_DENSE:
+        case PS_OP_INIT_DENSE:
+        case PS_OP_LOAD:
+        case PS_OP_SHUTDOWN:
+            parked = handle_update(s, c, &h, body, len, reply);
+            break;
+        case PS_OP_PULL_DENSE:
+            *reply = handle_dense(s, &h, p);
+            break;
+        case PS_OP_REPLICATE:
+            *reply = handle_replicate(s, &h, p);
+            break;
+        case PS_OP_CLOCK:
+            parked = handle_clock(s, c, &h, reply);
+            break;
+        case PS_OP_BARRIER:
+            parked = handle_barrier(s, c, &h, reply);
+            break;
+        case PS_OP_SAVE:
+            *reply = handle_save_load(s, &h, p);
+            break;
+        case PS_OP_STATS:
+            *reply = handle_stats(s, &h);
+            break;
+        default:
+            *reply = reply_error(s, &h, CM_EINVAL, "unknown op");
+            break;
         }
     }
     nng_msg_free(msg);
@@ -652,23 +950,32 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     s->cfg = *o->cfg;
     s->shard = o->shard;
     s->n_ctx = o->n_contexts ? o->n_contexts : 64 + 2 * s->cfg.n_workers;
+    s->is_backup = o->backup;
+    s->has_backup = o->replica_url != NULL && !o->backup;
+    s->next_seq = 1;
+    if (s->has_backup) snprintf(s->replica_url, sizeof s->replica_url, "%s", o->replica_url);
     pthread_rwlock_init(&s->tables_lock, NULL);
+    pthread_mutex_init(&s->repl_mu, NULL);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->stop_cv, NULL);
     s->clocks = calloc(s->cfg.n_workers, sizeof *s->clocks);
     s->last_seen = calloc(s->cfg.n_workers, sizeof *s->last_seen);
     s->arrived = calloc(s->cfg.n_workers, 1);
-    for (uint32_t w = 0; s->last_seen && w < s->cfg.n_workers; w++) s->last_seen[w] = now_ms();
+    for (uint32_t w = 0; s->last_seen && w < s->cfg.n_workers; w++)
+        s->last_seen[w] = now_ms();
     s->ctxs = calloc(s->n_ctx, sizeof *s->ctxs);
-    if (s->clocks == NULL || s->ctxs == NULL || s->last_seen == NULL || s->arrived == NULL) {
+    s->dedup = ps_dedup_create(s->cfg.n_workers);
+    if (s->clocks == NULL || s->ctxs == NULL || s->last_seen == NULL || s->arrived == NULL ||
+        s->dedup == NULL) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto fail;
     }
     for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_tables; i++) {
         emb_table_config cfg = s->cfg.tables[i].cfg;
         char spill[2200];
-        snprintf(spill, sizeof spill, "%s/shard-%u/%s", s->cfg.spill_dir, s->shard,
-                 s->cfg.tables[i].name);
+        /* A backup may run beside its primary: it spills to a directory of its own. */
+        snprintf(spill, sizeof spill, "%s/shard-%u%s/%s", s->cfg.spill_dir, s->shard,
+                 s->is_backup ? "-backup" : "", s->cfg.tables[i].name);
         cfg.spill_path = cfg.mem_budget_bytes > 0 ? spill : NULL;
         char *err = NULL;
         rc = emb_table_create(&cfg, &s->tables[i], &err);
@@ -676,7 +983,8 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
         free(err);
     }
     for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_dense; i++)
-        if (i % s->cfg.n_shards == s->shard) rc = ps_dense_create(&s->cfg.dense[i], &s->dense[i], errptr);
+        if (i % s->cfg.n_shards == s->shard)
+            rc = ps_dense_create(&s->cfg.dense[i], &s->dense[i], errptr);
     if (rc != CM_OK) goto fail;
     int rv = nng_rep0_open(&s->sock);
     if (rv != 0) {
@@ -685,12 +993,33 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     }
     s->sock_open = true;
     nng_socket_set_size(s->sock, NNG_OPT_RECVMAXSZ, (size_t)s->cfg.max_msg_bytes);
+    if (s->has_backup) {
+        if ((rv = nng_req0_open(&s->rsock)) != 0) {
+            rc = cm_err(errptr, CM_EIO, "cannot open the replication socket: %s", nng_strerror(rv));
+            goto fail;
+        }
+        s->rsock_open = true;
+        nng_socket_set_size(s->rsock, NNG_OPT_RECVMAXSZ, (size_t)s->cfg.max_msg_bytes);
+        nng_socket_set_ms(s->rsock, NNG_OPT_RECONNMINT, 20);
+        nng_socket_set_ms(s->rsock, NNG_OPT_RECONNMAXT, 500);
+        rc = ps_net_dial(s->rsock, s->replica_url, &s->cfg, NULL, errptr);
+        if (rc != CM_OK) goto fail;
+    }
     for (uint32_t i = 0; i < s->n_ctx; i++) {
         srv_ctx *c = &s->ctxs[i];
         c->s = s;
-        if ((rv = nng_aio_alloc(&c->aio, ctx_cb, c)) != 0 || (rv = nng_ctx_open(&c->ctx, s->sock)) != 0) {
+        if ((rv = nng_aio_alloc(&c->aio, ctx_cb, c)) != 0 ||
+            (rv = nng_ctx_open(&c->ctx, s->sock)) != 0 ||
+            (s->has_backup && ((rv = nng_aio_alloc(&c->raio, repl_cb, c)) != 0 ||
+                               (rv = nng_ctx_open(&c->rctx, s->rsock)) != 0))) {
             rc = cm_err(errptr, CM_EIO, "cannot set up contexts: %s", nng_strerror(rv));
             goto fail;
+        }
+        if (c->raio) {
+            /* Updates are numbered, so the backup ignores a resent one: resending is safe. */
+            nng_aio_set_timeout(c->raio, (nng_duration)s->cfg.replica_timeout_ms);
+            nng_ctx_set_ms(c->rctx, NNG_OPT_REQ_RESENDTIME,
+                           (nng_duration)(s->cfg.replica_timeout_ms / 4 + 1));
         }
     }
     rc = ps_net_listen(s->sock, o->listen, &s->cfg, errptr);
@@ -727,6 +1056,11 @@ int ps_server_wait(ps_server *s)
     return CM_OK;
 }
 
+bool ps_server_fenced(ps_server *s)
+{
+    return __atomic_load_n(&s->fenced, __ATOMIC_RELAXED);
+}
+
 void ps_server_stop(ps_server *s)
 {
     __atomic_store_n(&s->stopping, true, __ATOMIC_RELAXED);
@@ -740,14 +1074,25 @@ void ps_server_destroy(ps_server *s)
         pthread_join(s->reaper, NULL);
     }
     if (s->ctxs)
-        for (uint32_t i = 0; i < s->n_ctx; i++)
+        for (uint32_t i = 0; i < s->n_ctx; i++) {
             if (s->ctxs[i].aio) nng_aio_stop(s->ctxs[i].aio);
+            if (s->ctxs[i].raio) nng_aio_stop(s->ctxs[i].raio);
+        }
     if (s->sock_open) nng_close(s->sock);
+    if (s->rsock_open) nng_close(s->rsock);
     if (s->ctxs)
-        for (uint32_t i = 0; i < s->n_ctx; i++)
+        for (uint32_t i = 0; i < s->n_ctx; i++) {
             if (s->ctxs[i].aio) nng_aio_free(s->ctxs[i].aio);
-    for (uint32_t i = 0; i < PS_MAX_TABLES; i++) emb_table_destroy(s->tables[i]);
-    for (uint32_t i = 0; i < PS_MAX_DENSE; i++) ps_dense_destroy(s->dense[i]);
+            if (s->ctxs[i].raio) nng_aio_free(s->ctxs[i].raio);
+            if (s->ctxs[i].held) nng_msg_free(s->ctxs[i].held);
+        }
+    ps_dedup_destroy(s->dedup);
+    ps_replog_clear(&s->log);
+    pthread_mutex_destroy(&s->repl_mu);
+    for (uint32_t i = 0; i < PS_MAX_TABLES; i++)
+        emb_table_destroy(s->tables[i]);
+    for (uint32_t i = 0; i < PS_MAX_DENSE; i++)
+        ps_dense_destroy(s->dense[i]);
     free(s->ctxs);
     free(s->clocks);
     free(s->last_seen);

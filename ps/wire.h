@@ -30,11 +30,16 @@ typedef enum ps_op {
     PS_OP_LOAD = 10,
     PS_OP_STATS = 11,
     PS_OP_SHUTDOWN = 12,
-    PS_OP_MAX_ = 13,
+    PS_OP_REPLICATE = 13, /* primary -> backup: u64 sequence number, then one whole request */
+    PS_OP_MAX_ = 14,
 } ps_op;
 
 /* PULL flag: read only (emb_table_lookup): nothing created, absent keys read as zeros. */
 #define PS_FLAG_LOOKUP 0x01u
+
+/* Reply status of a backup that has taken over, to its old primary's REPLICATE: the old
+ * primary is fenced and must stop serving. */
+#define PS_STATUS_FENCED (-100)
 
 typedef struct ps_hdr {
     uint32_t magic;

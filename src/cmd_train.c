@@ -31,7 +31,7 @@ static void train_usage(FILE *to)
             "  --worker-timeout MS  a worker silent this long no longer holds back clocks and\n"
             "                       barriers (default 0: wait for it)\n"
             "  --progress | --no-progress\n"
-            "  --cluster FILE --role ps|worker --index I   one role of a multi-process job\n");
+            "  --cluster FILE --role ps|backup|worker --index I   one role of a multi-process job\n");
 }
 
 static int parse_uint(const char *s, uint64_t max, uint64_t *out)
@@ -149,7 +149,7 @@ int cmd_train(int argc, char **argv)
         return 1;
     }
     if (o.cluster_path && strcmp(o.role, "worker") == 0 && o.index != 0) return 0;
-    if (o.cluster_path && strcmp(o.role, "ps") == 0) return 0;
+    if (o.cluster_path && strcmp(o.role, "worker") != 0) return 0;
     char auc[32] = "null", logloss[32] = "null"; /* no --eval: nothing measured */
     if (o.eval_path) {
         snprintf(auc, sizeof auc, "%.6f", r.auc);

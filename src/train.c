@@ -54,31 +54,51 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
     char *end = NULL;
     int bad = 0;
     if (!strcmp(section, "model")) {
-        if (!strcmp(k, "kind")) bad = model_kind_parse(v, &o->model.kind), o->model_set = !bad;
-        else if (!strcmp(k, "dim")) bad = cm_parse_size(v, &u) || u == 0 || u > 1024, o->dim_override = (uint32_t)u;
-        else if (!strcmp(k, "hidden")) bad = model_parse_widths(v, o->model.hidden, &o->model.n_hidden) || !o->model.n_hidden, o->hidden_override = 1;
-        else if (!strcmp(k, "bottom")) bad = model_parse_widths(v, o->model.bottom, &o->model.n_bottom);
-        else if (!strcmp(k, "seed")) bad = cm_parse_size(v, &o->model.seed);
-        else if (!strcmp(k, "pool")) o->mean_pool = !strcmp(v, "mean"), bad = strcmp(v, "mean") && strcmp(v, "sum");
-        else return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [model]", k);
+        if (!strcmp(k, "kind"))
+            bad = model_kind_parse(v, &o->model.kind), o->model_set = !bad;
+        else if (!strcmp(k, "dim"))
+            bad = cm_parse_size(v, &u) || u == 0 || u > 1024, o->dim_override = (uint32_t)u;
+        else if (!strcmp(k, "hidden"))
+            bad = model_parse_widths(v, o->model.hidden, &o->model.n_hidden) || !o->model.n_hidden,
+            o->hidden_override = 1;
+        else if (!strcmp(k, "bottom"))
+            bad = model_parse_widths(v, o->model.bottom, &o->model.n_bottom);
+        else if (!strcmp(k, "seed"))
+            bad = cm_parse_size(v, &o->model.seed);
+        else if (!strcmp(k, "pool"))
+            o->mean_pool = !strcmp(v, "mean"), bad = strcmp(v, "mean") && strcmp(v, "sum");
+        else
+            return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [model]", k);
     } else {
-        if (!strcmp(k, "batch")) bad = cm_parse_size(v, &u) || u == 0 || u > 1000000, o->batch = (uint32_t)u;
-        else if (!strcmp(k, "epochs")) bad = cm_parse_size(v, &u) || u == 0 || u > 10000, o->epochs = (uint32_t)u;
-        else if (!strcmp(k, "emb_lr")) o->emb_lr = strtof(v, &end), bad = *end || !(o->emb_lr > 0) || !isfinite(o->emb_lr);
-        else if (!strcmp(k, "dense_lr")) o->dense_lr = strtof(v, &end), bad = *end || !(o->dense_lr > 0) || !isfinite(o->dense_lr);
-        else if (!strcmp(k, "emb_optimizer")) bad = emb_opt_parse(v, &o->emb_opt);
-        else if (!strcmp(k, "push_codec")) bad = ps_codec_parse(v, &o->push_codec);
-        else if (!strcmp(k, "memory")) bad = cm_parse_size(v, &o->memory);
-        else if (!strcmp(k, "shuffle")) bad = cm_parse_size(v, &o->shuffle_rows);
+        if (!strcmp(k, "batch"))
+            bad = cm_parse_size(v, &u) || u == 0 || u > 1000000, o->batch = (uint32_t)u;
+        else if (!strcmp(k, "epochs"))
+            bad = cm_parse_size(v, &u) || u == 0 || u > 10000, o->epochs = (uint32_t)u;
+        else if (!strcmp(k, "emb_lr"))
+            o->emb_lr = strtof(v, &end), bad = *end || !(o->emb_lr > 0) || !isfinite(o->emb_lr);
+        else if (!strcmp(k, "dense_lr"))
+            o->dense_lr = strtof(v, &end),
+            bad = *end || !(o->dense_lr > 0) || !isfinite(o->dense_lr);
+        else if (!strcmp(k, "emb_optimizer"))
+            bad = emb_opt_parse(v, &o->emb_opt);
+        else if (!strcmp(k, "push_codec"))
+            bad = ps_codec_parse(v, &o->push_codec);
+        else if (!strcmp(k, "memory"))
+            bad = cm_parse_size(v, &o->memory);
+        else if (!strcmp(k, "shuffle"))
+            bad = cm_parse_size(v, &o->shuffle_rows);
         else if (!strcmp(k, "staleness")) {
             long x = strtol(v, &end, 10);
             bad = *end || end == v || x < -1 || x > 1000000;
             o->staleness = (int32_t)x;
-        }
-        else if (!strcmp(k, "checkpoint_every")) bad = cm_parse_size(v, &o->ckpt_every);
-        else if (!strcmp(k, "worker_timeout")) bad = cm_parse_size(v, &u) || u > UINT32_MAX, o->worker_timeout_ms = (uint32_t)u;
-        else if (!strcmp(k, "keep_checkpoints")) bad = cm_parse_size(v, &u) || u > 100000, o->keep_checkpoints = (uint32_t)u;
-        else return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
+        } else if (!strcmp(k, "checkpoint_every"))
+            bad = cm_parse_size(v, &o->ckpt_every);
+        else if (!strcmp(k, "worker_timeout"))
+            bad = cm_parse_size(v, &u) || u > UINT32_MAX, o->worker_timeout_ms = (uint32_t)u;
+        else if (!strcmp(k, "keep_checkpoints"))
+            bad = cm_parse_size(v, &u) || u > 100000, o->keep_checkpoints = (uint32_t)u;
+        else
+            return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
     }
     return bad ? cm_err(errptr, CM_EINVAL, "bad value '%s' for %s", v, k) : CM_OK;
 }
@@ -98,6 +118,8 @@ typedef struct setup {
     const backend_ops *be;
     char **urls;
     uint32_t n_urls;
+    char **backups; /* NULL, or n_urls URLs of the shards' backups */
+    uint32_t n_backups;
     const char *train_paths[1], *eval_paths[1];
     uint64_t *steps_of; /* per worker: total steps */
     uint64_t min_steps, max_steps;
@@ -127,8 +149,8 @@ static int stage_build(stage *s, const setup *S, const ds_batch *b, char **errpt
 {
     if (s->params == NULL && (s->params = malloc(S->l.n_params * sizeof(float) + 1)) == NULL)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
-    model_input in = {b->n_rows, b->n_dense, b->n_fields, b->labels, b->dense,
-                      b->offsets, b->keys, b->weights};
+    model_input in = {b->n_rows, b->n_dense, b->n_fields, b->labels,
+                      b->dense,  b->offsets, b->keys,     b->weights};
     return model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
 }
 
@@ -141,7 +163,8 @@ static int stage_pull(stage *s, const setup *S, ps_client *c, bool lookup, char 
     for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
         rc = lookup ? ps_client_lookup(c, t, m->ukeys, m->U, m->emb[t], errptr)
                     : ps_client_pull(c, t, m->ukeys, m->U, m->emb[t], errptr);
-    if (rc == CM_OK && S->l.n_params > 0) rc = ps_client_dense_pull(c, DENSE_BLOCK, s->params, errptr);
+    if (rc == CM_OK && S->l.n_params > 0)
+        rc = ps_client_dense_pull(c, DENSE_BLOCK, s->params, errptr);
     return rc;
 }
 
@@ -155,7 +178,7 @@ typedef struct prefetch {
     int full[2]; /* 1 when st[i] is ready for the consumer */
     int next_fill, next_take;
     bool stop;
-    uint64_t left; /* batches still to produce: nothing is pulled past the schedule */
+    uint64_t left;            /* batches still to produce: nothing is pulled past the schedule */
     uint64_t pulled, granted; /* batches pulled; batches allowed to pull (fresh pulls) */
     char *err;
     pthread_mutex_t mu;
@@ -168,7 +191,8 @@ static void *prefetch_main(void *arg)
     prefetch *p = arg;
     for (;;) {
         pthread_mutex_lock(&p->mu);
-        while (p->full[p->next_fill] && !p->stop) pthread_cond_wait(&p->cv, &p->mu);
+        while (p->full[p->next_fill] && !p->stop)
+            pthread_cond_wait(&p->cv, &p->mu);
         bool stop = p->stop;
         int i = p->next_fill;
         pthread_mutex_unlock(&p->mu);
@@ -184,7 +208,8 @@ static void *prefetch_main(void *arg)
              * waits for those pushes to be acknowledged), so every batch sees every earlier
              * update; reading and deduplicating still overlap the compute. */
             pthread_mutex_lock(&p->mu);
-            while (p->pulled >= p->granted && !p->stop) pthread_cond_wait(&p->cv, &p->mu);
+            while (p->pulled >= p->granted && !p->stop)
+                pthread_cond_wait(&p->cv, &p->mu);
             stop = p->stop;
             pthread_mutex_unlock(&p->mu);
             if (stop) break;
@@ -224,7 +249,8 @@ static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *
 static stage *prefetch_take(prefetch *p, int *rc, char **errptr)
 {
     pthread_mutex_lock(&p->mu);
-    while (!p->full[p->next_take]) pthread_cond_wait(&p->cv, &p->mu);
+    while (!p->full[p->next_take])
+        pthread_cond_wait(&p->cv, &p->mu);
     stage *s = &p->st[p->next_take];
     *rc = s->status > 0 ? CM_OK : s->status;
     if (s->status < 0) cm_err(errptr, s->status, "%s", p->err ? p->err : "prefetch failed");
@@ -255,7 +281,8 @@ static void prefetch_grant(prefetch *p)
 static void prefetch_wait_next(prefetch *p)
 {
     pthread_mutex_lock(&p->mu);
-    while (!p->full[p->next_take ^ 1]) pthread_cond_wait(&p->cv, &p->mu);
+    while (!p->full[p->next_take ^ 1])
+        pthread_cond_wait(&p->cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -307,7 +334,8 @@ int write_probs(const char *path, const float *p, uint64_t n, char **errptr)
     char *buf = malloc(n * 20 + 1);
     if (buf == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     size_t len = 0;
-    for (uint64_t i = 0; i < n; i++) len += (size_t)snprintf(buf + len, 20, "%.9g\n", (double)p[i]);
+    for (uint64_t i = 0; i < n; i++)
+        len += (size_t)snprintf(buf + len, 20, "%.9g\n", (double)p[i]);
     int rc = cm_write_file_atomic(path, buf, len, errptr);
     free(buf);
     return rc;
@@ -322,7 +350,8 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
     float *probs = malloc((rows + 1) * sizeof(float)), *labels = malloc((rows + 1) * sizeof(float));
     stage s;
     memset(&s, 0, sizeof s);
-    if (probs == NULL || labels == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory for %" PRIu64 " eval rows", rows);
+    if (probs == NULL || labels == NULL)
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory for %" PRIu64 " eval rows", rows);
     while (rc == CM_OK) {
         const ds_batch *b;
         int got = ds_reader_next(r, &b, errptr);
@@ -345,7 +374,8 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
             n += s.ms.B;
         }
     }
-    if (rc == CM_OK && n == 0) rc = cm_err(errptr, CM_EINVAL, "no eval rows in %s", S->o->eval_path);
+    if (rc == CM_OK && n == 0)
+        rc = cm_err(errptr, CM_EINVAL, "no eval rows in %s", S->o->eval_path);
     if (rc == CM_OK) rc = metrics_auc(probs, labels, n, &res->auc, errptr);
     if (rc == CM_OK) rc = metrics_logloss(probs, labels, n, &res->logloss, errptr);
     if (rc == CM_OK) {
@@ -378,7 +408,8 @@ static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, ui
                       char **errptr)
 {
     char dir[2200], path[2400], text[256];
-    if (ckpt_dir(S, tag, dir, sizeof dir) != CM_OK) return cm_err(errptr, CM_EINVAL, "path too long");
+    if (ckpt_dir(S, tag, dir, sizeof dir) != CM_OK)
+        return cm_err(errptr, CM_EINVAL, "path too long");
     int rc = ps_client_save(c, dir, errptr);
     if (rc != CM_OK) return rc;
     snprintf(path, sizeof path, "%s/worker-%u.pos", dir, w);
@@ -442,8 +473,10 @@ static int read_tagged(const char *path, const char *fmt, uint64_t *out, char **
     int rc = cm_read_file(path, (void **)&text, &len, errptr);
     if (rc != CM_OK) return rc;
     unsigned long long v;
-    if (sscanf(text, fmt, &v) != 1) rc = cm_err(errptr, CM_ECORRUPT, "%s: unexpected contents", path);
-    else *out = v;
+    if (sscanf(text, fmt, &v) != 1)
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: unexpected contents", path);
+    else
+        *out = v;
     free(text);
     return rc;
 }
@@ -468,8 +501,10 @@ int train_resolve_checkpoint(const char *in, char *out, size_t n, uint64_t *step
         char *text = NULL;
         size_t len;
         if (cm_read_file(path, (void **)&text, &len, NULL) != CM_OK)
-            return cm_err(errptr, CM_ENOTFOUND, "%s is neither a checkpoint (shard-0/) nor a run "
-                          "directory (ckpt/LATEST)", in);
+            return cm_err(errptr, CM_ENOTFOUND,
+                          "%s is neither a checkpoint (shard-0/) nor a run "
+                          "directory (ckpt/LATEST)",
+                          in);
         text[strcspn(text, "\n")] = '\0';
         snprintf(out, n, "%s/ckpt/%s", in, text);
         free(text);
@@ -502,16 +537,19 @@ static bool all_finite(const float *x, size_t n)
 static void log_progress(const setup *S, uint64_t step, uint64_t samples, double loss, bool final)
 {
     double el = cm_now() - S->t0, rate = el > 0 ? (double)samples / el : 0;
-    double eta = rate > 0 && S->max_steps > step ? (double)(S->max_steps - step) * S->o->batch / rate : 0;
+    double eta =
+        rate > 0 && S->max_steps > step ? (double)(S->max_steps - step) * S->o->batch / rate : 0;
     bool tty = S->o->progress == 1 || (S->o->progress < 0 && isatty(2));
     if (tty)
-        fprintf(stderr, "\r[%" PRIu64 "/%" PRIu64 "] %.0f samples/s  loss %.5f  ETA %.0fs   %s", step,
-                S->max_steps, rate, loss, eta, final ? "\n" : "");
+        fprintf(stderr, "\r[%" PRIu64 "/%" PRIu64 "] %.0f samples/s  loss %.5f  ETA %.0fs   %s",
+                step, S->max_steps, rate, loss, eta, final ? "\n" : "");
     else
         fprintf(stderr, "step %" PRIu64 "/%" PRIu64 " samples/s %.0f loss %.5f eta %.0fs\n", step,
                 S->max_steps, rate, loss, eta);
     if (S->metrics) {
-        fprintf(S->metrics, "{\"step\":%" PRIu64 ",\"samples\":%" PRIu64 ",\"seconds\":%.3f,\"loss\":%.6f,\"samples_per_s\":%.1f}\n",
+        fprintf(S->metrics,
+                "{\"step\":%" PRIu64 ",\"samples\":%" PRIu64
+                ",\"seconds\":%.3f,\"loss\":%.6f,\"samples_per_s\":%.1f}\n",
                 step, samples, el, loss, rate);
         fflush(S->metrics);
     }
@@ -566,15 +604,16 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         double loss = 0;
         if (rc == CM_OK) rc = S->be->step(be, s->params, &mb, probs, &loss, dparams, demb, errptr);
         if (rc == CM_OK && (!isfinite(loss) || !all_finite(dparams, S->l.n_params)))
-            rc = cm_err(errptr, CM_EINVAL, "non-finite loss or gradient at step %" PRIu64 " (worker %u)",
-                        step, w);
+            rc = cm_err(errptr, CM_EINVAL,
+                        "non-finite loss or gradient at step %" PRIu64 " (worker %u)", step, w);
         /* Stale pulls: push only once batch t+1 is pulled, so t+1 always sees the updates up
          * to t-1 and never t's, whatever the thread timing: a one-worker run stays
          * deterministic. (Fresh pulls wait for this push instead.) */
         if (o->stale_pull) prefetch_wait_next(&pf);
         for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
             rc = ps_client_push(c, t, s->ms.ukeys, s->ms.U, demb[t], errptr);
-        if (rc == CM_OK && S->l.n_params > 0) rc = ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
+        if (rc == CM_OK && S->l.n_params > 0)
+            rc = ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
         uint32_t B = s->ms.B;
         if (rc == CM_OK && o->staleness >= 0) rc = ps_client_clock(c, NULL, errptr);
         if (rc != CM_OK) {
@@ -589,7 +628,8 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         loss_window += loss * B;
         window_n += B;
         if (w == 0 && (cm_now() - last_log > 1.0 || step == total)) {
-            log_progress(S, step, W->samples * o->workers, loss_window / (double)window_n, step == total);
+            log_progress(S, step, W->samples * o->workers, loss_window / (double)window_n,
+                         step == total);
             loss_window = 0;
             window_n = 0;
             last_log = cm_now();
@@ -612,7 +652,8 @@ out:
     ds_reader_destroy(r);
     free(probs);
     free(dparams);
-    for (int t = 0; t < MODEL_MAX_TABLES; t++) free(demb[t]);
+    for (int t = 0; t < MODEL_MAX_TABLES; t++)
+        free(demb[t]);
     if (rc == CM_OK) rc = ps_client_flush(c, errptr);
     W->steps = step;
     return rc;
@@ -627,15 +668,21 @@ static void *worker_main(void *arg)
     ps_client *c = NULL;
     void *be = NULL;
     char **errptr = &W->err;
-    ps_client_opts co = {.cfg = &S->ps, .urls = (const char *const *)S->urls, .worker = W->index};
+    ps_client_opts co = {.cfg = &S->ps,
+                         .urls = (const char *const *)S->urls,
+                         .worker = W->index,
+                         .backup_urls = (const char *const *)S->backups};
     int rc = ps_client_create(&co, &c, errptr);
-    if (rc == CM_OK) rc = S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024,
-                                        o->threads, &be, errptr);
+    if (rc == CM_OK)
+        rc = S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024, o->threads,
+                           &be, errptr);
     if (rc == CM_OK && W->index == 0 && S->l.n_params > 0) {
         float *p = malloc(S->l.n_params * sizeof(float));
         int assigned;
-        if (p == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-        else model_init_params(&S->m, &S->l, p);
+        if (p == NULL)
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        else
+            model_init_params(&S->m, &S->l, p);
         if (rc == CM_OK) rc = ps_client_dense_init(c, DENSE_BLOCK, p, &assigned, errptr);
         free(p);
     }
@@ -748,7 +795,8 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         if (steps > S->max_steps) S->max_steps = steps;
     }
     if (rc == CM_OK && S->min_steps == 0)
-        rc = cm_err(errptr, CM_EINVAL, "a worker has no training rows in %s (fewer blocks than workers?)",
+        rc = cm_err(errptr, CM_EINVAL,
+                    "a worker has no training rows in %s (fewer blocks than workers?)",
                     o->train_path);
     snprintf(S->ckpt_root, sizeof S->ckpt_root, "%s/ckpt", o->out_dir);
     if (rc == CM_OK) rc = cm_mkdirs(S->ckpt_root, errptr);
@@ -763,8 +811,12 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
 
 static void setup_free(setup *S)
 {
-    for (uint32_t i = 0; S->urls && i < S->n_urls; i++) free(S->urls[i]);
+    for (uint32_t i = 0; S->urls && i < S->n_urls; i++)
+        free(S->urls[i]);
     free(S->urls);
+    for (uint32_t i = 0; S->backups && i < S->n_backups; i++)
+        free(S->backups[i]);
+    free(S->backups);
     free(S->steps_of);
     if (S->metrics) fclose(S->metrics);
 }
@@ -783,12 +835,14 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         if (rc != CM_OK) return rc;
         oc.shards = S.ps.n_shards;
         oc.workers = S.ps.n_workers;
-        char **urls = S.urls;
-        uint32_t n_urls = S.ps.n_shards;
-        S.urls = NULL;
+        char **urls = S.urls, **backups = S.backups;
+        uint32_t n_urls = S.ps.n_shards, n_backups = S.n_backups;
+        S.urls = S.backups = NULL;
         rc = setup_make(&S, &oc, errptr);
         S.urls = urls;
         S.n_urls = n_urls;
+        S.backups = backups;
+        S.n_backups = n_backups;
     } else {
         rc = setup_make(&S, &oc, errptr);
     }
@@ -797,13 +851,18 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     if (rc != CM_OK) goto out;
     S.o = &oc;
     S.t0 = cm_now();
-    bool run_ps = !o->cluster_path, run_workers = !o->cluster_path;
+    bool run_ps = !o->cluster_path, run_workers = !o->cluster_path, is_backup = false;
     uint32_t first_w = 0, n_w = oc.workers, first_s = 0, n_s = oc.shards;
     if (o->cluster_path) {
-        run_ps = !strcmp(o->role, "ps");
+        is_backup = !strcmp(o->role, "backup");
+        run_ps = !strcmp(o->role, "ps") || is_backup;
         run_workers = !strcmp(o->role, "worker");
         if (!run_ps && !run_workers) {
-            rc = cm_err(errptr, CM_EINVAL, "--role must be ps or worker");
+            rc = cm_err(errptr, CM_EINVAL, "--role must be ps, backup or worker");
+            goto out;
+        }
+        if (is_backup && S.backups == NULL) {
+            rc = cm_err(errptr, CM_EINVAL, "--role backup: the cluster file names no backups");
             goto out;
         }
         if (o->index >= (run_ps ? oc.shards : oc.workers)) {
@@ -824,6 +883,12 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         servers = calloc(oc.shards, sizeof *servers);
         for (uint32_t i = first_s; rc == CM_OK && i < first_s + n_s; i++) {
             ps_server_opts so = {.cfg = &S.ps, .listen = S.urls[i], .shard = i};
+            if (S.backups && is_backup) {
+                so.listen = S.backups[i];
+                so.backup = true;
+            } else if (S.backups) {
+                so.replica_url = S.backups[i];
+            }
             rc = ps_server_create(&so, &servers[i], errptr);
         }
     }
@@ -842,7 +907,8 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
                 n_w = i;
             }
         }
-        for (uint32_t i = 0; th && i < n_w; i++) pthread_join(th[i], NULL);
+        for (uint32_t i = 0; th && i < n_w; i++)
+            pthread_join(th[i], NULL);
         free(th);
         uint64_t samples = 0;
         double loss = 0;
@@ -866,23 +932,50 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         if (o->cluster_path && first_w == 0 && rc == CM_OK) {
             /* The job is done: worker 0 takes the cluster down. */
             ps_client *c = NULL;
-            ps_client_opts co = {.cfg = &S.ps, .urls = (const char *const *)S.urls, .worker = 0};
+            ps_client_opts co = {.cfg = &S.ps,
+                                 .urls = (const char *const *)S.urls,
+                                 .worker = 0,
+                                 .backup_urls = (const char *const *)S.backups};
             if (ps_client_create(&co, &c, NULL) == CM_OK) ps_client_shutdown(c, NULL);
             ps_client_destroy(c);
         }
     } else if (rc == CM_OK && run_ps) {
         ps_server_wait(servers[first_s]);
+        if (ps_server_fenced(servers[first_s]))
+            rc = cm_err(errptr, CM_ERR, "shard %u: its backup took over; this primary stopped",
+                        first_s);
     }
 out:
-    for (uint32_t i = 0; servers && i < oc.shards; i++) ps_server_destroy(servers[i]);
+    for (uint32_t i = 0; servers && i < oc.shards; i++)
+        ps_server_destroy(servers[i]);
     free(servers);
-    for (uint32_t i = 0; workers && i < n_w; i++) free(workers[i].err);
+    for (uint32_t i = 0; workers && i < n_w; i++)
+        free(workers[i].err);
     free(workers);
     setup_free(&S);
     return rc;
 }
 
-/* ---- cluster file: [cluster] ps = url, url, ...  workers = N ---- */
+/* ---- cluster file: [cluster] ps = url, ...  backups = url, ...  workers = N ---- */
+
+/* Appends the comma- or space-separated URLs of v to *list. */
+static int url_list(const char *v, char ***list, uint32_t *n, char **errptr)
+{
+    for (const char *p = v; *p;) {
+        while (*p == ' ' || *p == ',')
+            p++;
+        size_t len = strcspn(p, " ,");
+        if (len == 0) break;
+        if (*n >= PS_MAX_SHARDS) return cm_err(errptr, CM_EINVAL, "too many URLs");
+        char **l = realloc(*list, (*n + 1) * sizeof *l);
+        if (l == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        *list = l;
+        if ((l[*n] = strndup(p, len)) == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        (*n)++;
+        p += len;
+    }
+    return CM_OK;
+}
 
 static int cluster_entry(void *arg, const char *section, const char *sarg, const char *k,
                          const char *v, char **errptr)
@@ -898,21 +991,10 @@ static int cluster_entry(void *arg, const char *section, const char *sarg, const
         S->ps.n_workers = (uint32_t)n;
         return CM_OK;
     }
-    if (strcmp(k, "ps")) return cm_err(errptr, CM_EINVAL, "unknown key '%s' (ps, workers)", k);
-    for (const char *p = v; *p;) {
-        while (*p == ' ' || *p == ',') p++;
-        size_t n = strcspn(p, " ,");
-        if (n == 0) break;
-        if (S->ps.n_shards >= PS_MAX_SHARDS) return cm_err(errptr, CM_EINVAL, "too many ps URLs");
-        char **urls = realloc(S->urls, (S->ps.n_shards + 1) * sizeof *urls);
-        if (urls == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-        S->urls = urls;
-        S->urls[S->ps.n_shards] = strndup(p, n);
-        if (S->urls[S->ps.n_shards] == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-        S->ps.n_shards++;
-        p += n;
-    }
-    return CM_OK;
+    if (!strcmp(k, "backups")) return url_list(v, &S->backups, &S->n_backups, errptr);
+    if (strcmp(k, "ps"))
+        return cm_err(errptr, CM_EINVAL, "unknown key '%s' (ps, backups, workers)", k);
+    return url_list(v, &S->urls, &S->ps.n_shards, errptr);
 }
 
 static int cluster_urls(setup *S, const char *path, char **errptr)
@@ -921,10 +1003,17 @@ static int cluster_urls(setup *S, const char *path, char **errptr)
     S->ps.n_workers = 1;
     int rc = cm_ini_parse(path, cluster_entry, S, errptr);
     if (rc == CM_OK && S->ps.n_shards == 0) rc = cm_err(errptr, CM_EINVAL, "%s: no ps URLs", path);
+    if (rc == CM_OK && S->n_backups != 0 && S->n_backups != S->ps.n_shards)
+        rc = cm_err(errptr, CM_EINVAL, "%s: %u backups for %u ps URLs (one per shard, or none)",
+                    path, S->n_backups, S->ps.n_shards);
     if (rc != CM_OK) {
-        for (uint32_t i = 0; i < S->ps.n_shards; i++) free(S->urls[i]);
+        for (uint32_t i = 0; i < S->ps.n_shards; i++)
+            free(S->urls[i]);
         free(S->urls);
-        S->urls = NULL;
+        for (uint32_t i = 0; i < S->n_backups; i++)
+            free(S->backups[i]);
+        free(S->backups);
+        S->urls = S->backups = NULL;
     }
     return rc;
 }

@@ -41,7 +41,7 @@ typedef struct train_opts {
     const char *out_dir;
     const char *config_path; /* optional INI: [model], [train] */
     const char *cluster_path; /* optional: [cluster] ps = url,url...; workers = N */
-    const char *role;         /* with cluster: "ps" or "worker" */
+    const char *role;         /* with cluster: "ps", "backup" or "worker" */
     uint32_t index;           /* role index */
     const char *device;       /* "cpu", "cuda", NULL = cuda when available */
     model_cfg model;          /* kind set by the caller; shape filled from the shards */

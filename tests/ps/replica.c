@@ -1,0 +1,175 @@
+/*
+ * Shard replication: a primary ships every applied update to its backup and acknowledges a
+ * push only once the backup has it. The tests use SGD with lr 1 and gradients of 1, so every
+ * row's final value is minus the number of pushes that reached it, exactly: a lost update or one
+ * applied twice shows as a wrong number.
+ *   1. The primary dies (its sockets close) while pushes are in flight: the client fails over
+ *      to the backup, nng resends what was in flight, the backup does not apply twice what it
+ *      already had from the primary, and every row ends at exactly -pushes.
+ *   2. Fencing: once a client has come over to the backup, the old primary's next REPLICATE is
+ *      refused; the primary stops without acknowledging, and the update reaches the backup
+ *      through the client's failover.
+ *   3. SHUTDOWN through the primary stops the backup too.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <unistd.h>
+
+#include "ps_test_util.h"
+
+#define CONF                                                                                       \
+    "[cluster]\nshards = 1\nworkers = 1\nreplica_timeout = 3000\n"                                 \
+    "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n"                                \
+    "[dense d]\nsize = 8\noptimizer = sgd\nlr = 1\n"
+
+enum { N_KEYS = 2000, DIM = 4, PUSHES = 120 };
+
+static ps_server *server(const ps_config *cfg, const char *url, const char *replica, bool backup)
+{
+    ps_server_opts o = {
+        .cfg = cfg, .listen = url, .shard = 0, .replica_url = replica, .backup = backup};
+    ps_server *s = NULL;
+    char *err = NULL;
+    if (ps_server_create(&o, &s, &err) != CM_OK) pt_die("ps_server_create", err);
+    return s;
+}
+
+static ps_client *client(const ps_config *cfg, const char *url, const char *backup)
+{
+    const char *urls[1] = {url}, *backups[1] = {backup};
+    ps_client_opts o = {.cfg = cfg,
+                        .urls = urls,
+                        .worker = 0,
+                        .timeout_ms = 10000,
+                        .backup_urls = backup ? backups : NULL};
+    ps_client *c = NULL;
+    char *err = NULL;
+    if (ps_client_create(&o, &c, &err) != CM_OK) pt_die("ps_client_create", err);
+    return c;
+}
+
+/* A primary and its backup on dir/p<tag> and dir/b<tag>, and a client that knows both. */
+static ps_client *start_pair(const ps_config *cfg, const char *dir, const char *tag, ps_server **p,
+                             ps_server **b, const char **bu)
+{
+    char pn[16], bn[16];
+    snprintf(pn, sizeof pn, "p%s", tag);
+    snprintf(bn, sizeof bn, "b%s", tag);
+    const char *pu = pt_ipc(dir, pn);
+    *bu = pt_ipc(dir, bn);
+    *b = server(cfg, *bu, NULL, true);
+    *p = server(cfg, pu, *bu, false);
+    return client(cfg, pu, *bu);
+}
+
+static uint64_t keys[N_KEYS];
+static float ones[N_KEYS * DIM], rows[N_KEYS * DIM];
+
+typedef struct pusher {
+    ps_client *c;
+    int n_pushes, done; /* done: atomically, pushes issued */
+    int rc;
+    char *err;
+} pusher;
+
+static void *push_loop(void *arg)
+{
+    pusher *p = arg;
+    for (int i = 0; i < p->n_pushes && p->rc == CM_OK; i++) {
+        p->rc = ps_client_push(p->c, 0, keys, N_KEYS, ones, &p->err);
+        if (p->rc == CM_OK && i % 10 == 9) p->rc = ps_client_dense_push(p->c, 0, ones, &p->err);
+        if (p->rc == CM_OK && i % 25 == 24) p->rc = ps_client_flush(p->c, &p->err);
+        __atomic_store_n(&p->done, i + 1, __ATOMIC_RELAXED);
+    }
+    if (p->rc == CM_OK) p->rc = ps_client_flush(p->c, &p->err);
+    return NULL;
+}
+
+/* Every row element equals want exactly; so does every dense value. */
+static void check_values(ps_client *c, float want_row, float want_dense, const char *what)
+{
+    char *err = NULL;
+    CHECK_OK(ps_client_pull(c, 0, keys, N_KEYS, rows, &err), err);
+    size_t bad = 0;
+    for (size_t i = 0; i < (size_t)N_KEYS * DIM; i++)
+        bad += rows[i] != want_row;
+    CHECK_MSG(bad == 0, "%s: %zu of %d row values differ from %.0f (e.g. %.1f)", what, bad,
+              N_KEYS * DIM, want_row, rows[0]);
+    float d[8];
+    CHECK_OK(ps_client_dense_pull(c, 0, d, &err), err);
+    for (int i = 0; i < 8; i++)
+        CHECK_MSG(d[i] == want_dense, "%s: dense[%d] = %.1f, want %.0f", what, i, d[i], want_dense);
+}
+
+int main(void)
+{
+    psp_watchdog(PT_WATCHDOG_S);
+    const char *dir = check_tmpdir("ps_replica");
+    ps_config cfg;
+    pt_config(dir, "replica.ini", CONF, &cfg);
+    for (int i = 0; i < N_KEYS; i++)
+        keys[i] = 1000003ull * (uint64_t)(i + 1);
+    for (int i = 0; i < N_KEYS * DIM; i++)
+        ones[i] = 1.0f;
+    char *err = NULL;
+
+    /* 1. The primary dies with pushes in flight. */
+    ps_server *p, *b;
+    const char *bu;
+    ps_client *c = start_pair(&cfg, dir, "1", &p, &b, &bu);
+    pusher pp = {.c = c, .n_pushes = PUSHES};
+    pthread_t th;
+    if (pthread_create(&th, NULL, push_loop, &pp) != 0) pt_die("pthread_create", NULL);
+    while (__atomic_load_n(&pp.done, __ATOMIC_RELAXED) < PUSHES / 3)
+        usleep(1000);
+    ps_server_stats ps_st;
+    ps_server_stats_get(p, &ps_st);
+    ps_server_destroy(p); /* its sockets close, as when the process is killed */
+    pthread_join(th, NULL);
+    CHECK_MSG(pp.rc == CM_OK, "pushes across the failover failed: %s", pp.err ? pp.err : "?");
+    free(pp.err);
+    CHECK_MSG(ps_st.replicated > 0, "the primary replicated nothing before it died");
+    check_values(c, -(float)PUSHES, -(float)(PUSHES / 10), "after failover");
+    ps_client_stats cs;
+    CHECK_OK(ps_client_stats_get(c, &cs, &err), err);
+    CHECK_MSG(cs.failovers == 1, "client failovers %llu, want 1", (unsigned long long)cs.failovers);
+    ps_server_stats bs;
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(bs.promoted == 1, "the backup did not take over");
+    fprintf(
+        stderr,
+        "replica: primary acknowledged %llu replicated updates before dying; backup received %llu, "
+        "skipped %llu resent pushes\n",
+        (unsigned long long)ps_st.replicated, (unsigned long long)bs.replicated,
+        (unsigned long long)bs.duplicates);
+    ps_client_destroy(c);
+    ps_server_destroy(b);
+
+    /* 2. Fencing. */
+    c = start_pair(&cfg, dir, "2", &p, &b, &bu);
+    for (int i = 0; i < 5; i++)
+        CHECK_OK(ps_client_push(c, 0, keys, N_KEYS, ones, &err), err);
+    CHECK_OK(ps_client_flush(c, &err), err);
+    ps_client *usurper = client(&cfg, bu, NULL); /* its HELLO makes the backup take over */
+    CHECK_OK(ps_client_push(c, 0, keys, N_KEYS, ones, &err), err);
+    double t0 = cm_now();
+    while (!ps_server_fenced(p) && cm_now() - t0 < 10)
+        usleep(1000);
+    CHECK_MSG(ps_server_fenced(p), "the old primary was not fenced");
+    ps_server_destroy(p);
+    CHECK_OK(ps_client_flush(c, &err), err);
+    check_values(usurper, -6.0f, 0.0f, "after fencing");
+    ps_client_destroy(usurper);
+    ps_client_destroy(c);
+    ps_server_destroy(b);
+
+    /* 3. SHUTDOWN reaches the backup. */
+    c = start_pair(&cfg, dir, "3", &p, &b, &bu);
+    CHECK_OK(ps_client_shutdown(c, &err), err);
+    ps_server_wait(b); /* returns only once the backup has been told to stop (else: watchdog) */
+    ps_server_wait(p);
+    ps_client_destroy(c);
+    ps_server_destroy(p);
+    ps_server_destroy(b);
+    return pt_finish(dir);
+}
