@@ -801,6 +801,16 @@ int ps_client_flush(ps_client *c, char **errptr)
     return take_async_error(c, errptr);
 }
 
+uint32_t ps_client_pushes_in_flight(ps_client *c)
+{
+    uint32_t n = 0;
+    pthread_mutex_lock(&c->mu);
+    for (uint32_t s = 0; s < c->cfg.n_shards; s++)
+        n += c->shards[s].pushing;
+    pthread_mutex_unlock(&c->mu);
+    return n;
+}
+
 /* ---- dense blocks ---- */
 
 static int dense_call(ps_client *c, uint16_t op, uint32_t block, const float *in, float *out,

@@ -210,6 +210,8 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
                    const float *grads, char **errptr);
 /* Waits until every queued push is acknowledged. */
 int ps_client_flush(ps_client *c, char **errptr);
+/* Pushes queued and not yet acknowledged (0: every earlier push is applied on its shards). */
+uint32_t ps_client_pushes_in_flight(ps_client *c);
 
 /* Dense blocks: whole-block pull; push of a gradient (applied by the block's optimizer).
  * ps_client_dense_init assigns initial values unless the block was already initialised (the

@@ -11,27 +11,31 @@
 
 static void train_usage(FILE *to)
 {
-    fprintf(to,
-            "usage: ember train --train DIR [--eval DIR] [--model lr|mlp|dlrm|deepfm] [--out RUNDIR]\n"
-            "                   [options]\n"
-            "  --train DIR          training shards (ember ingest's train/)\n"
-            "  --eval DIR           held-out shards: AUC and logloss at the end\n"
-            "  --model NAME         lr, mlp (default), dlrm, deepfm\n"
-            "  --out RUNDIR         checkpoints, metrics.jsonl (default runs/train)\n"
-            "  --config FILE        INI with [model] (kind, dim, hidden, bottom, seed, pool) and\n"
-            "                       [train] (batch, epochs, emb_lr, dense_lr, emb_optimizer,\n"
-            "                       push_codec, memory, shuffle, staleness, checkpoint_every)\n"
-            "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
-            "  --batch N --epochs N --workers N --shards N --staleness K (-1 async)\n"
-            "  --checkpoint-every N --keep-checkpoints K (default 0 = all) --resume\n"
-            "  --max-steps N --seed S --memory BYTES (per shard)\n"
-            "  --emb-lr X --dense-lr X --emb-optimizer NAME --push-codec fp32|fp16|bf16|int8\n"
-            "  --dim D --shuffle ROWS --threads T (compute threads per worker, default: cores, at most 8)\n"
-            "  --stale-pull         pull batch t+1 before batch t's push (faster, one step stale)\n"
-            "  --worker-timeout MS  a worker silent this long no longer holds back clocks and\n"
-            "                       barriers (default 0: wait for it)\n"
-            "  --progress | --no-progress\n"
-            "  --cluster FILE --role ps|backup|worker --index I   one role of a multi-process job\n");
+    fprintf(
+        to,
+        "usage: ember train --train DIR [--eval DIR] [--model lr|mlp|dlrm|deepfm] [--out RUNDIR]\n"
+        "                   [options]\n"
+        "  --train DIR          training shards (ember ingest's train/)\n"
+        "  --eval DIR           held-out shards: AUC and logloss at the end\n"
+        "  --model NAME         lr, mlp (default), dlrm, deepfm\n"
+        "  --out RUNDIR         checkpoints, metrics.jsonl (default runs/train)\n"
+        "  --config FILE        INI with [model] (kind, dim, hidden, bottom, seed, pool) and\n"
+        "                       [train] (batch, epochs, emb_lr, dense_lr, emb_optimizer,\n"
+        "                       push_codec, memory, shuffle, staleness, checkpoint_every)\n"
+        "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
+        "  --batch N --epochs N --workers N --shards N --staleness K (-1 async)\n"
+        "  --checkpoint-every N --keep-checkpoints K (default 0 = all) --resume\n"
+        "  --rejoin             cluster worker: restart into the running job from its last\n"
+        "                       progress note (run dir progress/worker-<i>)\n"
+        "  --max-steps N --seed S --memory BYTES (per shard)\n"
+        "  --emb-lr X --dense-lr X --emb-optimizer NAME --push-codec fp32|fp16|bf16|int8\n"
+        "  --dim D --shuffle ROWS --threads T (compute threads per worker, default: cores, at most "
+        "8)\n"
+        "  --stale-pull         pull batch t+1 before batch t's push (faster, one step stale)\n"
+        "  --worker-timeout MS  a worker silent this long no longer holds back clocks and\n"
+        "                       barriers (default 0: wait for it)\n"
+        "  --progress | --no-progress\n"
+        "  --cluster FILE --role ps|backup|worker --index I   one role of a multi-process job\n");
 }
 
 static int parse_uint(const char *s, uint64_t max, uint64_t *out)
@@ -44,25 +48,75 @@ static int parse_uint(const char *s, uint64_t max, uint64_t *out)
 
 int cmd_train(int argc, char **argv)
 {
-    enum { O_TRAIN = 256, O_EVAL, O_MODEL, O_OUT, O_CONFIG, O_DEVICE, O_BATCH, O_EPOCHS, O_WORKERS,
-           O_SHARDS, O_STALE, O_CKPT, O_MAXSTEPS, O_RESUME, O_SEED, O_MEMORY, O_EMBLR, O_DENSELR,
-           O_EMBOPT, O_CODEC, O_DIM, O_SHUFFLE, O_PROGRESS, O_NOPROGRESS, O_CLUSTER, O_ROLE,
-           O_INDEX, O_THREADS, O_STALEPULL, O_KEEP, O_WTIMEOUT, O_HELP };
-    static const struct option opts[] = {
-        {"train", 1, 0, O_TRAIN}, {"eval", 1, 0, O_EVAL}, {"model", 1, 0, O_MODEL},
-        {"out", 1, 0, O_OUT}, {"config", 1, 0, O_CONFIG}, {"device", 1, 0, O_DEVICE},
-        {"batch", 1, 0, O_BATCH}, {"epochs", 1, 0, O_EPOCHS}, {"workers", 1, 0, O_WORKERS},
-        {"shards", 1, 0, O_SHARDS}, {"staleness", 1, 0, O_STALE},
-        {"checkpoint-every", 1, 0, O_CKPT}, {"max-steps", 1, 0, O_MAXSTEPS},
-        {"resume", 0, 0, O_RESUME}, {"seed", 1, 0, O_SEED}, {"memory", 1, 0, O_MEMORY},
-        {"emb-lr", 1, 0, O_EMBLR}, {"dense-lr", 1, 0, O_DENSELR},
-        {"emb-optimizer", 1, 0, O_EMBOPT}, {"push-codec", 1, 0, O_CODEC}, {"dim", 1, 0, O_DIM},
-        {"shuffle", 1, 0, O_SHUFFLE}, {"progress", 0, 0, O_PROGRESS},
-        {"no-progress", 0, 0, O_NOPROGRESS}, {"cluster", 1, 0, O_CLUSTER}, {"role", 1, 0, O_ROLE},
-        {"index", 1, 0, O_INDEX}, {"threads", 1, 0, O_THREADS}, {"stale-pull", 0, 0, O_STALEPULL},
-        {"keep-checkpoints", 1, 0, O_KEEP}, {"worker-timeout", 1, 0, O_WTIMEOUT},
-        {"help", 0, 0, O_HELP},
-        {0, 0, 0, 0}};
+    enum {
+        O_TRAIN = 256,
+        O_EVAL,
+        O_MODEL,
+        O_OUT,
+        O_CONFIG,
+        O_DEVICE,
+        O_BATCH,
+        O_EPOCHS,
+        O_WORKERS,
+        O_SHARDS,
+        O_STALE,
+        O_CKPT,
+        O_MAXSTEPS,
+        O_RESUME,
+        O_SEED,
+        O_MEMORY,
+        O_EMBLR,
+        O_DENSELR,
+        O_EMBOPT,
+        O_CODEC,
+        O_DIM,
+        O_SHUFFLE,
+        O_PROGRESS,
+        O_NOPROGRESS,
+        O_CLUSTER,
+        O_ROLE,
+        O_INDEX,
+        O_THREADS,
+        O_STALEPULL,
+        O_KEEP,
+        O_WTIMEOUT,
+        O_REJOIN,
+        O_HELP
+    };
+    static const struct option opts[] = {{"train", 1, 0, O_TRAIN},
+                                         {"eval", 1, 0, O_EVAL},
+                                         {"model", 1, 0, O_MODEL},
+                                         {"out", 1, 0, O_OUT},
+                                         {"config", 1, 0, O_CONFIG},
+                                         {"device", 1, 0, O_DEVICE},
+                                         {"batch", 1, 0, O_BATCH},
+                                         {"epochs", 1, 0, O_EPOCHS},
+                                         {"workers", 1, 0, O_WORKERS},
+                                         {"shards", 1, 0, O_SHARDS},
+                                         {"staleness", 1, 0, O_STALE},
+                                         {"checkpoint-every", 1, 0, O_CKPT},
+                                         {"max-steps", 1, 0, O_MAXSTEPS},
+                                         {"resume", 0, 0, O_RESUME},
+                                         {"seed", 1, 0, O_SEED},
+                                         {"memory", 1, 0, O_MEMORY},
+                                         {"emb-lr", 1, 0, O_EMBLR},
+                                         {"dense-lr", 1, 0, O_DENSELR},
+                                         {"emb-optimizer", 1, 0, O_EMBOPT},
+                                         {"push-codec", 1, 0, O_CODEC},
+                                         {"dim", 1, 0, O_DIM},
+                                         {"shuffle", 1, 0, O_SHUFFLE},
+                                         {"progress", 0, 0, O_PROGRESS},
+                                         {"no-progress", 0, 0, O_NOPROGRESS},
+                                         {"cluster", 1, 0, O_CLUSTER},
+                                         {"role", 1, 0, O_ROLE},
+                                         {"index", 1, 0, O_INDEX},
+                                         {"threads", 1, 0, O_THREADS},
+                                         {"stale-pull", 0, 0, O_STALEPULL},
+                                         {"keep-checkpoints", 1, 0, O_KEEP},
+                                         {"worker-timeout", 1, 0, O_WTIMEOUT},
+                                         {"rejoin", 0, 0, O_REJOIN},
+                                         {"help", 0, 0, O_HELP},
+                                         {0, 0, 0, 0}};
     train_opts o;
     train_opts_init(&o);
     o.out_dir = "runs/train";
@@ -83,44 +137,122 @@ int cmd_train(int argc, char **argv)
         int bad = 0;
         char *end = NULL;
         switch (opt) {
-        case O_TRAIN: o.train_path = optarg; break;
-        case O_EVAL: o.eval_path = optarg; break;
-        case O_MODEL: bad = model_kind_parse(optarg, &o.model.kind); o.model_set = 1; break;
-        case O_OUT: o.out_dir = optarg; break;
-        case O_CONFIG: break;
-        case O_DEVICE: o.device = optarg; break;
-        case O_BATCH: bad = parse_uint(optarg, 1000000, &u) || !u; o.batch = (uint32_t)u; break;
-        case O_EPOCHS: bad = parse_uint(optarg, 10000, &u) || !u; o.epochs = (uint32_t)u; break;
-        case O_WORKERS: bad = parse_uint(optarg, PS_MAX_WORKERS, &u) || !u; o.workers = (uint32_t)u; break;
-        case O_SHARDS: bad = parse_uint(optarg, PS_MAX_SHARDS, &u) || !u; o.shards = (uint32_t)u; break;
+        case O_TRAIN:
+            o.train_path = optarg;
+            break;
+        case O_EVAL:
+            o.eval_path = optarg;
+            break;
+        case O_MODEL:
+            bad = model_kind_parse(optarg, &o.model.kind);
+            o.model_set = 1;
+            break;
+        case O_OUT:
+            o.out_dir = optarg;
+            break;
+        case O_CONFIG:
+            break;
+        case O_DEVICE:
+            o.device = optarg;
+            break;
+        case O_BATCH:
+            bad = parse_uint(optarg, 1000000, &u) || !u;
+            o.batch = (uint32_t)u;
+            break;
+        case O_EPOCHS:
+            bad = parse_uint(optarg, 10000, &u) || !u;
+            o.epochs = (uint32_t)u;
+            break;
+        case O_WORKERS:
+            bad = parse_uint(optarg, PS_MAX_WORKERS, &u) || !u;
+            o.workers = (uint32_t)u;
+            break;
+        case O_SHARDS:
+            bad = parse_uint(optarg, PS_MAX_SHARDS, &u) || !u;
+            o.shards = (uint32_t)u;
+            break;
         case O_STALE: {
             long v = strtol(optarg, &end, 10);
             bad = *end || end == optarg || v < -1 || v > 1000000;
             o.staleness = (int32_t)v;
             break;
         }
-        case O_CKPT: bad = parse_uint(optarg, UINT64_MAX, &o.ckpt_every); break;
-        case O_MAXSTEPS: bad = parse_uint(optarg, UINT64_MAX, &o.max_steps); break;
-        case O_RESUME: o.resume = 1; break;
-        case O_SEED: bad = parse_uint(optarg, UINT64_MAX, &o.seed); break;
-        case O_MEMORY: bad = parse_uint(optarg, UINT64_MAX, &o.memory); break;
-        case O_EMBLR: o.emb_lr = strtof(optarg, &end); bad = *end || !(o.emb_lr > 0) || !isfinite(o.emb_lr); break;
-        case O_DENSELR: o.dense_lr = strtof(optarg, &end); bad = *end || !(o.dense_lr > 0) || !isfinite(o.dense_lr); break;
-        case O_EMBOPT: bad = emb_opt_parse(optarg, &o.emb_opt); break;
-        case O_CODEC: bad = ps_codec_parse(optarg, &o.push_codec); break;
-        case O_DIM: bad = parse_uint(optarg, 1024, &u) || !u; o.dim_override = (uint32_t)u; break;
-        case O_SHUFFLE: bad = parse_uint(optarg, UINT64_MAX, &o.shuffle_rows); break;
-        case O_PROGRESS: o.progress = 1; break;
-        case O_NOPROGRESS: o.progress = 0; break;
-        case O_CLUSTER: o.cluster_path = optarg; break;
-        case O_ROLE: o.role = optarg; break;
-        case O_INDEX: bad = parse_uint(optarg, UINT32_MAX, &u); o.index = (uint32_t)u; break;
-        case O_STALEPULL: o.stale_pull = 1; break;
-        case O_WTIMEOUT: bad = parse_uint(optarg, UINT32_MAX, &u); o.worker_timeout_ms = (uint32_t)u; break;
-        case O_KEEP: bad = parse_uint(optarg, 100000, &u); o.keep_checkpoints = (uint32_t)u; break;
-        case O_THREADS: bad = parse_uint(optarg, 256, &u) || !u; o.threads = (uint32_t)u; break;
-        case O_HELP: train_usage(stdout); return 0;
-        default: train_usage(stderr); return 2;
+        case O_CKPT:
+            bad = parse_uint(optarg, UINT64_MAX, &o.ckpt_every);
+            break;
+        case O_MAXSTEPS:
+            bad = parse_uint(optarg, UINT64_MAX, &o.max_steps);
+            break;
+        case O_RESUME:
+            o.resume = 1;
+            break;
+        case O_REJOIN:
+            o.rejoin = 1;
+            break;
+        case O_SEED:
+            bad = parse_uint(optarg, UINT64_MAX, &o.seed);
+            break;
+        case O_MEMORY:
+            bad = parse_uint(optarg, UINT64_MAX, &o.memory);
+            break;
+        case O_EMBLR:
+            o.emb_lr = strtof(optarg, &end);
+            bad = *end || !(o.emb_lr > 0) || !isfinite(o.emb_lr);
+            break;
+        case O_DENSELR:
+            o.dense_lr = strtof(optarg, &end);
+            bad = *end || !(o.dense_lr > 0) || !isfinite(o.dense_lr);
+            break;
+        case O_EMBOPT:
+            bad = emb_opt_parse(optarg, &o.emb_opt);
+            break;
+        case O_CODEC:
+            bad = ps_codec_parse(optarg, &o.push_codec);
+            break;
+        case O_DIM:
+            bad = parse_uint(optarg, 1024, &u) || !u;
+            o.dim_override = (uint32_t)u;
+            break;
+        case O_SHUFFLE:
+            bad = parse_uint(optarg, UINT64_MAX, &o.shuffle_rows);
+            break;
+        case O_PROGRESS:
+            o.progress = 1;
+            break;
+        case O_NOPROGRESS:
+            o.progress = 0;
+            break;
+        case O_CLUSTER:
+            o.cluster_path = optarg;
+            break;
+        case O_ROLE:
+            o.role = optarg;
+            break;
+        case O_INDEX:
+            bad = parse_uint(optarg, UINT32_MAX, &u);
+            o.index = (uint32_t)u;
+            break;
+        case O_STALEPULL:
+            o.stale_pull = 1;
+            break;
+        case O_WTIMEOUT:
+            bad = parse_uint(optarg, UINT32_MAX, &u);
+            o.worker_timeout_ms = (uint32_t)u;
+            break;
+        case O_KEEP:
+            bad = parse_uint(optarg, 100000, &u);
+            o.keep_checkpoints = (uint32_t)u;
+            break;
+        case O_THREADS:
+            bad = parse_uint(optarg, 256, &u) || !u;
+            o.threads = (uint32_t)u;
+            break;
+        case O_HELP:
+            train_usage(stdout);
+            return 0;
+        default:
+            train_usage(stderr);
+            return 2;
         }
         if (bad) {
             fprintf(stderr, "ember train: bad value '%s' for --%s\n", optarg,
@@ -130,9 +262,15 @@ int cmd_train(int argc, char **argv)
     }
     if (optind != argc || o.train_path == NULL || (o.cluster_path && o.role == NULL)) {
         fprintf(stderr, "ember train: %s\n",
-                optind != argc ? "unexpected argument" : o.train_path == NULL ? "--train is required"
-                                                                               : "--cluster needs --role");
+                optind != argc         ? "unexpected argument"
+                : o.train_path == NULL ? "--train is required"
+                                       : "--cluster needs --role");
         train_usage(stderr);
+        return 2;
+    }
+    if (o.rejoin && (o.resume || o.cluster_path == NULL || strcmp(o.role, "worker") != 0)) {
+        fprintf(stderr, "ember train: --rejoin is for a cluster worker (--role worker), without "
+                        "--resume\n");
         return 2;
     }
     char *err = NULL;

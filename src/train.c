@@ -3,6 +3,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -488,6 +489,65 @@ static int latest_step(const char *root, uint64_t *step, char **errptr)
     return read_tagged(path, "step-%llu", step, errptr);
 }
 
+/* ---- a cluster worker's progress note (train.h, "Worker restart") ---- */
+
+static void progress_path(const setup *S, uint32_t w, char *out, size_t n)
+{
+    snprintf(out, n, "%s/progress/worker-%u", S->o->out_dir, w);
+}
+
+static int progress_open(const setup *S, uint32_t w, int *fd, char **errptr)
+{
+    char path[2300];
+    snprintf(path, sizeof path, "%s/progress", S->o->out_dir);
+    int rc = cm_mkdirs(path, errptr);
+    progress_path(S, w, path, sizeof path);
+    if (rc == CM_OK && (*fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644)) < 0)
+        rc = cm_err(errptr, CM_EIO, "%s: %s", path, strerror(errno));
+    return rc;
+}
+
+/* One fixed-size pwrite: a killed process never leaves half of it; the checksum catches a
+ * torn write after a machine crash. */
+static void progress_note(int fd, uint64_t step)
+{
+    char line[64];
+    char head[32];
+    int n = snprintf(head, sizeof head, "step %020" PRIu64, step);
+    snprintf(line, sizeof line, "%s xxh3 %016" PRIx64 "\n", head, cm_xxh3(head, (size_t)n));
+    if (pwrite(fd, line, strlen(line), 0) < 0) { /* best effort: the checkpoint is the fallback */
+    }
+}
+
+/* Where a rejoining worker starts: its progress note, else its position in ckpt/LATEST, else
+ * the beginning. */
+static uint64_t rejoin_position(const setup *S, uint32_t w, const char **from)
+{
+    char path[2300], *text = NULL;
+    size_t len;
+    unsigned long long v;
+    char head[32];
+    uint64_t sum, step = 0;
+    progress_path(S, w, path, sizeof path);
+    *from = "the beginning";
+    if (cm_read_file(path, (void **)&text, &len, NULL) == CM_OK &&
+        sscanf(text, "step %llu xxh3 %" SCNx64, &v, &sum) == 2 &&
+        sum == cm_xxh3(head, (size_t)snprintf(head, sizeof head, "step %020llu", v))) {
+        *from = "its progress note";
+        step = v;
+    } else {
+        uint64_t latest = 0;
+        char pos[2400];
+        if (latest_step(S->ckpt_root, &latest, NULL) == CM_OK) {
+            ckpt_dir(S, latest, path, sizeof path);
+            snprintf(pos, sizeof pos, "%s/worker-%u.pos", path, w);
+            if (read_tagged(pos, "step %llu", &step, NULL) == CM_OK) *from = "ckpt/LATEST";
+        }
+    }
+    free(text);
+    return step;
+}
+
 /* A checkpoint directory: the one given, or a run directory's ckpt/LATEST. */
 int train_resolve_checkpoint(const char *in, char *out, size_t n, uint64_t *step, char **errptr)
 {
@@ -523,6 +583,7 @@ typedef struct worker {
     int rc;
     char *err;
     uint64_t start, steps, samples; /* batches consumed before this run, and in total */
+    int progress_fd;                /* cluster: progress/worker-<i>, else -1 */
     double loss_sum;
     train_result res; /* worker 0: eval */
 } worker;
@@ -591,6 +652,8 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             rc = trc;
             break;
         }
+        if (W->progress_fd >= 0 && ps_client_pushes_in_flight(c) == 0)
+            progress_note(W->progress_fd, step);
         if (s->ms.U > cap_u) {
             for (uint32_t t = 0; t < S->l.n_tables; t++) {
                 free(demb[t]);
@@ -686,14 +749,21 @@ static void *worker_main(void *arg)
         if (rc == CM_OK) rc = ps_client_dense_init(c, DENSE_BLOCK, p, &assigned, errptr);
         free(p);
     }
-    if (rc == CM_OK && o->resume) {
+    if (rc == CM_OK && o->rejoin) {
+        /* The others are mid-run: nothing to load, no start barrier to meet. */
+        const char *from;
+        W->start = rejoin_position(S, W->index, &from);
+        fprintf(stderr, "ember train: worker %u rejoins at batch %" PRIu64 " (from %s)\n", W->index,
+                W->start, from);
+    } else if (rc == CM_OK && o->resume) {
         char dir[2200], pos[2400];
         ckpt_dir(S, S->resume_step, dir, sizeof dir);
         rc = ps_client_load(c, dir, errptr);
         snprintf(pos, sizeof pos, "%s/worker-%u.pos", dir, W->index);
         if (rc == CM_OK) rc = read_tagged(pos, "step %llu", &W->start, errptr);
     }
-    if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
+    if (rc == CM_OK && o->cluster_path) rc = progress_open(S, W->index, &W->progress_fd, errptr);
+    if (rc == CM_OK && !o->rejoin) rc = ps_client_barrier(c, errptr);
     if (rc == CM_OK) rc = worker_loop(W, c, be, errptr);
     /* The final checkpoint is named after the longest schedule, so every worker agrees. */
     if (rc == CM_OK) rc = checkpoint(S, c, W->index, S->max_steps, W->steps, errptr);
@@ -703,6 +773,7 @@ static void *worker_main(void *arg)
     if (be) S->be->destroy(be);
     if (c && rc != CM_OK) ps_client_flush(c, NULL);
     ps_client_destroy(c);
+    if (W->progress_fd >= 0) close(W->progress_fd);
     W->rc = rc;
     return NULL;
 }
@@ -895,13 +966,14 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     if (rc == CM_OK && run_workers) {
         char path[2300];
         snprintf(path, sizeof path, "%s/metrics.jsonl", oc.out_dir);
-        if (first_w == 0) S.metrics = fopen(path, oc.resume ? "a" : "w");
+        if (first_w == 0) S.metrics = fopen(path, oc.resume || oc.rejoin ? "a" : "w");
         workers = calloc(n_w, sizeof *workers);
         pthread_t *th = calloc(n_w, sizeof *th);
         if (workers == NULL || th == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         for (uint32_t i = 0; rc == CM_OK && i < n_w; i++) {
             workers[i].S = &S;
             workers[i].index = first_w + i;
+            workers[i].progress_fd = -1;
             if (pthread_create(&th[i], NULL, worker_main, &workers[i]) != 0) {
                 rc = cm_err(errptr, CM_ERR, "cannot start worker threads");
                 n_w = i;

@@ -27,6 +27,14 @@
  * each worker had consumed), ckpt/LATEST (atomically replaced once a checkpoint is complete,
  * so a crashed save never replaces a good one), metrics.jsonl, eval_predictions.txt. Only the
  * newest --keep-checkpoints are kept. --resume continues from ckpt/LATEST.
+ *
+ * Worker restart (cluster mode): each worker keeps progress/worker-<i> in the run directory,
+ * the batch it is about to compute, rewritten in place whenever none of its pushes is in
+ * flight (so every earlier batch is applied on every shard). `--rejoin` restarts one worker
+ * into the running job from that batch (else from its position in ckpt/LATEST, else from the
+ * start), without loading anything and without waiting at the start barrier. Guarantee: no
+ * batch is skipped; the batches after the last progress note up to the death (at most the
+ * window of pushes then in flight, normally one batch) may be applied twice.
  */
 #ifndef EMBER_SRC_TRAIN_H
 #define EMBER_SRC_TRAIN_H
@@ -57,6 +65,7 @@ typedef struct train_opts {
     emb_opt_kind emb_opt;
     ps_codec push_codec;
     int mean_pool, resume, progress; /* progress: -1 auto (terminal) */
+    int rejoin;                      /* cluster worker restarted into a running job */
     int stale_pull; /* pull batch t+1 before batch t's push (more overlap, one step stale) */
     int eval_every;                  /* steps, 0 = end only */
 } train_opts;
