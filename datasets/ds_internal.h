@@ -146,9 +146,34 @@ typedef struct ds_block_meta {
 
 #define DS_BLOCK_HDR 16u
 
+/* Block coder state, one per thread (block.c): the zstd context set up once, and scratch
+ * buffers and a dictionary hash table that are reused from block to block. */
+typedef struct ds_fdict {
+    uint32_t *slot; /* a field's dictionary hash table, reused from block to block */
+    size_t cap;
+    uint32_t hint; /* distinct keys of the field in the previous block: the table's start size */
+} ds_fdict;
+
+typedef struct ds_benc {
+    ZSTD_CCtx *cctx;
+    ds_buf raw; /* the payload before compression */
+    ds_buf tmp; /* counts, dictionaries, indices, weights of one block */
+    ds_fdict *fd;
+    uint32_t n_fd;
+} ds_benc;
+
+int ds_benc_init(ds_benc *e);  /* CM_ENOMEM */
+void ds_benc_free(ds_benc *e); /* also fine on a zeroed ds_benc */
 /* Encodes rows [row0, row0+n) of r as a block appended to out (header + zstd payload). */
-int ds_block_encode(const ds_rows *r, size_t row0, size_t n, ZSTD_CCtx *cctx, ds_buf *scratch,
-                    ds_buf *out, ds_block_meta *meta, char **errptr);
+int ds_block_encode(ds_benc *e, const ds_rows *r, size_t row0, size_t n, ds_buf *out,
+                    ds_block_meta *meta, char **errptr);
+/* The largest payload a block of rows/keys can have; an index entry claiming more is corrupt. */
+uint64_t ds_block_raw_max(uint32_t n_dense, uint32_t n_fields, int weights, uint64_t rows,
+                          uint64_t keys);
+/* Decodes a decompressed payload of n rows and n_keys keys onto dst (rows and keys already
+ * reserved). CM_ECORRUPT with a short reason when the payload does not add up. */
+int ds_block_decode(const uint8_t *raw, size_t len, uint32_t n, uint32_t n_keys, ds_rows *dst,
+                    char **errptr);
 
 /* Appends already-encoded blocks; the index entries are taken from metas. */
 int ds_shard_writer_add_encoded(ds_shard_writer *w, const uint8_t *bytes,

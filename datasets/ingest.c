@@ -52,8 +52,7 @@ typedef struct worker {
     int started;
     ds_pctx ctx;
     ds_stats stats;
-    ZSTD_CCtx *cctx;
-    ds_buf scratch;
+    ds_benc benc;
 } worker;
 
 typedef struct ingest {
@@ -306,8 +305,7 @@ static int parse_chunk(worker *w, chunk *c)
             size_t nr = r->n_rows - r0 < g->block_rows ? r->n_rows - r0 : g->block_rows;
             ds_block_meta m;
             size_t at = c->enc.len;
-            if ((rc = ds_block_encode(r, r0, nr, w->cctx, &w->scratch, &c->enc, &m, &c->errmsg)))
-                return rc;
+            if ((rc = ds_block_encode(&w->benc, r, r0, nr, &c->enc, &m, &c->errmsg))) return rc;
             m.offset = at;
             if (push_meta(c, &m, ev) != CM_OK) return CM_ENOMEM;
         }
@@ -661,7 +659,7 @@ int ds_ingest_run(const ds_ingest_opts *o, ds_ingest_result *res, char **errptr)
     for (int i = 0; i < g.n_workers; i++) {
         worker *w = &g.workers[i];
         w->g = &g;
-        if ((w->cctx = ZSTD_createCCtx()) == NULL) {
+        if (ds_benc_init(&w->benc) != CM_OK) {
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");
             break;
         }
@@ -707,8 +705,7 @@ out:
     for (int i = 0; g.workers && i < g.n_workers; i++) {
         ds_pctx_free(&g.workers[i].ctx);
         ds_stats_free(&g.workers[i].stats);
-        ZSTD_freeCCtx(g.workers[i].cctx);
-        ds_buf_free(&g.workers[i].scratch);
+        ds_benc_free(&g.workers[i].benc);
     }
     free(g.workers);
     for (size_t i = 0; g.slots && i < g.n_slots; i++) {

@@ -12,65 +12,20 @@
 
 #define SHARD_MAGIC "EMBSHARD"
 #define SHARD_END "EMBSHEND"
-#define SHARD_VERSION 1u
+/* 2: dictionary-coded block payloads (block.c); version 1 stored counts and keys plainly */
+#define SHARD_VERSION 2u
 #define HDR_FIXED 32u
 #define FOOTER_FIXED 24u
 #define INDEX_ENTRY 32u
 #define TRAILER 32u
 #define FLAG_LABEL 1u
 #define FLAG_WEIGHTS 2u
-#define ZSTD_LEVEL 1
 
 static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 static uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static uint16_t get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-
-/* Bytes of a decoded block; the one formula both coder directions check against. */
-static uint64_t block_raw_len(uint32_t n_dense, uint32_t n_fields, int weights, uint64_t rows,
-                              uint64_t keys)
-{
-    return rows * 4 * (1 + (uint64_t)n_dense + n_fields) + keys * (weights ? 12 : 8);
-}
-
-int ds_block_encode(const ds_rows *r, size_t row0, size_t n, ZSTD_CCtx *cctx, ds_buf *scratch,
-                    ds_buf *out, ds_block_meta *meta, char **errptr)
-{
-    uint32_t nd = r->n_dense, nf = r->n_fields;
-    uint32_t k0 = r->offsets[row0 * nf], k1 = r->offsets[(row0 + n) * nf];
-    uint64_t raw = block_raw_len(nd, nf, r->has_weights, n, k1 - k0);
-    if (raw > UINT32_MAX) return cm_err(errptr, CM_EINVAL, "block of %zu rows too large", n);
-    if (ds_buf_reserve(scratch, raw) != CM_OK) return cm_err(errptr, CM_ENOMEM, "out of memory");
-    uint8_t *p = scratch->p;
-    memcpy(p, r->labels + row0, n * 4);
-    p += n * 4;
-    memcpy(p, r->dense + row0 * nd, n * nd * 4);
-    p += n * nd * 4;
-    const uint32_t *o = r->offsets + row0 * nf;
-    for (size_t i = 0; i < n * nf; i++, p += 4) put32(p, o[i + 1] - o[i]);
-    memcpy(p, r->keys + k0, (size_t)(k1 - k0) * 8);
-    p += (size_t)(k1 - k0) * 8;
-    if (r->has_weights) memcpy(p, r->weights + k0, (size_t)(k1 - k0) * 4);
-    size_t bound = ZSTD_compressBound(raw);
-    if (ds_buf_reserve(out, out->len + DS_BLOCK_HDR + bound) != CM_OK)
-        return cm_err(errptr, CM_ENOMEM, "out of memory");
-    uint8_t *h = out->p + out->len;
-    size_t cs = ZSTD_compressCCtx(cctx, h + DS_BLOCK_HDR, bound, scratch->p, raw, ZSTD_LEVEL);
-    if (ZSTD_isError(cs))
-        return cm_err(errptr, CM_ERR, "zstd compression failed: %s", ZSTD_getErrorName(cs));
-    *meta = (ds_block_meta){.n_rows = (uint32_t)n,
-                            .n_keys = k1 - k0,
-                            .raw_len = (uint32_t)raw,
-                            .comp_len = (uint32_t)cs};
-    put32(h, meta->n_rows);
-    put32(h + 4, meta->n_keys);
-    put32(h + 8, meta->raw_len);
-    put32(h + 12, meta->comp_len);
-    meta->checksum = cm_xxh3(h, DS_BLOCK_HDR + cs);
-    out->len += DS_BLOCK_HDR + cs;
-    return CM_OK;
-}
 
 /* ---- writer ---- */
 
@@ -82,8 +37,8 @@ struct ds_shard_writer {
     uint32_t n_blocks, cap_blocks;
     uint64_t rows, keys;
     ds_rows pending;
-    ZSTD_CCtx *cctx;
-    ds_buf scratch, enc;
+    ds_benc benc; /* set up on the first block */
+    ds_buf enc;
 };
 
 static void writer_free(ds_shard_writer *w)
@@ -91,8 +46,7 @@ static void writer_free(ds_shard_writer *w)
     ds_plan_destroy(w->plan);
     free(w->idx);
     ds_rows_free(&w->pending);
-    ZSTD_freeCCtx(w->cctx);
-    ds_buf_free(&w->scratch);
+    ds_benc_free(&w->benc);
     ds_buf_free(&w->enc);
     free(w);
 }
@@ -179,12 +133,11 @@ uint64_t ds_shard_writer_bytes(const ds_shard_writer *w)
 static int writer_flush(ds_shard_writer *w, char **errptr)
 {
     if (w->pending.n_rows == 0) return CM_OK;
-    if (w->cctx == NULL && (w->cctx = ZSTD_createCCtx()) == NULL)
+    if (w->benc.cctx == NULL && ds_benc_init(&w->benc) != CM_OK)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     ds_block_meta m;
     w->enc.len = 0;
-    int rc = ds_block_encode(&w->pending, 0, w->pending.n_rows, w->cctx, &w->scratch, &w->enc,
-                             &m, errptr);
+    int rc = ds_block_encode(&w->benc, &w->pending, 0, w->pending.n_rows, &w->enc, &m, errptr);
     if (rc == CM_OK) rc = ds_shard_writer_add_encoded(w, w->enc.p, &m, errptr);
     ds_rows_clear(&w->pending);
     return rc;
@@ -340,8 +293,8 @@ static int parse_footer(ds_shard_file *f, const uint8_t *ft, uint64_t flen, uint
                              .comp_len = get32(p + 20),
                              .checksum = get64(p + 24)};
         if (m->offset != off || m->n_rows == 0 || m->n_rows > f->block_rows ||
-            m->raw_len != block_raw_len(s->n_dense, s->n_fields, s->has_weights, m->n_rows,
-                                        m->n_keys))
+            m->raw_len > ds_block_raw_max(s->n_dense, s->n_fields, s->has_weights, m->n_rows,
+                                          m->n_keys))
             return cm_err(errptr, CM_ECORRUPT, "shard %s: index entry of block %u is invalid",
                           f->path, b);
         off += DS_BLOCK_HDR + (uint64_t)m->comp_len;
@@ -384,8 +337,10 @@ int ds_shard_file_open(const char *path, ds_shard_file *f, char **errptr)
         goto out;
     }
     if (get32(fixed + 8) != SHARD_VERSION) {
-        rc = cm_err(errptr, CM_ECORRUPT, "shard %s: unsupported version %u", path,
-                    get32(fixed + 8));
+        rc = cm_err(errptr, CM_ECORRUPT,
+                    "shard %s: format version %u, this build reads version %u only (ingest the "
+                    "input again)",
+                    path, get32(fixed + 8), SHARD_VERSION);
         goto out;
     }
     uint32_t hlen = get32(fixed + 12);
@@ -459,29 +414,14 @@ int ds_shard_file_read_block(const ds_shard_file *f, uint32_t b, ZSTD_DCtx *dctx
     size_t got = ZSTD_decompressDCtx(dctx, raw->p, m->raw_len, h + DS_BLOCK_HDR, m->comp_len);
     if (ZSTD_isError(got) || got != m->raw_len)
         return cm_err(errptr, CM_ECORRUPT, "shard %s: block %u does not decompress", f->path, b);
-    uint32_t nd = dst->n_dense, nf = dst->n_fields, n = m->n_rows;
-    const uint8_t *p = raw->p;
-    size_t row0 = dst->n_rows;
-    memcpy(dst->labels + row0, p, (size_t)n * 4);
-    p += (size_t)n * 4;
-    memcpy(dst->dense + row0 * nd, p, (size_t)n * nd * 4);
-    p += (size_t)n * nd * 4;
-    uint32_t *o = dst->offsets + row0 * nf;
-    uint64_t at = dst->n_keys, end = dst->n_keys + m->n_keys;
-    for (size_t i = 0; i < (size_t)n * nf; i++, p += 4) {
-        at += get32(p);
-        if (at > end)
-            return cm_err(errptr, CM_ECORRUPT, "shard %s: block %u key counts overrun",
-                          f->path, b);
-        o[i + 1] = (uint32_t)at;
+    char *why = NULL;
+    rc = ds_block_decode(raw->p, m->raw_len, m->n_rows, m->n_keys, dst, &why);
+    if (rc != CM_OK) {
+        rc = cm_err(errptr, rc, "shard %s: block %u (offset %llu): %s", f->path, b,
+                    (unsigned long long)m->offset, why ? why : "out of memory");
+        free(why);
+        return rc;
     }
-    if (at != end)
-        return cm_err(errptr, CM_ECORRUPT, "shard %s: block %u key counts disagree", f->path, b);
-    memcpy(dst->keys + dst->n_keys, p, (size_t)m->n_keys * 8);
-    p += (size_t)m->n_keys * 8;
-    if (dst->has_weights) memcpy(dst->weights + dst->n_keys, p, (size_t)m->n_keys * 4);
-    dst->n_rows += n;
-    dst->n_keys = end;
     return CM_OK;
 }
 
