@@ -34,6 +34,8 @@ typedef struct slot {
     int state, kind;
     uint16_t op;
     uint64_t req_id;
+    nng_duration timeout;
+    nng_msg *copy; /* while the shard may still fail over: the request, to send again */
     nng_msg *reply;
     int rc;
     char *err;
@@ -74,6 +76,8 @@ struct ps_client {
 static void slot_finish(slot *s, int rc, char *err)
 {
     struct ps_client *c = s->c;
+    if (s->copy) nng_msg_free(s->copy);
+    s->copy = NULL;
     pthread_mutex_lock(&c->mu);
     if (s->kind == K_ASYNC) {
         if (rc != CM_OK && c->async_rc == CM_OK) {
@@ -119,11 +123,37 @@ static int reply_check(slot *s, nng_msg *m, char **errptr)
     return CM_OK;
 }
 
+/* Asks the failover thread to move a shard to its backup (once). */
+static void want_failover(struct ps_client *c, shard_conn *sc)
+{
+    pthread_mutex_lock(&c->mu);
+    if (!c->closing && !sc->failed_over && sc->backup_url) {
+        sc->failed_over = true;
+        sc->fail_pending = true;
+        pthread_cond_signal(&c->fail_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
 static void slot_cb(void *arg)
 {
     slot *s = arg;
     int rv = nng_aio_result(s->aio);
     char *err = NULL;
+    if (rv != 0 && rv != NNG_ECLOSED && rv != NNG_ECANCELED && s->copy) {
+        /* The primary failed this request (its connection reset, or it went silent): fail
+         * over and send the request again, to the backup. A push the primary had applied is
+         * recognised there and not applied twice. */
+        if (s->state == SL_SEND) nng_msg_free(nng_aio_get_msg(s->aio));
+        want_failover(s->c, &s->c->shards[s->shard]);
+        nng_msg *m = s->copy;
+        s->copy = NULL;
+        s->state = SL_SEND;
+        nng_aio_set_timeout(s->aio, s->timeout);
+        nng_aio_set_msg(s->aio, m);
+        nng_ctx_send(s->ctx, s->aio);
+        return;
+    }
     if (s->state == SL_SEND) {
         if (rv != 0) {
             nng_msg_free(nng_aio_get_msg(s->aio));
@@ -184,6 +214,12 @@ static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout
     nng_ctx_set_ms(s->ctx, NNG_OPT_REQ_RESENDTIME,
                    idempotent ? (nng_duration)(c->timeout_ms / 4 + 1) : NNG_DURATION_INFINITE);
     nng_aio_set_timeout(s->aio, timeout);
+    s->timeout = timeout;
+    shard_conn *sc = &c->shards[s->shard];
+    pthread_mutex_lock(&c->mu);
+    bool may_fail_over = sc->backup_url && !sc->failed_over;
+    pthread_mutex_unlock(&c->mu);
+    if (may_fail_over && nng_msg_dup(&s->copy, m) != 0) s->copy = NULL;
     nng_aio_set_msg(s->aio, m);
     nng_ctx_send(s->ctx, s->aio);
 }
@@ -282,14 +318,7 @@ static void pipe_removed(nng_pipe p, nng_pipe_ev ev, void *arg)
     (void)p;
     (void)ev;
     shard_conn *sc = arg;
-    struct ps_client *c = sc->c;
-    pthread_mutex_lock(&c->mu);
-    if (!c->closing && !sc->failed_over) {
-        sc->failed_over = true;
-        sc->fail_pending = true;
-        pthread_cond_signal(&c->fail_cv);
-    }
-    pthread_mutex_unlock(&c->mu);
+    want_failover(sc->c, sc);
 }
 
 static void *failover_main(void *arg)
@@ -405,26 +434,11 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
         }
         if (rc == CM_OK) rc = ps_net_dial(sc->sock, o->urls[i], &c->cfg, &sc->dialer, errptr);
     }
-    for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
-        char *err = NULL;
-        shard_conn *sc = &c->shards[i];
-        rc = hello(c, i, &err);
-        if (rc != CM_OK && sc->backup_url) {
-            /* The primary may be gone already (a worker restarted after a failover). */
-            fprintf(stderr, "ember: worker %u: HELLO to %s failed (%s); trying its backup\n",
-                    c->worker, sc->url, err);
-            sc->failed_over = true;
-            rc = fail_over(c, i, NULL);
-            if (rc == CM_OK) rc = hello(c, i, &err);
-        }
-        if (rc != CM_OK)
-            cm_err(errptr, rc, "HELLO to %s failed: %s", sc->failed_over ? sc->backup_url : sc->url,
-                   err);
-        free(err);
-    }
+    /* Watch the primaries before the HELLOs: a restarted worker whose primary is gone finds
+     * the backup through the same failover as a running one. */
     for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
         shard_conn *sc = &c->shards[i];
-        if (sc->backup_url == NULL || sc->failed_over) continue;
+        if (sc->backup_url == NULL) continue;
         int rv = nng_pipe_notify(sc->sock, NNG_PIPE_EV_REM_POST, pipe_removed, sc);
         if (rv != 0) rc = cm_err(errptr, CM_EIO, "cannot watch shard %u: %s", i, nng_strerror(rv));
         if (rc == CM_OK && !c->failover_running) {
@@ -433,6 +447,15 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
             else
                 c->failover_running = true;
         }
+    }
+    for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
+        char *err = NULL;
+        shard_conn *sc = &c->shards[i];
+        rc = hello(c, i, &err);
+        if (rc != CM_OK)
+            cm_err(errptr, rc, "HELLO to %s failed: %s", sc->failed_over ? sc->backup_url : sc->url,
+                   err);
+        free(err);
     }
     if (rc != CM_OK) goto fail;
     *out = c;
@@ -460,6 +483,7 @@ void ps_client_destroy(ps_client *c)
             for (uint32_t j = 0; sc->slots && j < c->window; j++) {
                 if (sc->slots[j].aio) nng_aio_free(sc->slots[j].aio);
                 if (sc->slots[j].reply) nng_msg_free(sc->slots[j].reply);
+                if (sc->slots[j].copy) nng_msg_free(sc->slots[j].copy);
                 free(sc->slots[j].err);
             }
             free(sc->slots);

@@ -20,8 +20,8 @@ static int own_cert(nng_tls_config *tls, const ps_config *cfg)
     return rv;
 }
 
-static int tls_config(const ps_config *cfg, nng_tls_mode mode, nng_tls_config **out,
-                      char **errptr)
+static int tls_config(const ps_config *cfg, nng_tls_mode mode, const char *url,
+                      nng_tls_config **out, char **errptr)
 {
     nng_tls_config *tls = NULL;
     int rv = nng_tls_config_alloc(&tls, mode);
@@ -32,10 +32,19 @@ static int tls_config(const ps_config *cfg, nng_tls_mode mode, nng_tls_config **
     else if (cfg->tls_ca[0] && (rv = nng_tls_config_ca_file(tls, cfg->tls_ca)) != 0)
         what = cfg->tls_ca;
     else if ((rv = nng_tls_config_auth_mode(tls, cfg->tls_ca[0] ? NNG_TLS_AUTH_MODE_REQUIRED
-                                                               : NNG_TLS_AUTH_MODE_NONE)) != 0)
+                                                                : NNG_TLS_AUTH_MODE_NONE)) != 0)
         what = "auth mode";
-    else if (mode == NNG_TLS_MODE_CLIENT && cfg->tls_ca[0])
-        rv = nng_tls_config_server_name(tls, "localhost");
+    else if (mode == NNG_TLS_MODE_CLIENT && cfg->tls_ca[0]) {
+        /* The name the PS certificate must carry: the URL's host (tls+tcp://HOST:PORT). */
+        char host[256] = "localhost";
+        const char *h = strstr(url, "://");
+        if (h != NULL) {
+            h += 3;
+            size_t n = *h == '[' ? strcspn(++h, "]") : strcspn(h, ":/");
+            if (n > 0 && n < sizeof host) memcpy(host, h, n), host[n] = 0;
+        }
+        rv = nng_tls_config_server_name(tls, host);
+    }
     if (rv != 0) {
         nng_tls_config_free(tls);
         return cm_err(errptr, CM_EIO, "TLS setup failed at %s: %s", what ? what : "server name",
@@ -59,11 +68,12 @@ int ps_net_listen(nng_socket sock, const char *url, const ps_config *cfg, char *
         if (!cfg->tls_cert[0])
             return cm_err(errptr, CM_EINVAL, "%s needs tls_cert and tls_key in [cluster]", url);
         nng_tls_config *tls;
-        int rc = tls_config(cfg, NNG_TLS_MODE_SERVER, &tls, errptr);
+        int rc = tls_config(cfg, NNG_TLS_MODE_SERVER, url, &tls, errptr);
         if (rc != CM_OK) return rc;
         rv = nng_listener_set_ptr(l, NNG_OPT_TLS_CONFIG, tls);
         nng_tls_config_free(tls); /* the listener holds its own reference */
-        if (rv != 0) return cm_err(errptr, CM_EIO, "cannot set TLS on %s: %s", url, nng_strerror(rv));
+        if (rv != 0)
+            return cm_err(errptr, CM_EIO, "cannot set TLS on %s: %s", url, nng_strerror(rv));
     }
     rv = nng_listener_start(l, 0);
     if (rv != 0) return cm_err(errptr, CM_EIO, "cannot listen on %s: %s", url, nng_strerror(rv));
@@ -78,11 +88,12 @@ int ps_net_dial(nng_socket sock, const char *url, const ps_config *cfg, nng_dial
     if (rv != 0) return cm_err(errptr, CM_EIO, "cannot dial %s: %s", url, nng_strerror(rv));
     if (is_tls(url)) {
         nng_tls_config *tls;
-        int rc = tls_config(cfg, NNG_TLS_MODE_CLIENT, &tls, errptr);
+        int rc = tls_config(cfg, NNG_TLS_MODE_CLIENT, url, &tls, errptr);
         if (rc != CM_OK) return rc;
         rv = nng_dialer_set_ptr(d, NNG_OPT_TLS_CONFIG, tls);
         nng_tls_config_free(tls);
-        if (rv != 0) return cm_err(errptr, CM_EIO, "cannot set TLS on %s: %s", url, nng_strerror(rv));
+        if (rv != 0)
+            return cm_err(errptr, CM_EIO, "cannot set TLS on %s: %s", url, nng_strerror(rv));
     }
     /* Non-blocking: the dialer keeps retrying in the background, so a PS that starts later
      * (or restarts) is picked up; requests time out on their own. */

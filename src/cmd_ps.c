@@ -28,6 +28,8 @@ static void ps_usage(FILE *to)
             "  --shard I      which shard this process serves (default 0)\n"
             "  --shards N     override the config's shard count\n"
             "  --contexts K   requests served concurrently (default 64 + 2 x workers)\n"
+            "  --replica URL  ship every applied update to this shard's backup at URL\n"
+            "  --backup       serve as the backup of shard I (takes over when clients come)\n"
             "  --plan ROWS    print each table's memory and disk cost for ROWS rows per shard\n");
 }
 
@@ -51,8 +53,10 @@ int cmd_ps(int argc, char **argv)
         {"config", required_argument, 0, 'c'}, {"listen", required_argument, 0, 'l'},
         {"shard", required_argument, 0, 's'},  {"shards", required_argument, 0, 'n'},
         {"contexts", required_argument, 0, 'k'}, {"plan", required_argument, 0, 'p'},
+        {"replica", required_argument, 0, 'r'}, {"backup", no_argument, 0, 'b'},
         {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
-    const char *config = NULL, *listen = NULL;
+    const char *config = NULL, *listen = NULL, *replica = NULL;
+    bool backup = false;
     long shard = 0, shards = 0, contexts = 0;
     long long plan = -1;
     int o;
@@ -66,6 +70,8 @@ int cmd_ps(int argc, char **argv)
         case 'n': shards = strtol(optarg, &end, 10); break;
         case 'k': contexts = strtol(optarg, &end, 10); break;
         case 'p': plan = strtoll(optarg, &end, 10); break;
+        case 'r': replica = optarg; break;
+        case 'b': backup = true; break;
         case 'h': ps_usage(stdout); return 0;
         default: ps_usage(stderr); return 2;
         }
@@ -74,7 +80,8 @@ int cmd_ps(int argc, char **argv)
             return 2;
         }
     }
-    if (config == NULL || optind != argc || shard < 0 || shards < 0 || contexts < 0) {
+    if (config == NULL || optind != argc || shard < 0 || shards < 0 || contexts < 0 ||
+        (backup && replica)) {
         ps_usage(stderr);
         return 2;
     }
@@ -99,7 +106,7 @@ int cmd_ps(int argc, char **argv)
         listen = url;
     }
     ps_server_opts so = {.cfg = cfg, .listen = listen, .shard = (uint32_t)shard,
-                         .n_contexts = (uint32_t)contexts};
+                         .n_contexts = (uint32_t)contexts, .replica_url = replica, .backup = backup};
     ps_server *s = NULL;
     if (ps_server_create(&so, &s, &err) != CM_OK) {
         fprintf(stderr, "ember ps: shard %ld on %s: %s\n", shard, listen, err);
@@ -110,10 +117,12 @@ int cmd_ps(int argc, char **argv)
     running = s;
     signal(SIGINT, on_signal);
     signal(SIGTERM, on_signal);
-    fprintf(stderr, "ember ps: shard %ld of %u serving %u tables on %s\n", shard, cfg->n_shards,
+    fprintf(stderr, "ember ps: shard %ld of %u (%s) serving %u tables on %s\n", shard,
+            cfg->n_shards, backup ? "backup" : replica ? "primary, replicated" : "primary",
             cfg->n_tables, listen);
     ps_server_wait(s);
     running = NULL;
+    if (ps_server_fenced(s)) rc = 3;
     ps_server_stats st;
     ps_server_stats_get(s, &st);
     fprintf(stderr,

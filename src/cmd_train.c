@@ -27,6 +27,7 @@ static void train_usage(FILE *to)
         "  --checkpoint-every N --keep-checkpoints K (default 0 = all) --resume\n"
         "  --rejoin             cluster worker: restart into the running job from its last\n"
         "                       progress note (run dir progress/worker-<i>)\n"
+        "  --ps-timeout MS      a PS request unanswered this long fails the worker (30000)\n"
         "  --max-steps N --seed S --memory BYTES (per shard)\n"
         "  --emb-lr X --dense-lr X --emb-optimizer NAME --push-codec fp32|fp16|bf16|int8\n"
         "  --dim D --shuffle ROWS --threads T (compute threads per worker, default: cores, at most "
@@ -81,6 +82,7 @@ int cmd_train(int argc, char **argv)
         O_KEEP,
         O_WTIMEOUT,
         O_REJOIN,
+        O_PSTIMEOUT,
         O_HELP
     };
     static const struct option opts[] = {{"train", 1, 0, O_TRAIN},
@@ -115,6 +117,7 @@ int cmd_train(int argc, char **argv)
                                          {"keep-checkpoints", 1, 0, O_KEEP},
                                          {"worker-timeout", 1, 0, O_WTIMEOUT},
                                          {"rejoin", 0, 0, O_REJOIN},
+                                         {"ps-timeout", 1, 0, O_PSTIMEOUT},
                                          {"help", 0, 0, O_HELP},
                                          {0, 0, 0, 0}};
     train_opts o;
@@ -238,6 +241,10 @@ int cmd_train(int argc, char **argv)
         case O_WTIMEOUT:
             bad = parse_uint(optarg, UINT32_MAX, &u);
             o.worker_timeout_ms = (uint32_t)u;
+            break;
+        case O_PSTIMEOUT:
+            bad = parse_uint(optarg, UINT32_MAX, &u) || !u;
+            o.ps_timeout_ms = (uint32_t)u;
             break;
         case O_KEEP:
             bad = parse_uint(optarg, 100000, &u);

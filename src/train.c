@@ -734,7 +734,8 @@ static void *worker_main(void *arg)
     ps_client_opts co = {.cfg = &S->ps,
                          .urls = (const char *const *)S->urls,
                          .worker = W->index,
-                         .backup_urls = (const char *const *)S->backups};
+                         .backup_urls = (const char *const *)S->backups,
+                         .timeout_ms = o->ps_timeout_ms};
     int rc = ps_client_create(&co, &c, errptr);
     if (rc == CM_OK)
         rc = S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024, o->threads,
@@ -908,12 +909,20 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         oc.workers = S.ps.n_workers;
         char **urls = S.urls, **backups = S.backups;
         uint32_t n_urls = S.ps.n_shards, n_backups = S.n_backups;
+        /* setup_make rebuilds S.ps from the model: keep the cluster file's TLS files. */
+        char tls[3][sizeof S.ps.tls_cert];
+        memcpy(tls[0], S.ps.tls_cert, sizeof tls[0]);
+        memcpy(tls[1], S.ps.tls_key, sizeof tls[1]);
+        memcpy(tls[2], S.ps.tls_ca, sizeof tls[2]);
         S.urls = S.backups = NULL;
         rc = setup_make(&S, &oc, errptr);
         S.urls = urls;
         S.n_urls = n_urls;
         S.backups = backups;
         S.n_backups = n_backups;
+        memcpy(S.ps.tls_cert, tls[0], sizeof tls[0]);
+        memcpy(S.ps.tls_key, tls[1], sizeof tls[1]);
+        memcpy(S.ps.tls_ca, tls[2], sizeof tls[2]);
     } else {
         rc = setup_make(&S, &oc, errptr);
     }
@@ -1007,7 +1016,8 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             ps_client_opts co = {.cfg = &S.ps,
                                  .urls = (const char *const *)S.urls,
                                  .worker = 0,
-                                 .backup_urls = (const char *const *)S.backups};
+                                 .backup_urls = (const char *const *)S.backups,
+                                 .timeout_ms = oc.ps_timeout_ms};
             if (ps_client_create(&co, &c, NULL) == CM_OK) ps_client_shutdown(c, NULL);
             ps_client_destroy(c);
         }
@@ -1064,8 +1074,20 @@ static int cluster_entry(void *arg, const char *section, const char *sarg, const
         return CM_OK;
     }
     if (!strcmp(k, "backups")) return url_list(v, &S->backups, &S->n_backups, errptr);
+    /* PEM files for tls+tcp:// URLs, as in ember ps's [cluster] (the three are the same size). */
+    char *tls = !strcmp(k, "tls_cert")  ? S->ps.tls_cert
+                : !strcmp(k, "tls_key") ? S->ps.tls_key
+                : !strcmp(k, "tls_ca")  ? S->ps.tls_ca
+                                        : NULL;
+    if (tls != NULL) {
+        if (strlen(v) >= sizeof S->ps.tls_cert)
+            return cm_err(errptr, CM_EINVAL, "%s: path too long", k);
+        snprintf(tls, sizeof S->ps.tls_cert, "%s", v);
+        return CM_OK;
+    }
     if (strcmp(k, "ps"))
-        return cm_err(errptr, CM_EINVAL, "unknown key '%s' (ps, backups, workers)", k);
+        return cm_err(errptr, CM_EINVAL,
+                      "unknown key '%s' (ps, backups, workers, tls_cert, tls_key, tls_ca)", k);
     return url_list(v, &S->urls, &S->ps.n_shards, errptr);
 }
 

@@ -66,6 +66,7 @@ typedef struct train_opts {
     ps_codec push_codec;
     int mean_pool, resume, progress; /* progress: -1 auto (terminal) */
     int rejoin;                      /* cluster worker restarted into a running job */
+    uint32_t ps_timeout_ms;          /* per PS request (0: the client's default, 30 s) */
     int stale_pull; /* pull batch t+1 before batch t's push (more overlap, one step stale) */
     int eval_every;                  /* steps, 0 = end only */
 } train_opts;
