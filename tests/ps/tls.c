@@ -24,7 +24,7 @@ static int make_certs(const char *dir)
     }
     const char *ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
     char cmd[1024];
-    pt_write(pt_path(dir, "ext.cnf"), "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+    pt_write(pt_path(dir, "ext.cnf"), "subjectAltName=DNS:localhost,IP:127.0.0.1,DNS:127.0.0.1\n"
                                       "extendedKeyUsage=serverAuth,clientAuth\n");
     snprintf(cmd, sizeof cmd, "openssl req -x509 %s -keyout ca.key -out ca.pem -days 2 -subj /CN=ember-test-ca", ec);
     if (sh(dir, cmd)) return -1;
