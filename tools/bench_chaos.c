@@ -1,7 +1,7 @@
 /*
  * tools/bench chaos: kill -9 at random moments, recover, compare with an undisturbed run.
  *
- *   bench_chaos [--rows N] [--seed S] [--dir DIR] [--quick] [--check]
+ *   bench_chaos [--rows N] [--seed S] [--dir DIR] [--quick] [--check] [--only worker|ps|replica]
  *
  * Training (mlp on `ember gen` data, 2 PS x 2 workers over ipc://, asynchronous):
  *   clean  the same job with no kills;
@@ -131,15 +131,18 @@ typedef struct job {
     char run[1024], cluster[1100];
     char *const *train_args;
     pid_t ps[2], bk[2], w[2];
+    int n_w; /* workers: 2, or 1 for the deterministic failover check */
     int backups;
-    char w0log[1300]; /* worker 0's latest log */
+    char w0log[1300];                /* worker 0's latest log */
+    double auc, logloss, train_loss; /* worker 0's final JSON line */
 } job;
 
 static void write_cluster(job *j, int backups)
 {
     FILE *f = fopen(j->cluster, "w");
     if (f == NULL) die("cannot write %s", j->cluster);
-    fprintf(f, "[cluster]\nps = ipc://%s/ps0, ipc://%s/ps1\nworkers = 2\n", j->run, j->run);
+    fprintf(f, "[cluster]\nps = ipc://%s/ps0, ipc://%s/ps1\nworkers = %d\n", j->run, j->run,
+            j->n_w);
     if (backups) fprintf(f, "backups = ipc://%s/bk0, ipc://%s/bk1\n", j->run, j->run);
     fclose(f);
     j->backups = backups;
@@ -180,7 +183,7 @@ static void start_job(job *j, int resume)
         j->bk[i] = start_role(j, "backup", i, resume, 0);
     for (int i = 0; i < 2; i++)
         j->ps[i] = start_role(j, "ps", i, resume, 0);
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < j->n_w; i++)
         j->w[i] = start_role(j, "worker", i, resume, 0);
 }
 
@@ -188,7 +191,7 @@ static void start_job(job *j, int resume)
 static uint64_t progress(const job *j)
 {
     uint64_t lo = UINT64_MAX;
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < j->n_w; i++) {
         char p[1200], line[128] = "";
         snprintf(p, sizeof p, "%s/progress/worker-%d", j->run, i);
         FILE *f = fopen(p, "r");
@@ -207,7 +210,7 @@ static void wait_progress(const job *j, uint64_t at, double limit)
     double t0 = cm_now();
     while (progress(j) < at) {
         if (cm_now() - t0 > limit) die("the job made no progress to batch %s in time", "?");
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < j->n_w; i++) {
             int st;
             if (j->w[i] > 0 && waitpid(j->w[i], &st, WNOHANG) == j->w[i])
                 die("a worker exited before the kill (see %s/logs)", j->run);
@@ -219,7 +222,7 @@ static void wait_progress(const job *j, uint64_t at, double limit)
 /* Waits for both workers and the PS side; returns worker 0's test AUC, or -1 on failure. */
 static double finish_job(job *j, double limit)
 {
-    int rc0 = wait_pid(j->w[0], limit), rc1 = wait_pid(j->w[1], limit);
+    int rc0 = wait_pid(j->w[0], limit), rc1 = j->n_w > 1 ? wait_pid(j->w[1], limit) : 0;
     for (int i = 0; i < 2; i++) {
         wait_pid(j->ps[i], 10);
         if (j->backups) wait_pid(j->bk[i], 10);
@@ -230,14 +233,21 @@ static double finish_job(job *j, double limit)
     FILE *f = fopen(j->w0log, "r");
     double auc = -1;
     while (f && fgets(line, sizeof line, f))
-        if (line[0] == '{') sscanf(line, "{\"auc\":%lf", &auc);
+        if (line[0] == '{') {
+            const char *ll = strstr(line, "\"logloss\":"), *tl = strstr(line, "\"train_loss\":");
+            sscanf(line, "{\"auc\":%lf", &auc);
+            j->logloss = ll ? atof(ll + 10) : -1;
+            j->train_loss = tl ? atof(tl + 13) : -1;
+        }
+    j->auc = auc;
     if (f) fclose(f);
     return auc;
 }
 
-static void job_init(job *j, const char *name, char *const *train_args)
+static void job_init(job *j, const char *name, int n_w, char *const *train_args)
 {
     memset(j, 0, sizeof *j);
+    j->n_w = n_w;
     snprintf(j->run, sizeof j->run, "%s/%s", dir, name);
     snprintf(j->cluster, sizeof j->cluster, "%s/cluster.ini", j->run);
     j->train_args = train_args;
@@ -325,7 +335,7 @@ static void ledger(int pushes, int64_t *lost, int64_t *doubled, int *kills, int 
 int main(int argc, char **argv)
 {
     uint64_t rows = 1000000, seed = 1;
-    int quick = 0, check = 0;
+    int quick = 0, check = 0, phases = 7; /* 1 worker, 2 PS without backup, 4 replicated PS */
     dir = "/tmp/ember-chaos";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--rows") && i + 1 < argc)
@@ -338,9 +348,17 @@ int main(int argc, char **argv)
             quick = 1, rows = 60000;
         else if (!strcmp(argv[i], "--check"))
             check = 1;
-        else {
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
+            const char *k = argv[++i];
+            phases = !strcmp(k, "worker")    ? 1
+                     : !strcmp(k, "ps")      ? 2
+                     : !strcmp(k, "replica") ? 4
+                                             : 0;
+            if (phases == 0) die("--only worker|ps|replica, not %s", k);
+        } else {
             fprintf(stderr,
-                    "usage: bench_chaos [--rows N] [--seed S] [--dir DIR] [--quick] [--check]\n");
+                    "usage: bench_chaos [--rows N] [--seed S] [--dir DIR] [--quick] [--check] "
+                    "[--only worker|ps|replica]\n");
             return 2;
         }
     }
@@ -401,9 +419,10 @@ int main(int argc, char **argv)
                      NULL};
     double limit = quick ? 120 : 900;
 
+    int kills = 0, recovered = 0;
     /* Clean run. */
     job clean;
-    job_init(&clean, "clean", targs);
+    job_init(&clean, "clean", 2, targs);
     write_cluster(&clean, 0);
     double tc = cm_now();
     start_job(&clean, 0);
@@ -412,55 +431,93 @@ int main(int argc, char **argv)
     if (clean_auc < 0) die("the clean run failed (see %s/clean/logs)", dir);
     /* Worker 0's schedule length, from its last progress note (the final batch index). */
     uint64_t total = progress(&clean) + 1;
+    /* The same clean job again: two asynchronous workers never train in quite the same order,
+     * so this is the noise any comparison of AUCs stands on. */
+    job clean2;
+    job_init(&clean2, "clean2", 2, targs);
+    write_cluster(&clean2, 0);
+    start_job(&clean2, 0);
+    double clean2_auc = finish_job(&clean2, limit);
+    if (clean2_auc < 0) die("the second clean run failed (see %s/clean2/logs)", dir);
 
-    /* Chaos run. */
-    int kills = 0, recovered = 0;
+    /* Exactness: one worker is deterministic, so killing a replicated primary must change
+     * nothing at all: the same test AUC, logloss and training loss to the last digit. */
+    job one, onek;
+    job_init(&one, "one", 1, targs);
+    write_cluster(&one, 1);
+    start_job(&one, 0);
+    if (finish_job(&one, limit) < 0) die("the one-worker run failed (see %s/one/logs)", dir);
+    job_init(&onek, "one-kill", 1, targs);
+    write_cluster(&onek, 1);
+    start_job(&onek, 0);
+    wait_progress(&onek, (uint64_t)(rnd(0.3, 0.7) * 2 * total), limit);
+    kill(onek.ps[0], SIGKILL);
+    wait_pid(onek.ps[0], 5);
+    fprintf(stderr, "bench_chaos: one worker: killed PS 0 (replicated) at batch %" PRIu64 "\n",
+            progress(&onek));
+    kills++;
+    if (finish_job(&onek, limit) >= 0) recovered++;
+    int exact = onek.auc >= 0 && onek.auc == one.auc && onek.logloss == one.logloss &&
+                onek.train_loss == one.train_loss;
+
+    /* Chaos run. A kill counts as recovered once the job trains on past it (the last, once
+     * the job has finished). */
     job j;
-    job_init(&j, "chaos", targs);
-    write_cluster(&j, 0);
+    job_init(&j, "chaos", 2, targs);
+    /* Without the unreplicated PS kill, the backups are there from the start. */
+    write_cluster(&j, !(phases & 2) && (phases & 4));
     double tx = cm_now();
     start_job(&j, 0);
-    /* (1) a worker */
-    wait_progress(&j, (uint64_t)(rnd(0.1, 0.25) * total), limit);
-    kill(j.w[1], SIGKILL);
-    wait_pid(j.w[1], 5);
-    kills++;
-    fprintf(stderr,
-            "bench_chaos: killed worker 1 at batch %" PRIu64 "; restarting it with --rejoin\n",
-            progress(&j));
-    j.w[1] = start_role(&j, "worker", 1, 0, 1);
-    /* (2) a PS without a backup, once a checkpoint exists past the rejoin */
-    wait_progress(&j, (uint64_t)(rnd(0.35, 0.5) * total), limit);
-    recovered++; /* the rejoined worker is training again */
-    kill(j.ps[1], SIGKILL);
-    wait_pid(j.ps[1], 5);
-    kills++;
-    fprintf(stderr, "bench_chaos: killed PS 1 (no backup) at batch %" PRIu64 "\n", progress(&j));
-    /* The job notices (request timeouts); once one worker has stopped, stop the rest. */
-    double td = cm_now();
-    int rc_first = -1;
-    while (rc_first < 0 && cm_now() - td < 60) {
-        for (int i = 0; i < 2 && rc_first < 0; i++)
-            rc_first = wait_pid(j.w[i], 0);
-        usleep(50000);
+    double f1 = rnd(0.1, 0.25), f2 = rnd(0.35, 0.5), f3 = rnd(0.65, 0.85);
+    if (phases & 1) { /* (1) a worker */
+        wait_progress(&j, (uint64_t)(f1 * total), limit);
+        kill(j.w[1], SIGKILL);
+        wait_pid(j.w[1], 5);
+        kills++;
+        uint64_t at = progress(&j);
+        fprintf(stderr,
+                "bench_chaos: killed worker 1 at batch %" PRIu64 "; restarting it with --rejoin\n",
+                at);
+        j.w[1] = start_role(&j, "worker", 1, 0, 1);
+        wait_progress(&j, at + 2, limit);
+        recovered++;
     }
-    fprintf(stderr,
-            "bench_chaos: a worker stopped %.1f s after the kill (exit %d); restarting the job "
-            "with --resume and backups\n",
-            cm_now() - td, rc_first);
-    kill_all();
-    write_cluster(&j, 1);
-    start_job(&j, 1);
-    /* (3) the primary of a replicated shard */
-    uint64_t resumed_at = progress(&j);
-    wait_progress(&j, (uint64_t)(rnd(0.65, 0.85) * total), limit);
-    if (progress(&j) > resumed_at) recovered++; /* the resumed job trains */
-    kill(j.ps[0], SIGKILL);
-    wait_pid(j.ps[0], 5);
-    kills++;
-    fprintf(stderr, "bench_chaos: killed PS 0 (replicated) at batch %" PRIu64 "\n", progress(&j));
+    if (phases & 2) { /* (2) a PS without a backup */
+        wait_progress(&j, (uint64_t)(f2 * total), limit);
+        kill(j.ps[1], SIGKILL);
+        wait_pid(j.ps[1], 5);
+        kills++;
+        fprintf(stderr, "bench_chaos: killed PS 1 (no backup) at batch %" PRIu64 "\n",
+                progress(&j));
+        /* The job notices (request timeouts); once one worker has stopped, stop the rest. */
+        double td = cm_now();
+        int rc_first = -1;
+        while (rc_first < 0 && cm_now() - td < 60) {
+            for (int i = 0; i < 2 && rc_first < 0; i++)
+                rc_first = wait_pid(j.w[i], 0);
+            usleep(50000);
+        }
+        fprintf(stderr,
+                "bench_chaos: a worker stopped %.1f s after the kill (exit %d); restarting the job "
+                "with --resume%s\n",
+                cm_now() - td, rc_first, phases & 4 ? " and backups" : "");
+        kill_all();
+        write_cluster(&j, (phases & 4) != 0);
+        start_job(&j, 1);
+        uint64_t at = progress(&j);
+        wait_progress(&j, at + 2, limit);
+        recovered++;
+    }
+    if (phases & 4) { /* (3) the primary of a replicated shard */
+        wait_progress(&j, (uint64_t)(f3 * total), limit);
+        kill(j.ps[0], SIGKILL);
+        wait_pid(j.ps[0], 5);
+        kills++;
+        fprintf(stderr, "bench_chaos: killed PS 0 (replicated) at batch %" PRIu64 "\n",
+                progress(&j));
+    }
     double chaos_auc = finish_job(&j, limit);
-    if (chaos_auc >= 0) recovered++;
+    if (chaos_auc >= 0 && (phases & 4)) recovered++;
     tx = cm_now() - tx;
 
     /* Ledger. */
@@ -468,9 +525,13 @@ int main(int argc, char **argv)
     ledger(quick ? 200 : 1000, &lost, &doubled, &kills, &recovered);
 
     double delta = chaos_auc >= 0 ? chaos_auc - clean_auc : -1;
+    double spread = clean2_auc - clean_auc;
     double seconds = cm_now() - t0, tol = quick ? 0.01 : 0.002;
     printf("%-34s %s\n", "rows generated", nrows);
     printf("%-34s %.1f s, test AUC %.4f\n", "clean run (2 PS x 2 workers)", tc, clean_auc);
+    printf("%-34s test AUC %.4f (clean-to-clean %+.4f)\n", "clean run again", clean2_auc, spread);
+    printf("%-34s AUC %.6f vs %.6f, logloss %.6f vs %.6f: %s\n", "1 worker, replicated PS 0 killed",
+           onek.auc, one.auc, onek.logloss, one.logloss, exact ? "identical" : "DIFFERENT");
     printf("%-34s %.1f s, test AUC %.4f (delta %+.4f)\n", "chaos run (3 kills)", tx, chaos_auc,
            delta);
     printf("%-34s lost %" PRId64 ", applied twice %" PRId64 "\n",
@@ -478,11 +539,13 @@ int main(int argc, char **argv)
     printf("%-34s %d of %d\n", "kills recovered", recovered, kills);
     printf(
         "{\"kills\":%d,\"recovered\":%d,\"clean_auc\":%.6f,\"chaos_auc\":%.6f,\"auc_delta\":%.6f,"
-        "\"lost_updates_acknowledged\":%" PRId64 ",\"double_applied\":%" PRId64 ",\"rows\":%s,"
+        "\"lost_updates_acknowledged\":%" PRId64 ",\"double_applied\":%" PRId64
+        ",\"clean2_auc\":%.6f,\"clean_spread\":%.6f,\"failover_exact\":%s,\"rows\":%s,"
         "\"seconds\":%.1f}\n",
-        kills, recovered, clean_auc, chaos_auc, delta, lost, doubled, nrows, seconds);
+        kills, recovered, clean_auc, chaos_auc, delta, lost, doubled, clean2_auc, spread,
+        exact ? "true" : "false", nrows, seconds);
     if (!check) return 0;
-    int ok = recovered == kills && lost == 0 && doubled == 0 && chaos_auc >= 0 &&
+    int ok = recovered == kills && lost == 0 && doubled == 0 && chaos_auc >= 0 && exact &&
              (delta < 0 ? -delta : delta) <= tol;
     if (!ok) fprintf(stderr, "bench_chaos: FAILED (logs under %s)\n", dir);
     return ok ? 0 : 1;
