@@ -61,7 +61,7 @@ typedef struct emb_mem {
     uint64_t cap;     /* slots */
     uint64_t count;   /* used slots */
     uint64_t max_cap; /* growth limit (budget), UINT64_MAX = none */
-    uint8_t *ctrl;
+    uint8_t *ctrl; /* points into the recs allocation (one block: records, then ctrl) */
     uint8_t *recs;
     uint64_t hand; /* CLOCK hand */
 } emb_mem;

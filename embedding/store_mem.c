@@ -1,7 +1,11 @@
 /* The "memory" row store: open addressing with linear probing over a capacity of any size. */
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #include "embedding/internal.h"
+
+/* Transparent huge page size on x86-64 and most arm64 kernels. */
+#define HUGE_PAGE (2u << 20)
 
 static inline uint64_t slot_home(uint64_t h, uint64_t cap)
 {
@@ -20,6 +24,31 @@ static uint64_t limit_of(uint64_t cap)
     return lim == 0 ? 1 : lim;
 }
 
+/*
+ * Records and ctrl bytes of cap slots in one allocation (records first, then ctrl zeroed):
+ * *recs gets the block, *ctrl points into it. A lookup is a random access to both arrays, and
+ * with 4 KiB pages nearly every one also misses the TLB (a table of millions of rows spans
+ * hundreds of thousands of pages), so a large block asks for transparent huge pages. Only the
+ * whole 2 MiB pages inside the block are advised, so resident memory never exceeds what was
+ * asked for (the budget counts exactly cap x (rec + 1) bytes); where THP is off, madvise fails
+ * harmlessly and the block is ordinary memory.
+ */
+static int block_alloc(uint64_t cap, size_t rec, uint8_t **recs, uint8_t **ctrl)
+{
+    size_t bytes = (size_t)cap * (rec + 1);
+    void *p = NULL;
+    if (bytes >= HUGE_PAGE) {
+        if (posix_memalign(&p, HUGE_PAGE, bytes) != 0) return CM_ENOMEM;
+        (void)madvise(p, bytes / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE);
+    } else if ((p = malloc(bytes)) == NULL) {
+        return CM_ENOMEM;
+    }
+    *recs = p;
+    *ctrl = *recs + (size_t)cap * rec;
+    memset(*ctrl, 0, cap);
+    return CM_OK;
+}
+
 int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap, char **errptr)
 {
     memset(m, 0, sizeof *m);
@@ -28,9 +57,7 @@ int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap,
     if (initial_cap < 2) initial_cap = 2;
     if (initial_cap > max_cap) initial_cap = max_cap;
     m->cap = initial_cap;
-    m->ctrl = calloc(initial_cap, 1);
-    m->recs = malloc(initial_cap * rec);
-    if (m->ctrl == NULL || m->recs == NULL) {
+    if (block_alloc(initial_cap, rec, &m->recs, &m->ctrl) != CM_OK) {
         emb_mem_fini(m);
         return cm_err(errptr, CM_ENOMEM, "out of memory allocating %llu rows",
                       (unsigned long long)initial_cap);
@@ -40,8 +67,7 @@ int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap,
 
 void emb_mem_fini(emb_mem *m)
 {
-    free(m->ctrl);
-    free(m->recs);
+    free(m->recs); /* the block; ctrl lies inside it */
     memset(m, 0, sizeof *m);
 }
 
@@ -90,12 +116,8 @@ static int grow(emb_mem *m)
 {
     uint64_t ncap = m->cap * 2;
     if (ncap > m->max_cap) ncap = m->max_cap;
-    uint8_t *nctrl = calloc(ncap, 1), *nrecs = malloc(ncap * m->rec);
-    if (nctrl == NULL || nrecs == NULL) {
-        free(nctrl);
-        free(nrecs);
-        return CM_ENOMEM;
-    }
+    uint8_t *nctrl, *nrecs;
+    if (block_alloc(ncap, m->rec, &nrecs, &nctrl) != CM_OK) return CM_ENOMEM;
     for (uint64_t i = 0; i < m->cap; i++) {
         if (m->ctrl[i] == 0) continue;
         const uint8_t *r = m->recs + i * m->rec;
@@ -103,7 +125,6 @@ static int grow(emb_mem *m)
         nctrl[j] = m->ctrl[i];
         memcpy(nrecs + j * m->rec, r, m->rec);
     }
-    free(m->ctrl);
     free(m->recs);
     m->ctrl = nctrl;
     m->recs = nrecs;

@@ -178,6 +178,7 @@ static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *k
 {
     sc->n_miss = 0;
     for (size_t i = 0; i < m; i++) {
+        if (i + PREFETCH_AHEAD < m) emb_mem_prefetch(&s->mem, h[idx[i + PREFETCH_AHEAD]]);
         uint32_t k = idx[i];
         int64_t slot = emb_mem_find(&s->mem, keys[k], h[k]);
         if (slot >= 0) {

@@ -388,6 +388,10 @@ int main(int argc, char **argv)
 {
     opts o;
     parse_args(argc, argv, &o);
+    /* The 1-minute load average at start and end goes into the report: on a shared machine a
+     * figure means little without it. */
+    double load_start = -1, load_end = -1;
+    if (getloadavg(&load_start, 1) != 1) load_start = -1;
 
     /* streams, all made before any timing: the first touch (every key once), the training
      * stream (warm-up batches, then one timed segment per thread count), and uniform row
@@ -440,6 +444,7 @@ int main(int argc, char **argv)
     scfg.spill_path = spill_path;
     bench_table(&o, &scfg, touch, touch_batches, stream, grads, outs, &spill);
     cm_rmtree(dir, NULL);
+    if (getloadavg(&load_end, 1) != 1) load_end = -1;
 
     printf("bench table: dim %u, %" PRIu64 " keys Zipf(%.1f) (rank 1 = %.2f%% of draws), batch %u,"
            " %u timed batches after %u warm-up%s\n", DIM, o.keys, ZIPF_S,
@@ -452,6 +457,7 @@ int main(int argc, char **argv)
         printf("%-9s first touch of %" PRIu64 " keys %.2f s (%.2f M rows/s), warm-up %u batches "
                "%.2f s\n", i ? "spill:" : "memory:", o.keys, both[i]->touch_s,
                (double)o.keys / both[i]->touch_s / 1e6, o.warm_batches, both[i]->warm_s);
+    printf("load average (1 min): %.2f at start, %.2f at end\n", load_start, load_end);
     printf("spill: budget %" PRIu64 " B; at the end %" PRIu64 " rows in memory (%" PRIu64
            " B), %" PRIu64 " spilled\n", scfg.mem_budget_bytes, spill.end.rows_mem,
            spill.end.bytes_mem, spill.end.rows_spilled);
@@ -489,14 +495,15 @@ int main(int argc, char **argv)
            "\"gather_limit_rows_per_s_2t\":%.0f,"
            "\"pull_over_gather\":%.4f,\"pull_over_gather_2t\":%.4f,"
            "\"spill_pull_over_pull\":%.4f,\"spill_pull_over_pull_2t\":%.4f,"
-           "\"goal_pull_over_gather\":%.2f,\"goal_spill_pull_over_pull\":%.2f,\"goals_met\":%s}\n",
+           "\"goal_pull_over_gather\":%.2f,\"goal_spill_pull_over_pull\":%.2f,\"goals_met\":%s,"
+           "\"loadavg_start\":%.2f,\"loadavg_end\":%.2f}\n",
            o.quick ? "true" : "false", o.keys, DIM, o.batch, o.batches, o.warm_batches, ZIPF_S,
            mem.touch_s, spill.touch_s, mem.warm_s, spill.warm_s, scfg.mem_budget_bytes,
            spill.load_frac[M_PULL][0], spill.load_frac[M_PULL][1], mem.rate[M_PULL][0],
            mem.rate[M_PUSH][0], spill.rate[M_PULL][0], spill.rate[M_PUSH][0], glimit[0],
            mem.rate[M_PULL][1], mem.rate[M_PUSH][1], spill.rate[M_PULL][1], spill.rate[M_PUSH][1],
            glimit[1], pg[0], pg[1], sp[0], sp[1], GOAL_PULL_OVER_GATHER, GOAL_SPILL_OVER_PULL,
-           goals ? "true" : "false");
+           goals ? "true" : "false", load_start, load_end);
     free(touch);
     free(stream);
     free(gidx);
