@@ -901,6 +901,11 @@ int ps_client_clock(ps_client *c, uint64_t *clock, char **errptr)
     return CM_OK;
 }
 
+void ps_client_barrier_seek(ps_client *c, uint64_t id)
+{
+    c->barrier_gen = id;
+}
+
 int ps_client_barrier(ps_client *c, char **errptr)
 {
     int rc = coord(c, PS_OP_BARRIER, (uint32_t)c->barrier_gen, errptr);

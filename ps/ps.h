@@ -31,7 +31,7 @@
  * pushes before they clock, so clock c means "all my updates of iterations < c are applied".
  *
  * Checkpoints are collective: every worker flushes and meets the others at a barrier (served by
- * shard 0), so all updates issued before the checkpoint are applied and none after; worker 0
+ * shard 0, named by an id), so all updates issued before the checkpoint are applied and none after; worker 0
  * has every shard snapshot its tables (each table paused while it is copied), and all meet
  * again. The same cut on every shard, no update half applied, no optimizer slot ahead of its
  * weights. Training pauses for the length of the snapshot (docs/PROTOCOL.md).
@@ -225,8 +225,14 @@ int ps_client_dense_init(ps_client *c, uint32_t block, const float *values, int 
  * ahead of the slowest worker. Returns the new clock in *clock (optional). */
 int ps_client_clock(ps_client *c, uint64_t *clock, char **errptr);
 
-/* Waits until all workers have entered the same barrier (by count of calls). */
+/* Waits until all live workers have entered the same barrier. Barriers are named by
+ * increasing ids (u32 on the wire): each call uses the next id, starting from the one HELLO
+ * reported (a restarted worker thus joins the others). A worker asking for an id that has
+ * completed passes at once, so ids derived from a schedule (ps_client_barrier_seek) keep a
+ * restarted worker in step with the rest whatever moment it died at. */
 int ps_client_barrier(ps_client *c, char **errptr);
+/* The id the next barrier (or save/load's first of two) uses; ids must increase. */
+void ps_client_barrier_seek(ps_client *c, uint64_t id);
 
 /* Collective: every worker calls it at the same point. All flush and meet at a barrier, so
  * every update issued before the call is applied and none after; worker 0 then has every shard

@@ -64,12 +64,13 @@ struct ps_server {
     bool stopping;
     uint64_t *clocks;    /* per worker */
     uint64_t *last_seen; /* per worker: ms (monotonic) its last request arrived (liveness) */
-    uint8_t *arrived;    /* per worker: entered the current barrier generation */
+    uint8_t *arrived;    /* per worker: entered the barrier being gathered */
     pthread_t reaper;    /* re-checks waiters when workers time out */
     bool reaper_running;
     srv_ctx *clock_waiters, *barrier_waiters;
-    uint64_t barrier_gen;
-    ps_server_stats st; /* atomics */
+    uint64_t barrier_done; /* the highest barrier id completed */
+    uint64_t barrier_want; /* the id being gathered; 0: none */
+    ps_server_stats st;    /* atomics */
     ps_dedup *dedup;
     /* replication */
     bool is_backup, has_backup;
@@ -195,63 +196,59 @@ static bool handle_clock(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_m
     return park;
 }
 
-/* Completes the current barrier generation when every live worker has entered it; s->mu
- * held. The caller's own context (if any) is answered by the caller. */
-static bool barrier_try_release(struct ps_server *s)
+/* Barriers are named by increasing ids (the trainer derives them from its schedule). A
+ * worker can only ask for id X + 1 once X has completed, so ids alone settle every case in
+ * which workers disagree: a worker asking for an id at or below one completed, or below the
+ * one being gathered, is resending or catching up on a barrier that completed (a restarted
+ * worker, or a client that failed over to a backup that never saw it): it passes at once; a
+ * worker asking for a higher id than the one being gathered proves that one complete. */
+
+/* Answers every parked barrier request; s->mu held. */
+static void barrier_release_all(struct ps_server *s)
 {
-    for (uint32_t w = 0; w < s->cfg.n_workers; w++)
-        if (!s->arrived[w] && alive(s, w)) return false;
-    s->barrier_gen++;
-    memset(s->arrived, 0, s->cfg.n_workers);
     for (srv_ctx *w = s->barrier_waiters, *next; w; w = next) {
         next = w->next;
         nng_msg *m = reply_ok(&w->req, 0, NULL);
         if (m) ctx_send(w, m);
     }
     s->barrier_waiters = NULL;
+    s->barrier_done = s->barrier_want;
+    s->barrier_want = 0;
+    memset(s->arrived, 0, s->cfg.n_workers);
+}
+
+/* Completes the barrier being gathered once every live worker has entered it; s->mu held. */
+static bool barrier_try_release(struct ps_server *s)
+{
+    if (s->barrier_want == 0) return false;
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++)
+        if (!s->arrived[w] && alive(s, w)) return false;
+    barrier_release_all(s);
     return true;
 }
 
-/* Returns true: the context is answered, now or when the barrier completes, through itself
- * (an error reply goes back through *reply with false). */
+/* Returns true when the context was parked (answered when the barrier completes); false
+ * with *reply set when it is answered now. */
 static bool handle_barrier(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_msg **reply)
 {
-    bool handled = false;
+    const uint64_t id = h->clock;
+    bool parked = false;
     pthread_mutex_lock(&s->mu);
-    if (__atomic_load_n(&s->promoted, __ATOMIC_RELAXED) && h->clock != s->barrier_gen) {
-        /* A promoted backup never saw its primary's barriers; the workers know where they
-         * are. A worker past generation g proves g completed; one behind resends a barrier
-         * that completed before the primary died. */
-        if (h->clock < s->barrier_gen) {
-            pthread_mutex_unlock(&s->mu);
-            *reply = reply_ok(h, 0, NULL);
-            return false;
-        }
-        for (srv_ctx *w = s->barrier_waiters, *next; w; w = next) {
-            next = w->next;
-            nng_msg *m = reply_ok(&w->req, 0, NULL);
-            if (m) ctx_send(w, m);
-        }
-        s->barrier_waiters = NULL;
-        memset(s->arrived, 0, s->cfg.n_workers);
-        s->barrier_gen = h->clock;
-    }
-    if (h->clock != s->barrier_gen) {
-        char msg[128];
-        snprintf(msg, sizeof msg, "worker %u entered barrier %u, the cluster is at %" PRIu64,
-                 h->worker, h->clock, s->barrier_gen);
-        *reply = reply_error(s, h, CM_EINVAL, msg);
+    if (id <= s->barrier_done || (s->barrier_want != 0 && id < s->barrier_want)) {
+        *reply = reply_ok(h, 0, NULL);
     } else {
+        if (s->barrier_want != 0 && id > s->barrier_want) barrier_release_all(s);
+        s->barrier_want = id;
         s->arrived[h->worker] = 1;
         c->state = ST_PARKED;
         c->req = *h;
         c->next = s->barrier_waiters;
         s->barrier_waiters = c;
         barrier_try_release(s);
-        handled = true;
+        parked = true;
     }
     pthread_mutex_unlock(&s->mu);
-    return handled;
+    return parked;
 }
 
 /* Wakes every 100 ms while some worker may time out, to release what a dead worker holds. */
@@ -600,12 +597,13 @@ static nng_msg *handle_hello(struct ps_server *s, const ps_hdr *h, const uint8_t
             return reply_error(s, h, CM_EINVAL, msg);
         }
     }
-    /* A restarted worker joins the barrier generation the others are in. */
+    /* A restarted worker learns the barrier id the others are at (or will use next). */
     uint8_t *out;
     nng_msg *m = reply_ok(h, 8, &out);
     if (m) {
         pthread_mutex_lock(&s->mu);
-        memcpy(out, &s->barrier_gen, 8);
+        uint64_t next = s->barrier_want ? s->barrier_want : s->barrier_done + 1;
+        memcpy(out, &next, 8);
         pthread_mutex_unlock(&s->mu);
     }
     return m;

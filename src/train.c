@@ -403,6 +403,14 @@ static int ckpt_dir(const setup *S, uint64_t step, char *out, size_t n)
     return len > 0 && (size_t)len < n ? CM_OK : CM_EINVAL;
 }
 
+/* Barrier ids from the schedule, so a worker restarted at any moment (--rejoin) meets the
+ * others at the right barrier (ps.h, ps_client_barrier): the checkpoint at step s uses
+ * barrier_base(s) + 1..3, a start or resume at step s + 4..6, the last barrier + 7. */
+static uint64_t barrier_base(uint64_t step)
+{
+    return 8 * step + 8;
+}
+
 /* Collective: PS snapshot named by tag (the same for every worker), each worker's own data
  * position (batches consumed), then LATEST (worker 0). */
 static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t own,
@@ -411,6 +419,7 @@ static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, ui
     char dir[2200], path[2400], text[256];
     if (ckpt_dir(S, tag, dir, sizeof dir) != CM_OK)
         return cm_err(errptr, CM_EINVAL, "path too long");
+    ps_client_barrier_seek(c, barrier_base(tag) + 1);
     int rc = ps_client_save(c, dir, errptr);
     if (rc != CM_OK) return rc;
     snprintf(path, sizeof path, "%s/worker-%u.pos", dir, w);
@@ -759,17 +768,20 @@ static void *worker_main(void *arg)
     } else if (rc == CM_OK && o->resume) {
         char dir[2200], pos[2400];
         ckpt_dir(S, S->resume_step, dir, sizeof dir);
+        ps_client_barrier_seek(c, barrier_base(S->resume_step) + 4);
         rc = ps_client_load(c, dir, errptr);
         snprintf(pos, sizeof pos, "%s/worker-%u.pos", dir, W->index);
         if (rc == CM_OK) rc = read_tagged(pos, "step %llu", &W->start, errptr);
     }
     if (rc == CM_OK && o->cluster_path) rc = progress_open(S, W->index, &W->progress_fd, errptr);
+    ps_client_barrier_seek(c, barrier_base(o->resume ? S->resume_step : 0) + 6);
     if (rc == CM_OK && !o->rejoin) rc = ps_client_barrier(c, errptr);
     if (rc == CM_OK) rc = worker_loop(W, c, be, errptr);
     /* The final checkpoint is named after the longest schedule, so every worker agrees. */
     if (rc == CM_OK) rc = checkpoint(S, c, W->index, S->max_steps, W->steps, errptr);
     if (rc == CM_OK && W->index == 0 && o->eval_path) rc = evaluate(S, c, be, &W->res, errptr);
     /* Nobody leaves before worker 0's evaluation is done: then worker 0 may stop the PS. */
+    if (rc == CM_OK) ps_client_barrier_seek(c, barrier_base(S->max_steps) + 7);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
     if (be) S->be->destroy(be);
     if (c && rc != CM_OK) ps_client_flush(c, NULL);
@@ -866,6 +878,8 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         if (steps < S->min_steps) S->min_steps = steps;
         if (steps > S->max_steps) S->max_steps = steps;
     }
+    if (rc == CM_OK && S->max_steps >= (1ull << 28)) /* barrier ids are u32 on the wire */
+        rc = cm_err(errptr, CM_EINVAL, "%" PRIu64 " steps a worker: at most 2^28", S->max_steps);
     if (rc == CM_OK && S->min_steps == 0)
         rc = cm_err(errptr, CM_EINVAL,
                     "a worker has no training rows in %s (fewer blocks than workers?)",

@@ -7,6 +7,7 @@
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <unistd.h>
 
 #include "ps_test_util.h"
 
@@ -72,7 +73,8 @@ int main(void)
     char *err = NULL;
     uint64_t clk = 0;
     double t0 = cm_now();
-    for (int i = 0; i < 3; i++) CHECK_OK(ps_client_clock(a, &clk, &err), err);
+    for (int i = 0; i < 3; i++)
+        CHECK_OK(ps_client_clock(a, &clk, &err), err);
     CHECK_MSG(clk == 3 && cm_now() - t0 < 3.0, "clocks without the dead worker: %llu in %.3f s",
               (unsigned long long)clk, cm_now() - t0);
     /* b restarts: HELLO tells it the generation, and the barrier needs it again. */
@@ -92,6 +94,40 @@ int main(void)
     t = barrier_seconds(a, &rc);
     CHECK_MSG(rc != CM_OK, "a barrier with a silent worker and no timeout returned (%.3f s)", t);
     ps_client_destroy(a);
+    ps_server_destroy(s);
+
+    /* Barrier ids: a worker restarted in the middle of a checkpoint (between its two barriers)
+     * asks again for the first one, which has completed: it passes at once and meets the other
+     * at the second, instead of pairing its first with the other's second. */
+    const char *urls3[1] = {pt_ipc(dir, "ps2")};
+    s = pt_server(&cfg_forever, urls3[0], 0);
+    a = pt_client(&cfg_forever, urls3, 0, 5000);
+    b = pt_client(&cfg_forever, urls3, 1, 5000);
+    ps_client_barrier_seek(a, 20);
+    ps_client_barrier_seek(b, 20);
+    th = barrier_async(b);
+    t = barrier_seconds(a, &rc); /* both through barrier 20 */
+    CHECK(rc == CM_OK && joined(th) == CM_OK);
+    ps_client_destroy(b);
+    th = barrier_async(a); /* a waits at 21 */
+    b = pt_client(&cfg_forever, urls3, 1, 5000);
+    ps_client_barrier_seek(b, 20);
+    t = barrier_seconds(b, &rc);
+    CHECK_MSG(rc == CM_OK && t < 0.3, "a completed barrier took %.3f s for the restarted worker",
+              t);
+    t = barrier_seconds(b, &rc); /* 21: releases a */
+    CHECK_MSG(rc == CM_OK && joined(th) == CM_OK && t < 1.0, "barrier 21 after the restart: %.3f s",
+              t);
+    /* A worker asking for 23 while the other waits at 22 proves 22 complete. */
+    th = barrier_async(a); /* 22 */
+    usleep(100000);
+    ps_client_barrier_seek(b, 23);
+    pthread_t th2 = barrier_async(b);
+    CHECK_MSG(joined(th) == CM_OK, "barrier 22 was not released by a worker at 23");
+    t = barrier_seconds(a, &rc); /* 23 */
+    CHECK(rc == CM_OK && joined(th2) == CM_OK);
+    ps_client_destroy(a);
+    ps_client_destroy(b);
     ps_server_destroy(s);
     return pt_finish(dir);
 }
