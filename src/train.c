@@ -773,6 +773,8 @@ static void *worker_main(void *arg)
         snprintf(pos, sizeof pos, "%s/worker-%u.pos", dir, W->index);
         if (rc == CM_OK) rc = read_tagged(pos, "step %llu", &W->start, errptr);
     }
+    /* Clocks count batches, so a rejoined worker's clock is where the others expect it. */
+    ps_client_clock_seek(c, W->start);
     if (rc == CM_OK && o->cluster_path) rc = progress_open(S, W->index, &W->progress_fd, errptr);
     ps_client_barrier_seek(c, barrier_base(o->resume ? S->resume_step : 0) + 6);
     if (rc == CM_OK && !o->rejoin) rc = ps_client_barrier(c, errptr);

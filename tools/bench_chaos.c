@@ -1,7 +1,8 @@
 /*
  * tools/bench chaos: kill -9 at random moments, recover, compare with an undisturbed run.
  *
- *   bench_chaos [--rows N] [--seed S] [--dir DIR] [--quick] [--check] [--only worker|ps|replica]
+ *   bench_chaos [--rows N] [--seed S] [--dir DIR] [--quick] [--check] [--sync] [--only
+ * worker|ps|replica]
  *
  * Training (mlp on `ember gen` data, 2 PS x 2 workers over ipc://, asynchronous):
  *   clean  the same job with no kills;
@@ -341,7 +342,8 @@ static void ledger(int pushes, int64_t *lost, int64_t *doubled, int *kills, int 
 int main(int argc, char **argv)
 {
     uint64_t rows = 1000000, seed = 1;
-    int quick = 0, check = 0, phases = 7; /* 1 worker, 2 PS without backup, 4 replicated PS */
+    int quick = 0, check = 0, sync = 0,
+        phases = 7; /* 1 worker, 2 PS without backup, 4 replicated PS */
     dir = "/tmp/ember-chaos";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--rows") && i + 1 < argc)
@@ -354,6 +356,8 @@ int main(int argc, char **argv)
             quick = 1, rows = 60000;
         else if (!strcmp(argv[i], "--check"))
             check = 1;
+        else if (!strcmp(argv[i], "--sync"))
+            sync = 1;
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
             const char *k = argv[++i];
             phases = !strcmp(k, "worker")    ? 1
@@ -364,7 +368,7 @@ int main(int argc, char **argv)
         } else {
             fprintf(stderr,
                     "usage: bench_chaos [--rows N] [--seed S] [--dir DIR] [--quick] [--check] "
-                    "[--only worker|ps|replica]\n");
+                    "[--sync] [--only worker|ps|replica]\n");
             return 2;
         }
     }
@@ -422,7 +426,16 @@ int main(int argc, char **argv)
                      "2",
                      "--ps-timeout",
                      "3000",
+                     NULL,
+                     NULL,
                      NULL};
+    if (sync) { /* synchronous: every run applies the same updates per step, far less noise */
+        size_t n = 0;
+        while (targs[n])
+            n++;
+        targs[n] = "--staleness";
+        targs[n + 1] = "0";
+    }
     double limit = quick ? 120 : 900;
 
     int kills = 0, recovered = 0;
