@@ -22,10 +22,8 @@
  * reply (status < 0 and a text payload) and is counted; nothing is applied in part.
  *
  * Codecs: keys travel sorted and delta-varint encoded; values as fp32, fp16, bf16, or int8 with
- * a per-row bf16 scale. With int8 the client keeps each row's quantisation residual and adds it
- * into that row's next push (error feedback). A push of exactly the keys the worker pulled just
- * before names that pull instead of carrying the keys again (key elision); a server that no
- * longer holds the pull's key list says so, and the client resends the push with its keys.
+ * a per-row fp32 scale. With int8 the client keeps each row's quantisation residual and adds it
+ * into that row's next push (error feedback).
  *
  * Consistency: asynchronous by default. With staleness k >= 0 a worker's clock() blocks until
  * it is at most k clocks ahead of the slowest worker (k = 0 is synchronous); shard 0 keeps the
@@ -55,7 +53,7 @@
 extern "C" {
 #endif
 
-#define PS_PROTOCOL_VERSION 2u
+#define PS_PROTOCOL_VERSION 1u
 #define PS_MAX_TABLES 64u
 #define PS_MAX_DENSE 64u
 #define PS_MAX_SHARDS 1024u
@@ -66,7 +64,7 @@ typedef enum ps_codec {
     PS_CODEC_F32 = 0,
     PS_CODEC_F16 = 1,
     PS_CODEC_BF16 = 2,
-    PS_CODEC_INT8 = 3, /* per-row bf16 scale + dim int8 */
+    PS_CODEC_INT8 = 3, /* per-row fp32 scale + dim int8 */
 } ps_codec;
 
 /* "fp32", "fp16", "bf16", "int8". 0 or CM_EINVAL. */
@@ -175,9 +173,6 @@ typedef struct ps_server_stats {
                                         backup: updates received from the primary */
     uint64_t replica_dropped;        /* primary: 1 once it dropped an unreachable backup */
     uint64_t promoted;               /* backup: 1 once it took over as primary */
-    uint64_t elided;                 /* pushes applied with the keys of a pull they named */
-    uint64_t elided_misses;          /* ... answered PS_STATUS_NO_KEYS (list not held) */
-    uint64_t keylist_bytes;          /* memory the recent pulls' key lists take */
 } ps_server_stats;
 void ps_server_stats_get(ps_server *s, ps_server_stats *out);
 
@@ -193,8 +188,6 @@ typedef struct ps_client_opts {
     uint32_t timeout_ms;     /* per request; 0 = 30000 */
     const char *const *backup_urls; /* NULL, or cfg->n_shards URLs of the shards' backups
                                        (an entry may be NULL: that shard has none) */
-    bool explicit_keys; /* every push carries its keys, none names a pull (key elision off:
-                           benchmarks and tests compare the two) */
 } ps_client_opts;
 
 /* Connects to every shard and runs the HELLO handshake (protocol version, shard index and
@@ -256,9 +249,6 @@ typedef struct ps_client_stats {
     uint64_t rows_pulled, rows_pushed;
     double push_sq_error, push_sq_norm; /* quantisation error of pushes (sum of squares) */
     uint64_t failovers;                 /* shards this client moved to their backup */
-    uint64_t push_bytes;                /* bytes of PUSH requests sent, resends included */
-    uint64_t pushes_elided;             /* per-shard pushes sent naming a pull's key list */
-    uint64_t push_fallbacks;            /* ... sent again with keys (PS_STATUS_NO_KEYS) */
     ps_server_stats shard_total;        /* summed over shards by ps_client_stats_get */
     emb_table_stats table_total[PS_MAX_TABLES];
 } ps_client_stats;
