@@ -98,16 +98,13 @@ void ds_benc_free(ds_benc *e)
     memset(e, 0, sizeof *e);
 }
 
-/* One field's coding state within a block. The dictionary and the indices (or, once the field
- * turned plain, its keys) live in the field's own run of the scratch arrays. */
-typedef struct fstate {
-    uint64_t *dict; /* distinct keys in first-seen order; the plain keys when plain */
-    uint32_t *idx;  /* dictionary index of each key */
-    uint32_t *slot; /* open addressing: dictionary index + 1, 0 = empty */
+/* One field's dictionary while it is built: the table is open addressing over the field's
+ * distinct keys, each slot (high 32 bits of the key) << 32 | (dictionary index + 1), 0 = empty.
+ * The tag settles nearly every probe without a load from the dictionary itself. */
+typedef struct fdict {
+    uint64_t *slot;
     uint32_t mask, bits;
-    uint32_t u, pos, m;
-    int plain;
-} fstate;
+} fdict;
 
 static inline size_t slot_of(uint64_t key, uint32_t bits)
 {
@@ -116,44 +113,38 @@ static inline size_t slot_of(uint64_t key, uint32_t bits)
 }
 
 /* Gives the field an empty table of 1 << bits slots (kept in fd between blocks). */
-static int table_reset(ds_fdict *fd, fstate *s, uint32_t bits)
+static int table_reset(ds_fdict *fd, fdict *t, uint32_t bits)
 {
     size_t n = (size_t)1 << bits;
     if (n > fd->cap) {
-        uint32_t *t = realloc(fd->slot, n * sizeof *t);
-        if (t == NULL) return CM_ENOMEM;
-        fd->slot = t;
+        uint64_t *sl = realloc(fd->slot, n * sizeof *sl);
+        if (sl == NULL) return CM_ENOMEM;
+        fd->slot = sl;
         fd->cap = n;
     }
     memset(fd->slot, 0, n * sizeof *fd->slot);
-    s->slot = fd->slot;
-    s->bits = bits;
-    s->mask = (uint32_t)(n - 1);
+    t->slot = fd->slot;
+    t->bits = bits;
+    t->mask = (uint32_t)(n - 1);
     return CM_OK;
+}
+
+static inline void table_put(fdict *t, uint64_t key, uint32_t v)
+{
+    size_t h = slot_of(key, t->bits);
+    while (t->slot[h])
+        h = (h + 1) & t->mask;
+    t->slot[h] = (key >> 32) << 32 | v;
 }
 
 /* Doubles the table and re-inserts the dictionary: tables start at the size the previous
  * block needed, so they stay small (in L1/L2) for fields with few distinct keys. */
-static int table_grow(ds_fdict *fd, fstate *s)
+static int table_grow(ds_fdict *fd, fdict *t, const uint64_t *dict, uint32_t u)
 {
-    if (table_reset(fd, s, s->bits + 1) != CM_OK) return CM_ENOMEM;
-    for (uint32_t i = 0; i < s->u; i++) {
-        size_t h = slot_of(s->dict[i], s->bits);
-        while (s->slot[h])
-            h = (h + 1) & s->mask;
-        s->slot[h] = i + 1;
-    }
+    if (table_reset(fd, t, t->bits + 1) != CM_OK) return CM_ENOMEM;
+    for (uint32_t i = 0; i < u; i++)
+        table_put(t, dict[i], i + 1);
     return CM_OK;
-}
-
-/* The dictionary cannot be smaller than plain keys any more (u and its index width only grow):
- * turn the keys coded so far back into keys, in place. Going down is safe because key j's
- * index is at most j, so dict[j] is only needed by keys at j or later, already turned. */
-static void to_plain(fstate *s)
-{
-    for (uint32_t j = s->pos; j-- > 0;)
-        s->dict[j] = s->dict[s->idx[j]];
-    s->plain = 1;
 }
 
 static inline int dict_loses(uint64_t u, uint64_t m)
@@ -161,34 +152,46 @@ static inline int dict_loses(uint64_t u, uint64_t m)
     return 4 + 8 * u + width_for(u ? u - 1 : 0) * m >= 8 * m;
 }
 
-/* Adds one key to field state s; CM_ENOMEM when a table cannot grow. */
-static inline int code_key(ds_fdict *fd, fstate *s, uint64_t key)
+/* Dictionary-codes the m keys of one field (keys, contiguous): distinct keys into dict in
+ * first-seen order, each key's index into idx. Returns the dictionary size, or 0 when the
+ * dictionary cannot be smaller than the plain keys (u and its index width only grow with
+ * more keys, so the first time it loses it loses for good), or -1 without memory.
+ * One field at a time keeps that field's table in cache; the next keys' slots are prefetched
+ * because the table is usually larger than L1. */
+#define PREFETCH_KEYS 8
+static int64_t code_field(ds_fdict *fd, const uint64_t *keys, uint32_t m, uint64_t *dict,
+                          uint32_t *idx)
 {
-    if (s->plain) {
-        s->dict[s->pos++] = key;
-        return CM_OK;
-    }
-    size_t h = slot_of(key, s->bits);
-    uint32_t v;
-    while ((v = s->slot[h]) != 0 && s->dict[v - 1] != key)
-        h = (h + 1) & s->mask;
-    if (v == 0) {
-        v = ++s->u;
-        s->dict[v - 1] = key;
-        s->slot[h] = v;
-        if (dict_loses(s->u, s->m)) {
-            s->idx[s->pos++] = v - 1;
-            to_plain(s);
-            return CM_OK;
+    /* start at twice what the previous block needed, at most twice m */
+    uint32_t want = fd->hint < m ? fd->hint : m, bits = 6;
+    while (((size_t)1 << bits) < 2 * (size_t)want)
+        bits++;
+    fdict t;
+    if (table_reset(fd, &t, bits) != CM_OK) return -1;
+    uint32_t u = 0;
+    for (uint32_t j = 0; j < m; j++) {
+        if (j + PREFETCH_KEYS < m)
+            __builtin_prefetch(&t.slot[slot_of(keys[j + PREFETCH_KEYS], t.bits)]);
+        uint64_t key = keys[j], tag = key >> 32 << 32, e;
+        size_t h = slot_of(key, t.bits);
+        while ((e = t.slot[h]) != 0 &&
+               ((e & ~(uint64_t)UINT32_MAX) != tag || dict[(uint32_t)e - 1] != key))
+            h = (h + 1) & t.mask;
+        if (e == 0) {
+            dict[u++] = key;
+            t.slot[h] = tag | u;
+            if (dict_loses(u, m)) return 0;
+            if (2 * (size_t)u > (size_t)t.mask + 1 && table_grow(fd, &t, dict, u) != CM_OK)
+                return -1;
+            e = u;
         }
-        if (2 * (size_t)s->u > (size_t)s->mask + 1 && table_grow(fd, s) != CM_OK) return CM_ENOMEM;
+        idx[j] = (uint32_t)e - 1;
     }
-    s->idx[s->pos++] = v - 1;
-    return CM_OK;
+    return u;
 }
 
-int ds_block_encode(ds_benc *e, const ds_rows *r, size_t row0, size_t n, ds_buf *out,
-                    ds_block_meta *meta, char **errptr)
+int ds_block_encode(ds_benc *e, const ds_rows *r, size_t row0, size_t n, ds_stats *stats,
+                    ds_buf *out, ds_block_meta *meta, char **errptr)
 {
     const uint32_t nd = r->n_dense, nf = r->n_fields;
     const uint32_t *o = r->offsets + row0 * nf;
@@ -203,16 +206,25 @@ int ds_block_encode(ds_benc *e, const ds_rows *r, size_t row0, size_t n, ds_buf 
         e->fd = fd;
         e->n_fd = nf;
     }
-    /* scratch: per field state, counts (u32), dictionaries or plain keys (u64, a run of m per
-     * field), indices (u32), weights (f32), each field at its key start */
-    size_t st_b = ((size_t)nf * sizeof(fstate) + 7) & ~(size_t)7;
+    /* The keys are gathered field by field (row order within a field), so that each field is
+     * then coded in one pass with only its own table in cache. When no (row, field) has more
+     * than one key (Criteo, Avazu) the gathering rides along with the counts pass, field f
+     * at f * (n + 1): the spare slot takes the store of a row without a key, which is made
+     * anyway to save a branch. A count above one sends the keys through a second pass. */
+    const int one_pass = !r->has_weights && nk > 0;
+    size_t gath_n = one_pass && (size_t)nf * (n + 1) > nk ? (size_t)nf * (n + 1) : nk;
+    /* scratch: per field key count, fill position, rows without a key and where its gathered
+     * keys start, counts (u32), then the gathered keys (u64), and per key a dictionary run
+     * (u64), indices (u32), weights (f32), field f's runs at the field's first key */
+    size_t st_b = ((size_t)nf * 4 * sizeof(uint32_t) + 7) & ~(size_t)7;
     size_t cnt_b = (nc * 4 + 7) & ~(size_t)7;
     if (ds_buf_reserve(&e->raw, max) != CM_OK ||
-        ds_buf_reserve(&e->tmp, st_b + cnt_b + (size_t)nk * (8 + 4 + 4) + 8) != CM_OK)
+        ds_buf_reserve(&e->tmp, st_b + cnt_b + gath_n * 8 + (size_t)nk * (8 + 4 + 4) + 8) != CM_OK)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
-    fstate *st = (fstate *)e->tmp.p;
+    uint32_t *fm = (uint32_t *)e->tmp.p, *fill = fm + nf, *fmiss = fill + nf, *gat = fmiss + nf;
     uint32_t *cnt = (uint32_t *)(e->tmp.p + st_b);
-    uint64_t *dict = (uint64_t *)(e->tmp.p + st_b + cnt_b);
+    uint64_t *gath = (uint64_t *)(e->tmp.p + st_b + cnt_b);
+    uint64_t *dict = gath + gath_n;
     uint32_t *idx = (uint32_t *)(dict + nk);
     float *wfm = (float *)(idx + nk);
 
@@ -224,65 +236,73 @@ int ds_block_encode(ds_benc *e, const ds_rows *r, size_t row0, size_t n, ds_buf 
 
     /* counts, row-major as the offsets are: one sequential pass that also sums each field */
     uint32_t any = 0;
-    for (uint32_t f = 0; f < nf; f++)
-        st[f].m = 0;
-    for (size_t i = 0; i < n; i++)
-        for (uint32_t f = 0; f < nf; f++) {
-            uint32_t c = o[i * nf + f + 1] - o[i * nf + f];
-            cnt[i * nf + f] = c;
-            st[f].m += c;
-            any |= c;
-        }
+    memset(fm, 0, nf * sizeof *fm);
+    memset(fmiss, 0, nf * sizeof *fmiss);
+    if (one_pass) {
+        const uint64_t *keys = r->keys;
+        const uint32_t klast = o[n * nf] - 1; /* reads of a row without a key stay in range */
+        for (size_t i = 0; i < n; i++)
+            for (uint32_t f = 0; f < nf; f++) {
+                uint32_t k = o[i * nf + f], c = o[i * nf + f + 1] - k;
+                cnt[i * nf + f] = c;
+                gath[(size_t)f * (n + 1) + (fm[f] < n ? fm[f] : n)] = keys[k < klast ? k : klast];
+                fm[f] += c;
+                fmiss[f] += c == 0;
+                any |= c;
+            }
+    } else {
+        for (size_t i = 0; i < n; i++)
+            for (uint32_t f = 0; f < nf; f++) {
+                uint32_t c = o[i * nf + f + 1] - o[i * nf + f];
+                cnt[i * nf + f] = c;
+                fm[f] += c;
+                fmiss[f] += c == 0;
+                any |= c;
+            }
+    }
     unsigned cw = width_for(any);
     *p++ = (uint8_t)cw;
     p = put_narrow(p, cnt, nc, cw);
 
-    /* keys: one row-major pass, each key into its field's dictionary */
-    uint32_t at = 0;
-    for (uint32_t f = 0; f < nf; f++) {
-        fstate *s = &st[f];
-        s->dict = dict + at;
-        s->idx = idx + at;
-        s->u = s->pos = 0;
-        s->plain = s->m == 0;
-        at += s->m;
-        if (s->plain) continue;
-        /* start at twice what the previous block needed, at most twice m */
-        uint32_t want = e->fd[f].hint < s->m ? e->fd[f].hint : s->m, bits = 6;
-        while (((size_t)1 << bits) < 2 * (size_t)want)
-            bits++;
-        if (table_reset(&e->fd[f], s, bits) != CM_OK)
-            return cm_err(errptr, CM_ENOMEM, "out of memory");
-    }
-    for (size_t i = 0; i < n; i++)
-        for (uint32_t f = 0; f < nf; f++) {
-            uint32_t k = o[i * nf + f], k1 = o[i * nf + f + 1];
-            if (k == k1) continue;
-            fstate *s = &st[f];
-            for (; k < k1; k++) {
-                if (r->has_weights) wfm[s->dict - dict + s->pos] = r->weights[k];
-                if (code_key(&e->fd[f], s, r->keys[k]) != CM_OK)
-                    return cm_err(errptr, CM_ENOMEM, "out of memory");
-            }
+    if (one_pass && any <= 1) {
+        for (uint32_t f = 0; f < nf; f++)
+            gat[f] = f * (uint32_t)(n + 1);
+    } else {
+        for (uint32_t f = 0, at = 0; f < nf; f++) {
+            gat[f] = fill[f] = at;
+            at += fm[f];
         }
-    for (uint32_t f = 0; f < nf; f++) {
-        fstate *s = &st[f];
-        e->fd[f].hint = s->plain ? s->m : s->u;
-        if (s->plain) {
+        for (size_t i = 0; i < n; i++)
+            for (uint32_t f = 0; f < nf; f++)
+                for (uint32_t k = o[i * nf + f], k1 = o[i * nf + f + 1]; k < k1; k++) {
+                    if (r->has_weights) wfm[fill[f]] = r->weights[k];
+                    gath[fill[f]++] = r->keys[k];
+                }
+    }
+    for (uint32_t f = 0, at = 0; f < nf; f++) {
+        uint32_t m = fm[f];
+        /* statistics here, not per parsed row: the field's HLL registers stay in L1 */
+        const uint64_t *g = gath + gat[f];
+        if (stats) ds_stats_add_field(stats, f, g, m, fmiss[f]);
+        int64_t u = m ? code_field(&e->fd[f], g, m, dict + at, idx + at) : 0;
+        if (u < 0) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        e->fd[f].hint = u ? (uint32_t)u : m;
+        if (u == 0) {
             *p++ = 0;
-            memcpy(p, s->dict, (size_t)s->m * 8);
-            p += (size_t)s->m * 8;
+            memcpy(p, g, (size_t)m * 8);
+            p += (size_t)m * 8;
         } else {
-            unsigned w = width_for(s->u - 1);
+            unsigned w = width_for((uint64_t)u - 1);
             *p++ = (uint8_t)w;
-            put32(p, s->u);
-            memcpy(p + 4, s->dict, (size_t)s->u * 8);
-            p = put_narrow(p + 4 + (size_t)s->u * 8, s->idx, s->m, w);
+            put32(p, (uint32_t)u);
+            memcpy(p + 4, dict + at, (size_t)u * 8);
+            p = put_narrow(p + 4 + (size_t)u * 8, idx + at, m, w);
         }
         if (r->has_weights) {
-            memcpy(p, wfm + (s->dict - dict), (size_t)s->m * 4);
-            p += (size_t)s->m * 4;
+            memcpy(p, wfm + at, (size_t)m * 4);
+            p += (size_t)m * 4;
         }
+        at += m;
     }
     size_t raw = (size_t)(p - e->raw.p);
 

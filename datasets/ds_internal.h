@@ -66,6 +66,7 @@ typedef struct ds_plan {
     int quoting;   /* RFC 4180 quotes */
     int header;    /* files start with a header line */
     int bucketize;
+    int scalar_scan; /* ds_parser_opts.scalar_scan */
     uint32_t n_cols, min_cols;
     ds_col *cols;
     uint32_t n_dense, n_base_fields, n_fields; /* n_fields = base + (bucketize ? n_dense : 0) */
@@ -99,6 +100,16 @@ int ds_stats_init(ds_stats *s, uint32_t n_dense, uint32_t n_fields);
 void ds_stats_free(ds_stats *s);
 void ds_stats_merge(ds_stats *into, const ds_stats *from);
 double ds_stats_distinct(const ds_stats *s, uint32_t field);
+/* Adds field f of some rows: their m keys and how many of the rows have none. */
+void ds_stats_add_field(ds_stats *s, uint32_t f, const uint64_t *keys, size_t m, uint64_t missing);
+
+static inline void ds_hll_add(uint8_t *reg, uint64_t h)
+{
+    uint32_t idx = (uint32_t)(h >> (64 - DS_HLL_BITS));
+    uint64_t w = (h << DS_HLL_BITS) | (1ull << (DS_HLL_BITS - 1));
+    uint8_t rank = (uint8_t)(__builtin_clzll(w) + 1);
+    if (reg[idx] < rank) reg[idx] = rank;
+}
 int ds_stats_write_json(const ds_stats *s, const ds_schema *schema, const char *path,
                         char **errptr);
 
@@ -106,7 +117,10 @@ int ds_stats_write_json(const ds_stats *s, const ds_schema *schema, const char *
 typedef struct ds_pctx {
     const ds_plan *plan;
     ds_stats *stats;      /* NULL: no statistics */
-    uint8_t *missing;     /* n_dense flags of the row being parsed */
+    int block_field_stats; /* 1: the field statistics (missing, HLL) are left to
+                            * ds_block_encode, which sees each field's keys together */
+    uint32_t *missing;     /* n_dense flags of the row being parsed; not bytes, whose stores
+                            * may alias anything and forced reloads in the column loop */
     char *qbuf;           /* unquoted token */
     struct ffm_kv { uint32_t field; uint32_t pad; uint64_t key; float w; } *kv;
     size_t kv_cap;
@@ -149,7 +163,7 @@ typedef struct ds_block_meta {
 /* Block coder state, one per thread (block.c): the zstd context set up once, and scratch
  * buffers and a dictionary hash table that are reused from block to block. */
 typedef struct ds_fdict {
-    uint32_t *slot; /* a field's dictionary hash table, reused from block to block */
+    uint64_t *slot; /* a field's dictionary hash table, reused from block to block */
     size_t cap;
     uint32_t hint; /* distinct keys of the field in the previous block: the table's start size */
 } ds_fdict;
@@ -164,9 +178,10 @@ typedef struct ds_benc {
 
 int ds_benc_init(ds_benc *e);  /* CM_ENOMEM */
 void ds_benc_free(ds_benc *e); /* also fine on a zeroed ds_benc */
-/* Encodes rows [row0, row0+n) of r as a block appended to out (header + zstd payload). */
-int ds_block_encode(ds_benc *e, const ds_rows *r, size_t row0, size_t n, ds_buf *out,
-                    ds_block_meta *meta, char **errptr);
+/* Encodes rows [row0, row0+n) of r as a block appended to out (header + zstd payload); adds
+ * the rows' field statistics to stats unless it is NULL. */
+int ds_block_encode(ds_benc *e, const ds_rows *r, size_t row0, size_t n, ds_stats *stats,
+                    ds_buf *out, ds_block_meta *meta, char **errptr);
 /* The largest payload a block of rows/keys can have; an index entry claiming more is corrupt. */
 uint64_t ds_block_raw_max(uint32_t n_dense, uint32_t n_fields, int weights, uint64_t rows,
                           uint64_t keys);
@@ -203,5 +218,8 @@ int ds_input_open(const char *path, ds_input **out, char **errptr);
 /* Reads up to n bytes; *got == 0 at end of file. */
 int ds_input_read(ds_input *in, void *buf, size_t n, size_t *got, char **errptr);
 void ds_input_close(ds_input *in);
+/* The file descriptor of an uncompressed input (which ds_ingest_run maps instead of reading),
+ * or -1 for gzip / zstd input. */
+int ds_input_plain_fd(const ds_input *in);
 
 #endif

@@ -137,6 +137,11 @@ int ds_input_read(ds_input *in, void *buf, size_t n, size_t *got, char **errptr)
     }
 }
 
+int ds_input_plain_fd(const ds_input *in)
+{
+    return in->kind == IN_PLAIN ? in->fd : -1;
+}
+
 void ds_input_close(ds_input *in)
 {
     if (in == NULL) return;

@@ -3,6 +3,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -11,6 +14,17 @@
 
 uint64_t ds_key(const char *tok, size_t len, uint32_t field)
 {
+    return XXH3_64bits_withSeed(tok, len, field);
+}
+
+/* ds_key in the parsers. XXH3_64bits_withSeed is not inlined (its long-input path is large)
+ * and nearly every token is at most 16 bytes, so that case calls the routine xxh3 itself uses
+ * for it (same secret, same seed: the same keys, tested against ds_key), inlined. */
+static inline uint64_t tok_key(const char *tok, size_t len, uint32_t field)
+{
+#if XXH_VERSION_NUMBER >= 800 && XXH_VERSION_NUMBER < 900
+    if (len <= 16) return XXH3_len_0to16_64b((const xxh_u8 *)tok, len, XXH3_kSecret, field);
+#endif
     return XXH3_64bits_withSeed(tok, len, field);
 }
 
@@ -27,7 +41,7 @@ int ds_pctx_init(ds_pctx *c, const ds_plan *plan, ds_stats *stats)
     memset(c, 0, sizeof *c);
     c->plan = plan;
     c->stats = stats;
-    c->missing = calloc((size_t)plan->n_dense + 1, 1);
+    c->missing = calloc((size_t)plan->n_dense + 1, sizeof *c->missing);
     c->qbuf = malloc(DS_MAX_TOKEN + 1);
     c->cnt = calloc((size_t)plan->n_fields + 1, sizeof *c->cnt);
     if (c->missing == NULL || c->qbuf == NULL || c->cnt == NULL) {
@@ -104,23 +118,52 @@ slow:;
     return 0;
 }
 
+/* Most dense values are short integers: those are converted here, inline, as parse_num would
+ * (up to 15 digits, so exact in a double, optional '-'); anything else goes to parse_num. */
+static inline int parse_num_inline(const char *s, size_t n, double *out)
+{
+    const char *p = s, *e = s + n;
+    int neg = p < e && *p == '-';
+    p += neg;
+    if (p == e || e - p > 15) return parse_num(s, n, out);
+    uint64_t m = 0;
+    for (; p < e; p++) {
+        unsigned d = (unsigned)(unsigned char)*p - '0';
+        if (d > 9) return parse_num(s, n, out);
+        m = m * 10 + d;
+    }
+    double v = (double)m;
+    *out = neg ? -v : v;
+    return 0;
+}
+
 /* ---- row building: keys are appended field by field in increasing field order ---- */
 
-static inline int row_key(ds_rows *r, uint64_t key, float w)
+/* Where the row being parsed puts its keys. Kept in locals rather than in the ds_rows: to the
+ * compiler a key store (uint64_t) may change r's size_t fields, which forced a reload of
+ * n_keys and n_rows around every key. Room for the whole row is reserved before it starts. */
+typedef struct row_out {
+    uint64_t *keys; /* r->keys */
+    size_t nk;      /* keys so far; r->n_keys once the row is committed */
+    uint32_t *o;    /* this row's offsets + 1: o[f] is where field f ends */
+    uint32_t next;  /* fields below next are closed */
+} row_out;
+
+static inline row_out row_out_start(const ds_rows *r)
 {
-    if (r->n_keys == r->cap_keys && ds_rows_reserve_keys(r, r->n_keys + 1) != CM_OK)
-        return CM_ENOMEM;
-    r->keys[r->n_keys] = key;
-    if (r->has_weights) r->weights[r->n_keys] = w;
-    r->n_keys++;
-    return CM_OK;
+    return (row_out){r->keys, r->n_keys, r->offsets + r->n_rows * r->n_fields + 1, 0};
+}
+
+static inline void row_key(row_out *ro, uint64_t key)
+{
+    ro->keys[ro->nk++] = key;
 }
 
 /* Ends every field below f: their key lists are complete. */
-static inline void close_fields(ds_rows *r, uint32_t *next, uint32_t f)
+static inline void close_fields(row_out *ro, uint32_t f)
 {
-    uint32_t *o = r->offsets + r->n_rows * r->n_fields + 1;
-    while (*next < f) o[(*next)++] = (uint32_t)r->n_keys;
+    while (ro->next < f)
+        ro->o[ro->next++] = (uint32_t)ro->nk;
 }
 
 static inline int reject(ds_pctx *c, int reason, uint32_t column)
@@ -130,15 +173,8 @@ static inline int reject(ds_pctx *c, int reason, uint32_t column)
     return 1;
 }
 
-static void hll_add(uint8_t *reg, uint64_t h)
-{
-    uint32_t idx = (uint32_t)(h >> (64 - DS_HLL_BITS));
-    uint64_t w = (h << DS_HLL_BITS) | (1ull << (DS_HLL_BITS - 1));
-    uint8_t rank = (uint8_t)(__builtin_clzll(w) + 1);
-    if (reg[idx] < rank) reg[idx] = rank;
-}
-
-static void stats_row(ds_stats *s, const ds_rows *r, size_t row, const uint8_t *missing)
+static void stats_row(ds_stats *s, const ds_rows *r, size_t row, const uint32_t *missing,
+                      int field_stats)
 {
     s->rows++;
     s->clicks += r->labels[row] > 0;
@@ -152,12 +188,10 @@ static void stats_row(ds_stats *s, const ds_rows *r, size_t row, const uint8_t *
         if (v < s->dense_min[d]) s->dense_min[d] = v;
         if (v > s->dense_max[d]) s->dense_max[d] = v;
     }
+    if (!field_stats) return;
     const uint32_t *o = r->offsets + row * r->n_fields;
-    for (uint32_t f = 0; f < r->n_fields; f++) {
-        if (o[f] == o[f + 1]) s->field_missing[f]++;
-        for (uint32_t k = o[f]; k < o[f + 1]; k++)
-            hll_add(s->hll + ((size_t)f << DS_HLL_BITS), r->keys[k]);
-    }
+    for (uint32_t f = 0; f < r->n_fields; f++)
+        ds_stats_add_field(s, f, r->keys + o[f], o[f + 1] - o[f], o[f] == o[f + 1]);
 }
 
 /* log2 bucket of a dense value: 0 for |v| < 1, else the signed bit length of |v|; a missing
@@ -172,8 +206,9 @@ static int32_t log2_bucket(float v, int missing)
     return v < 0 ? -e : e;
 }
 
-/* Finishes the row: bucket fields, offsets, statistics. */
-static int row_commit(ds_pctx *c, ds_rows *r, uint32_t next)
+/* Finishes the row: bucket fields (room reserved with the row's other keys), offsets,
+ * statistics. */
+static void row_commit(ds_pctx *c, ds_rows *r, row_out *ro)
 {
     const ds_plan *pl = c->plan;
     size_t row = r->n_rows;
@@ -181,15 +216,14 @@ static int row_commit(ds_pctx *c, ds_rows *r, uint32_t next)
         for (uint32_t d = 0; d < pl->n_dense; d++) {
             uint32_t f = pl->n_base_fields + d;
             int32_t b = log2_bucket(r->dense[row * pl->n_dense + d], c->missing[d]);
-            close_fields(r, &next, f);
-            if (row_key(r, XXH3_64bits_withSeed(&b, sizeof b, f), 1.0f) != CM_OK)
-                return CM_ENOMEM;
+            close_fields(ro, f);
+            row_key(ro, tok_key((const char *)&b, sizeof b, f));
         }
     }
-    close_fields(r, &next, pl->n_fields);
-    if (c->stats) stats_row(c->stats, r, row, c->missing);
+    close_fields(ro, pl->n_fields);
+    r->n_keys = ro->nk;
+    if (c->stats) stats_row(c->stats, r, row, c->missing, !c->block_field_stats);
     r->n_rows++;
-    return CM_OK;
 }
 
 /* ---- delimited text (TSV, CSV) ---- */
@@ -205,32 +239,32 @@ static int day_of_week(int y, int m, int d)
  * column loop: on Criteo a call per column cost more than its work (parsing ~5% faster). */
 static inline __attribute__((always_inline)) int put_col(ds_pctx *c, ds_rows *r, const ds_col *col,
                                                          uint32_t colno, const char *tok, size_t tl,
-                                                         uint32_t *next)
+                                                         row_out *ro)
 {
     size_t row = r->n_rows;
     double v;
     switch (col->role) {
     case COL_LABEL:
-        if (tl == 0 || parse_num(tok, tl, &v) != 0) return reject(c, DS_REJ_LABEL, colno);
+        if (tl == 0 || parse_num_inline(tok, tl, &v) != 0) return reject(c, DS_REJ_LABEL, colno);
         r->labels[row] = (float)v;
         return 0;
     case COL_DENSE:
         c->missing[col->slot] = tl == 0;
-        if (tl && parse_num(tok, tl, &v) != 0) return reject(c, DS_REJ_NUMBER, colno);
+        if (tl && parse_num_inline(tok, tl, &v) != 0) return reject(c, DS_REJ_NUMBER, colno);
         r->dense[row * r->n_dense + col->slot] = tl ? (float)v : 0.0f;
         return 0;
     case COL_CAT:
         if (tl == 0) return 0;
-        close_fields(r, next, col->slot);
-        return row_key(r, XXH3_64bits_withSeed(tok, tl, col->slot), 1.0f);
+        close_fields(ro, col->slot);
+        row_key(ro, tok_key(tok, tl, col->slot));
+        return 0;
     case COL_MULTI: {
-        close_fields(r, next, col->slot);
+        close_fields(ro, col->slot);
         const char *p = tok, *end = tok + tl;
         while (p < end) {
             const char *q = memchr(p, col->msep, (size_t)(end - p));
             if (q == NULL) q = end;
-            if (q > p && row_key(r, XXH3_64bits_withSeed(p, (size_t)(q - p), col->slot), 1.0f))
-                return CM_ENOMEM;
+            if (q > p) row_key(ro, tok_key(p, (size_t)(q - p), col->slot));
             p = q + 1;
         }
         return 0;
@@ -245,10 +279,11 @@ static inline __attribute__((always_inline)) int put_col(ds_pctx *c, ds_rows *r,
         int d = (tok[4] - '0') * 10 + (tok[5] - '0');
         if (mo < 1 || mo > 12 || d < 1 || d > 31) return reject(c, DS_REJ_NUMBER, colno);
         char wd = (char)('0' + day_of_week(y, mo, d));
-        close_fields(r, next, col->slot);
-        if (row_key(r, XXH3_64bits_withSeed(tok + 6, 2, col->slot), 1.0f)) return CM_ENOMEM;
-        close_fields(r, next, col->slot + 1);
-        return row_key(r, XXH3_64bits_withSeed(&wd, 1, col->slot + 1), 1.0f);
+        close_fields(ro, col->slot);
+        row_key(ro, tok_key(tok + 6, 2, col->slot));
+        close_fields(ro, col->slot + 1);
+        row_key(ro, tok_key(&wd, 1, col->slot + 1));
+        return 0;
     }
     default:
         return 0;
@@ -285,16 +320,112 @@ static int scan_quoted(ds_pctx *c, const char **pp, const char *end, char sep, s
     return 0;
 }
 
+/* ---- separator search ----
+ *
+ * A stop is a byte that ends an unquoted token or rejects the line: the separator, a control
+ * byte other than tab, and '"' when the format quotes. Stops are found 64 bytes at a time as a
+ * bit mask, so a Criteo token of ~6 bytes costs a count-trailing-zeros instead of a compare and
+ * a branch per byte. The mask comes from SSE2 (part of every x86-64) or from a byte loop (other
+ * machines, and ds_parser_opts.scalar_scan); tests/datasets/test_parse.c checks that both
+ * parse every line the same. */
+typedef struct stop_scan {
+    uintptr_t base; /* the window: mask bit i is the byte at base + i; 0 = no window yet */
+    uint64_t mask;
+    const unsigned char *line, *end;
+    unsigned char sep, quote; /* quote = sep when the format does not quote */
+    int scalar;
+} stop_scan;
+
+static uint64_t stop_mask_scalar(const unsigned char *p, unsigned char sep, unsigned char quote)
+{
+    uint64_t m = 0;
+    for (unsigned i = 0; i < 64; i++) {
+        unsigned char ch = p[i];
+        m |= (uint64_t)(ch == sep || ch == quote || (ch < 0x20 && ch != '\t')) << i;
+    }
+    return m;
+}
+
+#if defined(__SSE2__)
+static inline uint64_t stop_mask_sse2(const unsigned char *p, unsigned char sep,
+                                      unsigned char quote)
+{
+    const __m128i vs = _mm_set1_epi8((char)sep), vq = _mm_set1_epi8((char)quote);
+    const __m128i vc = _mm_set1_epi8(0x1f), vt = _mm_set1_epi8('\t');
+    uint64_t m = 0;
+    for (unsigned i = 0; i < 4; i++) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(p + 16 * i));
+        /* unsigned v <= 0x1f, tab excepted */
+        __m128i ctl =
+            _mm_andnot_si128(_mm_cmpeq_epi8(v, vt), _mm_cmpeq_epi8(_mm_min_epu8(v, vc), v));
+        __m128i st = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(v, vs), _mm_cmpeq_epi8(v, vq)), ctl);
+        m |= (uint64_t)(uint16_t)_mm_movemask_epi8(st) << (16 * i);
+    }
+    return m;
+}
+#endif
+
+static inline uint64_t stop_mask(const stop_scan *sc, const unsigned char *p)
+{
+#if defined(__SSE2__)
+    if (!sc->scalar) return stop_mask_sse2(p, sc->sep, sc->quote);
+#endif
+    return stop_mask_scalar(p, sc->sep, sc->quote);
+}
+
+/* Sets the window to hold q. Never reads outside [line, end): a window that would pass the
+ * end is moved back to end the line, and a line shorter than 64 bytes is copied first. */
+static void stop_load(stop_scan *sc, const unsigned char *q)
+{
+    size_t n = (size_t)(sc->end - sc->line);
+    if (sc->end - q >= 64) {
+        sc->base = (uintptr_t)q;
+        sc->mask = stop_mask(sc, q);
+    } else if (n >= 64) {
+        sc->base = (uintptr_t)(sc->end - 64);
+        sc->mask = stop_mask(sc, sc->end - 64);
+    } else {
+        unsigned char tmp[64] = {0};
+        memcpy(tmp, sc->line, n);
+        sc->base = (uintptr_t)sc->line;
+        sc->mask = stop_mask(sc, tmp) & ((1ull << n) - 1);
+    }
+}
+
+/* The first stop at or after q, or end. */
+static inline const unsigned char *next_stop(stop_scan *sc, const unsigned char *q)
+{
+    for (;;) {
+        uintptr_t off = (uintptr_t)q - sc->base;
+        if (off < 64) {
+            uint64_t m = sc->mask >> off;
+            if (m) return q + __builtin_ctzll(m);
+            q = (const unsigned char *)(sc->base + 64);
+        }
+        if (q >= sc->end) return sc->end;
+        stop_load(sc, q);
+    }
+}
+
 static int parse_delimited(ds_pctx *c, const char *s, size_t len, ds_rows *r)
 {
     const ds_plan *pl = c->plan;
     const char *p = s, *end = s + len;
     const unsigned char sep = (unsigned char)pl->sep;
-    unsigned thr = sep;
-    if (pl->quoting && thr < '"') thr = '"';
-    if (thr < 0x1f) thr = 0x1f;
-    uint32_t col = 0, next = 0;
+    stop_scan sc = {.base = 0,
+                    .line = (const unsigned char *)s,
+                    .end = (const unsigned char *)end,
+                    .sep = sep,
+                    .quote = pl->quoting ? (unsigned char)'"' : sep,
+                    .scalar = pl->scalar_scan};
+    uint32_t col = 0;
     int rc = 0, padded = 0;
+    /* keys of this row: one per cat column, two per hour column, at most one per two bytes of
+     * a multi column, one per bucket field */
+    size_t most = len + 2 * (size_t)pl->n_cols + pl->n_dense + 1;
+    if (r->cap_keys - r->n_keys < most && ds_rows_reserve_keys(r, r->n_keys + most) != CM_OK)
+        return CM_ENOMEM;
+    row_out ro = row_out_start(r);
     r->labels[r->n_rows] = 0.0f;
     for (;;) {
         const char *tok = p, *q = p;
@@ -303,20 +434,14 @@ static int parse_delimited(ds_pctx *c, const char *s, size_t len, ds_rows *r)
             if ((rc = scan_quoted(c, &q, end, pl->sep, &tl, col + 1)) != 0) return rc;
             tok = c->qbuf;
         } else {
-            while (q < end) {
-                unsigned char ch = (unsigned char)*q;
-                if (ch <= thr) {
-                    if (ch == sep) break;
-                    if (ch < 0x20 && ch != '\t') return reject(c, DS_REJ_JUNK, col + 1);
-                    if (ch == '"' && pl->quoting) return reject(c, DS_REJ_QUOTE, col + 1);
-                }
-                q++;
-            }
+            q = (const char *)next_stop(&sc, (const unsigned char *)p);
+            if (q < end && (unsigned char)*q != sep) /* '"' or a control byte */
+                return reject(c, (unsigned char)*q < 0x20 ? DS_REJ_JUNK : DS_REJ_QUOTE, col + 1);
             tl = (size_t)(q - p);
             if (tl > DS_MAX_TOKEN) return reject(c, DS_REJ_TOKEN_LONG, col + 1);
         }
         if (col >= pl->n_cols) return reject(c, DS_REJ_COLUMNS, col + 1);
-        if ((rc = put_col(c, r, &pl->cols[col], col + 1, tok, tl, &next)) != 0) return rc;
+        if ((rc = put_col(c, r, &pl->cols[col], col + 1, tok, tl, &ro)) != 0) return rc;
         col++;
         if (q >= end) break;
         p = q + 1;
@@ -325,9 +450,9 @@ static int parse_delimited(ds_pctx *c, const char *s, size_t len, ds_rows *r)
         if (col < pl->min_cols) return reject(c, DS_REJ_COLUMNS, col);
         padded = 1;
         for (; col < pl->n_cols; col++)
-            if ((rc = put_col(c, r, &pl->cols[col], col + 1, "", 0, &next)) != 0) return rc;
+            if ((rc = put_col(c, r, &pl->cols[col], col + 1, "", 0, &ro)) != 0) return rc;
     }
-    if ((rc = row_commit(c, r, next)) != CM_OK) return rc;
+    row_commit(c, r, &ro);
     return padded ? 2 : 0;
 }
 
@@ -410,8 +535,7 @@ static int parse_sparse(ds_pctx *c, const char *s, size_t len, ds_rows *r)
         double v;
         if (!all_digits(idx, (size_t)(c1 - idx)) || parse_num(c1 + 1, (size_t)(te - c1 - 1), &v))
             return reject(c, DS_REJ_FEATURE, feat);
-        if (kv_push(c, field, XXH3_64bits_withSeed(idx, (size_t)(c1 - idx), field), (float)v))
-            return CM_ENOMEM;
+        if (kv_push(c, field, tok_key(idx, (size_t)(c1 - idx), field), (float)v)) return CM_ENOMEM;
     }
     /* group by field (stable), since libffm fields come in any order */
     size_t n = c->cnt[nf];
@@ -430,7 +554,10 @@ static int parse_sparse(ds_pctx *c, const char *s, size_t len, ds_rows *r)
         r->weights[at] = c->kv[i].w;
     }
     r->n_keys += n;
-    return row_commit(c, r, nf);
+    row_out ro = row_out_start(r);
+    ro.next = nf;
+    row_commit(c, r, &ro);
+    return 0;
 }
 
 int ds_parse_line(ds_pctx *c, const char *line, size_t len, ds_rows *r)

@@ -140,6 +140,7 @@ static ds_plan *plan_new(const ds_parser_opts *o)
     if (p == NULL) return NULL;
     p->fmt = o->format;
     p->bucketize = o->bucketize;
+    p->scalar_scan = o->scalar_scan;
     p->sep = ',';
     return p;
 }
@@ -389,6 +390,7 @@ int ds_plan_from_header(const ds_plan *base, const char *line, size_t len, ds_pl
     ds_parser_opts_init(&o);
     o.format = base->fmt;
     o.bucketize = base->bucketize;
+    o.scalar_scan = base->scalar_scan;
     ds_plan *p = plan_new(&o);
     if (p == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     builder b = {.p = p};

@@ -137,7 +137,8 @@ static int writer_flush(ds_shard_writer *w, char **errptr)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     ds_block_meta m;
     w->enc.len = 0;
-    int rc = ds_block_encode(&w->benc, &w->pending, 0, w->pending.n_rows, &w->enc, &m, errptr);
+    int rc =
+        ds_block_encode(&w->benc, &w->pending, 0, w->pending.n_rows, NULL, &w->enc, &m, errptr);
     if (rc == CM_OK) rc = ds_shard_writer_add_encoded(w, w->enc.p, &m, errptr);
     ds_rows_clear(&w->pending);
     return rc;

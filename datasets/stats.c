@@ -31,6 +31,14 @@ int ds_stats_init(ds_stats *s, uint32_t n_dense, uint32_t n_fields)
     return CM_OK;
 }
 
+void ds_stats_add_field(ds_stats *s, uint32_t f, const uint64_t *keys, size_t m, uint64_t missing)
+{
+    uint8_t *reg = s->hll + ((size_t)f << DS_HLL_BITS);
+    s->field_missing[f] += missing;
+    for (size_t i = 0; i < m; i++)
+        ds_hll_add(reg, keys[i]);
+}
+
 void ds_stats_free(ds_stats *s)
 {
     free(s->dense_missing);
