@@ -21,7 +21,8 @@ int ps_checkpoint_shards(const char *ckpt, uint32_t *n, char **errptr)
         snprintf(path, sizeof path, "%s/shard-%u/MANIFEST", ckpt, i);
         if (stat(path, &st) != 0) break;
     }
-    if (i == 0) return cm_err(errptr, CM_ENOTFOUND, "%s is not a checkpoint (no shard-0/MANIFEST)", ckpt);
+    if (i == 0)
+        return cm_err(errptr, CM_ENOTFOUND, "%s is not a checkpoint (no shard-0/MANIFEST)", ckpt);
     *n = i;
     return CM_OK;
 }
@@ -81,7 +82,8 @@ int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t 
     for (char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
         char kind[8], name[PS_NAME_MAX];
         if (sscanf(p, "%7s %31s", kind, name) != 2) continue;
-        if (!strcmp(kind, "table") && *n_tables < PS_MAX_TABLES) strcpy(tables[(*n_tables)++], name);
+        if (!strcmp(kind, "table") && *n_tables < PS_MAX_TABLES)
+            strcpy(tables[(*n_tables)++], name);
         if (!strcmp(kind, "dense") && *n_dense < PS_MAX_DENSE) strcpy(dense[(*n_dense)++], name);
     }
     free(text);
@@ -92,7 +94,8 @@ int ps_shard_manifest_text(uint32_t shard, uint32_t shards, const char *body, ch
 {
     int len = snprintf(out, n, "ember-ps-shard 1\nshard %u\nshards %u\n%s", shard, shards, body);
     if (len < 0 || (size_t)len >= n) return -1;
-    int t = snprintf(out + len, n - (size_t)len, "checksum %016" PRIx64 "\n", cm_xxh3(out, (size_t)len));
+    int t = snprintf(out + len, n - (size_t)len, "checksum %016" PRIx64 "\n",
+                     cm_xxh3(out, (size_t)len));
     return (t < 0 || (size_t)(len + t) >= n) ? -1 : len + t;
 }
 
@@ -184,7 +187,8 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char
             snprintf(path, sizeof path, "%s/shard-%u/table-%s", tmp, i, tables[t]);
             rc = emb_table_snapshot(nt[i], path, errptr);
         }
-        for (uint32_t i = 0; nt && i < n_new; i++) emb_table_destroy(nt[i]);
+        for (uint32_t i = 0; nt && i < n_new; i++)
+            emb_table_destroy(nt[i]);
         free(nt);
     }
     /* Dense block b lives on shard b % shards. */

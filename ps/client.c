@@ -9,6 +9,12 @@
  * the primary goes away, a thread closes the primary's dialer and dials the backup on the same
  * socket; nng then resends every request that was in flight to the new connection, so callers
  * see a pause, not an error. A shard fails over once; its backup has no backup of its own.
+ *
+ * Key elision: the client remembers the key lists of its recent pulls per (shard, table); a
+ * push of exactly one of them names the pull instead of carrying the keys. Its slot keeps the
+ * keys and rows until the push is acknowledged: a shard that no longer holds the list (evicted,
+ * or a backup that took over) answers PS_STATUS_NO_KEYS, and the slot sends the push again with
+ * its keys, under the same request id (the failed attempt applied nothing).
  */
 #include <inttypes.h>
 #include <math.h>
@@ -20,6 +26,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ps/keycache.h"
 #include "ps/net.h"
 #include "ps/wire.h"
 
@@ -36,6 +43,12 @@ typedef struct slot {
     uint64_t req_id;
     nng_duration timeout;
     nng_msg *copy; /* while the shard may still fail over: the request, to send again */
+    /* An elided push in flight: its header, keys and encoded rows, to send it again with the
+     * keys if the shard no longer holds the list it names. */
+    ps_hdr fb_hdr;
+    uint64_t *fb_keys;
+    uint8_t *fb_rows;
+    size_t fb_row_bytes;
     nng_msg *reply;
     int rc;
     char *err;
@@ -68,16 +81,45 @@ struct ps_client {
     char *async_err;
     uint64_t clock, barrier_gen;
     emb_store *residual[PS_MAX_TABLES]; /* int8 error feedback, per table */
+    ps_keycache *pulled; /* recent pulls' key lists per (shard, table); NULL: never elide */
     ps_client_stats st;
 };
 
 /* ---- slots ---- */
+
+static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout);
+
+static void slot_drop_fallback(slot *s)
+{
+    free(s->fb_keys);
+    free(s->fb_rows);
+    s->fb_keys = NULL;
+    s->fb_rows = NULL;
+}
+
+/* The shard did not hold the key list an elided push named: sends the push again with its
+ * keys. False when that cannot be built (the push then fails with the shard's error). */
+static bool slot_send_with_keys(slot *s)
+{
+    nng_msg *m;
+    if (ps_msg_rows(&s->fb_hdr, s->fb_keys, s->fb_hdr.count, s->fb_rows, s->fb_row_bytes, &m) !=
+        CM_OK)
+        return false;
+    slot_drop_fallback(s);
+    if (s->copy) nng_msg_free(s->copy);
+    s->copy = NULL;
+    __atomic_add_fetch(&s->c->st.push_fallbacks, 1, __ATOMIC_RELAXED);
+    s->state = SL_SEND;
+    slot_send(s, m, true, s->timeout);
+    return true;
+}
 
 static void slot_finish(slot *s, int rc, char *err)
 {
     struct ps_client *c = s->c;
     if (s->copy) nng_msg_free(s->copy);
     s->copy = NULL;
+    slot_drop_fallback(s);
     pthread_mutex_lock(&c->mu);
     if (s->kind == K_ASYNC) {
         if (rc != CM_OK && c->async_rc == CM_OK) {
@@ -144,7 +186,7 @@ static void slot_cb(void *arg)
         /* The primary failed this request (its connection reset, or it went silent): fail
          * over and send the request again, to the backup. A push the primary had applied is
          * recognised there and not applied twice. */
-        if (s->state == SL_SEND) nng_msg_free(nng_aio_get_msg(s->aio));
+        if (s->state == SL_SEND) nng_msg_free(ps_aio_msg_take(s->aio));
         want_failover(s->c, &s->c->shards[s->shard]);
         nng_msg *m = s->copy;
         s->copy = NULL;
@@ -156,7 +198,7 @@ static void slot_cb(void *arg)
     }
     if (s->state == SL_SEND) {
         if (rv != 0) {
-            nng_msg_free(nng_aio_get_msg(s->aio));
+            nng_msg_free(ps_aio_msg_take(s->aio));
             cm_err(&err, CM_EIO, "cannot send to shard %u: %s%s", s->shard, nng_strerror(rv),
                    rv == NNG_ETIMEDOUT ? " (is the PS running and reachable?)" : "");
             slot_finish(s, CM_EIO, err);
@@ -172,9 +214,14 @@ static void slot_cb(void *arg)
         slot_finish(s, CM_EIO, err);
         return;
     }
-    nng_msg *m = nng_aio_get_msg(s->aio);
+    nng_msg *m = ps_aio_msg_take(s->aio);
     __atomic_add_fetch(&s->c->st.bytes_received, nng_msg_len(m), __ATOMIC_RELAXED);
     int rc = reply_check(s, m, &err);
+    if (rc == PS_STATUS_NO_KEYS && s->fb_keys && slot_send_with_keys(s)) {
+        nng_msg_free(m);
+        free(err);
+        return;
+    }
     s->reply = m;
     slot_finish(s, rc, err);
 }
@@ -211,6 +258,7 @@ static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout
     memcpy(nng_msg_body(m), &h, sizeof h);
     ps_msg_seal(m);
     __atomic_add_fetch(&c->st.bytes_sent, nng_msg_len(m), __ATOMIC_RELAXED);
+    if (h.op == PS_OP_PUSH) __atomic_add_fetch(&c->st.push_bytes, nng_msg_len(m), __ATOMIC_RELAXED);
     nng_ctx_set_ms(s->ctx, NNG_OPT_REQ_RESENDTIME,
                    idempotent ? (nng_duration)(c->timeout_ms / 4 + 1) : NNG_DURATION_INFINITE);
     nng_aio_set_timeout(s->aio, timeout);
@@ -400,6 +448,9 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
         size_t rec = (8 + 4 * (size_t)c->cfg.tables[i].cfg.dim + 7) & ~(size_t)7;
         rc = emb_store_create("memory", NULL, rec, &c->residual[i], errptr);
     }
+    if (rc == CM_OK && !o->explicit_keys &&
+        (c->pulled = ps_keycache_create(c->cfg.n_shards, c->cfg.n_tables)) == NULL)
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
         shard_conn *sc = &c->shards[i];
         sc->c = c;
@@ -481,9 +532,10 @@ void ps_client_destroy(ps_client *c)
                 if (sc->slots[j].aio) nng_aio_stop(sc->slots[j].aio);
             if (sc->open) nng_close(sc->sock);
             for (uint32_t j = 0; sc->slots && j < c->window; j++) {
-                if (sc->slots[j].aio) nng_aio_free(sc->slots[j].aio);
+                ps_aio_free_stopped(sc->slots[j].aio);
                 if (sc->slots[j].reply) nng_msg_free(sc->slots[j].reply);
                 if (sc->slots[j].copy) nng_msg_free(sc->slots[j].copy);
+                slot_drop_fallback(&sc->slots[j]);
                 free(sc->slots[j].err);
             }
             free(sc->slots);
@@ -493,6 +545,7 @@ void ps_client_destroy(ps_client *c)
     }
     for (uint32_t i = 0; i < PS_MAX_TABLES; i++)
         emb_store_destroy(c->residual[i]);
+    ps_keycache_destroy(c->pulled);
     free(c->shards);
     free(c->async_err);
     pthread_mutex_destroy(&c->mu);
@@ -610,9 +663,7 @@ static int check_table(const struct ps_client *c, uint32_t table, size_t n, char
     return CM_OK;
 }
 
-/* Builds a PULL or PUSH message for one shard's keys (and rows, for PUSH). */
-static nng_msg *rows_msg(uint16_t op, uint32_t table, ps_codec codec, const uint64_t *keys,
-                         size_t n, const uint8_t *rows, size_t row_bytes)
+static ps_hdr rows_hdr(uint16_t op, uint32_t table, ps_codec codec, size_t n, uint8_t flags)
 {
     ps_hdr h;
     memset(&h, 0, sizeof h);
@@ -620,17 +671,69 @@ static nng_msg *rows_msg(uint16_t op, uint32_t table, ps_codec codec, const uint
     h.table = table;
     h.count = (uint32_t)n;
     h.codec = (uint8_t)codec;
-    size_t head = op == PS_OP_PUSH ? 4 : 0, max = head + 10 * n + n * row_bytes;
+    h.flags = flags;
+    return h;
+}
+
+/* Builds a PULL or PUSH message for one shard's keys (and rows, for PUSH). */
+static nng_msg *rows_msg(uint16_t op, uint32_t table, ps_codec codec, const uint64_t *keys,
+                         size_t n, const uint8_t *rows, size_t row_bytes, uint8_t flags)
+{
+    ps_hdr h = rows_hdr(op, table, codec, n, flags);
+    nng_msg *m;
+    return ps_msg_rows(&h, keys, n, rows, row_bytes, &m) == CM_OK ? m : NULL;
+}
+
+/* Keeps the key list a shard has just served for a pull, for the push that follows (the
+ * server keeps it too). Lookups are left out, as on the server. Best effort: without memory the
+ * push carries its keys. */
+static void remember_pull(struct ps_client *c, uint32_t shard, uint32_t table, uint64_t req_id,
+                          const uint64_t *keys, size_t n, uint8_t flags)
+{
+    if (c->pulled == NULL || (flags & PS_FLAG_LOOKUP)) return;
+    uint64_t *copy = malloc(n * sizeof *copy);
+    if (copy == NULL) return;
+    memcpy(copy, keys, n * sizeof *copy);
+    ps_keycache_put(c->pulled, shard, table, req_id, copy, n);
+}
+
+/* One shard's part of a push: elided when the shard served a pull of exactly these keys
+ * recently, the slot then keeping keys and rows for a resend with keys; else with its keys. */
+static int push_shard(struct ps_client *c, uint32_t shard, uint32_t table, ps_codec codec,
+                      const uint64_t *keys, size_t n, const uint8_t *rows, size_t rb)
+{
+    uint64_t pull_id, sum;
+    if (c->pulled == NULL || !ps_keycache_match(c->pulled, shard, table, keys, n, &pull_id, &sum)) {
+        nng_msg *m = rows_msg(PS_OP_PUSH, table, codec, keys, n, rows, rb, 0);
+        if (m == NULL) return CM_ENOMEM;
+        slot_send(slot_acquire(c, shard, K_ASYNC), m, true, (nng_duration)c->timeout_ms);
+        return CM_OK;
+    }
+    ps_hdr h = rows_hdr(PS_OP_PUSH, table, codec, n, PS_FLAG_ELIDED);
     nng_msg *m;
     uint8_t *p;
-    if (ps_msg_new(&h, max, &m, &p) != CM_OK) return NULL;
-    uint32_t kb = (uint32_t)ps_keys_encode(keys, n, p + head);
-    if (op == PS_OP_PUSH) {
-        memcpy(p, &kb, 4);
-        memcpy(p + head + kb, rows, n * row_bytes);
+    uint64_t *fb_keys = malloc(n * sizeof *fb_keys);
+    uint8_t *fb_rows = malloc(n * rb);
+    if (fb_keys == NULL || fb_rows == NULL ||
+        ps_msg_new(&h, PS_ELIDED_HEAD + n * rb, &m, &p) != CM_OK) {
+        free(fb_keys);
+        free(fb_rows);
+        return CM_ENOMEM;
     }
-    nng_msg_realloc(m, PS_HDR_BYTES + head + kb + (op == PS_OP_PUSH ? n * row_bytes : 0));
-    return m;
+    memcpy(p, &pull_id, 8);
+    memcpy(p + 8, &sum, 8);
+    memcpy(p + PS_ELIDED_HEAD, rows, n * rb);
+    memcpy(fb_keys, keys, n * sizeof *fb_keys);
+    memcpy(fb_rows, rows, n * rb);
+    slot *s = slot_acquire(c, shard, K_ASYNC);
+    s->fb_hdr = h;
+    s->fb_hdr.flags = 0;
+    s->fb_keys = fb_keys;
+    s->fb_rows = fb_rows;
+    s->fb_row_bytes = rb;
+    __atomic_add_fetch(&c->st.pushes_elided, 1, __ATOMIC_RELAXED);
+    slot_send(s, m, true, (nng_duration)c->timeout_ms);
+    return CM_OK;
 }
 
 static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, float *out,
@@ -647,7 +750,8 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
     float *rows = malloc(sp.n_uniq * dim * sizeof *rows),
           *tmp = malloc(sp.n_uniq * dim * sizeof *tmp);
     slot **slots = calloc(ns, sizeof *slots);
-    if (!rows || !tmp || !slots) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    uint64_t *req_ids = calloc(ns, sizeof *req_ids);
+    if (!rows || !tmp || !slots || !req_ids) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     /* Read your writes: the server serves requests on many contexts at once, so a pull sent
      * while this client's push to the same shard is in flight could overtake it. */
     pthread_mutex_lock(&c->mu);
@@ -658,13 +762,14 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
     for (uint32_t s = 0; s < ns && rc == CM_OK; s++) {
         size_t cnt = sp.start[s + 1] - sp.start[s];
         if (cnt == 0) continue;
-        nng_msg *m = rows_msg(PS_OP_PULL, table, codec, sp.skeys + sp.start[s], cnt, NULL, 0);
+        nng_msg *m =
+            rows_msg(PS_OP_PULL, table, codec, sp.skeys + sp.start[s], cnt, NULL, 0, flags);
         if (m == NULL) {
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");
             break;
         }
-        ((ps_hdr *)nng_msg_body(m))->flags = flags;
         slots[s] = slot_acquire(c, s, K_SYNC);
+        req_ids[s] = slots[s]->req_id;
         slot_send(slots[s], m, true, (nng_duration)c->timeout_ms);
     }
     /* Every slot sent must be waited for, even after an error. */
@@ -684,6 +789,7 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
             for (size_t j = 0; j < cnt; j++)
                 memcpy(rows + (size_t)sp.pos[sp.start[s] + j] * dim, tmp + (sp.start[s] + j) * dim,
                        dim * sizeof(float));
+        if (r == CM_OK) remember_pull(c, s, table, req_ids[s], sp.skeys + sp.start[s], cnt, flags);
         if (r != CM_OK && rc == CM_OK) {
             rc = r;
             cm_err(errptr, r, "%s", err ? err : "pull failed");
@@ -697,6 +803,7 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
         __atomic_add_fetch(&c->st.rows_pulled, sp.n_uniq, __ATOMIC_RELAXED);
     }
     free(slots);
+    free(req_ids);
     free(rows);
     free(tmp);
     split_free(&sp);
@@ -796,13 +903,9 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     for (uint32_t s = 0; s < ns && rc == CM_OK; s++) {
         size_t cnt = sp.start[s + 1] - sp.start[s];
         if (cnt == 0) continue;
-        nng_msg *m = rows_msg(PS_OP_PUSH, table, codec, sp.skeys + sp.start[s], cnt,
-                              enc + (size_t)sp.start[s] * rb, rb);
-        if (m == NULL) {
+        if (push_shard(c, s, table, codec, sp.skeys + sp.start[s], cnt,
+                       enc + (size_t)sp.start[s] * rb, rb) != CM_OK)
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-            break;
-        }
-        slot_send(slot_acquire(c, s, K_ASYNC), m, true, (nng_duration)c->timeout_ms);
     }
     if (rc == CM_OK) __atomic_add_fetch(&c->st.rows_pushed, sp.n_uniq, __ATOMIC_RELAXED);
 out:
@@ -998,6 +1101,9 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
         t->bytes_out += ss.bytes_out;
         t->rows_pulled += ss.rows_pulled;
         t->rows_pushed += ss.rows_pushed;
+        t->elided += ss.elided;
+        t->elided_misses += ss.elided_misses;
+        t->keylist_bytes += ss.keylist_bytes;
         if (s == 0) {
             t->clocks_min = ss.clocks_min;
             t->clocks_max = ss.clocks_max;

@@ -105,10 +105,14 @@ static int set_dense(ps_dense_spec *d, const char *k, const char *v)
     if (!strcmp(k, "beta2")) return parse_float(v, &d->beta2);
     if (!strcmp(k, "eps")) return parse_float(v, &d->eps);
     if (!strcmp(k, "optimizer")) {
-        if (!strcmp(v, "adam")) d->opt = PS_DENSE_ADAM;
-        else if (!strcmp(v, "adagrad")) d->opt = PS_DENSE_ADAGRAD;
-        else if (!strcmp(v, "sgd")) d->opt = PS_DENSE_SGD;
-        else return -1;
+        if (!strcmp(v, "adam"))
+            d->opt = PS_DENSE_ADAM;
+        else if (!strcmp(v, "adagrad"))
+            d->opt = PS_DENSE_ADAGRAD;
+        else if (!strcmp(v, "sgd"))
+            d->opt = PS_DENSE_SGD;
+        else
+            return -1;
         return 0;
     }
     return 1;
@@ -155,9 +159,12 @@ static int config_entry(void *arg, const char *section, const char *sarg, const 
         return CM_OK;
     }
     int r = 1;
-    if (!strcmp(section, "cluster")) r = set_cluster(cfg, k, v);
-    else if (table) r = set_table(&cfg->tables[cfg->n_tables - 1], k, v);
-    else if (dense) r = set_dense(&cfg->dense[cfg->n_dense - 1], k, v);
+    if (!strcmp(section, "cluster"))
+        r = set_cluster(cfg, k, v);
+    else if (table)
+        r = set_table(&cfg->tables[cfg->n_tables - 1], k, v);
+    else if (dense)
+        r = set_dense(&cfg->dense[cfg->n_dense - 1], k, v);
     if (r > 0)
         return cm_err(errptr, CM_EINVAL, "unknown key '%s'%s", k,
                       *section ? "" : " outside any section");
@@ -176,16 +183,20 @@ static int table_line(const char *path, const char *name)
     while (f != NULL && !found && fgets(line, sizeof line, f) != NULL) {
         lineno++;
         char *s = line;
-        while (isspace((unsigned char)*s)) s++;
+        while (isspace((unsigned char)*s))
+            s++;
         if (*s++ != '[') continue;
-        while (isspace((unsigned char)*s)) s++;
+        while (isspace((unsigned char)*s))
+            s++;
         if (strncmp(s, "table", 5) != 0 || !isspace((unsigned char)s[5])) continue;
         s += 5;
-        while (isspace((unsigned char)*s)) s++;
+        while (isspace((unsigned char)*s))
+            s++;
         size_t n = strlen(name);
         if (strncmp(s, name, n) != 0) continue;
         s += n;
-        while (isspace((unsigned char)*s)) s++;
+        while (isspace((unsigned char)*s))
+            s++;
         found = *s == ']';
     }
     if (f) fclose(f);
@@ -214,7 +225,8 @@ int ps_config_load(const char *path, ps_config *cfg, char **errptr)
 int ps_config_check(const ps_config *cfg, char **errptr)
 {
     if (cfg->n_shards == 0 || cfg->n_shards > PS_MAX_SHARDS)
-        return cm_err(errptr, CM_EINVAL, "shards %u out of range 1..%u", cfg->n_shards, PS_MAX_SHARDS);
+        return cm_err(errptr, CM_EINVAL, "shards %u out of range 1..%u", cfg->n_shards,
+                      PS_MAX_SHARDS);
     if (cfg->n_workers == 0 || cfg->n_workers > PS_MAX_WORKERS)
         return cm_err(errptr, CM_EINVAL, "workers %u out of range 1..%u", cfg->n_workers,
                       PS_MAX_WORKERS);

@@ -73,7 +73,8 @@ void ps_dense_push(ps_dense *d, const float *g)
     d->step++;
     switch (d->spec.opt) {
     case PS_DENSE_SGD:
-        for (size_t i = 0; i < n; i++) d->w[i] = (float)(d->w[i] - lr * g[i]);
+        for (size_t i = 0; i < n; i++)
+            d->w[i] = (float)(d->w[i] - lr * g[i]);
         break;
     case PS_DENSE_ADAGRAD:
         for (size_t i = 0; i < n; i++) {
@@ -118,8 +119,11 @@ int ps_dense_save(ps_dense *d, const char *path, char **errptr)
     if (rc != CM_OK) return rc;
     size_t bytes = d->spec.size * sizeof(float);
     pthread_mutex_lock(&d->mu);
-    dense_hdr h = {.version = DENSE_VERSION, .opt = (uint32_t)d->spec.opt, .size = d->spec.size,
-                   .step = d->step, .initialised = d->initialised};
+    dense_hdr h = {.version = DENSE_VERSION,
+                   .opt = (uint32_t)d->spec.opt,
+                   .size = d->spec.size,
+                   .step = d->step,
+                   .initialised = d->initialised};
     memcpy(h.magic, DENSE_MAGIC, 8);
     rc = cm_afile_write(&f, &h, sizeof h, errptr);
     if (rc == CM_OK) rc = cm_afile_write(&f, d->w, bytes, errptr);
@@ -166,8 +170,9 @@ int ps_dense_load(const char *path, const ps_dense_spec *spec, ps_dense **out, c
     ps_dense *d = NULL;
     size_t bytes = spec->size * sizeof(float), k = slots(spec->opt);
     if (h.opt != (uint32_t)spec->opt || h.size != spec->size) {
-        rc = cm_err(errptr, CM_ECORRUPT, "%s: block of %llu floats (optimizer %u), expected %llu (%u)",
-                    path, (unsigned long long)h.size, h.opt, (unsigned long long)spec->size, spec->opt);
+        rc = cm_err(errptr, CM_ECORRUPT,
+                    "%s: block of %llu floats (optimizer %u), expected %llu (%u)", path,
+                    (unsigned long long)h.size, h.opt, (unsigned long long)spec->size, spec->opt);
         goto out;
     }
     rc = ps_dense_create(spec, &d, errptr);
@@ -190,8 +195,10 @@ int ps_dense_read_values(const char *path, float **values, uint64_t *n, char **e
     int rc = dense_read(path, &buf, &h, errptr);
     if (rc != CM_OK) return rc;
     *values = malloc(h.size * sizeof(float) + 1);
-    if (*values == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-    else memcpy(*values, buf + sizeof h, h.size * sizeof(float));
+    if (*values == NULL)
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    else
+        memcpy(*values, buf + sizeof h, h.size * sizeof(float));
     *n = h.size;
     free(buf);
     return rc;

@@ -129,3 +129,37 @@ void ps_msg_seal(nng_msg *m)
 {
     ps_wire_seal(nng_msg_body(m), nng_msg_len(m) - PS_HDR_BYTES);
 }
+
+int ps_msg_rows(const ps_hdr *h, const uint64_t *keys, size_t n, const uint8_t *rows,
+                size_t row_bytes, nng_msg **out)
+{
+    const bool push = h->op == PS_OP_PUSH;
+    const size_t head = push ? 4 : 0, vals = push ? n * row_bytes : 0;
+    nng_msg *m;
+    uint8_t *p;
+    /* Sized for the worst case (10 bytes a key), then trimmed to what the keys took. */
+    if (ps_msg_new(h, head + 10 * n + vals, &m, &p) != CM_OK) return CM_ENOMEM;
+    uint32_t kb = (uint32_t)ps_keys_encode(keys, n, p + head);
+    if (push) {
+        memcpy(p, &kb, 4);
+        memcpy(p + head + kb, rows, vals);
+    }
+    nng_msg_realloc(m, PS_HDR_BYTES + head + kb + vals);
+    *out = m;
+    return CM_OK;
+}
+
+nng_msg *ps_aio_msg_take(nng_aio *aio)
+{
+    nng_msg *m = nng_aio_get_msg(aio);
+    nng_aio_set_msg(aio, NULL);
+    return m;
+}
+
+void ps_aio_free_stopped(nng_aio *aio)
+{
+    if (aio == NULL) return;
+    nng_msg *m = ps_aio_msg_take(aio);
+    if (m) nng_msg_free(m);
+    nng_aio_free(aio);
+}

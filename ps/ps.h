@@ -22,8 +22,10 @@
  * reply (status < 0 and a text payload) and is counted; nothing is applied in part.
  *
  * Codecs: keys travel sorted and delta-varint encoded; values as fp32, fp16, bf16, or int8 with
- * a per-row fp32 scale. With int8 the client keeps each row's quantisation residual and adds it
- * into that row's next push (error feedback).
+ * a per-row bf16 scale. With int8 the client keeps each row's quantisation residual and adds it
+ * into that row's next push (error feedback). A push of exactly the keys the worker pulled just
+ * before names that pull instead of carrying the keys again (key elision); a server that no
+ * longer holds the pull's key list says so, and the client resends the push with its keys.
  *
  * Consistency: asynchronous by default. With staleness k >= 0 a worker's clock() blocks until
  * it is at most k clocks ahead of the slowest worker (k = 0 is synchronous); shard 0 keeps the
@@ -31,8 +33,8 @@
  * pushes before they clock, so clock c means "all my updates of iterations < c are applied".
  *
  * Checkpoints are collective: every worker flushes and meets the others at a barrier (served by
- * shard 0, named by an id), so all updates issued before the checkpoint are applied and none after; worker 0
- * has every shard snapshot its tables (each table paused while it is copied), and all meet
+ * shard 0, named by an id), so all updates issued before the checkpoint are applied and none after;
+ * worker 0 has every shard snapshot its tables (each table paused while it is copied), and all meet
  * again. The same cut on every shard, no update half applied, no optimizer slot ahead of its
  * weights. Training pauses for the length of the snapshot (docs/PROTOCOL.md).
  *
@@ -53,7 +55,7 @@
 extern "C" {
 #endif
 
-#define PS_PROTOCOL_VERSION 1u
+#define PS_PROTOCOL_VERSION 2u
 #define PS_MAX_TABLES 64u
 #define PS_MAX_DENSE 64u
 #define PS_MAX_SHARDS 1024u
@@ -64,7 +66,7 @@ typedef enum ps_codec {
     PS_CODEC_F32 = 0,
     PS_CODEC_F16 = 1,
     PS_CODEC_BF16 = 2,
-    PS_CODEC_INT8 = 3, /* per-row fp32 scale + dim int8 */
+    PS_CODEC_INT8 = 3, /* per-row bf16 scale + dim int8 */
 } ps_codec;
 
 /* "fp32", "fp16", "bf16", "int8". 0 or CM_EINVAL. */
@@ -76,7 +78,11 @@ size_t ps_codec_row_bytes(ps_codec c, uint32_t dim);
 /* The shard a key belongs to among n (jump consistent hash of xxh3(key)). */
 uint32_t ps_key_shard(uint64_t key, uint32_t n_shards);
 
-typedef enum ps_dense_opt { PS_DENSE_ADAM = 0, PS_DENSE_ADAGRAD = 1, PS_DENSE_SGD = 2 } ps_dense_opt;
+typedef enum ps_dense_opt {
+    PS_DENSE_ADAM = 0,
+    PS_DENSE_ADAGRAD = 1,
+    PS_DENSE_SGD = 2
+} ps_dense_opt;
 
 typedef struct ps_table_spec {
     char name[PS_NAME_MAX];
@@ -95,13 +101,13 @@ typedef struct ps_dense_spec {
 typedef struct ps_config {
     uint32_t n_shards;
     uint32_t n_workers;
-    int32_t staleness;        /* -1 = asynchronous */
-    uint64_t max_msg_bytes;   /* receive limit, default 256 MiB */
-    uint32_t worker_timeout_ms; /* a worker silent this long stops holding back clocks and
-                                   barriers (shard 0); 0 = wait for it forever */
+    int32_t staleness;           /* -1 = asynchronous */
+    uint64_t max_msg_bytes;      /* receive limit, default 256 MiB */
+    uint32_t worker_timeout_ms;  /* a worker silent this long stops holding back clocks and
+                                    barriers (shard 0); 0 = wait for it forever */
     uint32_t replica_timeout_ms; /* a primary whose backup has not acknowledged an update this
                                     long drops the backup and goes on unreplicated */
-    char spill_dir[1024];     /* shard s, table t spills to <spill_dir>/shard-<s>/<name> */
+    char spill_dir[1024];        /* shard s, table t spills to <spill_dir>/shard-<s>/<name> */
     char tls_cert[1024], tls_key[1024], tls_ca[1024]; /* PEM files for tls+tcp:// */
     uint32_t n_tables, n_dense;
     ps_table_spec tables[PS_MAX_TABLES];
@@ -130,9 +136,9 @@ int ps_config_check(const ps_config *cfg, char **errptr);
 /* Memory and disk cost of holding `rows` rows of table t in one shard: exact bytes per row
  * (record + hash slot overhead at the maximum load factor) and totals. */
 typedef struct ps_plan_row {
-    uint64_t row_bytes;      /* one record */
+    uint64_t row_bytes;       /* one record */
     double mem_bytes_per_row; /* record + ctrl byte, over the maximum load factor */
-    uint64_t rows_in_memory; /* rows the budget holds (all when unlimited) */
+    uint64_t rows_in_memory;  /* rows the budget holds (all when unlimited) */
     uint64_t rows_spilled;
     double mem_bytes, disk_bytes;
 } ps_plan_row;
@@ -146,7 +152,7 @@ typedef struct ps_server_opts {
     const ps_config *cfg; /* borrowed for the server's life */
     const char *listen;   /* nng URL, e.g. tcp://127.0.0.1:7000, ipc:///tmp/ps0 */
     uint32_t shard;
-    uint32_t n_contexts; /* concurrent requests in service; 0 = 64 */
+    uint32_t n_contexts;     /* concurrent requests in service; 0 = 64 */
     const char *replica_url; /* primary with a backup: the backup's URL (NULL: none) */
     bool backup;             /* this process is the backup of its shard (see Replication) */
 } ps_server_opts;
@@ -173,6 +179,9 @@ typedef struct ps_server_stats {
                                         backup: updates received from the primary */
     uint64_t replica_dropped;        /* primary: 1 once it dropped an unreachable backup */
     uint64_t promoted;               /* backup: 1 once it took over as primary */
+    uint64_t elided;                 /* pushes applied with the keys of a pull they named */
+    uint64_t elided_misses;          /* ... answered PS_STATUS_NO_KEYS (list not held) */
+    uint64_t keylist_bytes;          /* memory the recent pulls' key lists take */
 } ps_server_stats;
 void ps_server_stats_get(ps_server *s, ps_server_stats *out);
 
@@ -181,13 +190,15 @@ void ps_server_stats_get(ps_server *s, ps_server_stats *out);
 typedef struct ps_client ps_client;
 
 typedef struct ps_client_opts {
-    const ps_config *cfg;    /* borrowed for the client's life */
-    const char *const *urls; /* cfg->n_shards URLs, shard order */
-    uint32_t worker;         /* this worker's index < cfg->n_workers */
-    uint32_t window;         /* in-flight requests per shard; 0 = 8 */
-    uint32_t timeout_ms;     /* per request; 0 = 30000 */
+    const ps_config *cfg;           /* borrowed for the client's life */
+    const char *const *urls;        /* cfg->n_shards URLs, shard order */
+    uint32_t worker;                /* this worker's index < cfg->n_workers */
+    uint32_t window;                /* in-flight requests per shard; 0 = 8 */
+    uint32_t timeout_ms;            /* per request; 0 = 30000 */
     const char *const *backup_urls; /* NULL, or cfg->n_shards URLs of the shards' backups
                                        (an entry may be NULL: that shard has none) */
+    bool explicit_keys; /* every push carries its keys, none names a pull (key elision off:
+                           benchmarks and tests compare the two) */
 } ps_client_opts;
 
 /* Connects to every shard and runs the HELLO handshake (protocol version, shard index and
@@ -206,8 +217,8 @@ int ps_client_lookup(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
                      char **errptr);
 /* Pushes gradients for n keys (n * dim floats); duplicated keys are summed first. Returns once
  * queued; an error of an earlier asynchronous push is reported by a later call. */
-int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
-                   const float *grads, char **errptr);
+int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, const float *grads,
+                   char **errptr);
 /* Waits until every queued push is acknowledged. */
 int ps_client_flush(ps_client *c, char **errptr);
 /* Pushes queued and not yet acknowledged (0: every earlier push is applied on its shards). */
@@ -249,6 +260,9 @@ typedef struct ps_client_stats {
     uint64_t rows_pulled, rows_pushed;
     double push_sq_error, push_sq_norm; /* quantisation error of pushes (sum of squares) */
     uint64_t failovers;                 /* shards this client moved to their backup */
+    uint64_t push_bytes;                /* bytes of PUSH requests sent, resends included */
+    uint64_t pushes_elided;             /* per-shard pushes sent naming a pull's key list */
+    uint64_t push_fallbacks;            /* ... sent again with keys (PS_STATUS_NO_KEYS) */
     ps_server_stats shard_total;        /* summed over shards by ps_client_stats_get */
     emb_table_stats table_total[PS_MAX_TABLES];
 } ps_client_stats;

@@ -28,6 +28,7 @@
 
 #include "ps/checkpoint.h"
 #include "ps/dense.h"
+#include "ps/keycache.h"
 #include "ps/net.h"
 #include "ps/replica.h"
 
@@ -72,6 +73,7 @@ struct ps_server {
     uint64_t barrier_want; /* the id being gathered; 0: none */
     ps_server_stats st;    /* atomics */
     ps_dedup *dedup;
+    ps_keycache *pulled; /* key lists of recent pulls, per (worker, table): key elision */
     /* replication */
     bool is_backup, has_backup;
     char replica_url[1024];
@@ -280,9 +282,45 @@ static int check_keys_owned(struct ps_server *s, const uint64_t *keys, size_t n,
     return CM_OK;
 }
 
+/* Resolves the keys of an elided push from the key list of the pull it names. NULL when found;
+ * otherwise the error reply: PS_STATUS_NO_KEYS when the list is not held (a normal event: the
+ * client resends with keys), a malformed-message error when it is held but does not match. */
+static nng_msg *elided_keys(struct ps_server *s, const ps_hdr *h, const uint8_t *p, uint64_t *keys)
+{
+    char msg[200];
+    uint64_t pull_id, sum;
+    size_t have = 0;
+    memcpy(&pull_id, p, 8);
+    memcpy(&sum, p + 8, 8);
+    switch (ps_keycache_get(s->pulled, h->worker, h->table, pull_id, h->count, sum, keys, &have)) {
+    case PS_KC_FOUND:
+        STAT_ADD(s, elided, 1);
+        return NULL;
+    case PS_KC_UNKNOWN:
+        STAT_ADD(s, elided_misses, 1);
+        snprintf(msg, sizeof msg, "no key list of pull %" PRIu64 " by worker %u for table %u",
+                 pull_id, h->worker, h->table);
+        return reply_error(s, h, PS_STATUS_NO_KEYS, msg);
+    case PS_KC_COUNT:
+        snprintf(msg, sizeof msg, "elided push of %u rows names pull %" PRIu64 " of %zu keys",
+                 h->count, pull_id, have);
+        break;
+    case PS_KC_CHECKSUM:
+        snprintf(msg, sizeof msg, "elided push: key checksum does not match pull %" PRIu64,
+                 pull_id);
+        break;
+    }
+    STAT_ADD(s, bad_messages, 1);
+    return reply_error(s, h, CM_ECORRUPT, msg);
+}
+
 /* PULL payload: keys. Reply: rows in the requested codec. PUSH payload: u32 key bytes, keys,
- * rows. Everything is validated before the table is touched. */
-static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t *p)
+ * rows; or, with PS_FLAG_ELIDED, u64 pull request id, u64 key checksum, rows. Everything is
+ * validated before the table is touched. A successful pull's keys are kept for the pushes that
+ * name it. When `with_keys` is not NULL and an elided push was applied, *with_keys gets the same
+ * push with its keys (sealed): what a backup, which never saw the pull, can apply. */
+static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t *p,
+                            nng_msg **with_keys)
 {
     char msg[256];
     char *err = NULL;
@@ -310,7 +348,11 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         return reply_error(s, h, CM_EINVAL, msg);
     }
     size_t key_bytes = h->payload_len;
-    if (h->op == PS_OP_PUSH) {
+    const bool elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
+    if (elided) {
+        if (h->payload_len != PS_ELIDED_HEAD + (uint64_t)n * row_bytes) goto short_payload;
+        key_bytes = PS_ELIDED_HEAD;
+    } else if (h->op == PS_OP_PUSH) {
         uint32_t kb;
         if (h->payload_len < 4) goto short_payload;
         memcpy(&kb, p, 4);
@@ -324,7 +366,8 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         reply = reply_error(s, h, CM_ENOMEM, "server out of memory");
         goto out;
     }
-    rc = ps_keys_decode(p, key_bytes, n, keys, &err);
+    if (elided && (reply = elided_keys(s, h, p, keys)) != NULL) goto out;
+    rc = elided ? CM_OK : ps_keys_decode(p, key_bytes, n, keys, &err);
     if (rc == CM_OK && h->op == PS_OP_PUSH)
         rc = ps_codec_decode((ps_codec)h->codec, p + key_bytes, n, dim, vals, &err);
     if (rc != CM_OK) {
@@ -332,7 +375,8 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         reply = reply_error(s, h, rc, err);
         goto out;
     }
-    if (check_keys_owned(s, keys, n, msg, sizeof msg) != CM_OK) {
+    /* An elided push's keys passed this check when they were pulled. */
+    if (!elided && check_keys_owned(s, keys, n, msg, sizeof msg) != CM_OK) {
         STAT_ADD(s, bad_messages, 1);
         reply = reply_error(s, h, CM_EINVAL, msg);
         goto out;
@@ -352,7 +396,22 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         if (rc == CM_OK) STAT_ADD(s, rows_pushed, n);
     }
     pthread_rwlock_unlock(&s->tables_lock);
-    if (rc != CM_OK) reply = reply_error(s, h, rc, err);
+    if (rc != CM_OK) {
+        reply = reply_error(s, h, rc, err);
+    } else if (h->op == PS_OP_PULL && !(h->flags & PS_FLAG_LOOKUP) &&
+               h->worker < s->cfg.n_workers) {
+        /* Lookups are left out: evaluation pushes nothing, and would evict lists that
+         * training pushes still name. */
+        ps_keycache_put(s->pulled, h->worker, h->table, h->req_id, keys, n);
+        keys = NULL;
+    } else if (elided && with_keys != NULL) {
+        ps_hdr e = *h;
+        e.flags &= (uint8_t)~PS_FLAG_ELIDED;
+        if (ps_msg_rows(&e, keys, n, p + PS_ELIDED_HEAD, row_bytes, with_keys) == CM_OK)
+            ps_msg_seal(*with_keys);
+        else
+            *with_keys = NULL; /* the caller drops the backup rather than ship a bad update */
+    }
 out:
     free(err);
     free(keys);
@@ -628,8 +687,9 @@ static int16_t reply_status(nng_msg *m)
 }
 
 /* Applies one update. A push seen before (a resend) is acknowledged without being applied
- * again; *dup tells. */
-static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t *p, bool *dup)
+ * again; *dup tells. with_keys: see handle_rows. */
+static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t *p, bool *dup,
+                             nng_msg **with_keys)
 {
     *dup = false;
     if ((h->op == PS_OP_PUSH || h->op == PS_OP_PUSH_DENSE) &&
@@ -641,7 +701,7 @@ static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t
     nng_msg *r;
     switch (h->op) {
     case PS_OP_PUSH:
-        r = handle_rows(s, h, p);
+        r = handle_rows(s, h, p, with_keys);
         break;
     case PS_OP_PUSH_DENSE:
     case PS_OP_INIT_DENSE:
@@ -665,7 +725,7 @@ static void apply_logged(struct ps_server *s, ps_replog_entry *e)
     ps_hdr h;
     bool dup;
     memcpy(&h, e->msg, sizeof h);
-    nng_msg *r = apply_update(s, &h, e->msg + PS_HDR_BYTES, &dup);
+    nng_msg *r = apply_update(s, &h, e->msg + PS_HDR_BYTES, &dup, NULL);
     if (r == NULL || reply_status(r) != 0)
         fprintf(stderr, "ember ps: shard %u backup: update %" PRIu64 " (op %u) failed: %.*s\n",
                 s->shard, e->seq, h.op, r ? (int)(nng_msg_len(r) - PS_HDR_BYTES) : 13,
@@ -707,7 +767,11 @@ static nng_msg *handle_replicate(struct ps_server *s, const ps_hdr *h, const uin
         return reply_error(s, h, CM_EINVAL, "REPLICATE sent to a shard that is not a backup");
     if (h->payload_len < 8 + PS_HDR_BYTES) goto bad;
     memcpy(&seq, p, 8);
-    if (ps_wire_open(p + 8, h->payload_len - 8, &ih, &err) != CM_OK || !is_update(ih.op)) goto bad;
+    /* A primary resolves an elided push's keys before it ships it: the backup never saw the
+     * pull it names. */
+    if (ps_wire_open(p + 8, h->payload_len - 8, &ih, &err) != CM_OK || !is_update(ih.op) ||
+        (ih.op == PS_OP_PUSH && (ih.flags & PS_FLAG_ELIDED)))
+        goto bad;
     nng_msg *reply;
     pthread_mutex_lock(&s->repl_mu);
     if (s->promoted) {
@@ -768,18 +832,18 @@ static void repl_cb(void *arg)
         return;
     }
     if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) {
-        if (c->rstate == RS_SEND) nng_msg_free(nng_aio_get_msg(c->raio));
+        if (c->rstate == RS_SEND) nng_msg_free(ps_aio_msg_take(c->raio));
         nng_msg_free(c->held);
         c->held = NULL;
         return;
     }
     if (c->rstate == RS_SEND) {
-        nng_msg_free(nng_aio_get_msg(c->raio));
+        nng_msg_free(ps_aio_msg_take(c->raio));
         replica_lost(s, nng_strerror(rv));
     } else if (rv != 0) {
         replica_lost(s, nng_strerror(rv));
     } else {
-        nng_msg *m = nng_aio_get_msg(c->raio);
+        nng_msg *m = ps_aio_msg_take(c->raio);
         ps_hdr h;
         int16_t st = ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, NULL) == CM_OK ? h.status
                                                                                       : CM_ECORRUPT;
@@ -812,14 +876,19 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
                           size_t len, nng_msg **reply)
 {
     bool replicate = s->has_backup && !__atomic_load_n(&s->dropped, __ATOMIC_RELAXED), dup;
-    nng_msg *fwd = NULL;
+    const bool elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
+    nng_msg *fwd = NULL, *with_keys = NULL;
     if (replicate) pthread_mutex_lock(&s->repl_mu);
-    *reply = apply_update(s, h, body + PS_HDR_BYTES, &dup);
+    *reply = apply_update(s, h, body + PS_HDR_BYTES, &dup, replicate ? &with_keys : NULL);
     if (replicate && *reply && !dup && reply_status(*reply) == 0) {
-        fwd = forward_msg(body, len, ++s->seq);
+        /* An elided push goes to the backup with its keys (handle_rows re-encoded it). */
+        if (!elided || with_keys != NULL)
+            fwd = with_keys ? forward_msg(nng_msg_body(with_keys), nng_msg_len(with_keys), ++s->seq)
+                            : forward_msg(body, len, ++s->seq);
         if (fwd == NULL) replica_lost(s, "out of memory");
     }
     if (replicate) pthread_mutex_unlock(&s->repl_mu);
+    if (with_keys) nng_msg_free(with_keys);
     if (fwd == NULL) {
         if (h->op == PS_OP_SHUTDOWN) ps_server_stop(s);
         return false;
@@ -875,7 +944,7 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
             *reply = handle_hello(s, &h, p);
             break;
         case PS_OP_PULL:
-            *reply = handle_rows(s, &h, p);
+            *reply = handle_rows(s, &h, p, NULL);
             break;
         case PS_OP_PUSH:
         case PS_OP_PUSH_DENSE:
@@ -917,12 +986,12 @@ static void ctx_cb(void *arg)
     struct ps_server *s = c->s;
     int rv = nng_aio_result(c->aio);
     if (c->state == ST_SEND) {
-        if (rv != 0) nng_msg_free(nng_aio_get_msg(c->aio));
+        if (rv != 0) nng_msg_free(ps_aio_msg_take(c->aio));
     } else if (c->state == ST_RECV) {
         if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) return;
         if (rv == 0) {
             nng_msg *reply = NULL;
-            if (handle(s, c, nng_aio_get_msg(c->aio), &reply)) return; /* parked */
+            if (handle(s, c, ps_aio_msg_take(c->aio), &reply)) return; /* parked */
             if (reply != NULL) {
                 ctx_send(c, reply);
                 return;
@@ -963,8 +1032,9 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
         s->last_seen[w] = now_ms();
     s->ctxs = calloc(s->n_ctx, sizeof *s->ctxs);
     s->dedup = ps_dedup_create(s->cfg.n_workers);
+    s->pulled = ps_keycache_create(s->cfg.n_workers, s->cfg.n_tables);
     if (s->clocks == NULL || s->ctxs == NULL || s->last_seen == NULL || s->arrived == NULL ||
-        s->dedup == NULL) {
+        s->dedup == NULL || s->pulled == NULL) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto fail;
     }
@@ -1080,11 +1150,12 @@ void ps_server_destroy(ps_server *s)
     if (s->rsock_open) nng_close(s->rsock);
     if (s->ctxs)
         for (uint32_t i = 0; i < s->n_ctx; i++) {
-            if (s->ctxs[i].aio) nng_aio_free(s->ctxs[i].aio);
-            if (s->ctxs[i].raio) nng_aio_free(s->ctxs[i].raio);
+            ps_aio_free_stopped(s->ctxs[i].aio);
+            ps_aio_free_stopped(s->ctxs[i].raio);
             if (s->ctxs[i].held) nng_msg_free(s->ctxs[i].held);
         }
     ps_dedup_destroy(s->dedup);
+    ps_keycache_destroy(s->pulled);
     ps_replog_clear(&s->log);
     pthread_mutex_destroy(&s->repl_mu);
     for (uint32_t i = 0; i < PS_MAX_TABLES; i++)
@@ -1106,4 +1177,5 @@ void ps_server_stats_get(ps_server *s, ps_server_stats *out)
     pthread_mutex_lock(&s->mu);
     *out = s->st;
     pthread_mutex_unlock(&s->mu);
+    out->keylist_bytes = ps_keycache_bytes(s->pulled);
 }

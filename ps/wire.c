@@ -25,10 +25,13 @@ const char *ps_codec_name(ps_codec c)
 size_t ps_codec_row_bytes(ps_codec c, uint32_t dim)
 {
     switch (c) {
-    case PS_CODEC_F32: return 4u * dim;
+    case PS_CODEC_F32:
+        return 4u * dim;
     case PS_CODEC_F16:
-    case PS_CODEC_BF16: return 2u * dim;
-    case PS_CODEC_INT8: return 4u + dim;
+    case PS_CODEC_BF16:
+        return 2u * dim;
+    case PS_CODEC_INT8:
+        return 2u + dim;
     }
     return 0;
 }
@@ -73,15 +76,15 @@ void ps_wire_seal(void *buf, size_t payload_len)
 int ps_wire_open(const void *buf, size_t len, ps_hdr *h, char **errptr)
 {
     if (len < PS_HDR_BYTES)
-        return cm_err(errptr, CM_ECORRUPT, "message of %zu bytes is shorter than the %u-byte header",
-                      len, PS_HDR_BYTES);
+        return cm_err(errptr, CM_ECORRUPT,
+                      "message of %zu bytes is shorter than the %u-byte header", len, PS_HDR_BYTES);
     memcpy(h, buf, sizeof *h);
-    if (h->magic != PS_MAGIC)
-        return cm_err(errptr, CM_ECORRUPT, "bad magic 0x%08x", h->magic);
+    if (h->magic != PS_MAGIC) return cm_err(errptr, CM_ECORRUPT, "bad magic 0x%08x", h->magic);
     if (h->version != PS_PROTOCOL_VERSION)
         return cm_err(errptr, CM_ECORRUPT, "protocol version %u, this side speaks %u", h->version,
                       PS_PROTOCOL_VERSION);
-    if (h->op == 0 || h->op >= PS_OP_MAX_) return cm_err(errptr, CM_ECORRUPT, "unknown op %u", h->op);
+    if (h->op == 0 || h->op >= PS_OP_MAX_)
+        return cm_err(errptr, CM_ECORRUPT, "unknown op %u", h->op);
     if (h->payload_len != len - PS_HDR_BYTES)
         return cm_err(errptr, CM_ECORRUPT, "payload length %llu but %zu bytes arrived",
                       (unsigned long long)h->payload_len, len - PS_HDR_BYTES);
@@ -135,9 +138,11 @@ int ps_keys_decode(const uint8_t *in, size_t len, size_t n, uint64_t *keys, char
         uint64_t d;
         size_t used = ps_varint_get(in + off, len - off, &d);
         if (used == 0)
-            return cm_err(errptr, CM_ECORRUPT, "key %zu of %zu: truncated or overlong varint", i, n);
+            return cm_err(errptr, CM_ECORRUPT, "key %zu of %zu: truncated or overlong varint", i,
+                          n);
         if ((i > 0 && d == 0) || d > UINT64_MAX - prev)
-            return cm_err(errptr, CM_ECORRUPT, "key %zu of %zu: keys not strictly increasing", i, n);
+            return cm_err(errptr, CM_ECORRUPT, "key %zu of %zu: keys not strictly increasing", i,
+                          n);
         prev += d;
         keys[i] = prev;
         off += used;
@@ -145,6 +150,45 @@ int ps_keys_decode(const uint8_t *in, size_t len, size_t n, uint64_t *keys, char
     if (off != len)
         return cm_err(errptr, CM_ECORRUPT, "%zu trailing bytes after %zu keys", len - off, n);
     return CM_OK;
+}
+
+uint64_t ps_keys_sum(const uint64_t *keys, size_t n)
+{
+    /* Both ends are little-endian (headers travel in native layout too). */
+    return cm_xxh3(keys, n * sizeof *keys);
+}
+
+/* The smallest bf16 at or above a finite x >= 0: an int8 row quantised with a scale rounded up
+ * never needs more than +-127. */
+static uint16_t bf16_round_up(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    return (uint16_t)((b >> 16) + ((b & 0xffffu) != 0));
+}
+
+/* An int8 row: a 2-byte bf16 scale (about max|x|/127), then dim int8 values. The scale is bf16
+ * rather than fp16 because gradients are small: fp16 goes subnormal below 6e-5 and to zero
+ * below 6e-8, so rows of small gradients would lose their precision or vanish, while bf16 has
+ * fp32's range. Values are quantised with the scale as decoded, so the 0.4% precision of a
+ * bf16 only leaves part of the int8 range unused and error feedback sees the exact residual. */
+static void int8_row_encode(const float *x, uint32_t dim, uint8_t *out, float *back)
+{
+    float amax = 0.0f;
+    for (uint32_t j = 0; j < dim; j++)
+        amax = fmaxf(amax, fabsf(x[j]));
+    uint16_t sb = bf16_round_up(amax / 127.0f);
+    float scale = cm_bf16_to_f32(sb), inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    /* A subnormal scale has no finite inverse: divide instead (rare, so the common path keeps
+     * its multiply). */
+    bool divide = !isfinite(inv);
+    memcpy(out, &sb, 2);
+    for (uint32_t j = 0; j < dim; j++) {
+        long q = lrintf(divide ? x[j] / scale : x[j] * inv);
+        q = q > 127 ? 127 : q < -127 ? -127 : q;
+        out[2 + j] = (uint8_t)(int8_t)q;
+        if (back) back[j] = (float)q * scale;
+    }
 }
 
 void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, uint8_t *dst,
@@ -166,7 +210,7 @@ void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, ui
         break;
     case PS_CODEC_INT8:
         for (size_t r = 0; r < rows; r++)
-            cm_int8_row_encode(src + r * dim, dim, dst + r * (4u + dim), back ? back + r * dim : NULL);
+            int8_row_encode(src + r * dim, dim, dst + r * (2u + dim), back ? back + r * dim : NULL);
         break;
     }
 }
@@ -176,7 +220,9 @@ int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, f
 {
     size_t n = rows * dim;
     switch (c) {
-    case PS_CODEC_F32: memcpy(dst, src, n * 4); break;
+    case PS_CODEC_F32:
+        memcpy(dst, src, n * 4);
+        break;
     case PS_CODEC_F16:
     case PS_CODEC_BF16:
         for (size_t i = 0; i < n; i++) {
@@ -187,15 +233,18 @@ int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, f
         break;
     case PS_CODEC_INT8:
         for (size_t r = 0; r < rows; r++) {
-            const uint8_t *in = src + r * (4u + dim);
-            float scale;
-            memcpy(&scale, in, 4);
-            if (!isfinite(scale) || scale < 0.0f)
+            const uint8_t *in = src + r * (2u + dim);
+            uint16_t sb;
+            memcpy(&sb, in, 2);
+            float scale = cm_bf16_to_f32(sb);
+            if (!isfinite(scale) || (sb & 0x8000u))
                 return cm_err(errptr, CM_ECORRUPT, "row %zu: bad int8 scale %g", r, (double)scale);
-            cm_int8_row_decode(in, dim, dst + r * dim);
+            for (uint32_t j = 0; j < dim; j++)
+                dst[r * dim + j] = (float)(int8_t)in[2 + j] * scale;
         }
-        return CM_OK;
-    default: return cm_err(errptr, CM_ECORRUPT, "unknown codec %d", (int)c);
+        break; /* 127 times a huge finite scale is not finite: checked below */
+    default:
+        return cm_err(errptr, CM_ECORRUPT, "unknown codec %d", (int)c);
     }
     for (size_t i = 0; i < n; i++)
         if (!isfinite(dst[i]))

@@ -36,10 +36,22 @@ typedef enum ps_op {
 
 /* PULL flag: read only (emb_table_lookup): nothing created, absent keys read as zeros. */
 #define PS_FLAG_LOOKUP 0x01u
+/* PUSH flag: the payload names the key list of an earlier PULL by the same worker (u64 pull
+ * request id, u64 ps_keys_sum of its keys) instead of carrying keys: a worker pushes gradients
+ * for exactly the keys it has just pulled, so the keys need not cross the wire twice. */
+#define PS_FLAG_ELIDED 0x02u
+#define PS_ELIDED_HEAD 16u /* bytes before the rows of an elided push */
+/* Key lists of recent PULLs each server keeps per (worker, table), and each client per
+ * (table, shard): enough for a worker that prefetches the next batch while pushing this one. */
+#define PS_KEYLIST_RING 4u
 
 /* Reply status of a backup that has taken over, to its old primary's REPLICATE: the old
  * primary is fenced and must stop serving. */
 #define PS_STATUS_FENCED (-100)
+/* Reply status to an elided PUSH whose key list this server does not hold (evicted, or a backup
+ * that took over and never saw the pull): nothing was applied; the client sends the push again
+ * with explicit keys. */
+#define PS_STATUS_NO_KEYS (-101)
 
 typedef struct ps_hdr {
     uint32_t magic;
@@ -78,14 +90,18 @@ size_t ps_keys_encode(const uint64_t *keys, size_t n, uint8_t *out);
 /* Decodes exactly n strictly increasing keys from exactly len bytes. */
 int ps_keys_decode(const uint8_t *in, size_t len, size_t n, uint64_t *keys, char **errptr);
 
+/* The checksum an elided push carries of the key list it names: xxh3-64 of the keys as
+ * little-endian u64s. */
+uint64_t ps_keys_sum(const uint64_t *keys, size_t n);
+
 /* Rows of dim floats to a codec and back. encode may write the decoded (lossy) values into
  * back (optional) so the caller can keep the quantisation residual. */
 void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, uint8_t *dst,
                      float *back);
-/* Decodes rows; fails (naming the row) on a non-finite value or scale. */
+/* Decodes rows; fails (naming the row) on a non-finite value, or a negative or non-finite
+ * int8 scale. */
 int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, float *dst,
                     char **errptr);
-
 
 /* A fingerprint of everything about a table or dense block that client and server must
  * agree on (name, model config, codecs). */

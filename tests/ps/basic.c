@@ -24,8 +24,10 @@ static void test_read_your_writes(ps_client *c)
     enum { K = 64, ITERS = 1000 };
     uint64_t keys[K];
     float g[K * DIM], out[K * DIM];
-    for (int i = 0; i < K; i++) keys[i] = 1000 + (uint64_t)i; /* both shards */
-    for (int i = 0; i < K * (int)DIM; i++) g[i] = 1.0f;
+    for (int i = 0; i < K; i++)
+        keys[i] = 1000 + (uint64_t)i; /* both shards */
+    for (int i = 0; i < K * (int)DIM; i++)
+        g[i] = 1.0f;
     char *err = NULL;
     int stale = 0;
     for (int it = 0; it < ITERS; it++) {
@@ -50,9 +52,11 @@ static void test_duplicates(ps_client *c)
     /* Rows initialise from the key: same key, same row; different keys differ. */
     CHECK(memcmp(init, init + 2 * DIM, DIM * 4) == 0 && memcmp(init, init + 4 * DIM, DIM * 4) == 0);
     CHECK(memcmp(init, init + DIM, DIM * 4) != 0);
-    for (int i = 0; i < 5 * (int)DIM; i++) CHECK(fabsf(init[i]) <= 0.1f);
+    for (int i = 0; i < 5 * (int)DIM; i++)
+        CHECK(fabsf(init[i]) <= 0.1f);
     for (int i = 0; i < 5; i++)
-        for (uint32_t j = 0; j < DIM; j++) g[i * DIM + j] = (float)(i + 1) * 0.125f;
+        for (uint32_t j = 0; j < DIM; j++)
+            g[i * DIM + j] = (float)(i + 1) * 0.125f;
     CHECK_OK(ps_client_push(c, 2, keys, 5, g, &err), err);
     CHECK_OK(ps_client_pull(c, 2, keys, 5, out, &err), err);
     for (uint32_t j = 0; j < DIM; j++) {
@@ -68,7 +72,8 @@ static void test_duplicates(ps_client *c)
     CHECK(ps_client_pull(c, 9, keys, 1, out, &err) == CM_EINVAL && err && strstr(err, "table 9"));
     free(err), err = NULL;
     float bad[DIM] = {0, NAN, 0, 0};
-    CHECK(ps_client_push(c, 2, keys, 1, bad, &err) == CM_EINVAL && err && strstr(err, "non-finite"));
+    CHECK(ps_client_push(c, 2, keys, 1, bad, &err) == CM_EINVAL && err &&
+          strstr(err, "non-finite"));
     free(err);
 }
 
@@ -79,7 +84,8 @@ static void test_lossy(ps_client *c)
     enum { K = 40, PUSHES = 100 };
     uint64_t keys[K];
     float g[K * DIM], out[K * DIM];
-    for (int i = 0; i < K; i++) keys[i] = 5000 + (uint64_t)i * 7919;
+    for (int i = 0; i < K; i++)
+        keys[i] = 5000 + (uint64_t)i * 7919;
     for (int i = 0; i < K; i++) {
         g[i * DIM + 0] = 1.0f;
         g[i * DIM + 1] = 0.003f; /* < half an int8 step of 1/127: rounds to 0 alone */
@@ -87,7 +93,8 @@ static void test_lossy(ps_client *c)
         g[i * DIM + 3] = 0.0421f;
     }
     char *err = NULL;
-    for (int p = 0; p < PUSHES; p++) CHECK_OK(ps_client_push(c, 1, keys, K, g, &err), err);
+    for (int p = 0; p < PUSHES; p++)
+        CHECK_OK(ps_client_push(c, 1, keys, K, g, &err), err);
     CHECK_OK(ps_client_pull(c, 1, keys, K, out, &err), err);
     double worst = 0;
     for (int i = 0; i < K * (int)DIM; i++) {
@@ -108,7 +115,8 @@ static void test_dense(ps_client *c)
     float v[6] = {1, 2, 3, 4, 5, 6}, w[6] = {9, 9, 9, 9, 9, 9}, out[6], g[6] = {4, 0, -4, 8, 1, 2};
     int assigned = -1;
     CHECK_OK(ps_client_dense_pull(c, 0, out, &err), err);
-    for (int i = 0; i < 6; i++) CHECK(out[i] == 0.0f); /* uninitialised reads as zeros */
+    for (int i = 0; i < 6; i++)
+        CHECK(out[i] == 0.0f); /* uninitialised reads as zeros */
     CHECK_OK(ps_client_dense_init(c, 0, v, &assigned, &err), err);
     CHECK(assigned == 1);
     CHECK_OK(ps_client_dense_init(c, 0, w, &assigned, &err), err); /* the first one wins */
@@ -117,7 +125,8 @@ static void test_dense(ps_client *c)
     CHECK(memcmp(out, v, sizeof v) == 0);
     CHECK_OK(ps_client_dense_push(c, 0, g, &err), err);
     CHECK_OK(ps_client_dense_pull(c, 0, out, &err), err);
-    for (int i = 0; i < 6; i++) CHECK(out[i] == v[i] - 0.25f * g[i]);
+    for (int i = 0; i < 6; i++)
+        CHECK(out[i] == v[i] - 0.25f * g[i]);
     /* Block 1 lives on shard 1 (b % N). */
     float o1[3];
     CHECK_OK(ps_client_dense_init(c, 1, v, &assigned, &err), err);

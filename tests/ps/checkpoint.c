@@ -34,17 +34,20 @@ static void train(ps_client *c, const uint64_t *keys)
 {
     char *err = NULL;
     float *g = malloc(NK * 8 * sizeof *g), dv[100];
-    for (uint32_t i = 0; i < 100; i++) dv[i] = (float)i * 0.01f;
+    for (uint32_t i = 0; i < 100; i++)
+        dv[i] = (float)i * 0.01f;
     int assigned = 0;
     CHECK_OK(ps_client_dense_init(c, 0, dv, &assigned, &err), err);
     CHECK_OK(ps_client_dense_init(c, 1, dv, &assigned, &err), err);
     for (uint32_t step = 0; step < 5; step++) {
         for (uint32_t tb = 0; tb < 2; tb++) {
-            for (uint32_t i = 0; i < NK * dims[tb]; i++) g[i] = (float)((i * 7 + step * 13) % 17) * 0.01f - 0.08f;
+            for (uint32_t i = 0; i < NK * dims[tb]; i++)
+                g[i] = (float)((i * 7 + step * 13) % 17) * 0.01f - 0.08f;
             CHECK_OK(ps_client_push(c, tb, keys, NK, g, &err), err);
         }
         for (uint32_t b = 0; b < 2; b++) {
-            for (uint32_t i = 0; i < dsize[b]; i++) g[i] = (float)((i + step) % 5) - 2.0f;
+            for (uint32_t i = 0; i < dsize[b]; i++)
+                g[i] = (float)((i + step) % 5) - 2.0f;
             CHECK_OK(ps_client_dense_push(c, b, g, &err), err);
         }
     }
@@ -61,7 +64,8 @@ int main(void)
     const char *urls[2] = {pt_ipc(dir, "s0"), pt_ipc(dir, "s1")};
     const char *ckpt = pt_path(dir, "ckpt");
     uint64_t keys[NK];
-    for (uint32_t i = 0; i < NK; i++) keys[i] = (uint64_t)i * 1000003u + 17;
+    for (uint32_t i = 0; i < NK; i++)
+        keys[i] = (uint64_t)i * 1000003u + 17;
     static state before, fresh, after;
     char *err = NULL;
 
@@ -80,9 +84,11 @@ int main(void)
     pt_spawn_cluster(path, 2, urls, pids);
     c = pt_client(&cfg, urls, 0, 10000);
     pull_all(c, keys, &fresh);
-    CHECK_MSG(memcmp(fresh.t, before.t, sizeof fresh.t) != 0, "fresh PS already holds the trained rows");
+    CHECK_MSG(memcmp(fresh.t, before.t, sizeof fresh.t) != 0,
+              "fresh PS already holds the trained rows");
     CHECK(memcmp(fresh.q, before.q, sizeof fresh.q) != 0);
-    for (uint32_t i = 0; i < 33; i++) CHECK(fresh.d1[i] == 0.0f); /* uninitialised block */
+    for (uint32_t i = 0; i < 33; i++)
+        CHECK(fresh.d1[i] == 0.0f); /* uninitialised block */
 
     /* A missing checkpoint: error naming it, state untouched. */
     CHECK(ps_client_load(c, pt_path(dir, "nope"), &err) != CM_OK);
@@ -101,11 +107,13 @@ int main(void)
     float g[8] = {1, 1, 1, 1, 1, 1, 1, 1}, row[8];
     CHECK_OK(ps_client_push(c, 0, keys, 1, g, &err), err);
     CHECK_OK(ps_client_pull(c, 0, keys, 1, row, &err), err);
-    for (int j = 0; j < 8; j++) CHECK(row[j] == (float)(before.t[j] - (double)0.1f * 1.0));
+    for (int j = 0; j < 8; j++)
+        CHECK(row[j] == (float)(before.t[j] - (double)0.1f * 1.0));
     ps_client_destroy(c);
     for (int i = 0; i < 2; i++) {
         int st = psp_stop(pids[i], SIGTERM, 10.0);
-        CHECK_MSG(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit status %d", i, st);
+        CHECK_MSG(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit status %d", i,
+                  st);
     }
     return pt_finish(dir);
 }

@@ -6,45 +6,44 @@
 
 static const char *dir;
 
-static const char good[] =
-    "# a comment line\n"
-    "[cluster]\n"
-    "shards = 3\n"
-    "workers = 4   # trailing comment\n"
-    "staleness = 2\n"
-    "max_message = 64M\n"
-    "spill_dir = /tmp/x y\n"
-    "tls_cert = /c.pem\n"
-    "tls_key = /k.pem\n"
-    "tls_ca = /ca.pem\n"
-    "\n"
-    "[table user]\n"
-    "dim = 8\n"
-    "optimizer = adam\n"
-    "lr = 0.01\n"
-    "l2 = 0.5\n"
-    "eps = 1e-6\n"
-    "beta1 = 0.8\n"
-    "beta2 = 0.99\n"
-    "adagrad_init = 0.1\n"
-    "ftrl_beta = 2\n"
-    "ftrl_l1 = 0.25\n"
-    "init_scale = 0.05\n"
-    "seed = 99\n"
-    "memory = 2M\n"
-    "admit = 3\n"
-    "ttl = 100\n"
-    "push_codec = int8\n"
-    "pull_codec = fp16\n"
-    "  [ table item ]  \n"
-    "dim = 32\n"
-    "[dense mlp]\n"
-    "size = 1000\n"
-    "optimizer = sgd\n"
-    "lr = 0.5\n"
-    "beta1 = 0.5\n"
-    "beta2 = 0.6\n"
-    "eps = 1e-4\n";
+static const char good[] = "# a comment line\n"
+                           "[cluster]\n"
+                           "shards = 3\n"
+                           "workers = 4   # trailing comment\n"
+                           "staleness = 2\n"
+                           "max_message = 64M\n"
+                           "spill_dir = /tmp/x y\n"
+                           "tls_cert = /c.pem\n"
+                           "tls_key = /k.pem\n"
+                           "tls_ca = /ca.pem\n"
+                           "\n"
+                           "[table user]\n"
+                           "dim = 8\n"
+                           "optimizer = adam\n"
+                           "lr = 0.01\n"
+                           "l2 = 0.5\n"
+                           "eps = 1e-6\n"
+                           "beta1 = 0.8\n"
+                           "beta2 = 0.99\n"
+                           "adagrad_init = 0.1\n"
+                           "ftrl_beta = 2\n"
+                           "ftrl_l1 = 0.25\n"
+                           "init_scale = 0.05\n"
+                           "seed = 99\n"
+                           "memory = 2M\n"
+                           "admit = 3\n"
+                           "ttl = 100\n"
+                           "push_codec = int8\n"
+                           "pull_codec = fp16\n"
+                           "  [ table item ]  \n"
+                           "dim = 32\n"
+                           "[dense mlp]\n"
+                           "size = 1000\n"
+                           "optimizer = sgd\n"
+                           "lr = 0.5\n"
+                           "beta1 = 0.5\n"
+                           "beta2 = 0.6\n"
+                           "eps = 1e-4\n";
 
 static void test_good(void)
 {
@@ -60,8 +59,10 @@ static void test_good(void)
     CHECK(u->cfg.lr == 0.01f && u->cfg.l2 == 0.5f && u->cfg.eps == 1e-6f);
     CHECK(u->cfg.beta1 == 0.8f && u->cfg.beta2 == 0.99f && u->cfg.adagrad_init == 0.1f);
     CHECK(u->cfg.ftrl_beta == 2.0f && u->cfg.ftrl_l1 == 0.25f && u->cfg.init_scale == 0.05f);
-    CHECK(u->cfg.seed == 99 && u->cfg.mem_budget_bytes == 2ull << 20 && u->cfg.admit_threshold == 3);
-    CHECK(u->cfg.ttl_steps == 100 && u->push_codec == PS_CODEC_INT8 && u->pull_codec == PS_CODEC_F16);
+    CHECK(u->cfg.seed == 99 && u->cfg.mem_budget_bytes == 2ull << 20 &&
+          u->cfg.admit_threshold == 3);
+    CHECK(u->cfg.ttl_steps == 100 && u->push_codec == PS_CODEC_INT8 &&
+          u->pull_codec == PS_CODEC_F16);
     /* Unset fields keep the documented defaults. */
     const ps_table_spec *it = &c.tables[1];
     emb_table_config def;
@@ -91,8 +92,8 @@ static void expect_error(const char *text, int line, const char *what)
     char where[600];
     snprintf(where, sizeof where, "%s:%d:", path, line);
     CHECK_MSG(rc == CM_EINVAL, "rc %d for: %s", rc, text);
-    CHECK_MSG(err && strstr(err, where) && strstr(err, what), "want '%s' and '%s' in: %s", where, what,
-              err ? err : "(none)");
+    CHECK_MSG(err && strstr(err, where) && strstr(err, what), "want '%s' and '%s' in: %s", where,
+              what, err ? err : "(none)");
     free(err);
 }
 
@@ -144,8 +145,8 @@ static void test_plan_cli(void)
     if (bin == NULL) return;
     pt_write(pt_path(dir, "plan.conf"), "[table user]\ndim = 16\nmemory = 1M\n");
     char cmd[2048];
-    snprintf(cmd, sizeof cmd, "'%s' ps --config '%s' --plan 1000000 > '%s'", bin, pt_path(dir, "plan.conf"),
-             pt_path(dir, "plan.out"));
+    snprintf(cmd, sizeof cmd, "'%s' ps --config '%s' --plan 1000000 > '%s'", bin,
+             pt_path(dir, "plan.conf"), pt_path(dir, "plan.out"));
     CHECK(system(cmd) == 0);
     FILE *f = fopen(pt_path(dir, "plan.out"), "r");
     char line[512];
@@ -154,7 +155,8 @@ static void test_plan_cli(void)
         if (strncmp(line, "user", 4) == 0) rows++;
     if (f) fclose(f);
     CHECK(rows == 1);
-    snprintf(cmd, sizeof cmd, "'%s' ps --config '%s' --plan 10 2>/dev/null", bin, pt_path(dir, "bad.conf"));
+    snprintf(cmd, sizeof cmd, "'%s' ps --config '%s' --plan 10 2>/dev/null", bin,
+             pt_path(dir, "bad.conf"));
     int st = system(cmd);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 2);
 }

@@ -22,8 +22,9 @@ static void expect_refused(const char *name, const ps_config *cfg, const char *c
     double dt = psp_now() - t0;
     CHECK_MSG(rc != CM_OK && c == NULL, "%s: accepted", name);
     CHECK_MSG(dt < max_s, "%s: took %.2f s (limit %.2f)", name, dt, max_s);
-    CHECK_MSG(err && strstr(err, want1) && (!want2 || strstr(err, want2)), "%s: want '%s'%s%s in: %s",
-              name, want1, want2 ? " and " : "", want2 ? want2 : "", err ? err : "(none)");
+    CHECK_MSG(err && strstr(err, want1) && (!want2 || strstr(err, want2)),
+              "%s: want '%s'%s%s in: %s", name, want1, want2 ? " and " : "", want2 ? want2 : "",
+              err ? err : "(none)");
     if (rc == CM_OK) ps_client_destroy(c);
     free(err);
 }

@@ -18,7 +18,7 @@ static const char conf[] = "[cluster]\nshards = 2\nworkers = 1\n"
 
 static nng_socket raw;
 static uint64_t owned[4], foreign_key; /* keys of shard 0 (this server) and of shard 1 */
-static uint64_t bad_expected;         /* how many messages should have been counted bad */
+static uint64_t bad_expected;          /* how many messages should have been counted bad */
 
 typedef struct msg {
     uint8_t buf[4096];
@@ -83,7 +83,8 @@ static int call(const void *buf, size_t len, char *text, size_t textn, size_t *r
         ps_hdr ch;
         memcpy(&ch, copy, sizeof ch);
         free(copy);
-        if (h.magic == PS_MAGIC && h.payload_len == rl - PS_HDR_BYTES && ch.checksum == h.checksum) {
+        if (h.magic == PS_MAGIC && h.payload_len == rl - PS_HDR_BYTES &&
+            ch.checksum == h.checksum) {
             status = h.status;
             size_t n = rl - PS_HDR_BYTES < textn - 1 ? rl - PS_HDR_BYTES : textn - 1;
             memcpy(text, (uint8_t *)nng_msg_body(rep) + PS_HDR_BYTES, n);
@@ -167,7 +168,8 @@ static void test_rows(void)
 
     /* PUSH framing: the key-bytes field disagreeing with the payload, and a 2-byte payload. */
     float rows[4 * DIM];
-    for (uint32_t i = 0; i < 4 * DIM; i++) rows[i] = 0.5f;
+    for (uint32_t i = 0; i < 4 * DIM; i++)
+        rows[i] = 0.5f;
     build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_F32, rows, sizeof rows - 4);
     expect_error("push rows short", m.buf, m.len, "does not match", 1);
     build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_F32, rows, sizeof rows);
@@ -191,10 +193,65 @@ static void test_rows(void)
     expect_error("inf fp16", m.buf, m.len, "non-finite", 1);
     rows[3 * DIM + 1] = 0.5f;
     ps_codec_encode(PS_CODEC_INT8, rows, 4, DIM, enc, NULL);
-    float nan = NAN;
-    memcpy(enc + 3 * (4 + DIM), &nan, 4);
-    build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_INT8, enc, 4 * (4 + DIM));
+    const uint16_t nan_bf16 = 0x7fc0;
+    memcpy(enc + 3 * (2 + DIM), &nan_bf16, 2);
+    build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_INT8, enc, 4 * (2 + DIM));
     expect_error("NaN int8 scale", m.buf, m.len, "scale", 1);
+}
+
+/* An elided PUSH (PS_FLAG_ELIDED): u64 pull request id, u64 key checksum, then rows. */
+static void build_elided(msg *m, uint64_t pull_id, uint64_t sum, uint32_t n, const float *rows,
+                         size_t rows_bytes)
+{
+    uint8_t p[1024];
+    memcpy(p, &pull_id, 8);
+    memcpy(p + 8, &sum, 8);
+    memcpy(p + PS_ELIDED_HEAD, rows, rows_bytes);
+    build(m, PS_OP_PUSH, 0, n, PS_CODEC_F32, p, PS_ELIDED_HEAD + rows_bytes);
+    m->buf[offsetof(ps_hdr, flags)] = PS_FLAG_ELIDED;
+    ps_wire_seal(m->buf, m->len - PS_HDR_BYTES);
+}
+
+/* Elided pushes naming a key list the server does not hold, or one that does not match. Every
+ * check_alive pull is request 42 of worker 0 for the owned keys, so that list is held. */
+static void test_elided(void)
+{
+    msg m;
+    float rows[4 * DIM];
+    for (uint32_t i = 0; i < 4 * DIM; i++)
+        rows[i] = 0.5f;
+    const uint64_t sum = ps_keys_sum(owned, 4);
+    /* Unknown list: the distinct status the client answers by resending with keys; not a
+     * malformed message. */
+    build_elided(&m, 4242, sum, 4, rows, sizeof rows);
+    char text[512];
+    int st = call(m.buf, m.len, text, sizeof text, NULL);
+    CHECK_MSG(st == PS_STATUS_NO_KEYS && strstr(text, "no key list"),
+              "unknown list: status %d '%s'", st, text);
+    check_alive("unknown list");
+    build_elided(&m, 42, sum, 3, rows, 3 * DIM * 4);
+    expect_error("elided count mismatch", m.buf, m.len, "names pull 42 of 4 keys", 1);
+    build_elided(&m, 42, sum ^ 1, 4, rows, sizeof rows);
+    expect_error("elided checksum mismatch", m.buf, m.len, "checksum", 1);
+    build_elided(&m, 42, sum, 4, rows, sizeof rows - 4);
+    expect_error("elided rows short", m.buf, m.len, "does not match", 1);
+    build(&m, PS_OP_PUSH, 0, 1, PS_CODEC_F32, "0123456789", 10);
+    m.buf[offsetof(ps_hdr, flags)] = PS_FLAG_ELIDED;
+    ps_wire_seal(m.buf, m.len - PS_HDR_BYTES);
+    expect_error("elided tiny", m.buf, m.len, "does not match", 1);
+    rows[2] = NAN;
+    build_elided(&m, 42, sum, 4, rows, sizeof rows);
+    expect_error("elided NaN", m.buf, m.len, "non-finite", 1);
+    /* A backup refuses a REPLICATE carrying an elided push: its primary must resolve keys. */
+    rows[2] = 0.5f;
+    build_elided(&m, 42, sum, 4, rows, sizeof rows);
+    uint8_t rep_payload[1200];
+    uint64_t seq = 1;
+    memcpy(rep_payload, &seq, 8);
+    memcpy(rep_payload + 8, m.buf, m.len);
+    msg r;
+    build(&r, PS_OP_REPLICATE, 0, 0, 0, rep_payload, 8 + m.len);
+    expect_error("replicate to a non-backup", r.buf, r.len, "not a backup", 0);
 }
 
 static void test_other_ops(void)
@@ -253,6 +310,7 @@ int main(void)
 
     test_framing();
     test_rows();
+    test_elided();
     test_other_ops();
 
     nng_msg_alloc(&req, m.len);

@@ -6,6 +6,9 @@
  *   1. The primary dies (its sockets close) while pushes are in flight: the client fails over
  *      to the backup, nng resends what was in flight, the backup does not apply twice what it
  *      already had from the primary, and every row ends at exactly -pushes.
+ *      Run twice: pushes with keys, and pushes that name the pull just before them (key
+ *      elision): the primary ships those to the backup with their keys, and the ones in flight
+ *      at the death, which name pulls the backup never saw, are resent with keys.
  *   2. Fencing: once a client has come over to the backup, the old primary's next REPLICATE is
  *      refused; the primary stops without acknowledging, and the update reaches the backup
  *      through the client's failover.
@@ -63,10 +66,11 @@ static ps_client *start_pair(const ps_config *cfg, const char *dir, const char *
 }
 
 static uint64_t keys[N_KEYS];
-static float ones[N_KEYS * DIM], rows[N_KEYS * DIM];
+static float ones[N_KEYS * DIM], rows[N_KEYS * DIM], rows_pulled[N_KEYS * DIM];
 
 typedef struct pusher {
     ps_client *c;
+    bool pull_first;    /* pull the keys before each push, so the push is elided */
     int n_pushes, done; /* done: atomically, pushes issued */
     int rc;
     char *err;
@@ -76,7 +80,8 @@ static void *push_loop(void *arg)
 {
     pusher *p = arg;
     for (int i = 0; i < p->n_pushes && p->rc == CM_OK; i++) {
-        p->rc = ps_client_push(p->c, 0, keys, N_KEYS, ones, &p->err);
+        if (p->pull_first) p->rc = ps_client_pull(p->c, 0, keys, N_KEYS, rows_pulled, &p->err);
+        if (p->rc == CM_OK) p->rc = ps_client_push(p->c, 0, keys, N_KEYS, ones, &p->err);
         if (p->rc == CM_OK && i % 10 == 9) p->rc = ps_client_dense_push(p->c, 0, ones, &p->err);
         if (p->rc == CM_OK && i % 25 == 24) p->rc = ps_client_flush(p->c, &p->err);
         __atomic_store_n(&p->done, i + 1, __ATOMIC_RELAXED);
@@ -101,23 +106,14 @@ static void check_values(ps_client *c, float want_row, float want_dense, const c
         CHECK_MSG(d[i] == want_dense, "%s: dense[%d] = %.1f, want %.0f", what, i, d[i], want_dense);
 }
 
-int main(void)
+/* 1. The primary dies with pushes in flight. */
+static void failover(const ps_config *cfg, const char *dir, const char *tag, bool pull_first)
 {
-    psp_watchdog(PT_WATCHDOG_S);
-    const char *dir = check_tmpdir("ps_replica");
-    ps_config cfg;
-    pt_config(dir, "replica.ini", CONF, &cfg);
-    for (int i = 0; i < N_KEYS; i++)
-        keys[i] = 1000003ull * (uint64_t)(i + 1);
-    for (int i = 0; i < N_KEYS * DIM; i++)
-        ones[i] = 1.0f;
     char *err = NULL;
-
-    /* 1. The primary dies with pushes in flight. */
     ps_server *p, *b;
     const char *bu;
-    ps_client *c = start_pair(&cfg, dir, "1", &p, &b, &bu);
-    pusher pp = {.c = c, .n_pushes = PUSHES};
+    ps_client *c = start_pair(cfg, dir, tag, &p, &b, &bu);
+    pusher pp = {.c = c, .n_pushes = PUSHES, .pull_first = pull_first};
     pthread_t th;
     if (pthread_create(&th, NULL, push_loop, &pp) != 0) pt_die("pthread_create", NULL);
     while (__atomic_load_n(&pp.done, __ATOMIC_RELAXED) < PUSHES / 3)
@@ -136,14 +132,38 @@ int main(void)
     ps_server_stats bs;
     ps_server_stats_get(b, &bs);
     CHECK_MSG(bs.promoted == 1, "the backup did not take over");
-    fprintf(
-        stderr,
-        "replica: primary acknowledged %llu replicated updates before dying; backup received %llu, "
-        "skipped %llu resent pushes\n",
-        (unsigned long long)ps_st.replicated, (unsigned long long)bs.replicated,
-        (unsigned long long)bs.duplicates);
+    if (pull_first)
+        CHECK_MSG(ps_st.elided > 0 && bs.elided > 0 && cs.pushes_elided >= PUSHES - 2,
+                  "elided pushes: primary %llu, backup %llu, client %llu",
+                  (unsigned long long)ps_st.elided, (unsigned long long)bs.elided,
+                  (unsigned long long)cs.pushes_elided);
+    fprintf(stderr,
+            "replica%s: primary acknowledged %llu replicated updates before dying; backup received "
+            "%llu, skipped %llu resent pushes; %llu elided pushes resent with keys\n",
+            pull_first ? " (elided)" : "", (unsigned long long)ps_st.replicated,
+            (unsigned long long)bs.replicated, (unsigned long long)bs.duplicates,
+            (unsigned long long)cs.push_fallbacks);
     ps_client_destroy(c);
     ps_server_destroy(b);
+}
+
+int main(void)
+{
+    psp_watchdog(PT_WATCHDOG_S);
+    const char *dir = check_tmpdir("ps_replica");
+    ps_config cfg;
+    pt_config(dir, "replica.ini", CONF, &cfg);
+    for (int i = 0; i < N_KEYS; i++)
+        keys[i] = 1000003ull * (uint64_t)(i + 1);
+    for (int i = 0; i < N_KEYS * DIM; i++)
+        ones[i] = 1.0f;
+    char *err = NULL;
+
+    failover(&cfg, dir, "1", false);
+    failover(&cfg, dir, "1e", true);
+    ps_server *p, *b;
+    const char *bu;
+    ps_client *c;
 
     /* 2. Fencing. */
     c = start_pair(&cfg, dir, "2", &p, &b, &bu);

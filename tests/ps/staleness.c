@@ -44,7 +44,8 @@ static void *worker(void *arg)
         }
         if (ps_client_clock(c, &now, &err) != CM_OK) goto fail;
         if (a->id == 0) {
-            int64_t ahead = (int64_t)now - (int64_t)__atomic_load_n(&r->slow_sent, __ATOMIC_SEQ_CST);
+            int64_t ahead =
+                (int64_t)now - (int64_t)__atomic_load_n(&r->slow_sent, __ATOMIC_SEQ_CST);
             if (ahead > r->max_ahead) r->max_ahead = ahead;
         }
     }
@@ -63,17 +64,20 @@ fail:
 static uint64_t run_once(const char *dir, const char *name, int staleness, run *r)
 {
     char text[512];
-    snprintf(text, sizeof text,
-             "[cluster]\nworkers = 2\nstaleness = %d\n[table t]\ndim = 4\noptimizer = sgd\nlr = 0.1\n",
-             staleness);
+    snprintf(
+        text, sizeof text,
+        "[cluster]\nworkers = 2\nstaleness = %d\n[table t]\ndim = 4\noptimizer = sgd\nlr = 0.1\n",
+        staleness);
     memset(r, 0, sizeof *r);
     pt_config(dir, name, text, &r->cfg);
     r->urls[0] = pt_ipc(dir, name);
     ps_server *s = pt_server(&r->cfg, r->urls[0], 0);
     pthread_t th[2];
     wargs a[2] = {{r, 0}, {r, 1}};
-    for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, worker, &a[i]);
-    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++)
+        pthread_create(&th[i], NULL, worker, &a[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
     ps_server_stats st;
     ps_server_stats_get(s, &st);
     ps_server_destroy(s);

@@ -25,7 +25,8 @@ static float *expect; /* (STEPS + 1) x NKEYS x DIM: rows before each step, and a
 
 static float grad(uint32_t step, uint32_t worker, uint64_t key, uint32_t dup, uint32_t j)
 {
-    uint64_t x = ((uint64_t)step << 40) ^ ((uint64_t)worker << 36) ^ (key << 8) ^ ((uint64_t)dup << 5) ^ j;
+    uint64_t x =
+        ((uint64_t)step << 40) ^ ((uint64_t)worker << 36) ^ (key << 8) ^ ((uint64_t)dup << 5) ^ j;
     x *= 0x9e3779b97f4a7c15ull;
     x ^= x >> 29;
     return (float)((double)(x >> 11) / 0x1p53 * 2.0 - 1.0);
@@ -99,7 +100,8 @@ static void *worker(void *arg)
             break;
         }
         for (uint32_t i = 0; i < n / 2; i++)
-            if (memcmp(out + i * DIM, expect + ((size_t)t * NKEYS + keys[i] - 1) * DIM, DIM * 4) != 0)
+            if (memcmp(out + i * DIM, expect + ((size_t)t * NKEYS + keys[i] - 1) * DIM, DIM * 4) !=
+                0)
                 r->stale_rows++;
         if (ps_client_push(c, 0, keys, n, g, &err) != CM_OK ||
             ps_client_clock(c, &r->last_clock, &err) != CM_OK) {
@@ -107,7 +109,8 @@ static void *worker(void *arg)
             r->errors++;
         }
     }
-    for (uint64_t k = 1; k <= NKEYS; k++) keys[k - 1] = k;
+    for (uint64_t k = 1; k <= NKEYS; k++)
+        keys[k - 1] = k;
     if (r->errors == 0 && ps_client_pull(c, 0, keys, NKEYS, out, &err) == CM_OK) {
         for (uint32_t i = 0; i < NKEYS; i++)
             if (memcmp(out + i * DIM, expect + ((size_t)STEPS * NKEYS + i) * DIM, DIM * 4) != 0)
@@ -137,12 +140,14 @@ int main(void)
     /* Learn the initial rows (the PS initialises them from the key) with a throwaway client. */
     expect = malloc((STEPS + 1) * NKEYS * DIM * sizeof *expect);
     uint64_t keys[NKEYS];
-    for (uint64_t k = 1; k <= NKEYS; k++) keys[k - 1] = k;
+    for (uint64_t k = 1; k <= NKEYS; k++)
+        keys[k - 1] = k;
     ps_client *c = pt_client(&cfg, urls, 0, 10000);
     char *err = NULL;
     CHECK_OK(ps_client_pull(c, 0, keys, NKEYS, expect, &err), err);
     int nonzero = 0;
-    for (uint32_t i = 0; i < NKEYS * DIM; i++) nonzero += expect[i] != 0.0f;
+    for (uint32_t i = 0; i < NKEYS * DIM; i++)
+        nonzero += expect[i] != 0.0f;
     CHECK(nonzero > (int)(NKEYS * DIM) / 2); /* init_scale > 0: a real starting point */
     ps_client_destroy(c);
     compute_expected();
@@ -153,12 +158,14 @@ int main(void)
         res[w] = (worker_res){.id = w};
         pthread_create(&th[w], NULL, worker, &res[w]);
     }
-    for (uint32_t w = 0; w < WORKERS; w++) pthread_join(th[w], NULL);
+    for (uint32_t w = 0; w < WORKERS; w++)
+        pthread_join(th[w], NULL);
     for (uint32_t w = 0; w < WORKERS; w++) {
         CHECK_MSG(res[w].errors == 0, "worker %u had %d errors", w, res[w].errors);
-        CHECK_MSG(res[w].stale_rows == 0, "worker %u read %d rows not matching the previous step", w,
-                  res[w].stale_rows);
-        CHECK_MSG(res[w].final_mismatch == 0, "worker %u: %d final rows differ", w, res[w].final_mismatch);
+        CHECK_MSG(res[w].stale_rows == 0, "worker %u read %d rows not matching the previous step",
+                  w, res[w].stale_rows);
+        CHECK_MSG(res[w].final_mismatch == 0, "worker %u: %d final rows differ", w,
+                  res[w].final_mismatch);
         CHECK(res[w].last_clock == STEPS);
     }
 

@@ -26,11 +26,15 @@ static int make_certs(const char *dir)
     char cmd[1024];
     pt_write(pt_path(dir, "ext.cnf"), "subjectAltName=DNS:localhost,IP:127.0.0.1,DNS:127.0.0.1\n"
                                       "extendedKeyUsage=serverAuth,clientAuth\n");
-    snprintf(cmd, sizeof cmd, "openssl req -x509 %s -keyout ca.key -out ca.pem -days 2 -subj /CN=ember-test-ca", ec);
+    snprintf(cmd, sizeof cmd,
+             "openssl req -x509 %s -keyout ca.key -out ca.pem -days 2 -subj /CN=ember-test-ca", ec);
     if (sh(dir, cmd)) return -1;
-    snprintf(cmd, sizeof cmd, "openssl req -x509 %s -keyout other.key -out other-ca.pem -days 2 -subj /CN=other-ca", ec);
+    snprintf(cmd, sizeof cmd,
+             "openssl req -x509 %s -keyout other.key -out other-ca.pem -days 2 -subj /CN=other-ca",
+             ec);
     if (sh(dir, cmd)) return -1;
-    snprintf(cmd, sizeof cmd, "openssl req %s -keyout srv.key -out srv.csr -subj /CN=localhost", ec);
+    snprintf(cmd, sizeof cmd, "openssl req %s -keyout srv.key -out srv.csr -subj /CN=localhost",
+             ec);
     if (sh(dir, cmd)) return -1;
     return sh(dir, "openssl x509 -req -in srv.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
                    "-out srv.pem -days 2 -extfile ext.cnf");
@@ -74,10 +78,12 @@ int main(void)
     ps_client *c = pt_client(&cfg, urls, 0, 10000);
     uint64_t keys[3] = {1, 2, 3};
     float g[12], out[12];
-    for (int i = 0; i < 12; i++) g[i] = (float)i;
+    for (int i = 0; i < 12; i++)
+        g[i] = (float)i;
     CHECK_OK(ps_client_push(c, 0, keys, 3, g, &err), err);
     CHECK_OK(ps_client_pull(c, 0, keys, 3, out, &err), err);
-    for (int i = 0; i < 12; i++) CHECK(out[i] == -g[i]);
+    for (int i = 0; i < 12; i++)
+        CHECK(out[i] == -g[i]);
     ps_client_destroy(c);
 
     /* The wrong CA: the handshake fails, so HELLO times out (short timeout). */

@@ -45,7 +45,8 @@ static void make_msg(uint8_t *buf)
     h.clock = 11;
     h.req_id = 0x0102030405060708ull;
     memcpy(buf, &h, sizeof h);
-    for (int i = 0; i < PAY; i++) buf[PS_HDR_BYTES + i] = (uint8_t)(i * 7 + 1);
+    for (int i = 0; i < PAY; i++)
+        buf[PS_HDR_BYTES + i] = (uint8_t)(i * 7 + 1);
     ps_wire_seal(buf, PAY);
 }
 
@@ -84,7 +85,8 @@ static void test_header(void)
     CHECK_OK(ps_wire_open(buf, sizeof buf, &h, &err), err);
     CHECK(h.magic == PS_MAGIC && h.version == PS_PROTOCOL_VERSION && h.op == PS_OP_PUSH);
     CHECK(h.table == 3 && h.count == 7 && h.codec == PS_CODEC_INT8 && h.flags == 1);
-    CHECK(h.worker == 9 && h.clock == 11 && h.req_id == 0x0102030405060708ull && h.payload_len == PAY);
+    CHECK(h.worker == 9 && h.clock == 11 && h.req_id == 0x0102030405060708ull &&
+          h.payload_len == PAY);
 
     /* Every op in range opens; 0 and PS_OP_MAX_ and beyond do not (checksum made valid). */
     for (uint16_t op = 0; op <= PS_OP_MAX_ + 1; op++) {
@@ -125,11 +127,12 @@ static void test_header(void)
     expect_open_error(bad, sizeof bad, "payload length");
 
     /* Checksum: a flipped bit in any header field or the payload, or in the checksum. */
-    const size_t fields[] = {offsetof(ps_hdr, table), offsetof(ps_hdr, count), offsetof(ps_hdr, codec),
-                             offsetof(ps_hdr, flags), offsetof(ps_hdr, status), offsetof(ps_hdr, worker),
-                             offsetof(ps_hdr, reserved), offsetof(ps_hdr, clock), offsetof(ps_hdr, reserved2),
-                             offsetof(ps_hdr, req_id), offsetof(ps_hdr, checksum), PS_HDR_BYTES,
-                             PS_HDR_BYTES + PAY - 1};
+    const size_t fields[] = {
+        offsetof(ps_hdr, table),    offsetof(ps_hdr, count),    offsetof(ps_hdr, codec),
+        offsetof(ps_hdr, flags),    offsetof(ps_hdr, status),   offsetof(ps_hdr, worker),
+        offsetof(ps_hdr, reserved), offsetof(ps_hdr, clock),    offsetof(ps_hdr, reserved2),
+        offsetof(ps_hdr, req_id),   offsetof(ps_hdr, checksum), PS_HDR_BYTES,
+        PS_HDR_BYTES + PAY - 1};
     for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
         memcpy(bad, buf, sizeof buf);
         bad[fields[i]] ^= 0x10;
@@ -148,8 +151,17 @@ static void test_header(void)
 
 static void test_varint(void)
 {
-    const uint64_t vals[] = {0, 1, 127, 128, 16383, 16384, (1ull << 35) - 1, 1ull << 35,
-                             (1ull << 63) - 1, 1ull << 63, UINT64_MAX};
+    const uint64_t vals[] = {0,
+                             1,
+                             127,
+                             128,
+                             16383,
+                             16384,
+                             (1ull << 35) - 1,
+                             1ull << 35,
+                             (1ull << 63) - 1,
+                             1ull << 63,
+                             UINT64_MAX};
     uint8_t b[16];
     for (size_t i = 0; i < sizeof vals / sizeof vals[0] + 1000; i++) {
         uint64_t v = i < sizeof vals / sizeof vals[0] ? vals[i] : rng() >> (rng() % 64);
@@ -159,7 +171,7 @@ static void test_varint(void)
         uint64_t got = 0;
         CHECK(ps_varint_get(b, n, &got) == n && got == v);
         CHECK(ps_varint_get(b, n + 3, &got) == n && got == v); /* trailing input is not read */
-        CHECK(ps_varint_get(b, n - 1, &got) == 0);              /* truncated */
+        CHECK(ps_varint_get(b, n - 1, &got) == 0);             /* truncated */
     }
     CHECK(ps_varint_get(b, 0, &(uint64_t){0}) == 0);
     /* Overlong: 11 bytes, and 10-byte values beyond 64 bits. */
@@ -185,7 +197,8 @@ static void test_keys(void)
     char *err = NULL;
     /* Sorted distinct keys spanning the whole range, 0 and UINT64_MAX included. */
     keys[0] = 0;
-    for (size_t i = 1; i < N - 1; i++) keys[i] = keys[i - 1] + 1 + (rng() >> (i % 3 ? 50 : 14)); /* stays below 2^61 */
+    for (size_t i = 1; i < N - 1; i++)
+        keys[i] = keys[i - 1] + 1 + (rng() >> (i % 3 ? 50 : 14)); /* stays below 2^61 */
     keys[N - 1] = UINT64_MAX;
     CHECK(keys[N - 2] < UINT64_MAX);
     size_t len = ps_keys_encode(keys, N, buf);
@@ -271,7 +284,8 @@ static void test_f16(void)
     for (uint32_t h = 0; h < 65536; h++) {
         float got = cm_f16_to_f32((uint16_t)h);
         double want = ref_f16((uint16_t)h);
-        if (isnan(want) ? !isnan(got) : (got != (float)want || !signbit(got) != !signbit(want))) bad++;
+        if (isnan(want) ? !isnan(got) : (got != (float)want || !signbit(got) != !signbit(want)))
+            bad++;
     }
     CHECK_MSG(bad == 0, "%d halves decode wrongly", bad);
     /* Round trip of every finite half. */
@@ -285,15 +299,33 @@ static void test_f16(void)
         float f;
         uint16_t h;
     } sp[] = {
-        {0.0f, 0x0000}, {-0.0f, 0x8000}, {1.0f, 0x3c00}, {-2.0f, 0xc000},
-        {65504.0f, 0x7bff}, {65519.99f, 0x7bff}, {65520.0f, 0x7c00}, /* tie at the top: to even = inf */
-        {-65520.0f, 0xfc00}, {1e10f, 0x7c00}, {INFINITY, 0x7c00}, {-INFINITY, 0xfc00},
-        {FLT_MAX, 0x7c00}, {0x1p-24f, 0x0001}, {0x1p-25f, 0x0000}, /* tie 0 / 1: to even */
-        {0x1.8p-25f, 0x0001}, {0x3p-25f, 0x0002},                  /* tie 1 / 2: to even */
-        {0x5p-25f, 0x0002},                                        /* tie 2 / 3: to even */
-        {0x3ffp-24f, 0x03ff}, {0x1p-14f, 0x0400}, {0x7ffp-25f, 0x0400}, /* tie 0x3ff/0x400 */
-        {0x1p-26f, 0x0000}, {-0x1p-26f, 0x8000}, {FLT_MIN, 0x0000}, {0x1p-149f, 0x0000},
-        {1.0f + 0x1p-11f, 0x3c00}, {1.0f + 0x3p-11f, 0x3c02}, {1.0f + 0x1.8p-11f, 0x3c01},
+        {0.0f, 0x0000},
+        {-0.0f, 0x8000},
+        {1.0f, 0x3c00},
+        {-2.0f, 0xc000},
+        {65504.0f, 0x7bff},
+        {65519.99f, 0x7bff},
+        {65520.0f, 0x7c00}, /* tie at the top: to even = inf */
+        {-65520.0f, 0xfc00},
+        {1e10f, 0x7c00},
+        {INFINITY, 0x7c00},
+        {-INFINITY, 0xfc00},
+        {FLT_MAX, 0x7c00},
+        {0x1p-24f, 0x0001},
+        {0x1p-25f, 0x0000}, /* tie 0 / 1: to even */
+        {0x1.8p-25f, 0x0001},
+        {0x3p-25f, 0x0002}, /* tie 1 / 2: to even */
+        {0x5p-25f, 0x0002}, /* tie 2 / 3: to even */
+        {0x3ffp-24f, 0x03ff},
+        {0x1p-14f, 0x0400},
+        {0x7ffp-25f, 0x0400}, /* tie 0x3ff/0x400 */
+        {0x1p-26f, 0x0000},
+        {-0x1p-26f, 0x8000},
+        {FLT_MIN, 0x0000},
+        {0x1p-149f, 0x0000},
+        {1.0f + 0x1p-11f, 0x3c00},
+        {1.0f + 0x3p-11f, 0x3c02},
+        {1.0f + 0x1.8p-11f, 0x3c01},
     };
     for (size_t i = 0; i < sizeof sp / sizeof sp[0]; i++) {
         uint16_t h = cm_f32_to_f16(sp[i].f);
@@ -311,7 +343,8 @@ static void test_f16(void)
     for (uint16_t h = 0; h < 0x7bff; h++) {
         double mid = (ref_f16(h) + ref_f16((uint16_t)(h + 1))) / 2;
         uint16_t want = (h & 1) ? (uint16_t)(h + 1) : h;
-        if (cm_f32_to_f16((float)mid) != want || cm_f32_to_f16(-(float)mid) != (want | 0x8000)) bad++;
+        if (cm_f32_to_f16((float)mid) != want || cm_f32_to_f16(-(float)mid) != (want | 0x8000))
+            bad++;
     }
     CHECK_MSG(bad == 0, "%d midpoints round wrongly", bad);
     /* Random floats across the half range and around it. */
@@ -327,9 +360,9 @@ static void test_bf16(void)
     struct {
         float f;
         uint16_t h;
-    } sp[] = {{0.0f, 0x0000}, {-0.0f, 0x8000}, {1.0f, 0x3f80}, {1.0f + 0x1p-8f, 0x3f80},
-              {1.0f + 0x3p-8f, 0x3f82}, {1.0f + 0x1.8p-8f, 0x3f81}, {INFINITY, 0x7f80},
-              {-INFINITY, 0xff80}, {FLT_MAX, 0x7f80}};
+    } sp[] = {{0.0f, 0x0000},           {-0.0f, 0x8000},          {1.0f, 0x3f80},
+              {1.0f + 0x1p-8f, 0x3f80}, {1.0f + 0x3p-8f, 0x3f82}, {1.0f + 0x1.8p-8f, 0x3f81},
+              {INFINITY, 0x7f80},       {-INFINITY, 0xff80},      {FLT_MAX, 0x7f80}};
     for (size_t i = 0; i < sizeof sp / sizeof sp[0]; i++)
         CHECK_MSG(cm_f32_to_bf16(sp[i].f) == sp[i].h, "bf16(%a)", (double)sp[i].f);
     CHECK(isnan(cm_bf16_to_f32(cm_f32_to_bf16(NAN))));
@@ -351,7 +384,8 @@ static void test_codec_roundtrip(void)
         for (size_t r = 0; r < ROWS; r++) {
             double mag = ldexp(1.0, (int)(rng() % 30) - 20); /* rows of very different scale */
             for (uint32_t j = 0; j < dim; j++)
-                src[r * dim + j] = r == 5 ? 0.0f : (float)(mag * ((double)(rng() >> 11) / 0x1p53 * 2 - 1));
+                src[r * dim + j] =
+                    r == 5 ? 0.0f : (float)(mag * ((double)(rng() >> 11) / 0x1p53 * 2 - 1));
         }
         for (int c = PS_CODEC_F32; c <= PS_CODEC_INT8; c++) {
             char *err = NULL;
@@ -362,23 +396,33 @@ static void test_codec_roundtrip(void)
             double worst = 0;
             for (size_t r = 0; r < ROWS; r++) {
                 float amax = 0;
-                for (uint32_t j = 0; j < dim; j++) amax = fmaxf(amax, fabsf(src[r * dim + j]));
+                for (uint32_t j = 0; j < dim; j++)
+                    amax = fmaxf(amax, fabsf(src[r * dim + j]));
                 for (uint32_t j = 0; j < dim; j++) {
                     double x = src[r * dim + j], e = fabs(dst[r * dim + j] - x), bound;
                     switch (c) {
-                    case PS_CODEC_F32: bound = 0; break;
+                    case PS_CODEC_F32:
+                        bound = 0;
+                        break;
                     case PS_CODEC_F16: /* half an ulp relative, or half the subnormal step */
                         bound = fmax(fabs(x) * 0x1p-11, 0x1p-25);
                         break;
-                    case PS_CODEC_BF16: bound = fabs(x) * 0x1p-8; break;
-                    default: bound = amax / 127.0 * 0.5 * (1 + 1e-5); break;
+                    case PS_CODEC_BF16:
+                        bound = fabs(x) * 0x1p-8;
+                        break;
+                    /* Half the scale, which is max|x|/127 rounded up to a bf16 (at most 2^-7
+                     * relative above it). */
+                    default:
+                        bound = amax / 127.0 * 0.5 * (1 + 0x1p-7) * (1 + 1e-5);
+                        break;
                     }
                     if (e > bound) worst = fmax(worst, e / fmax(bound, 1e-300));
                 }
             }
-            CHECK_MSG(worst == 0, "codec %s dim %u: error %.3g x the bound", ps_codec_name((ps_codec)c),
-                      dim, worst);
-            for (uint32_t j = 0; j < dim; j++) CHECK(dst[5 * dim + j] == 0.0f); /* zero row */
+            CHECK_MSG(worst == 0, "codec %s dim %u: error %.3g x the bound",
+                      ps_codec_name((ps_codec)c), dim, worst);
+            for (uint32_t j = 0; j < dim; j++)
+                CHECK(dst[5 * dim + j] == 0.0f); /* zero row */
         }
         free(src);
         free(dst);
@@ -386,7 +430,8 @@ static void test_codec_roundtrip(void)
         free(enc);
     }
     CHECK(ps_codec_row_bytes(PS_CODEC_F32, 16) == 64 && ps_codec_row_bytes(PS_CODEC_F16, 16) == 32);
-    CHECK(ps_codec_row_bytes(PS_CODEC_BF16, 16) == 32 && ps_codec_row_bytes(PS_CODEC_INT8, 16) == 20);
+    CHECK(ps_codec_row_bytes(PS_CODEC_BF16, 16) == 32 &&
+          ps_codec_row_bytes(PS_CODEC_INT8, 16) == 18);
     ps_codec c;
     CHECK(ps_codec_parse("int8", &c) == CM_OK && c == PS_CODEC_INT8);
     CHECK(ps_codec_parse("fp64", &c) == CM_EINVAL && ps_codec_parse(NULL, &c) == CM_EINVAL);
@@ -400,7 +445,8 @@ static void test_codec_reject(void)
     enum { DIM = 4, ROWS = 3 };
     float src[ROWS * DIM], dst[ROWS * DIM];
     uint8_t enc[ROWS * DIM * 4];
-    for (int i = 0; i < ROWS * DIM; i++) src[i] = (float)i * 0.25f;
+    for (int i = 0; i < ROWS * DIM; i++)
+        src[i] = (float)i * 0.25f;
     char *err = NULL;
     for (int c = PS_CODEC_F32; c <= PS_CODEC_BF16; c++) {
         const float poison[] = {NAN, INFINITY, -INFINITY};
@@ -408,7 +454,8 @@ static void test_codec_reject(void)
             src[1 * DIM + 2] = poison[p];
             ps_codec_encode((ps_codec)c, src, ROWS, DIM, enc, NULL);
             CHECK(ps_codec_decode((ps_codec)c, enc, ROWS, DIM, dst, &err) == CM_ECORRUPT);
-            CHECK_MSG(err && strstr(err, "row 1"), "%s: %s", ps_codec_name((ps_codec)c), err ? err : "");
+            CHECK_MSG(err && strstr(err, "row 1"), "%s: %s", ps_codec_name((ps_codec)c),
+                      err ? err : "");
             free(err), err = NULL;
         }
         src[1 * DIM + 2] = 1.0f;
@@ -419,16 +466,47 @@ static void test_codec_reject(void)
     CHECK(ps_codec_decode(PS_CODEC_F16, enc, ROWS, DIM, dst, &err) == CM_ECORRUPT);
     free(err), err = NULL;
     src[2 * DIM] = 0;
-    const float scales[] = {NAN, INFINITY, -1.0f};
-    for (int s = 0; s < 3; s++) {
+    /* bf16 scales: NaN, inf, -1, -0, and the largest finite one (127 times it overflows). */
+    const uint16_t scales[] = {0x7fc0, 0x7f80, 0xbf80, 0x8000, 0x7f7f};
+    for (int s = 0; s < 5; s++) {
+        src[2 * DIM + 1] = 1.0f; /* an int8 of 127 in row 2 */
         ps_codec_encode(PS_CODEC_INT8, src, ROWS, DIM, enc, NULL);
-        memcpy(enc + 2 * (4 + DIM), &scales[s], 4);
+        memcpy(enc + 2 * (2 + DIM), &scales[s], 2);
         CHECK(ps_codec_decode(PS_CODEC_INT8, enc, ROWS, DIM, dst, &err) == CM_ECORRUPT);
-        CHECK_MSG(err && strstr(err, "row 2"), "%s", err ? err : "");
+        CHECK_MSG(err && strstr(err, "row 2"), "scale 0x%04x: %s", scales[s], err ? err : "");
         free(err), err = NULL;
     }
     CHECK(ps_codec_decode((ps_codec)7, enc, 1, DIM, dst, &err) == CM_ECORRUPT);
     free(err);
+}
+
+/* int8 rows of subnormal gradients: the bf16 scale keeps fp32's range, and a scale with no
+ * finite inverse still quantises without overflow or sign flips. */
+static void test_int8_tiny(void)
+{
+    enum { DIM = 8 };
+    const float mags[] = {1e-39f, 1e-41f, 3e-38f, 1e-30f};
+    for (int m = 0; m < 4; m++) {
+        float src[DIM], dst[DIM], back[DIM];
+        uint8_t enc[2 + DIM];
+        for (int j = 0; j < DIM; j++)
+            src[j] = mags[m] * (float)(j - 3);
+        ps_codec_encode(PS_CODEC_INT8, src, 1, DIM, enc, back);
+        char *err = NULL;
+        CHECK_OK(ps_codec_decode(PS_CODEC_INT8, enc, 1, DIM, dst, &err), err);
+        uint16_t sb;
+        memcpy(&sb, enc, 2);
+        uint32_t bits = (uint32_t)sb << 16;
+        float scale;
+        memcpy(&scale, &bits, 4);
+        CHECK(scale > 0.0f);
+        for (int j = 0; j < DIM; j++) {
+            CHECK(dst[j] == back[j]);
+            CHECK_MSG(fabsf(dst[j] - src[j]) <= scale * 0.5f, "mag %g elem %d: %g for %g",
+                      (double)mags[m], j, (double)dst[j], (double)src[j]);
+            CHECK(!(dst[j] > 0 && src[j] < 0) && !(dst[j] < 0 && src[j] > 0));
+        }
+    }
 }
 
 /* ---------------- jump hash ---------------- */
@@ -462,9 +540,11 @@ static void test_jump_hash(void)
         CHECK_MSG(wrong == 0, "n=%u: %zu keys moved between old shards or out of range", n, wrong);
         /* ~1/n of the keys move; binomial sd is about sqrt(N/n): allow 6 sd. */
         double want = (double)N / n, sd = sqrt(want);
-        CHECK_MSG(fabs((double)moved - want) < 6 * sd, "n=%u: %zu keys moved, want ~%.0f", n, moved, want);
+        CHECK_MSG(fabs((double)moved - want) < 6 * sd, "n=%u: %zu keys moved, want ~%.0f", n, moved,
+                  want);
         for (uint32_t s = 0; s < n; s++)
-            CHECK_MSG(fabs((double)count[s] - want) < 6 * sd, "n=%u shard %u holds %zu", n, s, count[s]);
+            CHECK_MSG(fabs((double)count[s] - want) < 6 * sd, "n=%u shard %u holds %zu", n, s,
+                      count[s]);
     }
     CHECK(ps_key_shard(42, 1000) == ps_key_shard(42, 1000)); /* a pure function */
     free(prev);
@@ -505,6 +585,7 @@ int main(void)
     test_bf16();
     test_codec_roundtrip();
     test_codec_reject();
+    test_int8_tiny();
     test_jump_hash();
     test_fingerprint();
     return check_done();
