@@ -117,14 +117,6 @@ static uint64_t mix64(uint64_t x)
     return x ^ (x >> 31);
 }
 
-static void die(const char *what, char *err)
-{
-    fprintf(stderr, "bench ps: %s: %s\n", what, err ? err : "?");
-    free(err);
-    psp_stop_all();
-    exit(1);
-}
-
 typedef struct cluster {
     uint32_t n;
     char urls[MAX_SHARDS][600];
@@ -149,7 +141,7 @@ static void cluster_wait(cluster *cl)
 {
     for (uint32_t i = 0; i < cl->n; i++)
         if (psp_wait_ready(cl->pids[i], cl->urls[i], 20.0) != 0)
-            die("server did not come up", NULL);
+            bench_die("server did not come up", NULL);
 }
 
 static void cluster_stop(cluster *cl)
@@ -198,7 +190,7 @@ static void *ps_thread(void *arg)
                          .explicit_keys = sh->op == OP_PUSH};
     ps_client *c = NULL;
     char *err = NULL;
-    if (ps_client_create(&co, &c, &err) != CM_OK) die("client", err);
+    if (ps_client_create(&co, &c, &err) != CM_OK) bench_die("client", err);
     float *out = malloc((size_t)BATCH * DIM * sizeof *out);
     ps_client_stats s0, s1;
     pthread_barrier_wait(&sh->start);
@@ -207,16 +199,16 @@ static void *ps_thread(void *arg)
     for (uint32_t b = a->id;; b++) {
         const uint64_t *k = sh->keys + (size_t)(b % sh->o->batches) * BATCH;
         int rc = sh->op == OP_PUSH ? CM_OK : ps_client_pull(c, sh->table, k, BATCH, out, &err);
-        if (rc != CM_OK) die("pull", err);
+        if (rc != CM_OK) bench_die("pull", err);
         if (sh->op != OP_PULL) rc = ps_client_push(c, sh->table, k, BATCH, sh->grads, &err);
-        if (rc != CM_OK) die("push", err);
+        if (rc != CM_OK) bench_die("push", err);
         calls++;
         if (psp_now() >= sh->deadline) break;
     }
-    if (ps_client_flush(c, &err) != CM_OK) die("flush", err);
+    if (ps_client_flush(c, &err) != CM_OK) bench_die("flush", err);
     sh->t_end[a->id] = psp_now();
     /* Client-side counters only (no STATS round trip needed): what went over the wire. */
-    if (ps_client_stats_get(c, &s1, &err) != CM_OK) die("stats", err);
+    if (ps_client_stats_get(c, &s1, &err) != CM_OK) bench_die("stats", err);
     sh->calls[a->id] = calls;
     sh->rows[a->id] = sh->op == OP_PULL ? s1.rows_pulled : s1.rows_pushed;
     /* Pushes count PUSH messages only: the pull + push loop also sends pulls. */
@@ -238,17 +230,17 @@ static void *raw_thread(void *arg)
     nng_aio *aios[MAX_SHARDS];
     for (uint32_t i = 0; i < n; i++) {
         if (nng_req0_open(&socks[i]) != 0 || nng_aio_alloc(&aios[i], NULL, NULL) != 0)
-            die("raw socket", NULL);
+            bench_die("raw socket", NULL);
         nng_socket_set_size(socks[i], NNG_OPT_RECVMAXSZ, 0);
         int rv = nng_dial(socks[i], sh->cl->urls[i], NULL, 0);
-        if (rv != 0) die("raw dial", strdup(nng_strerror(rv)));
+        if (rv != 0) bench_die("raw dial", strdup(nng_strerror(rv)));
     }
     pthread_barrier_wait(&sh->start);
     uint64_t calls = 0, sent = 0, recvd = 0;
     for (;;) {
         for (uint32_t i = 0; i < n; i++) {
             nng_msg *m;
-            if (nng_msg_alloc(&m, sh->raw_req[i]) != 0) die("raw alloc", NULL);
+            if (nng_msg_alloc(&m, sh->raw_req[i]) != 0) bench_die("raw alloc", NULL);
             uint64_t want = sh->raw_rep[i];
             memcpy(nng_msg_body(m), &want, 8);
             nng_aio_set_msg(aios[i], m);
@@ -258,14 +250,14 @@ static void *raw_thread(void *arg)
         for (uint32_t i = 0; i < n; i++) {
             nng_aio_wait(aios[i]);
             if (nng_aio_result(aios[i]) != 0)
-                die("raw send", strdup(nng_strerror(nng_aio_result(aios[i]))));
+                bench_die("raw send", strdup(nng_strerror(nng_aio_result(aios[i]))));
         }
         for (uint32_t i = 0; i < n; i++)
             nng_recv_aio(socks[i], aios[i]);
         for (uint32_t i = 0; i < n; i++) {
             nng_aio_wait(aios[i]);
             if (nng_aio_result(aios[i]) != 0)
-                die("raw recv", strdup(nng_strerror(nng_aio_result(aios[i]))));
+                bench_die("raw recv", strdup(nng_strerror(nng_aio_result(aios[i]))));
             nng_msg *r = nng_aio_get_msg(aios[i]);
             recvd += nng_msg_len(r);
             nng_msg_free(r);
@@ -347,6 +339,7 @@ static void default_ember(opts *o)
 
 int main(int argc, char **argv)
 {
+    bench_init("bench ps", psp_stop_all);
     if (argc == 3 && !strcmp(argv[1], "--raw-server")) return raw_server(argv[2]);
     opts o = {.threads = 2, .batches = 8, .seconds = 2.0};
     default_ember(&o);
@@ -375,10 +368,10 @@ int main(int argc, char **argv)
     psp_watchdog(o.quick ? 120 : 280);
     char self[4096];
     ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (sl <= 0) die("readlink /proc/self/exe", NULL);
+    if (sl <= 0) bench_die("readlink /proc/self/exe", NULL);
     self[sl] = '\0';
     char dir[] = "/tmp/ember-bench-ps.XXXXXX";
-    if (mkdtemp(dir) == NULL) die("mkdtemp", NULL);
+    if (mkdtemp(dir) == NULL) bench_die("mkdtemp", NULL);
 
     uint64_t *keys = malloc((size_t)o.batches * BATCH * sizeof *keys);
     float *grads = malloc((size_t)BATCH * DIM * sizeof *grads);
@@ -411,15 +404,15 @@ int main(int argc, char **argv)
                     "[table t_%s]\ndim = %u\noptimizer = sgd\nlr = 0.01\npush_codec = %s\n",
                     codecs[c], DIM, codecs[c]);
             FILE *f = fopen(cpath, "w");
-            if (f == NULL || fputs(text, f) < 0 || fclose(f) != 0) die("write config", NULL);
+            if (f == NULL || fputs(text, f) < 0 || fclose(f) != 0) bench_die("write config", NULL);
             ps_config cfg;
             char *err = NULL;
-            if (ps_config_load(cpath, &cfg, &err) != CM_OK) die("config", err);
+            if (ps_config_load(cpath, &cfg, &err) != CM_OK) bench_die("config", err);
             cluster cl;
             make_urls(&cl, r->shards, tcp, dir, "ps");
             for (uint32_t i = 0; i < cl.n; i++) {
                 cl.pids[i] = psp_spawn(o.ember, cpath, i, cl.urls[i], NULL);
-                if (cl.pids[i] < 0) die("spawn ember ps", NULL);
+                if (cl.pids[i] < 0) bench_die("spawn ember ps", NULL);
             }
             cluster_wait(&cl);
             shared *sh = calloc(1, sizeof *sh);
@@ -429,12 +422,12 @@ int main(int argc, char **argv)
                 ps_client_opts co = {.cfg = &cfg, .urls = cl.url_ptrs, .timeout_ms = 60000};
                 ps_client *c = NULL;
                 float *out = malloc((size_t)BATCH * DIM * sizeof *out);
-                if (ps_client_create(&co, &c, &err) != CM_OK) die("client", err);
+                if (ps_client_create(&co, &c, &err) != CM_OK) bench_die("client", err);
                 for (uint32_t t = 0; t < 3; t++)
                     for (uint32_t b = 0; b < o.batches; b++)
                         if (ps_client_pull(c, t, keys + (size_t)b * BATCH, BATCH, out, &err) !=
                             CM_OK)
-                            die("warm-up pull", err);
+                            bench_die("warm-up pull", err);
                 ps_client_destroy(c);
                 free(out);
             }
@@ -458,7 +451,7 @@ int main(int argc, char **argv)
             for (uint32_t i = 0; i < raw.n; i++) {
                 char *av[] = {self, "--raw-server", raw.urls[i], NULL};
                 raw.pids[i] = psp_spawn_argv(av, raw.urls[i], NULL);
-                if (raw.pids[i] < 0) die("spawn raw server", NULL);
+                if (raw.pids[i] < 0) bench_die("spawn raw server", NULL);
             }
             cluster_wait(&raw);
             sh->cl = &raw;

@@ -29,6 +29,7 @@
 #include <time.h>
 
 #include "tools/bench_gather.h"
+#include "tools/bench_util.h"
 #include "common/common.h"
 #include "serve/ember_serve.h"
 #include "src/model.h"
@@ -53,24 +54,6 @@ typedef struct opts {
     uint64_t keys; /* keys looked up per measurement (per batch size and thread count) */
     int quick;
 } opts;
-
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n ? n : 1);
-    if (p == NULL) {
-        fprintf(stderr, "bench serve: out of memory (%zu bytes)\n", n);
-        exit(1);
-    }
-    return p;
-}
-
-static void die_on(int rc, char *err, const char *what)
-{
-    if (rc == 0) return;
-    fprintf(stderr, "bench serve: %s: %s\n", what, err ? err : "failed");
-    free(err);
-    exit(1);
-}
 
 static uint64_t mix64(uint64_t x)
 {
@@ -106,24 +89,26 @@ static void build_bundle(const char *dir, uint64_t rows)
     model_layout l;
     int pool = 0;
     char *err = NULL;
-    die_on(model_cfg_parse(model_text, &m, &pool, &err), err, "model config");
-    die_on(model_layout_make(&m, &l, &err), err, "model layout");
+    bench_check(model_cfg_parse(model_text, &m, &pool, &err), err, "model config");
+    bench_check(model_layout_make(&m, &l, &err), err, "model layout");
     float *tower = calloc(l.n_params + 1, sizeof(float));
-    uint64_t *keys = xmalloc(rows * sizeof *keys);
-    float *w = xmalloc(rows * DIM * sizeof *w);
-    if (tower == NULL) die_on(-1, NULL, "tower");
+    uint64_t *keys = bench_xmalloc(rows * sizeof *keys);
+    float *w = bench_xmalloc(rows * DIM * sizeof *w);
+    if (tower == NULL) bench_check(-1, NULL, "tower");
     for (uint64_t i = 0; i < rows; i++) {
         keys[i] = row_key(i);
         w[i * DIM] = (float)i; /* exact below 2^24: checked after the lookups */
-        for (uint32_t j = 1; j < DIM; j++) w[i * DIM + j] = (float)j * 0.5f;
+        for (uint32_t j = 1; j < DIM; j++)
+            w[i * DIM + j] = (float)j * 0.5f;
     }
     ember_serve_writer *wr = NULL;
-    die_on(ember_serve_writer_create(dir, EMBER_SERVE_FP32, 0, 1, 0, &wr, &err), err, "writer");
-    die_on(ember_serve_writer_model(wr, model_text, &err), err, "writer model");
-    die_on(ember_serve_writer_dense(wr, tower, l.n_params, &err), err, "writer dense");
-    die_on(ember_serve_writer_table(wr, "emb", DIM, keys, w, rows, NULL, 0, &err), err,
-           "writer table");
-    die_on(ember_serve_writer_commit(wr, &err), err, "writer commit");
+    bench_check(ember_serve_writer_create(dir, EMBER_SERVE_FP32, 0, 1, 0, &wr, &err), err,
+                "writer");
+    bench_check(ember_serve_writer_model(wr, model_text, &err), err, "writer model");
+    bench_check(ember_serve_writer_dense(wr, tower, l.n_params, &err), err, "writer dense");
+    bench_check(ember_serve_writer_table(wr, "emb", DIM, keys, w, rows, NULL, 0, &err), err,
+                "writer table");
+    bench_check(ember_serve_writer_commit(wr, &err), err, "writer commit");
     free(tower);
     free(keys);
     free(w);
@@ -155,7 +140,6 @@ typedef struct worker {
     float sink;
 } worker;
 
-
 /* Thread tid makes calls tid, tid + nthreads, ... */
 static void *worker_main(void *arg)
 {
@@ -171,9 +155,11 @@ static void *worker_main(void *arg)
                 w->failed = 1;
                 break;
             }
-            for (uint32_t i = 0; i < w->batch; i++) k->hits += k->found[i];
+            for (uint32_t i = 0; i < w->batch; i++)
+                k->hits += k->found[i];
         } else {
-            bench_gather_batch(w->rows, keys, w->batch, (uint8_t *)k->out, w->kind == WORK_GATHER_PF);
+            bench_gather_batch(w->rows, keys, w->batch, (uint8_t *)k->out,
+                               w->kind == WORK_GATHER_PF);
         }
         k->sink += k->out[c % w->batch * DIM];
     }
@@ -240,6 +226,7 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
+    bench_init("bench serve", NULL);
     opts o = {.rows = 10000000, .keys = 4u << 20};
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0) {
@@ -271,10 +258,10 @@ int main(int argc, char **argv)
     char *err = NULL;
     ember_serve *h = NULL;
     t0 = cm_now();
-    die_on(ember_serve_open(bundle, &h, &err), err, "open");
+    bench_check(ember_serve_open(bundle, &h, &err), err, "open");
     double open_s = cm_now() - t0;
     int table = ember_serve_table(h, "emb");
-    if (table < 0 || ember_serve_table_dim(h, table) != DIM) die_on(-1, NULL, "table emb");
+    if (table < 0 || ember_serve_table_dim(h, table) != DIM) bench_check(-1, NULL, "table emb");
 
     /* key streams: per (batch size, thread count) a fresh segment; 5% misses */
     t0 = cm_now();
@@ -289,41 +276,45 @@ int main(int argc, char **argv)
     }
     for (size_t m = 0; m < n_meas; m++) {
         uint64_t n = per_meas[m / MAX_THREADS];
-        streams[m] = xmalloc(n * sizeof(uint64_t));
+        streams[m] = bench_xmalloc(n * sizeof(uint64_t));
         for (uint64_t i = 0; i < n; i++) {
             uint64_t r = rng_next(&rng);
             int miss = (double)(r >> 11) * (1.0 / 9007199254740992.0) < MISS_FRAC;
-            streams[m][i] = miss ? row_key(o.rows + rng_next(&rng) % o.rows)
-                                 : row_key(rng_next(&rng) % o.rows);
+            streams[m][i] =
+                miss ? row_key(o.rows + rng_next(&rng) % o.rows) : row_key(rng_next(&rng) % o.rows);
         }
     }
-    uint64_t *gidx = xmalloc(o.keys * sizeof *gidx);
-    for (uint64_t i = 0; i < o.keys; i++) gidx[i] = rng_next(&rng) % o.rows;
+    uint64_t *gidx = bench_xmalloc(o.keys * sizeof *gidx);
+    for (uint64_t i = 0; i < o.keys; i++)
+        gidx[i] = rng_next(&rng) % o.rows;
     float *outs[MAX_THREADS];
     uint8_t *founds[MAX_THREADS];
     for (uint32_t i = 0; i < MAX_THREADS; i++) {
-        outs[i] = xmalloc((size_t)4096 * DIM * sizeof(float));
-        founds[i] = xmalloc(4096);
+        outs[i] = bench_xmalloc((size_t)4096 * DIM * sizeof(float));
+        founds[i] = bench_xmalloc(4096);
     }
-    double *lat = xmalloc((o.keys + 1) * sizeof(double));
+    double *lat = bench_xmalloc((o.keys + 1) * sizeof(double));
     double gen_s = cm_now() - t0;
 
     /* warm: every row once (the mapping becomes resident), and a correctness check */
     t0 = cm_now();
     {
-        uint64_t *keys = xmalloc(4096 * sizeof *keys);
+        uint64_t *keys = bench_xmalloc(4096 * sizeof *keys);
         uint64_t bad = 0;
         for (uint64_t r = 0; r < o.rows; r += 4096) {
             uint32_t n = (uint32_t)(o.rows - r < 4096 ? o.rows - r : 4096);
-            for (uint32_t i = 0; i < n; i++) keys[i] = row_key(r + i);
+            for (uint32_t i = 0; i < n; i++)
+                keys[i] = row_key(r + i);
             ember_serve_lookup(h, table, keys, n, outs[0], founds[0]);
             for (uint32_t i = 0; i < n; i++)
                 bad += !founds[0][i] || outs[0][(size_t)i * DIM] != (float)(r + i) ||
                        outs[0][(size_t)i * DIM + DIM - 1] != (float)(DIM - 1) * 0.5f;
         }
-        for (uint32_t i = 0; i < 4096; i++) keys[i] = row_key(o.rows + i);
+        for (uint32_t i = 0; i < 4096; i++)
+            keys[i] = row_key(o.rows + i);
         ember_serve_lookup(h, table, keys, 4096, outs[0], founds[0]);
-        for (uint32_t i = 0; i < 4096; i++) bad += founds[0][i] || outs[0][(size_t)i * DIM] != 0.0f;
+        for (uint32_t i = 0; i < 4096; i++)
+            bad += founds[0][i] || outs[0][(size_t)i * DIM] != 0.0f;
         free(keys);
         if (bad) {
             fprintf(stderr, "bench serve: %" PRIu64 " lookups returned wrong rows\n", bad);
@@ -335,28 +326,35 @@ int main(int argc, char **argv)
     /* gather limit, best of 3 */
     double gather[2][MAX_THREADS] = {{0}};
     {
-        uint8_t *rows = xmalloc((size_t)o.rows * ROW_BYTES);
-        for (size_t i = 0; i < (size_t)o.rows * ROW_BYTES; i += 8) memcpy(rows + i, &i, 8);
-        work w = {.rows = rows, .stream = gidx, .batch = GATHER_BATCH,
-                  .calls = o.keys / GATHER_BATCH};
+        uint8_t *rows = bench_xmalloc((size_t)o.rows * ROW_BYTES);
+        for (size_t i = 0; i < (size_t)o.rows * ROW_BYTES; i += 8)
+            memcpy(rows + i, &i, 8);
+        work w = {
+            .rows = rows, .stream = gidx, .batch = GATHER_BATCH, .calls = o.keys / GATHER_BATCH};
         for (int rep = 0; rep < 3; rep++)
             for (uint32_t nt = 1; nt <= MAX_THREADS; nt++)
                 for (int pf = 0; pf < 2; pf++) {
                     w.kind = pf ? WORK_GATHER_PF : WORK_GATHER;
-                    gather[pf][nt - 1] = fmax(gather[pf][nt - 1], run_work(&w, nt, outs, founds, NULL));
+                    gather[pf][nt - 1] =
+                        fmax(gather[pf][nt - 1], run_work(&w, nt, outs, founds, NULL));
                 }
         free(rows);
     }
     double glimit[MAX_THREADS];
-    for (uint32_t i = 0; i < MAX_THREADS; i++) glimit[i] = fmax(gather[0][i], gather[1][i]);
+    for (uint32_t i = 0; i < MAX_THREADS; i++)
+        glimit[i] = fmax(gather[0][i], gather[1][i]);
 
     /* lookups */
     lookup_result lr[N_BATCHES][MAX_THREADS];
     for (int b = 0; b < N_BATCHES; b++)
         for (uint32_t nt = 1; nt <= MAX_THREADS; nt++) {
-            work w = {.kind = WORK_LOOKUP, .h = h, .table = table,
-                      .stream = streams[b * MAX_THREADS + nt - 1], .batch = batch_sizes[b],
-                      .calls = per_meas[b] / batch_sizes[b], .lat_ns = lat};
+            work w = {.kind = WORK_LOOKUP,
+                      .h = h,
+                      .table = table,
+                      .stream = streams[b * MAX_THREADS + nt - 1],
+                      .batch = batch_sizes[b],
+                      .calls = per_meas[b] / batch_sizes[b],
+                      .lat_ns = lat};
             lookup_result *r = &lr[b][nt - 1];
             r->rate = 0;
             for (int rep = 0; rep < 3; rep++) { /* best of 3, as for the gather limit */
@@ -377,7 +375,8 @@ int main(int argc, char **argv)
     printf("bench serve: bundle of %" PRIu64 " rows, dim %u fp32 (%u B rows), %.0f%% misses%s\n",
            o.rows, DIM, ROW_BYTES, MISS_FRAC * 100, o.quick ? " (--quick)" : "");
     printf("bundle built in %.2f s, opened (mapped + verified) in %.2f s, every row touched in "
-           "%.2f s; streams %.2f s\n", build_s, open_s, warm_s, gen_s);
+           "%.2f s; streams %.2f s\n",
+           build_s, open_s, warm_s, gen_s);
     printf("\n%-30s %12s %12s %10s %10s %8s\n", "", "M keys/s", "calls", "p50 us", "p99 us", "hit");
     for (int b = 0; b < N_BATCHES; b++)
         for (uint32_t nt = 1; nt <= MAX_THREADS; nt++) {
@@ -385,37 +384,40 @@ int main(int argc, char **argv)
             snprintf(name, sizeof name, "lookup batch %u, %u thread%s", batch_sizes[b], nt,
                      nt > 1 ? "s" : "");
             const lookup_result *r = &lr[b][nt - 1];
-            printf("%-30s %12.2f %12" PRIu64 " %10.2f %10.2f %8.3f\n", name, r->rate / 1e6, r->calls,
-                   r->p50_us, r->p99_us, r->hit_frac);
+            printf("%-30s %12.2f %12" PRIu64 " %10.2f %10.2f %8.3f\n", name, r->rate / 1e6,
+                   r->calls, r->p50_us, r->p99_us, r->hit_frac);
         }
     for (uint32_t nt = 1; nt <= MAX_THREADS; nt++)
         printf("gather 64 B rows, %u thread%s   %12.2f (plain %.2f, prefetch %.2f)\n", nt,
                nt > 1 ? "s" : " ", glimit[nt - 1] / 1e6, gather[0][nt - 1] / 1e6,
                gather[1][nt - 1] / 1e6);
     double ratio[MAX_THREADS];
-    for (uint32_t i = 0; i < MAX_THREADS; i++) ratio[i] = glimit[i] > 0 ? lr[2][i].rate / glimit[i] : 0;
+    for (uint32_t i = 0; i < MAX_THREADS; i++)
+        ratio[i] = glimit[i] > 0 ? lr[2][i].rate / glimit[i] : 0;
     int goal = ratio[0] >= GOAL_LOOKUP_OVER_GATHER;
     printf("\nlookup (batch 4096) / gather limit: %.2f (1t) %.2f (2t)   goal >= %.2f: %s\n",
            ratio[0], ratio[1], GOAL_LOOKUP_OVER_GATHER, goal ? "met" : "NOT met");
 
-    printf("{\"bench\":\"serve\",\"quick\":%s,\"rows\":%" PRIu64 ",\"dim\":%u,\"precision\":\"fp32\","
-           "\"miss_frac\":%.2f,\"keys_per_measurement\":%" PRIu64 ",\"build_s\":%.3f,\"open_s\":%.3f,"
-           "\"lookups_per_s\":%.0f,\"lookups_per_s_2t\":%.0f,"
-           "\"lookups_per_s_batch64\":%.0f,\"lookups_per_s_batch64_2t\":%.0f,"
-           "\"lookups_per_s_batch1\":%.0f,\"lookups_per_s_batch1_2t\":%.0f,"
-           "\"p50_us_batch1\":%.3f,\"p99_us_batch1\":%.3f,"
-           "\"p50_us_batch64\":%.3f,\"p99_us_batch64\":%.3f,"
-           "\"p50_us_batch4096\":%.3f,\"p99_us_batch4096\":%.3f,"
-           "\"p50_us_batch64_2t\":%.3f,\"p99_us_batch64_2t\":%.3f,"
-           "\"gather_limit_rows_per_s\":%.0f,\"gather_limit_rows_per_s_2t\":%.0f,"
-           "\"lookup_over_gather\":%.4f,\"lookup_over_gather_2t\":%.4f,"
-           "\"goal_lookup_over_gather\":%.2f,\"goal_met\":%s}\n",
-           o.quick ? "true" : "false", o.rows, DIM, MISS_FRAC, o.keys, build_s, open_s,
-           lr[2][0].rate, lr[2][1].rate, lr[1][0].rate, lr[1][1].rate, lr[0][0].rate, lr[0][1].rate,
-           lr[0][0].p50_us, lr[0][0].p99_us, lr[1][0].p50_us, lr[1][0].p99_us, lr[2][0].p50_us,
-           lr[2][0].p99_us, lr[1][1].p50_us, lr[1][1].p99_us, glimit[0], glimit[1], ratio[0],
-           ratio[1], GOAL_LOOKUP_OVER_GATHER, goal ? "true" : "false");
-    for (size_t m = 0; m < n_meas; m++) free(streams[m]);
+    printf(
+        "{\"bench\":\"serve\",\"quick\":%s,\"rows\":%" PRIu64 ",\"dim\":%u,\"precision\":\"fp32\","
+        "\"miss_frac\":%.2f,\"keys_per_measurement\":%" PRIu64 ",\"build_s\":%.3f,\"open_s\":%.3f,"
+        "\"lookups_per_s\":%.0f,\"lookups_per_s_2t\":%.0f,"
+        "\"lookups_per_s_batch64\":%.0f,\"lookups_per_s_batch64_2t\":%.0f,"
+        "\"lookups_per_s_batch1\":%.0f,\"lookups_per_s_batch1_2t\":%.0f,"
+        "\"p50_us_batch1\":%.3f,\"p99_us_batch1\":%.3f,"
+        "\"p50_us_batch64\":%.3f,\"p99_us_batch64\":%.3f,"
+        "\"p50_us_batch4096\":%.3f,\"p99_us_batch4096\":%.3f,"
+        "\"p50_us_batch64_2t\":%.3f,\"p99_us_batch64_2t\":%.3f,"
+        "\"gather_limit_rows_per_s\":%.0f,\"gather_limit_rows_per_s_2t\":%.0f,"
+        "\"lookup_over_gather\":%.4f,\"lookup_over_gather_2t\":%.4f,"
+        "\"goal_lookup_over_gather\":%.2f,\"goal_met\":%s}\n",
+        o.quick ? "true" : "false", o.rows, DIM, MISS_FRAC, o.keys, build_s, open_s, lr[2][0].rate,
+        lr[2][1].rate, lr[1][0].rate, lr[1][1].rate, lr[0][0].rate, lr[0][1].rate, lr[0][0].p50_us,
+        lr[0][0].p99_us, lr[1][0].p50_us, lr[1][0].p99_us, lr[2][0].p50_us, lr[2][0].p99_us,
+        lr[1][1].p50_us, lr[1][1].p99_us, glimit[0], glimit[1], ratio[0], ratio[1],
+        GOAL_LOOKUP_OVER_GATHER, goal ? "true" : "false");
+    for (size_t m = 0; m < n_meas; m++)
+        free(streams[m]);
     free(gidx);
     free(lat);
     for (uint32_t i = 0; i < MAX_THREADS; i++) {

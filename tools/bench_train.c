@@ -55,6 +55,7 @@
 
 #include "common/common.h"
 #include "datasets/datasets.h"
+#include "tools/bench_util.h"
 
 #define BATCH 2048u
 #define DIM 16u
@@ -84,46 +85,6 @@ typedef struct ember_run {
     uint64_t rows, eval_rows;
 } ember_run;
 
-static void die(const char *what, char *err)
-{
-    fprintf(stderr, "bench train: %s%s%s\n", what, err ? ": " : "", err ? err : "");
-    free(err);
-    exit(1);
-}
-
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n ? n : 1);
-    if (p == NULL) die("out of memory", NULL);
-    return p;
-}
-
-/* Runs argv (no shell); stdout to out_path (or inherited), stderr to err_path (or inherited).
- * Returns the exit status, or -1. */
-static int run_cmd(char *const argv[], const char *out_path, const char *err_path)
-{
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    if (pid < 0) return -1;
-    if (pid == 0) {
-        if (out_path && freopen(out_path, "w", stdout) == NULL) _exit(127);
-        if (err_path && freopen(err_path, "w", stderr) == NULL) _exit(127);
-        execvp(argv[0], argv);
-        _exit(127);
-    }
-    int st;
-    while (waitpid(pid, &st, 0) < 0)
-        if (errno != EINTR) return -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-static uint64_t file_size(const char *path)
-{
-    struct stat st;
-    return stat(path, &st) == 0 ? (uint64_t)st.st_size : 0;
-}
-
 /* The last non-empty line of a file into buf ("" when none). */
 static void last_line(const char *path, char *buf, size_t n)
 {
@@ -144,7 +105,8 @@ static double json_num(const char *line, const char *key)
     const char *p = strstr(line, pat);
     if (p == NULL) return NAN;
     p += strlen(pat);
-    while (*p == ' ') p++;
+    while (*p == ' ')
+        p++;
     char *end;
     double v = strtod(p, &end);
     return end == p ? NAN : v;
@@ -162,13 +124,14 @@ static uint32_t keymap_get(keymap *m, uint64_t key)
 {
     if (2 * (m->n + 1) > m->cap) {
         uint64_t cap = m->cap ? m->cap * 2 : (1u << 20);
-        uint64_t *k = xmalloc(cap * sizeof *k);
+        uint64_t *k = bench_xmalloc(cap * sizeof *k);
         uint32_t *v = calloc(cap, sizeof *v);
-        if (v == NULL) die("out of memory", NULL);
+        if (v == NULL) bench_die("out of memory", NULL);
         for (uint64_t i = 0; i < m->cap; i++)
             if (m->ids[i]) {
                 uint64_t h = (m->keys[i] * 0x9E3779B97F4A7C15ull) >> 20 & (cap - 1);
-                while (v[h]) h = (h + 1) & (cap - 1);
+                while (v[h])
+                    h = (h + 1) & (cap - 1);
                 k[h] = m->keys[i];
                 v[h] = m->ids[i];
             }
@@ -179,7 +142,8 @@ static uint32_t keymap_get(keymap *m, uint64_t key)
         m->cap = cap;
     }
     uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> 20 & (m->cap - 1);
-    while (m->ids[h] && m->keys[h] != key) h = (h + 1) & (m->cap - 1);
+    while (m->ids[h] && m->keys[h] != key)
+        h = (h + 1) & (m->cap - 1);
     if (!m->ids[h]) {
         m->keys[h] = key;
         m->ids[h] = (uint32_t)++m->n;
@@ -210,39 +174,40 @@ static void read_part(const char *dir, keymap *km, dump_part *p, uint64_t *multi
     ro.batch_size = 65536;
     ds_reader *r = NULL;
     char *err = NULL;
-    if (ds_reader_open(&ro, &r, &err) != CM_OK) die("ds_reader_open", err);
+    if (ds_reader_open(&ro, &r, &err) != CM_OK) bench_die("ds_reader_open", err);
     const ds_schema *s = ds_reader_schema(r);
     p->F = s->n_fields;
     p->D = s->n_dense;
     uint64_t cap = ds_reader_rows(r);
-    p->labels = xmalloc(cap * sizeof(float));
-    p->dense = xmalloc(cap * p->D * sizeof(float));
-    p->idx = xmalloc(cap * p->F * sizeof(int32_t));
+    p->labels = bench_xmalloc(cap * sizeof(float));
+    p->dense = bench_xmalloc(cap * p->D * sizeof(float));
+    p->idx = bench_xmalloc(cap * p->F * sizeof(int32_t));
     p->n = 0;
     const ds_batch *b;
     int got;
     while ((got = ds_reader_next(r, &b, &err)) == 1) {
-        if (p->n + b->n_rows > cap) die("shards hold more rows than their index says", NULL);
+        if (p->n + b->n_rows > cap) bench_die("shards hold more rows than their index says", NULL);
         for (uint32_t i = 0; i < b->n_rows; i++) {
             uint64_t row = p->n + i;
             p->labels[row] = b->labels[i];
             for (uint32_t d = 0; d < p->D; d++)
                 p->dense[row * p->D + d] = squash(b->dense[(size_t)i * p->D + d]);
             for (uint32_t f = 0; f < p->F; f++) {
-                uint32_t lo = b->offsets[(size_t)i * p->F + f], hi = b->offsets[(size_t)i * p->F + f + 1];
+                uint32_t lo = b->offsets[(size_t)i * p->F + f],
+                         hi = b->offsets[(size_t)i * p->F + f + 1];
                 if (hi > lo + 1) (*multi)++; /* Criteo has one key a field; keep the first */
                 p->idx[row * p->F + f] = hi > lo ? (int32_t)keymap_get(km, b->keys[lo]) : 0;
             }
         }
         p->n += b->n_rows;
     }
-    if (got < 0) die("ds_reader_next", err);
+    if (got < 0) bench_die("ds_reader_next", err);
     ds_reader_destroy(r);
 }
 
 static void write_all(FILE *f, const void *p, size_t n)
 {
-    if (fwrite(p, 1, n, f) != n) die("writing the PyTorch dump failed", NULL);
+    if (fwrite(p, 1, n, f) != n) bench_die("writing the PyTorch dump failed", NULL);
 }
 
 /* Dump layout (little endian): "EMBRTB01", u64 n_train, u64 n_eval, u32 F, u32 D,
@@ -256,11 +221,14 @@ static void write_dump(const char *path, const char *train_dir, const char *eval
     uint64_t multi = 0;
     read_part(train_dir, &km, &tr, &multi);
     read_part(eval_dir, &km, &ev, &multi);
-    if (multi) fprintf(stderr, "bench train: %" PRIu64 " fields held several keys; the dump keeps the first\n", multi);
+    if (multi)
+        fprintf(stderr,
+                "bench train: %" PRIu64 " fields held several keys; the dump keeps the first\n",
+                multi);
     char tmp[4400];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     FILE *f = fopen(tmp, "wb");
-    if (f == NULL) die("cannot create the PyTorch dump", NULL);
+    if (f == NULL) bench_die("cannot create the PyTorch dump", NULL);
     uint64_t V = km.n + 1;
     write_all(f, "EMBRTB01", 8);
     write_all(f, &tr.n, 8);
@@ -278,7 +246,8 @@ static void write_dump(const char *path, const char *train_dir, const char *eval
         free(p->dense);
         free(p->idx);
     }
-    if (fclose(f) != 0 || rename(tmp, path) != 0) die("writing the PyTorch dump failed", NULL);
+    if (fclose(f) != 0 || rename(tmp, path) != 0)
+        bench_die("writing the PyTorch dump failed", NULL);
     free(km.keys);
     free(km.ids);
     *table_rows = V;
@@ -295,8 +264,8 @@ typedef struct dataset {
 static void prepare_data(const opts *o, dataset *ds)
 {
     uint64_t total = o->rows + o->eval_rows;
-    snprintf(ds->dir, sizeof ds->dir, "%s/train-%" PRIu64 "-e%" PRIu64 "-s%" PRIu64, o->dir, o->rows,
-             o->eval_rows, o->seed);
+    snprintf(ds->dir, sizeof ds->dir, "%s/train-%" PRIu64 "-e%" PRIu64 "-s%" PRIu64, o->dir,
+             o->rows, o->eval_rows, o->seed);
     snprintf(ds->tsv, sizeof ds->tsv, "%s/data.tsv", ds->dir);
     snprintf(ds->shards, sizeof ds->shards, "%s/shards", ds->dir);
     snprintf(ds->train, sizeof ds->train, "%s/train", ds->shards);
@@ -309,25 +278,26 @@ static void prepare_data(const opts *o, dataset *ds)
         unsigned long long a, b, c, d, e;
         int ok = fgets(line, sizeof line, f) &&
                  sscanf(line, "%llu %llu %llu %llu %llu", &a, &b, &c, &d, &e) == 5 &&
-                 file_size(ds->dump) > 0;
+                 bench_file_size(ds->dump) > 0;
         fclose(f);
         if (ok) {
-            ds->rows_train = a, ds->rows_eval = b, ds->table_rows = c, ds->F = (uint32_t)d, ds->D = (uint32_t)e;
+            ds->rows_train = a, ds->rows_eval = b, ds->table_rows = c, ds->F = (uint32_t)d,
+            ds->D = (uint32_t)e;
             ds->cached = 1;
             return;
         }
     }
     char *err = NULL;
-    if (cm_mkdirs(ds->dir, &err) != CM_OK) die("data directory", err);
+    if (cm_mkdirs(ds->dir, &err) != CM_OK) bench_die("data directory", err);
     char rows_s[32], seed_s[32];
     snprintf(rows_s, sizeof rows_s, "%" PRIu64, total);
     snprintf(seed_s, sizeof seed_s, "%" PRIu64, o->seed);
     fprintf(stderr, "bench train: generating %s rows (seed %s) into %s\n", rows_s, seed_s, ds->tsv);
     double t0 = cm_now();
     /* --threads 1: see bench_ingest.c (ember gen's threaded writer can deadlock under load). */
-    char *gen[] = {(char *)o->ember, "gen", "--rows", rows_s, "--seed", seed_s, "--threads", "1",
-                   "--out", ds->tsv, NULL};
-    if (run_cmd(gen, "/dev/null", NULL) != 0) die("ember gen failed", NULL);
+    char *gen[] = {(char *)o->ember, "gen", "--rows", rows_s,  "--seed", seed_s,
+                   "--threads",      "1",   "--out",  ds->tsv, NULL};
+    if (bench_run_cmd(gen, "/dev/null", NULL) != 0) bench_die("ember gen failed", NULL);
     ds->gen_s = cm_now() - t0;
     ds_ingest_opts io;
     ds_ingest_opts_init(&io);
@@ -338,11 +308,13 @@ static void prepare_data(const opts *o, dataset *ds)
     io.out_dir = ds->shards;
     io.eval_fraction = (double)o->eval_rows / (double)total;
     ds_ingest_result res;
-    if (ds_ingest_run(&io, &res, &err) != CM_OK) die("ds_ingest_run", err);
+    if (ds_ingest_run(&io, &res, &err) != CM_OK) bench_die("ds_ingest_run", err);
     ds->ingest_s = res.seconds;
     ds->rows_train = res.rows_train;
     ds->rows_eval = res.rows_eval;
-    fprintf(stderr, "bench train: ingested %" PRIu64 " train + %" PRIu64 " eval rows; writing the PyTorch dump\n",
+    fprintf(stderr,
+            "bench train: ingested %" PRIu64 " train + %" PRIu64
+            " eval rows; writing the PyTorch dump\n",
             res.rows_train, res.rows_eval);
     t0 = cm_now();
     write_dump(ds->dump, ds->train, ds->eval, &ds->table_rows);
@@ -356,14 +328,14 @@ static void prepare_data(const opts *o, dataset *ds)
         ro.paths = paths;
         ro.n_paths = 1;
         ds_reader *r = NULL;
-        if (ds_reader_open(&ro, &r, &err) != CM_OK) die("ds_reader_open", err);
+        if (ds_reader_open(&ro, &r, &err) != CM_OK) bench_die("ds_reader_open", err);
         ds->F = ds_reader_schema(r)->n_fields;
         ds->D = ds_reader_schema(r)->n_dense;
         ds_reader_destroy(r);
     }
     unlink(ds->tsv); /* the shards and the dump are what later runs need */
     f = fopen(ready, "w");
-    if (f == NULL) die("cannot write READY", NULL);
+    if (f == NULL) bench_die("cannot write READY", NULL);
     fprintf(f, "%" PRIu64 " %" PRIu64 " %" PRIu64 " %u %u\n", ds->rows_train, ds->rows_eval,
             ds->table_rows, ds->F, ds->D);
     fclose(f);
@@ -371,7 +343,8 @@ static void prepare_data(const opts *o, dataset *ds)
 
 /* ---- ember train ---- */
 
-static void run_ember(const opts *o, const dataset *ds, const char *model, int threads, ember_run *er)
+static void run_ember(const opts *o, const dataset *ds, const char *model, int threads,
+                      ember_run *er)
 {
     memset(er, 0, sizeof *er);
     snprintf(er->model, sizeof er->model, "%s", model);
@@ -387,18 +360,22 @@ static void run_ember(const opts *o, const dataset *ds, const char *model, int t
     free(rm_err);
     const char *argv[64 + MAX_EXTRA];
     int n = 0;
-    const char *fixed[] = {o->ember, "train", "--train", ds->train, "--eval", ds->eval, "--model", model,
-                           "--out", out, "--device", "cpu", "--batch", "2048", "--epochs", "1",
-                           "--workers", "1", "--shards", "1", "--threads", th,
-                           "--emb-optimizer", "adagrad", "--emb-lr", EMB_LR, "--dense-lr", DENSE_LR,
-                           "--no-progress"};
-    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) argv[n++] = fixed[i];
-    for (int i = 0; i < o->n_extra; i++) argv[n++] = o->extra[i];
+    const char *fixed[] = {
+        o->ember,   "train", "--train",    ds->train, "--eval",          ds->eval,
+        "--model",  model,   "--out",      out,       "--device",        "cpu",
+        "--batch",  "2048",  "--epochs",   "1",       "--workers",       "1",
+        "--shards", "1",     "--threads",  th,        "--emb-optimizer", "adagrad",
+        "--emb-lr", EMB_LR,  "--dense-lr", DENSE_LR,  "--no-progress"};
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
+        argv[n++] = fixed[i];
+    for (int i = 0; i < o->n_extra; i++)
+        argv[n++] = o->extra[i];
     argv[n] = NULL;
     fprintf(stderr, "bench train: ember train --model %s --threads %d ...\n", model, threads);
-    int rc = run_cmd((char *const *)argv, so, se);
+    int rc = bench_run_cmd((char *const *)argv, so, se);
     if (rc != 0) {
-        fprintf(stderr, "bench train: ember train --model %s --threads %d failed (exit %d); see %s\n",
+        fprintf(stderr,
+                "bench train: ember train --model %s --threads %d failed (exit %d); see %s\n",
                 model, threads, rc, se);
         return;
     }
@@ -429,7 +406,7 @@ typedef struct torch_run {
 static int python_has_torch(const char *py)
 {
     char *argv[] = {(char *)py, "-c", "import torch, numpy", NULL};
-    return run_cmd(argv, "/dev/null", "/dev/null") == 0;
+    return bench_run_cmd(argv, "/dev/null", "/dev/null") == 0;
 }
 
 static void run_torch(const opts *o, const dataset *ds, torch_run *t)
@@ -441,16 +418,19 @@ static void run_torch(const opts *o, const dataset *ds, torch_run *t)
     }
     if (!python_has_torch(o->python)) {
         if (o->quick || o->no_install || geteuid() != 0 || access("/usr/bin/apt-get", X_OK) != 0) {
-            snprintf(t->why, sizeof t->why, "skipped: %s cannot import torch (apt-get install python3-torch%s)",
-                     o->python, o->quick ? "; --quick never installs" : "");
+            snprintf(t->why, sizeof t->why,
+                     "skipped: %s cannot import torch (apt-get install python3-torch%s)", o->python,
+                     o->quick ? "; --quick never installs" : "");
             fprintf(stderr, "bench train: PyTorch %s\n", t->why);
             return;
         }
-        fprintf(stderr, "bench train: %s cannot import torch: installing Debian's python3-torch "
-                        "(apt-get install -y python3-torch)\n", o->python);
+        fprintf(stderr,
+                "bench train: %s cannot import torch: installing Debian's python3-torch "
+                "(apt-get install -y python3-torch)\n",
+                o->python);
         char *apt[] = {"apt-get", "install", "-y", "-q", "python3-torch", NULL};
         setenv("DEBIAN_FRONTEND", "noninteractive", 1);
-        if (run_cmd(apt, "/dev/null", NULL) != 0 || !python_has_torch(o->python)) {
+        if (bench_run_cmd(apt, "/dev/null", NULL) != 0 || !python_has_torch(o->python)) {
             snprintf(t->why, sizeof t->why, "skipped: installing python3-torch failed");
             fprintf(stderr, "bench train: PyTorch %s\n", t->why);
             return;
@@ -460,10 +440,23 @@ static void run_torch(const opts *o, const dataset *ds, torch_run *t)
     char out[4400], se[4400];
     snprintf(out, sizeof out, "%s/torch.stdout", ds->dir);
     snprintf(se, sizeof se, "%s/torch.stderr", ds->dir);
-    char *argv[] = {(char *)o->python, (char *)o->py_script, "--data", (char *)ds->dump, "--threads", "2",
-                    "--batch", "2048", "--dim", "16", "--emb-lr", EMB_LR, "--dense-lr", DENSE_LR, NULL};
+    char *argv[] = {(char *)o->python,
+                    (char *)o->py_script,
+                    "--data",
+                    (char *)ds->dump,
+                    "--threads",
+                    "2",
+                    "--batch",
+                    "2048",
+                    "--dim",
+                    "16",
+                    "--emb-lr",
+                    EMB_LR,
+                    "--dense-lr",
+                    DENSE_LR,
+                    NULL};
     fprintf(stderr, "bench train: PyTorch (%s %s, 2 threads) ...\n", o->python, o->py_script);
-    int rc = run_cmd(argv, out, se);
+    int rc = bench_run_cmd(argv, out, se);
     char line[8192];
     last_line(out, line, sizeof line);
     if (rc != 0 || !isfinite(json_num(line, "auc"))) {
@@ -484,8 +477,9 @@ static void run_torch(const opts *o, const dataset *ds, torch_run *t)
 
 /* ---- sgemm roofline ---- */
 
-typedef void (*sgemm_fn)(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A,
-                         int lda, const float *B, int ldb, float beta, float *C, int ldc);
+typedef void (*sgemm_fn)(int order, int ta, int tb, int M, int N, int K, float alpha,
+                         const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                         int ldc);
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 typedef struct roofline {
@@ -501,21 +495,28 @@ static void measure_roofline(uint32_t F, uint32_t D, double seconds, roofline *r
     const char *libs[] = {"libopenblas.so.0", "libopenblas.so", "libblas.so.3"};
     void *h = NULL;
     for (size_t i = 0; i < 3 && h == NULL; i++)
-        if ((h = dlopen(libs[i], RTLD_NOW | RTLD_LOCAL)) != NULL) snprintf(rf->lib, sizeof rf->lib, "%s", libs[i]);
+        if ((h = dlopen(libs[i], RTLD_NOW | RTLD_LOCAL)) != NULL)
+            snprintf(rf->lib, sizeof rf->lib, "%s", libs[i]);
     if (h == NULL) return;
     sgemm_fn sgemm = (sgemm_fn)dlsym(h, "cblas_sgemm");
     void (*set_threads)(int) = (void (*)(int))dlsym(h, "openblas_set_num_threads");
     if (sgemm == NULL) return;
-    const uint32_t n_layers = 3, in[3] = {F * DIM + D, HIDDEN0, HIDDEN1}, outw[3] = {HIDDEN0, HIDDEN1, 1};
+    const uint32_t n_layers = 3, in[3] = {F * DIM + D, HIDDEN0, HIDDEN1},
+                   outw[3] = {HIDDEN0, HIDDEN1, 1};
     const uint32_t B = BATCH;
     double fps = 0;
-    for (uint32_t l = 0; l < n_layers; l++) fps += 6.0 * in[l] * outw[l];
+    for (uint32_t l = 0; l < n_layers; l++)
+        fps += 6.0 * in[l] * outw[l];
     rf->flops_per_sample = fps;
     size_t maxw = (size_t)in[0] * outw[0];
-    float *X = xmalloc((size_t)B * in[0] * sizeof(float)), *W = xmalloc(maxw * sizeof(float));
-    float *Y = xmalloc((size_t)B * in[0] * sizeof(float)), *dW = xmalloc(maxw * sizeof(float));
-    for (size_t i = 0; i < (size_t)B * in[0]; i++) X[i] = Y[i] = (float)((i * 7919u) % 1000u) * 1e-3f;
-    for (size_t i = 0; i < maxw; i++) W[i] = (float)((i * 104729u) % 1000u) * 1e-3f;
+    float *X = bench_xmalloc((size_t)B * in[0] * sizeof(float)),
+          *W = bench_xmalloc(maxw * sizeof(float));
+    float *Y = bench_xmalloc((size_t)B * in[0] * sizeof(float)),
+          *dW = bench_xmalloc(maxw * sizeof(float));
+    for (size_t i = 0; i < (size_t)B * in[0]; i++)
+        X[i] = Y[i] = (float)((i * 7919u) % 1000u) * 1e-3f;
+    for (size_t i = 0; i < maxw; i++)
+        W[i] = (float)((i * 104729u) % 1000u) * 1e-3f;
     /* One "step": every layer forward (Y = X W^T) and backward (dX = dY W, dW = dY^T X); with
      * OpenBLAS on 2 threads (the roofline) and on 1 (for reference: 2 x that is what two
      * cores would give with no threading overhead). */
@@ -546,9 +547,11 @@ static void measure_roofline(uint32_t F, uint32_t D, double seconds, roofline *r
     double t0, t;
     /* For reference: a large square sgemm, near the cores' peak. */
     const int S = 1024;
-    float *A = xmalloc((size_t)S * S * sizeof(float)), *Bm = xmalloc((size_t)S * S * sizeof(float)),
-          *C = xmalloc((size_t)S * S * sizeof(float));
-    for (size_t i = 0; i < (size_t)S * S; i++) A[i] = Bm[i] = (float)(i % 97) * 0.01f;
+    float *A = bench_xmalloc((size_t)S * S * sizeof(float)),
+          *Bm = bench_xmalloc((size_t)S * S * sizeof(float)),
+          *C = bench_xmalloc((size_t)S * S * sizeof(float));
+    for (size_t i = 0; i < (size_t)S * S; i++)
+        A[i] = Bm[i] = (float)(i % 97) * 0.01f;
     sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, S, S, S, 1.0f, A, S, Bm, S, 0.0f, C, S);
     steps = 0;
     t0 = cm_now();
@@ -566,23 +569,15 @@ static void measure_roofline(uint32_t F, uint32_t D, double seconds, roofline *r
 
 static void default_paths(opts *o)
 {
-    static char buf[4096], py[4200];
-    o->ember = getenv("EMBER_BIN");
-    if (o->ember == NULL) {
-        ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 16);
-        if (n > 0) {
-            buf[n] = '\0';
-            char *d = dirname(dirname(buf)); /* build/tools/bench_train -> build/ember */
-            memmove(buf, d, strlen(d) + 1);
-            strcat(buf, "/ember");
-            o->ember = buf;
-        }
-    }
+    static char py[4200];
+    o->ember = bench_ember_path();
     /* bench_train.py sits beside this source file (__FILE__ is absolute under CMake). */
     snprintf(py, sizeof py, "%s", __FILE__);
     char *slash = strrchr(py, '/');
-    if (slash) strcpy(slash + 1, "bench_train.py");
-    else snprintf(py, sizeof py, "tools/bench_train.py");
+    if (slash)
+        strcpy(slash + 1, "bench_train.py");
+    else
+        snprintf(py, sizeof py, "tools/bench_train.py");
     o->py_script = py;
     /* Debian's interpreter is the one python3-torch installs into. */
     o->python = access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3";
@@ -599,9 +594,10 @@ static int has_model(const opts *o, const char *m)
 
 static void usage(void)
 {
-    fprintf(stderr, "usage: bench_train [--quick] [--model M | --models M,M] [--rows N] [--eval-rows N]\n"
-                    "       [--seed S] [--threads-list 1,2] [--no-torch] [--no-install] [--dir DIR]\n"
-                    "       [--ember PATH] [--python PATH] [--train-arg ARG]...\n");
+    fprintf(stderr,
+            "usage: bench_train [--quick] [--model M | --models M,M] [--rows N] [--eval-rows N]\n"
+            "       [--seed S] [--threads-list 1,2] [--no-torch] [--no-install] [--dir DIR]\n"
+            "       [--ember PATH] [--python PATH] [--train-arg ARG]...\n");
     exit(2);
 }
 
@@ -617,6 +613,7 @@ static void loadavg(char *buf, size_t n)
 
 int main(int argc, char **argv)
 {
+    bench_init("bench train", NULL);
     opts o = {.seed = 1};
     snprintf(o.models, sizeof o.models, "mlp,lr");
     snprintf(o.threads_list, sizeof o.threads_list, "1,2");
@@ -624,29 +621,44 @@ int main(int argc, char **argv)
     o.dir = getenv("EMBER_BENCH_DIR") ? getenv("EMBER_BENCH_DIR") : "/tmp/ember-bench";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--quick")) o.quick = 1;
-        else if (!strcmp(a, "--no-torch")) o.no_torch = 1;
-        else if (!strcmp(a, "--no-install")) o.no_install = 1;
-        else if (v == NULL) usage();
-        else if (!strcmp(a, "--model") || !strcmp(a, "--models")) snprintf(o.models, sizeof o.models, "%s", v), i++;
-        else if (!strcmp(a, "--threads-list")) snprintf(o.threads_list, sizeof o.threads_list, "%s", v), i++;
-        else if (!strcmp(a, "--rows")) o.rows = strtoull(v, NULL, 10), i++;
-        else if (!strcmp(a, "--eval-rows")) o.eval_rows = strtoull(v, NULL, 10), i++;
-        else if (!strcmp(a, "--seed")) o.seed = strtoull(v, NULL, 10), i++;
-        else if (!strcmp(a, "--dir")) o.dir = v, i++;
-        else if (!strcmp(a, "--ember")) o.ember = v, i++;
-        else if (!strcmp(a, "--python")) o.python = v, i++;
-        else if (!strcmp(a, "--train-arg") && o.n_extra < MAX_EXTRA) o.extra[o.n_extra++] = v, i++;
-        else usage();
+        if (!strcmp(a, "--quick"))
+            o.quick = 1;
+        else if (!strcmp(a, "--no-torch"))
+            o.no_torch = 1;
+        else if (!strcmp(a, "--no-install"))
+            o.no_install = 1;
+        else if (v == NULL)
+            usage();
+        else if (!strcmp(a, "--model") || !strcmp(a, "--models"))
+            snprintf(o.models, sizeof o.models, "%s", v), i++;
+        else if (!strcmp(a, "--threads-list"))
+            snprintf(o.threads_list, sizeof o.threads_list, "%s", v), i++;
+        else if (!strcmp(a, "--rows"))
+            o.rows = strtoull(v, NULL, 10), i++;
+        else if (!strcmp(a, "--eval-rows"))
+            o.eval_rows = strtoull(v, NULL, 10), i++;
+        else if (!strcmp(a, "--seed"))
+            o.seed = strtoull(v, NULL, 10), i++;
+        else if (!strcmp(a, "--dir"))
+            o.dir = v, i++;
+        else if (!strcmp(a, "--ember"))
+            o.ember = v, i++;
+        else if (!strcmp(a, "--python"))
+            o.python = v, i++;
+        else if (!strcmp(a, "--train-arg") && o.n_extra < MAX_EXTRA)
+            o.extra[o.n_extra++] = v, i++;
+        else
+            usage();
     }
     if (o.rows == 0) o.rows = o.quick ? 300000 : 2000000;
     if (o.eval_rows == 0) o.eval_rows = o.quick ? 30000 : 200000;
     if (o.ember == NULL || access(o.ember, X_OK) != 0) {
-        fprintf(stderr, "bench train: no ember binary at %s (build it, or --ember PATH)\n", o.ember ? o.ember : "?");
+        fprintf(stderr, "bench train: no ember binary at %s (build it, or --ember PATH)\n",
+                o.ember ? o.ember : "?");
         return 1;
     }
     char *err = NULL;
-    if (cm_mkdirs(o.dir, &err) != CM_OK) die("bench directory", err);
+    if (cm_mkdirs(o.dir, &err) != CM_OK) bench_die("bench directory", err);
     double t_start = cm_now();
     char load0[16], load1[16];
     loadavg(load0, sizeof load0);
@@ -669,7 +681,8 @@ int main(int argc, char **argv)
         }
     }
     torch_run tr;
-    if (has_model(&o, "mlp")) run_torch(&o, &ds, &tr);
+    if (has_model(&o, "mlp"))
+        run_torch(&o, &ds, &tr);
     else {
         memset(&tr, 0, sizeof tr);
         snprintf(tr.why, sizeof tr.why, "skipped (the PyTorch side implements mlp only)");
@@ -683,41 +696,52 @@ int main(int argc, char **argv)
     for (int i = 0; i < n_runs; i++) {
         const ember_run *r = &runs[i];
         if (!r->ok) continue;
-        const ember_run **b = !strcmp(r->model, "mlp") ? &best_mlp : !strcmp(r->model, "lr") ? &best_lr : NULL;
+        const ember_run **b = !strcmp(r->model, "mlp")  ? &best_mlp
+                              : !strcmp(r->model, "lr") ? &best_lr
+                                                        : NULL;
         if (b && (*b == NULL || r->loop_samples_per_s > (*b)->loop_samples_per_s)) *b = r;
     }
     const ember_run *head = best_mlp ? best_mlp : best_lr;
 
-    printf("bench train: %" PRIu64 " train + %" PRIu64 " eval rows (seed %" PRIu64 ", %s), %u fields x dim %u + %u dense,"
+    printf("bench train: %" PRIu64 " train + %" PRIu64 " eval rows (seed %" PRIu64
+           ", %s), %u fields x dim %u + %u dense,"
            " batch %u, 1 epoch; %" PRIu64 " distinct keys\n",
-           ds.rows_train, ds.rows_eval, o.seed, ds.cached ? "cached" : "generated now", ds.F, DIM, ds.D,
-           BATCH, ds.table_rows - 1);
-    printf("%-22s %7s %12s %12s %9s %9s %9s\n", "run", "threads", "loop smp/s", "e2e smp/s", "train s",
-           "auc", "logloss");
+           ds.rows_train, ds.rows_eval, o.seed, ds.cached ? "cached" : "generated now", ds.F, DIM,
+           ds.D, BATCH, ds.table_rows - 1);
+    printf("%-22s %7s %12s %12s %9s %9s %9s\n", "run", "threads", "loop smp/s", "e2e smp/s",
+           "train s", "auc", "logloss");
     for (int i = 0; i < n_runs; i++) {
         const ember_run *r = &runs[i];
         char name[80];
-        snprintf(name, sizeof name, "ember %.16s%s", r->model, r == best_mlp || r == best_lr ? " *" : "");
-        if (!r->ok) printf("%-22s %7d %12s\n", name, r->threads, "FAILED");
+        snprintf(name, sizeof name, "ember %.16s%s", r->model,
+                 r == best_mlp || r == best_lr ? " *" : "");
+        if (!r->ok)
+            printf("%-22s %7d %12s\n", name, r->threads, "FAILED");
         else
-            printf("%-22s %7d %12.0f %12.0f %9.2f %9.4f %9.4f\n", name, r->threads, r->loop_samples_per_s,
-                   r->samples_per_s, r->loop_seconds, r->auc, r->logloss);
+            printf("%-22s %7d %12.0f %12.0f %9.2f %9.4f %9.4f\n", name, r->threads,
+                   r->loop_samples_per_s, r->samples_per_s, r->loop_seconds, r->auc, r->logloss);
     }
     if (tr.ran)
         printf("%-22s %7d %12.0f %12s %9.2f %9.4f %9.4f\n", "pytorch mlp", 2, tr.samples_per_s, "-",
                tr.seconds, tr.auc, tr.logloss);
-    else printf("%-22s %s\n", "pytorch mlp", tr.why);
+    else
+        printf("%-22s %s\n", "pytorch mlp", tr.why);
     if (rf.ok)
-        printf("%-22s %7d %12.0f %12s %9s   sgemm %.1f GFLOP/s on the model's shapes (%.0f FLOP/sample), "
-               "%.1f GFLOP/s at 1024^3\n", "sgemm roofline (mlp)", 2, rf.samples_per_s, "-", "-",
-               rf.gflops_model, rf.flops_per_sample, rf.gflops_peak);
-    else printf("%-22s no OpenBLAS to dlopen\n", "sgemm roofline");
+        printf("%-22s %7d %12.0f %12s %9s   sgemm %.1f GFLOP/s on the model's shapes (%.0f "
+               "FLOP/sample), "
+               "%.1f GFLOP/s at 1024^3\n",
+               "sgemm roofline (mlp)", 2, rf.samples_per_s, "-", "-", rf.gflops_model,
+               rf.flops_per_sample, rf.gflops_peak);
+    else
+        printf("%-22s no OpenBLAS to dlopen\n", "sgemm roofline");
     if (rf.ok)
-        printf("%-22s %7d %12.0f %12s %9s   sgemm %.1f GFLOP/s on the model's shapes\n", "sgemm 1 thread (ref)", 1,
-               rf.samples_per_s_1t, "-", "-", rf.gflops_model_1t);
-    printf("* = the faster thread count, reported. loop smp/s: samples / seconds at the last step of "
-           "metrics.jsonl (ember) or of the timed loop (PyTorch); e2e: ember's own figure, setup to end "
-           "with checkpoint and eval\n");
+        printf("%-22s %7d %12.0f %12s %9s   sgemm %.1f GFLOP/s on the model's shapes\n",
+               "sgemm 1 thread (ref)", 1, rf.samples_per_s_1t, "-", "-", rf.gflops_model_1t);
+    printf(
+        "* = the faster thread count, reported. loop smp/s: samples / seconds at the last step of "
+        "metrics.jsonl (ember) or of the timed loop (PyTorch); e2e: ember's own figure, setup to "
+        "end "
+        "with checkpoint and eval\n");
     double speedup = best_mlp && tr.ran ? best_mlp->loop_samples_per_s / tr.samples_per_s : NAN;
     if (best_mlp && tr.ran) {
         printf("goal mlp auc >= torch - %.3f: %s (%.4f vs %.4f)\n", GOAL_AUC_GAP,
@@ -730,38 +754,51 @@ int main(int argc, char **argv)
                best_mlp->auc > best_lr->auc ? "mlp beats lr" : "mlp does NOT beat lr");
     if (best_mlp && rf.ok) {
         double frac = best_mlp->loop_samples_per_s / rf.samples_per_s;
-        printf("ember mlp at %.0f%% of the sgemm roofline (2-thread OpenBLAS), %.0f%% of 2 x the 1-thread "
-               "figure%s\n", 100.0 * frac, 50.0 * best_mlp->loop_samples_per_s / rf.samples_per_s_1t,
-               frac > 1.0 ? " (above it: OpenBLAS's own 2-thread GEMMs lose to ember's row split into "
-                            "single-threaded calls on these small shapes, more so under other load)" : "");
+        printf("ember mlp at %.0f%% of the sgemm roofline (2-thread OpenBLAS), %.0f%% of 2 x the "
+               "1-thread "
+               "figure%s\n",
+               100.0 * frac, 50.0 * best_mlp->loop_samples_per_s / rf.samples_per_s_1t,
+               frac > 1.0
+                   ? " (above it: OpenBLAS's own 2-thread GEMMs lose to ember's row split into "
+                     "single-threaded calls on these small shapes, more so under other load)"
+                   : "");
     }
-    printf("load average %s at start, %s at end (2 shared cores: other load skews the figures)\n", load0, load1);
+    printf("load average %s at start, %s at end (2 shared cores: other load skews the figures)\n",
+           load0, load1);
 
 #define JNUM(x) (isfinite((double)(x)) ? (x) : -1.0)
     printf("{\"bench\":\"train\",\"quick\":%s,\"model\":\"%s\",\"models\":\"%s\",\"rows\":%" PRIu64
-           ",\"eval_rows\":%" PRIu64 ",\"seed\":%" PRIu64 ",\"batch\":%u,\"distinct_keys\":%" PRIu64 ","
+           ",\"eval_rows\":%" PRIu64 ",\"seed\":%" PRIu64 ",\"batch\":%u,\"distinct_keys\":%" PRIu64
+           ","
            "\"ember_threads\":%d,\"ember_samples_per_s\":%.0f,\"ember_e2e_samples_per_s\":%.0f,"
            "\"ember_auc\":%.6f,\"ember_logloss\":%.6f,\"ember_train_seconds\":%.3f,",
-           o.quick ? "true" : "false", head ? head->model : "none", o.models, ds.rows_train, ds.rows_eval, o.seed,
-           BATCH, ds.table_rows ? ds.table_rows - 1 : 0, head ? head->threads : 0,
-           head ? JNUM(head->loop_samples_per_s) : -1, head ? JNUM(head->samples_per_s) : -1,
-           head ? JNUM(head->auc) : -1, head ? JNUM(head->logloss) : -1, head ? JNUM(head->loop_seconds) : -1);
+           o.quick ? "true" : "false", head ? head->model : "none", o.models, ds.rows_train,
+           ds.rows_eval, o.seed, BATCH, ds.table_rows ? ds.table_rows - 1 : 0,
+           head ? head->threads : 0, head ? JNUM(head->loop_samples_per_s) : -1,
+           head ? JNUM(head->samples_per_s) : -1, head ? JNUM(head->auc) : -1,
+           head ? JNUM(head->logloss) : -1, head ? JNUM(head->loop_seconds) : -1);
     for (int i = 0; i < n_runs; i++)
-        printf("\"ember_%s_t%d_samples_per_s\":%.0f,\"ember_%s_t%d_auc\":%.6f,", runs[i].model, runs[i].threads,
-               JNUM(runs[i].loop_samples_per_s), runs[i].model, runs[i].threads, JNUM(runs[i].auc));
-    if (best_lr) printf("\"lr_auc\":%.6f,\"lr_logloss\":%.6f,\"lr_samples_per_s\":%.0f,", best_lr->auc, best_lr->logloss,
-                        best_lr->loop_samples_per_s);
-    printf("\"torch_ran\":%s,\"torch_installed_now\":%s,\"torch_version\":\"%s\",\"torch_threads\":2,"
-           "\"torch_samples_per_s\":%.0f,\"torch_auc\":%.6f,\"torch_logloss\":%.6f,\"torch_train_seconds\":%.3f,"
-           "\"speedup\":%.3f,\"sgemm_gflops\":%.2f,\"sgemm_gflops_1024\":%.2f,\"flops_per_sample\":%.0f,"
-           "\"roofline_samples_per_s\":%.0f,\"sgemm_gflops_1t\":%.2f,\"roofline_1t_samples_per_s\":%.0f,\"goal_auc_met\":%s,\"goal_speedup_met\":%s,"
-           "\"loadavg_start\":\"%s\",\"loadavg_end\":\"%s\",\"wall_seconds\":%.1f}\n",
-           tr.ran ? "true" : "false", tr.installed ? "true" : "false", tr.version,
-           tr.ran ? tr.samples_per_s : -1, tr.ran ? tr.auc : -1, tr.ran ? tr.logloss : -1,
-           tr.ran ? tr.seconds : -1, isfinite(speedup) ? speedup : -1, rf.gflops_model, rf.gflops_peak,
-           rf.flops_per_sample, rf.samples_per_s, rf.gflops_model_1t, rf.samples_per_s_1t,
-           best_mlp && tr.ran ? (best_mlp->auc >= tr.auc - GOAL_AUC_GAP ? "true" : "false") : "null",
-           isfinite(speedup) ? (speedup >= GOAL_SPEEDUP ? "true" : "false") : "null", load0, load1,
-           cm_now() - t_start);
+        printf("\"ember_%s_t%d_samples_per_s\":%.0f,\"ember_%s_t%d_auc\":%.6f,", runs[i].model,
+               runs[i].threads, JNUM(runs[i].loop_samples_per_s), runs[i].model, runs[i].threads,
+               JNUM(runs[i].auc));
+    if (best_lr)
+        printf("\"lr_auc\":%.6f,\"lr_logloss\":%.6f,\"lr_samples_per_s\":%.0f,", best_lr->auc,
+               best_lr->logloss, best_lr->loop_samples_per_s);
+    printf(
+        "\"torch_ran\":%s,\"torch_installed_now\":%s,\"torch_version\":\"%s\",\"torch_threads\":2,"
+        "\"torch_samples_per_s\":%.0f,\"torch_auc\":%.6f,\"torch_logloss\":%.6f,\"torch_train_"
+        "seconds\":%.3f,"
+        "\"speedup\":%.3f,\"sgemm_gflops\":%.2f,\"sgemm_gflops_1024\":%.2f,\"flops_per_sample\":%."
+        "0f,"
+        "\"roofline_samples_per_s\":%.0f,\"sgemm_gflops_1t\":%.2f,\"roofline_1t_samples_per_s\":%."
+        "0f,\"goal_auc_met\":%s,\"goal_speedup_met\":%s,"
+        "\"loadavg_start\":\"%s\",\"loadavg_end\":\"%s\",\"wall_seconds\":%.1f}\n",
+        tr.ran ? "true" : "false", tr.installed ? "true" : "false", tr.version,
+        tr.ran ? tr.samples_per_s : -1, tr.ran ? tr.auc : -1, tr.ran ? tr.logloss : -1,
+        tr.ran ? tr.seconds : -1, isfinite(speedup) ? speedup : -1, rf.gflops_model, rf.gflops_peak,
+        rf.flops_per_sample, rf.samples_per_s, rf.gflops_model_1t, rf.samples_per_s_1t,
+        best_mlp && tr.ran ? (best_mlp->auc >= tr.auc - GOAL_AUC_GAP ? "true" : "false") : "null",
+        isfinite(speedup) ? (speedup >= GOAL_SPEEDUP ? "true" : "false") : "null", load0, load1,
+        cm_now() - t_start);
     return head ? 0 : 1;
 }

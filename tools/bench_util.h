@@ -2,10 +2,87 @@
 #ifndef EMBER_TOOLS_BENCH_UTIL_H
 #define EMBER_TOOLS_BENCH_UTIL_H
 
+#include <errno.h>
 #include <libgen.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+/* A benchmark is one program that stops at its first failure: these helpers print what failed
+ * under the program's name and exit(1). They live here, not in a library, because only the
+ * tools/ programs may exit on error. */
+
+/* The name messages start with ("bench train"), and a hook run before a fatal exit (to stop
+ * child processes); both set once at the start of main. */
+typedef struct bench_prog {
+    const char *name;
+    void (*on_die)(void);
+} bench_prog;
+
+static inline bench_prog *bench_self(void)
+{
+    static bench_prog p = {"bench", NULL};
+    return &p;
+}
+
+static inline void bench_init(const char *name, void (*on_die)(void))
+{
+    bench_self()->name = name;
+    bench_self()->on_die = on_die;
+}
+
+/* Prints "NAME: what: err" and exits 1; frees err (NULL: only what). */
+static inline void bench_die(const char *what, char *err)
+{
+    fprintf(stderr, "%s: %s%s%s\n", bench_self()->name, what, err ? ": " : "", err ? err : "");
+    free(err);
+    if (bench_self()->on_die) bench_self()->on_die();
+    exit(1);
+}
+
+/* bench_die when rc is not 0 (a library call's return code and its message). */
+static inline void bench_check(int rc, char *err, const char *what)
+{
+    if (rc != 0) bench_die(what, err ? err : strdup("failed"));
+}
+
+static inline void *bench_xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (p == NULL) bench_die("out of memory", NULL);
+    return p;
+}
+
+/* Runs argv (no shell, PATH searched); stdout to out_path and stderr to err_path when given
+ * ("/dev/null" to silence), else inherited. Returns the exit status, or -1. */
+static inline int bench_run_cmd(char *const argv[], const char *out_path, const char *err_path)
+{
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        if (out_path && freopen(out_path, "w", stdout) == NULL) _exit(127);
+        if (err_path && freopen(err_path, "w", stderr) == NULL) _exit(127);
+        execvp(argv[0], argv);
+        _exit(127);
+    }
+    int st;
+    while (waitpid(pid, &st, 0) < 0)
+        if (errno != EINTR) return -1;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* The size of a file, 0 when it cannot be read. */
+static inline uint64_t bench_file_size(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 ? (uint64_t)st.st_size : 0;
+}
 
 /* The ember binary a benchmark drives: $EMBER_BIN, else build/ember beside this program's
  * build/tools/ directory; NULL when neither can be worked out. */
