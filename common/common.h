@@ -56,6 +56,13 @@ void cm_int8_row_decode(const uint8_t *in, uint32_t dim, float *out);
 /* Monotonic seconds, for timing and rates. */
 double cm_now(void);
 
+/* Sets glibc's malloc so that the multi-megabyte buffers every pull, push and message needs
+ * are reused from the heap instead of being mapped and unmapped (or trimmed) per request: each
+ * fresh mapping costs a page fault and a zeroed page per 4 KiB, about a third of a pull's CPU.
+ * Blocks above 32 MiB are still mapped; up to 64 MiB of free heap top is kept. Called once
+ * by programs (ember's main, benchmarks), never by the libraries. */
+void cm_malloc_tune(void);
+
 /* Creates dir and its parents (mode 0755); an existing directory is fine. */
 int cm_mkdirs(const char *dir, char **errptr);
 
@@ -106,8 +113,8 @@ int cm_write_file_atomic(const char *path, const void *buf, size_t n, char **err
  * cb is called with key == NULL at each section header, then once per key; a non-zero return
  * stops the parse. Messages from cb are prefixed with "path:line: ".
  */
-typedef int (*cm_ini_cb)(void *arg, const char *section, const char *section_arg,
-                         const char *key, const char *value, char **errptr);
+typedef int (*cm_ini_cb)(void *arg, const char *section, const char *section_arg, const char *key,
+                         const char *value, char **errptr);
 int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr);
 
 /* Parses an unsigned decimal with an optional K/M/G/T (binary) suffix. 0 or -1. */

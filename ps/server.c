@@ -384,11 +384,21 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
     pthread_rwlock_rdlock(&s->tables_lock);
     emb_table *t = s->tables[h->table];
     if (h->op == PS_OP_PULL) {
-        rc = h->flags & PS_FLAG_LOOKUP ? emb_table_lookup(t, keys, n, vals, NULL, &err)
-                                       : emb_table_pull(t, keys, n, vals, &err);
-        uint8_t *out;
-        if (rc == CM_OK && (reply = reply_ok(h, n * row_bytes, &out)) != NULL)
-            ps_codec_encode((ps_codec)h->codec, vals, n, dim, out, NULL);
+        /* fp32 rows are gathered straight into the reply (one copy of the batch less); other
+         * codecs are encoded from vals. */
+        const bool direct = h->codec == PS_CODEC_F32;
+        uint8_t *out = NULL;
+        if ((reply = reply_ok(h, n * row_bytes, &out)) == NULL)
+            rc = cm_err(&err, CM_ENOMEM, "server out of memory");
+        float *dst = direct ? (float *)(void *)out : vals;
+        if (rc == CM_OK)
+            rc = h->flags & PS_FLAG_LOOKUP ? emb_table_lookup(t, keys, n, dst, NULL, &err)
+                                           : emb_table_pull(t, keys, n, dst, &err);
+        if (rc == CM_OK && !direct) ps_codec_encode((ps_codec)h->codec, vals, n, dim, out, NULL);
+        if (rc != CM_OK && reply != NULL) {
+            nng_msg_free(reply);
+            reply = NULL;
+        }
         if (rc == CM_OK) STAT_ADD(s, rows_pulled, n);
     } else {
         rc = emb_table_push(t, keys, n, vals, &err);

@@ -1,6 +1,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/common.h"
 #include "src/cli.h"
 
 static int cmd_version(int argc, char **argv)
@@ -28,13 +29,15 @@ static const struct {
 
 static void usage(FILE *to)
 {
-    fprintf(to, "usage: ember COMMAND [options]   (ember COMMAND --help for a command's options)\n\n");
+    fprintf(to,
+            "usage: ember COMMAND [options]   (ember COMMAND --help for a command's options)\n\n");
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
         fprintf(to, "  %-10s %s\n", commands[i].name, commands[i].help);
 }
 
 int main(int argc, char **argv)
 {
+    cm_malloc_tune();
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "help") == 0) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;

@@ -340,6 +340,7 @@ static void default_ember(opts *o)
 int main(int argc, char **argv)
 {
     bench_init("bench ps", psp_stop_all);
+    cm_malloc_tune(); /* as in ember: the clients here and the raw server alike */
     if (argc == 3 && !strcmp(argv[1], "--raw-server")) return raw_server(argv[2]);
     opts o = {.threads = 2, .batches = 8, .seconds = 2.0};
     default_ember(&o);
