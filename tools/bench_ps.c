@@ -19,7 +19,9 @@
  * Rows are created by an untimed pull of every batch first. PS and raw servers are children
  * killed and reaped on every exit path (tests/ps/ps_proc.h), the watchdog included.
  *
- * Usage: tools/bench ps [--quick] [--threads T] [--ember PATH]   (default PATH: $EMBER_BIN,
+ * --cpu instead measures CPU-ns per pulled row with the server and a client in this process.
+ *
+ * Usage: tools/bench ps [--quick] [--cpu] [--threads T] [--ember PATH]   (default PATH: $EMBER_BIN,
  * else the ember next to this binary's build tree). Prints a table, then one JSON object.
  */
 #include <inttypes.h>
@@ -32,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "tools/bench_util.h"
 #include "ps/ps.h"
@@ -46,7 +49,7 @@
 static const char *const codecs[3] = {"fp32", "fp16", "int8"};
 
 typedef struct opts {
-    int quick;
+    int quick, cpu;
     uint32_t threads, batches;
     double seconds; /* per measurement */
     const char *ember;
@@ -324,6 +327,73 @@ static result measure(shared *sh)
     return r;
 }
 
+/* ---------------- --cpu: CPU per pulled row, in one process ---------------- */
+
+static double cpu_seconds(void)
+{
+    struct rusage r;
+    getrusage(RUSAGE_SELF, &r);
+    return (double)r.ru_utime.tv_sec + (double)r.ru_stime.tv_sec +
+           1e-6 * (double)(r.ru_utime.tv_usec + r.ru_stime.tv_usec);
+}
+
+/* One shard and one client in this process over ipc, one pull of 40K distinct keys in flight:
+ * the CPU both sides spend per pulled row (client split and scatter, server decode, lookup and
+ * reply, the transport's copies), which the machine's other load hardly changes, unlike the
+ * wall-clock rates above. Best of three rounds. */
+static int cpu_mode(const opts *o, const char *dir)
+{
+    char cpath[600], url[700];
+    snprintf(cpath, sizeof cpath, "%s/cpu.conf", dir);
+    snprintf(url, sizeof url, "ipc://%s/cpu.ipc", dir);
+    FILE *f = fopen(cpath, "w");
+    if (f == NULL ||
+        fprintf(f,
+                "[cluster]\nshards = 1\nworkers = 1\n[table t]\ndim = %u\noptimizer = "
+                "sgd\nlr = 0.01\n",
+                DIM) < 0 ||
+        fclose(f) != 0)
+        bench_die("write config", NULL);
+    ps_config cfg;
+    char *err = NULL;
+    bench_check(ps_config_load(cpath, &cfg, &err), err, "config");
+    ps_server_opts so = {.cfg = &cfg, .listen = url, .shard = 0};
+    ps_server *srv = NULL;
+    bench_check(ps_server_create(&so, &srv, &err), err, "server");
+    const char *urls[1] = {url};
+    ps_client_opts co = {.cfg = &cfg, .urls = urls, .timeout_ms = 60000};
+    ps_client *c = NULL;
+    bench_check(ps_client_create(&co, &c, &err), err, "client");
+    const uint32_t nb = o->batches, iters = o->quick ? 40 : 150;
+    uint64_t *keys = bench_xmalloc((size_t)nb * BATCH * sizeof *keys);
+    float *out = bench_xmalloc((size_t)BATCH * DIM * sizeof *out);
+    for (size_t i = 0; i < (size_t)nb * BATCH; i++)
+        keys[i] = mix64(i + 777);
+    for (uint32_t b = 0; b < nb; b++) /* create the rows, untimed */
+        bench_check(ps_client_pull(c, 0, keys + (size_t)b * BATCH, BATCH, out, &err), err, "pull");
+    double best_ns = 1e30, best_rate = 0;
+    for (int round = 0; round < 3; round++) {
+        double c0 = cpu_seconds(), t0 = psp_now();
+        for (uint32_t i = 0; i < iters; i++)
+            bench_check(ps_client_pull(c, 0, keys + (size_t)(i % nb) * BATCH, BATCH, out, &err),
+                        err, "pull");
+        double rows = (double)iters * BATCH, ns = (cpu_seconds() - c0) * 1e9 / rows;
+        if (ns < best_ns) best_ns = ns, best_rate = rows / (psp_now() - t0);
+    }
+    ps_client_destroy(c);
+    ps_server_destroy(srv);
+    free(keys);
+    free(out);
+    printf("in-process pull, 1 shard over ipc, %u distinct keys a pull: %.1f CPU-ns a row (client "
+           "+ server), %.2f M rows/s\n",
+           BATCH, best_ns, best_rate / 1e6);
+    printf(
+        "{\"bench\":\"ps\",\"mode\":\"cpu\",\"dim\":%u,\"batch\":%u,\"pull_cpu_ns_per_row\":%.1f,"
+        "\"pull_rows_per_s\":%.0f}\n",
+        DIM, BATCH, best_ns, best_rate);
+    return 0;
+}
+
 /* ---------------- main ---------------- */
 
 typedef struct row {
@@ -351,8 +421,10 @@ int main(int argc, char **argv)
             o.threads = (uint32_t)atoi(argv[++i]);
         else if (!strcmp(argv[i], "--ember") && i + 1 < argc)
             o.ember = argv[++i];
+        else if (!strcmp(argv[i], "--cpu"))
+            o.cpu = 1;
         else {
-            fprintf(stderr, "usage: bench_ps [--quick] [--threads T] [--ember PATH]\n");
+            fprintf(stderr, "usage: bench_ps [--quick] [--cpu] [--threads T] [--ember PATH]\n");
             return 2;
         }
     }
@@ -373,6 +445,13 @@ int main(int argc, char **argv)
     self[sl] = '\0';
     char dir[] = "/tmp/ember-bench-ps.XXXXXX";
     if (mkdtemp(dir) == NULL) bench_die("mkdtemp", NULL);
+    if (o.cpu) {
+        int rc = cpu_mode(&o, dir);
+        char *err = NULL;
+        if (cm_rmtree(dir, &err) != CM_OK) fprintf(stderr, "bench ps: %s\n", err);
+        free(err);
+        return rc;
+    }
 
     uint64_t *keys = malloc((size_t)o.batches * BATCH * sizeof *keys);
     float *grads = malloc((size_t)BATCH * DIM * sizeof *grads);
