@@ -231,6 +231,9 @@ typedef struct ds_ingest_opts {
     int progress;              /* print rows/s, MB/s to log every half second */
     FILE *log;                 /* malformed-line reports and progress (NULL = stderr) */
     uint32_t max_reports;      /* malformed lines reported one by one (default 20) */
+    int buffered_output;       /* 1: write shards through the page cache; 0 (default): with
+                                * O_DIRECT where the file system allows it, which costs less
+                                * CPU but leaves the shards out of the page cache */
 } ds_ingest_opts;
 
 void ds_ingest_opts_init(ds_ingest_opts *o);

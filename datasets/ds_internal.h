@@ -46,6 +46,11 @@ void ds_rows_init(ds_rows *r, uint32_t n_dense, uint32_t n_fields, int has_weigh
 void ds_rows_free(ds_rows *r);
 void ds_rows_clear(ds_rows *r);
 int ds_rows_reserve_rows(ds_rows *r, size_t rows);
+/* ds_rows_reserve_rows with the common case (room already there) inlined, for per-line use. */
+static inline int ds_rows_room(ds_rows *r, size_t rows)
+{
+    return rows <= r->cap_rows && r->offsets ? CM_OK : ds_rows_reserve_rows(r, rows);
+}
 int ds_rows_reserve_keys(ds_rows *r, size_t keys);
 /* Appends row i of b (same layout). */
 int ds_rows_append_row(ds_rows *r, const ds_batch *b, size_t i);
@@ -190,6 +195,12 @@ uint64_t ds_block_raw_max(uint32_t n_dense, uint32_t n_fields, int weights, uint
 int ds_block_decode(const uint8_t *raw, size_t len, uint32_t n, uint32_t n_keys, ds_rows *dst,
                     char **errptr);
 
+/* ds_shard_writer_create, but with stage > 0 the file is written with O_DIRECT through an
+ * aligned buffer of that many bytes (rounded down to DS_DIRECT_ALIGN), where the file system
+ * takes it (else buffered): no page-cache pages for the shard (shard.c says why). */
+#define DS_DIRECT_ALIGN 4096u
+int ds_shard_writer_create_staged(const char *path, const ds_schema *schema, uint32_t block_rows,
+                                  size_t stage, ds_shard_writer **out, char **errptr);
 /* Appends already-encoded blocks; the index entries are taken from metas. */
 int ds_shard_writer_add_encoded(ds_shard_writer *w, const uint8_t *bytes,
                                 const ds_block_meta *meta, char **errptr);

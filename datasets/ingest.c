@@ -483,10 +483,20 @@ static char *path_join(const char *a, const char *b)
     return s;
 }
 
+/* Direct-I/O stage of each shard file: 4 MiB (a few blocks, large writes), less when there are
+ * many files so that all stages together stay within 64 MiB; below 256 KiB (over 256 files)
+ * the writes would be small and the files are written buffered. */
+#define STAGE_MAX ((size_t)4 << 20)
+#define STAGE_MIN ((size_t)256 << 10)
+#define STAGES_TOTAL ((size_t)64 << 20)
+
 static int open_outputs(ingest *g, outset *os, const ds_schema *schema, char **errptr)
 {
     const ds_ingest_opts *o = g->o;
     int rc = CM_OK;
+    size_t files = (size_t)o->n_shards * (o->eval_fraction > 0 ? 2 : 1);
+    size_t stage = STAGES_TOTAL / files < STAGE_MAX ? STAGES_TOTAL / files : STAGE_MAX;
+    if (o->buffered_output || stage < STAGE_MIN) stage = 0;
     for (int ev = 0; rc == CM_OK && ev < (o->eval_fraction > 0 ? 2 : 1); ev++) {
         char *dir = path_join(o->out_dir, ev ? "eval" : "train");
         if (dir == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
@@ -496,8 +506,9 @@ static int open_outputs(ingest *g, outset *os, const ds_schema *schema, char **e
             snprintf(name, sizeof name, "part-%05u.shard", s);
             char *path = path_join(dir, name);
             if (path == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-            else rc = ds_shard_writer_create(path, schema, g->block_rows,
-                                             &os->w[ev * o->n_shards + s], errptr);
+            else
+                rc = ds_shard_writer_create_staged(path, schema, g->block_rows, stage,
+                                                   &os->w[ev * o->n_shards + s], errptr);
             free(path);
         }
         free(dir);

@@ -118,14 +118,45 @@ slow:;
     return 0;
 }
 
+/* The value of the n (1..8) digits that end at e, read as one 8-byte word (the 8 bytes
+ * before e must be readable), or -1 when one of them is not a digit. No loop: a loop's exit
+ * mispredicted on nearly every number, since their lengths follow no pattern. The bytes
+ * before the number are replaced by '0', then the digits are checked and combined in pairs,
+ * fours and eights (the first digit is the lowest byte). */
+static inline int64_t digits8(const char *e, size_t n)
+{
+    uint64_t v, lead = (~0ull >> (8 * n - 1)) >> 1; /* the 8 - n bytes before the number */
+    memcpy(&v, e - 8, 8);
+    v = (v & ~lead) | (0x3030303030303030ull & lead);
+    if (((v & 0xf0f0f0f0f0f0f0f0ull) |
+         (((v + 0x0606060606060606ull) & 0xf0f0f0f0f0f0f0f0ull) >> 4)) != 0x3333333333333333ull)
+        return -1;
+    v -= 0x3030303030303030ull;
+    v = v * 10 + (v >> 8); /* byte 2i: digits 2i, 2i + 1 */
+    v = ((v & 0x000000ff000000ffull) * (100 + (1000000ull << 32)) +
+         ((v >> 16) & 0x000000ff000000ffull) * (1 + (10000ull << 32))) >>
+        32;
+    return (int64_t)v;
+}
+
 /* Most dense values are short integers: those are converted here, inline, as parse_num would
- * (up to 15 digits, so exact in a double, optional '-'); anything else goes to parse_num. */
-static inline int parse_num_inline(const char *s, size_t n, double *out)
+ * (up to 15 digits, so exact in a double, optional '-'); anything else goes to parse_num.
+ * With swar, numbers of up to 8 digits whose 8 bytes before their end lie at or after
+ * readable are read by digits8; otherwise (and with ds_parser_opts.scalar_scan) digit by
+ * digit. */
+static inline int parse_num_inline(const char *s, size_t n, const char *readable, int swar,
+                                   double *out)
 {
     const char *p = s, *e = s + n;
     int neg = p < e && *p == '-';
     p += neg;
     if (p == e || e - p > 15) return parse_num(s, n, out);
+    if (swar && e - p <= 8 && e - readable >= 8) {
+        int64_t d = digits8(e, (size_t)(e - p));
+        if (d < 0) return parse_num(s, n, out);
+        *out = neg ? -(double)d : (double)d;
+        return 0;
+    }
     uint64_t m = 0;
     for (; p < e; p++) {
         unsigned d = (unsigned)(unsigned char)*p - '0';
@@ -147,11 +178,18 @@ typedef struct row_out {
     size_t nk;      /* keys so far; r->n_keys once the row is committed */
     uint32_t *o;    /* this row's offsets + 1: o[f] is where field f ends */
     uint32_t next;  /* fields below next are closed */
+    float *label;   /* this row's label and dense values (for the same reason: r->n_rows
+                     * and r->n_dense had to be reloaded after every key and flag store) */
+    float *dense;
 } row_out;
 
 static inline row_out row_out_start(const ds_rows *r)
 {
-    return (row_out){r->keys, r->n_keys, r->offsets + r->n_rows * r->n_fields + 1, 0};
+    return (row_out){.keys = r->keys,
+                     .nk = r->n_keys,
+                     .o = r->offsets + r->n_rows * r->n_fields + 1,
+                     .label = r->labels + r->n_rows,
+                     .dense = r->dense + r->n_rows * r->n_dense};
 }
 
 static inline void row_key(row_out *ro, uint64_t key)
@@ -178,15 +216,17 @@ static void stats_row(ds_stats *s, const ds_rows *r, size_t row, const uint32_t 
 {
     s->rows++;
     s->clicks += r->labels[row] > 0;
+    /* Without branches (whether a value is missing follows no pattern the predictor can
+     * learn): a missing value adds 0 to the sum, which leaves it as it is (a sum that starts
+     * at +0 is never -0), and +inf / -inf to the minimum / maximum. */
+    const float *v = r->dense + row * r->n_dense;
     for (uint32_t d = 0; d < r->n_dense; d++) {
-        if (missing[d]) {
-            s->dense_missing[d]++;
-            continue;
-        }
-        float v = r->dense[row * r->n_dense + d];
-        s->dense_sum[d] += v;
-        if (v < s->dense_min[d]) s->dense_min[d] = v;
-        if (v > s->dense_max[d]) s->dense_max[d] = v;
+        int miss = missing[d] != 0;
+        float lo = miss ? INFINITY : v[d], hi = miss ? -INFINITY : v[d];
+        s->dense_missing[d] += (uint64_t)miss;
+        s->dense_sum[d] += miss ? 0.0 : (double)v[d];
+        s->dense_min[d] = lo < s->dense_min[d] ? lo : s->dense_min[d];
+        s->dense_max[d] = hi > s->dense_max[d] ? hi : s->dense_max[d];
     }
     if (!field_stats) return;
     const uint32_t *o = r->offsets + row * r->n_fields;
@@ -237,21 +277,23 @@ static int day_of_week(int y, int m, int d)
 
 /* One column's token into the row; 0, 1 (rejected) or CM_ENOMEM. Always inlined into the
  * column loop: on Criteo a call per column cost more than its work (parsing ~5% faster). */
-static inline __attribute__((always_inline)) int put_col(ds_pctx *c, ds_rows *r, const ds_col *col,
+static inline __attribute__((always_inline)) int put_col(ds_pctx *c, const ds_col *col,
                                                          uint32_t colno, const char *tok, size_t tl,
+                                                         const char *readable, int swar,
                                                          row_out *ro)
 {
-    size_t row = r->n_rows;
     double v;
     switch (col->role) {
     case COL_LABEL:
-        if (tl == 0 || parse_num_inline(tok, tl, &v) != 0) return reject(c, DS_REJ_LABEL, colno);
-        r->labels[row] = (float)v;
+        if (tl == 0 || parse_num_inline(tok, tl, readable, swar, &v) != 0)
+            return reject(c, DS_REJ_LABEL, colno);
+        *ro->label = (float)v;
         return 0;
     case COL_DENSE:
         c->missing[col->slot] = tl == 0;
-        if (tl && parse_num_inline(tok, tl, &v) != 0) return reject(c, DS_REJ_NUMBER, colno);
-        r->dense[row * r->n_dense + col->slot] = tl ? (float)v : 0.0f;
+        if (tl && parse_num_inline(tok, tl, readable, swar, &v) != 0)
+            return reject(c, DS_REJ_NUMBER, colno);
+        ro->dense[col->slot] = tl ? (float)v : 0.0f;
         return 0;
     case COL_CAT:
         if (tl == 0) return 0;
@@ -407,7 +449,10 @@ static inline const unsigned char *next_stop(stop_scan *sc, const unsigned char 
     }
 }
 
-static int parse_delimited(ds_pctx *c, const char *s, size_t len, ds_rows *r)
+/* One delimited line; quoting is a constant in each of the two copies parse_delimited makes,
+ * so the unquoted formats (TSV) test for no opening quote per column. */
+static inline __attribute__((always_inline)) int
+parse_delimited_as(ds_pctx *c, const char *s, size_t len, ds_rows *r, const int quoting)
 {
     const ds_plan *pl = c->plan;
     const char *p = s, *end = s + len;
@@ -416,8 +461,13 @@ static int parse_delimited(ds_pctx *c, const char *s, size_t len, ds_rows *r)
                     .line = (const unsigned char *)s,
                     .end = (const unsigned char *)end,
                     .sep = sep,
-                    .quote = pl->quoting ? (unsigned char)'"' : sep,
+                    .quote = quoting ? (unsigned char)'"' : sep,
                     .scalar = pl->scalar_scan};
+    /* in locals: the flag and offset stores of the row (uint32_t) may alias the plan's
+     * fields as far as the compiler knows, which forced a reload per column */
+    const uint32_t n_cols = pl->n_cols;
+    const ds_col *cols = pl->cols;
+    const int swar = !pl->scalar_scan; /* numbers too: the byte loop is the plain path */
     uint32_t col = 0;
     int rc = 0, padded = 0;
     /* keys of this row: one per cat column, two per hour column, at most one per two bytes of
@@ -426,11 +476,11 @@ static int parse_delimited(ds_pctx *c, const char *s, size_t len, ds_rows *r)
     if (r->cap_keys - r->n_keys < most && ds_rows_reserve_keys(r, r->n_keys + most) != CM_OK)
         return CM_ENOMEM;
     row_out ro = row_out_start(r);
-    r->labels[r->n_rows] = 0.0f;
+    *ro.label = 0.0f;
     for (;;) {
         const char *tok = p, *q = p;
         size_t tl;
-        if (pl->quoting && q < end && *q == '"') {
+        if (quoting && q < end && *q == '"') {
             if ((rc = scan_quoted(c, &q, end, pl->sep, &tl, col + 1)) != 0) return rc;
             tok = c->qbuf;
         } else {
@@ -440,20 +490,29 @@ static int parse_delimited(ds_pctx *c, const char *s, size_t len, ds_rows *r)
             tl = (size_t)(q - p);
             if (tl > DS_MAX_TOKEN) return reject(c, DS_REJ_TOKEN_LONG, col + 1);
         }
-        if (col >= pl->n_cols) return reject(c, DS_REJ_COLUMNS, col + 1);
-        if ((rc = put_col(c, r, &pl->cols[col], col + 1, tok, tl, &ro)) != 0) return rc;
+        if (col >= n_cols) return reject(c, DS_REJ_COLUMNS, col + 1);
+        /* a number may be read from the 8 bytes before its end where they are in the line
+         * (for a quoted token, unescaped into qbuf: in the token) */
+        const char *readable = tok == p ? s : tok;
+        if ((rc = put_col(c, &cols[col], col + 1, tok, tl, readable, swar, &ro)) != 0) return rc;
         col++;
         if (q >= end) break;
         p = q + 1;
     }
-    if (col < pl->n_cols) {
+    if (col < n_cols) {
         if (col < pl->min_cols) return reject(c, DS_REJ_COLUMNS, col);
         padded = 1;
-        for (; col < pl->n_cols; col++)
-            if ((rc = put_col(c, r, &pl->cols[col], col + 1, "", 0, &ro)) != 0) return rc;
+        for (; col < n_cols; col++)
+            if ((rc = put_col(c, &cols[col], col + 1, "", 0, "", 0, &ro)) != 0) return rc;
     }
     row_commit(c, r, &ro);
     return padded ? 2 : 0;
+}
+
+static int parse_delimited(ds_pctx *c, const char *s, size_t len, ds_rows *r)
+{
+    return c->plan->quoting ? parse_delimited_as(c, s, len, r, 1)
+                            : parse_delimited_as(c, s, len, r, 0);
 }
 
 /* ---- libsvm / libffm ---- */
@@ -562,7 +621,7 @@ static int parse_sparse(ds_pctx *c, const char *s, size_t len, ds_rows *r)
 
 int ds_parse_line(ds_pctx *c, const char *line, size_t len, ds_rows *r)
 {
-    if (ds_rows_reserve_rows(r, r->n_rows + 1) != CM_OK) return CM_ENOMEM;
+    if (ds_rows_room(r, r->n_rows + 1) != CM_OK) return CM_ENOMEM;
     size_t keys0 = r->n_keys;
     int rc;
     if (c->plan->fmt == DS_FMT_LIBSVM || c->plan->fmt == DS_FMT_LIBFFM)

@@ -1,4 +1,5 @@
 /* ember ingest: a thin shell over ds_ingest_run (datasets/datasets.h). */
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,15 +11,18 @@
 
 static void ingest_usage(FILE *to)
 {
-    fprintf(to,
-            "usage: ember ingest --format criteo|criteo-csv|avazu|libsvm|libffm|csv [--schema FILE]\n"
-            "                    --out DIR [--shards N] [--eval-fraction F] [--split-seed S]\n"
-            "                    [--strict] [--bucketize] [--threads N] [--block-rows N]\n"
-            "                    [--ffm-fields N] FILE...\n"
-            "Converts click logs (plain, .gz or .zst) into checksummed shards in DIR/train and\n"
-            "DIR/eval, writes DIR/stats.json, and prints one JSON line of counts on stdout.\n"
-            "Malformed lines are reported on stderr and skipped (--strict: stop, exit 1).\n"
-            "See docs/INGEST.md.\n");
+    fprintf(
+        to,
+        "usage: ember ingest --format criteo|criteo-csv|avazu|libsvm|libffm|csv [--schema FILE]\n"
+        "                    --out DIR [--shards N] [--eval-fraction F] [--split-seed S]\n"
+        "                    [--strict] [--bucketize] [--threads N] [--block-rows N]\n"
+        "                    [--ffm-fields N] [--buffered] FILE...\n"
+        "Converts click logs (plain, .gz or .zst) into checksummed shards in DIR/train and\n"
+        "DIR/eval, writes DIR/stats.json, and prints one JSON line of counts on stdout.\n"
+        "Malformed lines are reported on stderr and skipped (--strict: stop, exit 1).\n"
+        "Shards are written with O_DIRECT where the file system allows it (--buffered: through\n"
+        "the page cache, so a trainer started right after reads them from memory).\n"
+        "See docs/INGEST.md.\n");
 }
 
 /* Parses an unsigned decimal option value; 0 when it is not one. */
@@ -31,6 +35,19 @@ static int parse_u64(const char *s, unsigned long long max, unsigned long long *
     if (errno || *end != '\0' || v > max) return 0;
     *out = v;
     return 1;
+}
+
+/* The ember binary links OpenBLAS for the trainer, and OpenBLAS's pthread build starts its
+ * worker threads when it is loaded; idle, they spin in sched_yield for a while (~2^28 cycles
+ * each) before they sleep: 2-5% of the CPU of an ingest, which does no BLAS at all, and more
+ * when other processes share the cores. openblas_set_num_threads(1) does not stop threads
+ * that already run; blas_thread_shutdown_ (what OpenBLAS calls before a fork) does. It is
+ * looked up rather than linked because it is internal to that build: other BLAS builds lack
+ * it, and then there is nothing to stop. A later BLAS call would start the threads again. */
+static void stop_blas_threads(void)
+{
+    int (*shutdown)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "blas_thread_shutdown_");
+    if (shutdown != NULL) shutdown();
 }
 
 int cmd_ingest(int argc, char **argv)
@@ -55,6 +72,9 @@ int cmd_ingest(int argc, char **argv)
             goto out;
         } else if (strcmp(a, "--strict") == 0) {
             o.strict = 1;
+            continue;
+        } else if (strcmp(a, "--buffered") == 0) {
+            o.buffered_output = 1;
             continue;
         } else if (strcmp(a, "--bucketize") == 0) {
             o.parser.bucketize = 1;
@@ -112,6 +132,7 @@ int cmd_ingest(int argc, char **argv)
     o.inputs = inputs;
     o.n_inputs = n_inputs;
     o.progress = isatty(STDERR_FILENO);
+    stop_blas_threads();
     ds_ingest_result res;
     char *err = NULL;
     int r = ds_ingest_run(&o, &res, &err);

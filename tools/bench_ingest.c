@@ -15,8 +15,10 @@
  * Dividing by the thread count instead would flatter or punish a run depending on how busy
  * the shared cores were; CPU time charges exactly what the ingest consumed.
  *
- * Usage: tools/bench ingest [--quick] [--rows N] [--seed S] [--dir DIR] [--ember PATH]
+ * Usage: tools/bench ingest [--quick] [--rows N] [--seed S] [--dir DIR] [--ember PATH] [--buffered]
  *   --quick   300K rows (~73 MB) instead of 4.2M
+ *   --buffered  shards written through the page cache (ds_ingest_opts.buffered_output), as
+ *               before direct I/O became the default: shows what the page-cache writes cost
  *   --dir     cache directory (default $EMBER_BENCH_DIR, else /tmp/ember-bench)
  * Prints a table, then one JSON object as the last line.
  */
@@ -43,38 +45,9 @@
 
 typedef struct opts {
     uint64_t rows, seed;
-    int quick;
+    int quick, buffered;
     const char *dir, *ember;
 } opts;
-
-static void die(const char *what, char *err)
-{
-    fprintf(stderr, "bench ingest: %s%s%s\n", what, err ? ": " : "", err ? err : "");
-    free(err);
-    exit(1);
-}
-
-/* Runs argv (no shell), stdout to /dev/null when quiet; returns the exit status or -1. */
-static int run_cmd(char *const argv[], int quiet)
-{
-    pid_t pid = fork();
-    if (pid < 0) return -1;
-    if (pid == 0) {
-        if (quiet && freopen("/dev/null", "w", stdout) == NULL) _exit(127);
-        execv(argv[0], argv);
-        _exit(127);
-    }
-    int st;
-    while (waitpid(pid, &st, 0) < 0)
-        if (errno != EINTR) return -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-static uint64_t file_size(const char *path)
-{
-    struct stat st;
-    return stat(path, &st) == 0 ? (uint64_t)st.st_size : 0;
-}
 
 /* The cached TSV: reused when its .size file matches; else generated with ember gen. */
 static void ensure_tsv(const opts *o, const char *tsv, double *gen_s, int *reused)
@@ -88,22 +61,22 @@ static void ensure_tsv(const opts *o, const char *tsv, double *gen_s, int *reuse
         fclose(f);
     }
     *gen_s = 0;
-    *reused = want > 0 && file_size(tsv) == want;
+    *reused = want > 0 && bench_file_size(tsv) == want;
     if (*reused) return;
     char rows[32], seed[32];
     snprintf(rows, sizeof rows, "%" PRIu64, o->rows);
     snprintf(seed, sizeof seed, "%" PRIu64, o->seed);
     /* --threads 1: ember gen's threaded writer can deadlock under load (a later chunk may take
      * the ring slot an earlier chunk is waiting for); the output is the same for any count. */
-    char *argv[] = {(char *)o->ember, "gen", "--rows", rows, "--seed", seed, "--threads", "1",
-                    "--out", (char *)tsv, NULL};
+    char *argv[] = {(char *)o->ember, "gen", "--rows", rows,        "--seed", seed,
+                    "--threads",      "1",   "--out",  (char *)tsv, NULL};
     fprintf(stderr, "bench ingest: generating %s rows (seed %s) into %s\n", rows, seed, tsv);
     double t0 = cm_now();
-    if (run_cmd(argv, 1) != 0) die("ember gen failed", NULL);
+    if (bench_run_cmd(argv, "/dev/null", NULL) != 0) bench_die("ember gen failed", NULL);
     *gen_s = cm_now() - t0;
     f = fopen(sizefile, "w");
-    if (f == NULL) die("cannot write the size file", NULL);
-    fprintf(f, "%" PRIu64 "\n", file_size(tsv));
+    if (f == NULL) bench_die("cannot write the size file", NULL);
+    fprintf(f, "%" PRIu64 "\n", bench_file_size(tsv));
     fclose(f);
 }
 
@@ -114,7 +87,7 @@ static double time_cat(const char *tsv)
     double t = 0;
     for (int i = 0; i < 2; i++) {
         double t0 = cm_now();
-        if (run_cmd(argv, 1) != 0) die("cat failed", NULL);
+        if (bench_run_cmd(argv, "/dev/null", NULL) != 0) bench_die("cat failed", NULL);
         t = cm_now() - t0;
     }
     return t;
@@ -130,8 +103,8 @@ static double cpu_seconds(void)
 }
 
 /* One ds_ingest_run; *cpu_s gets the CPU time it consumed (nothing else runs meanwhile). */
-static void ingest(const char *tsv, const char *out, int threads, ds_ingest_result *res,
-                   double *cpu_s)
+static void ingest(const opts *o, const char *tsv, const char *out, int threads,
+                   ds_ingest_result *res, double *cpu_s)
 {
     ds_ingest_opts io;
     ds_ingest_opts_init(&io);
@@ -142,9 +115,10 @@ static void ingest(const char *tsv, const char *out, int threads, ds_ingest_resu
     io.out_dir = out;
     io.threads = threads;
     io.progress = 0;
+    io.buffered_output = o->buffered;
     char *err = NULL;
     double c0 = cpu_seconds();
-    if (ds_ingest_run(&io, res, &err) != CM_OK) die("ds_ingest_run", err);
+    if (ds_ingest_run(&io, res, &err) != CM_OK) bench_die("ds_ingest_run", err);
     *cpu_s = cpu_seconds() - c0;
 }
 
@@ -165,27 +139,37 @@ static void loadavg(char *buf, size_t n)
 
 int main(int argc, char **argv)
 {
+    bench_init("bench ingest", NULL);
     opts o = {.rows = 0, .seed = 1};
     default_ember(&o);
     o.dir = getenv("EMBER_BENCH_DIR") ? getenv("EMBER_BENCH_DIR") : "/tmp/ember-bench";
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--quick")) o.quick = 1;
-        else if (!strcmp(argv[i], "--rows") && i + 1 < argc) o.rows = strtoull(argv[++i], NULL, 10);
-        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) o.seed = strtoull(argv[++i], NULL, 10);
-        else if (!strcmp(argv[i], "--dir") && i + 1 < argc) o.dir = argv[++i];
-        else if (!strcmp(argv[i], "--ember") && i + 1 < argc) o.ember = argv[++i];
+        if (!strcmp(argv[i], "--quick"))
+            o.quick = 1;
+        else if (!strcmp(argv[i], "--rows") && i + 1 < argc)
+            o.rows = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
+            o.seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--dir") && i + 1 < argc)
+            o.dir = argv[++i];
+        else if (!strcmp(argv[i], "--ember") && i + 1 < argc)
+            o.ember = argv[++i];
+        else if (!strcmp(argv[i], "--buffered"))
+            o.buffered = 1;
         else {
-            fprintf(stderr, "usage: bench_ingest [--quick] [--rows N] [--seed S] [--dir DIR] [--ember PATH]\n");
+            fprintf(stderr, "usage: bench_ingest [--quick] [--rows N] [--seed S] [--dir DIR] "
+                            "[--ember PATH] [--buffered]\n");
             return 2;
         }
     }
     if (o.rows == 0) o.rows = o.quick ? QUICK_ROWS : FULL_ROWS;
     if (o.ember == NULL || access(o.ember, X_OK) != 0) {
-        fprintf(stderr, "bench ingest: no ember binary at %s (build it, or --ember PATH)\n", o.ember ? o.ember : "?");
+        fprintf(stderr, "bench ingest: no ember binary at %s (build it, or --ember PATH)\n",
+                o.ember ? o.ember : "?");
         return 1;
     }
     char *err = NULL;
-    if (cm_mkdirs(o.dir, &err) != CM_OK) die("cache directory", err);
+    if (cm_mkdirs(o.dir, &err) != CM_OK) bench_die("cache directory", err);
     char tsv[4096], out[4200];
     snprintf(tsv, sizeof tsv, "%s/criteo-%" PRIu64 "-s%" PRIu64 ".tsv", o.dir, o.rows, o.seed);
     snprintf(out, sizeof out, "%s/ingest-out-%ld", o.dir, (long)getpid());
@@ -193,10 +177,12 @@ int main(int argc, char **argv)
     double gen_s;
     int reused;
     ensure_tsv(&o, tsv, &gen_s, &reused);
-    uint64_t bytes = file_size(tsv);
+    uint64_t bytes = bench_file_size(tsv);
     if (!o.quick && bytes < 1000000000ull)
-        fprintf(stderr, "bench ingest: note: input is %.2f GB, below the 1 GB the full run asks for "
-                        "(use --rows)\n", bytes / 1e9);
+        fprintf(stderr,
+                "bench ingest: note: input is %.2f GB, below the 1 GB the full run asks for "
+                "(use --rows)\n",
+                bytes / 1e9);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     int cores = ncpu > 0 ? (int)ncpu : 1;
 
@@ -205,11 +191,11 @@ int main(int argc, char **argv)
     double cat_s = time_cat(tsv);
     ds_ingest_result all, one;
     double cpu_all, cpu_one;
-    ingest(tsv, out, cores, &all, &cpu_all);
-    ingest(tsv, out, 1, &one, &cpu_one);
+    ingest(&o, tsv, out, cores, &all, &cpu_all);
+    ingest(&o, tsv, out, 1, &one, &cpu_one);
     loadavg(load1, sizeof load1);
     char *rm[] = {"/bin/rm", "-rf", out, NULL};
-    run_cmd(rm, 0);
+    bench_run_cmd(rm, NULL, NULL);
 
     double mb = (double)bytes / 1e6;
     double cat_mbs = mb / cat_s;
@@ -220,8 +206,9 @@ int main(int argc, char **argv)
     double per_core1 = cpu_one > 0 ? one.bytes_in / 1e6 / cpu_one : 0;
     double used = cpu_all / all.seconds, used1 = cpu_one / one.seconds;
 
-    printf("bench ingest: %s, %" PRIu64 " rows, %.1f MB (%s), %d cores\n", tsv, o.rows, mb,
-           reused ? "cached" : "generated now", cores);
+    printf("bench ingest: %s, %" PRIu64 " rows, %.1f MB (%s), %d cores, shards written %s\n", tsv,
+           o.rows, mb, reused ? "cached" : "generated now", cores,
+           o.buffered ? "buffered (--buffered)" : "with O_DIRECT where possible");
     printf("%-34s %7s %9s %8s %10s %11s %9s %10s\n", "what", "threads", "seconds", "cpu s",
            "cores used", "rows/s", "MB/s", "MB/s/core");
     printf("%-34s %7d %9.3f %8s %10s %11s %9.1f %10s\n", "cat FILE > /dev/null (2nd, cached)", 1,
@@ -232,15 +219,18 @@ int main(int argc, char **argv)
            one.threads, one.seconds, cpu_one, used1, rps1, mbs1, per_core1);
     printf("MB/s/core = MB / CPU-seconds of the run (user + system, every thread of it)\n");
     printf("rows: in %" PRIu64 ", written %" PRIu64 ", rejected %" PRIu64 "; shard bytes %.1f MB "
-           "(%.2fx smaller)\n", all.rows_in, all.rows_written, all.rows_rejected, all.bytes_out / 1e6,
+           "(%.2fx smaller)\n",
+           all.rows_in, all.rows_written, all.rows_rejected, all.bytes_out / 1e6,
            all.bytes_out ? (double)all.bytes_in / all.bytes_out : 0);
     printf("ingest / cat: %.2f (all cores), %.2f (1 thread)\n", mbs / cat_mbs, mbs1 / cat_mbs);
-    printf("goal >= %.0f MB/s per core: %s (all cores %.1f, 1 thread %.1f)\n", GOAL_MB_PER_S_PER_CORE,
-           per_core >= GOAL_MB_PER_S_PER_CORE && per_core1 >= GOAL_MB_PER_S_PER_CORE ? "met"
-           : per_core >= GOAL_MB_PER_S_PER_CORE || per_core1 >= GOAL_MB_PER_S_PER_CORE ? "partly met"
-                                                                                       : "NOT met",
-           per_core, per_core1);
-    printf("load average %s at start, %s at end (other load on the cores skews the figures)\n", load0, load1);
+    printf(
+        "goal >= %.0f MB/s per core: %s (all cores %.1f, 1 thread %.1f)\n", GOAL_MB_PER_S_PER_CORE,
+        per_core >= GOAL_MB_PER_S_PER_CORE && per_core1 >= GOAL_MB_PER_S_PER_CORE   ? "met"
+        : per_core >= GOAL_MB_PER_S_PER_CORE || per_core1 >= GOAL_MB_PER_S_PER_CORE ? "partly met"
+                                                                                    : "NOT met",
+        per_core, per_core1);
+    printf("load average %s at start, %s at end (other load on the cores skews the figures)\n",
+           load0, load1);
     printf("{\"bench\":\"ingest\",\"quick\":%s,\"rows\":%" PRIu64 ",\"seed\":%" PRIu64
            ",\"bytes\":%" PRIu64 ",\"cached_input\":%s,\"gen_seconds\":%.3f,\"cores\":%d,"
            "\"threads\":%d,\"seconds\":%.3f,\"mb_per_s\":%.1f,\"rows_per_s\":%.0f,"
@@ -248,13 +238,15 @@ int main(int argc, char **argv)
            "\"per_core_note\":\"MB per CPU-second (user+system, all threads)\",\"seconds_1t\":%.3f,"
            "\"mb_per_s_1t\":%.1f,\"rows_per_s_1t\":%.0f,\"cpu_seconds_1t\":%.3f,"
            "\"mb_per_s_per_core_1t\":%.1f,"
-           "\"cat_seconds\":%.3f,\"cat_mb_per_s\":%.1f,\"cat_note\":\"second of two runs, file in page cache\","
-           "\"shard_bytes\":%" PRIu64 ",\"goal_mb_per_s_per_core\":%.0f,\"goal_met\":%s,"
+           "\"cat_seconds\":%.3f,\"cat_mb_per_s\":%.1f,\"cat_note\":\"second of two runs, file in "
+           "page cache\","
+           "\"shard_bytes\":%" PRIu64 ",\"buffered_output\":%s,"
+           "\"goal_mb_per_s_per_core\":%.0f,\"goal_met\":%s,"
            "\"loadavg_start\":\"%s\",\"loadavg_end\":\"%s\"}\n",
-           o.quick ? "true" : "false", o.rows, o.seed, bytes, reused ? "true" : "false", gen_s, cores,
-           all.threads, all.seconds, mbs, rps, per_core, cpu_all, used, one.seconds, mbs1, rps1,
-           cpu_one, per_core1, cat_s, cat_mbs,
-           all.bytes_out, GOAL_MB_PER_S_PER_CORE,
-           per_core >= GOAL_MB_PER_S_PER_CORE ? "true" : "false", load0, load1);
+           o.quick ? "true" : "false", o.rows, o.seed, bytes, reused ? "true" : "false", gen_s,
+           cores, all.threads, all.seconds, mbs, rps, per_core, cpu_all, used, one.seconds, mbs1,
+           rps1, cpu_one, per_core1, cat_s, cat_mbs, all.bytes_out, o.buffered ? "true" : "false",
+           GOAL_MB_PER_S_PER_CORE, per_core >= GOAL_MB_PER_S_PER_CORE ? "true" : "false", load0,
+           load1);
     return 0;
 }

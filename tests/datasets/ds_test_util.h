@@ -19,6 +19,21 @@ static inline void write_text(const char *path, const void *data, size_t n)
     fclose(f);
 }
 
+/* 1 when both files can be read and hold the same bytes. */
+static inline int same_file(const char *a, const char *b)
+{
+    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+    int same = fa && fb;
+    while (same) {
+        int ca = fgetc(fa), cb = fgetc(fb);
+        if (ca != cb) same = 0;
+        if (ca == EOF) break;
+    }
+    if (fa) fclose(fa);
+    if (fb) fclose(fb);
+    return same;
+}
+
 /* a + "/" + b in one of 8 rotating static buffers (so calls can nest). */
 static inline char *join(const char *a, const char *b)
 {

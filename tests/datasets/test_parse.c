@@ -263,19 +263,6 @@ static void write_synthetic(const char *path, int rows, int junk_every)
     fclose(f);
 }
 
-static int files_equal(const char *a, const char *b)
-{
-    void *x = NULL, *y = NULL;
-    size_t nx = 0, ny = 0;
-    char *err = NULL;
-    int ok = cm_read_file(a, &x, &nx, &err) == 0 && cm_read_file(b, &y, &ny, &err) == 0 &&
-             nx == ny && memcmp(x, y, nx) == 0;
-    free(err);
-    free(x);
-    free(y);
-    return ok;
-}
-
 static void test_ingest_split(const char *tmp)
 {
     char *in = join(tmp, "syn.tsv");
@@ -310,7 +297,7 @@ static void test_ingest_split(const char *tmp)
     const char *parts[] = {"train/part-00000.shard", "train/part-00001.shard",
                            "eval/part-00000.shard", "eval/part-00001.shard"};
     for (int i = 0; i < 4; i++)
-        CHECK_MSG(files_equal(join(join(tmp, "split1"), parts[i]), join(join(tmp, "split3"), parts[i])),
+        CHECK_MSG(same_file(join(join(tmp, "split1"), parts[i]), join(join(tmp, "split3"), parts[i])),
                   "%s differs between 1 and 3 threads", parts[i]);
     uint64_t rows = 0, total = 0;
     for (int i = 0; i < 4; i++) {

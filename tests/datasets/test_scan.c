@@ -5,6 +5,7 @@
  *     CR and control bytes at every position around the 16/32/64-byte boundaries, lines that
  *     end exactly at the end of their buffer (each input is copied into an allocation of its
  *     exact size, so ASan sees any read past it);
+ *   - numbers read 8 bytes at a time against the digit loop (also ds_parser_opts.scalar_scan);
  *   - keys of tokens of every length around the 16-byte short-input cut against ds_key;
  *   - a mapped plain input against the same text read through zstd (chunks cut at the same
  *     places, including an over-long line and a last line without a line end). */
@@ -210,18 +211,64 @@ static void test_token_keys(void)
     ds_parser_destroy(p);
 }
 
-static int same_file(const char *a, const char *b)
+/* Numbers read 8 bytes at a time (digits8) against digit by digit (scalar_scan): tokens of
+ * 0..17 digits, signed or not, with a byte just outside '0'..'9' (or far from it) at any
+ * position, in every dense column (the first ones start too near the line start for an
+ * 8-byte read), unquoted and quoted (read from the unescaped copy); plus exact values. */
+static void test_numbers(void)
 {
-    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
-    int same = fa && fb;
-    while (same) {
-        int ca = fgetc(fa), cb = fgetc(fb);
-        if (ca != cb) same = 0;
-        if (ca == EOF) break;
+    static const char odd[] = {'/',        ':',        ';',        '?', '@',     '.',
+                               'e',        'E',        '+',        '-', ' ',     '\x7f',
+                               (char)0xb0, (char)0xb9, (char)0xf9, 'a', '0' - 16};
+    char *buf = malloc(1 << 16);
+    for (int quoted = 0; quoted < 2; quoted++) {
+        ds_format fmt = quoted ? DS_FMT_CRITEO_CSV : DS_FMT_CRITEO;
+        ds_parser *simd = make(fmt, 0), *scalar = make(fmt, 1);
+        if (!simd || !scalar) return;
+        int dense = quoted ? 2 : 13, cats = quoted ? 3 : 26;
+        for (int round = 0; round < 4000; round++) {
+            size_t n = 0;
+            if (quoted) n += (size_t)sprintf(buf, "%d,", round);
+            n += (size_t)sprintf(buf + n, "%d", round % 2);
+            for (int d = 0; d < dense; d++) {
+                buf[n++] = quoted ? ',' : '\t';
+                if (quoted) buf[n++] = '"';
+                size_t t0 = n, len = next_rand() % 18;
+                if (next_rand() % 4 == 0) buf[n++] = next_rand() % 2 ? '-' : '+';
+                for (size_t i = 0; i < len; i++)
+                    buf[n++] = (char)('0' + next_rand() % 10);
+                if (n > t0 && next_rand() % 3 == 0)
+                    buf[t0 + next_rand() % (n - t0)] = odd[next_rand() % sizeof odd];
+                if (quoted) buf[n++] = '"';
+            }
+            for (int c = 0; c < cats; c++)
+                n += (size_t)sprintf(buf + n, "%c%x", quoted ? ',' : '\t', (unsigned)next_rand());
+            both(simd, scalar, buf, n);
+        }
+        ds_parser_destroy(simd);
+        ds_parser_destroy(scalar);
     }
-    if (fa) fclose(fa);
-    if (fb) fclose(fb);
-    return same;
+    /* exact values, each length 1..15, at the end of a line long enough for 8-byte reads */
+    ds_parser *p = make(DS_FMT_CRITEO, 0);
+    if (p == NULL) return;
+    static const char *const nums[] = {
+        "7",        "-7",       "10",        "09",        "-0",
+        "123",      "4567",     "89012",     "345678",    "9012345",
+        "67890123", "99999999", "100000000", "-12345678", "123456789012345"};
+    for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
+        int n = sprintf(buf, "1\t1\t22\t333\t4444\t%s", nums[i]);
+        for (int c = 5; c < 39; c++)
+            n += sprintf(buf + n, "\t%d", c);
+        ds_batch b;
+        ds_parse_report rep;
+        char *err = NULL;
+        CHECK_OK(ds_parser_parse(p, buf, (size_t)n, &b, &rep, &err), err);
+        CHECK_MSG(b.n_rows == 1 && b.dense[4] == (float)strtod(nums[i], NULL) &&
+                      !!signbit(b.dense[4]) == (nums[i][0] == '-'),
+                  "%s read as %g", nums[i], b.n_rows ? b.dense[4] : -1.0);
+    }
+    ds_parser_destroy(p);
+    free(buf);
 }
 
 /* Ingests text as a plain file (mapped) and as zstd (read) with chunks of `chunk` bytes. */
@@ -341,6 +388,7 @@ static void test_mapped_strict(void)
 int main(void)
 {
     test_tokenizer();
+    test_numbers();
     test_token_keys();
     test_mapped_input();
     test_mapped_strict();
