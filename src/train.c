@@ -817,7 +817,8 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         S->m.dim = o->dim_override;
         if (o->model.kind == MODEL_DLRM && S->m.n_bottom) S->m.bottom[S->m.n_bottom - 1] = S->m.dim;
     }
-    if (o->model.seed) S->m.seed = o->model.seed;
+    /* --seed draws the whole model (embedding rows and tower) unless [model] seed is given. */
+    S->m.seed = o->model.seed ? o->model.seed : o->seed;
     if (S->m.kind == MODEL_DLRM && S->m.n_dense == 0)
         return cm_err(errptr, CM_EINVAL, "dlrm needs dense features; the shards have none");
     rc = model_layout_make(&S->m, &S->l, errptr);

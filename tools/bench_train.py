@@ -39,6 +39,34 @@ def read_dump(path):
     return parts, int(F), int(D), V
 
 
+def load_init(path, model, V, dim):
+    """Copies ember's initial weights (tools/bench_train.c write_init) into the model."""
+    with open(path, "rb") as f:
+        buf = f.read()
+    if buf[:8] != b"EMBRTI01":
+        sys.exit("bench_train.py: %s is not an ember initial-weights file" % path)
+    v, = np.frombuffer(buf[8:16], dtype="<u8")
+    d, layers = np.frombuffer(buf[16:24], dtype="<u4")
+    if int(v) != V or int(d) != dim:
+        sys.exit("bench_train.py: %s is for %d rows of dim %d, the dump has %d of %d"
+                 % (path, int(v), int(d), V, dim))
+    off = 24
+    linears = [m for m in model.mlp if isinstance(m, torch.nn.Linear)]
+    if int(layers) != len(linears):
+        sys.exit("bench_train.py: %s has %d layers, the model %d" % (path, int(layers), len(linears)))
+    with torch.no_grad():
+        for lin in linears:
+            i, o = (int(x) for x in np.frombuffer(buf[off:off + 8], dtype="<u4"))
+            off += 8
+            if (o, i) != tuple(lin.weight.shape):
+                sys.exit("bench_train.py: layer %dx%d in %s, %s in the model" % (o, i, path, tuple(lin.weight.shape)))
+            lin.weight.copy_(torch.from_numpy(np.frombuffer(buf, dtype="<f4", count=o * i, offset=off).reshape(o, i).copy()))
+            off += 4 * o * i
+            lin.bias.copy_(torch.from_numpy(np.frombuffer(buf, dtype="<f4", count=o, offset=off).copy()))
+            off += 4 * o
+        model.emb.weight.copy_(torch.from_numpy(np.frombuffer(buf, dtype="<f4", count=V * dim, offset=off).reshape(V, dim).copy()))
+
+
 def auc_exact(scores, labels):
     order = np.argsort(scores, kind="mergesort")
     s = scores[order]
@@ -128,6 +156,7 @@ def main():
     ap.add_argument("--dense-lr", type=float, default=0.001)
     ap.add_argument("--init-scale", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--init", help="start from ember's initial weights (tools/bench_train.c write_init)")
     ap.add_argument("--stale", action="store_true",
                     help="experiment: emulate ember's pipeline, where batch t+1's rows and tower are "
                          "read before batch t's update (one step stale)")
@@ -141,6 +170,8 @@ def main():
                      torch.from_numpy(tr[2].astype(np.int64)))
     yev, xev, iev = (ev[0], torch.from_numpy(ev[1]), torch.from_numpy(ev[2].astype(np.int64)))
     model = Model(V, F, D, a.dim, a.init_scale)
+    if a.init:
+        load_init(a.init, model, V, a.dim)
     opt_e = torch.optim.Adagrad(model.emb.parameters(), lr=a.emb_lr, eps=1e-8,
                                 initial_accumulator_value=0.0)
     opt_d = torch.optim.Adam(model.mlp.parameters(), lr=a.dense_lr, betas=(0.9, 0.999), eps=1e-8)
