@@ -594,20 +594,18 @@ static void radix_sort(kv *a, kv *tmp, size_t n)
     if (src != a) memcpy(a, src, n * sizeof *a);
 }
 
-/* A batch split by shard: uniq[u] are the sorted distinct keys, inv[i] the position of the
- * caller's key i among them; shard s owns uniq positions pos[start[s] .. start[s+1]). */
+/* A batch split by shard: skeys are the distinct keys grouped by shard (shard s owns positions
+ * start[s] .. start[s+1]), each group sorted; inv[i] is the position of the caller's key i
+ * there, so rows and gradients are laid out in the order the messages carry them. */
 typedef struct split {
-    uint64_t *uniq;
-    uint32_t *inv, *pos, *start;
+    uint32_t *inv, *start;
     size_t n_uniq;
-    uint64_t *skeys; /* keys grouped by shard, each group sorted */
+    uint64_t *skeys;
 } split;
 
 static void split_free(split *sp)
 {
-    free(sp->uniq);
     free(sp->inv);
-    free(sp->pos);
     free(sp->start);
     free(sp->skeys);
 }
@@ -618,14 +616,13 @@ static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n,
     memset(sp, 0, sizeof *sp);
     uint32_t ns = c->cfg.n_shards;
     kv *a = malloc(n * sizeof *a), *tmp = malloc(n * sizeof *tmp);
-    sp->uniq = malloc(n * sizeof *sp->uniq);
+    uint64_t *uniq = malloc(n * sizeof *uniq);
+    uint32_t *owner = malloc(n * sizeof *owner), *fill = malloc((ns + 1) * sizeof *fill);
     sp->inv = malloc(n * sizeof *sp->inv);
-    sp->pos = malloc(n * sizeof *sp->pos);
     sp->skeys = malloc(n * sizeof *sp->skeys);
     sp->start = calloc(ns + 1, sizeof *sp->start);
-    uint32_t *owner = malloc(n * sizeof *owner);
     int rc = CM_OK;
-    if (!a || !tmp || !sp->uniq || !sp->inv || !sp->pos || !sp->skeys || !sp->start || !owner) {
+    if (!a || !tmp || !uniq || !owner || !fill || !sp->inv || !sp->skeys || !sp->start) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory splitting %zu keys", n);
         goto out;
     }
@@ -634,33 +631,30 @@ static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n,
     radix_sort(a, tmp, n);
     size_t u = 0;
     for (size_t i = 0; i < n; i++) {
-        if (u == 0 || sp->uniq[u - 1] != a[i].key) sp->uniq[u++] = a[i].key;
+        if (u == 0 || uniq[u - 1] != a[i].key) uniq[u++] = a[i].key;
         sp->inv[a[i].idx] = (uint32_t)(u - 1);
     }
     sp->n_uniq = u;
-    for (size_t i = 0; i < u; i++) {
-        owner[i] = ns == 1 ? 0 : ps_key_shard(sp->uniq[i], ns);
-        sp->start[owner[i] + 1]++;
+    for (size_t k = 0; k < u; k++) {
+        owner[k] = ns == 1 ? 0 : ps_key_shard(uniq[k], ns);
+        sp->start[owner[k] + 1]++;
     }
     for (uint32_t s = 0; s < ns; s++)
         sp->start[s + 1] += sp->start[s];
-    uint32_t *fill = (uint32_t *)tmp; /* reuse: ns + 1 <= n is not guaranteed, so allocate */
-    fill = malloc((ns + 1) * sizeof *fill);
-    if (fill == NULL) {
-        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-        goto out;
-    }
     memcpy(fill, sp->start, (ns + 1) * sizeof *fill);
-    for (size_t i = 0; i < u; i++) {
-        uint32_t p = fill[owner[i]]++;
-        sp->pos[p] = (uint32_t)i;
-        sp->skeys[p] = sp->uniq[i];
+    for (size_t k = 0; k < u; k++) {
+        uint32_t p = fill[owner[k]]++;
+        sp->skeys[p] = uniq[k];
+        owner[k] = p; /* from here on: distinct key k's place in shard order */
     }
-    free(fill);
+    for (size_t i = 0; i < n; i++)
+        sp->inv[i] = owner[sp->inv[i]];
 out:
     free(a);
     free(tmp);
+    free(uniq);
     free(owner);
+    free(fill);
     if (rc != CM_OK) split_free(sp);
     return rc;
 }
@@ -758,15 +752,12 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
     split sp;
     rc = split_keys(c, keys, n, &sp, errptr);
     if (rc != CM_OK) return rc;
-    /* Replies are decoded in shard order into rows; where[u] is the place of distinct key u
-     * there, so each caller's key is one copy away from its row. */
+    /* Replies are decoded in shard order into rows: each caller's key is one copy away from its
+     * row. */
     float *rows = malloc(sp.n_uniq * dim * sizeof *rows);
-    uint32_t *where = malloc(sp.n_uniq * sizeof *where);
     slot **slots = calloc(ns, sizeof *slots);
     uint64_t *req_ids = calloc(ns, sizeof *req_ids);
-    if (!rows || !where || !slots || !req_ids) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-    for (size_t k = 0; rc == CM_OK && k < sp.n_uniq; k++)
-        where[sp.pos[k]] = (uint32_t)k;
+    if (!rows || !slots || !req_ids) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     /* Read your writes: the server serves requests on many contexts at once, so a pull sent
      * while this client's push to the same shard is in flight could overtake it. */
     pthread_mutex_lock(&c->mu);
@@ -810,13 +801,12 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
     }
     if (rc == CM_OK) {
         for (size_t i = 0; i < n; i++)
-            memcpy(out + i * dim, rows + (size_t)where[sp.inv[i]] * dim, dim * sizeof(float));
+            memcpy(out + i * dim, rows + (size_t)sp.inv[i] * dim, dim * sizeof(float));
         __atomic_add_fetch(&c->st.rows_pulled, sp.n_uniq, __ATOMIC_RELAXED);
     }
     free(slots);
     free(req_ids);
     free(rows);
-    free(where);
     split_free(&sp);
     return rc;
 }
@@ -890,21 +880,15 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     rc = split_keys(c, keys, n, &sp, errptr);
     if (rc != CM_OK) return rc;
     /* Sum duplicates into shard-grouped order. */
-    float *g = calloc(sp.n_uniq * dim, sizeof *g), *gs = malloc(sp.n_uniq * dim * sizeof *gs);
-    float *back = malloc(sp.n_uniq * dim * sizeof *back);
-    uint32_t *where = malloc(sp.n_uniq * sizeof *where);
+    float *gs = calloc(sp.n_uniq * dim, sizeof *gs), *back = malloc(sp.n_uniq * dim * sizeof *back);
     uint8_t *enc = malloc(sp.n_uniq * rb + 1);
-    if (!g || !gs || !back || !where || !enc) {
+    if (!gs || !back || !enc) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < n; i++)
         for (uint32_t j = 0; j < dim; j++)
-            g[(size_t)sp.inv[i] * dim + j] += grads[i * dim + j];
-    for (size_t p = 0; p < sp.n_uniq; p++)
-        where[sp.pos[p]] = (uint32_t)p;
-    for (size_t u = 0; u < sp.n_uniq; u++)
-        memcpy(gs + (size_t)where[u] * dim, g + u * dim, dim * sizeof(float));
+            gs[(size_t)sp.inv[i] * dim + j] += grads[i * dim + j];
     if (codec == PS_CODEC_INT8)
         rc = error_feedback(c, table, sp.skeys, sp.n_uniq, gs, NULL, 0, errptr);
     if (rc != CM_OK) goto out;
@@ -920,10 +904,8 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     }
     if (rc == CM_OK) __atomic_add_fetch(&c->st.rows_pushed, sp.n_uniq, __ATOMIC_RELAXED);
 out:
-    free(g);
     free(gs);
     free(back);
-    free(where);
     free(enc);
     split_free(&sp);
     return rc;

@@ -360,9 +360,11 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         key_bytes = kb;
         p += 4;
     }
+    /* fp32 pulls gather straight into the reply and need no vals. */
+    const bool direct = h->op == PS_OP_PULL && h->codec == PS_CODEC_F32;
     keys = malloc(n * sizeof *keys);
-    vals = malloc(n * dim * sizeof *vals);
-    if (keys == NULL || vals == NULL) {
+    vals = direct ? NULL : malloc(n * dim * sizeof *vals);
+    if (keys == NULL || (!direct && vals == NULL)) {
         reply = reply_error(s, h, CM_ENOMEM, "server out of memory");
         goto out;
     }
@@ -386,7 +388,6 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
     if (h->op == PS_OP_PULL) {
         /* fp32 rows are gathered straight into the reply (one copy of the batch less); other
          * codecs are encoded from vals. */
-        const bool direct = h->codec == PS_CODEC_F32;
         uint8_t *out = NULL;
         if ((reply = reply_ok(h, n * row_bytes, &out)) == NULL)
             rc = cm_err(&err, CM_ENOMEM, "server out of memory");
