@@ -47,10 +47,16 @@ float cm_f16_to_f32(uint16_t h);
 uint16_t cm_f32_to_bf16(float f);
 float cm_bf16_to_f32(uint16_t h);
 
-/* One row of dim floats as int8 with a per-row scale: 4 bytes of fp32 scale (max|x|/127), then
- * dim int8 values rounded to nearest. back (optional) gets the decoded values, so a caller can
- * keep the quantisation residual. */
-void cm_int8_row_encode(const float *x, uint32_t dim, uint8_t *out, float *back);
+/* int8 quantisation, shared by serving bundles (fp32 scale) and the PS wire (bf16 scale).
+ * cm_int8_quantize: q[j] = x[j] * inv rounded to nearest and clamped to +-127, where inv is the
+ * caller's 1/scale (when it is not finite, as for a subnormal scale, x[j] / scale instead);
+ * back (optional) gets q[j] * scale, what a reader decodes, so a caller can keep the residual. */
+float cm_absmax(const float *x, uint32_t dim);
+void cm_int8_quantize(const float *x, uint32_t dim, float scale, float inv, uint8_t *q,
+                      float *back);
+void cm_int8_dequantize(const uint8_t *q, uint32_t dim, float scale, float *out);
+/* One row of dim floats as 4 bytes of fp32 scale (max|x|/127), then dim int8 values. */
+void cm_int8_row_encode(const float *x, uint32_t dim, uint8_t *out);
 void cm_int8_row_decode(const uint8_t *in, uint32_t dim, float *out);
 
 /* Monotonic seconds, for timing and rates. */

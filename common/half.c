@@ -1,6 +1,7 @@
 /* Compact number formats shared by the wire codecs and the serving bundle: fp16 and bf16
- * (round to nearest even) and int8 rows with a per-row scale. */
+ * (round to nearest even) and int8 quantisation with a per-row scale. */
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "common/common.h"
@@ -33,8 +34,10 @@ float cm_f16_to_f32(uint16_t h)
         float f = (float)m * (1.0f / 16777216.0f);
         return sign ? -f : f;
     }
-    if (e == 31) x = sign | 0x7f800000u | (m << 13);
-    else x = sign | ((e + 112u) << 23) | (m << 13);
+    if (e == 31)
+        x = sign | 0x7f800000u | (m << 13);
+    else
+        x = sign | ((e + 112u) << 23) | (m << 13);
     float f;
     memcpy(&f, &x, 4);
     return f;
@@ -57,24 +60,43 @@ float cm_bf16_to_f32(uint16_t h)
     return f;
 }
 
-
-void cm_int8_row_encode(const float *x, uint32_t dim, uint8_t *out, float *back)
+float cm_absmax(const float *x, uint32_t dim)
 {
     float amax = 0.0f;
-    for (uint32_t j = 0; j < dim; j++) amax = fmaxf(amax, fabsf(x[j]));
-    float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    memcpy(out, &scale, 4);
+    for (uint32_t j = 0; j < dim; j++)
+        amax = fmaxf(amax, fabsf(x[j]));
+    return amax;
+}
+
+void cm_int8_quantize(const float *x, uint32_t dim, float scale, float inv, uint8_t *q, float *back)
+{
+    /* A subnormal scale has no finite inverse: divide instead (rare, so the common path keeps
+     * its multiply). */
+    const bool divide = !isfinite(inv);
     for (uint32_t j = 0; j < dim; j++) {
-        long q = lrintf(x[j] * inv);
-        q = q > 127 ? 127 : q < -127 ? -127 : q;
-        out[4 + j] = (uint8_t)(int8_t)q;
-        if (back) back[j] = (float)q * scale;
+        long v = lrintf(divide ? x[j] / scale : x[j] * inv);
+        v = v > 127 ? 127 : v < -127 ? -127 : v;
+        q[j] = (uint8_t)(int8_t)v;
+        if (back) back[j] = (float)v * scale;
     }
+}
+
+void cm_int8_dequantize(const uint8_t *q, uint32_t dim, float scale, float *out)
+{
+    for (uint32_t j = 0; j < dim; j++)
+        out[j] = (float)(int8_t)q[j] * scale;
+}
+
+void cm_int8_row_encode(const float *x, uint32_t dim, uint8_t *out)
+{
+    float amax = cm_absmax(x, dim), scale = amax / 127.0f;
+    memcpy(out, &scale, 4);
+    cm_int8_quantize(x, dim, scale, amax > 0.0f ? 127.0f / amax : 0.0f, out + 4, NULL);
 }
 
 void cm_int8_row_decode(const uint8_t *in, uint32_t dim, float *out)
 {
     float scale;
     memcpy(&scale, in, 4);
-    for (uint32_t j = 0; j < dim; j++) out[j] = (float)(int8_t)in[4 + j] * scale;
+    cm_int8_dequantize(in + 4, dim, scale, out);
 }

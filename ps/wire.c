@@ -174,21 +174,10 @@ static uint16_t bf16_round_up(float x)
  * bf16 only leaves part of the int8 range unused and error feedback sees the exact residual. */
 static void int8_row_encode(const float *x, uint32_t dim, uint8_t *out, float *back)
 {
-    float amax = 0.0f;
-    for (uint32_t j = 0; j < dim; j++)
-        amax = fmaxf(amax, fabsf(x[j]));
-    uint16_t sb = bf16_round_up(amax / 127.0f);
-    float scale = cm_bf16_to_f32(sb), inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    /* A subnormal scale has no finite inverse: divide instead (rare, so the common path keeps
-     * its multiply). */
-    bool divide = !isfinite(inv);
+    uint16_t sb = bf16_round_up(cm_absmax(x, dim) / 127.0f);
+    float scale = cm_bf16_to_f32(sb);
     memcpy(out, &sb, 2);
-    for (uint32_t j = 0; j < dim; j++) {
-        long q = lrintf(divide ? x[j] / scale : x[j] * inv);
-        q = q > 127 ? 127 : q < -127 ? -127 : q;
-        out[2 + j] = (uint8_t)(int8_t)q;
-        if (back) back[j] = (float)q * scale;
-    }
+    cm_int8_quantize(x, dim, scale, scale > 0.0f ? 1.0f / scale : 0.0f, out + 2, back);
 }
 
 void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, uint8_t *dst,
@@ -239,8 +228,7 @@ int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, f
             float scale = cm_bf16_to_f32(sb);
             if (!isfinite(scale) || (sb & 0x8000u))
                 return cm_err(errptr, CM_ECORRUPT, "row %zu: bad int8 scale %g", r, (double)scale);
-            for (uint32_t j = 0; j < dim; j++)
-                dst[r * dim + j] = (float)(int8_t)in[2 + j] * scale;
+            cm_int8_dequantize(in + 2, dim, scale, dst + r * dim);
         }
         break; /* 127 times a huge finite scale is not finite: checked below */
     default:

@@ -119,7 +119,8 @@ int ember_serve_writer_create(const char *dir, ember_serve_precision precision, 
         ember_serve_writer_abort(w);
         return rc;
     }
-    manifest_add(w, "ember-bundle 1\ntype %s\nstep %" PRIu64 "\nbase_step %" PRIu64 "\nprecision %s\n",
+    manifest_add(w,
+                 "ember-bundle 1\ntype %s\nstep %" PRIu64 "\nbase_step %" PRIu64 "\nprecision %s\n",
                  delta ? "delta" : "full", step, base_step, prec_names[precision]);
     *out = w;
     return CM_OK;
@@ -165,8 +166,7 @@ int ember_serve_writer_model(ember_serve_writer *w, const char *text, char **err
     return write_parts(w, "model.txt", parts, lens, 1, false, errptr);
 }
 
-int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_t n,
-                             char **errptr)
+int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_t n, char **errptr)
 {
     dns_hdr h = {.version = BUNDLE_VERSION, .n = n};
     memcpy(h.magic, DNS_MAGIC, 8);
@@ -185,7 +185,7 @@ static void encode_row(ember_serve_precision p, const float *x, uint32_t dim, ui
             memcpy(out + 2 * j, &v, 2);
         }
     } else {
-        cm_int8_row_encode(x, dim, out, NULL);
+        cm_int8_row_encode(x, dim, out);
     }
 }
 
@@ -200,19 +200,23 @@ int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t d
                              const uint64_t *deleted, uint64_t n_deleted, char **errptr)
 {
     if (dim == 0 || n >= EMPTY_ROW || strlen(name) > 64)
-        return cm_err(errptr, CM_EINVAL, "table %s: dim %u or %" PRIu64 " rows out of range", name, dim, n);
+        return cm_err(errptr, CM_EINVAL, "table %s: dim %u or %" PRIu64 " rows out of range", name,
+                      dim, n);
     uint64_t slots = 16;
-    while (slots < n + n / 4 + 1) slots <<= 1; /* load factor at most 0.8 */
+    while (slots < n + n / 4 + 1)
+        slots <<= 1; /* load factor at most 0.8 */
     size_t rb = row_bytes_of(w->prec, dim);
     slot_ent *index = malloc(slots * sizeof *index);
     uint8_t *enc = malloc(n * rb + 1);
     uint64_t *del = malloc(n_deleted * sizeof *del + 1);
     int rc = CM_OK;
     if (index == NULL || enc == NULL || del == NULL) {
-        rc = cm_err(errptr, CM_ENOMEM, "out of memory exporting table %s (%" PRIu64 " rows)", name, n);
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory exporting table %s (%" PRIu64 " rows)", name,
+                    n);
         goto out;
     }
-    for (uint64_t i = 0; i < slots; i++) index[i] = (slot_ent){0, EMPTY_ROW, 0};
+    for (uint64_t i = 0; i < slots; i++)
+        index[i] = (slot_ent){0, EMPTY_ROW, 0};
     for (uint64_t i = 0; i < n; i++) {
         uint64_t s = key_slot(keys[i], slots - 1);
         while (index[s].row != EMPTY_ROW) {
@@ -227,8 +231,13 @@ int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t d
     }
     if (n_deleted) memcpy(del, deleted, n_deleted * sizeof *del);
     qsort(del, n_deleted, sizeof *del, u64_cmp);
-    tab_hdr h = {.version = BUNDLE_VERSION, .dim = dim, .precision = (uint32_t)w->prec,
-                 .row_bytes = (uint32_t)rb, .rows = n, .slots = slots, .deleted = n_deleted,
+    tab_hdr h = {.version = BUNDLE_VERSION,
+                 .dim = dim,
+                 .precision = (uint32_t)w->prec,
+                 .row_bytes = (uint32_t)rb,
+                 .rows = n,
+                 .slots = slots,
+                 .deleted = n_deleted,
                  .step = w->step};
     memcpy(h.magic, TAB_MAGIC, 8);
     char fname[96];
@@ -249,8 +258,9 @@ int ember_serve_writer_commit(ember_serve_writer *w, char **errptr)
     manifest_add(w, "checksum %016" PRIx64 "\n", cm_xxh3(w->manifest, w->mlen));
     char path[4200];
     snprintf(path, sizeof path, "%s/MANIFEST", w->tmp);
-    int rc = w->mlen + 64 >= sizeof w->manifest ? cm_err(errptr, CM_ERR, "manifest too long")
-                                                : cm_write_file_atomic(path, w->manifest, w->mlen, errptr);
+    int rc = w->mlen + 64 >= sizeof w->manifest
+                 ? cm_err(errptr, CM_ERR, "manifest too long")
+                 : cm_write_file_atomic(path, w->manifest, w->mlen, errptr);
     if (rc == CM_OK) rc = cm_fsync_dir(w->tmp, errptr);
     if (rc == CM_OK) rc = cm_dir_swap(w->tmp, w->dir, errptr);
     ember_serve_writer_abort(w);
@@ -260,8 +270,8 @@ int ember_serve_writer_commit(ember_serve_writer *w, char **errptr)
 /* ================= reading ================= */
 
 /* Maps a file read-only and checks its size and xxh3 against the manifest. */
-static int map_file(const char *dir, const char *name, uint64_t size, uint64_t digest,
-                    serve_map *m, char **errptr)
+static int map_file(const char *dir, const char *name, uint64_t size, uint64_t digest, serve_map *m,
+                    char **errptr)
 {
     char path[4200];
     snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -270,8 +280,9 @@ static int map_file(const char *dir, const char *name, uint64_t size, uint64_t d
     struct stat st;
     int rc = CM_OK;
     if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != size || size == 0) {
-        rc = cm_err(errptr, CM_ECORRUPT, "%s: size %lld, the manifest says %" PRIu64 " (truncated?)",
-                    path, (long long)st.st_size, size);
+        rc =
+            cm_err(errptr, CM_ECORRUPT, "%s: size %lld, the manifest says %" PRIu64 " (truncated?)",
+                   path, (long long)st.st_size, size);
         close(fd);
         return rc;
     }
@@ -304,8 +315,9 @@ static int table_check(const char *dir, const char *name, serve_table *t, uint64
     memcpy(&trailer, p + t->map.len - 8, 8);
     size_t rb = row_bytes_of((ember_serve_precision)h.precision, h.dim);
     if (memcmp(h.magic, TAB_MAGIC, 8) || h.version != BUNDLE_VERSION || h.precision > 2 ||
-        h.dim == 0 || h.dim > 65536 || h.row_bytes != rb || h.slots == 0 || (h.slots & (h.slots - 1)) ||
-        h.rows >= h.slots || h.slots > (1ull << 40) || h.deleted > (1ull << 40) || h.step != step ||
+        h.dim == 0 || h.dim > 65536 || h.row_bytes != rb || h.slots == 0 ||
+        (h.slots & (h.slots - 1)) || h.rows >= h.slots || h.slots > (1ull << 40) ||
+        h.deleted > (1ull << 40) || h.step != step ||
         t->map.len != sizeof h + h.slots * sizeof(slot_ent) + h.rows * rb + h.deleted * 8 + 8 ||
         cm_xxh3(p, t->map.len - 8) != trailer)
         return cm_err(errptr, CM_ECORRUPT, "%s/%s: bad table header or structure", dir, name);
@@ -322,7 +334,8 @@ static int table_check(const char *dir, const char *name, serve_table *t, uint64
     const slot_ent *ix = t->index;
     for (uint64_t i = 0; i < h.slots; i++)
         if (ix[i].row != EMPTY_ROW && ix[i].row >= h.rows)
-            return cm_err(errptr, CM_ECORRUPT, "%s/%s: index entry %" PRIu64 " out of range", dir, name, i);
+            return cm_err(errptr, CM_ECORRUPT, "%s/%s: index entry %" PRIu64 " out of range", dir,
+                          name, i);
     return CM_OK;
 }
 
@@ -336,7 +349,8 @@ static const char *mf_value(const char *text, const char *name)
 
 static void layer_close(serve_layer *L)
 {
-    for (int i = 0; i < L->n_tables; i++) unmap(&L->tables[i].map);
+    for (int i = 0; i < L->n_tables; i++)
+        unmap(&L->tables[i].map);
     unmap(&L->dense_map);
     free(L->model);
     memset(L, 0, sizeof *L);
@@ -351,18 +365,22 @@ static int layer_open(const char *dir, serve_layer *L, char **errptr)
     char *text = NULL;
     size_t len;
     int rc = cm_read_file(path, (void **)&text, &len, errptr);
-    if (rc != CM_OK) return rc == CM_ENOTFOUND ? cm_err(errptr, CM_ECORRUPT, "%s: no MANIFEST (not a bundle?)", dir) : rc;
+    if (rc != CM_OK)
+        return rc == CM_ENOTFOUND
+                   ? cm_err(errptr, CM_ECORRUPT, "%s: no MANIFEST (not a bundle?)", dir)
+                   : rc;
     char *cl = NULL;
     for (char *p = text; (p = strstr(p, "checksum ")) != NULL; p++)
         if (p == text || p[-1] == '\n') cl = p;
     unsigned long long want = 0, step = 0, base = 0;
     char type[16] = "";
-    if (strncmp(text, "ember-bundle 1\n", 15) || cl == NULL || sscanf(cl, "checksum %llx", &want) != 1 ||
-        cm_xxh3(text, (size_t)(cl - text)) != want || !mf_value(text, "type") ||
-        sscanf(mf_value(text, "type"), "%15s", type) != 1 || !mf_value(text, "step") ||
-        sscanf(mf_value(text, "step"), "%llu", &step) != 1 || !mf_value(text, "base_step") ||
-        sscanf(mf_value(text, "base_step"), "%llu", &base) != 1) {
-        rc = cm_err(errptr, CM_ECORRUPT, "%s: not a bundle manifest, or its checksum does not match", path);
+    if (strncmp(text, "ember-bundle 1\n", 15) || cl == NULL ||
+        sscanf(cl, "checksum %llx", &want) != 1 || cm_xxh3(text, (size_t)(cl - text)) != want ||
+        !mf_value(text, "type") || sscanf(mf_value(text, "type"), "%15s", type) != 1 ||
+        !mf_value(text, "step") || sscanf(mf_value(text, "step"), "%llu", &step) != 1 ||
+        !mf_value(text, "base_step") || sscanf(mf_value(text, "base_step"), "%llu", &base) != 1) {
+        rc = cm_err(errptr, CM_ECORRUPT,
+                    "%s: not a bundle manifest, or its checksum does not match", path);
         goto out;
     }
     L->delta = !strcmp(type, "delta");
@@ -411,7 +429,9 @@ static int layer_open(const char *dir, serve_layer *L, char **errptr)
             for (int i = 0; i < L->n_tables; i++)
                 if (!strcmp(L->tables[i].name, fname))
                     found = L->tables[i].dim == dim && L->tables[i].rows == size;
-            if (!found) rc = cm_err(errptr, CM_ECORRUPT, "%s: table %s does not match its file", path, fname);
+            if (!found)
+                rc = cm_err(errptr, CM_ECORRUPT, "%s: table %s does not match its file", path,
+                            fname);
         }
     }
     if (rc == CM_OK && (L->model == NULL || L->dense == NULL || L->n_tables == 0))
@@ -429,7 +449,8 @@ int ember_serve_open(const char *bundle, ember_serve **out, char **errptr)
     int rc = layer_open(bundle, &h->layers[0], errptr);
     if (rc == CM_OK) h->n_layers = 1; /* from here on, close unmaps it */
     if (rc == CM_OK && h->layers[0].delta)
-        rc = cm_err(errptr, CM_EINVAL, "%s is a delta bundle: open its base, then apply it", bundle);
+        rc =
+            cm_err(errptr, CM_EINVAL, "%s is a delta bundle: open its base, then apply it", bundle);
     if (rc == CM_OK) rc = serve_model_init(h, errptr);
     if (rc != CM_OK) {
         ember_serve_close(h);
@@ -442,7 +463,8 @@ int ember_serve_open(const char *bundle, ember_serve **out, char **errptr)
 int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr)
 {
     if (h->n_layers >= SERVE_MAX_LAYERS)
-        return cm_err(errptr, CM_EINVAL, "too many deltas (%d); export a full bundle", SERVE_MAX_LAYERS - 1);
+        return cm_err(errptr, CM_EINVAL, "too many deltas (%d); export a full bundle",
+                      SERVE_MAX_LAYERS - 1);
     serve_layer L;
     int rc = layer_open(delta, &L, errptr);
     if (rc != CM_OK) return rc;
@@ -450,10 +472,12 @@ int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr)
     if (!L.delta || L.base_step != top->step || strcmp(L.model, top->model) != 0 ||
         L.n_dense != top->n_dense || L.n_tables != h->layers[0].n_tables) {
         layer_close(&L);
-        return cm_err(errptr, CM_EINVAL, "%s is not a delta on step %" PRIu64 " of this model", delta, top->step);
+        return cm_err(errptr, CM_EINVAL, "%s is not a delta on step %" PRIu64 " of this model",
+                      delta, top->step);
     }
     for (int i = 0; i < L.n_tables; i++)
-        if (strcmp(L.tables[i].name, h->layers[0].tables[i].name) || L.tables[i].dim != h->layers[0].tables[i].dim) {
+        if (strcmp(L.tables[i].name, h->layers[0].tables[i].name) ||
+            L.tables[i].dim != h->layers[0].tables[i].dim) {
             layer_close(&L);
             return cm_err(errptr, CM_EINVAL, "%s: table %d differs from the base", delta, i);
         }
@@ -464,7 +488,8 @@ int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr)
 void ember_serve_close(ember_serve *h)
 {
     if (h == NULL) return;
-    for (int i = 0; i < h->n_layers; i++) layer_close(&h->layers[i]);
+    for (int i = 0; i < h->n_layers; i++)
+        layer_close(&h->layers[i]);
     free(h);
 }
 
@@ -529,8 +554,10 @@ static bool is_deleted(const serve_table *t, uint64_t key)
         uint64_t mid = (lo + hi) / 2, v;
         memcpy(&v, t->deleted + mid, 8);
         if (v == key) return true;
-        if (v < key) lo = mid + 1;
-        else hi = mid;
+        if (v < key)
+            lo = mid + 1;
+        else
+            hi = mid;
     }
     return false;
 }
@@ -558,8 +585,8 @@ static const serve_table *resolve(const ember_serve *h, int table, uint64_t key,
     return NULL;
 }
 
-int ember_serve_lookup(const ember_serve *h, int table, const uint64_t *keys, size_t n,
-                       float *out, uint8_t *found)
+int ember_serve_lookup(const ember_serve *h, int table, const uint64_t *keys, size_t n, float *out,
+                       uint8_t *found)
 {
     if (table < 0 || table >= h->layers[0].n_tables) return CM_EINVAL;
     const uint32_t dim = h->layers[0].tables[table].dim;
@@ -586,8 +613,10 @@ int ember_serve_lookup(const ember_serve *h, int table, const uint64_t *keys, si
         }
         if (i >= 2 * d) {
             size_t j = i - 2 * d, r = j % LOOKUP_RING;
-            if (rows[r] >= 0) decode_row(tabs[r], (uint32_t)rows[r], out + j * dim);
-            else memset(out + j * dim, 0, dim * sizeof(float));
+            if (rows[r] >= 0)
+                decode_row(tabs[r], (uint32_t)rows[r], out + j * dim);
+            else
+                memset(out + j * dim, 0, dim * sizeof(float));
             if (found) found[j] = rows[r] >= 0;
         }
     }
