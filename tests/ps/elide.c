@@ -26,10 +26,7 @@ static ps_client *client(const ps_config *cfg, const char *const *urls, bool exp
 {
     ps_client_opts o = {
         .cfg = cfg, .urls = urls, .worker = 0, .timeout_ms = 10000, .explicit_keys = explicit_keys};
-    ps_client *c = NULL;
-    char *err = NULL;
-    if (ps_client_create(&o, &c, &err) != CM_OK) pt_die("ps_client_create", err);
-    return c;
+    return pt_client_with(&o);
 }
 
 /* Every element of the first n keys' rows equals want. */

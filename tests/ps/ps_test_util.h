@@ -29,7 +29,8 @@ static inline const char *pt_path(const char *a, const char *b)
     static char buf[16][512];
     static int k;
     char *s = buf[k++ % 16];
-    if ((size_t)snprintf(s, sizeof buf[0], "%s/%s", a, b) >= sizeof buf[0]) pt_die("path too long", NULL);
+    if ((size_t)snprintf(s, sizeof buf[0], "%s/%s", a, b) >= sizeof buf[0])
+        pt_die("path too long", NULL);
     return s;
 }
 
@@ -78,7 +79,8 @@ static inline void pt_spawn_cluster(const char *config, uint32_t n, const char *
         if (pids[i] < 0) pt_die("spawn ember ps", NULL);
     }
     for (uint32_t i = 0; i < n; i++)
-        if (psp_wait_ready(pids[i], urls[i], 20.0) != 0) pt_die("ember ps did not come up", strdup(urls[i]));
+        if (psp_wait_ready(pids[i], urls[i], 20.0) != 0)
+            pt_die("ember ps did not come up", strdup(urls[i]));
 }
 
 /* An in-process server for shard s. */
@@ -91,14 +93,20 @@ static inline ps_server *pt_server(const ps_config *cfg, const char *url, uint32
     return s;
 }
 
+/* A client with these options, or the test dies. */
+static inline ps_client *pt_client_with(const ps_client_opts *o)
+{
+    ps_client *c = NULL;
+    char *err = NULL;
+    if (ps_client_create(o, &c, &err) != CM_OK) pt_die("ps_client_create", err);
+    return c;
+}
+
 static inline ps_client *pt_client(const ps_config *cfg, const char *const *urls, uint32_t worker,
                                    uint32_t timeout_ms)
 {
     ps_client_opts o = {.cfg = cfg, .urls = urls, .worker = worker, .timeout_ms = timeout_ms};
-    ps_client *c = NULL;
-    char *err = NULL;
-    if (ps_client_create(&o, &c, &err) != CM_OK) pt_die("ps_client_create", err);
-    return c;
+    return pt_client_with(&o);
 }
 
 /* Fills out[0..n) with the smallest keys >= from that belong to shard of n_shards. */

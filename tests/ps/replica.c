@@ -45,10 +45,7 @@ static ps_client *client(const ps_config *cfg, const char *url, const char *back
                         .worker = 0,
                         .timeout_ms = 10000,
                         .backup_urls = backup ? backups : NULL};
-    ps_client *c = NULL;
-    char *err = NULL;
-    if (ps_client_create(&o, &c, &err) != CM_OK) pt_die("ps_client_create", err);
-    return c;
+    return pt_client_with(&o);
 }
 
 /* A primary and its backup on dir/p<tag> and dir/b<tag>, and a client that knows both. */
