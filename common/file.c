@@ -1,8 +1,9 @@
-#define _GNU_SOURCE /* renameat2 */
+#define _GNU_SOURCE /* renameat2, O_DIRECT */
 #include "common/common.h"
 
 #include <dirent.h>
 #include <errno.h>
+#include <aio.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -89,8 +90,10 @@ int cm_dir_swap(const char *tmpdir, const char *dir, char **errptr)
     char *parent = strdup(dir);
     if (parent == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     char *slash = strrchr(parent, '/');
-    if (slash == parent) slash[1] = '\0';
-    else if (slash) *slash = '\0';
+    if (slash == parent)
+        slash[1] = '\0';
+    else if (slash)
+        *slash = '\0';
     int rc = cm_fsync_dir(slash ? parent : ".", errptr);
     free(parent);
     return rc;
@@ -162,9 +165,18 @@ int cm_afile_open(cm_afile *f, const char *path, char **errptr)
         cm_afile_abort(f);
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     }
-    snprintf(f->tmp, n, "%s.tmp.%ld", path, (long)getpid());
     XXH3_64bits_reset(f->hash);
-    f->fd = open(f->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    /* A target that exists and is no regular file (/dev/null, a pipe, a terminal) is written
+     * in place: renaming a temporary over it would replace the device with a plain file. */
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+        f->in_place = 1;
+        snprintf(f->tmp, n, "%s", path);
+        f->fd = open(path, O_WRONLY | O_CLOEXEC);
+    } else {
+        snprintf(f->tmp, n, "%s.tmp.%ld", path, (long)getpid());
+        f->fd = open(f->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    }
     if (f->fd < 0) {
         int rc = cm_err_errno(errptr, CM_EIO, "cannot create %s", f->tmp);
         cm_afile_abort(f);
@@ -173,13 +185,153 @@ int cm_afile_open(cm_afile *f, const char *path, char **errptr)
     return CM_OK;
 }
 
+/* ---- direct I/O ----
+ *
+ * Two aligned stages: the caller fills one while the other is written by a POSIX AIO write
+ * (glibc runs it on its own thread), so the caller never waits on the device unless it
+ * outruns it. Every stage write names its file offset, so the file position is set only when
+ * direct I/O is left (the file system refused it) and buffered writes continue. */
+
+/* pwrite of all n bytes at off; 0 or an errno value. */
+static int pwrite_all(int fd, const uint8_t *p, size_t n, uint64_t off)
+{
+    while (n > 0) {
+        ssize_t k = pwrite(fd, p, n, (off_t)off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) return errno;
+        p += k;
+        n -= (size_t)k;
+        off += (uint64_t)k;
+    }
+    return 0;
+}
+
+/* Waits for the stage write in flight, if any; 0 or an errno value (EINVAL: direct refused). A
+ * short write is finished synchronously. */
+static int aio_finish(cm_afile *f)
+{
+    struct aiocb *cb = f->aio;
+    if (!f->in_flight) return 0;
+    f->in_flight = 0;
+    int e;
+    while ((e = aio_error(cb)) == EINPROGRESS)
+        aio_suspend((const struct aiocb *const *)&cb, 1, NULL);
+    ssize_t k = aio_return(cb);
+    if (e != 0) return e;
+    size_t n = cb->aio_nbytes;
+    return (size_t)k < n ? pwrite_all(f->fd, (const uint8_t *)cb->aio_buf + k, n - (size_t)k,
+                                      (uint64_t)cb->aio_offset + (uint64_t)k)
+                         : 0;
+}
+
+/* Leaves direct I/O for good after the file system refused a direct write: the stage in
+ * flight (when failed is set) and the stage being filled are written buffered, the file
+ * position is set after them, and the stages are released. 0 or an errno value. */
+static int direct_leave(cm_afile *f, int failed)
+{
+    int fl = fcntl(f->fd, F_GETFL), e = 0;
+    if (fl < 0 || fcntl(f->fd, F_SETFL, fl & ~O_DIRECT) != 0) e = errno;
+    struct aiocb *cb = f->aio;
+    if (e == 0 && failed)
+        e = pwrite_all(f->fd, (const uint8_t *)cb->aio_buf, cb->aio_nbytes,
+                       (uint64_t)cb->aio_offset);
+    if (e == 0) e = pwrite_all(f->fd, f->stage, f->staged, f->off);
+    if (e == 0 && lseek(f->fd, (off_t)(f->off + f->staged), SEEK_SET) < 0) e = errno;
+    free(f->stage);
+    free(f->spare);
+    f->stage = f->spare = NULL;
+    f->staged = f->stage_cap = 0;
+    return e;
+}
+
+/* Starts writing the full stage and switches to the other one; with final set, writes what
+ * is staged synchronously instead (whole units direct, the file's last partial unit
+ * buffered) after the write in flight has finished. */
+static int stage_flush(cm_afile *f, int final, char **errptr)
+{
+    int e = aio_finish(f);
+    if (e == EINVAL) {
+        e = direct_leave(f, 1);
+    } else if (e == 0 && final) {
+        size_t whole = f->staged & ~(size_t)(CM_DIRECT_ALIGN - 1);
+        e = pwrite_all(f->fd, f->stage, whole, f->off);
+        if (e == 0) {
+            f->off += whole;
+            f->staged -= whole;
+            memmove(f->stage, f->stage + whole, f->staged);
+        }
+        if (e == 0 || e == EINVAL) e = direct_leave(f, 0);
+    } else if (e == 0) {
+        struct aiocb *cb = f->aio;
+        memset(cb, 0, sizeof *cb);
+        cb->aio_fildes = f->fd;
+        cb->aio_buf = f->stage;
+        cb->aio_nbytes = f->staged;
+        cb->aio_offset = (off_t)f->off;
+        if (aio_write(cb) != 0) { /* no background write to be had (EAGAIN): write it now */
+            e = pwrite_all(f->fd, f->stage, f->staged, f->off);
+            if (e == EINVAL) e = direct_leave(f, 0);
+        } else {
+            f->in_flight = 1;
+        }
+        if (f->stage != NULL) {
+            uint8_t *t = f->stage;
+            f->stage = f->spare;
+            f->spare = t;
+            f->off += f->staged;
+            f->staged = 0;
+        }
+    }
+    if (e != 0) {
+        errno = e;
+        return cm_err_errno(errptr, CM_EIO, "cannot write %s", f->tmp);
+    }
+    return CM_OK;
+}
+
+int cm_afile_open_direct(cm_afile *f, const char *path, size_t stage, char **errptr)
+{
+    int rc = cm_afile_open(f, path, errptr);
+    if (rc != CM_OK || stage < CM_DIRECT_ALIGN || f->in_place) return rc;
+    stage &= ~(size_t)(CM_DIRECT_ALIGN - 1);
+    void *a = NULL, *b = NULL;
+    f->aio = calloc(1, sizeof(struct aiocb));
+    int fl = fcntl(f->fd, F_GETFL);
+    if (f->aio == NULL || fl < 0 || posix_memalign(&a, CM_DIRECT_ALIGN, stage) != 0 ||
+        posix_memalign(&b, CM_DIRECT_ALIGN, stage) != 0 ||
+        fcntl(f->fd, F_SETFL, fl | O_DIRECT) != 0) {
+        free(a); /* buffered writes, then */
+        free(b);
+        return CM_OK;
+    }
+    f->stage = a;
+    f->spare = b;
+    f->stage_cap = stage;
+    return CM_OK;
+}
+
 int cm_afile_write(cm_afile *f, const void *buf, size_t n, char **errptr)
 {
-    if (cm_write_full(f->fd, buf, n) != CM_OK)
-        return cm_err_errno(errptr, CM_EIO, "cannot write %s", f->tmp);
+    const uint8_t *p = buf;
     XXH3_64bits_update(f->hash, buf, n);
     f->bytes += n;
+    while (f->stage != NULL && n > 0) {
+        size_t k = f->stage_cap - f->staged < n ? f->stage_cap - f->staged : n;
+        memcpy(f->stage + f->staged, p, k);
+        f->staged += k;
+        p += k;
+        n -= k;
+        int rc = f->staged == f->stage_cap ? stage_flush(f, 0, errptr) : CM_OK;
+        if (rc != CM_OK) return rc;
+    }
+    if (n > 0 && cm_write_full(f->fd, p, n) != CM_OK)
+        return cm_err_errno(errptr, CM_EIO, "cannot write %s", f->tmp);
     return CM_OK;
+}
+
+uint64_t cm_afile_size(const cm_afile *f)
+{
+    return f->bytes;
 }
 
 uint64_t cm_afile_digest(const cm_afile *f)
@@ -191,6 +343,9 @@ static void afile_release(cm_afile *f)
 {
     free(f->path);
     free(f->tmp);
+    free(f->stage);
+    free(f->spare);
+    free(f->aio);
     if (f->hash) XXH3_freeState(f->hash);
     memset(f, 0, sizeof *f);
     f->fd = -1;
@@ -199,6 +354,13 @@ static void afile_release(cm_afile *f)
 int cm_afile_commit(cm_afile *f, char **errptr)
 {
     int rc = CM_OK;
+    if (f->stage != NULL && (rc = stage_flush(f, 1, errptr)) != CM_OK) goto fail;
+    if (f->in_place) {
+        if (close(f->fd) != 0) rc = cm_err_errno(errptr, CM_EIO, "cannot close %s", f->tmp);
+        f->fd = -1;
+        afile_release(f);
+        return rc;
+    }
     if (fsync(f->fd) != 0) {
         rc = cm_err_errno(errptr, CM_EIO, "cannot fsync %s", f->tmp);
         goto fail;
@@ -219,8 +381,10 @@ int cm_afile_commit(cm_afile *f, char **errptr)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     }
     char *slash = strrchr(dir, '/');
-    if (slash == dir) slash[1] = '\0';
-    else if (slash) *slash = '\0';
+    if (slash == dir)
+        slash[1] = '\0';
+    else if (slash)
+        *slash = '\0';
     rc = cm_fsync_dir(slash ? dir : ".", errptr);
     free(dir);
     afile_release(f);
@@ -232,8 +396,9 @@ fail:
 
 void cm_afile_abort(cm_afile *f)
 {
+    aio_finish(f); /* its buffer is about to be freed */
     if (f->fd >= 0) close(f->fd);
-    if (f->tmp) unlink(f->tmp);
+    if (f->tmp && !f->in_place) unlink(f->tmp);
     afile_release(f);
 }
 

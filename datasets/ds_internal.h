@@ -195,10 +195,9 @@ uint64_t ds_block_raw_max(uint32_t n_dense, uint32_t n_fields, int weights, uint
 int ds_block_decode(const uint8_t *raw, size_t len, uint32_t n, uint32_t n_keys, ds_rows *dst,
                     char **errptr);
 
-/* ds_shard_writer_create, but with stage > 0 the file is written with O_DIRECT through an
- * aligned buffer of that many bytes (rounded down to DS_DIRECT_ALIGN), where the file system
- * takes it (else buffered): no page-cache pages for the shard (shard.c says why). */
-#define DS_DIRECT_ALIGN 4096u
+/* ds_shard_writer_create, but with stage >= CM_DIRECT_ALIGN the file is written with O_DIRECT
+ * through an aligned buffer of that many bytes, where the file system takes it (else
+ * buffered): no page-cache pages for the shard (cm_afile_open_direct says why). */
 int ds_shard_writer_create_staged(const char *path, const ds_schema *schema, uint32_t block_rows,
                                   size_t stage, ds_shard_writer **out, char **errptr);
 /* Appends already-encoded blocks; the index entries are taken from metas. */

@@ -1,4 +1,3 @@
-#define _GNU_SOURCE /* O_DIRECT */
 /* Shard files (docs/SHARD_FORMAT.md): header with schema, zstd blocks, checksummed index
  * footer, fixed trailer. Every byte is covered by a checksum or a cross-check. */
 #include <errno.h>
@@ -31,13 +30,7 @@ static uint16_t get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v
 /* ---- writer ---- */
 
 struct ds_shard_writer {
-    cm_afile f;     /* the temporary file, commit and abort; bytes go through out_write (f's
-                     * own count and digest see only the buffered writes; neither is used) */
-    uint64_t bytes; /* written so far, staged bytes included: the next block's offset */
-    /* direct I/O (ds_shard_writer_create_staged): bytes collect in an aligned stage and go
-     * to the file DS_DIRECT_ALIGN bytes at a time with O_DIRECT; 0 = buffered writes */
-    uint8_t *stage;
-    size_t stage_cap, staged;
+    cm_afile f; /* the temporary file; direct I/O when created staged */
     ds_plan *plan;
     uint32_t block_rows;
     ds_block_meta *idx;
@@ -50,105 +43,12 @@ struct ds_shard_writer {
 
 static void writer_free(ds_shard_writer *w)
 {
-    free(w->stage);
     ds_plan_destroy(w->plan);
     free(w->idx);
     ds_rows_free(&w->pending);
     ds_benc_free(&w->benc);
     ds_buf_free(&w->enc);
     free(w);
-}
-
-/* ---- output: buffered, or staged direct I/O ----
- *
- * Why direct I/O: a buffered write copies every shard byte into page-cache pages the kernel
- * allocates for the new file, and on a VM that hands freed memory back to the host (free page
- * reporting) each of those pages is a fresh host fault: about 1.5 ms of system time a MB of
- * shards, ~15% of an ingest's CPU. With O_DIRECT the bytes go from the (reused, already
- * resident) stage to the device, so none of that is paid, nor the writeback at commit. The
- * file is byte for byte the same either way; the shards are just not left in the page cache.
- * A file system that refuses O_DIRECT or the alignment gets buffered writes instead. */
-
-/* Writes n bytes at the file position; 0, or an errno value (EINVAL: direct I/O refused)
- * with *done telling how many went out before it. */
-static int write_all(int fd, const uint8_t *p, size_t n, size_t *done)
-{
-    for (*done = 0; *done < n;) {
-        ssize_t k = write(fd, p + *done, n - *done);
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0) return errno;
-        *done += (size_t)k;
-    }
-    return 0;
-}
-
-/* Leaves direct I/O for good: later writes are buffered. */
-static int direct_off(ds_shard_writer *w)
-{
-    int fl = fcntl(w->f.fd, F_GETFL);
-    return fl >= 0 && fcntl(w->f.fd, F_SETFL, fl & ~O_DIRECT) == 0 ? 0 : errno;
-}
-
-/* Writes the stage out: whole DS_DIRECT_ALIGN units with O_DIRECT and, when final, the rest
- * buffered (the file's last partial unit); a remainder that is not final stays staged. When
- * the file system refuses a direct write, the rest of the stage and everything after it are
- * written buffered. */
-static int stage_flush(ds_shard_writer *w, int final, char **errptr)
-{
-    size_t whole = w->staged & ~(size_t)(DS_DIRECT_ALIGN - 1), done = 0, more;
-    int e = write_all(w->f.fd, w->stage, whole, &done);
-    if (e == EINVAL || (e == 0 && final && done < w->staged)) {
-        if ((e = direct_off(w)) == 0)
-            e = write_all(w->f.fd, w->stage + done, w->staged - done, &more);
-        done = w->staged;
-    }
-    memmove(w->stage, w->stage + done, w->staged - done);
-    w->staged -= done;
-    if (e != 0) {
-        errno = e;
-        return cm_err_errno(errptr, CM_EIO, "cannot write %s", w->f.tmp);
-    }
-    if (w->staged == 0 && (fcntl(w->f.fd, F_GETFL) & O_DIRECT) == 0) { /* buffered from now */
-        free(w->stage);
-        w->stage = NULL;
-        w->stage_cap = 0;
-    }
-    return CM_OK;
-}
-
-static int out_write(ds_shard_writer *w, const void *buf, size_t n, char **errptr)
-{
-    const uint8_t *p = buf;
-    w->bytes += n;
-    while (w->stage != NULL && n > 0) {
-        size_t k = w->stage_cap - w->staged < n ? w->stage_cap - w->staged : n;
-        memcpy(w->stage + w->staged, p, k);
-        w->staged += k;
-        p += k;
-        n -= k;
-        int rc = w->staged == w->stage_cap ? stage_flush(w, 0, errptr) : CM_OK;
-        if (rc != CM_OK) return rc;
-    }
-    if (n == 0) return CM_OK;
-    return cm_afile_write(&w->f, p, n, errptr); /* buffered (also once direct I/O is refused) */
-}
-
-/* Opens the temporary file; with stage bytes, for direct I/O when the file system takes it. */
-static int out_open(ds_shard_writer *w, const char *path, size_t stage, char **errptr)
-{
-    int rc = cm_afile_open(&w->f, path, errptr);
-    if (rc != CM_OK || stage < DS_DIRECT_ALIGN) return rc;
-    stage &= ~(size_t)(DS_DIRECT_ALIGN - 1);
-    void *p = NULL;
-    int fl = fcntl(w->f.fd, F_GETFL);
-    if (fl < 0 || posix_memalign(&p, DS_DIRECT_ALIGN, stage) != 0) return CM_OK;
-    if (fcntl(w->f.fd, F_SETFL, fl | O_DIRECT) != 0) {
-        free(p);
-        return CM_OK;
-    }
-    w->stage = p;
-    w->stage_cap = stage;
-    return CM_OK;
 }
 
 int ds_shard_writer_create(const char *path, const ds_schema *schema, uint32_t block_rows,
@@ -199,8 +99,8 @@ int ds_shard_writer_create_staged(const char *path, const ds_schema *schema, uin
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto out;
     }
-    if ((rc = out_open(w, path, stage, errptr)) != CM_OK) goto out;
-    if ((rc = out_write(w, hdr.p, hdr.len, errptr)) != CM_OK) cm_afile_abort(&w->f);
+    if ((rc = cm_afile_open_direct(&w->f, path, stage, errptr)) != CM_OK) goto out;
+    if ((rc = cm_afile_write(&w->f, hdr.p, hdr.len, errptr)) != CM_OK) cm_afile_abort(&w->f);
 out:
     ds_buf_free(&hdr);
     if (rc != CM_OK) {
@@ -222,8 +122,8 @@ int ds_shard_writer_add_encoded(ds_shard_writer *w, const uint8_t *bytes,
         w->cap_blocks = c;
     }
     ds_block_meta m = *meta;
-    m.offset = w->bytes;
-    int rc = out_write(w, bytes, DS_BLOCK_HDR + m.comp_len, errptr);
+    m.offset = cm_afile_size(&w->f);
+    int rc = cm_afile_write(&w->f, bytes, DS_BLOCK_HDR + m.comp_len, errptr);
     if (rc != CM_OK) return rc;
     w->idx[w->n_blocks++] = m;
     w->rows += m.n_rows;
@@ -233,7 +133,7 @@ int ds_shard_writer_add_encoded(ds_shard_writer *w, const uint8_t *bytes,
 
 uint64_t ds_shard_writer_bytes(const ds_shard_writer *w)
 {
-    return w->bytes;
+    return cm_afile_size(&w->f);
 }
 
 static int writer_flush(ds_shard_writer *w, char **errptr)
@@ -292,12 +192,11 @@ int ds_shard_writer_commit(ds_shard_writer *w, char **errptr)
         put32(p + 20, m->comp_len);
         put64(p + 24, m->checksum);
     }
-    put64(p, w->bytes);
+    put64(p, cm_afile_size(&w->f));
     put64(p + 8, flen);
     put64(p + 16, cm_xxh3(foot.p, flen));
     memcpy(p + 24, SHARD_END, 8);
-    if ((rc = out_write(w, foot.p, flen + TRAILER, errptr)) != CM_OK) goto out;
-    if (w->stage != NULL && (rc = stage_flush(w, 1, errptr)) != CM_OK) goto out;
+    if ((rc = cm_afile_write(&w->f, foot.p, flen + TRAILER, errptr)) != CM_OK) goto out;
     rc = cm_afile_commit(&w->f, errptr);
     w->f.fd = -1;
 out:

@@ -1,0 +1,157 @@
+/*
+ * cm_afile:
+ *   - files written with direct I/O (two aligned stages, the full one written in the
+ *     background) are byte for byte the files written buffered, for stage sizes and write
+ *     patterns that end on, before and after stage boundaries, and for an empty file; the
+ *     size and digest report every byte;
+ *   - an abort with stage writes in flight leaves neither the target nor the temporary;
+ *   - a target that is no regular file (a FIFO here, as /dev/null would be) is written in
+ *     place and is still a FIFO after the commit, not replaced by a plain file.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <xxhash.h>
+
+#include "check.h"
+#include "common/common.h"
+
+static uint64_t rng_state = 42;
+static uint32_t rnd(uint32_t n)
+{
+    rng_state = rng_state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (uint32_t)(rng_state >> 33) % n;
+}
+
+/* Writes data[0..n) in pieces of the given sizes (cycled) through an afile; stage 0 = buffered.
+ * Returns the digest the afile reported, or 0 on failure. */
+static uint64_t write_through(const char *path, const uint8_t *data, size_t n, size_t stage,
+                              const size_t *pieces, size_t npieces)
+{
+    cm_afile f;
+    char *err = NULL;
+    int rc = stage ? cm_afile_open_direct(&f, path, stage, &err) : cm_afile_open(&f, path, &err);
+    CHECK_OK(rc, err);
+    if (rc != 0) return 0;
+    size_t off = 0;
+    for (size_t i = 0; off < n; i++) {
+        size_t k = pieces[i % npieces];
+        if (k > n - off) k = n - off;
+        rc = cm_afile_write(&f, data + off, k, &err);
+        CHECK_OK(rc, err);
+        if (rc != 0) {
+            cm_afile_abort(&f);
+            return 0;
+        }
+        off += k;
+    }
+    CHECK_MSG(cm_afile_size(&f) == n, "size %llu, wrote %zu", (unsigned long long)cm_afile_size(&f),
+              n);
+    uint64_t d = cm_afile_digest(&f);
+    rc = cm_afile_commit(&f, &err);
+    CHECK_OK(rc, err);
+    return d;
+}
+
+static int same_file(const char *path, const uint8_t *data, size_t n)
+{
+    void *buf = NULL;
+    size_t len = 0;
+    char *err = NULL;
+    int rc = cm_read_file(path, &buf, &len, &err);
+    CHECK_OK(rc, err);
+    int same = rc == 0 && len == n && (n == 0 || memcmp(buf, data, n) == 0);
+    free(buf);
+    return same;
+}
+
+static void direct_equals_buffered(const char *dir)
+{
+    size_t n = 300000;
+    uint8_t *data = malloc(n);
+    for (size_t i = 0; i < n; i++)
+        data[i] = (uint8_t)rnd(256);
+    const size_t stages[] = {4096, 8192, 12345, 65536};
+    const size_t odd[] = {1, 4095, 0, 4096, 10000, 7, 70000, 333};
+    const size_t whole[] = {8192};
+    const size_t totals[] = {0, 1, 4096, 3 * 8192, 3 * 8192 + 1, 65536 * 2 - 1, 300000};
+    char a[4200], b[4200];
+    snprintf(a, sizeof a, "%s/buffered", dir);
+    snprintf(b, sizeof b, "%s/direct", dir);
+    for (size_t s = 0; s < sizeof stages / sizeof *stages; s++)
+        for (size_t t = 0; t < sizeof totals / sizeof *totals; t++)
+            for (int p = 0; p < 2; p++) {
+                const size_t *pieces = p ? whole : odd;
+                size_t np = p ? 1 : sizeof odd / sizeof *odd;
+                size_t total = totals[t];
+                uint64_t da = write_through(a, data, total, 0, pieces, np);
+                uint64_t db = write_through(b, data, total, stages[s], pieces, np);
+                CHECK_MSG(same_file(a, data, total), "buffered file differs (total %zu)", total);
+                CHECK_MSG(same_file(b, data, total), "direct file differs: stage %zu total %zu %s",
+                          stages[s], total, p ? "whole pieces" : "odd pieces");
+                CHECK_MSG(da == db && da == XXH3_64bits(data, total),
+                          "digest differs: stage %zu total %zu", stages[s], total);
+            }
+    free(data);
+}
+
+static void abort_in_flight(const char *dir)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/aborted", dir);
+    uint8_t *data = calloc(1, 1 << 20);
+    cm_afile f;
+    char *err = NULL;
+    int rc = cm_afile_open_direct(&f, path, 8192, &err);
+    CHECK_OK(rc, err);
+    if (rc == 0) {
+        rc = cm_afile_write(&f, data, 1 << 20, &err);
+        CHECK_OK(rc, err);
+        cm_afile_abort(&f);
+    }
+    free(data);
+    struct stat st;
+    CHECK_MSG(stat(path, &st) != 0 && errno == ENOENT, "aborted target exists");
+    char cmd[8600];
+    snprintf(cmd, sizeof cmd, "ls '%s' | grep -q aborted", dir);
+    CHECK_MSG(system(cmd) != 0, "an aborted temporary is left in %s", dir);
+}
+
+static void special_target(const char *dir)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/fifo", dir);
+    CHECK(mkfifo(path, 0600) == 0);
+    int rd = open(path, O_RDONLY | O_NONBLOCK); /* a reader, so the writer's open succeeds */
+    CHECK(rd >= 0);
+    const char msg[] = "bytes through a pipe\n";
+    for (int direct = 0; direct < 2; direct++) {
+        cm_afile f;
+        char *err = NULL;
+        int rc =
+            direct ? cm_afile_open_direct(&f, path, 8192, &err) : cm_afile_open(&f, path, &err);
+        CHECK_OK(rc, err);
+        if (rc != 0) continue;
+        rc = cm_afile_write(&f, msg, sizeof msg - 1, &err);
+        CHECK_OK(rc, err);
+        rc = cm_afile_commit(&f, &err);
+        CHECK_OK(rc, err);
+        char got[64] = {0};
+        ssize_t k = read(rd, got, sizeof got - 1);
+        CHECK_MSG(k == (ssize_t)(sizeof msg - 1) && strcmp(got, msg) == 0,
+                  "the FIFO's reader got %zd bytes", k);
+        struct stat st;
+        CHECK_MSG(stat(path, &st) == 0 && S_ISFIFO(st.st_mode),
+                  "the FIFO was replaced by a plain file");
+    }
+    close(rd);
+}
+
+int main(void)
+{
+    const char *dir = check_tmpdir("common_afile");
+    direct_equals_buffered(dir);
+    abort_in_flight(dir);
+    special_target(dir);
+    return check_done();
+}
