@@ -411,6 +411,20 @@ static int create_impl(cu *c, const model_cfg *m, const model_layout *l, uint32_
     TRY(backend_cuda_probe(errptr));
     CUDA_TRY(cudaGetDevice(&c->dev));
     CUDA_TRY(cudaSetDevice(c->dev));
+    /* A GPU this build has neither SASS nor PTX for would fail only at the first launch, mid
+     * step; one kernel's attributes tell here, and the message says what to rebuild. */
+    cudaFuncAttributes fa;
+    cudaError_t ke = cudaFuncGetAttributes(&fa, k_head);
+    if (ke != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaDeviceProp p;
+        bool named = cudaGetDeviceProperties(&p, c->dev) == cudaSuccess;
+        return cm_err(errptr, CM_ERR,
+                      "cuda: device %d (%s, compute %d.%d) cannot run this build's "
+                      "kernels: %s; rebuild with -DEMBER_CUDA_ARCHITECTURES including it",
+                      c->dev, named ? p.name : "?", named ? p.major : 0, named ? p.minor : 0,
+                      cudaGetErrorString(ke));
+    }
     c->m = *m;
     c->l = *l;
     c->max_b = max_b;

@@ -42,528 +42,29 @@
  *                 pair from the same weights; default 3, --quick 1): the AUC goal is judged on
  *                 the means, since one run's AUC moves by ~0.003 with float summation order
  *   --train-arg   one more argument for every `ember train` (repeatable), for experiments
- * Prints a table, then one JSON object as the last line.
+ * Prints a table, then one JSON object as the last line. The data, `ember train` and PyTorch
+ * steps live in tools/train_bench.c, which tools/bench_gpu.c runs too (on --device cuda).
  */
 #include <dlfcn.h>
-#include <errno.h>
-#include <fcntl.h>
 #include <inttypes.h>
-#include <libgen.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "common/common.h"
-#include "datasets/datasets.h"
-#include "embedding/embedding.h"
-#include "src/model.h"
+#include "tools/train_bench.h"
 #include "tools/bench_util.h"
 
-#define BATCH 2048u
-#define DIM 16u
-#define HIDDEN0 256u
-#define HIDDEN1 128u
-#define EMB_LR "0.05"
-#define DENSE_LR "0.001"
-#define MAX_PAIRS 3 /* seeds 1..MAX_PAIRS: initial-weight files written with the dump */
+#define BATCH BENCH_BATCH
+#define DIM BENCH_DIM
+#define HIDDEN0 BENCH_HIDDEN0
+#define HIDDEN1 BENCH_HIDDEN1
+#define MAX_PAIRS BENCH_MAX_PAIRS
 #define GOAL_AUC_GAP 0.001
 #define GOAL_SPEEDUP 3.0
 #define MAX_MODELS 4
-#define MAX_EXTRA 32
-
-typedef struct opts {
-    uint64_t rows, eval_rows, seed;
-    int quick, no_torch, no_install;
-    int torch_own_init; /* PyTorch draws its own initial weights instead of starting from ember's */
-    uint32_t pairs;     /* seeds in the AUC comparison (1..MAX_PAIRS) */
-    char models[128], threads_list[64];
-    const char *dir, *ember, *python, *py_script;
-    const char *extra[MAX_EXTRA];
-    int n_extra;
-} opts;
-
-typedef struct ember_run {
-    char model[16];
-    int threads, ok;
-    double auc, logloss, samples_per_s, seconds, train_loss;
-    double loop_samples_per_s, loop_seconds; /* from metrics.jsonl's last line */
-    uint64_t rows, eval_rows;
-} ember_run;
-
-/* The last non-empty line of a file into buf ("" when none). */
-static void last_line(const char *path, char *buf, size_t n)
-{
-    buf[0] = '\0';
-    FILE *f = fopen(path, "r");
-    if (f == NULL) return;
-    char line[8192];
-    while (fgets(line, sizeof line, f))
-        if (line[0] != '\n' && line[0] != '\0') snprintf(buf, n, "%s", line);
-    fclose(f);
-}
-
-/* The number after "key": in a one-line JSON object; NAN when absent. */
-static double json_num(const char *line, const char *key)
-{
-    char pat[96];
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    const char *p = strstr(line, pat);
-    if (p == NULL) return NAN;
-    p += strlen(pat);
-    while (*p == ' ')
-        p++;
-    char *end;
-    double v = strtod(p, &end);
-    return end == p ? NAN : v;
-}
-
-/* ---- data: gen, ingest, binary dump for PyTorch ---- */
-
-typedef struct keymap {
-    uint64_t *keys;
-    uint32_t *ids;
-    uint64_t cap, n; /* n distinct keys; ids 1..n (0 = missing field) */
-} keymap;
-
-static uint32_t keymap_get(keymap *m, uint64_t key)
-{
-    if (2 * (m->n + 1) > m->cap) {
-        uint64_t cap = m->cap ? m->cap * 2 : (1u << 20);
-        uint64_t *k = bench_xmalloc(cap * sizeof *k);
-        uint32_t *v = calloc(cap, sizeof *v);
-        if (v == NULL) bench_die("out of memory", NULL);
-        for (uint64_t i = 0; i < m->cap; i++)
-            if (m->ids[i]) {
-                uint64_t h = (m->keys[i] * 0x9E3779B97F4A7C15ull) >> 20 & (cap - 1);
-                while (v[h])
-                    h = (h + 1) & (cap - 1);
-                k[h] = m->keys[i];
-                v[h] = m->ids[i];
-            }
-        free(m->keys);
-        free(m->ids);
-        m->keys = k;
-        m->ids = v;
-        m->cap = cap;
-    }
-    uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> 20 & (m->cap - 1);
-    while (m->ids[h] && m->keys[h] != key)
-        h = (h + 1) & (m->cap - 1);
-    if (!m->ids[h]) {
-        m->keys[h] = key;
-        m->ids[h] = (uint32_t)++m->n;
-    }
-    return m->ids[h];
-}
-
-static inline float squash(float x)
-{
-    return x >= 0.0f ? log1pf(x) : -log1pf(-x);
-}
-
-typedef struct dump_part {
-    uint64_t n;
-    uint32_t F, D;
-    float *labels, *dense;
-    int32_t *idx;
-} dump_part;
-
-/* Reads every row of a shard directory in file order (what ember train reads, unshuffled). */
-static void read_part(const char *dir, keymap *km, dump_part *p, uint64_t *multi)
-{
-    ds_reader_opts ro;
-    ds_reader_opts_init(&ro);
-    const char *paths[1] = {dir};
-    ro.paths = paths;
-    ro.n_paths = 1;
-    ro.batch_size = 65536;
-    ds_reader *r = NULL;
-    char *err = NULL;
-    if (ds_reader_open(&ro, &r, &err) != CM_OK) bench_die("ds_reader_open", err);
-    const ds_schema *s = ds_reader_schema(r);
-    p->F = s->n_fields;
-    p->D = s->n_dense;
-    uint64_t cap = ds_reader_rows(r);
-    p->labels = bench_xmalloc(cap * sizeof(float));
-    p->dense = bench_xmalloc(cap * p->D * sizeof(float));
-    p->idx = bench_xmalloc(cap * p->F * sizeof(int32_t));
-    p->n = 0;
-    const ds_batch *b;
-    int got;
-    while ((got = ds_reader_next(r, &b, &err)) == 1) {
-        if (p->n + b->n_rows > cap) bench_die("shards hold more rows than their index says", NULL);
-        for (uint32_t i = 0; i < b->n_rows; i++) {
-            uint64_t row = p->n + i;
-            p->labels[row] = b->labels[i];
-            for (uint32_t d = 0; d < p->D; d++)
-                p->dense[row * p->D + d] = squash(b->dense[(size_t)i * p->D + d]);
-            for (uint32_t f = 0; f < p->F; f++) {
-                uint32_t lo = b->offsets[(size_t)i * p->F + f],
-                         hi = b->offsets[(size_t)i * p->F + f + 1];
-                if (hi > lo + 1) (*multi)++; /* Criteo has one key a field; keep the first */
-                p->idx[row * p->F + f] = hi > lo ? (int32_t)keymap_get(km, b->keys[lo]) : 0;
-            }
-        }
-        p->n += b->n_rows;
-    }
-    if (got < 0) bench_die("ds_reader_next", err);
-    ds_reader_destroy(r);
-}
-
-static void write_all(FILE *f, const void *p, size_t n)
-{
-    if (fwrite(p, 1, n, f) != n) bench_die("writing the PyTorch dump failed", NULL);
-}
-
-/* ember's own initial weights for the mlp, so PyTorch can start from exactly them (--same-init):
- * "EMBRTI01", u64 table rows V, u32 dim, u32 layers, per layer u32 in, u32 out, f32 W[out*in]
- * (row-major, as torch.nn.Linear keeps it), f32 b[out]; then f32 emb[V*dim], row 0 zero and
- * row id the initial row of the key with that id. The embedding rows come from an emb_table with
- * the trainer's settings (the rows it would create), the tower from model_init_params. */
-static void write_init(const char *path, const keymap *km, uint32_t F, uint32_t D, uint64_t seed)
-{
-    char *err = NULL;
-    model_cfg m;
-    model_layout l;
-    model_cfg_preset(&m, MODEL_MLP, F, D);
-    m.seed = seed; /* ember train --seed draws the tower and the rows */
-    bench_check(model_layout_make(&m, &l, &err), err, "model layout");
-    float *params = bench_xmalloc(l.n_params * sizeof(float));
-    model_init_params(&m, &l, params);
-    emb_table_config cfg;
-    emb_table_config_init(&cfg);
-    cfg.dim = m.dim;
-    cfg.opt = EMB_OPT_ADAGRAD;
-    cfg.init_scale = 0.05f; /* as src/train.c sets it */
-    cfg.seed = seed;
-    emb_table *t = NULL;
-    bench_check(emb_table_create(&cfg, &t, &err), err, "emb_table_create");
-    uint64_t V = km->n + 1;
-    uint64_t *keys = bench_xmalloc(V * sizeof *keys);
-    for (uint64_t i = 0; i < km->cap; i++)
-        if (km->ids[i]) keys[km->ids[i]] = km->keys[i];
-    float *emb = bench_xmalloc(V * cfg.dim * sizeof *emb);
-    memset(emb, 0, cfg.dim * sizeof *emb);
-    for (uint64_t i = 1; i < V; i += 65536) {
-        size_t n = V - i < 65536 ? (size_t)(V - i) : 65536;
-        bench_check(emb_table_pull(t, keys + i, n, emb + i * cfg.dim, &err), err, "init rows");
-    }
-    emb_table_destroy(t);
-    char tmp[4500];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
-    if (f == NULL) bench_die("cannot create the initial-weights file", NULL);
-    uint32_t layers = l.n_top;
-    write_all(f, "EMBRTI01", 8);
-    write_all(f, &V, 8);
-    write_all(f, &cfg.dim, 4);
-    write_all(f, &layers, 4);
-    for (uint32_t i = 0; i < layers; i++) {
-        write_all(f, &l.top[i].in, 4);
-        write_all(f, &l.top[i].out, 4);
-        write_all(f, params + l.top[i].w, (size_t)l.top[i].in * l.top[i].out * sizeof(float));
-        write_all(f, params + l.top[i].b, l.top[i].out * sizeof(float));
-    }
-    write_all(f, emb, V * cfg.dim * sizeof *emb);
-    if (fclose(f) != 0 || rename(tmp, path) != 0)
-        bench_die("writing the initial-weights file failed", NULL);
-    free(keys);
-    free(emb);
-    free(params);
-}
-
-/* Dump layout (little endian): "EMBRTB01", u64 n_train, u64 n_eval, u32 F, u32 D,
- * u64 table rows (distinct keys + 1), then for train and eval: f32 labels[n], f32 dense[n*D],
- * i32 idx[n*F]. */
-static void init_path(const char *dir, uint32_t seed, char *out, size_t n)
-{
-    snprintf(out, n, "%s/torch-init-s%u.bin", dir, seed);
-}
-
-static void write_dump(const char *path, const char *dir, const char *train_dir,
-                       const char *eval_dir, uint64_t *table_rows)
-{
-    keymap km = {0};
-    dump_part tr, ev;
-    uint64_t multi = 0;
-    read_part(train_dir, &km, &tr, &multi);
-    read_part(eval_dir, &km, &ev, &multi);
-    if (multi)
-        fprintf(stderr,
-                "bench train: %" PRIu64 " fields held several keys; the dump keeps the first\n",
-                multi);
-    char tmp[4400];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
-    if (f == NULL) bench_die("cannot create the PyTorch dump", NULL);
-    uint64_t V = km.n + 1;
-    write_all(f, "EMBRTB01", 8);
-    write_all(f, &tr.n, 8);
-    write_all(f, &ev.n, 8);
-    write_all(f, &tr.F, 4);
-    write_all(f, &tr.D, 4);
-    write_all(f, &V, 8);
-    dump_part *parts[2] = {&tr, &ev};
-    for (int i = 0; i < 2; i++) {
-        dump_part *p = parts[i];
-        write_all(f, p->labels, p->n * sizeof(float));
-        write_all(f, p->dense, p->n * p->D * sizeof(float));
-        write_all(f, p->idx, p->n * p->F * sizeof(int32_t));
-        free(p->labels);
-        free(p->dense);
-        free(p->idx);
-    }
-    if (fclose(f) != 0 || rename(tmp, path) != 0)
-        bench_die("writing the PyTorch dump failed", NULL);
-    for (uint32_t seed = 1; seed <= MAX_PAIRS; seed++) {
-        char ip[4400];
-        init_path(dir, seed, ip, sizeof ip);
-        write_init(ip, &km, tr.F, tr.D, seed);
-    }
-    free(km.keys);
-    free(km.ids);
-    *table_rows = V;
-}
-
-typedef struct dataset {
-    char dir[4096], tsv[4200], shards[4200], train[4300], eval[4300], dump[4300];
-    uint64_t rows_train, rows_eval, table_rows;
-    uint32_t F, D;
-    int cached;
-    double gen_s, ingest_s, dump_s;
-} dataset;
-
-static void prepare_data(const opts *o, dataset *ds)
-{
-    uint64_t total = o->rows + o->eval_rows;
-    snprintf(ds->dir, sizeof ds->dir, "%s/train-%" PRIu64 "-e%" PRIu64 "-s%" PRIu64, o->dir,
-             o->rows, o->eval_rows, o->seed);
-    snprintf(ds->tsv, sizeof ds->tsv, "%s/data.tsv", ds->dir);
-    snprintf(ds->shards, sizeof ds->shards, "%s/shards", ds->dir);
-    snprintf(ds->train, sizeof ds->train, "%s/train", ds->shards);
-    snprintf(ds->eval, sizeof ds->eval, "%s/eval", ds->shards);
-    snprintf(ds->dump, sizeof ds->dump, "%s/torch.bin", ds->dir);
-    char last_init[4400];
-    init_path(ds->dir, MAX_PAIRS, last_init, sizeof last_init);
-    char ready[4300], line[512];
-    snprintf(ready, sizeof ready, "%s/READY", ds->dir);
-    FILE *f = fopen(ready, "r");
-    if (f) {
-        unsigned long long a, b, c, d, e;
-        int ok = fgets(line, sizeof line, f) &&
-                 sscanf(line, "%llu %llu %llu %llu %llu", &a, &b, &c, &d, &e) == 5 &&
-                 bench_file_size(ds->dump) > 0 && bench_file_size(last_init) > 0;
-        fclose(f);
-        if (ok) {
-            ds->rows_train = a, ds->rows_eval = b, ds->table_rows = c, ds->F = (uint32_t)d,
-            ds->D = (uint32_t)e;
-            ds->cached = 1;
-            return;
-        }
-    }
-    char *err = NULL;
-    if (cm_mkdirs(ds->dir, &err) != CM_OK) bench_die("data directory", err);
-    char rows_s[32], seed_s[32];
-    snprintf(rows_s, sizeof rows_s, "%" PRIu64, total);
-    snprintf(seed_s, sizeof seed_s, "%" PRIu64, o->seed);
-    fprintf(stderr, "bench train: generating %s rows (seed %s) into %s\n", rows_s, seed_s, ds->tsv);
-    double t0 = cm_now();
-    /* --threads 1: see bench_ingest.c (ember gen's threaded writer can deadlock under load). */
-    char *gen[] = {(char *)o->ember, "gen", "--rows", rows_s,  "--seed", seed_s,
-                   "--threads",      "1",   "--out",  ds->tsv, NULL};
-    if (bench_run_cmd(gen, "/dev/null", NULL) != 0) bench_die("ember gen failed", NULL);
-    ds->gen_s = cm_now() - t0;
-    ds_ingest_opts io;
-    ds_ingest_opts_init(&io);
-    io.parser.format = DS_FMT_CRITEO;
-    const char *inputs[1] = {ds->tsv};
-    io.inputs = inputs;
-    io.n_inputs = 1;
-    io.out_dir = ds->shards;
-    io.eval_fraction = (double)o->eval_rows / (double)total;
-    ds_ingest_result res;
-    if (ds_ingest_run(&io, &res, &err) != CM_OK) bench_die("ds_ingest_run", err);
-    ds->ingest_s = res.seconds;
-    ds->rows_train = res.rows_train;
-    ds->rows_eval = res.rows_eval;
-    fprintf(stderr,
-            "bench train: ingested %" PRIu64 " train + %" PRIu64
-            " eval rows; writing the PyTorch dump\n",
-            res.rows_train, res.rows_eval);
-    t0 = cm_now();
-    write_dump(ds->dump, ds->dir, ds->train, ds->eval, &ds->table_rows);
-    ds->dump_s = cm_now() - t0;
-    ds->F = 26, ds->D = 13;
-    {
-        /* F and D from the shards themselves. */
-        ds_reader_opts ro;
-        ds_reader_opts_init(&ro);
-        const char *paths[1] = {ds->train};
-        ro.paths = paths;
-        ro.n_paths = 1;
-        ds_reader *r = NULL;
-        if (ds_reader_open(&ro, &r, &err) != CM_OK) bench_die("ds_reader_open", err);
-        ds->F = ds_reader_schema(r)->n_fields;
-        ds->D = ds_reader_schema(r)->n_dense;
-        ds_reader_destroy(r);
-    }
-    unlink(ds->tsv); /* the shards and the dump are what later runs need */
-    f = fopen(ready, "w");
-    if (f == NULL) bench_die("cannot write READY", NULL);
-    fprintf(f, "%" PRIu64 " %" PRIu64 " %" PRIu64 " %u %u\n", ds->rows_train, ds->rows_eval,
-            ds->table_rows, ds->F, ds->D);
-    fclose(f);
-}
-
-/* ---- ember train ---- */
-
-static void run_ember(const opts *o, const dataset *ds, const char *model, int threads,
-                      uint32_t seed, ember_run *er)
-{
-    memset(er, 0, sizeof *er);
-    snprintf(er->model, sizeof er->model, "%s", model);
-    er->threads = threads;
-    char out[4400], so[4500], se[4500], mj[4500], th[16], sd[16];
-    snprintf(out, sizeof out, "%s/run-%s-t%d-s%u", ds->dir, model, threads, seed);
-    snprintf(sd, sizeof sd, "%u", seed);
-    snprintf(so, sizeof so, "%s.stdout", out);
-    snprintf(se, sizeof se, "%s.stderr", out);
-    snprintf(mj, sizeof mj, "%s/metrics.jsonl", out);
-    snprintf(th, sizeof th, "%d", threads);
-    char *rm_err = NULL;
-    cm_rmtree(out, &rm_err); /* a fresh run directory: no checkpoint to trip over */
-    free(rm_err);
-    const char *argv[64 + MAX_EXTRA];
-    int n = 0;
-    const char *fixed[] = {
-        o->ember,       "train", "--train",    ds->train, "--eval",          ds->eval,
-        "--model",      model,   "--out",      out,       "--device",        "cpu",
-        "--batch",      "2048",  "--epochs",   "1",       "--workers",       "1",
-        "--shards",     "1",     "--threads",  th,        "--emb-optimizer", "adagrad",
-        "--emb-lr",     EMB_LR,  "--dense-lr", DENSE_LR,  "--seed",          sd,
-        "--no-progress"};
-    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
-        argv[n++] = fixed[i];
-    for (int i = 0; i < o->n_extra; i++)
-        argv[n++] = o->extra[i];
-    argv[n] = NULL;
-    fprintf(stderr, "bench train: ember train --model %s --threads %d --seed %u ...\n", model,
-            threads, seed);
-    int rc = bench_run_cmd((char *const *)argv, so, se);
-    if (rc != 0) {
-        fprintf(stderr,
-                "bench train: ember train --model %s --threads %d failed (exit %d); see %s\n",
-                model, threads, rc, se);
-        return;
-    }
-    char line[8192];
-    last_line(so, line, sizeof line);
-    er->auc = json_num(line, "auc");
-    er->logloss = json_num(line, "logloss");
-    er->samples_per_s = json_num(line, "samples_per_s");
-    er->seconds = json_num(line, "seconds");
-    er->train_loss = json_num(line, "train_loss");
-    er->rows = (uint64_t)json_num(line, "rows");
-    er->eval_rows = (uint64_t)json_num(line, "eval_rows");
-    last_line(mj, line, sizeof line);
-    er->loop_seconds = json_num(line, "seconds");
-    double samples = json_num(line, "samples");
-    er->loop_samples_per_s = er->loop_seconds > 0 ? samples / er->loop_seconds : NAN;
-    er->ok = isfinite(er->auc) && isfinite(er->loop_samples_per_s);
-}
-
-/* ---- PyTorch ---- */
-
-typedef struct torch_run {
-    int ran, installed;
-    char why[4600], version[32];
-    double samples_per_s, seconds, auc, logloss, train_loss, load_seconds;
-} torch_run;
-
-static int python_has_torch(const char *py)
-{
-    char *argv[] = {(char *)py, "-c", "import torch, numpy", NULL};
-    return bench_run_cmd(argv, "/dev/null", "/dev/null") == 0;
-}
-
-static void run_torch(const opts *o, const dataset *ds, uint32_t seed, torch_run *t)
-{
-    memset(t, 0, sizeof *t);
-    if (o->no_torch) {
-        snprintf(t->why, sizeof t->why, "skipped (--no-torch)");
-        return;
-    }
-    if (!python_has_torch(o->python)) {
-        if (o->quick || o->no_install || geteuid() != 0 || access("/usr/bin/apt-get", X_OK) != 0) {
-            snprintf(t->why, sizeof t->why,
-                     "skipped: %s cannot import torch (apt-get install python3-torch%s)", o->python,
-                     o->quick ? "; --quick never installs" : "");
-            fprintf(stderr, "bench train: PyTorch %s\n", t->why);
-            return;
-        }
-        fprintf(stderr,
-                "bench train: %s cannot import torch: installing Debian's python3-torch "
-                "(apt-get install -y python3-torch)\n",
-                o->python);
-        char *apt[] = {"apt-get", "install", "-y", "-q", "python3-torch", NULL};
-        setenv("DEBIAN_FRONTEND", "noninteractive", 1);
-        if (bench_run_cmd(apt, "/dev/null", NULL) != 0 || !python_has_torch(o->python)) {
-            snprintf(t->why, sizeof t->why, "skipped: installing python3-torch failed");
-            fprintf(stderr, "bench train: PyTorch %s\n", t->why);
-            return;
-        }
-        t->installed = 1;
-    }
-    char out[4400], se[4400], ip[4400], sd[16];
-    snprintf(out, sizeof out, "%s/torch-s%u.stdout", ds->dir, seed);
-    snprintf(se, sizeof se, "%s/torch-s%u.stderr", ds->dir, seed);
-    init_path(ds->dir, seed, ip, sizeof ip);
-    snprintf(sd, sizeof sd, "%u", seed);
-    char *argv[] = {(char *)o->python,
-                    (char *)o->py_script,
-                    "--data",
-                    (char *)ds->dump,
-                    "--threads",
-                    "2",
-                    "--batch",
-                    "2048",
-                    "--dim",
-                    "16",
-                    "--emb-lr",
-                    EMB_LR,
-                    "--dense-lr",
-                    DENSE_LR,
-                    "--seed",
-                    sd,
-                    o->torch_own_init ? NULL : "--init",
-                    ip,
-                    NULL};
-    fprintf(stderr, "bench train: PyTorch (%s %s, 2 threads, %s) ...\n", o->python, o->py_script,
-            o->torch_own_init ? "its own initial weights" : "ember's initial weights");
-    int rc = bench_run_cmd(argv, out, se);
-    char line[8192];
-    last_line(out, line, sizeof line);
-    if (rc != 0 || !isfinite(json_num(line, "auc"))) {
-        snprintf(t->why, sizeof t->why, "failed (exit %d); see %s", rc, se);
-        fprintf(stderr, "bench train: PyTorch %s\n", t->why);
-        return;
-    }
-    t->ran = 1;
-    t->samples_per_s = json_num(line, "samples_per_s");
-    t->seconds = json_num(line, "seconds");
-    t->auc = json_num(line, "auc");
-    t->logloss = json_num(line, "logloss");
-    t->train_loss = json_num(line, "train_loss");
-    t->load_seconds = json_num(line, "load_seconds");
-    const char *v = strstr(line, "\"torch\":\"");
-    if (v) sscanf(v + 9, "%31[^\"]", t->version);
-}
 
 /* ---- sgemm roofline ---- */
 
@@ -657,23 +158,7 @@ static void measure_roofline(uint32_t F, uint32_t D, double seconds, roofline *r
 
 /* ---- main ---- */
 
-static void default_paths(opts *o)
-{
-    static char py[4200];
-    o->ember = bench_ember_path();
-    /* bench_train.py sits beside this source file (__FILE__ is absolute under CMake). */
-    snprintf(py, sizeof py, "%s", __FILE__);
-    char *slash = strrchr(py, '/');
-    if (slash)
-        strcpy(slash + 1, "bench_train.py");
-    else
-        snprintf(py, sizeof py, "tools/bench_train.py");
-    o->py_script = py;
-    /* Debian's interpreter is the one python3-torch installs into. */
-    o->python = access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3";
-}
-
-static int has_model(const opts *o, const char *m)
+static int has_model(const bench_train_opts *o, const char *m)
 {
     char buf[128];
     snprintf(buf, sizeof buf, "%s", o->models);
@@ -706,11 +191,10 @@ static void loadavg(char *buf, size_t n)
 int main(int argc, char **argv)
 {
     bench_init("bench train", NULL);
-    opts o = {.seed = 1};
+    bench_train_opts o;
+    bench_train_opts_init(&o, "bench train");
     snprintf(o.models, sizeof o.models, "mlp,lr");
     snprintf(o.threads_list, sizeof o.threads_list, "1,2");
-    default_paths(&o);
-    o.dir = getenv("EMBER_BENCH_DIR") ? getenv("EMBER_BENCH_DIR") : "/tmp/ember-bench";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick"))
@@ -741,7 +225,7 @@ int main(int argc, char **argv)
             o.ember = v, i++;
         else if (!strcmp(a, "--python"))
             o.python = v, i++;
-        else if (!strcmp(a, "--train-arg") && o.n_extra < MAX_EXTRA)
+        else if (!strcmp(a, "--train-arg") && o.n_extra < BENCH_MAX_EXTRA)
             o.extra[o.n_extra++] = v, i++;
         else
             usage();
@@ -761,12 +245,11 @@ int main(int argc, char **argv)
     char load0[16], load1[16];
     loadavg(load0, sizeof load0);
 
-    dataset ds;
-    memset(&ds, 0, sizeof ds);
-    prepare_data(&o, &ds);
+    bench_dataset ds;
+    bench_train_data(&o, &ds);
 
     /* ember: every model, mlp with every thread count of the list. */
-    ember_run runs[MAX_MODELS * 4];
+    bench_ember_run runs[MAX_MODELS * 4];
     int n_runs = 0;
     const char *model_order[] = {"mlp", "lr", "dlrm", "deepfm"};
     for (int m = 0; m < 4; m++) {
@@ -774,13 +257,13 @@ int main(int argc, char **argv)
         char tl[64];
         snprintf(tl, sizeof tl, "%s", !strcmp(model_order[m], "lr") ? "1" : o.threads_list);
         for (char *s = strtok(tl, ","); s && n_runs < MAX_MODELS * 4; s = strtok(NULL, ",")) {
-            run_ember(&o, &ds, model_order[m], atoi(s) > 0 ? atoi(s) : 1, 1, &runs[n_runs]);
+            bench_train_ember(&o, &ds, model_order[m], atoi(s) > 0 ? atoi(s) : 1, 1, &runs[n_runs]);
             n_runs++;
         }
     }
-    torch_run tr;
+    bench_torch_run tr;
     if (has_model(&o, "mlp"))
-        run_torch(&o, &ds, 1, &tr);
+        bench_train_torch(&o, &ds, 1, &tr);
     else {
         memset(&tr, 0, sizeof tr);
         snprintf(tr.why, sizeof tr.why, "skipped (the PyTorch side implements mlp only)");
@@ -789,16 +272,16 @@ int main(int argc, char **argv)
     measure_roofline(ds.F, ds.D, o.quick ? 1.0 : 3.0, &rf);
 
     /* The best (loop rate) run of each model. */
-    const ember_run *best_mlp = NULL, *best_lr = NULL;
+    const bench_ember_run *best_mlp = NULL, *best_lr = NULL;
     for (int i = 0; i < n_runs; i++) {
-        const ember_run *r = &runs[i];
+        const bench_ember_run *r = &runs[i];
         if (!r->ok) continue;
-        const ember_run **b = !strcmp(r->model, "mlp")  ? &best_mlp
-                              : !strcmp(r->model, "lr") ? &best_lr
-                                                        : NULL;
+        const bench_ember_run **b = !strcmp(r->model, "mlp")  ? &best_mlp
+                                    : !strcmp(r->model, "lr") ? &best_lr
+                                                              : NULL;
         if (b && (*b == NULL || r->loop_samples_per_s > (*b)->loop_samples_per_s)) *b = r;
     }
-    const ember_run *head = best_mlp ? best_mlp : best_lr;
+    const bench_ember_run *head = best_mlp ? best_mlp : best_lr;
 
     /* AUC pairs: ember (at the reported thread count) and PyTorch from the same initial weights
      * for seeds 1..pairs, seed 1 being the runs above. On these data one run's AUC moves by about
@@ -810,10 +293,10 @@ int main(int argc, char **argv)
         t_auc[0] = tr.auc;
         n_pairs = 1;
         for (uint32_t sd = 2; sd <= o.pairs; sd++) {
-            ember_run er;
-            torch_run t2;
-            run_ember(&o, &ds, "mlp", best_mlp->threads, sd, &er);
-            run_torch(&o, &ds, sd, &t2);
+            bench_ember_run er;
+            bench_torch_run t2;
+            bench_train_ember(&o, &ds, "mlp", best_mlp->threads, sd, &er);
+            bench_train_torch(&o, &ds, sd, &t2);
             if (!er.ok || !t2.ran) break;
             e_auc[n_pairs] = er.auc;
             t_auc[n_pairs] = t2.auc;
@@ -835,7 +318,7 @@ int main(int argc, char **argv)
     printf("%-22s %7s %12s %12s %9s %9s %9s\n", "run", "threads", "loop smp/s", "e2e smp/s",
            "train s", "auc", "logloss");
     for (int i = 0; i < n_runs; i++) {
-        const ember_run *r = &runs[i];
+        const bench_ember_run *r = &runs[i];
         char name[80];
         snprintf(name, sizeof name, "ember %.16s%s", r->model,
                  r == best_mlp || r == best_lr ? " *" : "");

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""PyTorch side of `tools/bench train`: ember's mlp preset on the CPU.
+"""PyTorch side of `tools/bench train` and `tools/bench gpu`: ember's mlp preset, on the CPU
+(the default) or, with --device cuda, on a GPU with the embedding table there too.
 
 Reads the binary dump written by tools/bench_train.c (labels, log1p-squashed dense values and
 per-field embedding row ids, row 0 = a missing field), trains one epoch in file order with the
@@ -8,6 +9,11 @@ weights, zero biases, embeddings uniform +-0.05, BCE-with-logits, Adagrad on the
 Adam on the MLP), timing only the training loop, then reports AUC (exact Mann-Whitney, ties
 count one half) and logloss (probabilities clipped to [1e-7, 1 - 1e-7]) on the held-out rows.
 The last line of stdout is one JSON object.
+
+With --device cuda the rows, the model and both optimisers live on the GPU, and the timed loop
+is bracketed by torch.cuda.synchronize() (kernels run asynchronously; without it the clock would
+stop before the last batch's work). A table that does not fit the GPU fails with CUDA's
+out-of-memory error, which is the point of comparison for ember's PS-held tables.
 """
 import argparse
 import json
@@ -156,6 +162,8 @@ def main():
     ap.add_argument("--dense-lr", type=float, default=0.001)
     ap.add_argument("--init-scale", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model, "
+                    "its embeddings and the rows live")
     ap.add_argument("--init", help="start from ember's initial weights (tools/bench_train.c write_init)")
     ap.add_argument("--stale", action="store_true",
                     help="experiment: emulate ember's pipeline, where batch t+1's rows and tower are "
@@ -164,6 +172,10 @@ def main():
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("bench_train.py: --device %s but torch sees no CUDA device" % a.device)
     t0 = time.perf_counter()
     (tr, ev), F, D, V = read_dump(a.data)
     ytr, xtr, itr = (torch.from_numpy(tr[0]), torch.from_numpy(tr[1]),
@@ -172,18 +184,29 @@ def main():
     model = Model(V, F, D, a.dim, a.init_scale)
     if a.init:
         load_init(a.init, model, V, a.dim)
+    if cuda:
+        # Everything on the GPU before the optimisers see the parameters (their state follows).
+        model.to(dev)
+        ytr, xtr, itr = ytr.to(dev), xtr.to(dev), itr.to(dev)
+        xev, iev = xev.to(dev), iev.to(dev)
+        # CUDA's context and cuBLAS's handle are created lazily: not inside the timed loop.
+        torch.ones(8, 8, device=dev).matmul(torch.ones(8, 8, device=dev))
+        torch.cuda.synchronize()
     opt_e = torch.optim.Adagrad(model.emb.parameters(), lr=a.emb_lr, eps=1e-8,
                                 initial_accumulator_value=0.0)
     opt_d = torch.optim.Adam(model.mlp.parameters(), lr=a.dense_lr, betas=(0.9, 0.999), eps=1e-8)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     load_s = time.perf_counter() - t0
-    print("pytorch %s: %d train, %d eval rows, %d table rows, %d threads; loaded in %.1f s"
-          % (torch.__version__, len(ytr), len(yev), V, torch.get_num_threads(), load_s),
+    print("pytorch %s: %d train, %d eval rows, %d table rows, %d threads, %s; loaded in %.1f s"
+          % (torch.__version__, len(ytr), len(yev), V, torch.get_num_threads(),
+             torch.cuda.get_device_name(dev) if cuda else "cpu", load_s),
           file=sys.stderr)
 
     n = len(ytr)
     loss_sum = 0.0
     model.train()
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     if a.stale:
         loss_sum = train_stale(model, opt_e, opt_d, loss_fn, itr, xtr, ytr, a.batch)
@@ -196,14 +219,18 @@ def main():
         loss.backward()
         opt_e.step()
         opt_d.step()
-        loss_sum += float(loss) * (e - s)
+        # float() would wait for the GPU every batch; on cuda the sum stays there until the end.
+        loss_sum += loss.detach().double() * (e - s) if cuda else float(loss) * (e - s)
+    if cuda:
+        torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
+    loss_sum = float(loss_sum)
 
     model.eval()
     probs = []
     with torch.no_grad():
         for s in range(0, len(yev), 65536):
-            probs.append(torch.sigmoid(model(iev[s:s + 65536], xev[s:s + 65536])).numpy())
+            probs.append(torch.sigmoid(model(iev[s:s + 65536], xev[s:s + 65536])).cpu().numpy())
     p = np.concatenate(probs).astype(np.float64)
     auc = auc_exact(p.astype(np.float32), yev)
     pc = np.clip(p, 1e-7, 1 - 1e-7)
@@ -212,7 +239,7 @@ def main():
                       "rows": n, "eval_rows": len(yev), "seconds": round(train_s, 3),
                       "samples_per_s": round(n / train_s, 1), "train_loss": loss_sum / n,
                       "auc": auc, "logloss": logloss, "load_seconds": round(load_s, 3),
-                      "stale": a.stale},
+                      "stale": a.stale, "device": a.device},
                      separators=(",", ":")))
 
 
