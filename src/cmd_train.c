@@ -302,8 +302,9 @@ int cmd_train(int argc, char **argv)
     }
     printf("{\"auc\":%s,\"logloss\":%s,\"samples_per_s\":%.1f,\"rows\":%" PRIu64
            ",\"seconds\":%.3f,\"steps\":%" PRIu64 ",\"eval_rows\":%" PRIu64
-           ",\"train_loss\":%.6f,\"model\":\"%s\",\"workers\":%u,\"shards\":%u}\n",
+           ",\"train_loss\":%.6f,\"model\":\"%s\",\"workers\":%u,\"shards\":%u"
+           ",\"device\":\"%s\"}\n",
            auc, logloss, r.samples_per_s, r.rows, r.seconds, r.steps, r.eval_rows, r.train_loss,
-           model_kind_name(o.model.kind), r.workers, r.shards);
+           model_kind_name(o.model.kind), r.workers, r.shards, r.device ? r.device : "cpu");
     return 0;
 }

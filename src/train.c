@@ -1026,6 +1026,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             res->train_loss = samples ? loss / (double)samples : 0;
             res->workers = oc.workers;
             res->shards = oc.shards;
+            res->device = S.be->name;
         }
         if (o->cluster_path && first_w == 0 && rc == CM_OK) {
             /* The job is done: worker 0 takes the cluster down. */

@@ -80,6 +80,7 @@ typedef struct train_result {
     double auc, logloss, seconds, samples_per_s, train_loss;
     uint64_t rows, eval_rows, steps;
     uint32_t workers, shards; /* of the whole job (a cluster file may set them) */
+    const char *device;       /* the backend that ran the dense math ("cpu", "cuda"); static */
 } train_result;
 
 /* A checkpoint directory from `in`: in itself when it holds shard-0/, else the run directory's
