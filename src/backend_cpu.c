@@ -14,10 +14,11 @@
 #include "src/model.h"
 
 /*
- * A small pool that runs one function over n parts, the caller doing part 0. Every GEMM is
- * split by rows of its output, each part a single-threaded OpenBLAS call, so every output
- * element is computed by one call in one order: the result is the same for any timing (OpenBLAS's
- * own threads are not, and they spin on cores the PS and prefetch threads need).
+ * A small pool that runs one function over n parts, the caller doing part 0. Every GEMM is cut
+ * into tiles of its output, each tile a single-threaded OpenBLAS call (OpenBLAS's own threads
+ * are not deterministic, and they spin on cores the PS and prefetch threads need). The tiles
+ * depend on the GEMM's shape only, never on the thread count (see gemm_tiles), so the
+ * results are the same bits for any number of threads and any timing.
  */
 typedef void (*part_fn)(void *arg, int part, int nparts);
 
@@ -45,7 +46,8 @@ static void *pool_main(void *v)
     uint64_t seen = 0;
     for (;;) {
         pthread_mutex_lock(&p->mu);
-        while (p->gen == seen && !p->stop) pthread_cond_wait(&p->go, &p->mu);
+        while (p->gen == seen && !p->stop)
+            pthread_cond_wait(&p->go, &p->mu);
         if (p->stop) {
             pthread_mutex_unlock(&p->mu);
             break;
@@ -78,7 +80,8 @@ static void pool_run(pool *p, part_fn fn, void *arg)
     pthread_mutex_unlock(&p->mu);
     fn(arg, 0, p->n);
     pthread_mutex_lock(&p->mu);
-    while (p->pending > 0) pthread_cond_wait(&p->done, &p->mu);
+    while (p->pending > 0)
+        pthread_cond_wait(&p->done, &p->mu);
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -89,7 +92,8 @@ static void pool_fini(pool *p)
     p->stop = true;
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
-    for (int i = 1; i < p->n; i++) pthread_join(p->th[i], NULL);
+    for (int i = 1; i < p->n; i++)
+        pthread_join(p->th[i], NULL);
     free(p->th);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->go);
@@ -120,31 +124,82 @@ static int pool_init(pool *p, int n)
     return CM_OK;
 }
 
-/* C (M x N) = op(A) op(B), row-major, split over M. */
+/* C (M x N) = op(A) op(B), row-major, computed as `tiles` calls over equal ranges of whole rows
+ * (by_cols 0) or whole columns (by_cols 1) of C. */
 typedef struct gemm {
     enum CBLAS_TRANSPOSE ta, tb;
     int M, N, K, lda, ldb, ldc;
     const float *A, *B;
     float *C;
+    int tiles, by_cols;
 } gemm;
 
+/* Below this many multiply-adds a GEMM is one call: not worth waking threads for. */
+#define GEMM_SPLIT_MIN 2e5
+/* A tile is at least this many rows (columns) wide: each tile packs the whole of the other
+ * operand again, a cost of 1/width per multiply-add (measured: halving the dW GEMMs' 128-wide
+ * tiles to 64 costs ~8%, cutting forward GEMMs from 2048 rows into 8 tiles ~2%). */
+#define GEMM_MIN_TILE 128
+#define GEMM_MAX_TILES 8
+
+/*
+ * How a GEMM is cut: from its shape alone. OpenBLAS picks its kernel per call from the call's
+ * shape (its small-matrix and direct kernels below ~1e6 multiply-adds sum in another order
+ * than the packed kernel: C = X W^T of the 128 -> 1 output layer differed in most rows between
+ * one call of 2048 rows and two of 1024), so cutting by the thread count made the bits depend
+ * on it. Fixed tiles make the same calls for any count; threads only share them out. The cut
+ * runs along the longer side of C, into a power of two of tiles (balanced for 1, 2, 4, 8
+ * threads).
+ */
+static void gemm_tiles(gemm *g)
+{
+    g->by_cols = g->N > g->M;
+    int len = g->by_cols ? g->N : g->M;
+    g->tiles = 1;
+    if ((double)g->M * g->N * g->K < GEMM_SPLIT_MIN) return;
+    while (g->tiles < GEMM_MAX_TILES && len / (g->tiles * 2) >= GEMM_MIN_TILE)
+        g->tiles *= 2;
+}
+
+static void gemm_tile(const gemm *g, int t)
+{
+    int len = g->by_cols ? g->N : g->M;
+    int i0 = (int)((int64_t)len * t / g->tiles), i1 = (int)((int64_t)len * (t + 1) / g->tiles);
+    if (i1 <= i0) return;
+    const float *A = g->A, *B = g->B;
+    float *C = g->C;
+    int M = g->M, N = g->N;
+    if (g->by_cols) {
+        B += g->tb == CblasNoTrans ? (size_t)i0 : (size_t)i0 * g->ldb;
+        C += i0;
+        N = i1 - i0;
+    } else {
+        A += g->ta == CblasNoTrans ? (size_t)i0 * g->lda : (size_t)i0;
+        C += (size_t)i0 * g->ldc;
+        M = i1 - i0;
+    }
+    cblas_sgemm(CblasRowMajor, g->ta, g->tb, M, N, g->K, 1.0f, A, g->lda, B, g->ldb, 0.0f, C,
+                g->ldc);
+}
+
+/* Part `part` of `nparts` runs a contiguous range of the tiles. */
 static void gemm_part(void *arg, int part, int nparts)
 {
     const gemm *g = arg;
-    int m0 = (int)((int64_t)g->M * part / nparts), m1 = (int)((int64_t)g->M * (part + 1) / nparts);
-    if (m1 <= m0) return;
-    const float *A = g->ta == CblasNoTrans ? g->A + (size_t)m0 * g->lda : g->A + m0;
-    cblas_sgemm(CblasRowMajor, g->ta, g->tb, m1 - m0, g->N, g->K, 1.0f, A, g->lda, g->B, g->ldb,
-                0.0f, g->C + (size_t)m0 * g->ldc, g->ldc);
+    int t1 = (int)((int64_t)g->tiles * (part + 1) / nparts);
+    for (int t = (int)((int64_t)g->tiles * part / nparts); t < t1; t++)
+        gemm_tile(g, t);
 }
 
 static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int M, int N, int K,
                   const float *A, int lda, const float *B, int ldb, float *C, int ldc)
 {
-    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C};
-    /* Small products are not worth waking threads for. */
-    if ((double)M * N * K < 2e5) gemm_part(&g, 0, 1);
-    else pool_run(p, gemm_part, &g);
+    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, 1, 0};
+    gemm_tiles(&g);
+    if (g.tiles == 1)
+        gemm_tile(&g, 0);
+    else
+        pool_run(p, gemm_part, &g);
 }
 
 typedef struct cpu {
@@ -152,12 +207,14 @@ typedef struct cpu {
     model_cfg m;
     model_layout l;
     uint32_t max_b, max_u;
-    float *xe, *dxe;        /* B x F*d pooled embeddings and their gradient */
-    float *xl, *dxl;        /* B x F pooled first-order weights (lr, deepfm) */
-    float *in, *din;        /* B x top_in: the top MLP's input */
+    float *xe, *dxe;         /* B rows of F*d pooled embeddings and their gradient, stride ldxe */
+    float *own_xe, *own_dxe; /* their buffers when they are not in and din (dlrm) */
+    uint32_t ldxe;
+    float *xl, *dxl; /* B x F pooled first-order weights (lr, deepfm) */
+    float *in, *din; /* B x top_in: the top MLP's input */
     float *act[MODEL_MAX_LAYERS + 1], *bact[MODEL_MAX_LAYERS]; /* layer outputs */
-    float *g1, *g2;         /* B x widest layer: gradient ping-pong */
-    float *logit, *dlogit;  /* B */
+    float *g1, *g2;        /* B x widest layer: gradient ping-pong */
+    float *logit, *dlogit; /* B */
 } cpu;
 
 static void cpu_destroy(void *state)
@@ -165,14 +222,16 @@ static void cpu_destroy(void *state)
     cpu *c = state;
     if (c == NULL) return;
     pool_fini(&c->pool);
-    free(c->xe);
-    free(c->dxe);
+    free(c->own_xe);
+    free(c->own_dxe);
     free(c->xl);
     free(c->dxl);
     free(c->in);
     free(c->din);
-    for (int i = 0; i < MODEL_MAX_LAYERS + 1; i++) free(c->act[i]);
-    for (int i = 0; i < MODEL_MAX_LAYERS; i++) free(c->bact[i]);
+    for (int i = 0; i < MODEL_MAX_LAYERS + 1; i++)
+        free(c->act[i]);
+    for (int i = 0; i < MODEL_MAX_LAYERS; i++)
+        free(c->bact[i]);
     free(c->g1);
     free(c->g2);
     free(c->logit);
@@ -195,18 +254,28 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
     c->max_b = max_b;
     c->max_u = max_u;
     size_t B = max_b, F = m->n_fields, d = m->dim, widest = l->top_in + m->n_dense;
-    for (uint32_t i = 0; i < l->n_top; i++) widest = l->top[i].out > widest ? l->top[i].out : widest;
-    for (uint32_t i = 0; i < l->n_bot; i++) widest = l->bot[i].out > widest ? l->bot[i].out : widest;
+    for (uint32_t i = 0; i < l->n_top; i++)
+        widest = l->top[i].out > widest ? l->top[i].out : widest;
+    for (uint32_t i = 0; i < l->n_bot; i++)
+        widest = l->bot[i].out > widest ? l->bot[i].out : widest;
     bool ok = true;
 #define ALLOC(p, n) ok = ok && ((p) = malloc((n) * sizeof(float) + 1)) != NULL
-    ALLOC(c->xe, B * F * d);
-    ALLOC(c->dxe, B * F * d);
+    /* mlp and deepfm feed the pooled embeddings to the top MLP as the first F*d inputs of each
+     * row, so they are pooled straight into `in` and their gradient read from `din`: no copy,
+     * clear and add over B x F*d floats a step. dlrm's top MLP takes their interactions. */
+    c->ldxe = (uint32_t)(F * d);
+    if (m->kind == MODEL_DLRM) {
+        ALLOC(c->own_xe, B * F * d);
+        ALLOC(c->own_dxe, B * F * d);
+    }
     ALLOC(c->xl, B * F);
     ALLOC(c->dxl, B * F);
     ALLOC(c->in, B * (l->top_in + 1));
     ALLOC(c->din, B * (l->top_in + 1));
-    for (uint32_t i = 0; i < l->n_top; i++) ALLOC(c->act[i], B * l->top[i].out);
-    for (uint32_t i = 0; i < l->n_bot; i++) ALLOC(c->bact[i], B * l->bot[i].out);
+    for (uint32_t i = 0; i < l->n_top; i++)
+        ALLOC(c->act[i], B * l->top[i].out);
+    for (uint32_t i = 0; i < l->n_bot; i++)
+        ALLOC(c->bact[i], B * l->bot[i].out);
     ALLOC(c->g1, B * widest);
     ALLOC(c->g2, B * widest);
     ALLOC(c->logit, B);
@@ -216,58 +285,70 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
         cpu_destroy(c);
         return cm_err(errptr, CM_ENOMEM, "out of memory for batches of %u", max_b);
     }
+    c->xe = c->own_xe;
+    c->dxe = c->own_dxe;
+    if (m->kind != MODEL_DLRM && l->emb_table >= 0) {
+        c->xe = c->in;
+        c->dxe = c->din;
+        c->ldxe = l->top_in;
+    }
     *state = c;
     return CM_OK;
 }
 
-/* X = A * E over the batch's CSR rows; each CSR row is one (sample, field) slot of width d. */
+/* X = A * E over the batch's CSR rows; CSR row s*F+f (sample s, field f) is the d floats at
+ * X + s*ldx + f*d, so a sample's pooled fields can be part of a wider row. */
 typedef struct spmm_job {
     const model_batch *b;
     const float *E;
-    uint32_t d;
+    uint32_t d, ldx;
     float *X;
 } spmm_job;
 
-/* Rows of the CSR are independent: each part pools its own range. */
+/* Samples are independent: each part pools its own range. */
 static void spmm_part(void *arg, int part, int nparts)
 {
     const spmm_job *j = arg;
     const model_batch *b = j->b;
-    const uint32_t d = j->d;
-    size_t rows = (size_t)b->B * b->F;
-    size_t r0 = rows * (size_t)part / (size_t)nparts, r1 = rows * (size_t)(part + 1) / (size_t)nparts;
-    float *X = j->X;
+    const uint32_t d = j->d, F = b->F;
+    size_t s0 = (size_t)b->B * (size_t)part / (size_t)nparts;
+    size_t s1 = (size_t)b->B * (size_t)(part + 1) / (size_t)nparts;
     const float *E = j->E;
-    for (size_t r = r0; r < r1; r++) {
-        float *x = X + r * d;
-        memset(x, 0, d * sizeof(float));
-        for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
-            const float *e = E + (size_t)b->col[k] * d;
-            float v = b->val[k];
-            for (uint32_t q = 0; q < d; q++) x[q] += v * e[q];
+    for (size_t s = s0; s < s1; s++)
+        for (uint32_t f = 0; f < F; f++) {
+            size_t r = s * F + f;
+            float *x = j->X + s * j->ldx + (size_t)f * d;
+            memset(x, 0, d * sizeof(float));
+            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+                const float *e = E + (size_t)b->col[k] * d;
+                float v = b->val[k];
+                for (uint32_t q = 0; q < d; q++)
+                    x[q] += v * e[q];
+            }
         }
-    }
 }
 
-static void spmm(pool *p, const model_batch *b, const float *E, uint32_t d, float *X)
+static void spmm(pool *p, const model_batch *b, const float *E, uint32_t d, float *X, uint32_t ldx)
 {
-    spmm_job j = {b, E, d, X};
+    spmm_job j = {b, E, d, ldx, X};
     pool_run(p, spmm_part, &j);
 }
 
-/* dE = A^T * dX (dE overwritten). */
-static void spmm_t(const model_batch *b, const float *dX, uint32_t d, float *dE)
+/* dE = A^T * dX (dE overwritten), dX laid out as spmm's X. */
+static void spmm_t(const model_batch *b, const float *dX, uint32_t d, uint32_t ldx, float *dE)
 {
     memset(dE, 0, (size_t)b->U * d * sizeof(float));
-    size_t rows = (size_t)b->B * b->F;
-    for (size_t r = 0; r < rows; r++) {
-        const float *g = dX + r * d;
-        for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
-            float *e = dE + (size_t)b->col[k] * d;
-            float v = b->val[k];
-            for (uint32_t j = 0; j < d; j++) e[j] += v * g[j];
+    for (size_t s = 0; s < b->B; s++)
+        for (uint32_t f = 0; f < b->F; f++) {
+            size_t r = s * b->F + f;
+            const float *g = dX + s * ldx + (size_t)f * d;
+            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+                float *e = dE + (size_t)b->col[k] * d;
+                float v = b->val[k];
+                for (uint32_t j = 0; j < d; j++)
+                    e[j] += v * g[j];
+            }
         }
-    }
 }
 
 /* Y = act(X W^T + b) for B rows. */
@@ -293,13 +374,15 @@ static void layer_bwd(pool *pl, const model_layer *ly, const float *P, const flo
                       const float *Y, float *dY, float *dP, float *dX, uint32_t B)
 {
     if (ly->relu) /* a select, not a branch: half the signs are unpredictable */
-        for (size_t i = 0; i < (size_t)B * ly->out; i++) dY[i] = Y[i] <= 0.0f ? 0.0f : dY[i];
+        for (size_t i = 0; i < (size_t)B * ly->out; i++)
+            dY[i] = Y[i] <= 0.0f ? 0.0f : dY[i];
     sgemm(pl, CblasTrans, CblasNoTrans, (int)ly->out, (int)ly->in, (int)B, dY, (int)ly->out, X,
           (int)ly->in, dP + ly->w, (int)ly->in);
     float *db = dP + ly->b;
     memset(db, 0, ly->out * sizeof(float));
     for (size_t i = 0; i < B; i++)
-        for (uint32_t j = 0; j < ly->out; j++) db[j] += dY[i * ly->out + j];
+        for (uint32_t j = 0; j < ly->out; j++)
+            db[j] += dY[i * ly->out + j];
     if (dX != NULL)
         sgemm(pl, CblasNoTrans, CblasNoTrans, (int)B, (int)ly->in, (int)ly->out, dY, (int)ly->out,
               P + ly->w, (int)ly->in, dX, (int)ly->in);
@@ -341,27 +424,31 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     const model_layout *l = &c->l;
     const uint32_t B = b->B, F = m->n_fields, D = m->n_dense, d = m->dim;
     if (B > c->max_b || b->F != F || b->D != D || b->U > c->max_u)
-        return cm_err(errptr, CM_EINVAL, "batch shape (B %u, F %u, D %u, U %u) does not fit the model "
-                      "(F %u, D %u, at most %u rows, %u keys)", B, b->F, b->D, b->U, F, D, c->max_b,
-                      c->max_u);
+        return cm_err(errptr, CM_EINVAL,
+                      "batch shape (B %u, F %u, D %u, U %u) does not fit the model "
+                      "(F %u, D %u, at most %u rows, %u keys)",
+                      B, b->F, b->D, b->U, F, D, c->max_b, c->max_u);
     const bool bwd = dP != NULL;
     /* Every layer overwrites its own dW and db; only the first-order terms accumulate. */
     if (bwd && l->lin_table >= 0) memset(dP + l->lin_w, 0, (m->n_dense + 1) * sizeof(float));
     float *logit = c->logit;
     memset(logit, 0, B * sizeof(float));
-    if (l->emb_table >= 0) spmm(&c->pool, b, b->emb[l->emb_table], d, c->xe);
+    const size_t lde = c->ldxe;
+    if (l->emb_table >= 0) spmm(&c->pool, b, b->emb[l->emb_table], d, c->xe, c->ldxe);
     if (l->lin_table >= 0) {
-        spmm(&c->pool, b, b->emb[l->lin_table], 1, c->xl);
+        spmm(&c->pool, b, b->emb[l->lin_table], 1, c->xl, F);
         for (uint32_t i = 0; i < B; i++) {
             float s = P[l->lin_c];
-            for (uint32_t f = 0; f < F; f++) s += c->xl[(size_t)i * F + f];
-            for (uint32_t k = 0; k < D; k++) s += P[l->lin_w + k] * b->dense[(size_t)i * D + k];
+            for (uint32_t f = 0; f < F; f++)
+                s += c->xl[(size_t)i * F + f];
+            for (uint32_t k = 0; k < D; k++)
+                s += P[l->lin_w + k] * b->dense[(size_t)i * D + k];
             logit[i] += s;
         }
     }
     if (m->kind == MODEL_DEEPFM)
         for (uint32_t i = 0; i < B; i++) {
-            const float *v = c->xe + (size_t)i * F * d;
+            const float *v = c->xe + i * lde;
             float fm = 0;
             for (uint32_t j = 0; j < d; j++) {
                 float s = 0, q = 0;
@@ -381,25 +468,27 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
             z0 = stack_fwd(&c->pool, l->bot, l->n_bot, c->bact, P, b->dense, B);
             for (uint32_t i = 0; i < B; i++) {
                 float *row = c->in + (size_t)i * ti;
-                const float *v0 = z0 + (size_t)i * d, *ve = c->xe + (size_t)i * F * d;
+                const float *v0 = z0 + (size_t)i * d, *ve = c->xe + i * lde;
                 memcpy(row, v0, d * sizeof(float));
                 uint32_t p = d;
                 for (uint32_t a = 0; a <= F; a++)
                     for (uint32_t e = a + 1; e <= F; e++) {
                         const float *va = a ? ve + (a - 1) * d : v0, *vb = ve + (e - 1) * d;
                         float s = 0;
-                        for (uint32_t j = 0; j < d; j++) s += va[j] * vb[j];
+                        for (uint32_t j = 0; j < d; j++)
+                            s += va[j] * vb[j];
                         row[p++] = s;
                     }
             }
         } else {
-            for (uint32_t i = 0; i < B; i++) {
-                memcpy(c->in + (size_t)i * ti, c->xe + (size_t)i * F * d, (size_t)F * d * sizeof(float));
-                memcpy(c->in + (size_t)i * ti + (size_t)F * d, b->dense + (size_t)i * D, D * sizeof(float));
-            }
+            /* The pooled embeddings are in place already (cpu_create). */
+            for (uint32_t i = 0; i < B; i++)
+                memcpy(c->in + (size_t)i * ti + (size_t)F * d, b->dense + (size_t)i * D,
+                       D * sizeof(float));
         }
         const float *out = stack_fwd(&c->pool, l->top, l->n_top, c->act, P, c->in, B);
-        for (uint32_t i = 0; i < B; i++) logit[i] += out[i];
+        for (uint32_t i = 0; i < B; i++)
+            logit[i] += out[i];
     }
     /* Loss and its gradient: mean of softplus(z) - y z, computed without overflow. */
     double sum = 0;
@@ -416,34 +505,28 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     if (!bwd) return CM_OK;
     if (b->labels == NULL) return cm_err(errptr, CM_EINVAL, "backward pass needs labels");
     const float *g = c->dlogit;
-    if (l->emb_table >= 0) memset(c->dxe, 0, (size_t)B * F * d * sizeof(float));
     if (l->lin_table >= 0) {
         for (uint32_t i = 0; i < B; i++) {
-            for (uint32_t f = 0; f < F; f++) c->dxl[(size_t)i * F + f] = g[i];
-            for (uint32_t k = 0; k < D; k++) dP[l->lin_w + k] += g[i] * b->dense[(size_t)i * D + k];
+            for (uint32_t f = 0; f < F; f++)
+                c->dxl[(size_t)i * F + f] = g[i];
+            for (uint32_t k = 0; k < D; k++)
+                dP[l->lin_w + k] += g[i] * b->dense[(size_t)i * D + k];
             dP[l->lin_c] += g[i];
         }
-        spmm_t(b, c->dxl, 1, demb[l->lin_table]);
+        spmm_t(b, c->dxl, 1, F, demb[l->lin_table]);
     }
-    if (m->kind == MODEL_DEEPFM)
-        for (uint32_t i = 0; i < B; i++) {
-            const float *v = c->xe + (size_t)i * F * d;
-            float *dv = c->dxe + (size_t)i * F * d;
-            for (uint32_t j = 0; j < d; j++) {
-                float s = 0;
-                for (uint32_t f = 0; f < F; f++) s += v[f * d + j];
-                for (uint32_t f = 0; f < F; f++) dv[f * d + j] += g[i] * (s - v[f * d + j]);
-            }
-        }
+    /* Every model with embeddings has a top MLP (model_layout_make); for mlp and deepfm its
+     * input gradient din holds the pooled embeddings' gradient dxe in place. */
     if (l->n_top > 0) {
         uint32_t ti = l->top_in;
         stack_bwd(c, l->top, l->n_top, c->act, P, c->in, g, dP, c->din, B);
         if (m->kind == MODEL_DLRM) {
+            memset(c->dxe, 0, (size_t)B * F * d * sizeof(float));
             float *dz0 = c->din; /* reuse: first d of each din row, rewritten below */
             for (uint32_t i = 0; i < B; i++) {
                 const float *row = c->din + (size_t)i * ti;
-                const float *v0 = z0 + (size_t)i * d, *ve = c->xe + (size_t)i * F * d;
-                float *dve = c->dxe + (size_t)i * F * d;
+                const float *v0 = z0 + (size_t)i * d, *ve = c->xe + i * lde;
+                float *dve = c->dxe + i * lde;
                 float dv0[1024];
                 memcpy(dv0, row, d * sizeof(float));
                 uint32_t p = d;
@@ -460,13 +543,22 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                 memcpy(dz0 + (size_t)i * d, dv0, d * sizeof(float)); /* rows before i are done */
             }
             stack_bwd(c, l->bot, l->n_bot, c->bact, P, b->dense, dz0, dP, NULL, B);
-        } else {
-            for (uint32_t i = 0; i < B; i++)
-                for (size_t k = 0; k < (size_t)F * d; k++)
-                    c->dxe[(size_t)i * F * d + k] += c->din[(size_t)i * ti + k];
         }
     }
-    if (l->emb_table >= 0) spmm_t(b, c->dxe, d, demb[l->emb_table]);
+    /* The FM term's gradient adds to the top MLP's (already in dxe = din). */
+    if (m->kind == MODEL_DEEPFM)
+        for (uint32_t i = 0; i < B; i++) {
+            const float *v = c->xe + i * lde;
+            float *dv = c->dxe + i * lde;
+            for (uint32_t j = 0; j < d; j++) {
+                float s = 0;
+                for (uint32_t f = 0; f < F; f++)
+                    s += v[f * d + j];
+                for (uint32_t f = 0; f < F; f++)
+                    dv[f * d + j] += g[i] * (s - v[f * d + j]);
+            }
+        }
+    if (l->emb_table >= 0) spmm_t(b, c->dxe, d, c->ldxe, demb[l->emb_table]);
     return CM_OK;
 }
 

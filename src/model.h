@@ -78,11 +78,11 @@ double model_flops_per_sample(const model_layout *l);
 /* A batch in the model's layout. Arrays are borrowed. */
 typedef struct model_batch {
     uint32_t B, F, D, U;
-    const float *dense;       /* B x D */
-    const float *labels;      /* B */
-    const uint32_t *row_ptr;  /* B*F + 1 */
-    const uint32_t *col;      /* nnz, < U */
-    const float *val;         /* nnz */
+    const float *dense;                 /* B x D */
+    const float *labels;                /* B */
+    const uint32_t *row_ptr;            /* B*F + 1 */
+    const uint32_t *col;                /* nnz, < U */
+    const float *val;                   /* nnz */
     const float *emb[MODEL_MAX_TABLES]; /* U x dim_t */
 } model_batch;
 
@@ -110,8 +110,8 @@ typedef struct model_staging {
     uint32_t *hcol, *hgen, hcap, cur;
 } model_staging;
 
-int model_staging_build(model_staging *s, const model_cfg *m, const model_layout *l,
-                        int mean_pool, const model_input *in, char **errptr);
+int model_staging_build(model_staging *s, const model_cfg *m, const model_layout *l, int mean_pool,
+                        const model_input *in, char **errptr);
 void model_staging_fini(model_staging *s);
 /* The staged batch as the backends take it. */
 void model_staging_view(const model_staging *s, model_batch *mb);
@@ -121,15 +121,15 @@ typedef struct backend backend;
 typedef struct backend_ops {
     const char *name;
     /* Creates per-backend state for batches of at most max_batch rows and max_uniq keys;
-     * threads: CPU threads for the dense math (the cpu backend splits every GEMM by output
-     * rows, so results do not depend on the thread count's timing). */
-    int (*create)(const model_cfg *m, const model_layout *l, uint32_t max_batch,
-                  uint32_t max_uniq, uint32_t threads, void **state, char **errptr);
+     * threads: CPU threads for the dense math (the cpu backend cuts every GEMM into tiles
+     * fixed by its shape, so results are the same bits for any thread count and timing). */
+    int (*create)(const model_cfg *m, const model_layout *l, uint32_t max_batch, uint32_t max_uniq,
+                  uint32_t threads, void **state, char **errptr);
     void (*destroy)(void *state);
     /* Forward pass: probs (B) and, with labels, the mean loss. With dparams != NULL also the
      * backward pass: dparams (n_params, overwritten) and demb[t] (U x dim_t, overwritten). */
-    int (*step)(void *state, const float *params, const model_batch *b, float *probs,
-                double *loss, float *dparams, float *const *demb, char **errptr);
+    int (*step)(void *state, const float *params, const model_batch *b, float *probs, double *loss,
+                float *dparams, float *const *demb, char **errptr);
 } backend_ops;
 
 extern const backend_ops backend_cpu_ops;

@@ -26,8 +26,8 @@ void train_opts_init(train_opts *o)
     o->epochs = 1;
     o->workers = 1;
     o->shards = 1;
-    /* Compute threads: every core (the GEMMs and the pooling split by rows; results do not
-     * depend on timing, only on the count). */
+    /* Compute threads: every core (the GEMMs and the pooling split by rows; the results are
+     * the same bits for any count). */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     o->threads = ncpu < 1 ? 1 : ncpu > 8 ? 8 : (uint32_t)ncpu;
     o->keep_checkpoints = 0;

@@ -23,27 +23,8 @@
 #include <stdint.h>
 
 #include "check.h"
+#include "rng.h"
 #include "src/model.h"
-
-static uint64_t rng_state = 12345;
-
-static uint64_t rnd64(void)
-{
-    uint64_t x = (rng_state += 0x9E3779B97F4A7C15ull);
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
-
-static float unif(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)((double)(rnd64() >> 11) * (1.0 / 9007199254740992.0));
-}
-
-static uint32_t rndu(uint32_t n)
-{
-    return (uint32_t)(rnd64() % n);
-}
 
 typedef struct batch {
     uint32_t B, F, D, U;
@@ -333,6 +314,7 @@ out:
 
 int main(void)
 {
+    rng_state = 12345;
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (backend_cuda_ops == NULL || e != cudaSuccess || n <= 0) {

@@ -1,0 +1,290 @@
+/*
+ * The CPU backend gives the same bits for any compute thread count, at the shapes training
+ * uses: each preset's default tower (26 fields, 13 dense, dim 16, hidden {256, 128}, dlrm
+ * bottom {64, 16}) on random batches of 2048 rows (the default batch), 2047 and 1000 (a short
+ * last batch), 33 and 1. Threads 2 and 3 (and 2 again, three calls: no state leaks between
+ * steps) must reproduce threads 1 exactly: probs, loss, every dense gradient and every row
+ * gradient. On a difference it says which output, which layer's weights or bias, and how many
+ * elements differ, so a regression points at the computation that caused it. A few samples
+ * run alone must also get the batch's probabilities (singles_agree).
+ *
+ * gradcheck_test.c checks the same property on a small tower (B 256); this one exists because
+ * OpenBLAS picks its kernel by the shape of each call, and only training's shapes reach the
+ * small-matrix kernel that made threads 1 and 2 disagree.
+ */
+#include <stdint.h>
+
+#include "check.h"
+#include "rng.h"
+#include "src/model.h"
+
+#define FIELDS 26
+#define DENSE 13
+#define MAX_B 2048
+#define MAX_KEYS 3
+
+/* One random batch of B rows for a model: CSR of 0..MAX_KEYS keys per field, mean pooling. */
+typedef struct batch {
+    model_cfg m;
+    model_layout l;
+    uint32_t U;
+    float *dense, *labels, *val, *params, *emb[MODEL_MAX_TABLES];
+    uint32_t *row_ptr, *col;
+    model_batch mb;
+} batch;
+
+static void batch_free(batch *t)
+{
+    free(t->dense);
+    free(t->labels);
+    free(t->val);
+    free(t->params);
+    free(t->row_ptr);
+    free(t->col);
+    for (int i = 0; i < MODEL_MAX_TABLES; i++)
+        free(t->emb[i]);
+    memset(t, 0, sizeof *t);
+}
+
+static int batch_make(batch *t, model_kind kind, uint32_t B, uint64_t seed)
+{
+    memset(t, 0, sizeof *t);
+    rng_state = seed;
+    model_cfg_preset(&t->m, kind, FIELDS, DENSE);
+    char *err = NULL;
+    int rc = model_layout_make(&t->m, &t->l, &err);
+    CHECK_OK(rc, err);
+    if (rc != 0) return -1;
+    t->U = B * FIELDS + 1;
+    size_t cap = (size_t)B * FIELDS * MAX_KEYS + 1;
+    t->dense = malloc((size_t)B * DENSE * sizeof(float) + 1);
+    t->labels = malloc(B * sizeof(float));
+    t->row_ptr = malloc(((size_t)B * FIELDS + 1) * sizeof(uint32_t));
+    t->col = malloc(cap * sizeof(uint32_t));
+    t->val = malloc(cap * sizeof(float));
+    t->params = malloc(t->l.n_params * sizeof(float));
+    if (!t->dense || !t->labels || !t->row_ptr || !t->col || !t->val || !t->params) return -1;
+    for (size_t i = 0; i < (size_t)B * DENSE; i++)
+        t->dense[i] = unif(-2.0f, 5.0f);
+    for (uint32_t i = 0; i < B; i++)
+        t->labels[i] = unif(0, 1) < 0.25f ? 1.0f : 0.0f;
+    /* Keys from a pool smaller than the batch, so rows repeat and their gradients sum. */
+    uint32_t nnz = 0, pool = t->U / 3 + 1;
+    t->row_ptr[0] = 0;
+    for (size_t r = 0; r < (size_t)B * FIELDS; r++) {
+        uint32_t n = (uint32_t)(rnd64() % (MAX_KEYS + 1));
+        for (uint32_t k = 0; k < n; k++) {
+            t->col[nnz] = (uint32_t)(rnd64() % pool);
+            t->val[nnz++] = 1.0f / (float)n;
+        }
+        t->row_ptr[r + 1] = nnz;
+    }
+    model_init_params(&t->m, &t->l, t->params);
+    /* Non-zero biases too, so every gradient is exercised. */
+    for (size_t i = 0; i < t->l.n_params; i++)
+        t->params[i] += unif(-0.02f, 0.02f);
+    for (uint32_t tb = 0; tb < t->l.n_tables; tb++) {
+        size_t n = (size_t)t->U * t->l.table_dim[tb];
+        t->emb[tb] = malloc(n * sizeof(float));
+        if (t->emb[tb] == NULL) return -1;
+        for (size_t i = 0; i < n; i++)
+            t->emb[tb][i] = unif(-0.3f, 0.3f);
+    }
+    model_batch *mb = &t->mb;
+    mb->B = B;
+    mb->F = FIELDS;
+    mb->D = DENSE;
+    mb->U = t->U;
+    mb->dense = t->dense;
+    mb->labels = t->labels;
+    mb->row_ptr = t->row_ptr;
+    mb->col = t->col;
+    mb->val = t->val;
+    for (uint32_t tb = 0; tb < t->l.n_tables; tb++)
+        mb->emb[tb] = t->emb[tb];
+    return 0;
+}
+
+typedef struct outs {
+    float *probs, *dparams, *demb[MODEL_MAX_TABLES];
+    double loss;
+} outs;
+
+static int outs_alloc(outs *o, const batch *t)
+{
+    memset(o, 0, sizeof *o);
+    o->probs = malloc(MAX_B * sizeof(float));
+    o->dparams = malloc(t->l.n_params * sizeof(float));
+    int ok = o->probs && o->dparams;
+    for (uint32_t tb = 0; tb < t->l.n_tables; tb++) {
+        o->demb[tb] = malloc((size_t)t->U * t->l.table_dim[tb] * sizeof(float));
+        ok = ok && o->demb[tb];
+    }
+    return ok ? 0 : -1;
+}
+
+static void outs_free(outs *o)
+{
+    free(o->probs);
+    free(o->dparams);
+    for (int i = 0; i < MODEL_MAX_TABLES; i++)
+        free(o->demb[i]);
+}
+
+static int step(void *st, const batch *t, outs *o)
+{
+    /* NaN first: an output the step forgets to write cannot match by accident. */
+    for (uint32_t i = 0; i < t->mb.B; i++)
+        o->probs[i] = NAN;
+    for (size_t i = 0; i < t->l.n_params; i++)
+        o->dparams[i] = NAN;
+    char *err = NULL;
+    int rc =
+        backend_cpu_ops.step(st, t->params, &t->mb, o->probs, &o->loss, o->dparams, o->demb, &err);
+    CHECK_OK(rc, err);
+    return rc;
+}
+
+/* Elements of a[0..n) and b[0..n) whose bits differ. */
+static size_t ndiff(const float *a, const float *b, size_t n)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        k += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return k;
+}
+
+static void report(const char *what, const char *ctx, size_t k, size_t n)
+{
+    CHECK_MSG(k == 0, "%s: %s differs in %zu of %zu elements", ctx, what, k, n);
+}
+
+static void layers_same(const model_layer *ly, uint32_t n, const char *stack, const float *a,
+                        const float *b, const char *ctx)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        char what[64];
+        size_t nw = (size_t)ly[i].in * ly[i].out;
+        snprintf(what, sizeof what, "%s layer %u (%u -> %u) dW", stack, i, ly[i].in, ly[i].out);
+        report(what, ctx, ndiff(a + ly[i].w, b + ly[i].w, nw), nw);
+        snprintf(what, sizeof what, "%s layer %u (%u -> %u) db", stack, i, ly[i].in, ly[i].out);
+        report(what, ctx, ndiff(a + ly[i].b, b + ly[i].b, ly[i].out), ly[i].out);
+    }
+}
+
+static void outs_same(const batch *t, const outs *a, const outs *b, const char *ctx)
+{
+    const model_layout *l = &t->l;
+    report("probs", ctx, ndiff(a->probs, b->probs, t->mb.B), t->mb.B);
+    CHECK_MSG(memcmp(&a->loss, &b->loss, sizeof a->loss) == 0, "%s: loss %.17g vs %.17g", ctx,
+              a->loss, b->loss);
+    layers_same(l->top, l->n_top, "top", a->dparams, b->dparams, ctx);
+    layers_same(l->bot, l->n_bot, "bottom", a->dparams, b->dparams, ctx);
+    if (l->lin_table >= 0)
+        report("dense linear weights", ctx,
+               ndiff(a->dparams + l->lin_w, b->dparams + l->lin_w, t->m.n_dense + 1),
+               t->m.n_dense + 1);
+    /* Whatever the layout holds beyond the named blocks is covered by the whole vector. */
+    report("dparams", ctx, ndiff(a->dparams, b->dparams, l->n_params), l->n_params);
+    for (uint32_t tb = 0; tb < l->n_tables; tb++) {
+        char what[32];
+        size_t n = (size_t)t->U * l->table_dim[tb];
+        snprintf(what, sizeof what, "demb[%u]", tb);
+        report(what, ctx, ndiff(a->demb[tb], b->demb[tb], n), n);
+    }
+}
+
+static void *create(const batch *t, uint32_t threads)
+{
+    void *st = NULL;
+    char *err = NULL;
+    int rc = backend_cpu_ops.create(&t->m, &t->l, MAX_B, MAX_B * FIELDS + 1, threads, &st, &err);
+    CHECK_OK(rc, err);
+    return rc == 0 ? st : NULL;
+}
+
+/*
+ * Tiles compute the right products: each of a few samples alone (a batch of one, where every
+ * GEMM is a single call) gets the probability the whole batch gave it, to float rounding.
+ * Comparing thread counts alone would not see a tile at a wrong offset.
+ */
+static void singles_agree(void *st, const batch *t, const float *probs)
+{
+    const model_batch *mb = &t->mb;
+    uint32_t picks[] = {0, 1, 2, mb->B / 2, mb->B - 1};
+    for (size_t k = 0; k < sizeof picks / sizeof *picks; k++) {
+        if (picks[k] >= mb->B) continue;
+        uint32_t i = picks[k], rp[FIELDS + 1], base = mb->row_ptr[(size_t)i * FIELDS];
+        for (uint32_t f = 0; f <= FIELDS; f++)
+            rp[f] = mb->row_ptr[(size_t)i * FIELDS + f] - base;
+        model_batch one = *mb;
+        one.B = 1;
+        one.dense = mb->dense + (size_t)i * DENSE;
+        one.labels = mb->labels + i;
+        one.row_ptr = rp;
+        one.col = mb->col + base;
+        one.val = mb->val + base;
+        float p = NAN;
+        double loss = NAN;
+        char *err = NULL;
+        int rc = backend_cpu_ops.step(st, t->params, &one, &p, &loss, NULL, NULL, &err);
+        CHECK_OK(rc, err);
+        CHECK_MSG(fabsf(p - probs[i]) <= 1e-5f, "%s B=%u: sample %u alone %.9g, in the batch %.9g",
+                  model_kind_name(t->m.kind), mb->B, i, p, probs[i]);
+    }
+}
+
+static void check_kind(model_kind kind)
+{
+    static const uint32_t sizes[] = {2048, 2047, 1000, 33, 1};
+    static const uint32_t threads[] = {2, 3};
+    void *st1 = NULL, *stn[2] = {NULL, NULL};
+    batch t;
+    memset(&t, 0, sizeof t);
+    outs ref, o;
+    memset(&ref, 0, sizeof ref);
+    memset(&o, 0, sizeof o);
+    for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
+        batch_free(&t);
+        if (batch_make(&t, kind, sizes[si], 77 + si * 1000 + (uint64_t)kind) != 0) {
+            CHECK_MSG(0, "%s: cannot build a batch of %u", model_kind_name(kind), sizes[si]);
+            break;
+        }
+        if (st1 == NULL) {
+            /* One backend per thread count for every size: state must not leak between steps. */
+            st1 = create(&t, 1);
+            for (int i = 0; i < 2; i++)
+                stn[i] = create(&t, threads[i]);
+            if (st1 == NULL || stn[0] == NULL || stn[1] == NULL || outs_alloc(&ref, &t) != 0 ||
+                outs_alloc(&o, &t) != 0) {
+                CHECK_MSG(0, "%s: cannot create the backends", model_kind_name(kind));
+                break;
+            }
+        }
+        if (step(st1, &t, &ref) != 0) break;
+        CHECK_MSG(isfinite(ref.loss), "%s B=%u: loss %g", model_kind_name(kind), sizes[si],
+                  ref.loss);
+        singles_agree(st1, &t, ref.probs);
+        for (int i = 0; i < 2; i++)
+            for (int rep = 0; rep < (i == 0 ? 2 : 1); rep++) {
+                char ctx[96];
+                snprintf(ctx, sizeof ctx, "%s B=%u threads %u (call %d) vs threads 1",
+                         model_kind_name(kind), sizes[si], threads[i], rep);
+                if (step(stn[i], &t, &o) == 0) outs_same(&t, &ref, &o, ctx);
+            }
+    }
+    if (st1) backend_cpu_ops.destroy(st1);
+    for (int i = 0; i < 2; i++)
+        if (stn[i]) backend_cpu_ops.destroy(stn[i]);
+    outs_free(&ref);
+    outs_free(&o);
+    batch_free(&t);
+}
+
+int main(void)
+{
+    const model_kind kinds[] = {MODEL_MLP, MODEL_LR, MODEL_DLRM, MODEL_DEEPFM};
+    for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++)
+        check_kind(kinds[k]);
+    return check_done();
+}
