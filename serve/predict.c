@@ -36,8 +36,7 @@ int ember_serve_predict(const ember_serve *h, const ember_serve_batch *b, float 
     int rc = model_staging_build(&ms, &h->m, &h->l, h->mean_pool, &in, errptr);
     for (uint32_t t = 0; rc == CM_OK && t < h->l.n_tables; t++)
         rc = ember_serve_lookup(h, h->table_of[t], ms.ukeys, ms.U, ms.emb[t], NULL);
-    if (rc == CM_OK)
-        rc = backend_cpu_ops.create(&h->m, &h->l, ms.B, ms.U, 1, &state, errptr);
+    if (rc == CM_OK) rc = backend_cpu_ops.create(&h->m, &h->l, ms.B, ms.U, 1, 0, &state, errptr);
     if (rc == CM_OK) {
         model_batch mb;
         model_staging_view(&ms, &mb);

@@ -240,8 +240,9 @@ static void cpu_destroy(void *state)
 }
 
 static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b, uint32_t max_u,
-                      uint32_t threads, void **state, char **errptr)
+                      uint32_t threads, uint32_t flags, void **state, char **errptr)
 {
+    (void)flags; /* BACKEND_TF32: the CPU path is fp32 only */
     cpu *c = calloc(1, sizeof *c);
     if (c == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     openblas_set_num_threads(1);
@@ -562,9 +563,19 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     return CM_OK;
 }
 
+/* The step reads the batch from host memory where it lies: nothing to move ahead of it. */
+static int cpu_prefetch(void *state, const float *params, const model_batch *b, uint64_t *ticket,
+                        char **errptr)
+{
+    (void)state, (void)params, (void)b, (void)errptr;
+    *ticket = 0;
+    return CM_OK;
+}
+
 const backend_ops backend_cpu_ops = {
     .name = "cpu",
     .create = cpu_create,
     .destroy = cpu_destroy,
+    .prefetch = cpu_prefetch,
     .step = cpu_step,
 };

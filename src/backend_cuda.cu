@@ -3,12 +3,21 @@
  *
  * Design notes (why, not what):
  *
- * - The step API is synchronous and hands us pageable host arrays, so a step is one upload,
- *   one stream of work and one download. Inputs are packed into one pinned staging arena and
- *   sent with a single cudaMemcpyAsync (and the outputs come back the same way): per-copy
- *   latency, not bandwidth, dominates at CTR batch sizes. Pinned memory, device arenas and the
- *   cuSPARSE workspace grow on demand and are kept, so the steady state allocates nothing;
- *   max_uniq is only a validation bound (the trainer passes a generous one), not a size.
+ * - A batch's inputs are packed into one pinned slot and sent with a single cudaMemcpyAsync
+ *   (and the outputs come back the same way): per-copy latency, not bandwidth, dominates at
+ *   CTR batch sizes. There are two slots: prefetch packs batch t+1 into one and copies it on
+ *   a second stream (cp) while batch t's step computes from the other; the step then waits
+ *   for that copy's event only (cudaStreamWaitEvent), not for the host. A slot is refilled
+ *   only after its last copy (host event wait) and its last step (its `used` event, waited
+ *   for by the copy stream) are done. Without prefetch (ticket 0) the step packs slot 0 and
+ *   sends it on the compute stream itself, as before.
+ *
+ * - Everything is sized at create from max_batch and max_uniq (work buffers, both slots, the
+ *   download, the SpMM workspace), with the device's free memory checked first, so the
+ *   steady state allocates nothing and a device without room fails at create. cuSPARSE
+ *   descriptors are kept and re-pointed; the generic API fixes a CSR's shape and entry count
+ *   at creation, so A and A^T (whose nnz changes with every batch) are re-created once a step,
+ *   not once an SpMM: host-side structs only, never device memory.
  *
  * - cuSPARSE assumes canonical CSR (no repeated (row, column) pair; sorted columns) while a
  *   staged batch may repeat a key inside a field. The host therefore builds the transpose A^T
@@ -27,8 +36,9 @@
  *   walks the same index sequence), and the file is built with --fmad=false so those loops
  *   round like the CPU's. Only cuBLAS / cuSPARSE reassociate sums; the parity test's 1e-5
  *   relative budget is for them. TF32 would not fit that budget, so it is opt-in
- *   (EMBER_CUDA_TF32=1). Reductions (bias gradients, the loss) use fixed trees, never
- *   atomics, and each cuBLAS handle gets its own workspace, so a step is bit-reproducible.
+ *   (BACKEND_TF32: `ember train --tf32`; EMBER_CUDA_TF32=1 is an alias). Reductions (bias
+ *   gradients, the loss) use fixed trees, never atomics, and each cuBLAS handle gets its own
+ *   workspace, so a step is bit-reproducible.
  *
  * - Failures never exit: every runtime, cuBLAS, cuSPARSE call and kernel launch is checked and
  *   becomes a CM_* error naming the call. A machine without a driver or a device fails in
@@ -40,6 +50,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -310,12 +321,47 @@ typedef struct mirror {
     size_t cap;
 } mirror;
 
+/* Offsets of one step's upload and download in the mirrors. */
+typedef struct plan {
+    size_t params, rp, col, val, rpt, colt, valt, dense, labels, emb[MODEL_MAX_TABLES], up_bytes;
+    size_t probs, loss, dparams, demb[MODEL_MAX_TABLES], down_bytes, down_fwd_bytes;
+} plan;
+
+/* One batch's inputs on their way to the device. There are two, so that batch t+1 is packed
+ * and copied into one (by prefetch, on the copy stream) while batch t's step reads the other. */
+typedef struct slot {
+    mirror up;
+    plan pl;
+    uint32_t B, U, nnz; /* nnz: the canonical entries pack left */
+    bool labels;
+    uint64_t ticket;    /* the batch it holds; 0: none a step may take */
+    cudaEvent_t copied; /* recorded after its upload, on the stream that made it */
+    cudaEvent_t used;   /* recorded on the compute stream after the last step that read it */
+} slot;
+
+/* A cuSPARSE descriptor kept across steps. The generic API fixes a matrix's shape (and a
+ * CSR's entry count) at creation, so it is re-created only when that changes and otherwise
+ * re-pointed (cusparseCsrSetPointers, cusparseDnMatSetValues): no host allocation then. */
+typedef struct sp_desc {
+    cusparseSpMatDescr_t d;
+    int64_t rows, cols, nnz;
+} sp_desc;
+
+typedef struct dn_desc {
+    cusparseDnMatDescr_t d;
+    int64_t rows, cols;
+} dn_desc;
+
+/* The SpMMs of a step; each keeps its own dense descriptors (E in, X out). */
+enum { SP_FWD_EMB, SP_FWD_LIN, SP_BWD_EMB, SP_BWD_LIN, SP_SITES };
+
 typedef struct cu {
     model_cfg m;
     model_layout l;
     uint32_t max_b, max_u, widest;
     int dev;
-    cudaStream_t st;
+    cudaStream_t st; /* compute: every kernel, GEMM, SpMM and the download */
+    cudaStream_t cp; /* prefetch uploads */
     cublasHandle_t blas;
     cusparseHandle_t sparse;
     cusparseSpMMAlg_t alg;
@@ -325,9 +371,14 @@ typedef struct cu {
     float *xe, *dxe, *xl, *dxl, *in, *din, *act[MODEL_MAX_LAYERS + 1], *bact[MODEL_MAX_LAYERS];
     float *g1, *g2, *fmterm, *dz0, *lterm, *dlogit;
     uint32_t *pairs;
-    /* Grown on demand: the batch upload, the results download, the SpMM workspace. */
-    mirror up, down;
-    void *spbuf;
+    /* Sized at create for max_b rows and max_u keys (and max_u pooling entries: a batch with
+     * more grows its slot). */
+    slot slots[2];
+    uint64_t n_tickets; /* tickets handed out; only prefetch touches it (calls are serialized) */
+    mirror down;
+    sp_desc a, at; /* A and A^T */
+    dn_desc dn[SP_SITES][2];
+    void *spbuf; /* SpMM workspace: sized at create where cuSPARSE tells, grown if a shape asks */
     size_t spcap;
 } cu;
 
@@ -360,6 +411,36 @@ int backend_cuda_probe(char **errptr)
     return CM_OK;
 }
 
+/* Layout of a batch of B rows, U keys and nnz raw pooling entries in the upload and download
+ * arenas. */
+static void plan_make(const cu *c, uint32_t B, uint32_t U, size_t nnz, plan *pl)
+{
+    const model_layout *l = &c->l;
+    const size_t f4 = sizeof(float), BF = (size_t)B * c->m.n_fields;
+    memset(pl, 0, sizeof *pl);
+    size_t at = 0;
+    pl->params = carve(&at, l->n_params * f4);
+    pl->rp = carve(&at, (BF + 1) * sizeof(uint32_t));
+    pl->col = carve(&at, nnz * sizeof(uint32_t));
+    pl->val = carve(&at, nnz * f4);
+    pl->rpt = carve(&at, ((size_t)U + 1) * sizeof(uint32_t));
+    pl->colt = carve(&at, nnz * sizeof(uint32_t));
+    pl->valt = carve(&at, nnz * f4);
+    pl->dense = carve(&at, (size_t)B * c->m.n_dense * f4);
+    pl->labels = carve(&at, B * f4);
+    for (uint32_t t = 0; t < l->n_tables; t++)
+        pl->emb[t] = carve(&at, (size_t)U * l->table_dim[t] * f4);
+    pl->up_bytes = at;
+    at = 0;
+    pl->probs = carve(&at, B * f4);
+    pl->loss = carve(&at, sizeof(double));
+    pl->down_fwd_bytes = at;
+    pl->dparams = carve(&at, l->n_params * f4);
+    for (uint32_t t = 0; t < l->n_tables; t++)
+        pl->demb[t] = carve(&at, (size_t)U * l->table_dim[t] * f4);
+    pl->down_bytes = at;
+}
+
 static void mirror_free(mirror *mr)
 {
     if (mr->h) cudaFreeHost(mr->h);
@@ -367,13 +448,11 @@ static void mirror_free(mirror *mr)
     memset(mr, 0, sizeof *mr);
 }
 
-/* Ensures cap >= need; the stream must be idle (the old buffers may be in flight otherwise). */
-static int mirror_reserve(cu *c, mirror *mr, size_t need, const char *what, char **errptr)
+/* Allocates both halves; the caller makes sure nothing uses the old ones (freed here). */
+static int mirror_alloc(mirror *mr, size_t need, const char *what, char **errptr)
 {
-    if (need <= mr->cap) return CM_OK;
-    CUDA_TRY(cudaStreamSynchronize(c->st));
     mirror_free(mr);
-    size_t cap = align_up(need + need / 2);
+    size_t cap = align_up(need);
     const char *call = "cudaHostAlloc";
     cudaError_t e = cudaHostAlloc((void **)&mr->h, cap, cudaHostAllocDefault);
     if (e == cudaSuccess) {
@@ -381,12 +460,81 @@ static int mirror_reserve(cu *c, mirror *mr, size_t need, const char *what, char
         e = cudaMalloc((void **)&mr->d, cap);
     }
     if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        size_t fr = 0, tot = 0;
+        if (mr->h) cudaMemGetInfo(&fr, &tot); /* the device half failed */
         mirror_free(mr);
+        char where[96] = "pinned host memory";
+        if (fr || tot) snprintf(where, sizeof where, "device: %zu of %zu bytes free", fr, tot);
         return cm_err(errptr, e == cudaErrorMemoryAllocation ? CM_ENOMEM : CM_ERR,
-                      "cuda: %s of %zu bytes for the %s: %s", call, cap, what, cudaGetErrorString(e));
+                      "cuda: %s of %zu bytes for the %s: %s (%s)", call, cap, what,
+                      cudaGetErrorString(e), where);
     }
     mr->cap = cap;
     return CM_OK;
+}
+
+static int sp_bind(sp_desc *s, int64_t rows, int64_t cols, int64_t nnz, const int32_t *rp,
+                   const int32_t *ci, const float *v, char **errptr)
+{
+    /* Non-const descriptors, because only those can be re-pointed; SpMM never writes A. */
+    void *p_rp = (void *)rp, *p_ci = (void *)ci, *p_v = (void *)v;
+    if (s->d && s->rows == rows && s->cols == cols && s->nnz == nnz)
+        return ck_sparse(cusparseCsrSetPointers(s->d, p_rp, p_ci, p_v), "cusparseCsrSetPointers",
+                         errptr);
+    if (s->d) cusparseDestroySpMat(s->d);
+    s->d = NULL;
+    TRY(ck_sparse(cusparseCreateCsr(&s->d, rows, cols, nnz, p_rp, p_ci, p_v, CUSPARSE_INDEX_32I,
+                                    CUSPARSE_INDEX_32I, CUSPARSE_INDEX_BASE_ZERO, CUDA_R_32F),
+                  "cusparseCreateCsr", errptr));
+    s->rows = rows;
+    s->cols = cols;
+    s->nnz = nnz;
+    return CM_OK;
+}
+
+/* A row-major rows x cols matrix at p. */
+static int dn_bind(dn_desc *s, int64_t rows, int64_t cols, const float *p, char **errptr)
+{
+    if (s->d && s->rows == rows && s->cols == cols)
+        return ck_sparse(cusparseDnMatSetValues(s->d, (void *)p), "cusparseDnMatSetValues", errptr);
+    if (s->d) cusparseDestroyDnMat(s->d);
+    s->d = NULL;
+    TRY(ck_sparse(
+        cusparseCreateDnMat(&s->d, rows, cols, cols, (void *)p, CUDA_R_32F, CUSPARSE_ORDER_ROW),
+        "cusparseCreateDnMat", errptr));
+    s->rows = rows;
+    s->cols = cols;
+    return CM_OK;
+}
+
+/* A pooling SpMM: X (rows x d) = A E with A a canonical CSR (rows x cols) and E (cols x d). */
+typedef struct csr_ref {
+    int64_t rows, cols, nnz;
+    const int32_t *rp, *ci;
+    const float *v;
+} csr_ref;
+
+/* Binds the site's descriptors to this call's operands. */
+static int spmm_bind(cu *c, sp_desc *A, const csr_ref *m, int site, const float *E, int64_t d,
+                     float *X, char **errptr)
+{
+    TRY(sp_bind(A, m->rows, m->cols, m->nnz, m->rp, m->ci, m->v, errptr));
+    TRY(dn_bind(&c->dn[site][0], m->cols, d, E, errptr));
+    return dn_bind(&c->dn[site][1], m->rows, d, X, errptr);
+}
+
+/* The workspace cusparseSpMM asks for at a bound site, or 0 when it declines the shape. */
+static size_t spmm_need(cu *c, sp_desc *A, int site)
+{
+    const float one = 1.0f, zero = 0.0f;
+    size_t need = 0;
+    if (cusparseSpMM_bufferSize(c->sparse, CUSPARSE_OPERATION_NON_TRANSPOSE,
+                                CUSPARSE_OPERATION_NON_TRANSPOSE, &one, A->d, c->dn[site][0].d,
+                                &zero, c->dn[site][1].d, CUDA_R_32F, c->alg,
+                                &need) != CUSPARSE_STATUS_SUCCESS)
+        return 0;
+    return need;
 }
 
 static void cuda_destroy(void *state)
@@ -394,19 +542,133 @@ static void cuda_destroy(void *state)
     cu *c = (cu *)state;
     if (c == NULL) return;
     cudaSetDevice(c->dev);
+    /* Nothing may still read or write the buffers freed below. */
+    if (c->cp) cudaStreamSynchronize(c->cp);
     if (c->st) cudaStreamSynchronize(c->st);
+    if (c->a.d) cusparseDestroySpMat(c->a.d);
+    if (c->at.d) cusparseDestroySpMat(c->at.d);
+    for (int i = 0; i < SP_SITES; i++)
+        for (int k = 0; k < 2; k++)
+            if (c->dn[i][k].d) cusparseDestroyDnMat(c->dn[i][k].d);
     if (c->sparse) cusparseDestroy(c->sparse);
     if (c->blas) cublasDestroy(c->blas);
-    mirror_free(&c->up);
+    for (int i = 0; i < 2; i++) {
+        slot *s = &c->slots[i];
+        mirror_free(&s->up);
+        if (s->copied) cudaEventDestroy(s->copied);
+        if (s->used) cudaEventDestroy(s->used);
+    }
     mirror_free(&c->down);
     if (c->spbuf) cudaFree(c->spbuf);
     if (c->work) cudaFree(c->work);
+    if (c->cp) cudaStreamDestroy(c->cp);
     if (c->st) cudaStreamDestroy(c->st);
     free(c);
 }
 
+/* The work buffers' layout for batches of max_b rows: their offsets into `work` (*o) and its
+ * size (returned). */
+typedef struct work_plan {
+    size_t ws, xe, dxe, xl, dxl, in, din, act[MODEL_MAX_LAYERS + 1], bact[MODEL_MAX_LAYERS];
+    size_t g1, g2, fm, dz0, pairs, lterm, dlogit;
+} work_plan;
+
+static size_t work_make(cu *c, work_plan *o)
+{
+    const model_cfg *m = &c->m;
+    const model_layout *l = &c->l;
+    const size_t B = c->max_b, F = m->n_fields, d = m->dim, ti = l->top_in, f4 = sizeof(float);
+    uint32_t widest = 1;
+    for (uint32_t i = 0; i < l->n_top; i++)
+        widest = l->top[i].out > widest ? l->top[i].out : widest;
+    for (uint32_t i = 0; i < l->n_bot; i++)
+        widest = l->bot[i].out > widest ? l->bot[i].out : widest;
+    c->widest = widest;
+    memset(o, 0, sizeof *o);
+    size_t at = 0;
+    o->ws = carve(&at, CUBLAS_WS_BYTES);
+    if (l->emb_table >= 0) {
+        o->xe = carve(&at, B * F * d * f4);
+        o->dxe = carve(&at, B * F * d * f4);
+    }
+    if (l->lin_table >= 0) {
+        o->xl = carve(&at, B * F * f4);
+        o->dxl = carve(&at, B * F * f4);
+    }
+    if (l->n_top > 0) {
+        o->in = carve(&at, B * ti * f4);
+        o->din = carve(&at, B * ti * f4);
+    }
+    for (uint32_t i = 0; i < l->n_top; i++)
+        o->act[i] = carve(&at, B * l->top[i].out * f4);
+    for (uint32_t i = 0; i < l->n_bot; i++)
+        o->bact[i] = carve(&at, B * l->bot[i].out * f4);
+    o->g1 = carve(&at, B * widest * f4);
+    o->g2 = carve(&at, B * widest * f4);
+    if (m->kind == MODEL_DEEPFM) o->fm = carve(&at, B * d * f4);
+    if (m->kind == MODEL_DLRM) {
+        o->dz0 = carve(&at, B * d * f4);
+        o->pairs = carve(&at, (size_t)l->inter * 2 * sizeof(uint32_t));
+    }
+    o->lterm = carve(&at, B * f4);
+    o->dlogit = carve(&at, B * f4);
+    return at;
+}
+
+/* Sizes the SpMM workspace for the largest batch: the four sites bound to the largest
+ * shapes (slot 0's and the download's device arenas, whose contents are not read). Where
+ * cuSPARSE declines to say, the first SpMM that needs more grows it instead. */
+static int spmm_presize(cu *c, const plan *pl, char **errptr)
+{
+    const model_layout *l = &c->l;
+    const int64_t BF = (int64_t)c->max_b * c->m.n_fields, U = c->max_u, nnz = c->max_u;
+    const char *up = c->slots[0].up.d, *down = c->down.d;
+    csr_ref A = {BF,
+                 U,
+                 nnz,
+                 (const int32_t *)(up + pl->rp),
+                 (const int32_t *)(up + pl->col),
+                 (const float *)(up + pl->val)};
+    csr_ref At = {U,
+                  BF,
+                  nnz,
+                  (const int32_t *)(up + pl->rpt),
+                  (const int32_t *)(up + pl->colt),
+                  (const float *)(up + pl->valt)};
+    size_t need = 0, n;
+    if (BF == 0 || U == 0) return CM_OK;
+    if (l->emb_table >= 0) {
+        const int64_t d = c->m.dim;
+        TRY(spmm_bind(c, &c->a, &A, SP_FWD_EMB, (const float *)(up + pl->emb[l->emb_table]), d,
+                      c->xe, errptr));
+        need = (n = spmm_need(c, &c->a, SP_FWD_EMB)) > need ? n : need;
+        TRY(spmm_bind(c, &c->at, &At, SP_BWD_EMB, c->dxe, d,
+                      (float *)(down + pl->demb[l->emb_table]), errptr));
+        need = (n = spmm_need(c, &c->at, SP_BWD_EMB)) > need ? n : need;
+    }
+    if (l->lin_table >= 0) {
+        TRY(spmm_bind(c, &c->a, &A, SP_FWD_LIN, (const float *)(up + pl->emb[l->lin_table]), 1,
+                      c->xl, errptr));
+        need = (n = spmm_need(c, &c->a, SP_FWD_LIN)) > need ? n : need;
+        TRY(spmm_bind(c, &c->at, &At, SP_BWD_LIN, c->dxl, 1,
+                      (float *)(down + pl->demb[l->lin_table]), errptr));
+        need = (n = spmm_need(c, &c->at, SP_BWD_LIN)) > need ? n : need;
+    }
+    if (need == 0) return CM_OK;
+    size_t cap = align_up(need), fr = 0, tot = 0;
+    CUDA_TRY(cudaMemGetInfo(&fr, &tot));
+    if (cap > fr)
+        return cm_err(errptr, CM_ENOMEM,
+                      "cuda: not enough device memory for the SpMM workspace: "
+                      "need %zu bytes, %zu of %zu free",
+                      cap, fr, tot);
+    CUDA_TRY(cudaMalloc(&c->spbuf, cap));
+    c->spcap = cap;
+    return CM_OK;
+}
+
 static int create_impl(cu *c, const model_cfg *m, const model_layout *l, uint32_t max_b,
-                       uint32_t max_u, char **errptr)
+                       uint32_t max_u, uint32_t flags, char **errptr)
 {
     TRY(backend_cuda_probe(errptr));
     CUDA_TRY(cudaGetDevice(&c->dev));
@@ -431,70 +693,71 @@ static int create_impl(cu *c, const model_cfg *m, const model_layout *l, uint32_
     c->max_u = max_u;
     c->alg = CUSPARSE_SPMM_CSR_ALG2; /* deterministic, tuned for row-major dense operands */
     CUDA_TRY(cudaStreamCreateWithFlags(&c->st, cudaStreamNonBlocking));
+    CUDA_TRY(cudaStreamCreateWithFlags(&c->cp, cudaStreamNonBlocking));
+    for (int i = 0; i < 2; i++) {
+        CUDA_TRY(cudaEventCreateWithFlags(&c->slots[i].copied, cudaEventDisableTiming));
+        CUDA_TRY(cudaEventCreateWithFlags(&c->slots[i].used, cudaEventDisableTiming));
+    }
     BLAS_TRY(cublasCreate(&c->blas));
     BLAS_TRY(cublasSetStream(c->blas, c->st));
+    /* TF32 does not fit the parity budget (1e-5), hence opt-in; the variable is an alias of
+     * --tf32 for callers that cannot pass flags. */
     const char *tf32 = getenv("EMBER_CUDA_TF32");
-    BLAS_TRY(cublasSetMathMode(c->blas, tf32 && tf32[0] == '1' ? CUBLAS_TF32_TENSOR_OP_MATH
-                                                                : CUBLAS_DEFAULT_MATH));
+    bool use_tf32 = (flags & BACKEND_TF32) || (tf32 && tf32[0] == '1');
+    BLAS_TRY(
+        cublasSetMathMode(c->blas, use_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
     TRY(ck_sparse(cusparseCreate(&c->sparse), "cusparseCreate", errptr));
     TRY(ck_sparse(cusparseSetStream(c->sparse, c->st), "cusparseSetStream", errptr));
 
-    size_t B = max_b, F = m->n_fields, d = m->dim, ti = l->top_in;
-    uint32_t widest = 1;
-    for (uint32_t i = 0; i < l->n_top; i++) widest = l->top[i].out > widest ? l->top[i].out : widest;
-    for (uint32_t i = 0; i < l->n_bot; i++) widest = l->bot[i].out > widest ? l->bot[i].out : widest;
-    c->widest = widest;
-    const size_t f4 = sizeof(float);
-    size_t at = 0, o_ws = carve(&at, CUBLAS_WS_BYTES), o_xe = 0, o_dxe = 0, o_xl = 0, o_dxl = 0,
-           o_in = 0, o_din = 0, o_act[MODEL_MAX_LAYERS + 1] = {0}, o_bact[MODEL_MAX_LAYERS] = {0},
-           o_fm = 0, o_dz0 = 0, o_pairs = 0;
-    if (l->emb_table >= 0) {
-        o_xe = carve(&at, B * F * d * f4);
-        o_dxe = carve(&at, B * F * d * f4);
-    }
-    if (l->lin_table >= 0) {
-        o_xl = carve(&at, B * F * f4);
-        o_dxl = carve(&at, B * F * f4);
-    }
-    if (l->n_top > 0) {
-        o_in = carve(&at, B * ti * f4);
-        o_din = carve(&at, B * ti * f4);
-    }
-    for (uint32_t i = 0; i < l->n_top; i++) o_act[i] = carve(&at, B * l->top[i].out * f4);
-    for (uint32_t i = 0; i < l->n_bot; i++) o_bact[i] = carve(&at, B * l->bot[i].out * f4);
-    size_t o_g1 = carve(&at, B * widest * f4), o_g2 = carve(&at, B * widest * f4);
-    if (m->kind == MODEL_DEEPFM) o_fm = carve(&at, B * d * f4);
-    if (m->kind == MODEL_DLRM) {
-        o_dz0 = carve(&at, B * d * f4);
-        o_pairs = carve(&at, (size_t)l->inter * 2 * sizeof(uint32_t));
-    }
-    size_t o_lterm = carve(&at, B * f4), o_dlogit = carve(&at, B * f4);
-    cudaError_t e = cudaMalloc((void **)&c->work, at);
+    /* Everything a step uses, sized for the largest batch now, so that the steady state
+     * allocates nothing and a device without room says so here rather than mid-run. The
+     * slots hold max_u pooling entries: the trainer's key bound is one on entries anyway. */
+    work_plan wp;
+    size_t work = work_make(c, &wp);
+    plan big;
+    plan_make(c, max_b, max_u, max_u, &big);
+    size_t need = work + 2 * align_up(big.up_bytes) + align_up(big.down_bytes), fr = 0, tot = 0;
+    CUDA_TRY(cudaMemGetInfo(&fr, &tot));
+    if (need > fr)
+        return cm_err(errptr, CM_ENOMEM,
+                      "cuda: not enough device memory for batches of %u rows "
+                      "and %u keys: need %zu bytes, %zu of %zu free",
+                      max_b, max_u, need, fr, tot);
+    cudaError_t e = cudaMalloc((void **)&c->work, work);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
-        size_t fr = 0, tot = 0;
         cudaMemGetInfo(&fr, &tot);
-        return cm_err(errptr, CM_ENOMEM, "cuda: not enough device memory for batches of %u: "
-                      "cudaMalloc of %zu bytes: %s (%zu of %zu bytes free)", max_b, at,
-                      cudaGetErrorString(e), fr, tot);
+        return cm_err(errptr, CM_ENOMEM,
+                      "cuda: not enough device memory for batches of %u: "
+                      "cudaMalloc of %zu bytes: %s (%zu of %zu bytes free)",
+                      max_b, work, cudaGetErrorString(e), fr, tot);
     }
+    for (int i = 0; i < 2; i++)
+        TRY(mirror_alloc(&c->slots[i].up, big.up_bytes, "batch upload", errptr));
+    TRY(mirror_alloc(&c->down, big.down_bytes, "result download", errptr));
     char *w = c->work;
 #define AT(o) ((float *)(w + (o)))
-    c->blas_ws = w + o_ws;
-    if (l->emb_table >= 0) c->xe = AT(o_xe), c->dxe = AT(o_dxe);
-    if (l->lin_table >= 0) c->xl = AT(o_xl), c->dxl = AT(o_dxl);
-    if (l->n_top > 0) c->in = AT(o_in), c->din = AT(o_din);
-    for (uint32_t i = 0; i < l->n_top; i++) c->act[i] = AT(o_act[i]);
-    for (uint32_t i = 0; i < l->n_bot; i++) c->bact[i] = AT(o_bact[i]);
-    c->g1 = AT(o_g1);
-    c->g2 = AT(o_g2);
-    if (m->kind == MODEL_DEEPFM) c->fmterm = AT(o_fm);
-    if (m->kind == MODEL_DLRM) c->dz0 = AT(o_dz0), c->pairs = (uint32_t *)(w + o_pairs);
-    c->lterm = AT(o_lterm);
-    c->dlogit = AT(o_dlogit);
+    c->blas_ws = w + wp.ws;
+    if (l->emb_table >= 0) c->xe = AT(wp.xe), c->dxe = AT(wp.dxe);
+    if (l->lin_table >= 0) c->xl = AT(wp.xl), c->dxl = AT(wp.dxl);
+    if (l->n_top > 0) c->in = AT(wp.in), c->din = AT(wp.din);
+    for (uint32_t i = 0; i < l->n_top; i++)
+        c->act[i] = AT(wp.act[i]);
+    for (uint32_t i = 0; i < l->n_bot; i++)
+        c->bact[i] = AT(wp.bact[i]);
+    c->g1 = AT(wp.g1);
+    c->g2 = AT(wp.g2);
+    if (m->kind == MODEL_DEEPFM) c->fmterm = AT(wp.fm);
+    if (m->kind == MODEL_DLRM) c->dz0 = AT(wp.dz0), c->pairs = (uint32_t *)(w + wp.pairs);
+    c->lterm = AT(wp.lterm);
+    c->dlogit = AT(wp.dlogit);
 #undef AT
     BLAS_TRY(cublasSetWorkspace(c->blas, c->blas_ws, CUBLAS_WS_BYTES));
+    /* spmm_presize points descriptors at slot 0: give it defined contents (an empty CSR). */
+    CUDA_TRY(cudaMemset(c->slots[0].up.d, 0, c->slots[0].up.cap));
+    TRY(spmm_presize(c, &big, errptr));
     if (m->kind == MODEL_DLRM && l->inter > 0) {
+        const size_t F = m->n_fields;
         uint32_t *pairs = (uint32_t *)malloc((size_t)l->inter * 2 * sizeof(uint32_t));
         if (pairs == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
         size_t p = 0;
@@ -512,14 +775,16 @@ static int create_impl(cu *c, const model_cfg *m, const model_layout *l, uint32_
 }
 
 static int cuda_create(const model_cfg *m, const model_layout *l, uint32_t max_b, uint32_t max_u,
-                       uint32_t threads, void **state, char **errptr)
+                       uint32_t threads, uint32_t flags, void **state, char **errptr)
 {
     (void)threads; /* the GPU needs no host compute threads */
     cu *c = (cu *)calloc(1, sizeof *c);
     if (c == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-    int rc = create_impl(c, m, l, max_b, max_u, errptr);
+    int rc = create_impl(c, m, l, max_b, max_u, flags, errptr);
     if (rc != CM_OK) {
-        if (c->st || c->work || c->blas || c->sparse) cuda_destroy(c);
+        /* Only touch the runtime again where it gave us something (a host without a driver). */
+        if (c->st || c->cp || c->slots[0].copied || c->work || c->blas || c->sparse)
+            cuda_destroy(c);
         else free(c);
         return rc;
     }
@@ -600,37 +865,29 @@ static int stack_bwd(cu *c, const model_layer *ly, uint32_t n, float *const *act
     return CM_OK;
 }
 
-/* X (rows x d, row-major) = A E for a canonical CSR A (rows x cols) and E (cols x d). */
-static int spmm(cu *c, int64_t rows, int64_t cols, int64_t nnz, const int32_t *rp, const int32_t *ci,
-                const float *v, const float *E, int64_t d, float *X, char **errptr)
+/* X = A E at a site (see csr_ref), on the compute stream. */
+static int spmm(cu *c, sp_desc *A, const csr_ref *m, int site, const float *E, int64_t d, float *X,
+                char **errptr)
 {
-    if (rows == 0 || d == 0) return CM_OK;
-    if (nnz == 0 || cols == 0) {
-        CUDA_TRY(cudaMemsetAsync(X, 0, (size_t)rows * d * sizeof(float), c->st));
+    if (m->rows == 0 || d == 0) return CM_OK;
+    if (m->nnz == 0 || m->cols == 0) {
+        CUDA_TRY(cudaMemsetAsync(X, 0, (size_t)m->rows * d * sizeof(float), c->st));
         return CM_OK;
     }
     const float one = 1.0f, zero = 0.0f;
-    cusparseConstSpMatDescr_t A = NULL;
-    cusparseConstDnMatDescr_t Ed = NULL;
-    cusparseDnMatDescr_t Xd = NULL;
-    int rc = ck_sparse(cusparseCreateConstCsr(&A, rows, cols, nnz, rp, ci, v, CUSPARSE_INDEX_32I,
-                                              CUSPARSE_INDEX_32I, CUSPARSE_INDEX_BASE_ZERO, CUDA_R_32F),
-                       "cusparseCreateConstCsr", errptr);
-    if (rc == CM_OK)
-        rc = ck_sparse(cusparseCreateConstDnMat(&Ed, cols, d, d, E, CUDA_R_32F, CUSPARSE_ORDER_ROW),
-                       "cusparseCreateConstDnMat", errptr);
-    if (rc == CM_OK)
-        rc = ck_sparse(cusparseCreateDnMat(&Xd, rows, d, d, X, CUDA_R_32F, CUSPARSE_ORDER_ROW),
-                       "cusparseCreateDnMat", errptr);
+    int rc = spmm_bind(c, A, m, site, E, d, X, errptr);
+    cusparseConstDnMatDescr_t Ed = c->dn[site][0].d;
+    cusparseDnMatDescr_t Xd = c->dn[site][1].d;
     /* ALG2 is deterministic and tuned for row-major operands; a library that does not offer it
      * for some shape says NOT_SUPPORTED, and we settle for the default from then on. */
     for (int attempt = 0; rc == CM_OK; attempt++) {
         size_t need = 0;
         const char *call = "cusparseSpMM_bufferSize";
         cusparseStatus_t s = cusparseSpMM_bufferSize(c->sparse, CUSPARSE_OPERATION_NON_TRANSPOSE,
-                                                     CUSPARSE_OPERATION_NON_TRANSPOSE, &one, A, Ed,
-                                                     &zero, Xd, CUDA_R_32F, c->alg, &need);
+                                                     CUSPARSE_OPERATION_NON_TRANSPOSE, &one, A->d,
+                                                     Ed, &zero, Xd, CUDA_R_32F, c->alg, &need);
         if (s == CUSPARSE_STATUS_SUCCESS && need > c->spcap) {
+            /* Only where create could not size it (spmm_presize): the old one may be in use. */
             rc = ck_cuda(cudaStreamSynchronize(c->st), "cudaStreamSynchronize", errptr);
             if (rc != CM_OK) break;
             if (c->spbuf) cudaFree(c->spbuf);
@@ -643,8 +900,9 @@ static int spmm(cu *c, int64_t rows, int64_t cols, int64_t nnz, const int32_t *r
         }
         if (s == CUSPARSE_STATUS_SUCCESS) {
             call = "cusparseSpMM";
-            s = cusparseSpMM(c->sparse, CUSPARSE_OPERATION_NON_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE,
-                             &one, A, Ed, &zero, Xd, CUDA_R_32F, c->alg, c->spbuf);
+            s = cusparseSpMM(c->sparse, CUSPARSE_OPERATION_NON_TRANSPOSE,
+                             CUSPARSE_OPERATION_NON_TRANSPOSE, &one, A->d, Ed, &zero, Xd,
+                             CUDA_R_32F, c->alg, c->spbuf);
         }
         if (s == CUSPARSE_STATUS_NOT_SUPPORTED && attempt == 0 && c->alg != CUSPARSE_SPMM_ALG_DEFAULT) {
             c->alg = CUSPARSE_SPMM_ALG_DEFAULT;
@@ -653,32 +911,23 @@ static int spmm(cu *c, int64_t rows, int64_t cols, int64_t nnz, const int32_t *r
         if (s != CUSPARSE_STATUS_SUCCESS)
             rc = cm_err(errptr, s == CUSPARSE_STATUS_ALLOC_FAILED ? CM_ENOMEM : CM_ERR,
                         "cuda: %s (%s, %lld x %lld, %lld entries, dim %lld): %s", call,
-                        c->alg == CUSPARSE_SPMM_CSR_ALG2 ? "CSR_ALG2" : "ALG_DEFAULT", (long long)rows,
-                        (long long)cols, (long long)nnz, (long long)d, cusparseGetErrorString(s));
+                        c->alg == CUSPARSE_SPMM_CSR_ALG2 ? "CSR_ALG2" : "ALG_DEFAULT",
+                        (long long)m->rows, (long long)m->cols, (long long)m->nnz, (long long)d,
+                        cusparseGetErrorString(s));
         break;
     }
-    if (Xd) cusparseDestroyDnMat(Xd);
-    if (Ed) cusparseDestroyDnMat(Ed);
-    if (A) cusparseDestroySpMat(A);
     return rc;
 }
 
-/* Offsets of one step's upload and download in the mirrors. */
-typedef struct plan {
-    size_t params, rp, col, val, rpt, colt, valt, dense, labels, emb[MODEL_MAX_TABLES], up_bytes;
-    size_t probs, loss, dparams, demb[MODEL_MAX_TABLES], down_bytes, down_fwd_bytes;
-} plan;
-
 /*
- * Packs the batch into the pinned upload arena: params, dense, labels, pulled rows, and the
- * pooling matrix twice in canonical CSR (see the note at the top): A^T by a stable counting
- * sort over columns with repeated (row, column) pairs merged, then A from A^T the same way.
- * Returns the canonical nnz through *nnz_out.
+ * Packs the batch into a slot's pinned upload arena h: params, dense, labels, pulled rows, and
+ * the pooling matrix twice in canonical CSR (see the note at the top): A^T by a stable
+ * counting sort over columns with repeated (row, column) pairs merged, then A from A^T the
+ * same way. Returns the canonical nnz through *nnz_out.
  */
-static int pack(cu *c, const plan *pl, const float *P, const model_batch *b, uint32_t *nnz_out,
-                char **errptr)
+static int pack(cu *c, const plan *pl, char *h, const float *P, const model_batch *b,
+                uint32_t *nnz_out, char **errptr)
 {
-    char *h = c->up.h;
     const uint32_t BF = b->B * b->F, U = b->U;
     memcpy(h + pl->params, P, c->l.n_params * sizeof(float));
     if (b->D) memcpy(h + pl->dense, b->dense, (size_t)b->B * b->D * sizeof(float));
@@ -733,18 +982,23 @@ static int pack(cu *c, const plan *pl, const float *P, const model_batch *b, uin
     return CM_OK;
 }
 
-/* The whole step: pack, upload, forward (+ backward when dP and labels), download. */
-static int step_impl(cu *c, const float *P, const model_batch *b, float *probs, double *loss,
-                     float *dP, float *const *demb, char **errptr)
+/* The batch's shape against the model and create's bounds. */
+static int check_shape(const cu *c, const model_batch *b, char **errptr)
 {
     const model_cfg *m = &c->m;
-    const model_layout *l = &c->l;
-    const uint32_t B = b->B, F = m->n_fields, D = m->n_dense, d = m->dim, U = b->U;
-    const bool bwd = dP != NULL && b->labels != NULL;
-    const size_t f4 = sizeof(float), BF = (size_t)B * F;
-    CUDA_TRY(cudaSetDevice(c->dev));
+    if (b->B > c->max_b || b->F != m->n_fields || b->D != m->n_dense || b->U > c->max_u)
+        return cm_err(errptr, CM_EINVAL,
+                      "batch shape (B %u, F %u, D %u, U %u) does not fit the model "
+                      "(F %u, D %u, at most %u rows, %u keys)",
+                      b->B, b->F, b->D, b->U, m->n_fields, m->n_dense, c->max_b, c->max_u);
+    return CM_OK;
+}
 
-    /* Validate what the packing and cuSPARSE's 32-bit indices rely on. */
+/* What the packing and cuSPARSE's 32-bit indices rely on. */
+static int check_csr(const model_batch *b, char **errptr)
+{
+    const size_t BF = (size_t)b->B * b->F;
+    const uint32_t U = b->U;
     for (size_t r = 0; r < BF; r++)
         if (b->row_ptr[r + 1] < b->row_ptr[r])
             return cm_err(errptr, CM_EINVAL, "cuda: batch CSR row_ptr decreases at row %zu", r);
@@ -756,53 +1010,105 @@ static int step_impl(cu *c, const float *P, const model_batch *b, float *probs, 
         if (b->col[k] >= U)
             return cm_err(errptr, CM_EINVAL, "cuda: batch CSR column %u at %u is not below U %u",
                           b->col[k], k, U);
+    return CM_OK;
+}
 
-    /* Layout of this step's transfers. */
-    plan pl;
-    memset(&pl, 0, sizeof pl);
-    size_t at = 0;
-    pl.params = carve(&at, l->n_params * f4);
-    pl.rp = carve(&at, (BF + 1) * sizeof(uint32_t));
-    pl.col = carve(&at, (size_t)raw_nnz * sizeof(uint32_t));
-    pl.val = carve(&at, (size_t)raw_nnz * f4);
-    pl.rpt = carve(&at, ((size_t)U + 1) * sizeof(uint32_t));
-    pl.colt = carve(&at, (size_t)raw_nnz * sizeof(uint32_t));
-    pl.valt = carve(&at, (size_t)raw_nnz * f4);
-    pl.dense = carve(&at, (size_t)B * D * f4);
-    pl.labels = carve(&at, B * f4);
-    for (uint32_t t = 0; t < l->n_tables; t++) pl.emb[t] = carve(&at, (size_t)U * l->table_dim[t] * f4);
-    pl.up_bytes = at;
-    at = 0;
-    pl.probs = carve(&at, B * f4);
-    pl.loss = carve(&at, sizeof(double));
-    pl.down_fwd_bytes = at;
-    pl.dparams = carve(&at, l->n_params * f4);
-    for (uint32_t t = 0; t < l->n_tables; t++) pl.demb[t] = carve(&at, (size_t)U * l->table_dim[t] * f4);
-    pl.down_bytes = at;
-    TRY(mirror_reserve(c, &c->up, pl.up_bytes, "batch upload", errptr));
-    TRY(mirror_reserve(c, &c->down, pl.down_bytes, "result download", errptr));
+/*
+ * Packs b into slot s and sends it to the device on `stream`, recording s->copied. The slot's
+ * pinned buffer may still feed its previous copy and its device buffer its previous step:
+ * both are waited for here (the step has returned by the prefetch contract, so that wait is
+ * free; it only guards the contract).
+ */
+static int slot_fill(cu *c, slot *s, const float *P, const model_batch *b, cudaStream_t stream,
+                     char **errptr)
+{
+    s->ticket = 0;
+    TRY(check_csr(b, errptr));
+    CUDA_TRY(cudaEventSynchronize(s->copied));
+    plan_make(c, b->B, b->U, b->row_ptr[(size_t)b->B * b->F], &s->pl);
+    if (s->pl.up_bytes > s->up.cap) {
+        /* More pooling entries than create sized for (max_u): grow this slot once. */
+        CUDA_TRY(cudaEventSynchronize(s->used));
+        TRY(mirror_alloc(&s->up, s->pl.up_bytes + s->pl.up_bytes / 2, "batch upload", errptr));
+    }
+    CUDA_TRY(cudaStreamWaitEvent(stream, s->used, 0));
+    TRY(pack(c, &s->pl, s->up.h, P, b, &s->nnz, errptr));
+    CUDA_TRY(cudaMemcpyAsync(s->up.d, s->up.h, s->pl.up_bytes, cudaMemcpyHostToDevice, stream));
+    CUDA_TRY(cudaEventRecord(s->copied, stream));
+    s->B = b->B;
+    s->U = b->U;
+    s->labels = b->labels != NULL;
+    return CM_OK;
+}
 
-    uint32_t nnz = 0;
-    TRY(pack(c, &pl, P, b, &nnz, errptr));
-    CUDA_TRY(cudaMemcpyAsync(c->up.d, c->up.h, pl.up_bytes, cudaMemcpyHostToDevice, c->st));
+/* The slot holding b's inputs: the prefetched one (the compute stream waits for its copy
+ * only), or, for ticket 0, slot 0 filled here (dropping what the slots held). */
+static int slot_take(cu *c, const float *P, const model_batch *b, slot **out, char **errptr)
+{
+    if (b->ticket == 0) {
+        c->slots[0].ticket = c->slots[1].ticket = 0;
+        TRY(slot_fill(c, &c->slots[0], P, b, c->st, errptr));
+        *out = &c->slots[0];
+        return CM_OK;
+    }
+    slot *s = &c->slots[b->ticket & 1];
+    if (s->ticket != b->ticket)
+        return cm_err(errptr, CM_EINVAL,
+                      "cuda: batch ticket %llu is no longer held (two later "
+                      "batches were prefetched, or a step without a ticket ran since)",
+                      (unsigned long long)b->ticket);
+    if (s->B != b->B || s->U != b->U || s->labels != (b->labels != NULL))
+        return cm_err(errptr, CM_EINVAL,
+                      "cuda: batch (B %u, U %u%s) is not the one prefetched as "
+                      "ticket %llu (B %u, U %u%s)",
+                      b->B, b->U, b->labels ? "" : ", no labels", (unsigned long long)b->ticket,
+                      s->B, s->U, s->labels ? "" : ", no labels");
+    CUDA_TRY(cudaStreamWaitEvent(c->st, s->copied, 0));
+    *out = s;
+    return CM_OK;
+}
 
-    char *du = c->up.d, *dd = c->down.d;
-    const float *dP_in = (const float *)(du + pl.params);
-    const int32_t *rp = (const int32_t *)(du + pl.rp), *col = (const int32_t *)(du + pl.col);
-    const int32_t *rpt = (const int32_t *)(du + pl.rpt), *colt = (const int32_t *)(du + pl.colt);
-    const float *val = (const float *)(du + pl.val), *valt = (const float *)(du + pl.valt);
-    const float *dense = (const float *)(du + pl.dense);
-    const float *labels = b->labels ? (const float *)(du + pl.labels) : NULL;
-    float *d_probs = (float *)(dd + pl.probs), *d_dP = (float *)(dd + pl.dparams);
-    double *d_loss = (double *)(dd + pl.loss);
+/* The whole step on a filled slot: forward (+ backward when dP and labels), download. */
+static int step_impl(cu *c, const slot *s, const model_batch *b, float *probs, double *loss,
+                     float *dP, float *const *demb, char **errptr)
+{
+    const model_cfg *m = &c->m;
+    const model_layout *l = &c->l;
+    const uint32_t B = b->B, F = m->n_fields, D = m->n_dense, d = m->dim, U = b->U;
+    const bool bwd = dP != NULL && b->labels != NULL;
+    const size_t f4 = sizeof(float), BF = (size_t)B * F;
+    const plan *pl = &s->pl;
+    if (pl->down_bytes > c->down.cap) /* create sized it for max_b and max_u */
+        return cm_err(errptr, CM_ERR, "cuda: result download of %zu bytes exceeds its %zu",
+                      pl->down_bytes, c->down.cap);
+
+    const char *du = s->up.d;
+    char *dd = c->down.d;
+    const float *dP_in = (const float *)(du + pl->params);
+    const csr_ref A = {(int64_t)BF,
+                       U,
+                       s->nnz,
+                       (const int32_t *)(du + pl->rp),
+                       (const int32_t *)(du + pl->col),
+                       (const float *)(du + pl->val)};
+    const csr_ref At = {U,
+                        (int64_t)BF,
+                        s->nnz,
+                        (const int32_t *)(du + pl->rpt),
+                        (const int32_t *)(du + pl->colt),
+                        (const float *)(du + pl->valt)};
+    const float *dense = (const float *)(du + pl->dense);
+    const float *labels = b->labels ? (const float *)(du + pl->labels) : NULL;
+    float *d_probs = (float *)(dd + pl->probs), *d_dP = (float *)(dd + pl->dparams);
+    double *d_loss = (double *)(dd + pl->loss);
 
     /* Forward. */
     if (l->emb_table >= 0)
-        TRY(spmm(c, (int64_t)BF, U, nnz, rp, col, val, (const float *)(du + pl.emb[l->emb_table]), d,
-                 c->xe, errptr));
+        TRY(spmm(c, &c->a, &A, SP_FWD_EMB, (const float *)(du + pl->emb[l->emb_table]), d, c->xe,
+                 errptr));
     if (l->lin_table >= 0)
-        TRY(spmm(c, (int64_t)BF, U, nnz, rp, col, val, (const float *)(du + pl.emb[l->lin_table]), 1,
-                 c->xl, errptr));
+        TRY(spmm(c, &c->a, &A, SP_FWD_LIN, (const float *)(du + pl->emb[l->lin_table]), 1, c->xl,
+                 errptr));
     if (m->kind == MODEL_DEEPFM) LAUNCH(k_fm_fwd, (size_t)B * d, c->xe, c->fmterm, F, d);
     const float *z0 = NULL;
     if (l->n_top > 0) {
@@ -849,8 +1155,8 @@ static int step_impl(cu *c, const float *P, const model_batch *b, float *probs, 
             LAUNCH(k_lin_bwd, BF, c->dxl, g, F);
             TRY(colsum(c, dense, D, D, B, g, d_dP + l->lin_w, errptr));
             TRY(colsum(c, g, 1, 1, B, NULL, d_dP + l->lin_c, errptr));
-            TRY(spmm(c, U, (int64_t)BF, nnz, rpt, colt, valt, c->dxl, 1,
-                     (float *)(dd + pl.demb[l->lin_table]), errptr));
+            TRY(spmm(c, &c->at, &At, SP_BWD_LIN, c->dxl, 1, (float *)(dd + pl->demb[l->lin_table]),
+                     errptr));
         }
         if (l->n_top > 0) {
             uint32_t ti = l->top_in;
@@ -864,21 +1170,40 @@ static int step_impl(cu *c, const float *P, const model_batch *b, float *probs, 
             }
         }
         if (l->emb_table >= 0)
-            TRY(spmm(c, U, (int64_t)BF, nnz, rpt, colt, valt, c->dxe, d,
-                     (float *)(dd + pl.demb[l->emb_table]), errptr));
+            TRY(spmm(c, &c->at, &At, SP_BWD_EMB, c->dxe, d, (float *)(dd + pl->demb[l->emb_table]),
+                     errptr));
     }
-    size_t down = bwd ? pl.down_bytes : pl.down_fwd_bytes;
+    size_t down = bwd ? pl->down_bytes : pl->down_fwd_bytes;
     CUDA_TRY(cudaMemcpyAsync(c->down.h, c->down.d, down, cudaMemcpyDeviceToHost, c->st));
     CUDA_TRY(cudaStreamSynchronize(c->st));
 
     const char *hd = c->down.h;
-    memcpy(probs, hd + pl.probs, B * f4);
-    if (loss) memcpy(loss, hd + pl.loss, sizeof(double));
+    memcpy(probs, hd + pl->probs, B * f4);
+    if (loss) memcpy(loss, hd + pl->loss, sizeof(double));
     if (bwd) {
-        memcpy(dP, hd + pl.dparams, l->n_params * f4);
+        memcpy(dP, hd + pl->dparams, l->n_params * f4);
         for (uint32_t t = 0; t < l->n_tables; t++)
-            if (U) memcpy(demb[t], hd + pl.demb[t], (size_t)U * l->table_dim[t] * f4);
+            if (U) memcpy(demb[t], hd + pl->demb[t], (size_t)U * l->table_dim[t] * f4);
     }
+    return CM_OK;
+}
+
+static int cuda_prefetch(void *state, const float *P, const model_batch *b, uint64_t *ticket,
+                         char **errptr)
+{
+    cu *c = (cu *)state;
+    *ticket = 0;
+    TRY(check_shape(c, b, errptr));
+    if (b->B == 0) return CM_OK;     /* nothing to move; its step touches no slot */
+    CUDA_TRY(cudaSetDevice(c->dev)); /* the device is per host thread */
+    /* Tickets alternate between the slots, so a step finds its slot from the ticket alone and
+     * never reads the slot a concurrent prefetch is filling. */
+    uint64_t t = c->n_tickets + 1;
+    slot *s = &c->slots[t & 1];
+    TRY(slot_fill(c, s, P, b, c->cp, errptr));
+    c->n_tickets = t;
+    s->ticket = t;
+    *ticket = t;
     return CM_OK;
 }
 
@@ -886,14 +1211,9 @@ static int cuda_step(void *state, const float *P, const model_batch *b, float *p
                      float *dP, float *const *demb, char **errptr)
 {
     cu *c = (cu *)state;
-    const model_cfg *m = &c->m;
     const model_layout *l = &c->l;
-    const uint32_t B = b->B, F = m->n_fields, D = m->n_dense;
-    if (B > c->max_b || b->F != F || b->D != D || b->U > c->max_u)
-        return cm_err(errptr, CM_EINVAL, "batch shape (B %u, F %u, D %u, U %u) does not fit the model "
-                      "(F %u, D %u, at most %u rows, %u keys)", B, b->F, b->D, b->U, F, D, c->max_b,
-                      c->max_u);
-    if (B == 0) { /* nothing to launch; the CPU's answer */
+    TRY(check_shape(c, b, errptr));
+    if (b->B == 0) { /* nothing to launch; the CPU's answer */
         if (loss) *loss = 0.0;
         if (dP == NULL) return CM_OK;
         memset(dP, 0, l->n_params * sizeof(float));
@@ -902,9 +1222,15 @@ static int cuda_step(void *state, const float *P, const model_batch *b, float *p
             if (b->U) memset(demb[t], 0, (size_t)b->U * l->table_dim[t] * sizeof(float));
         return CM_OK;
     }
-    int rc = step_impl(c, P, b, probs, loss, dP, demb, errptr);
+    CUDA_TRY(cudaSetDevice(c->dev));
+    slot *s = NULL;
+    int rc = slot_take(c, P, b, &s, errptr);
+    if (rc == CM_OK) rc = step_impl(c, s, b, probs, loss, dP, demb, errptr);
+    /* The next fill of this slot waits for this (the copy stream, on the device). */
+    if (s != NULL && rc == CM_OK)
+        rc = ck_cuda(cudaEventRecord(s->used, c->st), "cudaEventRecord", errptr);
     if (rc != CM_OK) {
-        /* Let nothing still in flight touch the staging buffers the next step rewrites. */
+        /* Let nothing still in flight touch the buffers the next step rewrites. */
         cudaStreamSynchronize(c->st);
         return rc;
     }
@@ -915,6 +1241,6 @@ static int cuda_step(void *state, const float *P, const model_batch *b, float *p
     return CM_OK;
 }
 
-static const backend_ops cuda_ops = {"cuda", cuda_create, cuda_destroy, cuda_step};
+static const backend_ops cuda_ops = {"cuda", cuda_create, cuda_destroy, cuda_prefetch, cuda_step};
 
 extern "C" const backend_ops *const backend_cuda_ops = &cuda_ops;

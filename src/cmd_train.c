@@ -21,8 +21,10 @@ static void train_usage(FILE *to)
         "  --out RUNDIR         checkpoints, metrics.jsonl (default runs/train)\n"
         "  --config FILE        INI with [model] (kind, dim, hidden, bottom, seed, pool) and\n"
         "                       [train] (batch, epochs, emb_lr, dense_lr, emb_optimizer,\n"
-        "                       push_codec, memory, shuffle, staleness, checkpoint_every)\n"
+        "                       push_codec, memory, shuffle, staleness, checkpoint_every, tf32)\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
+        "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
+        "                       fp32; EMBER_CUDA_TF32=1 too); cpu: ignored\n"
         "  --batch N --epochs N --workers N --shards N --staleness K (-1 async)\n"
         "  --checkpoint-every N --keep-checkpoints K (default 0 = all) --resume\n"
         "  --rejoin             cluster worker: restart into the running job from its last\n"
@@ -83,6 +85,7 @@ int cmd_train(int argc, char **argv)
         O_WTIMEOUT,
         O_REJOIN,
         O_PSTIMEOUT,
+        O_TF32,
         O_HELP
     };
     static const struct option opts[] = {{"train", 1, 0, O_TRAIN},
@@ -118,6 +121,7 @@ int cmd_train(int argc, char **argv)
                                          {"worker-timeout", 1, 0, O_WTIMEOUT},
                                          {"rejoin", 0, 0, O_REJOIN},
                                          {"ps-timeout", 1, 0, O_PSTIMEOUT},
+                                         {"tf32", 0, 0, O_TF32},
                                          {"help", 0, 0, O_HELP},
                                          {0, 0, 0, 0}};
     train_opts o;
@@ -237,6 +241,9 @@ int cmd_train(int argc, char **argv)
             break;
         case O_STALEPULL:
             o.stale_pull = 1;
+            break;
+        case O_TF32:
+            o.tf32 = 1;
             break;
         case O_WTIMEOUT:
             bad = parse_uint(optarg, UINT32_MAX, &u);

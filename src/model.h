@@ -84,6 +84,7 @@ typedef struct model_batch {
     const uint32_t *col;                /* nnz, < U */
     const float *val;                   /* nnz */
     const float *emb[MODEL_MAX_TABLES]; /* U x dim_t */
+    uint64_t ticket; /* 0, or what backend_ops.prefetch returned for exactly this batch */
 } model_batch;
 
 /* Raw rows as a reader or a serving caller has them (datasets' ds_batch layout). */
@@ -116,18 +117,47 @@ void model_staging_fini(model_staging *s);
 /* The staged batch as the backends take it. */
 void model_staging_view(const model_staging *s, model_batch *mb);
 
+/* backend_ops.create flags. */
+#define BACKEND_TF32 1u /* cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative); cpu: ignored */
+
 /* A compute backend: a static ops table per variant (cpu, cuda). */
 typedef struct backend backend;
 typedef struct backend_ops {
     const char *name;
-    /* Creates per-backend state for batches of at most max_batch rows and max_uniq keys;
-     * threads: CPU threads for the dense math (the cpu backend cuts every GEMM into tiles
-     * fixed by its shape, so results are the same bits for any thread count and timing). */
+    /* Creates per-backend state for batches of at most max_batch rows and max_uniq keys (the
+     * cuda backend also sizes its pooling entries per batch by max_uniq; a batch with more
+     * grows them once). Everything a step needs is allocated here, so a device without room
+     * fails now, not mid-run. threads: CPU threads for the dense math (the cpu backend cuts
+     * every GEMM into tiles fixed by its shape, so results are the same bits for any thread
+     * count and timing). flags: BACKEND_*. */
     int (*create)(const model_cfg *m, const model_layout *l, uint32_t max_batch, uint32_t max_uniq,
-                  uint32_t threads, void **state, char **errptr);
+                  uint32_t threads, uint32_t flags, void **state, char **errptr);
     void (*destroy)(void *state);
+    /*
+     * Hands the backend the batch a later step will take, as soon as its rows and params are
+     * pulled, so it can start moving it to the device while the current step computes (cuda:
+     * packed into one of two pinned slots and copied on a second stream; the step waits for
+     * that copy only). *ticket is set to put into that batch's model_batch.ticket; the cpu
+     * backend has nothing to move and sets 0. The contract:
+     *   - It reads params and b's arrays only during the call: on return the caller may
+     *     rewrite or free them (a re-pulled batch is simply handed over again).
+     *   - Calls are serialized among themselves (one thread at a time: the trainer's prefetch
+     *     thread, or the stepping thread between its steps) and may run concurrently with a
+     *     step on another thread.
+     *   - Two batches may be pending; a third call reuses the first one's slot, so it must
+     *     come after that batch's step has returned (or that batch is never stepped: its
+     *     ticket then fails the step). Stepping a batch again under its ticket is allowed
+     *     until then.
+     * A step under a ticket computes on the params and arrays prefetch was given (it checks
+     * b->B, b->U and labels presence against them). A step with ticket 0 moves a non-empty
+     * batch itself; with the cuda backend it must not run concurrently with prefetch, and it
+     * drops the pending batches (their tickets then fail).
+     */
+    int (*prefetch)(void *state, const float *params, const model_batch *b, uint64_t *ticket,
+                    char **errptr);
     /* Forward pass: probs (B) and, with labels, the mean loss. With dparams != NULL also the
-     * backward pass: dparams (n_params, overwritten) and demb[t] (U x dim_t, overwritten). */
+     * backward pass: dparams (n_params, overwritten) and demb[t] (U x dim_t, overwritten).
+     * Calls are serialized among themselves (one step at a time per state). */
     int (*step)(void *state, const float *params, const model_batch *b, float *probs, double *loss,
                 float *dparams, float *const *demb, char **errptr);
 } backend_ops;

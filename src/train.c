@@ -98,6 +98,8 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
             bad = cm_parse_size(v, &u) || u > UINT32_MAX, o->worker_timeout_ms = (uint32_t)u;
         else if (!strcmp(k, "keep_checkpoints"))
             bad = cm_parse_size(v, &u) || u > 100000, o->keep_checkpoints = (uint32_t)u;
+        else if (!strcmp(k, "tf32"))
+            bad = cm_parse_size(v, &u) || u > 1, o->tf32 = (int)u;
         else
             return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
     }
@@ -136,6 +138,7 @@ typedef struct stage {
     int status; /* 1 batch, 0 end of data, < 0 error */
     model_staging ms;
     float *params;
+    uint64_t ticket; /* what the backend's prefetch returned for this batch (model.h) */
 } stage;
 
 static void stage_free(stage *s)
@@ -169,12 +172,24 @@ static int stage_pull(stage *s, const setup *S, ps_client *c, bool lookup, char 
     return rc;
 }
 
+/* Hands the pulled stage to the backend, which may start moving it to the device now (the
+ * cuda backend copies it while the current step computes). It reads the stage only during
+ * the call, so a later re-pull needs just another call. */
+static int stage_send(stage *s, const setup *S, void *be, char **errptr)
+{
+    model_batch mb;
+    model_staging_view(&s->ms, &mb);
+    s->ticket = 0;
+    return S->be->prefetch(be, s->params, &mb, &s->ticket, errptr);
+}
+
 /* ---- prefetch: builds and pulls batch t+1 while t computes ---- */
 
 typedef struct prefetch {
     const setup *S;
     ds_reader *r;
     ps_client *c;
+    void *be; /* the worker's backend: this thread hands it each stage (stage_send) */
     stage st[2];
     int full[2]; /* 1 when st[i] is ready for the consumer */
     int next_fill, next_take;
@@ -216,6 +231,9 @@ static void *prefetch_main(void *arg)
             if (stop) break;
             rc = stage_pull(s, p->S, p->c, false, &err);
             p->pulled++;
+            /* This thread is the only caller until the consumer takes the stage, and the stage
+             * it refills was released after its step returned: the prefetch contract. */
+            if (rc == CM_OK) rc = stage_send(s, p->S, p->be, &err);
         }
         s->status = rc != CM_OK ? rc : got;
         pthread_mutex_lock(&p->mu);
@@ -230,8 +248,8 @@ static void *prefetch_main(void *arg)
     return NULL;
 }
 
-static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *c, uint64_t left,
-                          char **errptr)
+static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *c, void *be,
+                          uint64_t left, char **errptr)
 {
     memset(p, 0, sizeof *p);
     p->left = left;
@@ -239,6 +257,7 @@ static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *
     p->S = S;
     p->r = r;
     p->c = c;
+    p->be = be;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     if (pthread_create(&p->th, NULL, prefetch_main, p) != 0)
@@ -287,12 +306,16 @@ static void prefetch_wait_next(prefetch *p)
     pthread_mutex_unlock(&p->mu);
 }
 
-/* Pulls the stage after the one taken again, so it reflects every update applied so far. */
+/* Pulls the stage after the one taken again, so it reflects every update applied so far, and
+ * hands it to the backend again (the prefetch thread is idle until the release: it waits for
+ * the taken stage, so this thread may call prefetch now). */
 static int prefetch_refresh(prefetch *p, char **errptr)
 {
     prefetch_wait_next(p);
     stage *s = &p->st[p->next_take ^ 1];
-    return s->status > 0 ? stage_pull(s, p->S, p->c, false, errptr) : CM_OK;
+    if (s->status <= 0) return CM_OK;
+    int rc = stage_pull(s, p->S, p->c, false, errptr);
+    return rc == CM_OK ? stage_send(s, p->S, p->be, errptr) : rc;
 }
 
 static void prefetch_stop(prefetch *p)
@@ -648,7 +671,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
     dparams = malloc(S->l.n_params * sizeof(float) + 1);
     if (probs == NULL || dparams == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     if (rc != CM_OK) goto out;
-    rc = prefetch_start(&pf, S, r, c, total > step ? total - step : 0, errptr);
+    rc = prefetch_start(&pf, S, r, c, be, total > step ? total - step : 0, errptr);
     if (rc != CM_OK) goto out;
     pf_started = true;
     uint32_t cap_u = 0;
@@ -673,6 +696,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         }
         model_batch mb;
         model_staging_view(&s->ms, &mb);
+        mb.ticket = s->ticket;
         double loss = 0;
         if (rc == CM_OK) rc = S->be->step(be, s->params, &mb, probs, &loss, dparams, demb, errptr);
         if (rc == CM_OK && (!isfinite(loss) || !all_finite(dparams, S->l.n_params)))
@@ -748,7 +772,7 @@ static void *worker_main(void *arg)
     int rc = ps_client_create(&co, &c, errptr);
     if (rc == CM_OK)
         rc = S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024, o->threads,
-                           &be, errptr);
+                           o->tf32 ? BACKEND_TF32 : 0, &be, errptr);
     if (rc == CM_OK && W->index == 0 && S->l.n_params > 0) {
         float *p = malloc(S->l.n_params * sizeof(float));
         int assigned;

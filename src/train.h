@@ -68,6 +68,7 @@ typedef struct train_opts {
     int rejoin;                      /* cluster worker restarted into a running job */
     uint32_t ps_timeout_ms;          /* per PS request (0: the client's default, 30 s) */
     int stale_pull; /* pull batch t+1 before batch t's push (more overlap, one step stale) */
+    int tf32;       /* cuda: TF32 tensor-core GEMMs (BACKEND_TF32); the cpu ignores it */
     int eval_every;                  /* steps, 0 = end only */
 } train_opts;
 

@@ -38,7 +38,7 @@ int main(void)
         /* Twice: a failed create must leave nothing behind that breaks the next one. */
         for (int rep = 0; rep < 2; rep++) {
             void *state = NULL;
-            rc = ops->create(&m, &l, 256, 4096, 1, &state, &err);
+            rc = ops->create(&m, &l, 256, 4096, 1, 0, &state, &err);
             CHECK_MSG(rc != 0, "%s: create succeeded without a device", model_kind_name(kinds[k]));
             CHECK(state == NULL);
             CHECK_MSG(err && strstr(err, "no CUDA device"), "%s: err=%s", model_kind_name(kinds[k]),
@@ -50,7 +50,7 @@ int main(void)
         }
         /* No error pointer: still a clean failure. */
         void *state = NULL;
-        CHECK(ops->create(&m, &l, 16, 16, 1, &state, NULL) != 0 && state == NULL);
+        CHECK(ops->create(&m, &l, 16, 16, 1, 0, &state, NULL) != 0 && state == NULL);
     }
     ops->destroy(NULL); /* a no-op, as for the cpu backend */
 
@@ -60,12 +60,12 @@ int main(void)
     model_cfg_preset(&m, MODEL_LR, 2, 1);
     CHECK_OK(model_layout_make(&m, &l, &err), err);
     void *cpu = NULL;
-    CHECK_OK(backend_cpu_ops.create(&m, &l, 4, 8, 1, &cpu, &err), err);
+    CHECK_OK(backend_cpu_ops.create(&m, &l, 4, 8, 1, 0, &cpu, &err), err);
     if (cpu) {
         float params[2] = {0.5f, 0.25f}, dense[1] = {1.0f}, labels[1] = {1.0f}, val[1] = {1.0f},
               e0[1] = {0.5f}, probs[1];
         uint32_t row_ptr[3] = {0, 1, 1}, col[1] = {0};
-        model_batch b = {1, 2, 1, 1, dense, labels, row_ptr, col, val, {e0, NULL}};
+        model_batch b = {1, 2, 1, 1, dense, labels, row_ptr, col, val, {e0, NULL}, 0};
         double loss = 0;
         CHECK_OK(backend_cpu_ops.step(cpu, params, &b, probs, &loss, NULL, NULL, &err), err);
         CHECK(fabsf(probs[0] - 1.0f / (1.0f + expf(-1.25f))) < 1e-6f);

@@ -14,12 +14,18 @@
  * the CPU loops, and a sum that cancels (a bias gradient: the sum of p - y over the batch) keeps
  * the absolute error of its terms, not a relative one.
  *
- * Also on the device: several batch sizes through one state (growth, then reuse), a batch
- * with more distinct keys than the first (the lazily grown buffers), the forward-only call,
- * a batch without labels (loss 0; backward refused), bit-identical repeats, shape errors, an
- * empty batch.
+ * Also on the device: several batch sizes through one state (sized at create, then reused),
+ * a batch with more distinct keys than the first, the forward-only call, a batch without
+ * labels (loss 0; backward refused), bit-identical repeats, shape errors, an empty batch.
+ *
+ * And the trainer's path, backend_ops.prefetch (model.h): two batches pending at once, each
+ * stepped under its ticket; a prefetch on another thread while a step computes (the copy
+ * stream against the compute stream, slots reused); the batch's host arrays poisoned right
+ * after prefetch (it must not read them again); stale tickets refused; a step without a
+ * ticket dropping what is pending; more pooling entries than create sized the slots for.
  */
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 #include <stdint.h>
 
 #include "check.h"
@@ -201,6 +207,122 @@ static void compare_step(const char *name, const model_layout *l, void *gpu, voi
     outs_free(&c);
 }
 
+/* A prefetch on its own thread, as the trainer's prefetch thread makes it. */
+typedef struct pf_job {
+    void *gpu;
+    const float *params;
+    model_batch *mb;
+    int rc;
+    char *err;
+} pf_job;
+
+static void *pf_main(void *arg)
+{
+    pf_job *j = arg;
+    j->rc = backend_cuda_ops->prefetch(j->gpu, j->params, j->mb, &j->mb->ticket, &j->err);
+    return NULL;
+}
+
+static void prefetch_ok(void *gpu, const float *params, batch *b)
+{
+    char *err = NULL;
+    b->mb.ticket = 0;
+    CHECK_OK(backend_cuda_ops->prefetch(gpu, params, &b->mb, &b->mb.ticket, &err), err);
+    CHECK(b->mb.ticket != 0);
+}
+
+/* A step that must fail with an error mentioning `what`. */
+static void step_fails(void *gpu, const float *params, const batch *b, const char *what)
+{
+    char *err = NULL;
+    float *probs = malloc(b->B * sizeof(float) + 4);
+    double loss;
+    int rc = backend_cuda_ops->step(gpu, params, &b->mb, probs, &loss, NULL, NULL, &err);
+    CHECK_MSG(rc != 0 && err && strstr(err, what), "expected an error about '%s', got rc %d: %s",
+              what, rc, err ? err : "(none)");
+    free(err);
+    free(probs);
+}
+
+static void run_prefetch(const char *name, const model_layout *l, void *gpu, void *cpu,
+                         const float *params, uint32_t F, uint32_t D, int mean, int key_weights)
+{
+    const uint32_t shapes[][2] = {{300, 700}, {128, 1500}, {64, 40}, {300, 2000}};
+    batch b[4];
+    for (int i = 0; i < 4; i++)
+        batch_make(&b[i], l, shapes[i][0], F, D, shapes[i][1], mean, key_weights);
+    char *err = NULL;
+
+    /* Two pending, then stepped in order (compare_step repeats each under its ticket). */
+    prefetch_ok(gpu, params, &b[0]);
+    prefetch_ok(gpu, params, &b[1]);
+    CHECK(b[0].mb.ticket != b[1].mb.ticket);
+    compare_step(name, l, gpu, cpu, params, &b[0], 1);
+    /* b[2] reuses b[0]'s slot on another thread while b[1] steps here. */
+    pf_job job = {gpu, params, &b[2].mb, -1, NULL};
+    b[2].mb.ticket = 0;
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, pf_main, &job) == 0);
+    compare_step(name, l, gpu, cpu, params, &b[1], 1);
+    pthread_join(th, NULL);
+    CHECK_OK(job.rc, job.err);
+    compare_step(name, l, gpu, cpu, params, &b[2], 0);
+    compare_step(name, l, gpu, cpu, params, &b[2], 1);
+    step_fails(gpu, params, &b[0], "ticket"); /* its slot holds b[2] now */
+
+    /* Prefetch reads the batch during the call only: poison it afterwards. */
+    {
+        outs c;
+        outs_alloc(&c, l, b[3].B, b[3].U);
+        CHECK_OK(
+            backend_cpu_ops.step(cpu, params, &b[3].mb, c.probs, &c.loss, c.dparams, c.demb, &err),
+            err);
+        prefetch_ok(gpu, params, &b[3]);
+        float *pz = malloc(l->n_params * sizeof(float) + 4);
+        for (size_t i = 0; i < l->n_params; i++)
+            pz[i] = NAN;
+        for (size_t i = 0; i < (size_t)b[3].B * D; i++)
+            b[3].dense[i] = NAN;
+        for (uint32_t i = 0; i < b[3].B; i++)
+            b[3].labels[i] = NAN;
+        for (uint32_t k = 0; k < b[3].row_ptr[b[3].B * F]; k++)
+            b[3].val[k] = NAN, b[3].col[k] = 0;
+        for (uint32_t t = 0; t < l->n_tables; t++)
+            for (size_t i = 0; i < (size_t)b[3].U * l->table_dim[t]; i++)
+                b[3].emb[t][i] = NAN;
+        outs g;
+        outs_alloc(&g, l, b[3].B, b[3].U);
+        outs_poison(&g, l, b[3].B, b[3].U);
+        CHECK_OK(
+            backend_cuda_ops->step(gpu, pz, &b[3].mb, g.probs, &g.loss, g.dparams, g.demb, &err),
+            err);
+        fprintf(stderr, "%s B %u U %u prefetched, then poisoned:\n", name, b[3].B, b[3].U);
+        CHECK_MSG(close_arrays("probs", g.probs, c.probs, b[3].B), "%s poisoned probs", name);
+        CHECK_MSG(close_arrays("dparams", g.dparams, c.dparams, l->n_params), "%s poisoned dparams",
+                  name);
+        for (uint32_t t = 0; t < l->n_tables; t++)
+            CHECK_MSG(close_arrays("demb", g.demb[t], c.demb[t], (size_t)b[3].U * l->table_dim[t]),
+                      "%s poisoned demb[%u]", name, t);
+        free(pz);
+        outs_free(&g);
+        outs_free(&c);
+    }
+
+    /* A step without a ticket drops the pending batches. */
+    prefetch_ok(gpu, params, &b[1]);
+    uint64_t t1 = b[1].mb.ticket;
+    b[1].mb.ticket = 0;
+    compare_step(name, l, gpu, cpu, params, &b[1], 1);
+    b[1].mb.ticket = t1;
+    step_fails(gpu, params, &b[1], "ticket");
+    /* A ticket's batch must be the one prefetched. */
+    prefetch_ok(gpu, params, &b[1]);
+    b[2].mb.ticket = b[1].mb.ticket;
+    step_fails(gpu, params, &b[2], "not the one prefetched");
+    for (int i = 0; i < 4; i++)
+        batch_free(&b[i]);
+}
+
 static void run_model(model_kind kind, int mean, int key_weights)
 {
     char name[64];
@@ -218,8 +340,8 @@ static void run_model(model_kind kind, int mean, int key_weights)
     for (size_t i = 0; i < l.n_params; i++)
         if (params[i] == 0.0f) params[i] = unif(-0.1f, 0.1f);
     void *gpu = NULL, *cpu = NULL;
-    CHECK_OK(backend_cuda_ops->create(&m, &l, max_b, max_u, 1, &gpu, &err), err);
-    CHECK_OK(backend_cpu_ops.create(&m, &l, max_b, max_u, 1, &cpu, &err), err);
+    CHECK_OK(backend_cuda_ops->create(&m, &l, max_b, max_u, 1, 0, &gpu, &err), err);
+    CHECK_OK(backend_cpu_ops.create(&m, &l, max_b, max_u, 1, 0, &cpu, &err), err);
     if (gpu == NULL || cpu == NULL) goto out;
 
     /* Growing, shrinking, then growing U past everything seen before. */
@@ -255,6 +377,24 @@ static void run_model(model_kind kind, int mean, int key_weights)
         free(pc);
         free(dp);
         for (uint32_t t = 0; t < l.n_tables; t++) free(de[t]);
+        batch_free(&b);
+    }
+
+    run_prefetch(name, &l, gpu, cpu, params, F, D, mean, key_weights);
+
+    /* More pooling entries than create sized the slots for (max_u 800; about 3600 here): the
+     * slot grows, synchronously and prefetched. */
+    {
+        void *small = NULL;
+        CHECK_OK(backend_cuda_ops->create(&m, &l, max_b, 800, 1, 0, &small, &err), err);
+        batch b;
+        batch_make(&b, &l, 300, F, D, 700, mean, key_weights);
+        if (small) {
+            compare_step(name, &l, small, cpu, params, &b, 1);
+            prefetch_ok(small, params, &b);
+            compare_step(name, &l, small, cpu, params, &b, 1);
+            backend_cuda_ops->destroy(small);
+        }
         batch_free(&b);
     }
 

@@ -8,6 +8,16 @@
  */
 #include "cli_util.h"
 
+/* A small file in the test directory. */
+static void write_text(const char *name, const char *text)
+{
+    char path[8192];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (f) fputs(text, f), fclose(f);
+}
+
 /* A small Avazu CSV (no dense features, 23 fields). */
 static void write_avazu(const char *name, int rows)
 {
@@ -73,6 +83,14 @@ int main(void)
     /* Avazu alone trains. */
     rc = run("train --train av/train --eval av/eval --model deepfm --batch 64 --out r3b --no-progress");
     CHECK_MSG(rc == 0, "avazu deepfm: exit %d", rc);
+    /* --tf32 and [train] tf32 reach the backend; the cpu accepts and ignores them; tf32 is 0|1. */
+    write_text("tf32.ini", "[train]\ntf32 = 1\n");
+    rc = run("train --train av/train --model lr --device cpu --tf32 --config tf32.ini --batch 64 "
+             "--max-steps 2 --out r3c --no-progress");
+    CHECK_MSG(rc == 0, "--tf32 on the cpu: exit %d, stderr: %s", rc, err_text);
+    write_text("tf32-bad.ini", "[train]\ntf32 = 2\n");
+    rc = run("train --train av/train --model lr --config tf32-bad.ini --out r3d --no-progress");
+    CHECK_MSG(rc != 0 && err_has("bad value '2' for tf32"), "[train] tf32 = 2: exit %d", rc);
 
     /* Unknown model, bad values. */
     rc = run("train --train ds/train --model bogus --out r4");

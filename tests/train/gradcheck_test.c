@@ -273,7 +273,7 @@ static void *be_create(const tcase *t, uint32_t threads)
 {
     void *st = NULL;
     char *err = NULL;
-    int rc = backend_cpu_ops.create(&t->m, &t->l, t->B + 5, t->U + 7, threads, &st, &err);
+    int rc = backend_cpu_ops.create(&t->m, &t->l, t->B + 5, t->U + 7, threads, 0, &st, &err);
     CHECK_OK(rc, err);
     return rc == 0 ? st : NULL;
 }
@@ -501,7 +501,7 @@ static void shape_errors(void)
     if (tcase_make(&t, MODEL_MLP, &sh, 0, 0, 5) != 0) return;
     void *st = NULL;
     char *err = NULL;
-    int rc = backend_cpu_ops.create(&t.m, &t.l, 4, 100, 1, &st, &err); /* max_batch 4 < B 7 */
+    int rc = backend_cpu_ops.create(&t.m, &t.l, 4, 100, 1, 0, &st, &err); /* max_batch 4 < B 7 */
     CHECK_OK(rc, err);
     outs o;
     outs_alloc(&o, &t);

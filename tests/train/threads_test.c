@@ -198,7 +198,7 @@ static void *create(const batch *t, uint32_t threads)
 {
     void *st = NULL;
     char *err = NULL;
-    int rc = backend_cpu_ops.create(&t->m, &t->l, MAX_B, MAX_B * FIELDS + 1, threads, &st, &err);
+    int rc = backend_cpu_ops.create(&t->m, &t->l, MAX_B, MAX_B * FIELDS + 1, threads, 0, &st, &err);
     CHECK_OK(rc, err);
     return rc == 0 ? st : NULL;
 }
