@@ -39,8 +39,9 @@
  *                 ember's (embedding rows and tower, written next to the dump), because the
  *                 initial draw alone moves the mlp's AUC by up to 0.004 on these data
  *   --pairs N     AUC pairs (ember at the reported thread count and PyTorch, seeds 1..N, each
- *                 pair from the same weights; default 3, --quick 1): the AUC goal is judged on
- *                 the means, since one run's AUC moves by ~0.003 with float summation order
+ *                 pair from the same weights; default 3, at most 8, --quick 1): the AUC
+ *                 goal is judged on the means, since one run's AUC moves by ~0.003 with float
+ *                 summation order
  *   --train-arg   one more argument for every `ember train` (repeatable), for experiments
  * Prints a table, then one JSON object as the last line. The data, `ember train` and PyTorch
  * steps live in tools/train_bench.c, which tools/bench_gpu.c runs too (on --device cuda).
@@ -62,6 +63,7 @@
 #define HIDDEN0 BENCH_HIDDEN0
 #define HIDDEN1 BENCH_HIDDEN1
 #define MAX_PAIRS BENCH_MAX_PAIRS
+#define DEFAULT_PAIRS 3 /* ~75 s a pair on 2 quiet cores */
 #define GOAL_AUC_GAP 0.001
 #define GOAL_SPEEDUP 3.0
 #define MAX_MODELS 4
@@ -232,8 +234,12 @@ int main(int argc, char **argv)
     }
     if (o.rows == 0) o.rows = o.quick ? 300000 : 2000000;
     if (o.eval_rows == 0) o.eval_rows = o.quick ? 30000 : 200000;
-    if (o.pairs == 0) o.pairs = o.quick ? 1 : MAX_PAIRS;
-    if (o.pairs > MAX_PAIRS) o.pairs = MAX_PAIRS;
+    if (o.pairs == 0) o.pairs = o.quick ? 1 : DEFAULT_PAIRS;
+    if (o.pairs > MAX_PAIRS) {
+        fprintf(stderr, "bench train: --pairs %u is more than the %u seeds prepared; using %u\n",
+                o.pairs, MAX_PAIRS, MAX_PAIRS);
+        o.pairs = MAX_PAIRS;
+    }
     if (o.ember == NULL || access(o.ember, X_OK) != 0) {
         fprintf(stderr, "bench train: no ember binary at %s (build it, or --ember PATH)\n",
                 o.ember ? o.ember : "?");

@@ -21,7 +21,7 @@
 #define BENCH_EMB_LR "0.05"
 #define BENCH_DENSE_LR "0.001"
 /* Seeds 1..BENCH_MAX_PAIRS: the initial-weight files written with the dump. */
-#define BENCH_MAX_PAIRS 3
+#define BENCH_MAX_PAIRS 8
 #define BENCH_MAX_EXTRA 32
 
 typedef struct bench_train_opts {
