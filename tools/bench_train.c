@@ -39,7 +39,7 @@
  *                 ember's (embedding rows and tower, written next to the dump), because the
  *                 initial draw alone moves the mlp's AUC by up to 0.004 on these data
  *   --pairs N     AUC pairs (ember at the reported thread count and PyTorch, seeds 1..N, each
- *                 pair from the same weights; default 3, at most 8, --quick 1): the AUC
+ *                 pair from the same weights; default and at most 8, --quick 1): the AUC
  *                 goal is judged on the means, since one run's AUC moves by ~0.003 with float
  *                 summation order
  *   --train-arg   one more argument for every `ember train` (repeatable), for experiments
@@ -49,10 +49,12 @@
 #include <dlfcn.h>
 #include <inttypes.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/common.h"
 #include "tools/train_bench.h"
@@ -63,7 +65,7 @@
 #define HIDDEN0 BENCH_HIDDEN0
 #define HIDDEN1 BENCH_HIDDEN1
 #define MAX_PAIRS BENCH_MAX_PAIRS
-#define DEFAULT_PAIRS 3 /* ~75 s a pair on 2 quiet cores */
+#define DEFAULT_PAIRS 8 /* ~75 s a pair on 2 quiet cores; 3 left the mean uncertain by ~0.001 */
 #define GOAL_AUC_GAP 0.001
 #define GOAL_SPEEDUP 3.0
 #define MAX_MODELS 4
@@ -356,6 +358,12 @@ int main(int argc, char **argv)
         "end "
         "with checkpoint and eval\n");
     double speedup = best_mlp && tr.ran ? best_mlp->loop_samples_per_s / tr.samples_per_s : NAN;
+    /* Under other load the two programs suffer unequally (PyTorch's OpenMP threads spin at
+     * their barriers while descheduled: 18,983 and 3,766 samples/s at load 4-9, against 42-55K
+     * on a quiet machine), so the ratio is judged only when the load left the cores free. */
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    bool speed_judged =
+        isfinite(speedup) && atof(load0) <= (double)ncpu + 0.5 && atof(load1) <= (double)ncpu + 0.5;
     if (best_mlp && tr.ran) {
         for (uint32_t i = 0; i < n_pairs; i++)
             printf("auc pair, seed %u (%s initial weights): ember %.4f, pytorch %.4f (%+.4f)\n",
@@ -363,8 +371,13 @@ int main(int argc, char **argv)
                    e_auc[i] - t_auc[i]);
         printf("goal mlp auc >= torch - %.3f: %s (mean of %u: %.4f vs %.4f)\n", GOAL_AUC_GAP,
                e_mean >= t_mean - GOAL_AUC_GAP ? "met" : "NOT met", n_pairs, e_mean, t_mean);
-        printf("goal ember >= %.0fx torch samples/s: %s (%.2fx)\n", GOAL_SPEEDUP,
-               speedup >= GOAL_SPEEDUP ? "met" : "NOT met", speedup);
+        if (speed_judged)
+            printf("goal ember >= %.0fx torch samples/s: %s (%.2fx)\n", GOAL_SPEEDUP,
+                   speedup >= GOAL_SPEEDUP ? "met" : "NOT met", speedup);
+        else
+            printf("goal ember >= %.0fx torch samples/s: not judged (%.2fx at load average %s "
+                   "-> %s on %ld cores: rerun on a quiet machine)\n",
+                   GOAL_SPEEDUP, speedup, load0, load1, ncpu);
     }
     if (best_mlp && best_lr)
         printf("mlp vs lr auc: %.4f vs %.4f (%s)\n", best_mlp->auc, best_lr->auc,
@@ -425,7 +438,7 @@ int main(int argc, char **argv)
         tr.ran ? tr.seconds : -1, isfinite(speedup) ? speedup : -1, rf.gflops_model, rf.gflops_peak,
         rf.flops_per_sample, rf.samples_per_s, rf.gflops_model_1t, rf.samples_per_s_1t,
         n_pairs ? (e_mean >= t_mean - GOAL_AUC_GAP ? "true" : "false") : "null",
-        isfinite(speedup) ? (speedup >= GOAL_SPEEDUP ? "true" : "false") : "null", load0, load1,
+        speed_judged ? (speedup >= GOAL_SPEEDUP ? "true" : "false") : "null", load0, load1,
         cm_now() - t_start);
     return head ? 0 : 1;
 }
