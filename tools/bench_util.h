@@ -8,8 +8,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 /* A benchmark is one program that stops at its first failure: these helpers print what failed
@@ -86,6 +88,58 @@ static inline uint64_t bench_file_size(const char *path)
 
 /* The ember binary a benchmark drives: $EMBER_BIN, else build/ember beside this program's
  * build/tools/ directory; NULL when neither can be worked out. */
+/* How busy the machine was with other work while a benchmark ran its children: CPU time of
+ * the whole machine (/proc/stat) minus the CPU time of this process's waited-for children and
+ * of itself, over cores x wall. Load average cannot say it: its one-minute mean counts the
+ * benchmark's own threads. */
+typedef struct bench_others {
+    double t0, busy0, own0;
+} bench_others;
+
+static inline double bench_busy_seconds_(void)
+{
+    FILE *f = fopen("/proc/stat", "r");
+    unsigned long long u = 0, n = 0, sy = 0, idle = 0, io = 0, irq = 0, sirq = 0, st = 0;
+    int got = f ? fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &u, &n, &sy, &idle, &io,
+                         &irq, &sirq, &st)
+                : 0;
+    if (f) fclose(f);
+    (void)idle;
+    (void)io;
+    return got >= 7 ? (double)(u + n + sy + irq + sirq) / (double)sysconf(_SC_CLK_TCK) : 0;
+}
+
+static inline double bench_own_seconds_(void)
+{
+    struct rusage a, b;
+    getrusage(RUSAGE_SELF, &a);
+    getrusage(RUSAGE_CHILDREN, &b);
+    return (double)(a.ru_utime.tv_sec + a.ru_stime.tv_sec + b.ru_utime.tv_sec + b.ru_stime.tv_sec) +
+           (double)(a.ru_utime.tv_usec + a.ru_stime.tv_usec + b.ru_utime.tv_usec +
+                    b.ru_stime.tv_usec) /
+               1e6;
+}
+
+static inline void bench_others_begin(bench_others *m)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    m->t0 = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+    m->busy0 = bench_busy_seconds_();
+    m->own0 = bench_own_seconds_();
+}
+
+/* Cores' worth of other work since bench_others_begin (0 = the machine was ours; 1 = one
+ * core busy with others throughout). Negative values (tick rounding) read as 0. */
+static inline double bench_others_end(const bench_others *m)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double wall = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 - m->t0;
+    double others = (bench_busy_seconds_() - m->busy0) - (bench_own_seconds_() - m->own0);
+    return wall > 0 && others > 0 ? others / wall : 0;
+}
+
 static inline const char *bench_ember_path(void)
 {
     static char buf[4096];
