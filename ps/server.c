@@ -84,15 +84,23 @@ struct ps_server {
     uint64_t next_seq;              /* backup: the next update to apply */
     ps_replog log;                  /* backup: updates received, not yet applied */
     bool promoted, dropped, fenced; /* atomics */
+    uint32_t repl_inflight;         /* atomic: REPLICATEs the backup has not answered yet */
+    uint64_t last_reply_ms;         /* atomic: when a reply was last handed to nng */
 };
 
 #define STAT_ADD(s, field, v) __atomic_add_fetch(&(s)->st.field, (v), __ATOMIC_RELAXED)
 
 /* ---- replies ---- */
 
+static uint64_t now_ms(void)
+{
+    return (uint64_t)(cm_now() * 1000.0);
+}
+
 static void ctx_send(srv_ctx *c, nng_msg *reply)
 {
     ps_msg_seal(reply);
+    __atomic_store_n(&c->s->last_reply_ms, now_ms(), __ATOMIC_RELAXED);
     STAT_ADD(c->s, bytes_out, nng_msg_len(reply));
     c->state = ST_SEND;
     nng_aio_set_msg(c->aio, reply);
@@ -124,11 +132,6 @@ static nng_msg *reply_ok(const ps_hdr *req, size_t payload, uint8_t **p)
 }
 
 /* ---- clocks and barriers (shard 0) ---- */
-
-static uint64_t now_ms(void)
-{
-    return (uint64_t)(cm_now() * 1000.0);
-}
 
 /* A worker silent for longer than worker_timeout_ms no longer holds back clocks and barriers
  * (it died; if it comes back, its next request makes it count again). */
@@ -842,6 +845,7 @@ static void repl_cb(void *arg)
         nng_ctx_recv(c->rctx, c->raio);
         return;
     }
+    __atomic_sub_fetch(&s->repl_inflight, 1, __ATOMIC_RELAXED); /* every path below ends it */
     if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) {
         if (c->rstate == RS_SEND) nng_msg_free(ps_aio_msg_take(c->raio));
         nng_msg_free(c->held);
@@ -909,6 +913,7 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
     *reply = NULL;
     c->state = ST_REPL;
     c->rstate = RS_SEND;
+    __atomic_add_fetch(&s->repl_inflight, 1, __ATOMIC_RELAXED);
     nng_aio_set_msg(c->raio, fwd);
     nng_ctx_send(c->rctx, c->raio);
     return true;
@@ -1145,6 +1150,36 @@ void ps_server_stop(ps_server *s)
     __atomic_store_n(&s->stopping, true, __ATOMIC_RELAXED);
 }
 
+/*
+ * nng 1.5.2's stream transports (ipc, tcp, tls) lose a pipe for good when it is closed from
+ * its own side just after a message's header was read and before its body is asked for
+ * (nanomsg/nng#616): the pipe's receive never completes, its teardown blocks nng's only
+ * reaper thread, and every later nng_close in the process hangs. Closing a socket while
+ * messages are on their way to it does that here, and so does closing it while replies are on
+ * their way to a peer, in the peer (its next send fails, and nng then closes the pipe it is
+ * reading from). So a server stopped while clients and its backup still talk to it (a killed
+ * primary in tests/ps/replica.c) first stops serving, then waits until nothing is in flight
+ * either way before it closes anything: every REPLICATE answered (each is bounded by
+ * replica_timeout anyway), and no reply handed to nng for PS_CLOSE_SETTLE_MS, long enough for
+ * the clients to read it. Without replies the clients send nothing new, and each pipe stops
+ * reading once it holds a request no context takes.
+ */
+#define PS_CLOSE_SETTLE_MS 100u
+
+static void wait_quiet(struct ps_server *s)
+{
+    const uint64_t deadline = now_ms() + s->cfg.replica_timeout_ms;
+    for (;;) {
+        uint64_t last = __atomic_load_n(&s->last_reply_ms, __ATOMIC_RELAXED), now = now_ms();
+        bool replicating =
+            __atomic_load_n(&s->repl_inflight, __ATOMIC_RELAXED) > 0 && now < deadline;
+        bool replied = now - last < PS_CLOSE_SETTLE_MS;
+        if (!replicating && !replied) return;
+        struct timespec ts = {0, 5 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 void ps_server_destroy(ps_server *s)
 {
     if (s == NULL) return;
@@ -1152,11 +1187,13 @@ void ps_server_destroy(ps_server *s)
         ps_server_stop(s);
         pthread_join(s->reaper, NULL);
     }
-    if (s->ctxs)
-        for (uint32_t i = 0; i < s->n_ctx; i++) {
+    if (s->ctxs) {
+        for (uint32_t i = 0; i < s->n_ctx; i++)
             if (s->ctxs[i].aio) nng_aio_stop(s->ctxs[i].aio);
+        wait_quiet(s);
+        for (uint32_t i = 0; i < s->n_ctx; i++)
             if (s->ctxs[i].raio) nng_aio_stop(s->ctxs[i].raio);
-        }
+    }
     if (s->sock_open) nng_close(s->sock);
     if (s->rsock_open) nng_close(s->rsock);
     if (s->ctxs)
