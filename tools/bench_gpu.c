@@ -466,24 +466,18 @@ int main(int argc, char **argv)
     int no_big = 0, big_only = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--quick"))
-            o.quick = 1;
-        else if (!strcmp(a, "--no-torch"))
-            o.no_torch = 1;
+        /* Four --train-arg places stay free for the big-table run's own arguments. */
+        int used = bench_train_opt(&o, a, v, BENCH_MAX_EXTRA - 4);
+        if (used > 0)
+            i += used - 1;
+        else if (used < 0)
+            usage();
         else if (!strcmp(a, "--no-big"))
             no_big = 1;
         else if (!strcmp(a, "--big-only"))
             big_only = 1;
         else if (v == NULL)
             usage();
-        else if (!strcmp(a, "--model") || !strcmp(a, "--models"))
-            snprintf(o.models, sizeof o.models, "%s", v), i++;
-        else if (!strcmp(a, "--rows"))
-            o.rows = strtoull(v, NULL, 10), i++;
-        else if (!strcmp(a, "--eval-rows"))
-            o.eval_rows = strtoull(v, NULL, 10), i++;
-        else if (!strcmp(a, "--seed"))
-            o.seed = strtoull(v, NULL, 10), i++;
         else if (!strcmp(a, "--big-rows"))
             big_rows = strtoull(v, NULL, 10), i++;
         else if (!strcmp(a, "--big-dim")) {
@@ -491,19 +485,10 @@ int main(int argc, char **argv)
             if (big_dim > 1024 || (strcmp(v, "auto") && big_dim == 0)) usage();
         } else if (!strcmp(a, "--big-memory"))
             big_memory = v, i++;
-        else if (!strcmp(a, "--dir"))
-            o.dir = v, i++;
-        else if (!strcmp(a, "--ember"))
-            o.ember = v, i++;
-        else if (!strcmp(a, "--python"))
-            o.python = v, i++;
-        else if (!strcmp(a, "--train-arg") && o.n_extra < BENCH_MAX_EXTRA - 4)
-            o.extra[o.n_extra++] = v, i++;
         else
             usage();
     }
-    if (o.rows == 0) o.rows = o.quick ? 300000 : 2000000;
-    if (o.eval_rows == 0) o.eval_rows = o.quick ? 30000 : 200000;
+    bench_train_opts_finish(&o);
     if (big_rows == 0) big_rows = o.quick ? 1000000 : 10000000;
     if (o.quick && big_dim == 0) big_dim = 64;
     if (no_big && big_only) usage();

@@ -202,41 +202,25 @@ int main(int argc, char **argv)
     snprintf(o.threads_list, sizeof o.threads_list, "1,2");
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--quick"))
-            o.quick = 1;
-        else if (!strcmp(a, "--no-torch"))
-            o.no_torch = 1;
+        int used = bench_train_opt(&o, a, v, BENCH_MAX_EXTRA);
+        if (used > 0)
+            i += used - 1;
+        else if (used < 0)
+            usage();
         else if (!strcmp(a, "--no-install"))
             o.no_install = 1;
         else if (!strcmp(a, "--torch-own-init"))
             o.torch_own_init = 1;
         else if (v == NULL)
             usage();
-        else if (!strcmp(a, "--model") || !strcmp(a, "--models"))
-            snprintf(o.models, sizeof o.models, "%s", v), i++;
         else if (!strcmp(a, "--pairs"))
             o.pairs = (uint32_t)strtoul(v, NULL, 10), i++;
         else if (!strcmp(a, "--threads-list"))
             snprintf(o.threads_list, sizeof o.threads_list, "%s", v), i++;
-        else if (!strcmp(a, "--rows"))
-            o.rows = strtoull(v, NULL, 10), i++;
-        else if (!strcmp(a, "--eval-rows"))
-            o.eval_rows = strtoull(v, NULL, 10), i++;
-        else if (!strcmp(a, "--seed"))
-            o.seed = strtoull(v, NULL, 10), i++;
-        else if (!strcmp(a, "--dir"))
-            o.dir = v, i++;
-        else if (!strcmp(a, "--ember"))
-            o.ember = v, i++;
-        else if (!strcmp(a, "--python"))
-            o.python = v, i++;
-        else if (!strcmp(a, "--train-arg") && o.n_extra < BENCH_MAX_EXTRA)
-            o.extra[o.n_extra++] = v, i++;
         else
             usage();
     }
-    if (o.rows == 0) o.rows = o.quick ? 300000 : 2000000;
-    if (o.eval_rows == 0) o.eval_rows = o.quick ? 30000 : 200000;
+    bench_train_opts_finish(&o);
     if (o.pairs == 0) o.pairs = o.quick ? 1 : DEFAULT_PAIRS;
     if (o.pairs > MAX_PAIRS) {
         fprintf(stderr, "bench train: --pairs %u is more than the %u seeds prepared; using %u\n",

@@ -1,6 +1,7 @@
 /* The training benchmarks' shared steps: see tools/train_bench.h. */
 #include <inttypes.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,8 +91,8 @@ typedef struct dump_part {
     int32_t *idx;
 } dump_part;
 
-/* Reads every row of a shard directory in file order (what ember train reads, unshuffled). */
-static void read_part(const char *dir, keymap *km, dump_part *p, uint64_t *multi)
+/* A reader over one shard directory, in file order (what ember train reads, unshuffled). */
+static ds_reader *open_dir(const char *dir)
 {
     ds_reader_opts ro;
     ds_reader_opts_init(&ro);
@@ -102,6 +103,14 @@ static void read_part(const char *dir, keymap *km, dump_part *p, uint64_t *multi
     ds_reader *r = NULL;
     char *err = NULL;
     if (ds_reader_open(&ro, &r, &err) != CM_OK) bench_die("ds_reader_open", err);
+    return r;
+}
+
+/* Reads every row of a shard directory. */
+static void read_part(const char *dir, keymap *km, dump_part *p, uint64_t *multi)
+{
+    ds_reader *r = open_dir(dir);
+    char *err = NULL;
     const ds_schema *s = ds_reader_schema(r);
     p->F = s->n_fields;
     p->D = s->n_dense;
@@ -250,15 +259,8 @@ static void write_dump(const char *path, const char *dir, const char *train_dir,
  * a row on the PS). Only keys are kept, so it scales to data sets the dump could not hold. */
 static void count_keys(const char *dir, keymap *km)
 {
-    ds_reader_opts ro;
-    ds_reader_opts_init(&ro);
-    const char *paths[1] = {dir};
-    ro.paths = paths;
-    ro.n_paths = 1;
-    ro.batch_size = 65536;
-    ds_reader *r = NULL;
+    ds_reader *r = open_dir(dir);
     char *err = NULL;
-    if (ds_reader_open(&ro, &r, &err) != CM_OK) bench_die("ds_reader_open", err);
     const ds_batch *b;
     int got;
     while ((got = ds_reader_next(r, &b, &err)) == 1) {
@@ -272,7 +274,6 @@ static void count_keys(const char *dir, keymap *km)
 /* The dump (or, without one, the key count) and F, D from existing shards; then READY. */
 static void finish_data(const bench_train_opts *o, bench_dataset *ds, const char *ready)
 {
-    char *err = NULL;
     double t0 = cm_now();
     if (o->no_dump) {
         keymap km = {0};
@@ -287,13 +288,7 @@ static void finish_data(const bench_train_opts *o, bench_dataset *ds, const char
     }
     ds->dump_s = cm_now() - t0;
     /* F and D from the shards themselves. */
-    ds_reader_opts ro;
-    ds_reader_opts_init(&ro);
-    const char *paths[1] = {ds->train};
-    ro.paths = paths;
-    ro.n_paths = 1;
-    ds_reader *r = NULL;
-    if (ds_reader_open(&ro, &r, &err) != CM_OK) bench_die("ds_reader_open", err);
+    ds_reader *r = open_dir(ds->train);
     ds->F = ds_reader_schema(r)->n_fields;
     ds->D = ds_reader_schema(r)->n_dense;
     ds_reader_destroy(r);
@@ -547,4 +542,43 @@ void bench_train_opts_init(bench_train_opts *o, const char *prog)
     o->py_script = py;
     /* Debian's interpreter is the one python3-torch installs into. */
     o->python = access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3";
+}
+
+int bench_train_opt(bench_train_opts *o, const char *a, const char *v, int max_extra)
+{
+    if (!strcmp(a, "--quick")) {
+        o->quick = 1;
+        return 1;
+    }
+    if (!strcmp(a, "--no-torch")) {
+        o->no_torch = 1;
+        return 1;
+    }
+    bool models = !strcmp(a, "--model") || !strcmp(a, "--models");
+    bool extra = !strcmp(a, "--train-arg");
+    uint64_t *num = !strcmp(a, "--rows")        ? &o->rows
+                    : !strcmp(a, "--eval-rows") ? &o->eval_rows
+                    : !strcmp(a, "--seed")      ? &o->seed
+                                                : NULL;
+    const char **str = !strcmp(a, "--dir")      ? &o->dir
+                       : !strcmp(a, "--ember")  ? &o->ember
+                       : !strcmp(a, "--python") ? &o->python
+                                                : NULL;
+    if (!models && !extra && num == NULL && str == NULL) return 0;
+    if (v == NULL || (extra && o->n_extra >= max_extra)) return -1;
+    if (models)
+        snprintf(o->models, sizeof o->models, "%s", v);
+    else if (num)
+        *num = strtoull(v, NULL, 10);
+    else if (str)
+        *str = v;
+    else
+        o->extra[o->n_extra++] = v;
+    return 2;
+}
+
+void bench_train_opts_finish(bench_train_opts *o)
+{
+    if (o->rows == 0) o->rows = o->quick ? 300000 : 2000000;
+    if (o->eval_rows == 0) o->eval_rows = o->quick ? 30000 : 200000;
 }

@@ -42,6 +42,13 @@ typedef struct bench_train_opts {
  * /tmp/ember-bench, build/ember beside this program, tools/bench_train.py beside its source,
  * Debian's python3; prog names the program in messages (also bench_init for this library). */
 void bench_train_opts_init(bench_train_opts *o, const char *prog);
+/* One command-line option both benchmarks take (--quick, --no-torch, --model(s), --rows,
+ * --eval-rows, --seed, --dir, --ember, --python, --train-arg, at most max_extra of the last):
+ * a is the word, v the next one or NULL. Returns the words used (1 or 2), 0 when a is none of
+ * them, -1 when its value is missing or one --train-arg too many. */
+int bench_train_opt(bench_train_opts *o, const char *a, const char *v, int max_extra);
+/* Row counts left at 0 by the options: 2M + 200K, or 300K + 30K with --quick. */
+void bench_train_opts_finish(bench_train_opts *o);
 
 typedef struct bench_dataset {
     char dir[4096], tsv[4200], shards[4200], train[4300], eval[4300], dump[4300];
