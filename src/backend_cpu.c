@@ -24,6 +24,8 @@ typedef void (*part_fn)(void *arg, int part, int nparts);
 
 typedef struct pool {
     int n;
+    int active;  /* parts the next pool_run uses (<= n); the other threads sit it out */
+    int nparts;  /* of the current run */
     pthread_t *th;
     pthread_mutex_t mu;
     pthread_cond_t go, done;
@@ -55,8 +57,9 @@ static void *pool_main(void *v)
         seen = p->gen;
         part_fn fn = p->fn;
         void *arg = p->arg;
+        int nparts = p->nparts;
         pthread_mutex_unlock(&p->mu);
-        fn(arg, pa->part, p->n);
+        if (pa->part < nparts) fn(arg, pa->part, nparts);
         pthread_mutex_lock(&p->mu);
         if (--p->pending == 0) pthread_cond_signal(&p->done);
         pthread_mutex_unlock(&p->mu);
@@ -67,18 +70,19 @@ static void *pool_main(void *v)
 
 static void pool_run(pool *p, part_fn fn, void *arg)
 {
-    if (p->n <= 1) {
+    if (p->active <= 1) {
         fn(arg, 0, 1);
         return;
     }
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->arg = arg;
+    p->nparts = p->active;
     p->pending = p->n - 1;
     p->gen++;
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
-    fn(arg, 0, p->n);
+    fn(arg, 0, p->active);
     pthread_mutex_lock(&p->mu);
     while (p->pending > 0)
         pthread_cond_wait(&p->done, &p->mu);
@@ -103,7 +107,7 @@ static void pool_fini(pool *p)
 static int pool_init(pool *p, int n)
 {
     memset(p, 0, sizeof *p);
-    p->n = n < 1 ? 1 : n;
+    p->n = p->active = n < 1 ? 1 : n;
     if (p->n == 1) return CM_OK;
     p->th = calloc((size_t)p->n, sizeof *p->th);
     if (p->th == NULL) return CM_ENOMEM;
@@ -117,7 +121,7 @@ static int pool_init(pool *p, int n)
         pa->part = i;
         if (pthread_create(&p->th[i], NULL, pool_main, pa) != 0) {
             free(pa);
-            p->n = i;
+            p->n = p->active = i;
             return CM_ERR;
         }
     }
@@ -213,7 +217,9 @@ typedef struct cpu {
     float *xl, *dxl; /* B x F pooled first-order weights (lr, deepfm) */
     float *in, *din; /* B x top_in: the top MLP's input */
     float *act[MODEL_MAX_LAYERS + 1], *bact[MODEL_MAX_LAYERS]; /* layer outputs */
-    float *g1, *g2;        /* B x widest layer: gradient ping-pong */
+    /* Their gradients, one buffer a layer: the backward pass computes every dX first (the
+     * row gradients need only those) and the dW GEMMs after, from these. */
+    float *gact[MODEL_MAX_LAYERS + 1], *gbact[MODEL_MAX_LAYERS];
     float *logit, *dlogit; /* B */
 } cpu;
 
@@ -232,8 +238,10 @@ static void cpu_destroy(void *state)
         free(c->act[i]);
     for (int i = 0; i < MODEL_MAX_LAYERS; i++)
         free(c->bact[i]);
-    free(c->g1);
-    free(c->g2);
+    for (int i = 0; i < MODEL_MAX_LAYERS + 1; i++)
+        free(c->gact[i]);
+    for (int i = 0; i < MODEL_MAX_LAYERS; i++)
+        free(c->gbact[i]);
     free(c->logit);
     free(c->dlogit);
     free(c);
@@ -254,11 +262,7 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
     c->l = *l;
     c->max_b = max_b;
     c->max_u = max_u;
-    size_t B = max_b, F = m->n_fields, d = m->dim, widest = l->top_in + m->n_dense;
-    for (uint32_t i = 0; i < l->n_top; i++)
-        widest = l->top[i].out > widest ? l->top[i].out : widest;
-    for (uint32_t i = 0; i < l->n_bot; i++)
-        widest = l->bot[i].out > widest ? l->bot[i].out : widest;
+    size_t B = max_b, F = m->n_fields, d = m->dim;
     bool ok = true;
 #define ALLOC(p, n) ok = ok && ((p) = malloc((n) * sizeof(float) + 1)) != NULL
     /* mlp and deepfm feed the pooled embeddings to the top MLP as the first F*d inputs of each
@@ -273,12 +277,14 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
     ALLOC(c->dxl, B * F);
     ALLOC(c->in, B * (l->top_in + 1));
     ALLOC(c->din, B * (l->top_in + 1));
-    for (uint32_t i = 0; i < l->n_top; i++)
+    for (uint32_t i = 0; i < l->n_top; i++) {
         ALLOC(c->act[i], B * l->top[i].out);
-    for (uint32_t i = 0; i < l->n_bot; i++)
+        ALLOC(c->gact[i], B * l->top[i].out);
+    }
+    for (uint32_t i = 0; i < l->n_bot; i++) {
         ALLOC(c->bact[i], B * l->bot[i].out);
-    ALLOC(c->g1, B * widest);
-    ALLOC(c->g2, B * widest);
+        ALLOC(c->gbact[i], B * l->bot[i].out);
+    }
     ALLOC(c->logit, B);
     ALLOC(c->dlogit, B);
 #undef ALLOC
@@ -369,14 +375,24 @@ static void layer_fwd(pool *pl, const model_layer *ly, const float *P, const flo
     }
 }
 
-/* Given dY (gradient of the layer's output, B x out; modified in place by the ReLU mask),
- * accumulates dW, db into dP and writes dX (B x in) when dX != NULL. */
-static void layer_bwd(pool *pl, const model_layer *ly, const float *P, const float *X,
-                      const float *Y, float *dY, float *dP, float *dX, uint32_t B)
+/* The layer's input gradient dX (B x in) from dY (B x out), in which the ReLU mask is applied
+ * in place first (layer_bwd_dw reads the masked dY). dX may be NULL (the stack's input needs
+ * no gradient): only the mask is applied. */
+static void layer_bwd_dx(pool *pl, const model_layer *ly, const float *P, const float *Y, float *dY,
+                         float *dX, uint32_t B)
 {
     if (ly->relu) /* a select, not a branch: half the signs are unpredictable */
         for (size_t i = 0; i < (size_t)B * ly->out; i++)
             dY[i] = Y[i] <= 0.0f ? 0.0f : dY[i];
+    if (dX != NULL)
+        sgemm(pl, CblasNoTrans, CblasNoTrans, (int)B, (int)ly->in, (int)ly->out, dY, (int)ly->out,
+              P + ly->w, (int)ly->in, dX, (int)ly->in);
+}
+
+/* dW and db of the layer into dP (overwritten) from its input X and its masked dY. */
+static void layer_bwd_dw(pool *pl, const model_layer *ly, const float *X, const float *dY,
+                         float *dP, uint32_t B)
+{
     sgemm(pl, CblasTrans, CblasNoTrans, (int)ly->out, (int)ly->in, (int)B, dY, (int)ly->out, X,
           (int)ly->in, dP + ly->w, (int)ly->in);
     float *db = dP + ly->b;
@@ -384,9 +400,6 @@ static void layer_bwd(pool *pl, const model_layer *ly, const float *P, const flo
     for (size_t i = 0; i < B; i++)
         for (uint32_t j = 0; j < ly->out; j++)
             db[j] += dY[i * ly->out + j];
-    if (dX != NULL)
-        sgemm(pl, CblasNoTrans, CblasNoTrans, (int)B, (int)ly->in, (int)ly->out, dY, (int)ly->out,
-              P + ly->w, (int)ly->in, dX, (int)ly->in);
 }
 
 /* Runs the MLP stack ly[0..n) on X; returns the last layer's output buffer. */
@@ -401,20 +414,22 @@ static const float *stack_fwd(pool *pl, const model_layer *ly, uint32_t n, float
     return in;
 }
 
-/* Backward through the stack from dOut (B x last out); dX (B x ly[0].in) if non-NULL. */
-static void stack_bwd(cpu *c, const model_layer *ly, uint32_t n, float *const *act, const float *P,
-                      const float *X, const float *dOut, float *dP, float *dX, uint32_t B)
+/* Backward through the stack from dOut (B x last out) to its input gradient dX (B x ly[0].in,
+ * skipped when NULL), leaving each layer's masked output gradient in g[i] for stack_bwd_dw. */
+static void stack_bwd_dx(pool *pl, const model_layer *ly, uint32_t n, float *const *act,
+                         float *const *g, const float *P, const float *dOut, float *dX, uint32_t B)
 {
-    float *g = c->g1, *h = c->g2;
-    memcpy(g, dOut, (size_t)B * ly[n - 1].out * sizeof(float));
-    for (uint32_t i = n; i-- > 0;) {
-        const float *in = i ? act[i - 1] : X;
-        float *dx = i ? h : dX;
-        layer_bwd(&c->pool, &ly[i], P, in, act[i], g, dP, dx, B);
-        float *t = g;
-        g = h;
-        h = t;
-    }
+    memcpy(g[n - 1], dOut, (size_t)B * ly[n - 1].out * sizeof(float));
+    for (uint32_t i = n; i-- > 0;)
+        layer_bwd_dx(pl, &ly[i], P, act[i], g[i], i ? g[i - 1] : dX, B);
+}
+
+/* Every layer's dW and db after stack_bwd_dx; X is the stack's input. */
+static void stack_bwd_dw(pool *pl, const model_layer *ly, uint32_t n, float *const *act,
+                         float *const *g, const float *X, float *dP, uint32_t B)
+{
+    for (uint32_t i = n; i-- > 0;)
+        layer_bwd_dw(pl, &ly[i], i ? act[i - 1] : X, g[i], dP, B);
 }
 
 static int cpu_step(void *state, const float *P, const model_batch *b, float *probs, double *loss,
@@ -520,10 +535,10 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
      * input gradient din holds the pooled embeddings' gradient dxe in place. */
     if (l->n_top > 0) {
         uint32_t ti = l->top_in;
-        stack_bwd(c, l->top, l->n_top, c->act, P, c->in, g, dP, c->din, B);
+        stack_bwd_dx(&c->pool, l->top, l->n_top, c->act, c->gact, P, g, c->din, B);
         if (m->kind == MODEL_DLRM) {
             memset(c->dxe, 0, (size_t)B * F * d * sizeof(float));
-            float *dz0 = c->din; /* reuse: first d of each din row, rewritten below */
+            float *dz0 = c->din; /* B x d at its start: row i overwrites din rows already read */
             for (uint32_t i = 0; i < B; i++) {
                 const float *row = c->din + (size_t)i * ti;
                 const float *v0 = z0 + (size_t)i * d, *ve = c->xe + i * lde;
@@ -543,7 +558,6 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                     }
                 memcpy(dz0 + (size_t)i * d, dv0, d * sizeof(float)); /* rows before i are done */
             }
-            stack_bwd(c, l->bot, l->n_bot, c->bact, P, b->dense, dz0, dP, NULL, B);
         }
     }
     /* The FM term's gradient adds to the top MLP's (already in dxe = din). */
@@ -560,6 +574,23 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
             }
         }
     if (l->emb_table >= 0) spmm_t(b, c->dxe, d, c->ldxe, demb[l->emb_table]);
+    /* The dense gradients: nothing above reads them. With a hook the caller's push of the rows
+     * (and with an in-process PS, its update and the next pull) runs meanwhile, a sequential
+     * path longer than these GEMMs: they leave it half the threads' cores (on 2 cores, at equal
+     * shares, that path ran 30% longer). Tiles do not depend on the thread count, so neither
+     * do the bits. dlrm's bottom MLP starts from dz0, B x d at the start of din. */
+    if (b->emb_ready) {
+        b->emb_ready(b->emb_ready_arg);
+        c->pool.active = c->pool.n / 2 > 1 ? c->pool.n / 2 : 1;
+    }
+    if (l->n_top > 0) {
+        stack_bwd_dw(&c->pool, l->top, l->n_top, c->act, c->gact, c->in, dP, B);
+        if (m->kind == MODEL_DLRM) {
+            stack_bwd_dx(&c->pool, l->bot, l->n_bot, c->bact, c->gbact, P, c->din, NULL, B);
+            stack_bwd_dw(&c->pool, l->bot, l->n_bot, c->bact, c->gbact, b->dense, dP, B);
+        }
+    }
+    c->pool.active = c->pool.n;
     return CM_OK;
 }
 

@@ -1184,6 +1184,8 @@ static int step_impl(cu *c, const slot *s, const model_batch *b, float *probs, d
         memcpy(dP, hd + pl->dparams, l->n_params * f4);
         for (uint32_t t = 0; t < l->n_tables; t++)
             if (U) memcpy(demb[t], hd + pl->demb[t], (size_t)U * l->table_dim[t] * f4);
+        /* Last: one copy brings the row and dense gradients back together. */
+        if (b->emb_ready) b->emb_ready(b->emb_ready_arg);
     }
     return CM_OK;
 }
@@ -1220,6 +1222,7 @@ static int cuda_step(void *state, const float *P, const model_batch *b, float *p
         if (b->labels == NULL) return cm_err(errptr, CM_EINVAL, "backward pass needs labels");
         for (uint32_t t = 0; t < l->n_tables; t++)
             if (b->U) memset(demb[t], 0, (size_t)b->U * l->table_dim[t] * sizeof(float));
+        if (b->emb_ready) b->emb_ready(b->emb_ready_arg);
         return CM_OK;
     }
     CUDA_TRY(cudaSetDevice(c->dev));

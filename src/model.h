@@ -85,6 +85,12 @@ typedef struct model_batch {
     const float *val;                   /* nnz */
     const float *emb[MODEL_MAX_TABLES]; /* U x dim_t */
     uint64_t ticket; /* 0, or what backend_ops.prefetch returned for exactly this batch */
+    /* Optional. In a backward step the backend calls it once, on the stepping thread, as soon
+     * as every demb[t] is final and before it computes the dense gradients, so the caller can
+     * push the row gradients while the step finishes (the cpu backend: before the dW GEMMs,
+     * a third of the GEMM work). A backend may call it last; a failed step may not call it. */
+    void (*emb_ready)(void *arg);
+    void *emb_ready_arg;
 } model_batch;
 
 /* Raw rows as a reader or a serving caller has them (datasets' ds_batch layout). */

@@ -158,17 +158,37 @@ static int stage_build(stage *s, const setup *S, const ds_batch *b, char **errpt
     return model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
 }
 
-/* Pulls the stage's rows and the dense tower; for evaluation read only (lookup), so unseen
- * keys read as zeros exactly as in a serving bundle. */
-static int stage_pull(stage *s, const setup *S, ps_client *c, bool lookup, char **errptr)
+/* Pulls the stage's rows; for evaluation read only (lookup), so unseen keys read as zeros
+ * exactly as in a serving bundle. */
+static int stage_pull_rows(stage *s, const setup *S, ps_client *c, bool lookup, char **errptr)
 {
     int rc = CM_OK;
     const model_staging *m = &s->ms;
     for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
         rc = lookup ? ps_client_lookup(c, t, m->ukeys, m->U, m->emb[t], errptr)
                     : ps_client_pull(c, t, m->ukeys, m->U, m->emb[t], errptr);
-    if (rc == CM_OK && S->l.n_params > 0)
-        rc = ps_client_dense_pull(c, DENSE_BLOCK, s->params, errptr);
+    return rc;
+}
+
+static int stage_pull_dense(stage *s, const setup *S, ps_client *c, char **errptr)
+{
+    return S->l.n_params > 0 ? ps_client_dense_pull(c, DENSE_BLOCK, s->params, errptr) : CM_OK;
+}
+
+/* The stage's rows and the dense tower. */
+static int stage_pull(stage *s, const setup *S, ps_client *c, bool lookup, char **errptr)
+{
+    int rc = stage_pull_rows(s, S, c, lookup, errptr);
+    return rc == CM_OK ? stage_pull_dense(s, S, c, errptr) : rc;
+}
+
+/* Pushes a stepped stage's row gradients (demb[t]: U x dim_t). */
+static int push_rows(const setup *S, ps_client *c, const model_staging *m, float *const *demb,
+                     char **errptr)
+{
+    int rc = CM_OK;
+    for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
+        rc = ps_client_push(c, t, m->ukeys, m->U, demb[t], errptr);
     return rc;
 }
 
@@ -185,6 +205,17 @@ static int stage_send(stage *s, const setup *S, void *be, char **errptr)
 
 /* ---- prefetch: builds and pulls batch t+1 while t computes ---- */
 
+/*
+ * With fresh pulls batch t+1 must see batch t's updates, so its pull waits for t's pushes.
+ * To keep that wait short the step hands its row push over as soon as the row gradients are
+ * final (model_batch.emb_ready): this thread pushes them and pulls t+1's rows while the
+ * stepping thread computes the dense gradients; t+1's dense tower is pulled once the stepping
+ * thread has pushed t's. The PS applies the same updates in the same order either way, so
+ * results are the same bits. Not on steps followed by a checkpoint (the cut must come before
+ * t+1's pull creates rows) or with a staleness bound (t+1's pull must wait for the clock).
+ */
+enum { JOB_NONE, JOB_HANDED, JOB_TAKEN, JOB_DONE };
+
 typedef struct prefetch {
     const setup *S;
     ds_reader *r;
@@ -195,7 +226,14 @@ typedef struct prefetch {
     int next_fill, next_take;
     bool stop;
     uint64_t left;            /* batches still to produce: nothing is pulled past the schedule */
-    uint64_t pulled, granted; /* batches pulled; batches allowed to pull (fresh pulls) */
+    uint64_t pulled, granted; /* batches pulled; batches allowed to pull rows (fresh pulls) */
+    uint64_t dense_granted;   /* batches allowed to pull the dense tower */
+    int job;                  /* JOB_*: the row push handed over by the stepping thread */
+    const model_staging *job_ms;
+    float *const *job_demb;
+    int job_rc;
+    char *job_err;
+    bool exited; /* this thread has returned: it takes no more jobs */
     char *err;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -227,9 +265,29 @@ static void *prefetch_main(void *arg)
             while (p->pulled >= p->granted && !p->stop)
                 pthread_cond_wait(&p->cv, &p->mu);
             stop = p->stop;
+            bool job = !stop && p->job == JOB_HANDED;
+            if (job) p->job = JOB_TAKEN;
             pthread_mutex_unlock(&p->mu);
             if (stop) break;
-            rc = stage_pull(s, p->S, p->c, false, &err);
+            if (job) {
+                char *jerr = NULL;
+                int jrc = push_rows(p->S, p->c, p->job_ms, p->job_demb, &jerr);
+                if (jrc != CM_OK) rc = cm_err(&err, jrc, "%s", jerr ? jerr : "push failed");
+                pthread_mutex_lock(&p->mu);
+                p->job = JOB_DONE;
+                p->job_rc = jrc;
+                p->job_err = jerr;
+                pthread_cond_broadcast(&p->cv);
+                pthread_mutex_unlock(&p->mu);
+            }
+            if (rc == CM_OK) rc = stage_pull_rows(s, p->S, p->c, false, &err);
+            pthread_mutex_lock(&p->mu);
+            while (p->pulled >= p->dense_granted && !p->stop)
+                pthread_cond_wait(&p->cv, &p->mu);
+            stop = p->stop;
+            pthread_mutex_unlock(&p->mu);
+            if (stop) break;
+            if (rc == CM_OK) rc = stage_pull_dense(s, p->S, p->c, &err);
             p->pulled++;
             /* This thread is the only caller until the consumer takes the stage, and the stage
              * it refills was released after its step returned: the prefetch contract. */
@@ -245,6 +303,10 @@ static void *prefetch_main(void *arg)
         free(err);
         if (s->status <= 0) break;
     }
+    pthread_mutex_lock(&p->mu);
+    p->exited = true;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
     return NULL;
 }
 
@@ -253,7 +315,7 @@ static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *
 {
     memset(p, 0, sizeof *p);
     p->left = left;
-    p->granted = S->o->stale_pull ? UINT64_MAX : 1;
+    p->granted = p->dense_granted = S->o->stale_pull ? UINT64_MAX : 1;
     p->S = S;
     p->r = r;
     p->c = c;
@@ -288,13 +350,48 @@ static void prefetch_release(prefetch *p)
     pthread_mutex_unlock(&p->mu);
 }
 
-/* Allows the next batch to be pulled (fresh pulls: called once this batch is pushed). */
-static void prefetch_grant(prefetch *p)
+/* Allows the next batch to be pulled (fresh pulls: called once this batch is pushed); its
+ * rows only if the step's emb_ready hook has not allowed them already. */
+static void prefetch_grant(prefetch *p, bool rows_granted)
 {
     pthread_mutex_lock(&p->mu);
+    if (p->granted != UINT64_MAX && !rows_granted) p->granted++;
+    if (p->dense_granted != UINT64_MAX) p->dense_granted++;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* model_batch.emb_ready of a stepped stage (p->job_ms, p->job_demb set before the step): hands
+ * its row push to the prefetch thread and lets the next batch's rows be pulled after it. */
+static void prefetch_emb_ready(void *arg)
+{
+    prefetch *p = arg;
+    pthread_mutex_lock(&p->mu);
+    p->job = JOB_HANDED;
     if (p->granted != UINT64_MAX) p->granted++;
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
+}
+
+/* After a step that may have handed over its row push: waits until the push is sent.
+ * *handed: the hook ran (the next batch's rows are granted already); *done: the prefetch
+ * thread pushed (else nothing was handed, or the thread had ended and took no job: the caller
+ * pushes). Returns the push's error. */
+static int prefetch_job_wait(prefetch *p, bool *handed, bool *done, char **errptr)
+{
+    int rc = CM_OK;
+    pthread_mutex_lock(&p->mu);
+    *handed = p->job != JOB_NONE;
+    while (p->job == JOB_TAKEN || (p->job == JOB_HANDED && !p->exited))
+        pthread_cond_wait(&p->cv, &p->mu);
+    *done = p->job == JOB_DONE;
+    if (*done && p->job_rc != CM_OK)
+        rc = cm_err(errptr, p->job_rc, "%s", p->job_err ? p->job_err : "push failed");
+    free(p->job_err);
+    p->job_err = NULL;
+    p->job = JOB_NONE;
+    pthread_mutex_unlock(&p->mu);
+    return rc;
 }
 
 /* Waits until the stage after the one taken is ready (or the prefetcher has stopped). */
@@ -328,6 +425,7 @@ static void prefetch_stop(prefetch *p)
     stage_free(&p->st[0]);
     stage_free(&p->st[1]);
     free(p->err);
+    free(p->job_err);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
 }
@@ -697,8 +795,25 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         model_batch mb;
         model_staging_view(&s->ms, &mb);
         mb.ticket = s->ticket;
+        /* Hand the row push over early (prefetch's design note), except before a checkpoint
+         * or under a staleness bound. */
+        bool ckpt_next =
+            o->ckpt_every && (step + 1) % o->ckpt_every == 0 && step + 1 < S->min_steps;
+        if (!o->stale_pull && o->staleness < 0 && !ckpt_next) {
+            pf.job_ms = &s->ms;
+            pf.job_demb = demb;
+            mb.emb_ready = prefetch_emb_ready;
+            mb.emb_ready_arg = &pf;
+        }
         double loss = 0;
         if (rc == CM_OK) rc = S->be->step(be, s->params, &mb, probs, &loss, dparams, demb, errptr);
+        /* Whatever the step's outcome, a handed-over push must be finished before this stage
+         * and demb can change. */
+        bool handed = false, pushed = false;
+        char *jerr = NULL;
+        int jrc = prefetch_job_wait(&pf, &handed, &pushed, &jerr);
+        if (rc == CM_OK && jrc != CM_OK) rc = cm_err(errptr, jrc, "%s", jerr);
+        free(jerr);
         if (rc == CM_OK && (!isfinite(loss) || !all_finite(dparams, S->l.n_params)))
             rc = cm_err(errptr, CM_EINVAL,
                         "non-finite loss or gradient at step %" PRIu64 " (worker %u)", step, w);
@@ -706,14 +821,13 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
          * to t-1 and never t's, whatever the thread timing: a one-worker run stays
          * deterministic. (Fresh pulls wait for this push instead.) */
         if (o->stale_pull) prefetch_wait_next(&pf);
-        for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
-            rc = ps_client_push(c, t, s->ms.ukeys, s->ms.U, demb[t], errptr);
+        if (rc == CM_OK && !pushed) rc = push_rows(S, c, &s->ms, demb, errptr);
         if (rc == CM_OK && S->l.n_params > 0)
             rc = ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
         uint32_t B = s->ms.B;
         if (rc == CM_OK && o->staleness >= 0) rc = ps_client_clock(c, NULL, errptr);
         if (rc != CM_OK) {
-            prefetch_grant(&pf);
+            prefetch_grant(&pf, handed);
             prefetch_release(&pf);
             break;
         }
@@ -737,7 +851,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             rc = checkpoint(S, c, w, step, step, errptr);
             if (rc == CM_OK && o->stale_pull) rc = prefetch_refresh(&pf, errptr);
         }
-        prefetch_grant(&pf); /* after any checkpoint: no pull races the snapshot */
+        prefetch_grant(&pf, handed); /* after any checkpoint: no pull races the snapshot */
         prefetch_release(&pf);
     }
     /* Synchronous mode: keep clocking until the slowest worker is through. */

@@ -6,7 +6,9 @@
  * steps) must reproduce threads 1 exactly: probs, loss, every dense gradient and every row
  * gradient. On a difference it says which output, which layer's weights or bias, and how many
  * elements differ, so a regression points at the computation that caused it. A few samples
- * run alone must also get the batch's probabilities (singles_agree).
+ * run alone must also get the batch's probabilities (singles_agree). With an emb_ready hook
+ * (the trainer's early push) every output is the same again, the hook runs once, and the row
+ * gradients it sees are already the final ones.
  *
  * gradcheck_test.c checks the same property on a small tower (B 256); this one exists because
  * OpenBLAS picks its kernel by the shape of each call, and only training's shapes reach the
@@ -131,18 +133,48 @@ static void outs_free(outs *o)
         free(o->demb[i]);
 }
 
-static int step(void *st, const batch *t, outs *o)
+/* The emb_ready hook's view: the row gradients as they stand when it runs. */
+typedef struct hook {
+    const batch *t;
+    const outs *o;
+    float *seen[MODEL_MAX_TABLES];
+    int calls;
+} hook;
+
+static void hook_run(void *arg)
+{
+    hook *h = arg;
+    h->calls++;
+    for (uint32_t tb = 0; tb < h->t->l.n_tables; tb++)
+        memcpy(h->seen[tb], h->o->demb[tb],
+               (size_t)h->t->U * h->t->l.table_dim[tb] * sizeof(float));
+}
+
+static int step_hooked(void *st, const batch *t, outs *o, hook *h)
 {
     /* NaN first: an output the step forgets to write cannot match by accident. */
     for (uint32_t i = 0; i < t->mb.B; i++)
         o->probs[i] = NAN;
     for (size_t i = 0; i < t->l.n_params; i++)
         o->dparams[i] = NAN;
+    for (uint32_t tb = 0; tb < t->l.n_tables; tb++)
+        for (size_t i = 0; i < (size_t)t->U * t->l.table_dim[tb]; i++)
+            o->demb[tb][i] = NAN;
+    model_batch mb = t->mb;
+    if (h != NULL) {
+        mb.emb_ready = hook_run;
+        mb.emb_ready_arg = h;
+    }
     char *err = NULL;
     int rc =
-        backend_cpu_ops.step(st, t->params, &t->mb, o->probs, &o->loss, o->dparams, o->demb, &err);
+        backend_cpu_ops.step(st, t->params, &mb, o->probs, &o->loss, o->dparams, o->demb, &err);
     CHECK_OK(rc, err);
     return rc;
+}
+
+static int step(void *st, const batch *t, outs *o)
+{
+    return step_hooked(st, t, o, NULL);
 }
 
 /* Elements of a[0..n) and b[0..n) whose bits differ. */
@@ -192,6 +224,31 @@ static void outs_same(const batch *t, const outs *a, const outs *b, const char *
         snprintf(what, sizeof what, "demb[%u]", tb);
         report(what, ctx, ndiff(a->demb[tb], b->demb[tb], n), n);
     }
+}
+
+/* With the hook: the same bits (the dense gradients then run on fewer threads), one call, and
+ * at that moment every row gradient already final. */
+static void hook_check(void *st, const batch *t, const outs *ref, outs *o, const char *ctx)
+{
+    hook h = {t, o, {NULL}, 0};
+    int ok = 1;
+    for (uint32_t tb = 0; tb < t->l.n_tables; tb++)
+        ok = ok && (h.seen[tb] = malloc((size_t)t->U * t->l.table_dim[tb] * sizeof(float)));
+    CHECK_MSG(ok, "%s: out of memory", ctx);
+    if (ok && step_hooked(st, t, o, &h) == 0) {
+        char c2[160];
+        snprintf(c2, sizeof c2, "%s, emb_ready hook", ctx);
+        outs_same(t, ref, o, c2);
+        CHECK_MSG(h.calls == 1, "%s: the hook ran %d times", c2, h.calls);
+        for (uint32_t tb = 0; tb < t->l.n_tables; tb++) {
+            size_t n = (size_t)t->U * t->l.table_dim[tb];
+            char what[64];
+            snprintf(what, sizeof what, "demb[%u] at the hook", tb);
+            report(what, c2, ndiff(h.seen[tb], ref->demb[tb], n), n);
+        }
+    }
+    for (uint32_t tb = 0; tb < t->l.n_tables; tb++)
+        free(h.seen[tb]);
 }
 
 static void *create(const batch *t, uint32_t threads)
@@ -271,7 +328,11 @@ static void check_kind(model_kind kind)
                 snprintf(ctx, sizeof ctx, "%s B=%u threads %u (call %d) vs threads 1",
                          model_kind_name(kind), sizes[si], threads[i], rep);
                 if (step(stn[i], &t, &o) == 0) outs_same(&t, &ref, &o, ctx);
+                hook_check(stn[i], &t, &ref, &o, ctx);
             }
+        char ctx1[96];
+        snprintf(ctx1, sizeof ctx1, "%s B=%u threads 1", model_kind_name(kind), sizes[si]);
+        hook_check(st1, &t, &ref, &o, ctx1);
     }
     if (st1) backend_cpu_ops.destroy(st1);
     for (int i = 0; i < 2; i++)
