@@ -128,13 +128,74 @@ static int pool_init(pool *p, int n)
     return CM_OK;
 }
 
+/* Part `part` of `nparts` of [0, n): a contiguous range. */
+static void part_range(size_t n, int part, int nparts, size_t *i0, size_t *i1)
+{
+    *i0 = n * (size_t)part / (size_t)nparts;
+    *i1 = n * (size_t)(part + 1) / (size_t)nparts;
+}
+
+/*
+ * Element-wise work on whole rows of a row-major matrix Y (B x n): a layer's bias and ReLU, or
+ * the ReLU mask of its gradient. It runs on the rows of each GEMM tile right after the tile,
+ * by the same thread while they are in cache; each element is transformed alone, so neither
+ * who runs it nor when can change a bit.
+ */
+typedef struct rows_op {
+    void (*fn)(const struct rows_op *op, size_t i0, size_t i1);
+    float *Y;
+    const float *aux; /* bias_act: the bias (n); relu_mask: the layer's output (B x n) */
+    uint32_t n;
+    float floor_; /* bias_act: 0 with ReLU, -inf without */
+} rows_op;
+
+/* Y = max(Y + bias, floor): one vectorisable loop for ReLU and identity. */
+static void bias_act(const rows_op *op, size_t i0, size_t i1)
+{
+    for (size_t i = i0; i < i1; i++) {
+        float *y = op->Y + i * op->n;
+        for (uint32_t j = 0; j < op->n; j++) {
+            float v = y[j] + op->aux[j];
+            y[j] = v < op->floor_ ? op->floor_ : v; /* NaN passes through, as it must */
+        }
+    }
+}
+
+/* dY = 0 where the ReLU's output was not positive: a select, not a branch (half the signs are
+ * unpredictable). */
+static void relu_mask(const rows_op *op, size_t i0, size_t i1)
+{
+    for (size_t i = i0 * op->n; i < i1 * op->n; i++)
+        op->Y[i] = op->aux[i] <= 0.0f ? 0.0f : op->Y[i];
+}
+
+typedef struct rows_job {
+    const rows_op *op;
+    size_t rows;
+} rows_job;
+
+static void rows_part(void *arg, int part, int nparts)
+{
+    const rows_job *j = arg;
+    size_t i0, i1;
+    part_range(j->rows, part, nparts, &i0, &i1);
+    j->op->fn(j->op, i0, i1);
+}
+
+static void rows_run(pool *p, const rows_op *op, size_t rows)
+{
+    rows_job j = {op, rows};
+    pool_run(p, rows_part, &j);
+}
+
 /* C (M x N) = op(A) op(B), row-major, computed as `tiles` calls over equal ranges of whole rows
- * (by_cols 0) or whole columns (by_cols 1) of C. */
+ * (by_cols 0) or whole columns (by_cols 1) of C; then epi (optional) on every row of C. */
 typedef struct gemm {
     enum CBLAS_TRANSPOSE ta, tb;
     int M, N, K, lda, ldb, ldc;
     const float *A, *B;
     float *C;
+    const rows_op *epi;
     int tiles, by_cols;
 } gemm;
 
@@ -184,6 +245,7 @@ static void gemm_tile(const gemm *g, int t)
     }
     cblas_sgemm(CblasRowMajor, g->ta, g->tb, M, N, g->K, 1.0f, A, g->lda, B, g->ldb, 0.0f, C,
                 g->ldc);
+    if (g->epi != NULL && !g->by_cols) g->epi->fn(g->epi, (size_t)i0, (size_t)i1);
 }
 
 /* Part `part` of `nparts` runs a contiguous range of the tiles. */
@@ -196,14 +258,17 @@ static void gemm_part(void *arg, int part, int nparts)
 }
 
 static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int M, int N, int K,
-                  const float *A, int lda, const float *B, int ldb, float *C, int ldc)
+                  const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                  const rows_op *epi)
 {
-    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, 1, 0};
+    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, epi, 1, 0};
     gemm_tiles(&g);
     if (g.tiles == 1)
         gemm_tile(&g, 0);
     else
         pool_run(p, gemm_part, &g);
+    /* Column tiles hold no whole row: the epilogue runs after them. */
+    if (epi != NULL && g.by_cols) rows_run(p, epi, (size_t)M);
 }
 
 typedef struct cpu {
@@ -342,51 +407,80 @@ static void spmm(pool *p, const model_batch *b, const float *E, uint32_t d, floa
 }
 
 /* dE = A^T * dX (dE overwritten), dX laid out as spmm's X. */
-static void spmm_t(const model_batch *b, const float *dX, uint32_t d, uint32_t ldx, float *dE)
+typedef struct spmm_t_job {
+    const model_batch *b;
+    const float *dX;
+    uint32_t d, ldx;
+    float *dE;
+} spmm_t_job;
+
+/* Each part owns a range of dE's rows and adds into them in sample order, reading every entry
+ * of A: the sums are the same bits for any number of parts, and no two threads write a line. */
+static void spmm_t_part(void *arg, int part, int nparts)
 {
-    memset(dE, 0, (size_t)b->U * d * sizeof(float));
+    const spmm_t_job *j = arg;
+    const model_batch *b = j->b;
+    const uint32_t d = j->d;
+    size_t u0, u1;
+    part_range(b->U, part, nparts, &u0, &u1);
+    memset(j->dE + u0 * d, 0, (u1 - u0) * d * sizeof(float));
     for (size_t s = 0; s < b->B; s++)
         for (uint32_t f = 0; f < b->F; f++) {
             size_t r = s * b->F + f;
-            const float *g = dX + s * ldx + (size_t)f * d;
+            const float *g = j->dX + s * j->ldx + (size_t)f * d;
             for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
-                float *e = dE + (size_t)b->col[k] * d;
+                uint32_t u = b->col[k];
+                if (u < u0 || u >= u1) continue;
+                float *e = j->dE + (size_t)u * d;
                 float v = b->val[k];
-                for (uint32_t j = 0; j < d; j++)
-                    e[j] += v * g[j];
+                for (uint32_t q = 0; q < d; q++)
+                    e[q] += v * g[q];
             }
         }
+}
+
+static void spmm_t(pool *p, const model_batch *b, const float *dX, uint32_t d, uint32_t ldx,
+                   float *dE)
+{
+    spmm_t_job j = {b, dX, d, ldx, dE};
+    pool_run(p, spmm_t_part, &j);
 }
 
 /* Y = act(X W^T + b) for B rows. */
 static void layer_fwd(pool *pl, const model_layer *ly, const float *P, const float *X, float *Y,
                       uint32_t B)
 {
+    rows_op epi = {bias_act, Y, P + ly->b, ly->out, ly->relu ? 0.0f : -INFINITY};
     sgemm(pl, CblasNoTrans, CblasTrans, (int)B, (int)ly->out, (int)ly->in, X, (int)ly->in,
-          P + ly->w, (int)ly->in, Y, (int)ly->out);
-    const float *bias = P + ly->b;
-    const float floor_ = ly->relu ? 0.0f : -INFINITY; /* one vectorisable loop for both */
-    for (size_t i = 0; i < B; i++) {
-        float *y = Y + i * ly->out;
-        for (uint32_t j = 0; j < ly->out; j++) {
-            float v = y[j] + bias[j];
-            y[j] = v < floor_ ? floor_ : v; /* NaN passes through, as it must */
-        }
-    }
+          P + ly->w, (int)ly->in, Y, (int)ly->out, &epi);
 }
 
-/* The layer's input gradient dX (B x in) from dY (B x out), in which the ReLU mask is applied
- * in place first (layer_bwd_dw reads the masked dY). dX may be NULL (the stack's input needs
- * no gradient): only the mask is applied. */
-static void layer_bwd_dx(pool *pl, const model_layer *ly, const float *P, const float *Y, float *dY,
-                         float *dX, uint32_t B)
+/* The layer's input gradient dX (B x in) from its masked dY (B x out); `below`, when dX is the
+ * output gradient of a ReLU layer below whose output is Y_below, masks it on the way. */
+static void layer_bwd_dx(pool *pl, const model_layer *ly, const float *P, const float *dY,
+                         float *dX, const model_layer *below, const float *Y_below, uint32_t B)
 {
-    if (ly->relu) /* a select, not a branch: half the signs are unpredictable */
-        for (size_t i = 0; i < (size_t)B * ly->out; i++)
-            dY[i] = Y[i] <= 0.0f ? 0.0f : dY[i];
-    if (dX != NULL)
-        sgemm(pl, CblasNoTrans, CblasNoTrans, (int)B, (int)ly->in, (int)ly->out, dY, (int)ly->out,
-              P + ly->w, (int)ly->in, dX, (int)ly->in);
+    rows_op epi = {relu_mask, dX, Y_below, ly->in, 0.0f};
+    sgemm(pl, CblasNoTrans, CblasNoTrans, (int)B, (int)ly->in, (int)ly->out, dY, (int)ly->out,
+          P + ly->w, (int)ly->in, dX, (int)ly->in, below && below->relu ? &epi : NULL);
+}
+
+/* db[j] = sum over rows of dY[., j], each column summed in row order by one part. */
+typedef struct colsum_job {
+    const float *dY;
+    float *db;
+    uint32_t B, n;
+} colsum_job;
+
+static void colsum_part(void *arg, int part, int nparts)
+{
+    const colsum_job *j = arg;
+    size_t j0, j1;
+    part_range(j->n, part, nparts, &j0, &j1);
+    memset(j->db + j0, 0, (j1 - j0) * sizeof(float));
+    for (size_t i = 0; i < j->B; i++)
+        for (size_t q = j0; q < j1; q++)
+            j->db[q] += j->dY[i * j->n + q];
 }
 
 /* dW and db of the layer into dP (overwritten) from its input X and its masked dY. */
@@ -394,12 +488,12 @@ static void layer_bwd_dw(pool *pl, const model_layer *ly, const float *X, const 
                          float *dP, uint32_t B)
 {
     sgemm(pl, CblasTrans, CblasNoTrans, (int)ly->out, (int)ly->in, (int)B, dY, (int)ly->out, X,
-          (int)ly->in, dP + ly->w, (int)ly->in);
-    float *db = dP + ly->b;
-    memset(db, 0, ly->out * sizeof(float));
-    for (size_t i = 0; i < B; i++)
-        for (uint32_t j = 0; j < ly->out; j++)
-            db[j] += dY[i * ly->out + j];
+          (int)ly->in, dP + ly->w, (int)ly->in, NULL);
+    colsum_job j = {dY, dP + ly->b, B, ly->out};
+    if (ly->out < 64)
+        colsum_part(&j, 0, 1);
+    else
+        pool_run(pl, colsum_part, &j);
 }
 
 /* Runs the MLP stack ly[0..n) on X; returns the last layer's output buffer. */
@@ -420,8 +514,11 @@ static void stack_bwd_dx(pool *pl, const model_layer *ly, uint32_t n, float *con
                          float *const *g, const float *P, const float *dOut, float *dX, uint32_t B)
 {
     memcpy(g[n - 1], dOut, (size_t)B * ly[n - 1].out * sizeof(float));
-    for (uint32_t i = n; i-- > 0;)
-        layer_bwd_dx(pl, &ly[i], P, act[i], g[i], i ? g[i - 1] : dX, B);
+    rows_op mask = {relu_mask, g[n - 1], act[n - 1], ly[n - 1].out, 0.0f};
+    if (ly[n - 1].relu) rows_run(pl, &mask, B);
+    for (uint32_t i = n; i-- > 1;)
+        layer_bwd_dx(pl, &ly[i], P, g[i], g[i - 1], &ly[i - 1], act[i - 1], B);
+    if (dX != NULL) layer_bwd_dx(pl, &ly[0], P, g[0], dX, NULL, NULL, B);
 }
 
 /* Every layer's dW and db after stack_bwd_dx; X is the stack's input. */
@@ -529,7 +626,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                 dP[l->lin_w + k] += g[i] * b->dense[(size_t)i * D + k];
             dP[l->lin_c] += g[i];
         }
-        spmm_t(b, c->dxl, 1, F, demb[l->lin_table]);
+        spmm_t(&c->pool, b, c->dxl, 1, F, demb[l->lin_table]);
     }
     /* Every model with embeddings has a top MLP (model_layout_make); for mlp and deepfm its
      * input gradient din holds the pooled embeddings' gradient dxe in place. */
@@ -573,7 +670,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                     dv[f * d + j] += g[i] * (s - v[f * d + j]);
             }
         }
-    if (l->emb_table >= 0) spmm_t(b, c->dxe, d, c->ldxe, demb[l->emb_table]);
+    if (l->emb_table >= 0) spmm_t(&c->pool, b, c->dxe, d, c->ldxe, demb[l->emb_table]);
     /* The dense gradients: nothing above reads them. With a hook the caller's push of the rows
      * (and with an in-process PS, its update and the next pull) runs meanwhile, a sequential
      * path longer than these GEMMs: they leave it half the threads' cores (on 2 cores, at equal
