@@ -596,11 +596,13 @@ static void radix_sort(kv *a, kv *tmp, size_t n)
 
 /* A batch split by shard: skeys are the distinct keys grouped by shard (shard s owns positions
  * start[s] .. start[s+1]), each group sorted; inv[i] is the position of the caller's key i
- * there, so rows and gradients are laid out in the order the messages carry them. */
+ * there, so rows and gradients are laid out in the order the messages carry them. identity:
+ * the caller's keys were in that order already (inv[i] == i, skeys a copy of them). */
 typedef struct split {
     uint32_t *inv, *start;
     size_t n_uniq;
     uint64_t *skeys;
+    bool identity;
 } split;
 
 static void split_free(split *sp)
@@ -610,17 +612,65 @@ static void split_free(split *sp)
     free(sp->skeys);
 }
 
+/* Places sorted distinct keys u[0..n) in split order: start (ns + 1, zeroed) gets each shard's
+ * first position, place[k] key k's position; fill is ns + 1 entries of scratch. (u is only
+ * read; not const because GCC 12 then warns on freshly malloc'd arrays the caller filled.) */
+static void shard_places(uint32_t ns, uint64_t *u, size_t n, uint32_t *start, uint32_t *fill,
+                         uint32_t *place)
+{
+    for (size_t k = 0; k < n; k++) {
+        place[k] = ns == 1 ? 0 : ps_key_shard(u[k], ns);
+        start[place[k] + 1]++;
+    }
+    for (uint32_t s = 0; s < ns; s++)
+        start[s + 1] += start[s];
+    memcpy(fill, start, (ns + 1) * sizeof *fill);
+    for (size_t k = 0; k < n; k++)
+        place[k] = fill[place[k]]++;
+}
+
+/* One pass: are keys distinct and in split order (ps_keys_order)? Counts each shard's keys
+ * into start[s + 1] (start: ns + 1 zeroed entries) on the way. */
+static bool in_split_order(uint32_t ns, const uint64_t *keys, size_t n, uint32_t *start)
+{
+    uint32_t prev = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t s = ns == 1 ? 0 : ps_key_shard(keys[i], ns);
+        if (i > 0 && (s < prev || (s == prev && keys[i] <= keys[i - 1]))) return false;
+        start[s + 1]++;
+        prev = s;
+    }
+    return true;
+}
+
 static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n, split *sp,
                       char **errptr)
 {
     memset(sp, 0, sizeof *sp);
     uint32_t ns = c->cfg.n_shards;
+    sp->start = calloc(ns + 1, sizeof *sp->start);
+    if (sp->start != NULL && in_split_order(ns, keys, n, sp->start)) {
+        sp->inv = malloc(n * sizeof *sp->inv + 1);
+        sp->skeys = malloc(n * sizeof *sp->skeys + 1);
+        if (sp->inv == NULL || sp->skeys == NULL) {
+            split_free(sp);
+            return cm_err(errptr, CM_ENOMEM, "out of memory splitting %zu keys", n);
+        }
+        for (size_t i = 0; i < n; i++)
+            sp->inv[i] = (uint32_t)i;
+        memcpy(sp->skeys, keys, n * sizeof *keys);
+        for (uint32_t s = 0; s < ns; s++)
+            sp->start[s + 1] += sp->start[s];
+        sp->n_uniq = n;
+        sp->identity = true;
+        return CM_OK;
+    }
+    if (sp->start != NULL) memset(sp->start, 0, (ns + 1) * sizeof *sp->start);
     kv *a = malloc(n * sizeof *a), *tmp = malloc(n * sizeof *tmp);
     uint64_t *uniq = malloc(n * sizeof *uniq);
     uint32_t *owner = malloc(n * sizeof *owner), *fill = malloc((ns + 1) * sizeof *fill);
     sp->inv = malloc(n * sizeof *sp->inv);
     sp->skeys = malloc(n * sizeof *sp->skeys);
-    sp->start = calloc(ns + 1, sizeof *sp->start);
     int rc = CM_OK;
     if (!a || !tmp || !uniq || !owner || !fill || !sp->inv || !sp->skeys || !sp->start) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory splitting %zu keys", n);
@@ -635,18 +685,9 @@ static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n,
         sp->inv[a[i].idx] = (uint32_t)(u - 1);
     }
     sp->n_uniq = u;
-    for (size_t k = 0; k < u; k++) {
-        owner[k] = ns == 1 ? 0 : ps_key_shard(uniq[k], ns);
-        sp->start[owner[k] + 1]++;
-    }
-    for (uint32_t s = 0; s < ns; s++)
-        sp->start[s + 1] += sp->start[s];
-    memcpy(fill, sp->start, (ns + 1) * sizeof *fill);
-    for (size_t k = 0; k < u; k++) {
-        uint32_t p = fill[owner[k]]++;
-        sp->skeys[p] = uniq[k];
-        owner[k] = p; /* from here on: distinct key k's place in shard order */
-    }
+    shard_places(ns, uniq, u, sp->start, fill, owner);
+    for (size_t k = 0; k < u; k++)
+        sp->skeys[owner[k]] = uniq[k];
     for (size_t i = 0; i < n; i++)
         sp->inv[i] = owner[sp->inv[i]];
 out:
@@ -656,6 +697,41 @@ out:
     free(owner);
     free(fill);
     if (rc != CM_OK) split_free(sp);
+    return rc;
+}
+
+int ps_keys_order(uint32_t ns, const uint64_t *keys, size_t n, uint32_t *perm, char **errptr)
+{
+    if (ns == 0) return cm_err(errptr, CM_EINVAL, "no shards");
+    kv *a = malloc(n * sizeof *a + 1), *tmp = malloc(n * sizeof *tmp + 1);
+    uint64_t *sorted = malloc(n * sizeof *sorted + 1);
+    uint32_t *place = malloc(n * sizeof *place + 1), *start = calloc(ns + 1, sizeof *start),
+             *fill = malloc((ns + 1) * sizeof *fill);
+    int rc = CM_OK;
+    if (!a || !tmp || !sorted || !place || !start || !fill) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory ordering %zu keys", n);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++)
+        a[i] = (kv){keys[i], (uint32_t)i};
+    radix_sort(a, tmp, n);
+    for (size_t i = 0; i < n; i++) {
+        if (i > 0 && a[i].key == a[i - 1].key) {
+            rc = cm_err(errptr, CM_EINVAL, "key %" PRIu64 " appears twice", a[i].key);
+            goto out;
+        }
+        sorted[i] = a[i].key;
+    }
+    shard_places(ns, sorted, n, start, fill, place);
+    for (size_t i = 0; i < n; i++)
+        perm[place[i]] = a[i].idx;
+out:
+    free(a);
+    free(tmp);
+    free(sorted);
+    free(place);
+    free(start);
+    free(fill);
     return rc;
 }
 
@@ -753,8 +829,8 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
     rc = split_keys(c, keys, n, &sp, errptr);
     if (rc != CM_OK) return rc;
     /* Replies are decoded in shard order into rows: each caller's key is one copy away from its
-     * row. */
-    float *rows = malloc(sp.n_uniq * dim * sizeof *rows);
+     * row; keys already in that order decode straight into out. */
+    float *rows = sp.identity ? out : malloc(sp.n_uniq * dim * sizeof *rows + 1);
     slot **slots = calloc(ns, sizeof *slots);
     uint64_t *req_ids = calloc(ns, sizeof *req_ids);
     if (!rows || !slots || !req_ids) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
@@ -800,13 +876,13 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
         if (reply) nng_msg_free(reply);
     }
     if (rc == CM_OK) {
-        for (size_t i = 0; i < n; i++)
+        for (size_t i = 0; i < n && !sp.identity; i++)
             memcpy(out + i * dim, rows + (size_t)sp.inv[i] * dim, dim * sizeof(float));
         __atomic_add_fetch(&c->st.rows_pulled, sp.n_uniq, __ATOMIC_RELAXED);
     }
     free(slots);
     free(req_ids);
-    free(rows);
+    if (!sp.identity) free(rows);
     split_free(&sp);
     return rc;
 }
@@ -879,16 +955,22 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     split sp;
     rc = split_keys(c, keys, n, &sp, errptr);
     if (rc != CM_OK) return rc;
-    /* Sum duplicates into shard-grouped order. */
-    float *gs = calloc(sp.n_uniq * dim, sizeof *gs), *back = malloc(sp.n_uniq * dim * sizeof *back);
+    /* Sum duplicates into shard-grouped order; keys in that order already are encoded as they
+     * are (int8's error feedback rewrites its copy). */
+    const bool own = !sp.identity || codec == PS_CODEC_INT8;
+    float *gs = own ? calloc(sp.n_uniq * dim + 1, sizeof *gs) : (float *)grads;
+    float *back = codec == PS_CODEC_INT8 ? malloc(sp.n_uniq * dim * sizeof *back + 1) : NULL;
     uint8_t *enc = malloc(sp.n_uniq * rb + 1);
-    if (!gs || !back || !enc) {
+    if (!gs || (codec == PS_CODEC_INT8 && !back) || !enc) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto out;
     }
-    for (size_t i = 0; i < n; i++)
-        for (uint32_t j = 0; j < dim; j++)
-            gs[(size_t)sp.inv[i] * dim + j] += grads[i * dim + j];
+    if (sp.identity && own)
+        memcpy(gs, grads, n * dim * sizeof *gs);
+    else if (own)
+        for (size_t i = 0; i < n; i++)
+            for (uint32_t j = 0; j < dim; j++)
+                gs[(size_t)sp.inv[i] * dim + j] += grads[i * dim + j];
     if (codec == PS_CODEC_INT8)
         rc = error_feedback(c, table, sp.skeys, sp.n_uniq, gs, NULL, 0, errptr);
     if (rc != CM_OK) goto out;
@@ -904,7 +986,7 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     }
     if (rc == CM_OK) __atomic_add_fetch(&c->st.rows_pushed, sp.n_uniq, __ATOMIC_RELAXED);
 out:
-    free(gs);
+    if (own) free(gs);
     free(back);
     free(enc);
     split_free(&sp);

@@ -77,6 +77,13 @@ size_t ps_codec_row_bytes(ps_codec c, uint32_t dim);
 
 /* The shard a key belongs to among n (jump consistent hash of xxh3(key)). */
 uint32_t ps_key_shard(uint64_t key, uint32_t n_shards);
+/* The order in which pull and push send n distinct keys to n_shards shards: grouped by shard
+ * in shard order, ascending within a shard. perm (n entries, the caller's) receives that order
+ * as positions in keys (keys is not changed). Pull and push recognise a key list already in
+ * this order in one pass and skip their sort, duplicate merge and scatter; a trainer that
+ * orders each batch's keys once, ahead of time, takes that work off its critical path.
+ * 0, or CM_ENOMEM / CM_EINVAL (a duplicate key) with a message. */
+int ps_keys_order(uint32_t n_shards, const uint64_t *keys, size_t n, uint32_t *perm, char **errptr);
 
 typedef enum ps_dense_opt {
     PS_DENSE_ADAM = 0,

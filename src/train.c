@@ -139,13 +139,50 @@ typedef struct stage {
     model_staging ms;
     float *params;
     uint64_t ticket; /* what the backend's prefetch returned for this batch (model.h) */
+    uint32_t *perm, *pos, cap_order; /* stage_order's scratch */
+    uint64_t *okeys;
 } stage;
 
 static void stage_free(stage *s)
 {
     model_staging_fini(&s->ms);
     free(s->params);
+    free(s->perm);
+    free(s->pos);
+    free(s->okeys);
     memset(s, 0, sizeof *s);
+}
+
+/* Puts the stage's distinct keys in the order the PS client sends them (ps_keys_order), so
+ * the pull and the push skip their sort, merge and scatter on the critical path; the CSR
+ * columns follow. Nothing computed depends on this order: pooling sums a sample's entries in
+ * CSR order, and each row gradient sums its entries in sample order. */
+static int stage_order(stage *s, const setup *S, char **errptr)
+{
+    model_staging *m = &s->ms;
+    if (m->U > s->cap_order) {
+        free(s->perm);
+        free(s->pos);
+        free(s->okeys);
+        s->perm = malloc(m->U * sizeof *s->perm);
+        s->pos = malloc(m->U * sizeof *s->pos);
+        s->okeys = malloc(m->U * sizeof *s->okeys);
+        s->cap_order = m->U;
+        if (!s->perm || !s->pos || !s->okeys) {
+            s->cap_order = 0;
+            return cm_err(errptr, CM_ENOMEM, "out of memory");
+        }
+    }
+    int rc = ps_keys_order(S->ps.n_shards, m->ukeys, m->U, s->perm, errptr);
+    if (rc != CM_OK) return rc;
+    for (uint32_t i = 0; i < m->U; i++) {
+        s->okeys[i] = m->ukeys[s->perm[i]];
+        s->pos[s->perm[i]] = i;
+    }
+    memcpy(m->ukeys, s->okeys, m->U * sizeof *m->ukeys);
+    for (uint32_t k = 0; k < m->nnz; k++)
+        m->col[k] = s->pos[m->col[k]];
+    return CM_OK;
 }
 
 /* Copies a reader batch into the model layout and deduplicates its keys. */
@@ -155,7 +192,8 @@ static int stage_build(stage *s, const setup *S, const ds_batch *b, char **errpt
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     model_input in = {b->n_rows, b->n_dense, b->n_fields, b->labels,
                       b->dense,  b->offsets, b->keys,     b->weights};
-    return model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
+    int rc = model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
+    return rc == CM_OK ? stage_order(s, S, errptr) : rc;
 }
 
 /* Pulls the stage's rows; for evaluation read only (lookup), so unseen keys read as zeros

@@ -109,6 +109,97 @@ static void test_lossy(ps_client *c)
     CHECK(st.push_sq_norm > 0 && st.push_sq_error > 0 && st.push_sq_error < st.push_sq_norm * 1e-3);
 }
 
+/* ps_keys_order gives a permutation into shard order, ascending within each shard. */
+static void check_order(uint32_t ns, const uint64_t *keys, size_t n)
+{
+    uint32_t *perm = malloc(n * sizeof *perm + 1);
+    uint8_t *seen = calloc(n + 1, 1);
+    char *err = NULL;
+    CHECK_OK(ps_keys_order(ns, keys, n, perm, &err), err);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        bad += perm[i] >= n || seen[perm[i]]++;
+        if (i == 0 || perm[i] >= n || perm[i - 1] >= n) continue;
+        uint64_t a = keys[perm[i - 1]], b = keys[perm[i]];
+        uint32_t sa = ps_key_shard(a, ns), sb = ps_key_shard(b, ns);
+        bad += sb < sa || (sa == sb && b <= a);
+    }
+    CHECK_MSG(bad == 0, "ps_keys_order over %u shards: %zu misplaced of %zu", ns, bad, n);
+    free(perm);
+    free(seen);
+}
+
+/*
+ * Keys in the client's own order (ps_keys_order) take the pull's and push's fast path (no
+ * sort, decode straight into the caller's rows); any other order the sorting one. Both must
+ * give every key its own row: pushes of per-key gradients in one order are read back in the
+ * other, on the fp32 and the int8 (own copy for error feedback) tables.
+ */
+static void test_key_order(ps_client *c)
+{
+    enum { K = 997 };
+    uint64_t keys[K], ordered[K];
+    uint32_t perm[K];
+    float g[K * DIM], out[K * DIM];
+    char *err = NULL;
+    for (int i = 0; i < K; i++)
+        keys[i] = 0x9E3779B97F4A7C15ull * (uint64_t)(i + 11) >> 7; /* distinct, unordered */
+    for (uint32_t ns = 1; ns <= 5; ns++)
+        check_order(ns, keys, K);
+    uint64_t dup[3] = {5, 9, 5};
+    CHECK(ps_keys_order(2, dup, 3, perm, &err) == CM_EINVAL && err && strstr(err, "twice"));
+    free(err), err = NULL;
+    CHECK_OK(ps_keys_order(2, keys, K, perm, &err), err);
+    for (int i = 0; i < K; i++)
+        ordered[i] = keys[perm[i]];
+    for (uint32_t t = 0; t < 2; t++) {
+        /* Table 0 (sgd lr 0.5, fp32): push in shard order, pull in the caller's. */
+        const uint64_t *push_keys = t == 0 ? ordered : keys, *pull_keys = t == 0 ? keys : ordered;
+        for (int i = 0; i < K; i++)
+            for (uint32_t j = 0; j < DIM; j++)
+                g[i * DIM + j] = (float)((push_keys[i] >> 3) % 1000) * 0.25f + (float)j;
+        CHECK_OK(ps_client_push(c, t, push_keys, K, g, &err), err);
+        CHECK_OK(ps_client_pull(c, t, pull_keys, K, out, &err), err);
+        size_t wrong = 0;
+        for (int i = 0; i < K; i++)
+            for (uint32_t j = 0; j < DIM; j++) {
+                double want = -(t == 0 ? 0.5 : 1.0) *
+                              ((double)((pull_keys[i] >> 3) % 1000) * 0.25 + (double)j);
+                /* table 1: int8 push (a step is the row's largest value / 127), fp16 pull */
+                double row_max = (double)((pull_keys[i] >> 3) % 1000) * 0.25 + (DIM - 1);
+                double tol = t == 0 ? 0 : row_max / 127 + fabs(want) * 0x1p-10;
+                wrong += fabs(out[i * DIM + j] - want) > tol;
+            }
+        CHECK_MSG(wrong == 0, "table %u: %zu of %d values not the key's own", t, wrong, K * DIM);
+    }
+    /* Nearly in order, which must not pass for it: two keys of one shard swapped, and one
+     * key repeated; each position still gets its key's row (table 0 as it is now). */
+    float want[K * DIM];
+    CHECK_OK(ps_client_pull(c, 0, ordered, K, want, &err), err);
+    int swap = 1;
+    while (swap < K && ps_key_shard(ordered[swap], 2) != ps_key_shard(ordered[swap - 1], 2))
+        swap++;
+    for (int v = 0; v < 2 && swap < K; v++) {
+        uint64_t near[K];
+        memcpy(near, ordered, sizeof near);
+        if (v == 0) {
+            near[swap] = ordered[swap - 1];
+            near[swap - 1] = ordered[swap];
+        } else {
+            near[swap] = ordered[swap - 1];
+        }
+        CHECK_OK(ps_client_pull(c, 0, near, K, out, &err), err);
+        int src = swap - 1; /* position swap holds that key in both variants */
+        CHECK_MSG(memcmp(out, want, (size_t)(swap - 1) * DIM * 4) == 0 &&
+                      memcmp(out + (size_t)swap * DIM, want + (size_t)src * DIM, DIM * 4) == 0 &&
+                      memcmp(out + (size_t)(swap + 1) * DIM, want + (size_t)(swap + 1) * DIM,
+                             (size_t)(K - swap - 1) * DIM * 4) == 0,
+                  "variant %d: a key list out of order by one got other keys' rows", v);
+        if (v == 0)
+            CHECK(memcmp(out + (size_t)(swap - 1) * DIM, want + (size_t)swap * DIM, DIM * 4) == 0);
+    }
+}
+
 static void test_dense(ps_client *c)
 {
     char *err = NULL;
@@ -148,6 +239,7 @@ int main(void)
     test_read_your_writes(c);
     test_duplicates(c);
     test_lossy(c);
+    test_key_order(c);
     test_dense(c);
     char *err = NULL;
     CHECK_OK(ps_client_flush(c, &err), err);
