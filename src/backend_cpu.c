@@ -383,9 +383,24 @@ static void spmm_part(void *arg, int part, int nparts)
     const spmm_job *j = arg;
     const model_batch *b = j->b;
     const uint32_t d = j->d, F = b->F;
-    size_t s0 = (size_t)b->B * (size_t)part / (size_t)nparts;
-    size_t s1 = (size_t)b->B * (size_t)(part + 1) / (size_t)nparts;
+    size_t s0, s1;
+    part_range(b->B, part, nparts, &s0, &s1);
     const float *E = j->E;
+    if (d == 16) { /* the common dim: the sum stays in registers (same adds, same order) */
+        for (size_t s = s0; s < s1; s++)
+            for (uint32_t f = 0; f < F; f++) {
+                size_t r = s * F + f;
+                float acc[16] = {0};
+                for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+                    const float *e = E + (size_t)b->col[k] * 16;
+                    float v = b->val[k];
+                    for (int q = 0; q < 16; q++)
+                        acc[q] += v * e[q];
+                }
+                memcpy(j->X + s * j->ldx + (size_t)f * 16, acc, sizeof acc);
+            }
+        return;
+    }
     for (size_t s = s0; s < s1; s++)
         for (uint32_t f = 0; f < F; f++) {
             size_t r = s * F + f;
@@ -414,15 +429,44 @@ typedef struct spmm_t_job {
     float *dE;
 } spmm_t_job;
 
-/* Each part owns a range of dE's rows and adds into them in sample order, reading every entry
- * of A: the sums are the same bits for any number of parts, and no two threads write a line. */
+/* Each part owns a range of dE's rows and adds into them in sample order: the sums are the same
+ * bits for any number of parts, and no two threads write a line. With A's columns (t_ptr) a
+ * row is summed in registers and stored once; without, every part reads all of A. */
 static void spmm_t_part(void *arg, int part, int nparts)
 {
     const spmm_t_job *j = arg;
     const model_batch *b = j->b;
-    const uint32_t d = j->d;
+    const uint32_t d = j->d, F = b->F;
     size_t u0, u1;
     part_range(b->U, part, nparts, &u0, &u1);
+    if (b->t_ptr != NULL && d == 16) {
+        for (size_t u = u0; u < u1; u++) {
+            float acc[16] = {0};
+            for (uint32_t e = b->t_ptr[u]; e < b->t_ptr[u + 1]; e++) {
+                uint32_t r = b->t_row[e], s = r / F;
+                const float *g = j->dX + (size_t)s * j->ldx + (size_t)(r - s * F) * 16;
+                float v = b->t_val[e];
+                for (int q = 0; q < 16; q++)
+                    acc[q] += v * g[q];
+            }
+            memcpy(j->dE + u * 16, acc, sizeof acc);
+        }
+        return;
+    }
+    if (b->t_ptr != NULL) {
+        for (size_t u = u0; u < u1; u++) {
+            float *o = j->dE + u * d;
+            memset(o, 0, d * sizeof(float));
+            for (uint32_t e = b->t_ptr[u]; e < b->t_ptr[u + 1]; e++) {
+                uint32_t r = b->t_row[e], s = r / F;
+                const float *g = j->dX + (size_t)s * j->ldx + (size_t)(r - s * F) * d;
+                float v = b->t_val[e];
+                for (uint32_t q = 0; q < d; q++)
+                    o[q] += v * g[q];
+            }
+        }
+        return;
+    }
     memset(j->dE + u0 * d, 0, (u1 - u0) * d * sizeof(float));
     for (size_t s = 0; s < b->B; s++)
         for (uint32_t f = 0; f < b->F; f++) {

@@ -230,6 +230,9 @@ void model_staging_fini(model_staging *s)
     free(s->hkeys);
     free(s->hcol);
     free(s->hgen);
+    free(s->t_ptr);
+    free(s->t_row);
+    free(s->t_val);
     memset(s, 0, sizeof *s);
 }
 
@@ -297,6 +300,7 @@ int model_staging_build(model_staging *s, const model_cfg *m, const model_layout
     s->F = F;
     s->D = D;
     s->nnz = nnz;
+    s->indexed = false;
     if (b->labels) memcpy(s->labels, b->labels, s->B * sizeof(float));
     else memset(s->labels, 0, s->B * sizeof(float));
     for (size_t i = 0; i < (size_t)s->B * D; i++) s->dense[i] = squash(b->dense[i]);
@@ -327,6 +331,43 @@ int model_staging_build(model_staging *s, const model_cfg *m, const model_layout
     return CM_OK;
 }
 
+/* A counting sort of the entries by column; walking the CSR rows in order keeps each column's
+ * entries in row order, the order A^T dX must add them in. */
+int model_staging_index(model_staging *s, char **errptr)
+{
+    if (s->U + 1 > s->cap_tu) {
+        free(s->t_ptr);
+        s->cap_tu = s->U + 1;
+        if ((s->t_ptr = malloc(s->cap_tu * sizeof *s->t_ptr)) == NULL) s->cap_tu = 0;
+    }
+    if (s->nnz > s->cap_tn || s->t_row == NULL) {
+        free(s->t_row);
+        free(s->t_val);
+        s->cap_tn = s->nnz > 1024 ? s->nnz : 1024;
+        s->t_row = malloc(s->cap_tn * sizeof *s->t_row);
+        s->t_val = malloc(s->cap_tn * sizeof *s->t_val);
+        if (s->t_row == NULL || s->t_val == NULL) s->cap_tn = 0;
+    }
+    if (s->cap_tu == 0 || s->cap_tn == 0) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    uint32_t *ptr = s->t_ptr;
+    memset(ptr, 0, (s->U + 1) * sizeof *ptr);
+    for (uint32_t k = 0; k < s->nnz; k++)
+        ptr[s->col[k] + 1]++;
+    for (uint32_t u = 0; u < s->U; u++)
+        ptr[u + 1] += ptr[u];
+    /* ptr[u] walks key u's slots; afterwards ptr[u] is where key u+1 starts. */
+    for (size_t r = 0; r < (size_t)s->B * s->F; r++)
+        for (uint32_t k = s->row_ptr[r]; k < s->row_ptr[r + 1]; k++) {
+            uint32_t e = ptr[s->col[k]]++;
+            s->t_row[e] = (uint32_t)r;
+            s->t_val[e] = s->val[k];
+        }
+    memmove(ptr + 1, ptr, s->U * sizeof *ptr);
+    ptr[0] = 0;
+    s->indexed = true;
+    return CM_OK;
+}
+
 void model_staging_view(const model_staging *s, model_batch *mb)
 {
     memset(mb, 0, sizeof *mb);
@@ -340,5 +381,10 @@ void model_staging_view(const model_staging *s, model_batch *mb)
     mb->col = s->col;
     mb->val = s->val;
     for (uint32_t t = 0; t < s->n_tables; t++) mb->emb[t] = s->emb[t];
+    if (s->indexed) {
+        mb->t_ptr = s->t_ptr;
+        mb->t_row = s->t_row;
+        mb->t_val = s->t_val;
+    }
 }
 

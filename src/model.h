@@ -21,6 +21,7 @@
 #ifndef EMBER_SRC_MODEL_H
 #define EMBER_SRC_MODEL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -91,6 +92,11 @@ typedef struct model_batch {
      * a third of the GEMM work). A backend may call it last; a failed step may not call it. */
     void (*emb_ready)(void *arg);
     void *emb_ready_arg;
+    /* Optional: A's columns, so the row gradients A^T dX need no scatter. Key u's entries are
+     * t_row[t_ptr[u] .. t_ptr[u+1]) (their CSR rows, sample*F + field, ascending) with values
+     * t_val; NULL when the staging has not built them (model_staging_index). */
+    const uint32_t *t_ptr, *t_row;
+    const float *t_val;
 } model_batch;
 
 /* Raw rows as a reader or a serving caller has them (datasets' ds_batch layout). */
@@ -115,11 +121,17 @@ typedef struct model_staging {
     float *emb[MODEL_MAX_TABLES];
     uint64_t *hkeys; /* dedup table: slot valid where hgen == cur */
     uint32_t *hcol, *hgen, hcap, cur;
+    uint32_t *t_ptr, *t_row, cap_tu, cap_tn; /* model_staging_index; valid when indexed */
+    float *t_val;
+    bool indexed;
 } model_staging;
 
 int model_staging_build(model_staging *s, const model_cfg *m, const model_layout *l, int mean_pool,
                         const model_input *in, char **errptr);
 void model_staging_fini(model_staging *s);
+/* Builds A's columns (model_batch.t_ptr) for the batch as it now stands: call it after any
+ * reordering of ukeys and col. model_staging_build clears it. */
+int model_staging_index(model_staging *s, char **errptr);
 /* The staged batch as the backends take it. */
 void model_staging_view(const model_staging *s, model_batch *mb);
 

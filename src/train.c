@@ -193,7 +193,8 @@ static int stage_build(stage *s, const setup *S, const ds_batch *b, char **errpt
     model_input in = {b->n_rows, b->n_dense, b->n_fields, b->labels,
                       b->dense,  b->offsets, b->keys,     b->weights};
     int rc = model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
-    return rc == CM_OK ? stage_order(s, S, errptr) : rc;
+    if (rc == CM_OK) rc = stage_order(s, S, errptr);
+    return rc == CM_OK ? model_staging_index(&s->ms, errptr) : rc;
 }
 
 /* Pulls the stage's rows; for evaluation read only (lookup), so unseen keys read as zeros

@@ -65,7 +65,8 @@ int main(void)
         float params[2] = {0.5f, 0.25f}, dense[1] = {1.0f}, labels[1] = {1.0f}, val[1] = {1.0f},
               e0[1] = {0.5f}, probs[1];
         uint32_t row_ptr[3] = {0, 1, 1}, col[1] = {0};
-        model_batch b = {1, 2, 1, 1, dense, labels, row_ptr, col, val, {e0, NULL}, 0, NULL, NULL};
+        model_batch b = {.B = 1, .F = 2, .D = 1, .U = 1, .dense = dense, .labels = labels,
+                         .row_ptr = row_ptr, .col = col, .val = val, .emb = {e0, NULL}};
         double loss = 0;
         CHECK_OK(backend_cpu_ops.step(cpu, params, &b, probs, &loss, NULL, NULL, &err), err);
         CHECK(fabsf(probs[0] - 1.0f / (1.0f + expf(-1.25f))) < 1e-6f);

@@ -8,7 +8,8 @@
  * elements differ, so a regression points at the computation that caused it. A few samples
  * run alone must also get the batch's probabilities (singles_agree). With an emb_ready hook
  * (the trainer's early push) every output is the same again, the hook runs once, and the row
- * gradients it sees are already the final ones.
+ * gradients it sees are already the final ones. With A's columns (model_batch.t_ptr, built
+ * here by a sort) the row gradients are summed per key instead of scattered: the same bits.
  *
  * gradcheck_test.c checks the same property on a small tower (B 256); this one exists because
  * OpenBLAS picks its kernel by the shape of each call, and only training's shapes reach the
@@ -251,6 +252,56 @@ static void hook_check(void *st, const batch *t, const outs *ref, outs *o, const
         free(h.seen[tb]);
 }
 
+/* A's columns built here by sorting (column, row) pairs, independently of model.c's counting
+ * sort: with them the row gradients are summed per key, and must come out the same bits. */
+typedef struct entry {
+    uint32_t col, row;
+    float val;
+} entry;
+
+static int entry_cmp(const void *a, const void *b)
+{
+    const entry *x = a, *y = b;
+    if (x->col != y->col) return x->col < y->col ? -1 : 1;
+    return (x->row > y->row) - (x->row < y->row);
+}
+
+static void columns_check(void *st, const batch *t, const outs *ref, outs *o, const char *ctx)
+{
+    const model_batch *mb = &t->mb;
+    size_t nnz = mb->row_ptr[(size_t)mb->B * FIELDS];
+    entry *e = malloc(nnz * sizeof *e + 1);
+    uint32_t *ptr = calloc(mb->U + 1, sizeof *ptr), *row = malloc(nnz * sizeof *row + 1);
+    float *val = malloc(nnz * sizeof *val + 1);
+    if (!e || !ptr || !row || !val) {
+        CHECK_MSG(0, "%s: out of memory", ctx);
+    } else {
+        size_t n = 0;
+        for (uint32_t r = 0; r < mb->B * FIELDS; r++)
+            for (uint32_t k = mb->row_ptr[r]; k < mb->row_ptr[r + 1]; k++)
+                e[n++] = (entry){mb->col[k], r, mb->val[k]};
+        qsort(e, n, sizeof *e, entry_cmp);
+        for (size_t i = 0; i < n; i++) {
+            ptr[e[i].col + 1]++;
+            row[i] = e[i].row;
+            val[i] = e[i].val;
+        }
+        for (uint32_t u = 0; u < mb->U; u++)
+            ptr[u + 1] += ptr[u];
+        batch tc = *t;
+        tc.mb.t_ptr = ptr;
+        tc.mb.t_row = row;
+        tc.mb.t_val = val;
+        char c2[160];
+        snprintf(c2, sizeof c2, "%s, with A's columns", ctx);
+        if (step(st, &tc, o) == 0) outs_same(t, ref, o, c2);
+    }
+    free(e);
+    free(ptr);
+    free(row);
+    free(val);
+}
+
 static void *create(const batch *t, uint32_t threads)
 {
     void *st = NULL;
@@ -329,10 +380,12 @@ static void check_kind(model_kind kind)
                          model_kind_name(kind), sizes[si], threads[i], rep);
                 if (step(stn[i], &t, &o) == 0) outs_same(&t, &ref, &o, ctx);
                 hook_check(stn[i], &t, &ref, &o, ctx);
+                columns_check(stn[i], &t, &ref, &o, ctx);
             }
         char ctx1[96];
         snprintf(ctx1, sizeof ctx1, "%s B=%u threads 1", model_kind_name(kind), sizes[si]);
         hook_check(st1, &t, &ref, &o, ctx1);
+        columns_check(st1, &t, &ref, &o, ctx1);
     }
     if (st1) backend_cpu_ops.destroy(st1);
     for (int i = 0; i < 2; i++)
