@@ -47,6 +47,10 @@ float cm_f16_to_f32(uint16_t h);
 uint16_t cm_f32_to_bf16(float f);
 float cm_bf16_to_f32(uint16_t h);
 
+/* Index of the first non-finite of n floats, n when all are finite; vectorised for the common
+ * case (all finite): gradients are checked on every push. */
+size_t cm_f32_first_nonfinite(const float *x, size_t n);
+
 /* int8 quantisation, shared by serving bundles (fp32 scale) and the PS wire (bf16 scale).
  * cm_int8_quantize: q[j] = x[j] * inv rounded to nearest and clamped to +-127, where inv is the
  * caller's 1/scale (when it is not finite, as for a subnormal scale, x[j] / scale instead);

@@ -1,5 +1,6 @@
 /* Compact number formats shared by the wire codecs and the serving bundle: fp16 and bf16
- * (round to nearest even) and int8 quantisation with a per-row scale. */
+ * (round to nearest even) and int8 quantisation with a per-row scale; and the finiteness scan
+ * every gradient goes through. */
 #include <math.h>
 #include <stdbool.h>
 #include <string.h>
@@ -99,4 +100,24 @@ void cm_int8_row_decode(const uint8_t *in, uint32_t dim, float *out)
     float scale;
     memcpy(&scale, in, 4);
     cm_int8_dequantize(in + 4, dim, scale, out);
+}
+
+size_t cm_f32_first_nonfinite(const float *x, size_t n)
+{
+    /* A block at a time with no early exit, so the compiler can vectorise the common case (all
+     * finite); a block that holds a bad value is searched again for its first one. */
+    enum { BLOCK = 1024 };
+    for (size_t b = 0; b < n; b += BLOCK) {
+        size_t e = n - b < BLOCK ? n : b + BLOCK;
+        uint32_t bad = 0;
+        for (size_t i = b; i < e; i++) {
+            uint32_t u;
+            memcpy(&u, &x[i], 4);
+            bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+        }
+        if (bad)
+            for (size_t i = b; i < e; i++)
+                if (!isfinite(x[i])) return i;
+    }
+    return n;
 }

@@ -168,6 +168,19 @@ int emb_table_pull(emb_table *t, const uint64_t *keys, size_t n, float *out, cha
 int emb_table_push(emb_table *t, const uint64_t *keys, size_t n, const float *grads,
                    char **errptr);
 
+/* Slot hints: a push usually names exactly the keys a pull served moments before, and finding
+ * each key's row again costs a hash probe (a cache and TLB miss on a large table) per key.
+ * emb_table_pull_hinted is emb_table_pull that also stores in hints[i] (n entries, caller's) where
+ * keys[i]'s row sat when the pull was done with it, or EMB_NO_HINT. emb_table_push_hinted is
+ * emb_table_push given those hints back: a hint is used only when its slot still holds that
+ * key, else the key is looked up as usual, so stale hints (rows grown, evicted, spilled, expired
+ * or replaced since; another table entirely) cost a probe and never change a result. */
+#define EMB_NO_HINT UINT64_MAX
+int emb_table_pull_hinted(emb_table *t, const uint64_t *keys, size_t n, float *out, uint64_t *hints,
+                          char **errptr);
+int emb_table_push_hinted(emb_table *t, const uint64_t *keys, size_t n, const float *grads,
+                          const uint64_t *hints, char **errptr);
+
 /* Reads the weights of n keys with no side effect: nothing is created, admitted or marked
  * touched, and spilled rows are read where they lie. A key the table does not hold reads as
  * zeros with found[i] = 0 (found may be NULL). This is what evaluation and serving see. */

@@ -172,15 +172,51 @@ static int miss_cmp(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* The slot a hint names when it still holds key, else -1. Memory holds a key in at most one
+ * slot, so a hint that passes is exactly what emb_mem_find would return: whatever moved rows
+ * since the hint was taken (growth, eviction, TTL, a restore) at worst makes it fail here. */
+static inline int64_t hinted_slot(const emb_mem *m, uint64_t key, uint64_t hint)
+{
+    if (hint >= m->cap || !(m->ctrl[hint] & EMB_CTRL_USED) ||
+        emb_rec_key(emb_mem_rec(m, (int64_t)hint)) != key)
+        return -1;
+    return (int64_t)hint;
+}
+
+/* Where key lives in memory (-1: absent), trying its hint (hints may be NULL) before probing. */
+static inline int64_t locate(const emb_mem *m, uint64_t key, uint64_t h, const uint64_t *hints,
+                             uint32_t k)
+{
+    int64_t slot = hints ? hinted_slot(m, key, hints[k]) : -1;
+    return slot >= 0 ? slot : emb_mem_find(m, key, h);
+}
+
+/* Hints the cache about where key idx will be looked up: its hinted record when the hint is in
+ * range (a stale one costs a useless prefetch, never a wrong answer), else its home slot. */
+static inline void prefetch_key(const emb_table *t, const emb_mem *m, const uint64_t *h,
+                                const uint64_t *hints, uint32_t k)
+{
+    if (hints == NULL || hints[k] >= m->cap) {
+        emb_mem_prefetch(m, h[k]);
+        return;
+    }
+    const uint8_t *r = emb_mem_rec(m, (int64_t)hints[k]);
+    __builtin_prefetch(m->ctrl + hints[k]);
+    for (size_t off = 0; off < t->rec; off += 64)
+        __builtin_prefetch(r + off);
+    __builtin_prefetch(r + t->rec - 1);
+}
+
 /* Phases 1 and 2: which keys of the group are absent, and what the spill store holds of them. */
 static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *keys,
-                            const uint64_t *h, const uint32_t *idx, size_t m, char **errptr)
+                            const uint64_t *h, const uint64_t *hints, const uint32_t *idx, size_t m,
+                            char **errptr)
 {
     sc->n_miss = 0;
     for (size_t i = 0; i < m; i++) {
-        if (i + PREFETCH_AHEAD < m) emb_mem_prefetch(&s->mem, h[idx[i + PREFETCH_AHEAD]]);
+        if (i + PREFETCH_AHEAD < m) prefetch_key(t, &s->mem, h, hints, idx[i + PREFETCH_AHEAD]);
         uint32_t k = idx[i];
-        int64_t slot = emb_mem_find(&s->mem, keys[k], h[k]);
+        int64_t slot = locate(&s->mem, keys[k], h[k], hints, k);
         if (slot >= 0) {
             s->mem.ctrl[slot] |= EMB_CTRL_REF;
             continue;
@@ -261,26 +297,28 @@ static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
     return CM_OK;
 }
 
-/* Phase 3 for one sub-shard's group; the caller holds s->mu. */
-static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys,
-                         const uint64_t *h, const uint32_t *idx, size_t m, int op, float *out,
-                         const float *grads, uint64_t step, char **errptr)
+/* Phase 3 for one sub-shard's group; the caller holds s->mu. A push may come with hints (see
+ * emb_table_push_hinted); a pull with hints_out records where each of its keys ended up. */
+static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys, const uint64_t *h,
+                         const uint32_t *idx, size_t m, int op, float *out, const float *grads,
+                         const uint64_t *hints, uint64_t *hints_out, uint64_t step, char **errptr)
 {
     int rc = CM_OK;
     const size_t dim = t->dim;
     sc->n_miss = 0;
     if (t->spill != NULL && s->spilled > 0) {
-        rc = prefetch_spilled(t, s, sc, keys, h, idx, m, errptr);
+        rc = prefetch_spilled(t, s, sc, keys, h, hints, idx, m, errptr);
         if (rc != CM_OK) return rc;
     }
     for (size_t i = 0; i < m; i++) {
-        if (i + PREFETCH_AHEAD < m) emb_mem_prefetch(&s->mem, h[idx[i + PREFETCH_AHEAD]]);
+        if (i + PREFETCH_AHEAD < m) prefetch_key(t, &s->mem, h, hints, idx[i + PREFETCH_AHEAD]);
         uint32_t k = idx[i];
-        int64_t slot = emb_mem_find(&s->mem, keys[k], h[k]);
+        int64_t slot = locate(&s->mem, keys[k], h[k], hints, k);
         if (slot < 0) {
             rc = fault_in(t, s, sc, keys[k], h[k], op, &slot, errptr);
             if (rc != CM_OK) break;
         }
+        if (hints_out) hints_out[k] = slot >= 0 ? (uint64_t)slot : EMB_NO_HINT;
         if (slot < 0) {
             if (op == OP_PULL) memset(out + k * dim, 0, dim * sizeof(float));
             continue;
@@ -346,7 +384,8 @@ static int group_keys(const emb_table *t, const uint64_t *keys, size_t n, uint64
 }
 
 static int table_batch(emb_table *t, const uint64_t *keys, size_t n, int op, float *out,
-                       const float *grads, char **errptr)
+                       const float *grads, const uint64_t *hints, uint64_t *hints_out,
+                       char **errptr)
 {
     if (n == 0) return CM_OK;
     if (keys == NULL || (op == OP_PULL ? out == NULL : grads == NULL))
@@ -354,11 +393,11 @@ static int table_batch(emb_table *t, const uint64_t *keys, size_t n, int op, flo
     if (n > UINT32_MAX) return cm_err(errptr, CM_EINVAL, "batch of %zu keys is too large", n);
     uint64_t step;
     if (op == OP_PUSH) {
-        for (size_t i = 0; i < n * t->dim; i++)
-            if (!isfinite(grads[i]))
-                return cm_err(errptr, CM_EINVAL,
-                              "non-finite gradient for key %llu (element %zu): push rejected",
-                              (unsigned long long)keys[i / t->dim], i % t->dim);
+        size_t i = cm_f32_first_nonfinite(grads, n * t->dim);
+        if (i < n * t->dim)
+            return cm_err(errptr, CM_EINVAL,
+                          "non-finite gradient for key %llu (element %zu): push rejected",
+                          (unsigned long long)keys[i / t->dim], i % t->dim);
         step = __atomic_add_fetch(&t->step, 1, __ATOMIC_RELAXED);
     } else {
         step = __atomic_load_n(&t->step, __ATOMIC_RELAXED);
@@ -373,7 +412,7 @@ static int table_batch(emb_table *t, const uint64_t *keys, size_t n, int op, flo
         sub *s = &t->subs[b];
         pthread_mutex_lock(&s->mu);
         rc = process_group(t, s, &sc, keys, h, ord + st[b], st[b + 1] - st[b], op, out, grads,
-                           step, errptr);
+                           hints, hints_out, step, errptr);
         pthread_mutex_unlock(&s->mu);
     }
     scratch_fini(&sc);
@@ -437,13 +476,25 @@ int emb_table_lookup(emb_table *t, const uint64_t *keys, size_t n, float *out, u
 
 int emb_table_pull(emb_table *t, const uint64_t *keys, size_t n, float *out, char **errptr)
 {
-    return table_batch(t, keys, n, OP_PULL, out, NULL, errptr);
+    return table_batch(t, keys, n, OP_PULL, out, NULL, NULL, NULL, errptr);
+}
+
+int emb_table_pull_hinted(emb_table *t, const uint64_t *keys, size_t n, float *out, uint64_t *hints,
+                          char **errptr)
+{
+    return table_batch(t, keys, n, OP_PULL, out, NULL, NULL, hints, errptr);
 }
 
 int emb_table_push(emb_table *t, const uint64_t *keys, size_t n, const float *grads,
                    char **errptr)
 {
-    return table_batch(t, keys, n, OP_PUSH, NULL, grads, errptr);
+    return table_batch(t, keys, n, OP_PUSH, NULL, grads, NULL, NULL, errptr);
+}
+
+int emb_table_push_hinted(emb_table *t, const uint64_t *keys, size_t n, const float *grads,
+                          const uint64_t *hints, char **errptr)
+{
+    return table_batch(t, keys, n, OP_PUSH, NULL, grads, hints, NULL, errptr);
 }
 
 /* ---- life cycle ---- */

@@ -775,7 +775,7 @@ static void remember_pull(struct ps_client *c, uint32_t shard, uint32_t table, u
     uint64_t *copy = malloc(n * sizeof *copy);
     if (copy == NULL) return;
     memcpy(copy, keys, n * sizeof *copy);
-    ps_keycache_put(c->pulled, shard, table, req_id, copy, n);
+    ps_keycache_put(c->pulled, shard, table, req_id, copy, NULL, n);
 }
 
 /* One shard's part of a push: elided when the shard served a pull of exactly these keys
@@ -947,11 +947,10 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     const uint32_t dim = c->cfg.tables[table].cfg.dim, ns = c->cfg.n_shards;
     const ps_codec codec = c->cfg.tables[table].push_codec;
     const size_t rb = ps_codec_row_bytes(codec, dim);
-    for (size_t i = 0; i < n * dim; i++)
-        if (!isfinite(grads[i]))
-            return cm_err(errptr, CM_EINVAL,
-                          "non-finite gradient for key %" PRIu64 " (element %zu)", keys[i / dim],
-                          i % dim);
+    size_t bad = cm_f32_first_nonfinite(grads, n * dim);
+    if (bad < n * dim)
+        return cm_err(errptr, CM_EINVAL, "non-finite gradient for key %" PRIu64 " (element %zu)",
+                      keys[bad / dim], bad % dim);
     split sp;
     rc = split_keys(c, keys, n, &sp, errptr);
     if (rc != CM_OK) return rc;

@@ -4,13 +4,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "embedding/embedding.h"
 #include "ps/wire.h"
 
 typedef struct entry {
     uint64_t req_id, sum;
-    uint64_t *keys; /* NULL: empty */
+    uint64_t *keys;  /* NULL: empty */
+    uint64_t *hints; /* NULL: none kept */
     size_t n;
 } entry;
+
+static size_t entry_bytes(const entry *e)
+{
+    return e->n * sizeof *e->keys * (e->hints ? 2 : 1);
+}
 
 struct ps_keycache {
     uint32_t n_owners, n_tables;
@@ -44,8 +51,10 @@ ps_keycache *ps_keycache_create(uint32_t n_owners, uint32_t n_tables)
 void ps_keycache_destroy(ps_keycache *kc)
 {
     if (kc == NULL) return;
-    for (size_t i = 0; i < (size_t)kc->n_owners * kc->n_tables * PS_KEYLIST_RING; i++)
+    for (size_t i = 0; i < (size_t)kc->n_owners * kc->n_tables * PS_KEYLIST_RING; i++) {
         free(kc->rings[i].keys);
+        free(kc->rings[i].hints);
+    }
     free(kc->rings);
     free(kc->next);
     pthread_mutex_destroy(&kc->mu);
@@ -63,12 +72,13 @@ static entry *ring(ps_keycache *kc, uint32_t owner, uint32_t table, size_t *inde
 }
 
 void ps_keycache_put(ps_keycache *kc, uint32_t owner, uint32_t table, uint64_t req_id,
-                     uint64_t *keys, size_t n)
+                     uint64_t *keys, uint64_t *hints, size_t n)
 {
     size_t ri;
     entry *r = ring(kc, owner, table, &ri);
     if (r == NULL) {
         free(keys);
+        free(hints);
         return;
     }
     uint64_t sum = ps_keys_sum(keys, n); /* outside the lock: it reads every key */
@@ -81,16 +91,18 @@ void ps_keycache_put(ps_keycache *kc, uint32_t owner, uint32_t table, uint64_t r
             resent = true;
         }
     entry old = r[slot];
-    r[slot] = (entry){req_id, sum, keys, n};
-    kc->bytes += n * sizeof *keys;
-    kc->bytes -= old.n * sizeof *keys;
+    r[slot] = (entry){req_id, sum, keys, hints, n};
+    kc->bytes += entry_bytes(&r[slot]);
+    kc->bytes -= entry_bytes(&old);
     if (!resent) kc->next[ri] = (slot + 1) % PS_KEYLIST_RING;
     pthread_mutex_unlock(&kc->mu);
     free(old.keys);
+    free(old.hints);
 }
 
 ps_keycache_result ps_keycache_get(ps_keycache *kc, uint32_t owner, uint32_t table, uint64_t req_id,
-                                   size_t n, uint64_t sum, uint64_t *out, size_t *have_n)
+                                   size_t n, uint64_t sum, uint64_t *out, uint64_t *hints,
+                                   size_t *have_n)
 {
     entry *r = ring(kc, owner, table, NULL);
     ps_keycache_result res = PS_KC_UNKNOWN;
@@ -106,6 +118,11 @@ ps_keycache_result ps_keycache_get(ps_keycache *kc, uint32_t owner, uint32_t tab
             res = PS_KC_CHECKSUM;
         else {
             memcpy(out, r[i].keys, n * sizeof *out);
+            if (hints && r[i].hints)
+                memcpy(hints, r[i].hints, n * sizeof *hints);
+            else if (hints)
+                for (size_t j = 0; j < n; j++)
+                    hints[j] = EMB_NO_HINT;
             res = PS_KC_FOUND;
         }
     }

@@ -24,9 +24,10 @@ void ps_keycache_destroy(ps_keycache *kc);
 
 /* Remembers keys (n sorted keys, malloc'd; the cache takes them) as the list of request req_id,
  * evicting the ring's oldest; a list already held under req_id (a resent pull) is replaced.
- * Thread-safe. */
+ * hints (n, malloc'd, taken; NULL for none) are the table's slot hints for those keys
+ * (emb_table_pull_hinted): the server hands them to the push that names the pull. Thread-safe. */
 void ps_keycache_put(ps_keycache *kc, uint32_t owner, uint32_t table, uint64_t req_id,
-                     uint64_t *keys, size_t n);
+                     uint64_t *keys, uint64_t *hints, size_t n);
 
 typedef enum ps_keycache_result {
     PS_KC_FOUND = 0,
@@ -35,16 +36,18 @@ typedef enum ps_keycache_result {
     PS_KC_CHECKSUM, /* held, with a different checksum */
 } ps_keycache_result;
 
-/* Copies the list of request req_id into out (n keys) when it has n keys and ps_keys_sum sum;
- * *have_n gets the count held (for error messages). Thread-safe. */
+/* Copies the list of request req_id into out (n keys) when it has n keys and ps_keys_sum sum,
+ * and, when hints is not NULL, its hints into hints (n; EMB_NO_HINT each where none were
+ * kept); *have_n gets the count held (for error messages). Thread-safe. */
 ps_keycache_result ps_keycache_get(ps_keycache *kc, uint32_t owner, uint32_t table, uint64_t req_id,
-                                   size_t n, uint64_t sum, uint64_t *out, size_t *have_n);
+                                   size_t n, uint64_t sum, uint64_t *out, uint64_t *hints,
+                                   size_t *have_n);
 
 /* Finds a held list equal to keys (n sorted keys): its request id and checksum. Thread-safe. */
 bool ps_keycache_match(ps_keycache *kc, uint32_t owner, uint32_t table, const uint64_t *keys,
                        size_t n, uint64_t *req_id, uint64_t *sum);
 
-/* Bytes of keys held (memory accounting). */
+/* Bytes of keys and hints held (memory accounting). */
 uint64_t ps_keycache_bytes(ps_keycache *kc);
 
 #endif

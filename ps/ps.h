@@ -188,7 +188,8 @@ typedef struct ps_server_stats {
     uint64_t promoted;               /* backup: 1 once it took over as primary */
     uint64_t elided;                 /* pushes applied with the keys of a pull they named */
     uint64_t elided_misses;          /* ... answered PS_STATUS_NO_KEYS (list not held) */
-    uint64_t keylist_bytes;          /* memory the recent pulls' key lists take */
+    uint64_t keylist_bytes;          /* memory the recent pulls' key lists (and, on the server,
+                                        their row slot hints) take */
 } ps_server_stats;
 void ps_server_stats_get(ps_server *s, ps_server_stats *out);
 

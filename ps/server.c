@@ -276,6 +276,7 @@ static void *reaper_main(void *arg)
 static int check_keys_owned(struct ps_server *s, const uint64_t *keys, size_t n, char *msg,
                             size_t msgn)
 {
+    if (s->cfg.n_shards == 1 && s->shard == 0) return CM_OK; /* every key maps to shard 0 */
     for (size_t i = 0; i < n; i++)
         if (ps_key_shard(keys[i], s->cfg.n_shards) != s->shard) {
             snprintf(msg, msgn, "key %" PRIu64 " belongs to shard %u, not %u", keys[i],
@@ -288,14 +289,16 @@ static int check_keys_owned(struct ps_server *s, const uint64_t *keys, size_t n,
 /* Resolves the keys of an elided push from the key list of the pull it names. NULL when found;
  * otherwise the error reply: PS_STATUS_NO_KEYS when the list is not held (a normal event: the
  * client resends with keys), a malformed-message error when it is held but does not match. */
-static nng_msg *elided_keys(struct ps_server *s, const ps_hdr *h, const uint8_t *p, uint64_t *keys)
+static nng_msg *elided_keys(struct ps_server *s, const ps_hdr *h, const uint8_t *p, uint64_t *keys,
+                            uint64_t *hints)
 {
     char msg[200];
     uint64_t pull_id, sum;
     size_t have = 0;
     memcpy(&pull_id, p, 8);
     memcpy(&sum, p + 8, 8);
-    switch (ps_keycache_get(s->pulled, h->worker, h->table, pull_id, h->count, sum, keys, &have)) {
+    switch (ps_keycache_get(s->pulled, h->worker, h->table, pull_id, h->count, sum, keys, hints,
+                            &have)) {
     case PS_KC_FOUND:
         STAT_ADD(s, elided, 1);
         return NULL;
@@ -328,7 +331,7 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
     char msg[256];
     char *err = NULL;
     nng_msg *reply = NULL;
-    uint64_t *keys = NULL;
+    uint64_t *keys = NULL, *hints = NULL;
     float *vals = NULL;
     int rc = CM_OK;
     if (h->table >= s->cfg.n_tables) {
@@ -363,18 +366,32 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         key_bytes = kb;
         p += 4;
     }
-    /* fp32 pulls gather straight into the reply and need no vals. */
+    /* fp32 pulls gather straight into the reply and need no vals; an fp32 push is read where
+     * its rows lie in the request when they are aligned for floats (an elided push's always
+     * are: the body is, and 56 + 16 header bytes precede them), saving a copy of the batch. */
     const bool direct = h->op == PS_OP_PULL && h->codec == PS_CODEC_F32;
+    const uint8_t *rows_at = p + key_bytes;
+    const bool in_place = h->op == PS_OP_PUSH && h->codec == PS_CODEC_F32 &&
+                          (uintptr_t)rows_at % _Alignof(float) == 0;
+    /* A training pull keeps, with its key list, where the table found each row, and the elided
+     * push that names it hands them back (emb_table_push_hinted): the push then touches the
+     * rows without probing the hash table again. */
+    const bool kept =
+        h->op == PS_OP_PULL && !(h->flags & PS_FLAG_LOOKUP) && h->worker < s->cfg.n_workers;
     keys = malloc(n * sizeof *keys);
-    vals = direct ? NULL : malloc(n * dim * sizeof *vals);
-    if (keys == NULL || (!direct && vals == NULL)) {
+    vals = direct || in_place ? NULL : malloc(n * dim * sizeof *vals);
+    if (kept || elided) hints = malloc(n * sizeof *hints);
+    if (keys == NULL || (!direct && !in_place && vals == NULL) ||
+        ((kept || elided) && hints == NULL)) {
         reply = reply_error(s, h, CM_ENOMEM, "server out of memory");
         goto out;
     }
-    if (elided && (reply = elided_keys(s, h, p, keys)) != NULL) goto out;
+    if (elided && (reply = elided_keys(s, h, p, keys, hints)) != NULL) goto out;
     rc = elided ? CM_OK : ps_keys_decode(p, key_bytes, n, keys, &err);
+    const float *grads = in_place ? (const float *)(const void *)rows_at : vals;
     if (rc == CM_OK && h->op == PS_OP_PUSH)
-        rc = ps_codec_decode((ps_codec)h->codec, p + key_bytes, n, dim, vals, &err);
+        rc = in_place ? ps_f32_check(grads, n * dim, dim, &err)
+                      : ps_codec_decode((ps_codec)h->codec, rows_at, n, dim, vals, &err);
     if (rc != CM_OK) {
         STAT_ADD(s, bad_messages, 1);
         reply = reply_error(s, h, rc, err);
@@ -397,6 +414,7 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         float *dst = direct ? (float *)(void *)out : vals;
         if (rc == CM_OK)
             rc = h->flags & PS_FLAG_LOOKUP ? emb_table_lookup(t, keys, n, dst, NULL, &err)
+                 : kept                    ? emb_table_pull_hinted(t, keys, n, dst, hints, &err)
                                            : emb_table_pull(t, keys, n, dst, &err);
         if (rc == CM_OK && !direct) ps_codec_encode((ps_codec)h->codec, vals, n, dim, out, NULL);
         if (rc != CM_OK && reply != NULL) {
@@ -405,19 +423,20 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         }
         if (rc == CM_OK) STAT_ADD(s, rows_pulled, n);
     } else {
-        rc = emb_table_push(t, keys, n, vals, &err);
+        rc = hints ? emb_table_push_hinted(t, keys, n, grads, hints, &err)
+                   : emb_table_push(t, keys, n, grads, &err);
         if (rc == CM_OK) reply = reply_ok(h, 0, NULL);
         if (rc == CM_OK) STAT_ADD(s, rows_pushed, n);
     }
     pthread_rwlock_unlock(&s->tables_lock);
     if (rc != CM_OK) {
         reply = reply_error(s, h, rc, err);
-    } else if (h->op == PS_OP_PULL && !(h->flags & PS_FLAG_LOOKUP) &&
-               h->worker < s->cfg.n_workers) {
+    } else if (kept) {
         /* Lookups are left out: evaluation pushes nothing, and would evict lists that
          * training pushes still name. */
-        ps_keycache_put(s->pulled, h->worker, h->table, h->req_id, keys, n);
+        ps_keycache_put(s->pulled, h->worker, h->table, h->req_id, keys, hints, n);
         keys = NULL;
+        hints = NULL;
     } else if (elided && with_keys != NULL) {
         ps_hdr e = *h;
         e.flags &= (uint8_t)~PS_FLAG_ELIDED;
@@ -429,6 +448,7 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
 out:
     free(err);
     free(keys);
+    free(hints);
     free(vals);
     return reply;
 short_payload:
@@ -460,11 +480,13 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
         uint8_t *out;
         if ((reply = reply_ok(h, n * sizeof(float), &out)) != NULL) ps_dense_pull(d, (float *)out);
     } else {
-        float *g = malloc(n * sizeof *g);
-        bool finite = g != NULL;
-        if (g) memcpy(g, p, n * sizeof *g);
-        for (size_t i = 0; finite && i < n; i++)
-            finite = isfinite(g[i]);
+        /* Read where the values lie in the request when aligned for floats (the body is, and
+         * the header is 56 bytes), else from an aligned copy. */
+        float *copy = NULL;
+        const float *g = (uintptr_t)p % _Alignof(float) == 0 ? (const float *)(const void *)p
+                                                             : (copy = malloc(n * sizeof *copy));
+        if (copy) memcpy(copy, p, n * sizeof *copy);
+        bool finite = g != NULL && cm_f32_first_nonfinite(g, n) == n;
         if (g == NULL) {
             reply = reply_error(s, h, CM_ENOMEM, "server out of memory");
         } else if (!finite) {
@@ -478,7 +500,7 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
             r.flags = (uint8_t)ps_dense_init(d, g);
             reply = reply_ok(&r, 0, NULL);
         }
-        free(g);
+        free(copy);
     }
     pthread_rwlock_unlock(&s->tables_lock);
     return reply;

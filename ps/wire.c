@@ -204,6 +204,13 @@ void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, ui
     }
 }
 
+int ps_f32_check(const float *x, size_t n, uint32_t dim, char **errptr)
+{
+    size_t i = cm_f32_first_nonfinite(x, n);
+    if (i < n) return cm_err(errptr, CM_ECORRUPT, "row %zu: non-finite value", i / dim);
+    return CM_OK;
+}
+
 int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, float *dst,
                     char **errptr)
 {
@@ -234,10 +241,7 @@ int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, f
     default:
         return cm_err(errptr, CM_ECORRUPT, "unknown codec %d", (int)c);
     }
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(dst[i]))
-            return cm_err(errptr, CM_ECORRUPT, "row %zu: non-finite value", i / dim);
-    return CM_OK;
+    return ps_f32_check(dst, n, dim, errptr);
 }
 
 uint64_t ps_table_fingerprint(const ps_table_spec *t)

@@ -103,6 +103,10 @@ void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, ui
 int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, float *dst,
                     char **errptr);
 
+/* Checks n fp32 values as ps_codec_decode checks a decoded batch of rows of dim floats (same
+ * code and message), for a caller that reads fp32 rows where they lie in the message. */
+int ps_f32_check(const float *x, size_t n, uint32_t dim, char **errptr);
+
 /* A fingerprint of everything about a table or dense block that client and server must
  * agree on (name, model config, codecs). */
 uint64_t ps_table_fingerprint(const ps_table_spec *t);

@@ -33,7 +33,7 @@ static ps_keycache *cache(void)
         uint64_t *k = malloc(sizeof held);
         if (kc == NULL || k == NULL) abort();
         memcpy(k, held, sizeof held);
-        ps_keycache_put(kc, 0, 0, 7, k, 3);
+        ps_keycache_put(kc, 0, 0, 7, k, NULL, 3);
     }
     return kc;
 }
@@ -44,8 +44,8 @@ static void elided_keys(const ps_hdr *h, const uint8_t *p, uint64_t *keys)
     size_t have;
     memcpy(&pull_id, p, 8);
     memcpy(&sum, p + 8, 8);
-    ps_keycache_result r =
-        ps_keycache_get(cache(), h->worker % 3, h->table % 3, pull_id, h->count, sum, keys, &have);
+    ps_keycache_result r = ps_keycache_get(cache(), h->worker % 3, h->table % 3, pull_id, h->count,
+                                           sum, keys, NULL, &have);
     if (r == PS_KC_FOUND && (pull_id != 7 || h->count != 3 || sum != ps_keys_sum(held, 3) ||
                              memcmp(keys, held, sizeof held)))
         abort();

@@ -9,6 +9,9 @@
  *      pulled PS_KEYLIST_RING times since); the elided push is answered PS_STATUS_NO_KEYS and
  *      sent again with keys under the same request id: applied exactly once.
  *   3. A different key set, a lookup, or a push of a subset is never elided.
+ *   4. Rows moved (the table grew) between a pull and the elided push naming it: the push
+ *      lands on its own keys, not on whatever now sits where they were (the server hands the
+ *      table the pull's row slots as hints).
  */
 #include "ps/wire.h" /* PS_KEYLIST_RING */
 #include "ps_test_util.h"
@@ -111,6 +114,30 @@ int main(void)
     CHECK_OK(ps_client_flush(c, &err), err);
     check_rows(c, N, -8.0f, "pushes with keys after a pull of others");
     CHECK(stats(c).pushes_elided == 8);
+
+    /* 4. Rows moved between a pull and the elided push that names it: another pull creates
+     * NEW rows, so every sub-shard grows and rehashes, and the slots the server kept with the
+     * pull's key list now hold other keys or nothing. The push must still land on its keys
+     * (the new rows stay 0). */
+    enum { NEW = 60000 };
+    uint64_t *fresh = malloc(NEW * sizeof *fresh);
+    float *fresh_rows = malloc((size_t)NEW * DIM * sizeof *fresh_rows);
+    CHECK(fresh != NULL && fresh_rows != NULL);
+    for (int i = 0; i < NEW; i++)
+        fresh[i] = 0x2545f4914f6cdd1dull * (uint64_t)(i + 1) + 12345;
+    CHECK_OK(ps_client_pull(c, 0, keys, N, rows, &err), err);
+    CHECK_OK(ps_client_pull(x, 0, fresh, NEW, fresh_rows, &err), err);
+    CHECK_OK(ps_client_push(c, 0, keys, N, grads, &err), err);
+    CHECK_OK(ps_client_flush(c, &err), err);
+    check_rows(c, N, -9.0f, "elided push after the table grew");
+    CHECK(stats(c).pushes_elided == 10);
+    CHECK_OK(ps_client_lookup(c, 0, fresh, NEW, fresh_rows, &err), err);
+    size_t moved = 0;
+    for (size_t i = 0; i < (size_t)NEW * DIM; i++)
+        moved += fresh_rows[i] != 0.0f;
+    CHECK_MSG(moved == 0, "%zu values of rows created between pull and push changed", moved);
+    free(fresh);
+    free(fresh_rows);
 
     ps_client_destroy(c);
     ps_client_destroy(x);
