@@ -11,7 +11,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "datasets/datasets.h"
@@ -245,26 +247,37 @@ static int stage_send(stage *s, const setup *S, void *be, char **errptr)
 /* ---- prefetch: builds and pulls batch t+1 while t computes ---- */
 
 /*
+ * Two threads fill a ring of stages ahead of the stepping thread. The builder reads and stages
+ * batches (dedup, key order, A's columns) at a lower priority, so that work fills the moments
+ * the compute leaves a core idle instead of slowing its GEMMs. The puller pulls each built
+ * stage and hands it to the backend.
+ *
  * With fresh pulls batch t+1 must see batch t's updates, so its pull waits for t's pushes.
  * To keep that wait short the step hands its row push over as soon as the row gradients are
- * final (model_batch.emb_ready): this thread pushes them and pulls t+1's rows while the
+ * final (model_batch.emb_ready): the puller pushes them and pulls t+1's rows while the
  * stepping thread computes the dense gradients; t+1's dense tower is pulled once the stepping
  * thread has pushed t's. The PS applies the same updates in the same order either way, so
  * results are the same bits. Not on steps followed by a checkpoint (the cut must come before
  * t+1's pull creates rows) or with a staleness bound (t+1's pull must wait for the clock).
  */
 enum { JOB_NONE, JOB_HANDED, JOB_TAKEN, JOB_DONE };
+/* A stage's life: built, pulled, taken by the stepping thread, released. */
+enum { ST_FREE, ST_BUILT, ST_READY, ST_TAKEN };
+#define N_STAGES 3
+/* The builder's niceness above the process's: the kernel gives it about a tenth of a core
+ * while the compute threads are busy, all of one when they wait. */
+#define BUILDER_NICE 10
 
 typedef struct prefetch {
     const setup *S;
     ds_reader *r;
     ps_client *c;
-    void *be; /* the worker's backend: this thread hands it each stage (stage_send) */
-    stage st[2];
-    int full[2]; /* 1 when st[i] is ready for the consumer */
-    int next_fill, next_take;
+    void *be; /* the worker's backend: the puller hands it each stage (stage_send) */
+    stage st[N_STAGES];
+    int state[N_STAGES];                  /* ST_* */
+    int next_build, next_pull, next_take; /* ring positions */
     bool stop;
-    uint64_t left;            /* batches still to produce: nothing is pulled past the schedule */
+    uint64_t left;            /* batches still to build: nothing is read past the schedule */
     uint64_t pulled, granted; /* batches pulled; batches allowed to pull rows (fresh pulls) */
     uint64_t dense_granted;   /* batches allowed to pull the dense tower */
     int job;                  /* JOB_*: the row push handed over by the stepping thread */
@@ -272,71 +285,130 @@ typedef struct prefetch {
     float *const *job_demb;
     int job_rc;
     char *job_err;
-    bool exited; /* this thread has returned: it takes no more jobs */
+    bool exited; /* the puller has returned: it takes no more jobs */
     char *err;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    pthread_t th;
+    pthread_t builder, puller;
+    bool builder_started, puller_started;
 } prefetch;
 
-static void *prefetch_main(void *arg)
+/* Waits (p->mu held) until `ok` or stop; returns !stop. */
+#define PF_WAIT(p, ok)                                                                             \
+    ({                                                                                             \
+        while (!(ok) && !(p)->stop)                                                                \
+            pthread_cond_wait(&(p)->cv, &(p)->mu);                                                 \
+        !(p)->stop;                                                                                \
+    })
+
+static void pf_set(prefetch *p, int i, int state)
+{
+    pthread_mutex_lock(&p->mu);
+    p->state[i] = state;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void *builder_main(void *arg)
 {
     prefetch *p = arg;
+    /* Best effort: raising one's own niceness needs no privilege, and failing changes nothing
+     * but timing. */
+    errno = 0;
+    int cur = getpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid));
+    if (errno == 0) (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), cur + BUILDER_NICE);
     for (;;) {
         pthread_mutex_lock(&p->mu);
-        while (p->full[p->next_fill] && !p->stop)
-            pthread_cond_wait(&p->cv, &p->mu);
-        bool stop = p->stop;
-        int i = p->next_fill;
+        int i = p->next_build;
+        bool go = PF_WAIT(p, p->state[i] == ST_FREE);
         pthread_mutex_unlock(&p->mu);
-        if (stop) break;
+        if (!go) break;
         stage *s = &p->st[i];
         const ds_batch *b = NULL;
         char *err = NULL;
         int got = p->left == 0 ? 0 : ds_reader_next(p->r, &b, &err), rc = got < 0 ? got : CM_OK;
         if (got == 1) p->left--;
         if (got == 1) rc = stage_build(s, p->S, b, &err);
-        if (got == 1 && rc == CM_OK) {
-            /* Fresh pulls: wait until the batch before this one has been pushed (the pull then
-             * waits for those pushes to be acknowledged), so every batch sees every earlier
-             * update; reading and deduplicating still overlap the compute. */
-            pthread_mutex_lock(&p->mu);
-            while (p->pulled >= p->granted && !p->stop)
-                pthread_cond_wait(&p->cv, &p->mu);
-            stop = p->stop;
-            bool job = !stop && p->job == JOB_HANDED;
-            if (job) p->job = JOB_TAKEN;
-            pthread_mutex_unlock(&p->mu);
-            if (stop) break;
-            if (job) {
-                char *jerr = NULL;
-                int jrc = push_rows(p->S, p->c, p->job_ms, p->job_demb, &jerr);
-                if (jrc != CM_OK) rc = cm_err(&err, jrc, "%s", jerr ? jerr : "push failed");
-                pthread_mutex_lock(&p->mu);
-                p->job = JOB_DONE;
-                p->job_rc = jrc;
-                p->job_err = jerr;
-                pthread_cond_broadcast(&p->cv);
-                pthread_mutex_unlock(&p->mu);
-            }
-            if (rc == CM_OK) rc = stage_pull_rows(s, p->S, p->c, false, &err);
-            pthread_mutex_lock(&p->mu);
-            while (p->pulled >= p->dense_granted && !p->stop)
-                pthread_cond_wait(&p->cv, &p->mu);
-            stop = p->stop;
-            pthread_mutex_unlock(&p->mu);
-            if (stop) break;
-            if (rc == CM_OK) rc = stage_pull_dense(s, p->S, p->c, &err);
-            p->pulled++;
-            /* This thread is the only caller until the consumer takes the stage, and the stage
-             * it refills was released after its step returned: the prefetch contract. */
-            if (rc == CM_OK) rc = stage_send(s, p->S, p->be, &err);
-        }
         s->status = rc != CM_OK ? rc : got;
         pthread_mutex_lock(&p->mu);
         if (rc < 0 && p->err == NULL) p->err = err, err = NULL;
-        p->full[i] = 1;
-        p->next_fill ^= 1;
+        p->state[i] = ST_BUILT;
+        p->next_build = (i + 1) % N_STAGES;
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+        free(err);
+        if (s->status <= 0) break;
+    }
+    return NULL;
+}
+
+/* Stages pulled and not yet released (the backend holds at most two: model.h). */
+static int pf_pending(const prefetch *p)
+{
+    int n = 0;
+    for (int i = 0; i < N_STAGES; i++)
+        n += p->state[i] == ST_READY || p->state[i] == ST_TAKEN;
+    return n;
+}
+
+/* Pulls stage s under the fresh-pull protocol (design note above), running a handed-over push
+ * first. *stopped: prefetch_stop interrupted it. */
+static int pull_stage(prefetch *p, stage *s, bool *stopped, char **err)
+{
+    int rc = CM_OK;
+    pthread_mutex_lock(&p->mu);
+    bool go = PF_WAIT(p, p->pulled < p->granted);
+    bool job = go && p->job == JOB_HANDED;
+    if (job) p->job = JOB_TAKEN;
+    pthread_mutex_unlock(&p->mu);
+    if ((*stopped = !go)) return CM_OK;
+    if (job) {
+        char *jerr = NULL;
+        int jrc = push_rows(p->S, p->c, p->job_ms, p->job_demb, &jerr);
+        if (jrc != CM_OK) rc = cm_err(err, jrc, "%s", jerr ? jerr : "push failed");
+        pthread_mutex_lock(&p->mu);
+        p->job = JOB_DONE;
+        p->job_rc = jrc;
+        p->job_err = jerr;
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    if (rc == CM_OK) rc = stage_pull_rows(s, p->S, p->c, false, err);
+    pthread_mutex_lock(&p->mu);
+    go = PF_WAIT(p, p->pulled < p->dense_granted);
+    pthread_mutex_unlock(&p->mu);
+    if ((*stopped = !go)) return rc;
+    if (rc == CM_OK) rc = stage_pull_dense(s, p->S, p->c, err);
+    p->pulled++;
+    /* The puller is the only caller until the stepping thread takes the stage, and at most
+     * one other stage is pending: the prefetch contract. */
+    return rc == CM_OK ? stage_send(s, p->S, p->be, err) : rc;
+}
+
+static void *puller_main(void *arg)
+{
+    prefetch *p = arg;
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        int i = p->next_pull;
+        bool go = PF_WAIT(p, p->state[i] == ST_BUILT && pf_pending(p) < 2);
+        pthread_mutex_unlock(&p->mu);
+        if (!go) break;
+        stage *s = &p->st[i];
+        char *err = NULL;
+        bool stopped = false;
+        int rc = s->status == 1 ? pull_stage(p, s, &stopped, &err) : CM_OK;
+        if (stopped) {
+            free(err);
+            break;
+        }
+        pthread_mutex_lock(&p->mu);
+        if (rc != CM_OK) {
+            s->status = rc;
+            if (p->err == NULL) p->err = err, err = NULL;
+        }
+        p->state[i] = ST_READY;
+        p->next_pull = (i + 1) % N_STAGES;
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
         free(err);
@@ -348,6 +420,8 @@ static void *prefetch_main(void *arg)
     pthread_mutex_unlock(&p->mu);
     return NULL;
 }
+
+static void prefetch_stop(prefetch *p);
 
 static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *c, void *be,
                           uint64_t left, char **errptr)
@@ -361,8 +435,12 @@ static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *
     p->be = be;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
-    if (pthread_create(&p->th, NULL, prefetch_main, p) != 0)
-        return cm_err(errptr, CM_ERR, "cannot start the prefetch thread");
+    p->builder_started = pthread_create(&p->builder, NULL, builder_main, p) == 0;
+    p->puller_started = p->builder_started && pthread_create(&p->puller, NULL, puller_main, p) == 0;
+    if (!p->puller_started) {
+        prefetch_stop(p);
+        return cm_err(errptr, CM_ERR, "cannot start the prefetch threads");
+    }
     return CM_OK;
 }
 
@@ -370,9 +448,11 @@ static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *
 static stage *prefetch_take(prefetch *p, int *rc, char **errptr)
 {
     pthread_mutex_lock(&p->mu);
-    while (!p->full[p->next_take])
+    int i = p->next_take;
+    while (p->state[i] != ST_READY)
         pthread_cond_wait(&p->cv, &p->mu);
-    stage *s = &p->st[p->next_take];
+    p->state[i] = ST_TAKEN;
+    stage *s = &p->st[i];
     *rc = s->status > 0 ? CM_OK : s->status;
     if (s->status < 0) cm_err(errptr, s->status, "%s", p->err ? p->err : "prefetch failed");
     pthread_mutex_unlock(&p->mu);
@@ -382,11 +462,9 @@ static stage *prefetch_take(prefetch *p, int *rc, char **errptr)
 /* Gives the taken stage back for refilling. */
 static void prefetch_release(prefetch *p)
 {
-    pthread_mutex_lock(&p->mu);
-    p->full[p->next_take] = 0;
-    p->next_take ^= 1;
-    pthread_cond_broadcast(&p->cv);
-    pthread_mutex_unlock(&p->mu);
+    int i = p->next_take;
+    p->next_take = (i + 1) % N_STAGES; /* only the stepping thread reads it */
+    pf_set(p, i, ST_FREE);
 }
 
 /* Allows the next batch to be pulled (fresh pulls: called once this batch is pushed); its
@@ -401,7 +479,7 @@ static void prefetch_grant(prefetch *p, bool rows_granted)
 }
 
 /* model_batch.emb_ready of a stepped stage (p->job_ms, p->job_demb set before the step): hands
- * its row push to the prefetch thread and lets the next batch's rows be pulled after it. */
+ * its row push to the puller and lets the next batch's rows be pulled after it. */
 static void prefetch_emb_ready(void *arg)
 {
     prefetch *p = arg;
@@ -413,8 +491,8 @@ static void prefetch_emb_ready(void *arg)
 }
 
 /* After a step that may have handed over its row push: waits until the push is sent.
- * *handed: the hook ran (the next batch's rows are granted already); *done: the prefetch
- * thread pushed (else nothing was handed, or the thread had ended and took no job: the caller
+ * *handed: the hook ran (the next batch's rows are granted already); *done: the puller
+ * pushed (else nothing was handed, or the puller had ended and took no job: the caller
  * pushes). Returns the push's error. */
 static int prefetch_job_wait(prefetch *p, bool *handed, bool *done, char **errptr)
 {
@@ -433,22 +511,23 @@ static int prefetch_job_wait(prefetch *p, bool *handed, bool *done, char **errpt
     return rc;
 }
 
-/* Waits until the stage after the one taken is ready (or the prefetcher has stopped). */
+/* Waits until the stage after the one taken is pulled (or the prefetcher has stopped). */
 static void prefetch_wait_next(prefetch *p)
 {
     pthread_mutex_lock(&p->mu);
-    while (!p->full[p->next_take ^ 1])
+    int i = (p->next_take + 1) % N_STAGES;
+    while (p->state[i] != ST_READY)
         pthread_cond_wait(&p->cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
 }
 
 /* Pulls the stage after the one taken again, so it reflects every update applied so far, and
- * hands it to the backend again (the prefetch thread is idle until the release: it waits for
- * the taken stage, so this thread may call prefetch now). */
+ * hands it to the backend again (the puller is idle until the release: two stages are
+ * pending, so this thread may call prefetch now). */
 static int prefetch_refresh(prefetch *p, char **errptr)
 {
     prefetch_wait_next(p);
-    stage *s = &p->st[p->next_take ^ 1];
+    stage *s = &p->st[(p->next_take + 1) % N_STAGES];
     if (s->status <= 0) return CM_OK;
     int rc = stage_pull(s, p->S, p->c, false, errptr);
     return rc == CM_OK ? stage_send(s, p->S, p->be, errptr) : rc;
@@ -460,9 +539,10 @@ static void prefetch_stop(prefetch *p)
     p->stop = true;
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
-    pthread_join(p->th, NULL);
-    stage_free(&p->st[0]);
-    stage_free(&p->st[1]);
+    if (p->puller_started) pthread_join(p->puller, NULL);
+    if (p->builder_started) pthread_join(p->builder, NULL);
+    for (int i = 0; i < N_STAGES; i++)
+        stage_free(&p->st[i]);
     free(p->err);
     free(p->job_err);
     pthread_mutex_destroy(&p->mu);
