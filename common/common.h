@@ -73,6 +73,11 @@ double cm_now(void);
  * by programs (ember's main, benchmarks), never by the libraries. */
 void cm_malloc_tune(void);
 
+/* Raises the calling thread's niceness by inc, for background work (reading, staging) that
+ * should take the cores only when the compute leaves them idle. Best effort: raising one's own
+ * niceness needs no privilege, and failing changes nothing but timing. */
+void cm_thread_nice(int inc);
+
 /* Creates dir and its parents (mode 0755); an existing directory is fine. */
 int cm_mkdirs(const char *dir, char **errptr);
 

@@ -195,6 +195,7 @@ typedef struct ds_reader_opts {
     uint32_t first_epoch;  /* epoch number of the first pass (varies the shuffle) */
     uint32_t n_epochs;     /* passes over the data (default 1) */
     uint32_t prefetch;     /* batches prepared ahead (default 2) */
+    int32_t nice;          /* added to the prefetch thread's niceness (background reading) */
 } ds_reader_opts;
 
 void ds_reader_opts_init(ds_reader_opts *o);

@@ -11,9 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "datasets/datasets.h"
@@ -312,11 +310,7 @@ static void pf_set(prefetch *p, int i, int state)
 static void *builder_main(void *arg)
 {
     prefetch *p = arg;
-    /* Best effort: raising one's own niceness needs no privilege, and failing changes nothing
-     * but timing. */
-    errno = 0;
-    int cur = getpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid));
-    if (errno == 0) (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), cur + BUILDER_NICE);
+    cm_thread_nice(BUILDER_NICE);
     for (;;) {
         pthread_mutex_lock(&p->mu);
         int i = p->next_build;
@@ -565,6 +559,7 @@ static int reader_open(const setup *S, const char *path, uint32_t worker, uint32
     ro.n_epochs = epochs;
     ro.shuffle_rows = shuffle;
     ro.seed = S->o->seed;
+    ro.nice = BUILDER_NICE; /* background work, as the builder's */
     return ds_reader_open(&ro, out, errptr);
 }
 
