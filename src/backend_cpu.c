@@ -278,6 +278,7 @@ typedef struct cpu {
     uint32_t max_b, max_u;
     float *xe, *dxe;         /* B rows of F*d pooled embeddings and their gradient, stride ldxe */
     float *own_xe, *own_dxe; /* their buffers when they are not in and din (dlrm) */
+    float *dz0;              /* dlrm: B x d, the bottom MLP's output gradient */
     uint32_t ldxe;
     float *xl, *dxl; /* B x F pooled first-order weights (lr, deepfm) */
     float *in, *din; /* B x top_in: the top MLP's input */
@@ -286,6 +287,7 @@ typedef struct cpu {
      * row gradients need only those) and the dW GEMMs after, from these. */
     float *gact[MODEL_MAX_LAYERS + 1], *gbact[MODEL_MAX_LAYERS];
     float *logit, *dlogit; /* B */
+    uint32_t cur_b;        /* the current step's B */
 } cpu;
 
 static void cpu_destroy(void *state)
@@ -295,6 +297,7 @@ static void cpu_destroy(void *state)
     pool_fini(&c->pool);
     free(c->own_xe);
     free(c->own_dxe);
+    free(c->dz0);
     free(c->xl);
     free(c->dxl);
     free(c->in);
@@ -337,6 +340,7 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
     if (m->kind == MODEL_DLRM) {
         ALLOC(c->own_xe, B * F * d);
         ALLOC(c->own_dxe, B * F * d);
+        ALLOC(c->dz0, B * d);
     }
     ALLOC(c->xl, B * F);
     ALLOC(c->dxl, B * F);
@@ -573,6 +577,98 @@ static void stack_bwd_dw(pool *pl, const model_layer *ly, uint32_t n, float *con
         layer_bwd_dw(pl, &ly[i], i ? act[i - 1] : X, g[i], dP, B);
 }
 
+/*
+ * The per-sample terms between the pooling and the towers: dlrm's pairwise dot products (top
+ * MLP input: z0, then every pair's dot) and deepfm's FM term, forward and backward. Samples
+ * are independent, so parts take ranges of them and no bit depends on the split.
+ */
+typedef enum { INTER_DLRM_FWD, INTER_DLRM_BWD, INTER_FM_FWD, INTER_FM_BWD } inter_kind;
+
+typedef struct inter_job {
+    const cpu *c;
+    inter_kind kind;
+    const float *z0; /* dlrm: bottom MLP output, B x d */
+    const float *g;  /* backward: dloss/dlogit, B */
+} inter_job;
+
+static void inter_part(void *arg, int part, int nparts)
+{
+    const inter_job *j = arg;
+    const cpu *c = j->c;
+    const uint32_t F = c->m.n_fields, d = c->m.dim, ti = c->l.top_in;
+    const size_t lde = c->ldxe;
+    size_t i0, i1;
+    part_range(c->cur_b, part, nparts, &i0, &i1);
+    for (size_t i = i0; i < i1; i++) {
+        const float *ve = c->xe + i * lde;
+        switch (j->kind) {
+        case INTER_DLRM_FWD: {
+            float *row = c->in + i * ti;
+            const float *v0 = j->z0 + i * d;
+            memcpy(row, v0, d * sizeof(float));
+            uint32_t p = d;
+            for (uint32_t a = 0; a <= F; a++)
+                for (uint32_t e = a + 1; e <= F; e++) {
+                    const float *va = a ? ve + (a - 1) * d : v0, *vb = ve + (e - 1) * d;
+                    float s = 0;
+                    for (uint32_t q = 0; q < d; q++)
+                        s += va[q] * vb[q];
+                    row[p++] = s;
+                }
+            break;
+        }
+        case INTER_DLRM_BWD: {
+            const float *row = c->din + i * ti, *v0 = j->z0 + i * d;
+            float *dve = c->dxe + i * lde, *dv0 = c->dz0 + i * d;
+            memset(dve, 0, (size_t)F * d * sizeof(float));
+            memcpy(dv0, row, d * sizeof(float));
+            uint32_t p = d;
+            for (uint32_t a = 0; a <= F; a++)
+                for (uint32_t e = a + 1; e <= F; e++) {
+                    const float *va = a ? ve + (a - 1) * d : v0, *vb = ve + (e - 1) * d;
+                    float gp = row[p++];
+                    float *dva = a ? dve + (a - 1) * d : dv0, *dvb = dve + (e - 1) * d;
+                    for (uint32_t q = 0; q < d; q++) {
+                        dva[q] += gp * vb[q];
+                        dvb[q] += gp * va[q];
+                    }
+                }
+            break;
+        }
+        case INTER_FM_FWD: {
+            float fm = 0;
+            for (uint32_t q = 0; q < d; q++) {
+                float s = 0, sq = 0;
+                for (uint32_t f = 0; f < F; f++) {
+                    s += ve[f * d + q];
+                    sq += ve[f * d + q] * ve[f * d + q];
+                }
+                fm += 0.5f * (s * s - sq);
+            }
+            c->logit[i] += fm;
+            break;
+        }
+        case INTER_FM_BWD: {
+            float *dv = c->dxe + i * lde;
+            for (uint32_t q = 0; q < d; q++) {
+                float s = 0;
+                for (uint32_t f = 0; f < F; f++)
+                    s += ve[f * d + q];
+                for (uint32_t f = 0; f < F; f++)
+                    dv[f * d + q] += j->g[i] * (s - ve[f * d + q]);
+            }
+            break;
+        }
+        }
+    }
+}
+
+static void inter_run(cpu *c, inter_kind kind, const float *z0, const float *g)
+{
+    inter_job j = {c, kind, z0, g};
+    pool_run(&c->pool, inter_part, &j);
+}
+
 static int cpu_step(void *state, const float *P, const model_batch *b, float *probs, double *loss,
                     float *dP, float *const *demb, char **errptr)
 {
@@ -586,11 +682,11 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                       "(F %u, D %u, at most %u rows, %u keys)",
                       B, b->F, b->D, b->U, F, D, c->max_b, c->max_u);
     const bool bwd = dP != NULL;
+    c->cur_b = B;
     /* Every layer overwrites its own dW and db; only the first-order terms accumulate. */
     if (bwd && l->lin_table >= 0) memset(dP + l->lin_w, 0, (m->n_dense + 1) * sizeof(float));
     float *logit = c->logit;
     memset(logit, 0, B * sizeof(float));
-    const size_t lde = c->ldxe;
     if (l->emb_table >= 0) spmm(&c->pool, b, b->emb[l->emb_table], d, c->xe, c->ldxe);
     if (l->lin_table >= 0) {
         spmm(&c->pool, b, b->emb[l->lin_table], 1, c->xl, F);
@@ -603,40 +699,14 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
             logit[i] += s;
         }
     }
-    if (m->kind == MODEL_DEEPFM)
-        for (uint32_t i = 0; i < B; i++) {
-            const float *v = c->xe + i * lde;
-            float fm = 0;
-            for (uint32_t j = 0; j < d; j++) {
-                float s = 0, q = 0;
-                for (uint32_t f = 0; f < F; f++) {
-                    s += v[f * d + j];
-                    q += v[f * d + j] * v[f * d + j];
-                }
-                fm += 0.5f * (s * s - q);
-            }
-            logit[i] += fm;
-        }
+    if (m->kind == MODEL_DEEPFM) inter_run(c, INTER_FM_FWD, NULL, NULL);
     const float *z0 = NULL;
     if (l->n_top > 0) {
         /* Build the top MLP's input. */
         uint32_t ti = l->top_in;
         if (m->kind == MODEL_DLRM) {
             z0 = stack_fwd(&c->pool, l->bot, l->n_bot, c->bact, P, b->dense, B);
-            for (uint32_t i = 0; i < B; i++) {
-                float *row = c->in + (size_t)i * ti;
-                const float *v0 = z0 + (size_t)i * d, *ve = c->xe + i * lde;
-                memcpy(row, v0, d * sizeof(float));
-                uint32_t p = d;
-                for (uint32_t a = 0; a <= F; a++)
-                    for (uint32_t e = a + 1; e <= F; e++) {
-                        const float *va = a ? ve + (a - 1) * d : v0, *vb = ve + (e - 1) * d;
-                        float s = 0;
-                        for (uint32_t j = 0; j < d; j++)
-                            s += va[j] * vb[j];
-                        row[p++] = s;
-                    }
-            }
+            inter_run(c, INTER_DLRM_FWD, z0, NULL);
         } else {
             /* The pooled embeddings are in place already (cpu_create). */
             for (uint32_t i = 0; i < B; i++)
@@ -675,51 +745,17 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     /* Every model with embeddings has a top MLP (model_layout_make); for mlp and deepfm its
      * input gradient din holds the pooled embeddings' gradient dxe in place. */
     if (l->n_top > 0) {
-        uint32_t ti = l->top_in;
         stack_bwd_dx(&c->pool, l->top, l->n_top, c->act, c->gact, P, g, c->din, B);
-        if (m->kind == MODEL_DLRM) {
-            memset(c->dxe, 0, (size_t)B * F * d * sizeof(float));
-            float *dz0 = c->din; /* B x d at its start: row i overwrites din rows already read */
-            for (uint32_t i = 0; i < B; i++) {
-                const float *row = c->din + (size_t)i * ti;
-                const float *v0 = z0 + (size_t)i * d, *ve = c->xe + i * lde;
-                float *dve = c->dxe + i * lde;
-                float dv0[1024];
-                memcpy(dv0, row, d * sizeof(float));
-                uint32_t p = d;
-                for (uint32_t a = 0; a <= F; a++)
-                    for (uint32_t e = a + 1; e <= F; e++) {
-                        const float *va = a ? ve + (a - 1) * d : v0, *vb = ve + (e - 1) * d;
-                        float gp = row[p++];
-                        float *dva = a ? dve + (a - 1) * d : dv0, *dvb = dve + (e - 1) * d;
-                        for (uint32_t j = 0; j < d; j++) {
-                            dva[j] += gp * vb[j];
-                            dvb[j] += gp * va[j];
-                        }
-                    }
-                memcpy(dz0 + (size_t)i * d, dv0, d * sizeof(float)); /* rows before i are done */
-            }
-        }
+        if (m->kind == MODEL_DLRM) inter_run(c, INTER_DLRM_BWD, z0, NULL);
     }
     /* The FM term's gradient adds to the top MLP's (already in dxe = din). */
-    if (m->kind == MODEL_DEEPFM)
-        for (uint32_t i = 0; i < B; i++) {
-            const float *v = c->xe + i * lde;
-            float *dv = c->dxe + i * lde;
-            for (uint32_t j = 0; j < d; j++) {
-                float s = 0;
-                for (uint32_t f = 0; f < F; f++)
-                    s += v[f * d + j];
-                for (uint32_t f = 0; f < F; f++)
-                    dv[f * d + j] += g[i] * (s - v[f * d + j]);
-            }
-        }
+    if (m->kind == MODEL_DEEPFM) inter_run(c, INTER_FM_BWD, NULL, g);
     if (l->emb_table >= 0) spmm_t(&c->pool, b, c->dxe, d, c->ldxe, demb[l->emb_table]);
     /* The dense gradients: nothing above reads them. With a hook the caller's push of the rows
      * (and with an in-process PS, its update and the next pull) runs meanwhile, a sequential
      * path longer than these GEMMs: they leave it half the threads' cores (on 2 cores, at equal
      * shares, that path ran 30% longer). Tiles do not depend on the thread count, so neither
-     * do the bits. dlrm's bottom MLP starts from dz0, B x d at the start of din. */
+     * do the bits. */
     if (b->emb_ready) {
         b->emb_ready(b->emb_ready_arg);
         c->pool.active = c->pool.n / 2 > 1 ? c->pool.n / 2 : 1;
@@ -727,7 +763,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     if (l->n_top > 0) {
         stack_bwd_dw(&c->pool, l->top, l->n_top, c->act, c->gact, c->in, dP, B);
         if (m->kind == MODEL_DLRM) {
-            stack_bwd_dx(&c->pool, l->bot, l->n_bot, c->bact, c->gbact, P, c->din, NULL, B);
+            stack_bwd_dx(&c->pool, l->bot, l->n_bot, c->bact, c->gbact, P, c->dz0, NULL, B);
             stack_bwd_dw(&c->pool, l->bot, l->n_bot, c->bact, c->gbact, b->dense, dP, B);
         }
     }

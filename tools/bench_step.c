@@ -1,0 +1,221 @@
+/*
+ * bench step: the CPU backend's training step alone, without the PS or the data path, so the
+ * compute's share of `ember train`'s step can be told from the loop's. For each preset (lr,
+ * mlp, dlrm, deepfm: 26 fields x dim 16 + 13 dense, the defaults ember train uses) and each
+ * thread count, one random batch of B rows whose fields each hold one of U distinct keys
+ * (default 2048 and 13,000: the mean of the 2M bench data's batches) is stepped forward and
+ * backward, first plainly, then with a model_batch.emb_ready hook as the trainer sets one
+ * (the time to the hook is what the trainer's row push waits for; after it the dense
+ * gradients run on half the threads). Times are medians over the timed steps, in ms; GFLOP/s
+ * counts the tower's GEMM FLOPs (model_flops_per_sample).
+ *
+ * Usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2]
+ * Prints a table, then one JSON object as the last line.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/common.h"
+#include "src/model.h"
+
+#define FIELDS 26
+#define DENSE 13
+#define MAX_THREADS 8
+
+typedef struct timing {
+    double plain, to_hook, after_hook; /* medians, ms */
+} timing;
+
+static double hook_at;
+
+static void hook(void *arg)
+{
+    (void)arg;
+    hook_at = cm_now();
+}
+
+static int dbl_cmp(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, dbl_cmp);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+
+static uint64_t rnd(void)
+{
+    uint64_t z = (rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static float unif(float a, float b)
+{
+    return a + (b - a) * (float)(rnd() >> 40) / (float)(1u << 24);
+}
+
+/* Steps one preset at one thread count; 0, or -1 with a message printed. */
+static int run(model_kind kind, uint32_t threads, uint32_t B, uint32_t U, int steps, timing *out,
+               double *flops)
+{
+    model_cfg m;
+    model_layout l;
+    char *err = NULL;
+    model_cfg_preset(&m, kind, FIELDS, DENSE);
+    if (model_layout_make(&m, &l, &err) != CM_OK) {
+        fprintf(stderr, "bench step: %s\n", err);
+        free(err);
+        return -1;
+    }
+    *flops = model_flops_per_sample(&l) * B;
+    size_t nnz = (size_t)B * FIELDS;
+    float *params = malloc(l.n_params * sizeof(float) + 1), *dparams = malloc(l.n_params * 4 + 1);
+    float *dense = malloc((size_t)B * DENSE * 4), *labels = malloc(B * 4), *val = malloc(nnz * 4);
+    float *probs = malloc(B * 4), *emb[MODEL_MAX_TABLES] = {0}, *demb[MODEL_MAX_TABLES] = {0};
+    uint32_t *row_ptr = malloc((nnz + 1) * 4), *col = malloc(nnz * 4);
+    double *t0 = malloc(steps * sizeof(double)), *t1 = malloc(steps * sizeof(double)),
+           *t2 = malloc(steps * sizeof(double));
+    void *st = NULL;
+    int rc = -1;
+    if (!params || !dparams || !dense || !labels || !val || !probs || !row_ptr || !col || !t0 ||
+        !t1 || !t2)
+        goto out;
+    model_init_params(&m, &l, params);
+    for (size_t i = 0; i < (size_t)B * DENSE; i++)
+        dense[i] = unif(0.0f, 3.0f);
+    for (uint32_t i = 0; i < B; i++)
+        labels[i] = unif(0, 1) < 0.25f ? 1.0f : 0.0f;
+    for (size_t r = 0; r <= nnz; r++)
+        row_ptr[r] = (uint32_t)r;
+    for (size_t k = 0; k < nnz; k++) {
+        col[k] = (uint32_t)(rnd() % U);
+        val[k] = 1.0f;
+    }
+    model_batch mb = {.B = B, .F = FIELDS, .D = DENSE, .U = U, .dense = dense, .labels = labels,
+                      .row_ptr = row_ptr, .col = col, .val = val};
+    for (uint32_t t = 0; t < l.n_tables; t++) {
+        size_t n = (size_t)U * l.table_dim[t];
+        emb[t] = malloc(n * 4);
+        demb[t] = malloc(n * 4);
+        if (!emb[t] || !demb[t]) goto out;
+        for (size_t i = 0; i < n; i++)
+            emb[t][i] = unif(-0.05f, 0.05f);
+        mb.emb[t] = emb[t];
+    }
+    if (backend_cpu_ops.create(&m, &l, B, U, threads, 0, &st, &err) != CM_OK) {
+        fprintf(stderr, "bench step: %s\n", err);
+        goto out;
+    }
+    double loss;
+    for (int pass = 0; pass < 2; pass++) {
+        mb.emb_ready = pass ? hook : NULL;
+        for (int i = -3; i < steps; i++) { /* three warm-up steps */
+            hook_at = 0;
+            double a = cm_now();
+            if (backend_cpu_ops.step(st, params, &mb, probs, &loss, dparams, demb, &err) != CM_OK) {
+                fprintf(stderr, "bench step: %s\n", err);
+                goto out;
+            }
+            double b = cm_now();
+            if (i < 0) continue;
+            if (pass == 0) {
+                t0[i] = (b - a) * 1e3;
+            } else {
+                t1[i] = (hook_at - a) * 1e3;
+                t2[i] = (b - hook_at) * 1e3;
+            }
+        }
+    }
+    out->plain = median(t0, steps);
+    out->to_hook = median(t1, steps);
+    out->after_hook = median(t2, steps);
+    rc = 0;
+out:
+    if (st) backend_cpu_ops.destroy(st);
+    free(err);
+    free(params);
+    free(dparams);
+    free(dense);
+    free(labels);
+    free(val);
+    free(probs);
+    free(row_ptr);
+    free(col);
+    free(t0);
+    free(t1);
+    free(t2);
+    for (int t = 0; t < MODEL_MAX_TABLES; t++) {
+        free(emb[t]);
+        free(demb[t]);
+    }
+    return rc;
+}
+
+static void usage(void)
+{
+    fprintf(stderr,
+            "usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2]\n");
+}
+
+int main(int argc, char **argv)
+{
+    uint32_t B = 2048, U = 13000, tl[MAX_THREADS], nt = 0;
+    int steps = 30;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--batch") && v) B = (uint32_t)atoi(argv[++i]);
+        else if (!strcmp(a, "--keys") && v) U = (uint32_t)atoi(argv[++i]);
+        else if (!strcmp(a, "--steps") && v) steps = atoi(argv[++i]);
+        else if (!strcmp(a, "--threads-list") && v) {
+            char *s = argv[++i], *end;
+            while (*s && nt < MAX_THREADS) {
+                long t = strtol(s, &end, 10);
+                if (end == s || t < 1 || t > MAX_THREADS) break;
+                tl[nt++] = (uint32_t)t;
+                s = *end == ',' ? end + 1 : end;
+            }
+        } else {
+            usage();
+            return 2;
+        }
+    }
+    if (nt == 0) tl[nt++] = 1, tl[nt++] = 2;
+    if (B == 0 || U == 0 || steps < 1) {
+        usage();
+        return 2;
+    }
+    const model_kind kinds[] = {MODEL_LR, MODEL_MLP, MODEL_DLRM, MODEL_DEEPFM};
+    printf("bench step: cpu backend, batch %u, %u distinct keys, %d timed steps (medians)\n", B, U,
+           steps);
+    printf("%-8s %7s %10s %10s %10s %10s %12s\n", "model", "threads", "step ms", "to hook",
+           "after hook", "GFLOP/s", "samples/s");
+    char json[4096];
+    int jn = snprintf(json, sizeof json, "{\"bench\":\"step\",\"batch\":%u,\"keys\":%u", B, U);
+    for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++)
+        for (uint32_t ti = 0; ti < nt; ti++) {
+            timing t;
+            double flops;
+            if (run(kinds[k], tl[ti], B, U, steps, &t, &flops) != 0) return 1;
+            const char *name = model_kind_name(kinds[k]);
+            double gf = t.plain > 0 ? flops / (t.plain * 1e6) : 0;
+            printf("%-8s %7u %10.3f %10.3f %10.3f %10.1f %12.0f\n", name, tl[ti], t.plain,
+                   t.to_hook, t.after_hook, gf, B / (t.plain * 1e-3));
+            if (jn < (int)sizeof json - 200)
+                jn += snprintf(json + jn, sizeof json - (size_t)jn,
+                               ",\"%s_t%u_ms\":%.3f,\"%s_t%u_to_hook_ms\":%.3f,"
+                               "\"%s_t%u_after_hook_ms\":%.3f,\"%s_t%u_gflops\":%.1f",
+                               name, tl[ti], t.plain, name, tl[ti], t.to_hook, name, tl[ti],
+                               t.after_hook, name, tl[ti], gf);
+        }
+    printf("%s}\n", json);
+    return 0;
+}
