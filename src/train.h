@@ -3,9 +3,12 @@
  *
  * Worker loop: reader -> dedup the batch's keys -> pull the touched rows (and the dense
  * tower) -> forward/backward on the backend -> push row gradients and dense gradients. A
- * prefetch thread reads and deduplicates batch t+1 while the main thread computes batch t,
- * and pulls it as soon as batch t's push is acknowledged, so every batch of a worker sees all
- * of that worker's earlier updates (as synchronous SGD does). --stale-pull pulls t+1 during
+ * builder thread reads and stages batches ahead at a lower priority (dedup, keys in the PS
+ * client's order, A's columns); a puller thread pulls batch t+1 as soon as batch t's pushes
+ * are acknowledged, so every batch of a worker sees all of that worker's earlier updates (as
+ * synchronous SGD does). The row push of batch t goes out once its row gradients are final
+ * (model_batch.emb_ready), and t+1's rows are pulled while the step computes the dense
+ * gradients; only t+1's dense tower waits for t's dense push. --stale-pull pulls t+1 during
  * the compute of t as well: more overlap, but t+1 misses t's update (one step stale), which
  * costs some AUC.
  *
