@@ -24,8 +24,6 @@ typedef void (*part_fn)(void *arg, int part, int nparts);
 
 typedef struct pool {
     int n;
-    int active;  /* parts the next pool_run uses (<= n); the other threads sit it out */
-    int nparts;  /* of the current run */
     pthread_t *th;
     pthread_mutex_t mu;
     pthread_cond_t go, done;
@@ -57,9 +55,8 @@ static void *pool_main(void *v)
         seen = p->gen;
         part_fn fn = p->fn;
         void *arg = p->arg;
-        int nparts = p->nparts;
         pthread_mutex_unlock(&p->mu);
-        if (pa->part < nparts) fn(arg, pa->part, nparts);
+        fn(arg, pa->part, p->n);
         pthread_mutex_lock(&p->mu);
         if (--p->pending == 0) pthread_cond_signal(&p->done);
         pthread_mutex_unlock(&p->mu);
@@ -70,19 +67,18 @@ static void *pool_main(void *v)
 
 static void pool_run(pool *p, part_fn fn, void *arg)
 {
-    if (p->active <= 1) {
+    if (p->n <= 1) {
         fn(arg, 0, 1);
         return;
     }
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->arg = arg;
-    p->nparts = p->active;
     p->pending = p->n - 1;
     p->gen++;
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
-    fn(arg, 0, p->active);
+    fn(arg, 0, p->n);
     pthread_mutex_lock(&p->mu);
     while (p->pending > 0)
         pthread_cond_wait(&p->done, &p->mu);
@@ -107,7 +103,7 @@ static void pool_fini(pool *p)
 static int pool_init(pool *p, int n)
 {
     memset(p, 0, sizeof *p);
-    p->n = p->active = n < 1 ? 1 : n;
+    p->n = n < 1 ? 1 : n;
     if (p->n == 1) return CM_OK;
     p->th = calloc((size_t)p->n, sizeof *p->th);
     if (p->th == NULL) return CM_ENOMEM;
@@ -121,7 +117,7 @@ static int pool_init(pool *p, int n)
         pa->part = i;
         if (pthread_create(&p->th[i], NULL, pool_main, pa) != 0) {
             free(pa);
-            p->n = p->active = i;
+            p->n = i;
             return CM_ERR;
         }
     }
@@ -273,6 +269,11 @@ static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int
 
 typedef struct cpu {
     pool pool;
+    /* The dense-gradient phase of a hooked step (dw_phase): phase_gen counts phases, joined_gen
+     * is the phase backend_ops.join released all threads into. */
+    pthread_mutex_t jmu;
+    pthread_cond_t jcv;
+    uint64_t phase_gen, joined_gen;
     model_cfg m;
     model_layout l;
     uint32_t max_b, max_u;
@@ -295,6 +296,8 @@ static void cpu_destroy(void *state)
     cpu *c = state;
     if (c == NULL) return;
     pool_fini(&c->pool);
+    pthread_mutex_destroy(&c->jmu);
+    pthread_cond_destroy(&c->jcv);
     free(c->own_xe);
     free(c->own_dxe);
     free(c->dz0);
@@ -321,6 +324,8 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
     (void)flags; /* BACKEND_TF32: the CPU path is fp32 only */
     cpu *c = calloc(1, sizeof *c);
     if (c == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    pthread_mutex_init(&c->jmu, NULL);
+    pthread_cond_init(&c->jcv, NULL);
     openblas_set_num_threads(1);
     if (pool_init(&c->pool, (int)threads) != CM_OK) {
         cpu_destroy(c);
@@ -669,6 +674,102 @@ static void inter_run(cpu *c, inter_kind kind, const float *z0, const float *g)
     pool_run(&c->pool, inter_part, &j);
 }
 
+/*
+ * A hooked step's dense gradients. After emb_ready the caller's push of the rows (and with an
+ * in-process PS, its update and the next pull) runs on one core, so the phase starts on half
+ * the threads and the rest join when the caller says that work is done (backend_ops.join).
+ * The work is a list of units taken in order from a shared counter: each tile of each layer's
+ * dW GEMM, each layer's bias gradient, dlrm's whole bottom MLP. Every unit computes exactly
+ * what it computes in a plain step, whoever runs it, so the bits do not change.
+ */
+#define DW_MAX_UNITS (MODEL_MAX_LAYERS * (GEMM_MAX_TILES + 1) + 1)
+
+typedef struct dw_phase {
+    cpu *c;
+    const float *P;
+    const model_batch *b;
+    float *dP;
+    gemm g[MODEL_MAX_LAYERS];
+    uint16_t unit_layer[DW_MAX_UNITS]; /* top layer, or n_top: the bottom MLP */
+    int16_t unit_tile[DW_MAX_UNITS];   /* dW tile, or -1: the bias gradient */
+    int n_units, next, early;
+    uint64_t gen;
+} dw_phase;
+
+static void dw_unit_run(const dw_phase *ph, int u)
+{
+    const cpu *c = ph->c;
+    const model_layout *l = &c->l;
+    uint32_t i = ph->unit_layer[u], B = ph->b->B;
+    pool one = {.n = 1};
+    if (i == l->n_top) {
+        stack_bwd_dx(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->P, c->dz0, NULL, B);
+        stack_bwd_dw(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->b->dense, ph->dP, B);
+    } else if (ph->unit_tile[u] >= 0) {
+        gemm_tile(&ph->g[i], ph->unit_tile[u]);
+    } else {
+        colsum_job j = {c->gact[i], ph->dP + l->top[i].b, B, l->top[i].out};
+        colsum_part(&j, 0, 1);
+    }
+}
+
+static void dw_phase_part(void *arg, int part, int nparts)
+{
+    (void)nparts;
+    dw_phase *ph = arg;
+    cpu *c = ph->c;
+    if (part >= ph->early) {
+        pthread_mutex_lock(&c->jmu);
+        while (c->joined_gen != ph->gen &&
+               __atomic_load_n(&ph->next, __ATOMIC_ACQUIRE) < ph->n_units)
+            pthread_cond_wait(&c->jcv, &c->jmu);
+        pthread_mutex_unlock(&c->jmu);
+    }
+    for (int u; (u = __atomic_fetch_add(&ph->next, 1, __ATOMIC_ACQ_REL)) < ph->n_units;)
+        dw_unit_run(ph, u);
+    /* The list is taken: threads still waiting to join have nothing left. */
+    pthread_mutex_lock(&c->jmu);
+    pthread_cond_broadcast(&c->jcv);
+    pthread_mutex_unlock(&c->jmu);
+}
+
+static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP)
+{
+    const model_layout *l = &c->l;
+    const uint32_t B = b->B;
+    dw_phase ph = {.c = c, .P = P, .b = b, .dP = dP};
+    for (uint32_t k = l->n_top; k-- > 0;) {
+        const model_layer *ly = &l->top[k];
+        gemm *g = &ph.g[k];
+        *g = (gemm){CblasTrans,
+                    CblasNoTrans,
+                    (int)ly->out,
+                    (int)ly->in,
+                    (int)B,
+                    (int)ly->out,
+                    (int)ly->in,
+                    (int)ly->in,
+                    c->gact[k],
+                    k ? c->act[k - 1] : c->in,
+                    dP + ly->w,
+                    NULL,
+                    1,
+                    0};
+        gemm_tiles(g);
+        for (int t = 0; t <= g->tiles; t++) { /* the tiles, then the bias gradient */
+            ph.unit_layer[ph.n_units] = (uint16_t)k;
+            ph.unit_tile[ph.n_units++] = (int16_t)(t < g->tiles ? t : -1);
+        }
+    }
+    if (c->m.kind == MODEL_DLRM) ph.unit_layer[ph.n_units++] = (uint16_t)l->n_top;
+    ph.early = c->pool.n / 2 > 1 ? c->pool.n / 2 : 1;
+    pthread_mutex_lock(&c->jmu);
+    ph.gen = ++c->phase_gen;
+    pthread_mutex_unlock(&c->jmu);
+    b->emb_ready(b->emb_ready_arg);
+    pool_run(&c->pool, dw_phase_part, &ph);
+}
+
 static int cpu_step(void *state, const float *P, const model_batch *b, float *probs, double *loss,
                     float *dP, float *const *demb, char **errptr)
 {
@@ -751,24 +852,27 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     /* The FM term's gradient adds to the top MLP's (already in dxe = din). */
     if (m->kind == MODEL_DEEPFM) inter_run(c, INTER_FM_BWD, NULL, g);
     if (l->emb_table >= 0) spmm_t(&c->pool, b, c->dxe, d, c->ldxe, demb[l->emb_table]);
-    /* The dense gradients: nothing above reads them. With a hook the caller's push of the rows
-     * (and with an in-process PS, its update and the next pull) runs meanwhile, a sequential
-     * path longer than these GEMMs: they leave it half the threads' cores (on 2 cores, at equal
-     * shares, that path ran 30% longer). Tiles do not depend on the thread count, so neither
-     * do the bits. */
+    /* The dense gradients: nothing above reads them. */
     if (b->emb_ready) {
-        b->emb_ready(b->emb_ready_arg);
-        c->pool.active = c->pool.n / 2 > 1 ? c->pool.n / 2 : 1;
-    }
-    if (l->n_top > 0) {
+        dw_phase_run(c, P, b, dP);
+    } else if (l->n_top > 0) {
         stack_bwd_dw(&c->pool, l->top, l->n_top, c->act, c->gact, c->in, dP, B);
         if (m->kind == MODEL_DLRM) {
             stack_bwd_dx(&c->pool, l->bot, l->n_bot, c->bact, c->gbact, P, c->dz0, NULL, B);
             stack_bwd_dw(&c->pool, l->bot, l->n_bot, c->bact, c->gbact, b->dense, dP, B);
         }
     }
-    c->pool.active = c->pool.n;
     return CM_OK;
+}
+
+/* Releases the rest of the threads into the current dense-gradient phase. */
+static void cpu_join(void *state)
+{
+    cpu *c = state;
+    pthread_mutex_lock(&c->jmu);
+    c->joined_gen = c->phase_gen;
+    pthread_cond_broadcast(&c->jcv);
+    pthread_mutex_unlock(&c->jmu);
 }
 
 /* The step reads the batch from host memory where it lies: nothing to move ahead of it. */
@@ -786,4 +890,5 @@ const backend_ops backend_cpu_ops = {
     .destroy = cpu_destroy,
     .prefetch = cpu_prefetch,
     .step = cpu_step,
+    .join = cpu_join,
 };

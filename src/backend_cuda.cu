@@ -1244,6 +1244,7 @@ static int cuda_step(void *state, const float *P, const model_batch *b, float *p
     return CM_OK;
 }
 
-static const backend_ops cuda_ops = {"cuda", cuda_create, cuda_destroy, cuda_prefetch, cuda_step};
+static const backend_ops cuda_ops = {"cuda", cuda_create, cuda_destroy, cuda_prefetch, cuda_step,
+                                     NULL};
 
 extern "C" const backend_ops *const backend_cuda_ops = &cuda_ops;

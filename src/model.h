@@ -178,6 +178,11 @@ typedef struct backend_ops {
      * Calls are serialized among themselves (one step at a time per state). */
     int (*step)(void *state, const float *params, const model_batch *b, float *probs, double *loss,
                 float *dparams, float *const *demb, char **errptr);
+    /* Optional (NULL: nothing to do). From another thread, once the work the caller ran beside
+     * a step since its emb_ready hook is done: the step may use all its threads again for the
+     * rest (the cpu backend runs the dense gradients on half of them until then). A call
+     * after that step has returned does nothing. */
+    void (*join)(void *state);
 } backend_ops;
 
 extern const backend_ops backend_cpu_ops;

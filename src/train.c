@@ -368,6 +368,8 @@ static int pull_stage(prefetch *p, stage *s, bool *stopped, char **err)
         pthread_mutex_unlock(&p->mu);
     }
     if (rc == CM_OK) rc = stage_pull_rows(s, p->S, p->c, false, err);
+    /* The step computing the dense gradients meanwhile may take this core back. */
+    if (job && p->S->be->join) p->S->be->join(p->be);
     pthread_mutex_lock(&p->mu);
     go = PF_WAIT(p, p->pulled < p->dense_granted);
     pthread_mutex_unlock(&p->mu);

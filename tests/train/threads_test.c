@@ -15,7 +15,9 @@
  * OpenBLAS picks its kernel by the shape of each call, and only training's shapes reach the
  * small-matrix kernel that made threads 1 and 2 disagree.
  */
+#include <pthread.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "check.h"
 #include "rng.h"
@@ -140,12 +142,27 @@ typedef struct hook {
     const outs *o;
     float *seen[MODEL_MAX_TABLES];
     int calls;
+    int join;    /* 0: never; 1: from the hook; 2: from another thread, a moment later */
+    void *state; /* the backend, for join */
+    pthread_t th;
+    int th_started;
 } hook;
+
+static void *late_join(void *arg)
+{
+    hook *h = arg;
+    struct timespec ts = {0, 300 * 1000}; /* 0.3 ms: inside the dense gradients at B 2048 */
+    nanosleep(&ts, NULL);
+    backend_cpu_ops.join(h->state);
+    return NULL;
+}
 
 static void hook_run(void *arg)
 {
     hook *h = arg;
     h->calls++;
+    if (h->join == 1) backend_cpu_ops.join(h->state);
+    if (h->join == 2) h->th_started = pthread_create(&h->th, NULL, late_join, h) == 0;
     for (uint32_t tb = 0; tb < h->t->l.n_tables; tb++)
         memcpy(h->seen[tb], h->o->demb[tb],
                (size_t)h->t->U * h->t->l.table_dim[tb] * sizeof(float));
@@ -227,16 +244,17 @@ static void outs_same(const batch *t, const outs *a, const outs *b, const char *
     }
 }
 
-/* With the hook: the same bits (the dense gradients then run on fewer threads), one call, and
- * at that moment every row gradient already final. */
-static void hook_check(void *st, const batch *t, const outs *ref, outs *o, const char *ctx)
+static void hook_check_one(void *st, const batch *t, const outs *ref, outs *o, const char *ctx,
+                           int join)
 {
-    hook h = {t, o, {NULL}, 0};
+    hook h = {.t = t, .o = o, .join = join, .state = st};
     int ok = 1;
     for (uint32_t tb = 0; tb < t->l.n_tables; tb++)
         ok = ok && (h.seen[tb] = malloc((size_t)t->U * t->l.table_dim[tb] * sizeof(float)));
     CHECK_MSG(ok, "%s: out of memory", ctx);
-    if (ok && step_hooked(st, t, o, &h) == 0) {
+    int rc = ok ? step_hooked(st, t, o, &h) : -1;
+    if (h.th_started) pthread_join(h.th, NULL);
+    if (rc == 0) {
         char c2[160];
         snprintf(c2, sizeof c2, "%s, emb_ready hook", ctx);
         outs_same(t, ref, o, c2);
@@ -250,6 +268,18 @@ static void hook_check(void *st, const batch *t, const outs *ref, outs *o, const
     }
     for (uint32_t tb = 0; tb < t->l.n_tables; tb++)
         free(h.seen[tb]);
+}
+
+/* With the hook: the same bits (the dense gradients then start on fewer threads, and the rest
+ * join never, at once, or from another thread while they run), one call, and at that moment
+ * every row gradient already final. */
+static void hook_check(void *st, const batch *t, const outs *ref, outs *o, const char *ctx)
+{
+    for (int join = 0; join < 3; join++) {
+        char c1[200];
+        snprintf(c1, sizeof c1, "%s, join %d", ctx, join);
+        hook_check_one(st, t, ref, o, c1, join);
+    }
 }
 
 /* A's columns built here by sorting (column, row) pairs, independently of model.c's counting
