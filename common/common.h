@@ -73,10 +73,12 @@ double cm_now(void);
  * by programs (ember's main, benchmarks), never by the libraries. */
 void cm_malloc_tune(void);
 
-/* Raises the calling thread's niceness by inc, for background work (reading, staging) that
- * should take the cores only when the compute leaves them idle. Best effort: raising one's own
- * niceness needs no privilege, and failing changes nothing but timing. */
-void cm_thread_nice(int inc);
+/* Makes the calling thread background work (reading, staging) that should take the cores only
+ * when the compute leaves them idle: SCHED_IDLE, which any other thread preempts at once on
+ * wake-up (a niceness of +10 still let the trainer's woken puller wait out the background
+ * thread's time slice, up to 2 ms a step), else niceness +10. Best effort: lowering one's own
+ * priority needs no privilege, and failing changes nothing but timing. */
+void cm_thread_background(void);
 
 /* Creates dir and its parents (mode 0755); an existing directory is fine. */
 int cm_mkdirs(const char *dir, char **errptr);

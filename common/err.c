@@ -1,7 +1,10 @@
+#define _GNU_SOURCE /* SCHED_IDLE */
 #include "common/common.h"
 
 #include <errno.h>
 #include <malloc.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -57,12 +60,14 @@ double cm_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-void cm_thread_nice(int inc)
+void cm_thread_background(void)
 {
+    struct sched_param sp = {0};
+    if (pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp) == 0) return;
     id_t tid = (id_t)syscall(SYS_gettid);
     errno = 0;
     int cur = getpriority(PRIO_PROCESS, tid);
-    if (errno == 0) (void)setpriority(PRIO_PROCESS, tid, cur + inc);
+    if (errno == 0) (void)setpriority(PRIO_PROCESS, tid, cur + 10);
 }
 
 void cm_malloc_tune(void)

@@ -42,6 +42,7 @@
 #ifndef EMBER_DATASETS_H
 #define EMBER_DATASETS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -195,7 +196,7 @@ typedef struct ds_reader_opts {
     uint32_t first_epoch;  /* epoch number of the first pass (varies the shuffle) */
     uint32_t n_epochs;     /* passes over the data (default 1) */
     uint32_t prefetch;     /* batches prepared ahead (default 2) */
-    int32_t nice;          /* added to the prefetch thread's niceness (background reading) */
+    bool background;       /* the prefetch thread runs as background work (cm_thread_background) */
 } ds_reader_opts;
 
 void ds_reader_opts_init(ds_reader_opts *o);

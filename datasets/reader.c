@@ -195,7 +195,7 @@ static int run_epoch(ds_reader *r, uint32_t epoch, blk_ref *order, ds_rows *pool
 static void *prefetch_main(void *arg)
 {
     ds_reader *r = arg;
-    if (r->o.nice > 0) cm_thread_nice(r->o.nice);
+    if (r->o.background) cm_thread_background();
     const ds_schema *s = ds_reader_schema(r);
     ds_rows pool;
     ds_buf cbuf = {0}, raw = {0};

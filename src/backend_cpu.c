@@ -28,7 +28,7 @@ typedef struct pool {
     pthread_mutex_t mu;
     pthread_cond_t go, done;
     uint64_t gen;
-    int pending;
+    uint64_t pending;
     part_fn fn;
     void *arg;
     bool stop;
@@ -39,12 +39,34 @@ typedef struct pool_arg {
     int part;
 } pool_arg;
 
+/*
+ * Waiting threads spin this long before they sleep. A step hands the pool a run every few
+ * hundred microseconds; a thread woken from sleep on a virtual machine's idle vCPU started
+ * late by up to milliseconds (seen in `ember train` timelines), longer than the waits.
+ */
+#define POOL_SPIN_S 100e-6
+
+/* Spins, at most POOL_SPIN_S, until (*x == v) == eq or *stop; the caller then checks again
+ * under its lock and sleeps if it must. */
+static void spin_until(const uint64_t *x, uint64_t v, bool eq, const bool *stop)
+{
+    double until = cm_now() + POOL_SPIN_S;
+    for (int i = 0;; i++) {
+        if ((__atomic_load_n(x, __ATOMIC_ACQUIRE) == v) == eq ||
+            __atomic_load_n(stop, __ATOMIC_RELAXED))
+            return;
+        __builtin_ia32_pause();
+        if ((i & 63) == 63 && cm_now() > until) return;
+    }
+}
+
 static void *pool_main(void *v)
 {
     pool_arg *pa = v;
     pool *p = pa->p;
     uint64_t seen = 0;
     for (;;) {
+        spin_until(&p->gen, seen, false, &p->stop);
         pthread_mutex_lock(&p->mu);
         while (p->gen == seen && !p->stop)
             pthread_cond_wait(&p->go, &p->mu);
@@ -58,7 +80,8 @@ static void *pool_main(void *v)
         pthread_mutex_unlock(&p->mu);
         fn(arg, pa->part, p->n);
         pthread_mutex_lock(&p->mu);
-        if (--p->pending == 0) pthread_cond_signal(&p->done);
+        if (__atomic_sub_fetch(&p->pending, 1, __ATOMIC_RELEASE) == 0)
+            pthread_cond_signal(&p->done);
         pthread_mutex_unlock(&p->mu);
     }
     free(pa);
@@ -74,11 +97,12 @@ static void pool_run(pool *p, part_fn fn, void *arg)
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->arg = arg;
-    p->pending = p->n - 1;
-    p->gen++;
+    p->pending = (uint64_t)(p->n - 1);
+    __atomic_add_fetch(&p->gen, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
     fn(arg, 0, p->n);
+    spin_until(&p->pending, 0, true, &p->stop);
     pthread_mutex_lock(&p->mu);
     while (p->pending > 0)
         pthread_cond_wait(&p->done, &p->mu);
@@ -89,7 +113,7 @@ static void pool_fini(pool *p)
 {
     if (p->th == NULL) return;
     pthread_mutex_lock(&p->mu);
-    p->stop = true;
+    __atomic_store_n(&p->stop, true, __ATOMIC_RELAXED);
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
     for (int i = 1; i < p->n; i++)

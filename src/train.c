@@ -246,9 +246,9 @@ static int stage_send(stage *s, const setup *S, void *be, char **errptr)
 
 /*
  * Two threads fill a ring of stages ahead of the stepping thread. The builder reads and stages
- * batches (dedup, key order, A's columns) at a lower priority, so that work fills the moments
- * the compute leaves a core idle instead of slowing its GEMMs. The puller pulls each built
- * stage and hands it to the backend.
+ * batches (dedup, key order, A's columns) as background work (cm_thread_background), so that
+ * work fills the moments the compute leaves a core idle instead of slowing its GEMMs. The puller
+ * pulls each built stage and hands it to the backend.
  *
  * With fresh pulls batch t+1 must see batch t's updates, so its pull waits for t's pushes.
  * To keep that wait short the step hands its row push over as soon as the row gradients are
@@ -262,9 +262,6 @@ enum { JOB_NONE, JOB_HANDED, JOB_TAKEN, JOB_DONE };
 /* A stage's life: built, pulled, taken by the stepping thread, released. */
 enum { ST_FREE, ST_BUILT, ST_READY, ST_TAKEN };
 #define N_STAGES 3
-/* The builder's niceness above the process's: the kernel gives it about a tenth of a core
- * while the compute threads are busy, all of one when they wait. */
-#define BUILDER_NICE 10
 
 typedef struct prefetch {
     const setup *S;
@@ -310,7 +307,7 @@ static void pf_set(prefetch *p, int i, int state)
 static void *builder_main(void *arg)
 {
     prefetch *p = arg;
-    cm_thread_nice(BUILDER_NICE);
+    cm_thread_background();
     for (;;) {
         pthread_mutex_lock(&p->mu);
         int i = p->next_build;
@@ -561,7 +558,7 @@ static int reader_open(const setup *S, const char *path, uint32_t worker, uint32
     ro.n_epochs = epochs;
     ro.shuffle_rows = shuffle;
     ro.seed = S->o->seed;
-    ro.nice = BUILDER_NICE; /* background work, as the builder's */
+    ro.background = true; /* as the builder */
     return ds_reader_open(&ro, out, errptr);
 }
 
