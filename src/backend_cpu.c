@@ -28,7 +28,7 @@ typedef struct pool {
     pthread_mutex_t mu;
     pthread_cond_t go, done;
     uint64_t gen;
-    uint64_t pending;
+    int pending;
     part_fn fn;
     void *arg;
     bool stop;
@@ -39,34 +39,12 @@ typedef struct pool_arg {
     int part;
 } pool_arg;
 
-/*
- * Waiting threads spin this long before they sleep. A step hands the pool a run every few
- * hundred microseconds; a thread woken from sleep on a virtual machine's idle vCPU started
- * late by up to milliseconds (seen in `ember train` timelines), longer than the waits.
- */
-#define POOL_SPIN_S 100e-6
-
-/* Spins, at most POOL_SPIN_S, until (*x == v) == eq or *stop; the caller then checks again
- * under its lock and sleeps if it must. */
-static void spin_until(const uint64_t *x, uint64_t v, bool eq, const bool *stop)
-{
-    double until = cm_now() + POOL_SPIN_S;
-    for (int i = 0;; i++) {
-        if ((__atomic_load_n(x, __ATOMIC_ACQUIRE) == v) == eq ||
-            __atomic_load_n(stop, __ATOMIC_RELAXED))
-            return;
-        __builtin_ia32_pause();
-        if ((i & 63) == 63 && cm_now() > until) return;
-    }
-}
-
 static void *pool_main(void *v)
 {
     pool_arg *pa = v;
     pool *p = pa->p;
     uint64_t seen = 0;
     for (;;) {
-        spin_until(&p->gen, seen, false, &p->stop);
         pthread_mutex_lock(&p->mu);
         while (p->gen == seen && !p->stop)
             pthread_cond_wait(&p->go, &p->mu);
@@ -80,8 +58,7 @@ static void *pool_main(void *v)
         pthread_mutex_unlock(&p->mu);
         fn(arg, pa->part, p->n);
         pthread_mutex_lock(&p->mu);
-        if (__atomic_sub_fetch(&p->pending, 1, __ATOMIC_RELEASE) == 0)
-            pthread_cond_signal(&p->done);
+        if (--p->pending == 0) pthread_cond_signal(&p->done);
         pthread_mutex_unlock(&p->mu);
     }
     free(pa);
@@ -97,12 +74,11 @@ static void pool_run(pool *p, part_fn fn, void *arg)
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->arg = arg;
-    p->pending = (uint64_t)(p->n - 1);
-    __atomic_add_fetch(&p->gen, 1, __ATOMIC_RELEASE);
+    p->pending = p->n - 1;
+    p->gen++;
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
     fn(arg, 0, p->n);
-    spin_until(&p->pending, 0, true, &p->stop);
     pthread_mutex_lock(&p->mu);
     while (p->pending > 0)
         pthread_cond_wait(&p->done, &p->mu);
@@ -113,7 +89,7 @@ static void pool_fini(pool *p)
 {
     if (p->th == NULL) return;
     pthread_mutex_lock(&p->mu);
-    __atomic_store_n(&p->stop, true, __ATOMIC_RELAXED);
+    p->stop = true;
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
     for (int i = 1; i < p->n; i++)
@@ -272,9 +248,21 @@ static void gemm_tile(const gemm *g, int t)
 static void gemm_part(void *arg, int part, int nparts)
 {
     const gemm *g = arg;
-    int t1 = (int)((int64_t)g->tiles * (part + 1) / nparts);
-    for (int t = (int)((int64_t)g->tiles * part / nparts); t < t1; t++)
-        gemm_tile(g, t);
+    size_t t0, t1;
+    part_range((size_t)g->tiles, part, nparts, &t0, &t1);
+    for (size_t t = t0; t < t1; t++)
+        gemm_tile(g, (int)t);
+}
+
+/* Runs a GEMM cut by gemm_tiles: its tiles on the pool, then the epilogue where the tiles
+ * held no whole row. */
+static void gemm_run(pool *p, const gemm *g)
+{
+    if (g->tiles == 1)
+        gemm_tile(g, 0);
+    else
+        pool_run(p, gemm_part, (void *)g);
+    if (g->epi != NULL && g->by_cols) rows_run(p, g->epi, (size_t)g->M);
 }
 
 static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int M, int N, int K,
@@ -283,12 +271,7 @@ static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int
 {
     gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, epi, 1, 0};
     gemm_tiles(&g);
-    if (g.tiles == 1)
-        gemm_tile(&g, 0);
-    else
-        pool_run(p, gemm_part, &g);
-    /* Column tiles hold no whole row: the epilogue runs after them. */
-    if (epi != NULL && g.by_cols) rows_run(p, epi, (size_t)M);
+    gemm_run(p, &g);
 }
 
 typedef struct cpu {
@@ -312,7 +295,6 @@ typedef struct cpu {
      * row gradients need only those) and the dW GEMMs after, from these. */
     float *gact[MODEL_MAX_LAYERS + 1], *gbact[MODEL_MAX_LAYERS];
     float *logit, *dlogit; /* B */
-    uint32_t cur_b;        /* the current step's B */
 } cpu;
 
 static void cpu_destroy(void *state)
@@ -560,12 +542,33 @@ static void colsum_part(void *arg, int part, int nparts)
             j->db[q] += j->dY[i * j->n + q];
 }
 
+/* The layer's dW = dY^T X (out x in, into dP), cut into its tiles. */
+static gemm dw_gemm(const model_layer *ly, const float *X, const float *dY, float *dP, uint32_t B)
+{
+    gemm g = {CblasTrans,
+              CblasNoTrans,
+              (int)ly->out,
+              (int)ly->in,
+              (int)B,
+              (int)ly->out,
+              (int)ly->in,
+              (int)ly->in,
+              dY,
+              X,
+              dP + ly->w,
+              NULL,
+              1,
+              0};
+    gemm_tiles(&g);
+    return g;
+}
+
 /* dW and db of the layer into dP (overwritten) from its input X and its masked dY. */
 static void layer_bwd_dw(pool *pl, const model_layer *ly, const float *X, const float *dY,
                          float *dP, uint32_t B)
 {
-    sgemm(pl, CblasTrans, CblasNoTrans, (int)ly->out, (int)ly->in, (int)B, dY, (int)ly->out, X,
-          (int)ly->in, dP + ly->w, (int)ly->in, NULL);
+    gemm g = dw_gemm(ly, X, dY, dP, B);
+    gemm_run(pl, &g);
     colsum_job j = {dY, dP + ly->b, B, ly->out};
     if (ly->out < 64)
         colsum_part(&j, 0, 1);
@@ -616,6 +619,7 @@ typedef enum { INTER_DLRM_FWD, INTER_DLRM_BWD, INTER_FM_FWD, INTER_FM_BWD } inte
 typedef struct inter_job {
     const cpu *c;
     inter_kind kind;
+    uint32_t B;
     const float *z0; /* dlrm: bottom MLP output, B x d */
     const float *g;  /* backward: dloss/dlogit, B */
 } inter_job;
@@ -627,7 +631,7 @@ static void inter_part(void *arg, int part, int nparts)
     const uint32_t F = c->m.n_fields, d = c->m.dim, ti = c->l.top_in;
     const size_t lde = c->ldxe;
     size_t i0, i1;
-    part_range(c->cur_b, part, nparts, &i0, &i1);
+    part_range(j->B, part, nparts, &i0, &i1);
     for (size_t i = i0; i < i1; i++) {
         const float *ve = c->xe + i * lde;
         switch (j->kind) {
@@ -692,19 +696,19 @@ static void inter_part(void *arg, int part, int nparts)
     }
 }
 
-static void inter_run(cpu *c, inter_kind kind, const float *z0, const float *g)
+static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, const float *g)
 {
-    inter_job j = {c, kind, z0, g};
+    inter_job j = {c, kind, B, z0, g};
     pool_run(&c->pool, inter_part, &j);
 }
 
 /*
- * A hooked step's dense gradients. After emb_ready the caller's push of the rows (and with an
- * in-process PS, its update and the next pull) runs on one core, so the phase starts on half
- * the threads and the rest join when the caller says that work is done (backend_ops.join).
- * The work is a list of units taken in order from a shared counter: each tile of each layer's
- * dW GEMM, each layer's bias gradient, dlrm's whole bottom MLP. Every unit computes exactly
- * what it computes in a plain step, whoever runs it, so the bits do not change.
+ * A step's dense gradients, after the row gradients: a list of units taken in order from a
+ * shared counter (each tile of each layer's dW GEMM, each layer's bias gradient, dlrm's whole
+ * bottom MLP). A unit computes the same bits whoever runs it. With an emb_ready hook the
+ * caller's push of the rows (and with an in-process PS, its update and the next pull) runs
+ * meanwhile on one core, so the phase starts on half the threads and the rest join when the
+ * caller says that work is done (backend_ops.join); without one, all start at once.
  */
 #define DW_MAX_UNITS (MODEL_MAX_LAYERS * (GEMM_MAX_TILES + 1) + 1)
 
@@ -763,34 +767,22 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
     const uint32_t B = b->B;
     dw_phase ph = {.c = c, .P = P, .b = b, .dP = dP};
     for (uint32_t k = l->n_top; k-- > 0;) {
-        const model_layer *ly = &l->top[k];
-        gemm *g = &ph.g[k];
-        *g = (gemm){CblasTrans,
-                    CblasNoTrans,
-                    (int)ly->out,
-                    (int)ly->in,
-                    (int)B,
-                    (int)ly->out,
-                    (int)ly->in,
-                    (int)ly->in,
-                    c->gact[k],
-                    k ? c->act[k - 1] : c->in,
-                    dP + ly->w,
-                    NULL,
-                    1,
-                    0};
-        gemm_tiles(g);
+        const gemm *g = &ph.g[k];
+        ph.g[k] = dw_gemm(&l->top[k], k ? c->act[k - 1] : c->in, c->gact[k], dP, B);
         for (int t = 0; t <= g->tiles; t++) { /* the tiles, then the bias gradient */
             ph.unit_layer[ph.n_units] = (uint16_t)k;
             ph.unit_tile[ph.n_units++] = (int16_t)(t < g->tiles ? t : -1);
         }
     }
     if (c->m.kind == MODEL_DLRM) ph.unit_layer[ph.n_units++] = (uint16_t)l->n_top;
-    ph.early = c->pool.n / 2 > 1 ? c->pool.n / 2 : 1;
-    pthread_mutex_lock(&c->jmu);
-    ph.gen = ++c->phase_gen;
-    pthread_mutex_unlock(&c->jmu);
-    b->emb_ready(b->emb_ready_arg);
+    ph.early = c->pool.n;
+    if (b->emb_ready) {
+        ph.early = c->pool.n / 2 > 1 ? c->pool.n / 2 : 1;
+        pthread_mutex_lock(&c->jmu);
+        ph.gen = ++c->phase_gen;
+        pthread_mutex_unlock(&c->jmu);
+        b->emb_ready(b->emb_ready_arg);
+    }
     pool_run(&c->pool, dw_phase_part, &ph);
 }
 
@@ -807,7 +799,6 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                       "(F %u, D %u, at most %u rows, %u keys)",
                       B, b->F, b->D, b->U, F, D, c->max_b, c->max_u);
     const bool bwd = dP != NULL;
-    c->cur_b = B;
     /* Every layer overwrites its own dW and db; only the first-order terms accumulate. */
     if (bwd && l->lin_table >= 0) memset(dP + l->lin_w, 0, (m->n_dense + 1) * sizeof(float));
     float *logit = c->logit;
@@ -824,14 +815,14 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
             logit[i] += s;
         }
     }
-    if (m->kind == MODEL_DEEPFM) inter_run(c, INTER_FM_FWD, NULL, NULL);
+    if (m->kind == MODEL_DEEPFM) inter_run(c, INTER_FM_FWD, B, NULL, NULL);
     const float *z0 = NULL;
     if (l->n_top > 0) {
         /* Build the top MLP's input. */
         uint32_t ti = l->top_in;
         if (m->kind == MODEL_DLRM) {
             z0 = stack_fwd(&c->pool, l->bot, l->n_bot, c->bact, P, b->dense, B);
-            inter_run(c, INTER_DLRM_FWD, z0, NULL);
+            inter_run(c, INTER_DLRM_FWD, B, z0, NULL);
         } else {
             /* The pooled embeddings are in place already (cpu_create). */
             for (uint32_t i = 0; i < B; i++)
@@ -871,21 +862,13 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
      * input gradient din holds the pooled embeddings' gradient dxe in place. */
     if (l->n_top > 0) {
         stack_bwd_dx(&c->pool, l->top, l->n_top, c->act, c->gact, P, g, c->din, B);
-        if (m->kind == MODEL_DLRM) inter_run(c, INTER_DLRM_BWD, z0, NULL);
+        if (m->kind == MODEL_DLRM) inter_run(c, INTER_DLRM_BWD, B, z0, NULL);
     }
     /* The FM term's gradient adds to the top MLP's (already in dxe = din). */
-    if (m->kind == MODEL_DEEPFM) inter_run(c, INTER_FM_BWD, NULL, g);
+    if (m->kind == MODEL_DEEPFM) inter_run(c, INTER_FM_BWD, B, NULL, g);
     if (l->emb_table >= 0) spmm_t(&c->pool, b, c->dxe, d, c->ldxe, demb[l->emb_table]);
     /* The dense gradients: nothing above reads them. */
-    if (b->emb_ready) {
-        dw_phase_run(c, P, b, dP);
-    } else if (l->n_top > 0) {
-        stack_bwd_dw(&c->pool, l->top, l->n_top, c->act, c->gact, c->in, dP, B);
-        if (m->kind == MODEL_DLRM) {
-            stack_bwd_dx(&c->pool, l->bot, l->n_bot, c->bact, c->gbact, P, c->dz0, NULL, B);
-            stack_bwd_dw(&c->pool, l->bot, l->n_bot, c->bact, c->gbact, b->dense, dP, B);
-        }
-    }
+    dw_phase_run(c, P, b, dP);
     return CM_OK;
 }
 

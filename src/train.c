@@ -296,10 +296,14 @@ typedef struct prefetch {
         !(p)->stop;                                                                                \
     })
 
-static void pf_set(prefetch *p, int i, int state)
+/* Moves stage i on to `state` and the ring position *next past it; the first failed stage's
+ * message is kept (taken from *err). */
+static void pf_advance(prefetch *p, int i, int state, int *next, char **err)
 {
     pthread_mutex_lock(&p->mu);
+    if (p->st[i].status < 0 && p->err == NULL) p->err = *err, *err = NULL;
     p->state[i] = state;
+    *next = (i + 1) % N_STAGES;
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
 }
@@ -321,12 +325,7 @@ static void *builder_main(void *arg)
         if (got == 1) p->left--;
         if (got == 1) rc = stage_build(s, p->S, b, &err);
         s->status = rc != CM_OK ? rc : got;
-        pthread_mutex_lock(&p->mu);
-        if (rc < 0 && p->err == NULL) p->err = err, err = NULL;
-        p->state[i] = ST_BUILT;
-        p->next_build = (i + 1) % N_STAGES;
-        pthread_cond_broadcast(&p->cv);
-        pthread_mutex_unlock(&p->mu);
+        pf_advance(p, i, ST_BUILT, &p->next_build, &err);
         free(err);
         if (s->status <= 0) break;
     }
@@ -395,15 +394,8 @@ static void *puller_main(void *arg)
             free(err);
             break;
         }
-        pthread_mutex_lock(&p->mu);
-        if (rc != CM_OK) {
-            s->status = rc;
-            if (p->err == NULL) p->err = err, err = NULL;
-        }
-        p->state[i] = ST_READY;
-        p->next_pull = (i + 1) % N_STAGES;
-        pthread_cond_broadcast(&p->cv);
-        pthread_mutex_unlock(&p->mu);
+        if (rc != CM_OK) s->status = rc;
+        pf_advance(p, i, ST_READY, &p->next_pull, &err);
         free(err);
         if (s->status <= 0) break;
     }
@@ -455,9 +447,8 @@ static stage *prefetch_take(prefetch *p, int *rc, char **errptr)
 /* Gives the taken stage back for refilling. */
 static void prefetch_release(prefetch *p)
 {
-    int i = p->next_take;
-    p->next_take = (i + 1) % N_STAGES; /* only the stepping thread reads it */
-    pf_set(p, i, ST_FREE);
+    char *none = NULL; /* a taken stage had status 1 */
+    pf_advance(p, p->next_take, ST_FREE, &p->next_take, &none);
 }
 
 /* Allows the next batch to be pulled (fresh pulls: called once this batch is pushed); its
