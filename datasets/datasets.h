@@ -258,6 +258,12 @@ typedef struct ds_ingest_result {
  * line returns CM_ECORRUPT naming the file and line, leaving no shard files behind. */
 int ds_ingest_run(const ds_ingest_opts *opts, ds_ingest_result *res, char **errptr);
 
+/* From an ingest's stats.json at path: the sum over its fields of the distinct-key estimates
+ * (*total) and the number of fields (*n_fields). The estimates (HyperLogLog, ~2% error) cover
+ * train and eval rows together. 0, CM_ENOTFOUND when there is no such file, or CM_ECORRUPT /
+ * CM_EIO naming the file. */
+int ds_stats_read_distinct(const char *path, uint64_t *total, uint32_t *n_fields, char **errptr);
+
 /* Writes res as one JSON object line (rows_in, rows_written, rows_rejected, seconds, ...). */
 void ds_ingest_result_json(const ds_ingest_result *res, FILE *to);
 

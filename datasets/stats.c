@@ -131,3 +131,34 @@ int ds_stats_write_json(const ds_stats *s, const ds_schema *schema, const char *
     free(buf);
     return rc;
 }
+
+int ds_stats_read_distinct(const char *path, uint64_t *total, uint32_t *n_fields, char **errptr)
+{
+    static const char tag[] = "\"distinct_estimate\":";
+    void *buf = NULL;
+    size_t len = 0;
+    int rc = cm_read_file(path, &buf, &len, errptr);
+    if (rc != CM_OK) return rc;
+    uint64_t sum = 0;
+    uint32_t n = 0;
+    for (const char *p = strstr(buf, tag); p != NULL; p = strstr(p, tag)) {
+        p += sizeof tag - 1;
+        char *end = NULL;
+        double v = strtod(p, &end);
+        if (end == p || !(v >= 0) || v > 1e15) {
+            rc = cm_err(errptr, CM_ECORRUPT, "%s: bad distinct_estimate of field %u", path, n);
+            break;
+        }
+        sum += (uint64_t)v;
+        n++;
+        p = end;
+    }
+    if (rc == CM_OK && n == 0)
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: no distinct_estimate in it", path);
+    if (rc == CM_OK) {
+        *total = sum;
+        *n_fields = n;
+    }
+    free(buf);
+    return rc;
+}

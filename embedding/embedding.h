@@ -113,6 +113,13 @@ typedef struct emb_table_config {
     uint32_t admit_threshold;  /* 0 or 1 = admit on first sight */
     uint64_t ttl_steps;        /* 0 = never expire */
     uint32_t n_sub;            /* sub-shards (lock stripes), 1..4096; 0 = default (64) */
+    /* Rows the table is expected to hold in memory; 0 = start small. The hash table is then
+     * created at the capacity that holds them under its maximum load factor (capped by the
+     * budget), so it never stops to double while they arrive: a doubling rehashes every row of
+     * a sub-shard under its lock, and its old and new arrays briefly coexist. The capacity is
+     * allocated at once and becomes resident as rows land anywhere in it, i.e. soon: reserve
+     * what the table would grow to anyway. More rows than reserved still fit (it doubles). */
+    uint64_t reserve_rows;
 } emb_table_config;
 
 /* Defaults: dim 16, adagrad, lr 0.05, l2 0, eps 1e-8, betas 0.9/0.999, adagrad_init 0,
@@ -127,6 +134,10 @@ uint32_t emb_row_slots(const emb_table_config *cfg);
 
 /* Exact bytes one row takes in a record (what a row costs on disk and per hash slot). */
 size_t emb_row_bytes(const emb_table_config *cfg);
+
+/* Bytes a new table with this config allocates for its in-memory hash table at creation: the
+ * capacity for reserve_rows (capped by the budget), or a small start without a reservation. */
+uint64_t emb_table_initial_bytes(const emb_table_config *cfg);
 
 /* Bytes of memory per resident row including the hash table's empty slots at its maximum
  * load factor: what a budget buys, row for row. */

@@ -25,6 +25,7 @@
 #define CMS_DEPTH 4
 #define CMS_BITS 18
 #define PREFETCH_AHEAD 8
+#define EMB_DEFAULT_SUBS 64
 
 typedef struct sub {
     pthread_mutex_t mu;
@@ -501,6 +502,36 @@ int emb_table_push_hinted(emb_table *t, const uint64_t *keys, size_t n, const fl
 
 static void table_free(emb_table *t, uint32_t n_subs);
 
+/* The capacity a sub-shard starts with so that its share of `rows` fits under the maximum load
+ * factor. Keys spread over the sub-shards binomially (standard deviation ~sqrt(share)), so the
+ * share gets 4 deviations of slack: the fullest of 4096 sub-shards still fits. */
+static uint64_t reserve_cap(uint64_t rows, uint32_t n_sub)
+{
+    const uint64_t least = 64;
+    if (rows == 0) return least;
+    double share = (double)rows / n_sub;
+    double need = (share + 4.0 * sqrt(share) + 1.0) * EMB_LOAD_DEN / EMB_LOAD_NUM + 1.0;
+    if (need > (double)(UINT64_MAX / 2)) return UINT64_MAX / 2;
+    return need < (double)least ? least : (uint64_t)need;
+}
+
+/* A sub-shard's largest capacity: what the budget buys (unlimited without one). */
+static uint64_t budget_cap(const emb_table_config *cfg, uint32_t n_sub)
+{
+    if (cfg->mem_budget_bytes == 0) return UINT64_MAX;
+    return cfg->mem_budget_bytes / n_sub / (emb_row_bytes(cfg) + 1);
+}
+
+uint64_t emb_table_initial_bytes(const emb_table_config *cfg)
+{
+    uint32_t n_sub = cfg->n_sub ? cfg->n_sub : EMB_DEFAULT_SUBS;
+    uint64_t cap = reserve_cap(cfg->reserve_rows, n_sub), max_cap = budget_cap(cfg, n_sub);
+    if (cap > max_cap) cap = max_cap;
+    if (cap < 2) cap = 2; /* emb_mem_init's least */
+    double bytes = (double)cap * (double)(emb_row_bytes(cfg) + 1) * n_sub;
+    return bytes >= 1.8e19 ? UINT64_MAX : (uint64_t)bytes;
+}
+
 int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr)
 {
     int rc = emb_table_config_check(cfg, errptr);
@@ -509,7 +540,7 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
     if (t == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     t->cfg = *cfg;
     t->cfg.spill_path = NULL;
-    t->n_sub = cfg->n_sub ? cfg->n_sub : 64;
+    t->n_sub = cfg->n_sub ? cfg->n_sub : EMB_DEFAULT_SUBS;
     t->cfg.n_sub = t->n_sub;
     t->dim = cfg->dim;
     t->rec = emb_row_bytes(cfg);
@@ -519,18 +550,18 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     }
     memset(t->subs, 0, sizeof(sub) * t->n_sub);
-    uint64_t max_cap = UINT64_MAX;
+    uint64_t max_cap = budget_cap(cfg, t->n_sub);
     if (cfg->mem_budget_bytes > 0) {
-        max_cap = cfg->mem_budget_bytes / t->n_sub / (t->rec + 1);
         t->spill_path = strdup(cfg->spill_path);
         t->cfg.spill_path = t->spill_path;
         if (t->spill_path == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         if (rc == CM_OK) rc = emb_store_create("rocksdb", cfg->spill_path, t->rec, &t->spill, errptr);
     }
+    uint64_t initial_cap = reserve_cap(cfg->reserve_rows, t->n_sub);
     uint32_t inited = 0;
     for (; rc == CM_OK && inited < t->n_sub; inited++) {
         pthread_mutex_init(&t->subs[inited].mu, NULL);
-        rc = emb_mem_init(&t->subs[inited].mem, t->rec, 64, max_cap, errptr);
+        rc = emb_mem_init(&t->subs[inited].mem, t->rec, initial_cap, max_cap, errptr);
         if (rc != CM_OK) pthread_mutex_destroy(&t->subs[inited].mu);
     }
     if (rc == CM_OK && cfg->admit_threshold > 1) {

@@ -92,6 +92,7 @@ static int set_table(ps_table_spec *t, const char *k, const char *v)
     if (!strcmp(k, "memory")) return parse_u64(v, &c->mem_budget_bytes);
     if (!strcmp(k, "admit")) return parse_u32(v, &c->admit_threshold);
     if (!strcmp(k, "ttl")) return parse_u64(v, &c->ttl_steps);
+    if (!strcmp(k, "reserve_rows")) return parse_u64(v, &c->reserve_rows);
     if (!strcmp(k, "push_codec")) return ps_codec_parse(v, &t->push_codec) == CM_OK ? 0 : -1;
     if (!strcmp(k, "pull_codec")) return ps_codec_parse(v, &t->pull_codec) == CM_OK ? 0 : -1;
     return 1;
@@ -275,4 +276,5 @@ void ps_plan(const ps_config *cfg, uint32_t table, uint64_t rows, ps_plan_row *o
     /* RocksDB stores each spilled record uncompressed with an 8-byte key and ~20 bytes of
      * per-entry overhead in its SST format. */
     out->disk_bytes = (double)out->rows_spilled * (double)(out->row_bytes + 8 + 20);
+    out->initial_bytes = (double)emb_table_initial_bytes(c);
 }

@@ -131,7 +131,8 @@ void ps_config_init(ps_config *cfg);
  *              tls_cert, tls_key, tls_ca, worker_timeout (ms), replica_timeout (ms)
  *   [table NAME]  dim, optimizer, lr, l2, eps, beta1, beta2, adagrad_init, ftrl_beta, ftrl_l1,
  *              init_scale, seed, memory (per-shard budget, K/M/G), admit, ttl, push_codec,
- *              pull_codec
+ *              pull_codec, reserve_rows (rows a shard's table is created for, K/M/G; see
+ *              emb_table_config.reserve_rows)
  *   [dense NAME]  size, optimizer (adam|adagrad|sgd), lr, beta1, beta2, eps
  * '#' starts a comment. An unknown section or key, a bad value, or a missing required field is
  * an error naming the file and line. Tables and dense blocks get ids in file order.
@@ -148,6 +149,7 @@ typedef struct ps_plan_row {
     uint64_t rows_in_memory;  /* rows the budget holds (all when unlimited) */
     uint64_t rows_spilled;
     double mem_bytes, disk_bytes;
+    double initial_bytes; /* allocated when the shard starts (reserve_rows; else small) */
 } ps_plan_row;
 void ps_plan(const ps_config *cfg, uint32_t table, uint64_t rows, ps_plan_row *out);
 

@@ -30,19 +30,21 @@ static void ps_usage(FILE *to)
             "  --contexts K   requests served concurrently (default 64 + 2 x workers)\n"
             "  --replica URL  ship every applied update to this shard's backup at URL\n"
             "  --backup       serve as the backup of shard I (takes over when clients come)\n"
-            "  --plan ROWS    print each table's memory and disk cost for ROWS rows per shard\n");
+            "  --plan ROWS    print each table's memory and disk cost for ROWS rows per shard\n"
+            "                 (start_GiB: what a shard allocates at start, see reserve_rows)\n");
 }
 
 static int print_plan(const ps_config *cfg, uint64_t rows)
 {
-    printf("%-16s %6s %10s %14s %14s %14s %12s %12s\n", "table", "dim", "row_bytes",
-           "mem_bytes/row", "rows_in_mem", "rows_spilled", "mem_GiB", "disk_GiB");
+    printf("%-16s %6s %10s %14s %14s %14s %12s %12s %12s\n", "table", "dim", "row_bytes",
+           "mem_bytes/row", "rows_in_mem", "rows_spilled", "mem_GiB", "disk_GiB", "start_GiB");
     for (uint32_t i = 0; i < cfg->n_tables; i++) {
         ps_plan_row p;
         ps_plan(cfg, i, rows, &p);
-        printf("%-16s %6u %10" PRIu64 " %14.2f %14" PRIu64 " %14" PRIu64 " %12.3f %12.3f\n",
+        printf("%-16s %6u %10" PRIu64 " %14.2f %14" PRIu64 " %14" PRIu64 " %12.3f %12.3f %12.3f\n",
                cfg->tables[i].name, cfg->tables[i].cfg.dim, p.row_bytes, p.mem_bytes_per_row,
-               p.rows_in_memory, p.rows_spilled, p.mem_bytes / (1 << 30), p.disk_bytes / (1 << 30));
+               p.rows_in_memory, p.rows_spilled, p.mem_bytes / (1 << 30), p.disk_bytes / (1 << 30),
+               p.initial_bytes / (1 << 30));
     }
     return 0;
 }

@@ -21,7 +21,8 @@ static void train_usage(FILE *to)
         "  --out RUNDIR         checkpoints, metrics.jsonl (default runs/train)\n"
         "  --config FILE        INI with [model] (kind, dim, hidden, bottom, seed, pool) and\n"
         "                       [train] (batch, epochs, emb_lr, dense_lr, emb_optimizer,\n"
-        "                       push_codec, memory, shuffle, staleness, checkpoint_every, tf32)\n"
+        "                       push_codec, memory, shuffle, staleness, checkpoint_every, tf32,\n"
+        "                       expected_rows)\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
         "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
         "                       fp32; EMBER_CUDA_TF32=1 too); cpu: ignored\n"
@@ -31,6 +32,9 @@ static void train_usage(FILE *to)
         "                       progress note (run dir progress/worker-<i>)\n"
         "  --ps-timeout MS      a PS request unanswered this long fails the worker (30000)\n"
         "  --max-steps N --seed S --memory BYTES (per shard)\n"
+        "  --expected-rows N    rows each embedding table will reach (all shards): tables are\n"
+        "                       created that large instead of doubling (default: the distinct-\n"
+        "                       key estimate in the ingest's stats.json, +5%%; 0: start small)\n"
         "  --emb-lr X --dense-lr X --emb-optimizer NAME --push-codec fp32|fp16|bf16|int8\n"
         "  --dim D --shuffle ROWS --threads T (compute threads per worker, default: cores, at most "
         "8)\n"
@@ -86,6 +90,7 @@ int cmd_train(int argc, char **argv)
         O_REJOIN,
         O_PSTIMEOUT,
         O_TF32,
+        O_EXPECTED,
         O_HELP
     };
     static const struct option opts[] = {{"train", 1, 0, O_TRAIN},
@@ -122,6 +127,7 @@ int cmd_train(int argc, char **argv)
                                          {"rejoin", 0, 0, O_REJOIN},
                                          {"ps-timeout", 1, 0, O_PSTIMEOUT},
                                          {"tf32", 0, 0, O_TF32},
+                                         {"expected-rows", 1, 0, O_EXPECTED},
                                          {"help", 0, 0, O_HELP},
                                          {0, 0, 0, 0}};
     train_opts o;
@@ -201,6 +207,10 @@ int cmd_train(int argc, char **argv)
             break;
         case O_MEMORY:
             bad = parse_uint(optarg, UINT64_MAX, &o.memory);
+            break;
+        case O_EXPECTED:
+            bad = parse_uint(optarg, INT64_MAX, &u);
+            o.expected_rows = (int64_t)u;
             break;
         case O_EMBLR:
             o.emb_lr = strtof(optarg, &end);

@@ -39,6 +39,7 @@ void train_opts_init(train_opts *o)
     o->progress = -1;
     o->seed = 1;
     o->model.kind = MODEL_MLP;
+    o->expected_rows = -1;
 }
 
 /* ---- config file ---- */
@@ -100,6 +101,8 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
             bad = cm_parse_size(v, &u) || u > 100000, o->keep_checkpoints = (uint32_t)u;
         else if (!strcmp(k, "tf32"))
             bad = cm_parse_size(v, &u) || u > 1, o->tf32 = (int)u;
+        else if (!strcmp(k, "expected_rows"))
+            bad = cm_parse_size(v, &u) || u > INT64_MAX, o->expected_rows = (int64_t)u;
         else
             return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
     }
@@ -1037,6 +1040,54 @@ static void *worker_main(void *arg)
 
 /* ---- the job ---- */
 
+/* train_opts.expected_rows resolved: the flag's value, else the sum of the ingest's per-field
+ * distinct-key estimates (stats.json in the training shards' directory or its parent, as
+ * `ember ingest` lays them out) plus 5% for the estimate's error, else 0. A stats.json that
+ * does not parse or describes another field count is only a missing hint: warned about. */
+static uint64_t expected_rows(const train_opts *o, uint32_t n_fields)
+{
+    if (o->expected_rows >= 0) return (uint64_t)o->expected_rows;
+    struct stat st;
+    if (stat(o->train_path, &st) != 0) return 0;
+    char *dir = strdup(o->train_path);
+    if (dir == NULL) return 0;
+    if (!S_ISDIR(st.st_mode)) {
+        char *slash = strrchr(dir, '/');
+        if (slash == NULL)
+            strcpy(dir, ".");
+        else if (slash == dir)
+            dir[1] = '\0';
+        else
+            *slash = '\0';
+    }
+    uint64_t rows = 0;
+    static const char *const where[] = {"%s/stats.json", "%s/../stats.json"};
+    for (size_t i = 0; i < sizeof where / sizeof where[0]; i++) {
+        char path[4200];
+        snprintf(path, sizeof path, where[i], dir);
+        uint64_t total = 0;
+        uint32_t fields = 0;
+        char *err = NULL;
+        int rc = ds_stats_read_distinct(path, &total, &fields, &err);
+        if (rc == CM_ENOTFOUND) {
+            free(err);
+            continue;
+        }
+        if (rc != CM_OK)
+            fprintf(stderr, "ember train: ignoring %s as a size hint: %s\n", path, err);
+        else if (fields != n_fields)
+            fprintf(stderr,
+                    "ember train: ignoring %s as a size hint: %u fields, the shards have %u\n",
+                    path, fields, n_fields);
+        else
+            rows = total + total / 20;
+        free(err);
+        break;
+    }
+    free(dir);
+    return rows;
+}
+
 static int setup_make(setup *S, const train_opts *o, char **errptr)
 {
     memset(S, 0, sizeof *S);
@@ -1081,6 +1132,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
     p->staleness = o->staleness;
     p->worker_timeout_ms = o->worker_timeout_ms;
     snprintf(p->spill_dir, sizeof p->spill_dir, "%s/spill", o->out_dir);
+    uint64_t reserve = expected_rows(o, S->m.n_fields) / p->n_shards;
     for (uint32_t t = 0; t < S->l.n_tables; t++) {
         ps_table_spec *ts = &p->tables[p->n_tables++];
         memset(ts, 0, sizeof *ts);
@@ -1092,6 +1144,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         ts->cfg.init_scale = (int)t == S->l.lin_table ? 0.0f : 0.05f;
         ts->cfg.seed = o->seed;
         ts->cfg.mem_budget_bytes = o->memory;
+        ts->cfg.reserve_rows = reserve;
         ts->push_codec = o->push_codec;
         ts->pull_codec = PS_CODEC_F32;
     }

@@ -73,6 +73,11 @@ typedef struct train_opts {
     int stale_pull; /* pull batch t+1 before batch t's push (more overlap, one step stale) */
     int tf32;       /* cuda: TF32 tensor-core GEMMs (BACKEND_TF32); the cpu ignores it */
     int eval_every;                  /* steps, 0 = end only */
+    /* Rows each embedding table is expected to reach over the whole job (all shards): the PS
+     * tables are created that large (emb_table_config.reserve_rows) instead of doubling as rows
+     * arrive. -1 (default): the ingest's distinct-key estimate from the stats.json next to the
+     * training shards, plus 5%, or 0 without one; 0: start small. */
+    int64_t expected_rows;
 } train_opts;
 
 void train_opts_init(train_opts *o);

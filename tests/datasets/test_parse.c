@@ -316,6 +316,37 @@ static void test_ingest_split(const char *tmp)
         const char *de = c1 ? strstr(c1, "distinct_estimate\": ") : NULL;
         double est = de ? strtod(de + 20, NULL) : 0;
         CHECK_MSG(est > 4500 && est < 5500, "C1 distinct estimate %.0f", est);
+        /* ds_stats_read_distinct sums the 26 fields' estimates, found here by field name */
+        double sum = 0;
+        for (int f = 1; f <= 26; f++) {
+            char name[32];
+            snprintf(name, sizeof name, "\"name\": \"C%d\"", f);
+            const char *at = strstr(js, name);
+            const char *v = at ? strstr(at, "distinct_estimate\": ") : NULL;
+            CHECK_MSG(v != NULL, "field C%d in stats.json", f);
+            if (v) sum += strtod(v + 20, NULL);
+        }
+        uint64_t got = 0;
+        uint32_t fields = 0;
+        CHECK_OK(
+            ds_stats_read_distinct(join(join(tmp, "split1"), "stats.json"), &got, &fields, &err),
+            err);
+        CHECK(fields == 26 && got == (uint64_t)sum && got > 4500);
+        /* a damaged estimate, a file without any, and no file: each refused by name */
+        const char *bad[] = {"{\"fields\": [{\"distinct_estimate\": x}]}", "{\"rows\": 3}"};
+        for (int i = 0; i < 2; i++) {
+            const char *path = join(tmp, "stats-bad.json");
+            CHECK_OK(cm_write_file_atomic(path, bad[i], strlen(bad[i]), &err), err);
+            CHECK(ds_stats_read_distinct(path, &got, &fields, &err) == CM_ECORRUPT);
+            CHECK_MSG(err && strstr(err, "stats-bad.json"), "error names the file: %s",
+                      err ? err : "(none)");
+            free(err);
+            err = NULL;
+        }
+        CHECK(ds_stats_read_distinct(join(tmp, "absent.json"), &got, &fields, &err) ==
+              CM_ENOTFOUND);
+        free(err);
+        err = NULL;
     }
     free(js);
 }

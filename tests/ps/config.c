@@ -33,6 +33,7 @@ static const char good[] = "# a comment line\n"
                            "memory = 2M\n"
                            "admit = 3\n"
                            "ttl = 100\n"
+                           "reserve_rows = 3M\n"
                            "push_codec = int8\n"
                            "pull_codec = fp16\n"
                            "  [ table item ]  \n"
@@ -63,12 +64,20 @@ static void test_good(void)
           u->cfg.admit_threshold == 3);
     CHECK(u->cfg.ttl_steps == 100 && u->push_codec == PS_CODEC_INT8 &&
           u->pull_codec == PS_CODEC_F16);
+    CHECK(u->cfg.reserve_rows == 3ull << 20);
+    /* The plan's start size: the 2M budget caps the 3M-row reservation; item starts small. */
+    ps_plan_row pu, pi;
+    ps_plan(&c, 0, 1000, &pu);
+    ps_plan(&c, 1, 1000, &pi);
+    CHECK(pu.initial_bytes <= 2u << 20 && pu.initial_bytes >= 1u << 20);
+    CHECK(pi.initial_bytes > 0 && pi.initial_bytes < pu.initial_bytes);
     /* Unset fields keep the documented defaults. */
     const ps_table_spec *it = &c.tables[1];
     emb_table_config def;
     emb_table_config_init(&def);
     CHECK(!strcmp(it->name, "item") && it->cfg.dim == 32 && it->cfg.opt == def.opt);
     CHECK(it->cfg.lr == def.lr && it->cfg.init_scale == def.init_scale);
+    CHECK(it->cfg.reserve_rows == 0);
     CHECK(it->push_codec == PS_CODEC_F32 && it->pull_codec == PS_CODEC_F32);
     const ps_dense_spec *d = &c.dense[0];
     CHECK(!strcmp(d->name, "mlp") && d->size == 1000 && d->opt == PS_DENSE_SGD && d->lr == 0.5f);
