@@ -14,13 +14,24 @@
 #include "src/model.h"
 
 /*
- * A small pool that runs one function over n parts, the caller doing part 0. Every GEMM is cut
- * into tiles of its output, each tile a single-threaded OpenBLAS call (OpenBLAS's own threads
- * are not deterministic, and they spin on cores the PS and prefetch threads need). The tiles
- * depend on the GEMM's shape only, never on the thread count (see gemm_tiles), so the
+ * A small pool that runs one function over parts of a job, the caller taking part too. Every
+ * GEMM is cut into tiles of its output, each tile a single-threaded OpenBLAS call (OpenBLAS's
+ * own threads are not deterministic, and they spin on cores the PS and prefetch threads need).
+ * The tiles depend on the GEMM's shape only, never on the thread count (see gemm_tiles), so the
  * results are the same bits for any number of threads and any timing.
+ *
+ * Parts are taken from a shared ticket, not dealt out: the cores are shared with the PS and the
+ * prefetch threads, so a woken pool thread may wait a few milliseconds for a core. The caller
+ * then takes its parts instead of waiting for it, and the job ends when every part is done,
+ * not when every thread has checked in. A part computes the same bits whoever runs it.
+ * pool_run_threads is the other kind of job: one part per thread, all of them taking part
+ * (the dense-gradient phase, which holds some threads back until it is joined).
  */
 typedef void (*part_fn)(void *arg, int part, int nparts);
+
+/* Parts per thread of a shared job: enough to even out a late thread, few enough to stay
+ * coarse (each part of a GEMM is one tile). */
+#define POOL_PARTS_PER_THREAD 4
 
 typedef struct pool {
     int n;
@@ -28,7 +39,11 @@ typedef struct pool {
     pthread_mutex_t mu;
     pthread_cond_t go, done;
     uint64_t gen;
-    int pending;
+    bool shared; /* the job's parts are taken from the ticket (else one part a thread) */
+    int nparts;
+    int pending;         /* threads jobs: pool threads still running their part */
+    uint64_t ticket;     /* shared jobs: generation << 32 | next part (atomic) */
+    uint32_t parts_done; /* shared jobs (atomic) */
     part_fn fn;
     void *arg;
     bool stop;
@@ -38,6 +53,26 @@ typedef struct pool_arg {
     pool *p;
     int part;
 } pool_arg;
+
+/* Takes and runs parts of shared job `gen` until none is left (or a later job has begun). A
+ * part taken keeps the job open, so fn and arg stay valid while it runs. */
+static void pool_take_parts(pool *p, uint64_t gen, part_fn fn, void *arg, int nparts)
+{
+    uint32_t g = (uint32_t)gen;
+    for (;;) {
+        uint64_t v = __atomic_load_n(&p->ticket, __ATOMIC_ACQUIRE);
+        do {
+            if ((uint32_t)(v >> 32) != g || (uint32_t)v >= (uint32_t)nparts) return;
+        } while (!__atomic_compare_exchange_n(&p->ticket, &v, v + 1, true, __ATOMIC_ACQ_REL,
+                                              __ATOMIC_ACQUIRE));
+        fn(arg, (int)(uint32_t)v, nparts);
+        if (__atomic_add_fetch(&p->parts_done, 1, __ATOMIC_ACQ_REL) == (uint32_t)nparts) {
+            pthread_mutex_lock(&p->mu);
+            pthread_cond_signal(&p->done);
+            pthread_mutex_unlock(&p->mu);
+        }
+    }
+}
 
 static void *pool_main(void *v)
 {
@@ -55,7 +90,13 @@ static void *pool_main(void *v)
         seen = p->gen;
         part_fn fn = p->fn;
         void *arg = p->arg;
+        bool shared = p->shared;
+        int nparts = p->nparts;
         pthread_mutex_unlock(&p->mu);
+        if (shared) {
+            pool_take_parts(p, seen, fn, arg, nparts);
+            continue;
+        }
         fn(arg, pa->part, p->n);
         pthread_mutex_lock(&p->mu);
         if (--p->pending == 0) pthread_cond_signal(&p->done);
@@ -65,19 +106,50 @@ static void *pool_main(void *v)
     return NULL;
 }
 
+/* Starts job fn(arg) (p->mu held by nobody): the pool threads wake to it. */
+static void pool_start(pool *p, part_fn fn, void *arg, bool shared, int nparts)
+{
+    pthread_mutex_lock(&p->mu);
+    p->fn = fn;
+    p->arg = arg;
+    p->shared = shared;
+    p->nparts = nparts;
+    p->gen++;
+    if (shared) {
+        __atomic_store_n(&p->parts_done, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->ticket, (uint64_t)(uint32_t)p->gen << 32, __ATOMIC_RELEASE);
+    } else {
+        p->pending = p->n - 1;
+    }
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Runs fn over POOL_PARTS_PER_THREAD parts a thread, taken by whoever is free. */
 static void pool_run(pool *p, part_fn fn, void *arg)
 {
     if (p->n <= 1) {
         fn(arg, 0, 1);
         return;
     }
+    int nparts = p->n * POOL_PARTS_PER_THREAD;
+    pool_start(p, fn, arg, true, nparts);
+    pool_take_parts(p, p->gen, fn, arg, nparts);
+    if (__atomic_load_n(&p->parts_done, __ATOMIC_ACQUIRE) == (uint32_t)nparts) return;
     pthread_mutex_lock(&p->mu);
-    p->fn = fn;
-    p->arg = arg;
-    p->pending = p->n - 1;
-    p->gen++;
-    pthread_cond_broadcast(&p->go);
+    while (__atomic_load_n(&p->parts_done, __ATOMIC_ACQUIRE) != (uint32_t)nparts)
+        pthread_cond_wait(&p->done, &p->mu);
     pthread_mutex_unlock(&p->mu);
+}
+
+/* Runs fn(arg, i, n) once on each of the n threads (the caller is part 0). */
+static void pool_run_threads(pool *p, part_fn fn, void *arg)
+{
+    if (p->n <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    pool_start(p, fn, arg, false, p->n);
     fn(arg, 0, p->n);
     pthread_mutex_lock(&p->mu);
     while (p->pending > 0)
@@ -281,6 +353,11 @@ typedef struct cpu {
     pthread_mutex_t jmu;
     pthread_cond_t jcv;
     uint64_t phase_gen, joined_gen;
+    /* The gap filler (gap_main): a background thread that takes dense-gradient units of a
+     * hooked phase until it is joined, only when nothing else wants a core. */
+    pthread_t gap_th;
+    bool gap_started, gap_stop, gap_busy;
+    struct dw_phase *gap_ph; /* the phase it may work on (jmu) */
     model_cfg m;
     model_layout l;
     uint32_t max_b, max_u;
@@ -301,6 +378,13 @@ static void cpu_destroy(void *state)
 {
     cpu *c = state;
     if (c == NULL) return;
+    if (c->gap_started) {
+        pthread_mutex_lock(&c->jmu);
+        c->gap_stop = true;
+        pthread_cond_broadcast(&c->jcv);
+        pthread_mutex_unlock(&c->jmu);
+        pthread_join(c->gap_th, NULL);
+    }
     pool_fini(&c->pool);
     pthread_mutex_destroy(&c->jmu);
     pthread_cond_destroy(&c->jcv);
@@ -323,6 +407,8 @@ static void cpu_destroy(void *state)
     free(c->dlogit);
     free(c);
 }
+
+static void *gap_main(void *arg);
 
 static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b, uint32_t max_u,
                       uint32_t threads, uint32_t flags, void **state, char **errptr)
@@ -372,6 +458,7 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
         cpu_destroy(c);
         return cm_err(errptr, CM_ENOMEM, "out of memory for batches of %u", max_b);
     }
+    if (c->pool.n > 1) c->gap_started = pthread_create(&c->gap_th, NULL, gap_main, c) == 0;
     c->xe = c->own_xe;
     c->dxe = c->own_dxe;
     if (m->kind != MODEL_DLRM && l->emb_table >= 0) {
@@ -761,6 +848,39 @@ static void dw_phase_part(void *arg, int part, int nparts)
     pthread_mutex_unlock(&c->jmu);
 }
 
+/*
+ * While a hooked phase waits to be joined, one core runs the caller's push and pull, which
+ * block on each other and on the PS in turns and leave that core idle in between. The gap
+ * filler runs at background priority (cm_thread_background: any other thread preempts it at
+ * once) and takes units in those moments; it stops taking them when the phase is joined.
+ */
+static void *gap_main(void *arg)
+{
+    cpu *c = arg;
+    cm_thread_background();
+    uint64_t seen = 0;
+    pthread_mutex_lock(&c->jmu);
+    for (;;) {
+        while (!c->gap_stop && (c->gap_ph == NULL || c->gap_ph->gen == seen))
+            pthread_cond_wait(&c->jcv, &c->jmu);
+        if (c->gap_stop) break;
+        dw_phase *ph = c->gap_ph;
+        seen = ph->gen;
+        c->gap_busy = true;
+        pthread_mutex_unlock(&c->jmu);
+        while (__atomic_load_n(&c->joined_gen, __ATOMIC_ACQUIRE) != ph->gen) {
+            int u = __atomic_fetch_add(&ph->next, 1, __ATOMIC_ACQ_REL);
+            if (u >= ph->n_units) break;
+            dw_unit_run(ph, u);
+        }
+        pthread_mutex_lock(&c->jmu);
+        c->gap_busy = false;
+        pthread_cond_broadcast(&c->jcv);
+    }
+    pthread_mutex_unlock(&c->jmu);
+    return NULL;
+}
+
 static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP)
 {
     const model_layout *l = &c->l;
@@ -780,10 +900,21 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
         ph.early = c->pool.n / 2 > 1 ? c->pool.n / 2 : 1;
         pthread_mutex_lock(&c->jmu);
         ph.gen = ++c->phase_gen;
+        if (c->gap_started) {
+            c->gap_ph = &ph;
+            pthread_cond_broadcast(&c->jcv);
+        }
         pthread_mutex_unlock(&c->jmu);
         b->emb_ready(b->emb_ready_arg);
     }
-    pool_run(&c->pool, dw_phase_part, &ph);
+    pool_run_threads(&c->pool, dw_phase_part, &ph);
+    if (b->emb_ready && c->gap_started) { /* its last unit may still be running */
+        pthread_mutex_lock(&c->jmu);
+        c->gap_ph = NULL;
+        while (c->gap_busy)
+            pthread_cond_wait(&c->jcv, &c->jmu);
+        pthread_mutex_unlock(&c->jmu);
+    }
 }
 
 static int cpu_step(void *state, const float *P, const model_batch *b, float *probs, double *loss,
@@ -877,7 +1008,7 @@ static void cpu_join(void *state)
 {
     cpu *c = state;
     pthread_mutex_lock(&c->jmu);
-    c->joined_gen = c->phase_gen;
+    __atomic_store_n(&c->joined_gen, c->phase_gen, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&c->jcv);
     pthread_mutex_unlock(&c->jmu);
 }
