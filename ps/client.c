@@ -1014,8 +1014,8 @@ uint32_t ps_client_pushes_in_flight(ps_client *c)
 
 /* ---- dense blocks ---- */
 
-static int dense_call(ps_client *c, uint16_t op, uint32_t block, const float *in, float *out,
-                      int *assigned, char **errptr)
+static int dense_call(ps_client *c, uint16_t op, uint8_t flags, uint32_t block, const float *in,
+                      float *out, int *assigned, char **errptr)
 {
     if (block >= c->cfg.n_dense)
         return cm_err(errptr, CM_EINVAL, "no dense block %u (the cluster has %u)", block,
@@ -1023,6 +1023,7 @@ static int dense_call(ps_client *c, uint16_t op, uint32_t block, const float *in
     size_t bytes = (size_t)c->cfg.dense[block].size * sizeof(float);
     nng_msg *m = msg_simple(op, block, 0, in, in ? bytes : 0), *reply = NULL;
     if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    ((ps_hdr *)nng_msg_body(m))->flags = flags;
     /* Every dense op may be resent: pushes are de-duplicated, init and pull are idempotent. */
     int rc =
         request(c, block % c->cfg.n_shards, m, true, (nng_duration)c->timeout_ms, &reply, errptr);
@@ -1043,18 +1044,24 @@ static int dense_call(ps_client *c, uint16_t op, uint32_t block, const float *in
 
 int ps_client_dense_pull(ps_client *c, uint32_t block, float *out, char **errptr)
 {
-    return dense_call(c, PS_OP_PULL_DENSE, block, NULL, out, NULL, errptr);
+    return dense_call(c, PS_OP_PULL_DENSE, 0, block, NULL, out, NULL, errptr);
 }
 
 int ps_client_dense_push(ps_client *c, uint32_t block, const float *grads, char **errptr)
 {
-    return dense_call(c, PS_OP_PUSH_DENSE, block, grads, NULL, NULL, errptr);
+    return dense_call(c, PS_OP_PUSH_DENSE, 0, block, grads, NULL, NULL, errptr);
+}
+
+int ps_client_dense_push_pull(ps_client *c, uint32_t block, const float *grads, float *out,
+                              char **errptr)
+{
+    return dense_call(c, PS_OP_PUSH_DENSE, PS_FLAG_READ_BACK, block, grads, out, NULL, errptr);
 }
 
 int ps_client_dense_init(ps_client *c, uint32_t block, const float *values, int *assigned,
                          char **errptr)
 {
-    return dense_call(c, PS_OP_INIT_DENSE, block, values, NULL, assigned, errptr);
+    return dense_call(c, PS_OP_INIT_DENSE, 0, block, values, NULL, assigned, errptr);
 }
 
 /* ---- coordination ---- */

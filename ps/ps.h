@@ -239,6 +239,11 @@ uint32_t ps_client_pushes_in_flight(ps_client *c);
  * first worker wins); *assigned tells which happened. */
 int ps_client_dense_pull(ps_client *c, uint32_t block, float *out, char **errptr);
 int ps_client_dense_push(ps_client *c, uint32_t block, const float *grads, char **errptr);
+/* A push whose reply carries the block as it is right after this update (out: the block's
+ * size in floats), in one round trip instead of a push and a pull. Later updates by other
+ * workers are not in it, as they would not be in a pull sent at that moment. */
+int ps_client_dense_push_pull(ps_client *c, uint32_t block, const float *grads, float *out,
+                              char **errptr);
 int ps_client_dense_init(ps_client *c, uint32_t block, const float *values, int *assigned,
                          char **errptr);
 

@@ -458,6 +458,16 @@ short_payload:
     return reply_error(s, h, CM_EINVAL, msg);
 }
 
+/* The reply to a PUSH_DENSE: empty, or with PS_FLAG_READ_BACK the block's values now. */
+static nng_msg *dense_ack(const ps_hdr *h, ps_dense *d, size_t n)
+{
+    if (!(h->flags & PS_FLAG_READ_BACK)) return reply_ok(h, 0, NULL);
+    uint8_t *out;
+    nng_msg *reply = reply_ok(h, n * sizeof(float), &out);
+    if (reply != NULL) ps_dense_pull(d, (float *)out);
+    return reply;
+}
+
 static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t *p)
 {
     char msg[160];
@@ -494,7 +504,7 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
             reply = reply_error(s, h, CM_EINVAL, "non-finite value in a dense push");
         } else if (h->op == PS_OP_PUSH_DENSE) {
             ps_dense_push(d, g);
-            reply = reply_ok(h, 0, NULL);
+            reply = dense_ack(h, d, n);
         } else {
             ps_hdr r = *h;
             r.flags = (uint8_t)ps_dense_init(d, g);
@@ -722,6 +732,17 @@ static int16_t reply_status(nng_msg *m)
     return h.status;
 }
 
+/* The acknowledgement of a resent read-back dense push: the block as it is. */
+static nng_msg *dup_read_back(struct ps_server *s, const ps_hdr *h)
+{
+    if (h->table >= s->cfg.n_dense || s->dense[h->table] == NULL)
+        return reply_error(s, h, CM_EINVAL, "no such dense block on this shard");
+    pthread_rwlock_rdlock(&s->tables_lock);
+    nng_msg *r = dense_ack(h, s->dense[h->table], (size_t)s->cfg.dense[h->table].size);
+    pthread_rwlock_unlock(&s->tables_lock);
+    return r;
+}
+
 /* Applies one update. A push seen before (a resend) is acknowledged without being applied
  * again; *dup tells. with_keys: see handle_rows. */
 static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t *p, bool *dup,
@@ -732,6 +753,7 @@ static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t
         ps_dedup_check_add(s->dedup, h->worker, h->req_id)) {
         STAT_ADD(s, duplicates, 1);
         *dup = true;
+        if (h->op == PS_OP_PUSH_DENSE && (h->flags & PS_FLAG_READ_BACK)) return dup_read_back(s, h);
         return reply_ok(h, 0, NULL);
     }
     nng_msg *r;

@@ -41,6 +41,10 @@ typedef enum ps_op {
  * for exactly the keys it has just pulled, so the keys need not cross the wire twice. */
 #define PS_FLAG_ELIDED 0x02u
 #define PS_ELIDED_HEAD 16u /* bytes before the rows of an elided push */
+/* PUSH_DENSE flag: the reply carries the block as it is after this update (what a PULL_DENSE
+ * right after would return), saving the worker that round trip before its next step. A
+ * resent push, acknowledged without being applied again, returns the current block. */
+#define PS_FLAG_READ_BACK 0x04u
 /* Key lists of recent PULLs each server keeps per (worker, table), and each client per
  * (table, shard): enough for a worker that prefetches the next batch while pushing this one. */
 #define PS_KEYLIST_RING 4u

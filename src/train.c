@@ -278,6 +278,10 @@ typedef struct prefetch {
     uint64_t left;            /* batches still to build: nothing is read past the schedule */
     uint64_t pulled, granted; /* batches pulled; batches allowed to pull rows (fresh pulls) */
     uint64_t dense_granted;   /* batches allowed to pull the dense tower */
+    /* The tower as the stepping thread's dense push read it back (ps_client_dense_push_pull):
+     * the next stage takes it instead of pulling it (fresh_ok: not taken yet). */
+    float *fresh;
+    bool fresh_ok;
     int job;                  /* JOB_*: the row push handed over by the stepping thread */
     const model_staging *job_ms;
     float *const *job_demb;
@@ -371,9 +375,16 @@ static int pull_stage(prefetch *p, stage *s, bool *stopped, char **err)
     if (job && p->S->be->join) p->S->be->join(p->be);
     pthread_mutex_lock(&p->mu);
     go = PF_WAIT(p, p->pulled < p->dense_granted);
+    bool fresh = go && p->fresh_ok;
+    if (fresh) { /* the buffers trade places: no copy */
+        float *t = s->params;
+        s->params = p->fresh;
+        p->fresh = t;
+        p->fresh_ok = false;
+    }
     pthread_mutex_unlock(&p->mu);
     if ((*stopped = !go)) return rc;
-    if (rc == CM_OK) rc = stage_pull_dense(s, p->S, p->c, err);
+    if (rc == CM_OK && !fresh) rc = stage_pull_dense(s, p->S, p->c, err);
     p->pulled++;
     /* The puller is the only caller until the stepping thread takes the stage, and at most
      * one other stage is pending: the prefetch contract. */
@@ -423,6 +434,11 @@ static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *
     p->be = be;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
+    if (!S->o->stale_pull && S->l.n_params > 0 &&
+        (p->fresh = malloc(S->l.n_params * sizeof(float))) == NULL) {
+        prefetch_stop(p);
+        return cm_err(errptr, CM_ENOMEM, "out of memory");
+    }
     p->builder_started = pthread_create(&p->builder, NULL, builder_main, p) == 0;
     p->puller_started = p->builder_started && pthread_create(&p->puller, NULL, puller_main, p) == 0;
     if (!p->puller_started) {
@@ -455,12 +471,14 @@ static void prefetch_release(prefetch *p)
 }
 
 /* Allows the next batch to be pulled (fresh pulls: called once this batch is pushed); its
- * rows only if the step's emb_ready hook has not allowed them already. */
-static void prefetch_grant(prefetch *p, bool rows_granted)
+ * rows only if the step's emb_ready hook has not allowed them already; its tower from
+ * p->fresh when fresh (the push read it back). */
+static void prefetch_grant(prefetch *p, bool rows_granted, bool fresh)
 {
     pthread_mutex_lock(&p->mu);
     if (p->granted != UINT64_MAX && !rows_granted) p->granted++;
     if (p->dense_granted != UINT64_MAX) p->dense_granted++;
+    p->fresh_ok = fresh;
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
 }
@@ -532,6 +550,7 @@ static void prefetch_stop(prefetch *p)
         stage_free(&p->st[i]);
     free(p->err);
     free(p->job_err);
+    free(p->fresh);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
 }
@@ -929,12 +948,16 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
          * deterministic. (Fresh pulls wait for this push instead.) */
         if (o->stale_pull) prefetch_wait_next(&pf);
         if (rc == CM_OK && !pushed) rc = push_rows(S, c, &s->ms, demb, errptr);
+        /* Asynchronous fresh pulls: the push reads the tower back for the next batch (with a
+         * staleness bound the next batch must see the clock's updates, so it pulls). */
+        bool read_back = S->l.n_params > 0 && pf.fresh != NULL && o->staleness < 0;
         if (rc == CM_OK && S->l.n_params > 0)
-            rc = ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
+            rc = read_back ? ps_client_dense_push_pull(c, DENSE_BLOCK, dparams, pf.fresh, errptr)
+                           : ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
         uint32_t B = s->ms.B;
         if (rc == CM_OK && o->staleness >= 0) rc = ps_client_clock(c, NULL, errptr);
         if (rc != CM_OK) {
-            prefetch_grant(&pf, handed);
+            prefetch_grant(&pf, handed, false);
             prefetch_release(&pf);
             break;
         }
@@ -958,7 +981,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             rc = checkpoint(S, c, w, step, step, errptr);
             if (rc == CM_OK && o->stale_pull) rc = prefetch_refresh(&pf, errptr);
         }
-        prefetch_grant(&pf, handed); /* after any checkpoint: no pull races the snapshot */
+        prefetch_grant(&pf, handed, read_back); /* after any checkpoint: no pull races it */
         prefetch_release(&pf);
     }
     /* Synchronous mode: keep clocking until the slowest worker is through. */

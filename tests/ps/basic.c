@@ -218,11 +218,22 @@ static void test_dense(ps_client *c)
     CHECK_OK(ps_client_dense_pull(c, 0, out, &err), err);
     for (int i = 0; i < 6; i++)
         CHECK(out[i] == v[i] - 0.25f * g[i]);
+    /* A read-back push returns the block after its update: what a pull then returns. */
+    float back[6], pulled[6];
+    memset(back, 0xff, sizeof back);
+    CHECK_OK(ps_client_dense_push_pull(c, 0, g, back, &err), err);
+    CHECK_OK(ps_client_dense_pull(c, 0, pulled, &err), err);
+    CHECK(memcmp(back, pulled, sizeof back) == 0);
+    for (int i = 0; i < 6; i++)
+        CHECK(back[i] == v[i] - 0.5f * g[i]);
     /* Block 1 lives on shard 1 (b % N). */
-    float o1[3];
+    float o1[3], b1[3];
     CHECK_OK(ps_client_dense_init(c, 1, v, &assigned, &err), err);
     CHECK_OK(ps_client_dense_pull(c, 1, o1, &err), err);
     CHECK(memcmp(o1, v, sizeof o1) == 0);
+    CHECK_OK(ps_client_dense_push_pull(c, 1, g, b1, &err), err);
+    CHECK_OK(ps_client_dense_pull(c, 1, o1, &err), err);
+    CHECK(memcmp(o1, b1, sizeof o1) == 0 && b1[0] != v[0]);
     CHECK(ps_client_dense_pull(c, 2, o1, &err) == CM_EINVAL);
     free(err);
 }

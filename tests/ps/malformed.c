@@ -271,6 +271,25 @@ static void test_other_ops(void)
     expect_error("dense NaN", m.buf, m.len, "non-finite", 1);
     build(&m, PS_OP_PULL_DENSE, 5, 0, 0, NULL, 0);
     expect_error("dense id", m.buf, m.len, "dense block 5", 0);
+    /* A read-back push and its resend: both replies carry the block after the one update. */
+    float ones[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, ones, sizeof ones);
+    ps_hdr rb;
+    memcpy(&rb, m.buf, sizeof rb);
+    rb.flags = PS_FLAG_READ_BACK;
+    rb.req_id = 77;
+    memcpy(m.buf, &rb, sizeof rb);
+    ps_wire_seal(m.buf, sizeof ones);
+    char first[64], again[64], pulled[64];
+    size_t n1 = 0, n2 = 0, n3 = 0;
+    CHECK(call(m.buf, m.len, first, sizeof first, &n1) == 0 && n1 == sizeof ones);
+    CHECK(call(m.buf, m.len, again, sizeof again, &n2) == 0 && n2 == sizeof ones);
+    build(&m, PS_OP_PULL_DENSE, 0, 0, 0, NULL, 0);
+    CHECK(call(m.buf, m.len, pulled, sizeof pulled, &n3) == 0 && n3 == sizeof ones);
+    CHECK(memcmp(first, again, sizeof ones) == 0 && memcmp(first, pulled, sizeof ones) == 0);
+    float v0;
+    memcpy(&v0, first, sizeof v0);
+    CHECK_MSG(v0 < 0.0f, "read back %g: the push was not applied", (double)v0);
     ps_hdr h;
     memset(&h, 0, sizeof h);
     h.op = PS_OP_CLOCK;
