@@ -20,12 +20,15 @@
  * The tiles depend on the GEMM's shape only, never on the thread count (see gemm_tiles), so the
  * results are the same bits for any number of threads and any timing.
  *
- * Parts are taken from a shared ticket, not dealt out: the cores are shared with the PS and the
- * prefetch threads, so a woken pool thread may wait a few milliseconds for a core. The caller
- * then takes its parts instead of waiting for it, and the job ends when every part is done,
- * not when every thread has checked in. A part computes the same bits whoever runs it.
- * pool_run_threads is the other kind of job: one part per thread, all of them taking part
- * (the dense-gradient phase, which holds some threads back until it is joined).
+ * The parts of a job are dealt out in contiguous blocks, one a thread (a thread's rows stay
+ * in its cache from one layer to the next), but a thread that has finished its block takes
+ * the rest of another's from its far end: the cores are shared with the PS and the prefetch
+ * threads, so a woken pool thread may wait milliseconds for a core, and the caller then does
+ * its parts instead of waiting for it. The job ends when every part is taken and every thread
+ * that entered it has left; a thread that wakes after that skips it. A part computes the
+ * same bits whoever runs it. pool_run_threads is the other kind of job: one part per thread,
+ * all of them taking part (the dense-gradient phase, which holds some threads back until it
+ * is joined).
  */
 typedef void (*part_fn)(void *arg, int part, int nparts);
 
@@ -33,17 +36,25 @@ typedef void (*part_fn)(void *arg, int part, int nparts);
  * coarse (each part of a GEMM is one tile). */
 #define POOL_PARTS_PER_THREAD 4
 
+/* A thread's block of parts still to run: [lo, hi) packed as lo << 32 | hi, taken from the
+ * front by its owner and from the back by others; a cache line each. */
+typedef struct pool_block {
+    uint64_t w;
+    char pad[56];
+} pool_block;
+
 typedef struct pool {
     int n;
     pthread_t *th;
+    pool_block *blocks; /* n */
     pthread_mutex_t mu;
     pthread_cond_t go, done;
     uint64_t gen;
-    bool shared; /* the job's parts are taken from the ticket (else one part a thread) */
+    bool shared; /* the job's parts are dealt in blocks (else one part a thread) */
+    bool open;   /* shared job: threads may still enter it */
     int nparts;
     int pending;         /* threads jobs: pool threads still running their part */
-    uint64_t ticket;     /* shared jobs: generation << 32 | next part (atomic) */
-    uint32_t parts_done; /* shared jobs (atomic) */
+    int active;          /* shared jobs: pool threads inside the job */
     part_fn fn;
     void *arg;
     bool stop;
@@ -54,23 +65,26 @@ typedef struct pool_arg {
     int part;
 } pool_arg;
 
-/* Takes and runs parts of shared job `gen` until none is left (or a later job has begun). A
- * part taken keeps the job open, so fn and arg stay valid while it runs. */
-static void pool_take_parts(pool *p, uint64_t gen, part_fn fn, void *arg, int nparts)
+/* One part from block b: its front when taken by its owner, else its back; -1 if empty. */
+static int pool_take(pool_block *b, bool front)
 {
-    uint32_t g = (uint32_t)gen;
+    uint64_t w = __atomic_load_n(&b->w, __ATOMIC_ACQUIRE);
     for (;;) {
-        uint64_t v = __atomic_load_n(&p->ticket, __ATOMIC_ACQUIRE);
-        do {
-            if ((uint32_t)(v >> 32) != g || (uint32_t)v >= (uint32_t)nparts) return;
-        } while (!__atomic_compare_exchange_n(&p->ticket, &v, v + 1, true, __ATOMIC_ACQ_REL,
-                                              __ATOMIC_ACQUIRE));
-        fn(arg, (int)(uint32_t)v, nparts);
-        if (__atomic_add_fetch(&p->parts_done, 1, __ATOMIC_ACQ_REL) == (uint32_t)nparts) {
-            pthread_mutex_lock(&p->mu);
-            pthread_cond_signal(&p->done);
-            pthread_mutex_unlock(&p->mu);
-        }
+        uint32_t lo = (uint32_t)(w >> 32), hi = (uint32_t)w;
+        if (lo >= hi) return -1;
+        uint64_t nw = front ? w + (1ull << 32) : w - 1;
+        if (__atomic_compare_exchange_n(&b->w, &w, nw, true, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return (int)(front ? lo : hi - 1);
+    }
+}
+
+/* Runs parts of the current shared job as thread `self`: its own block, then the others'. */
+static void pool_take_parts(pool *p, int self, part_fn fn, void *arg, int nparts)
+{
+    for (int k = 0; k < p->n; k++) {
+        pool_block *b = &p->blocks[(self + k) % p->n];
+        for (int part; (part = pool_take(b, k == 0)) >= 0;)
+            fn(arg, part, nparts);
     }
 }
 
@@ -90,11 +104,16 @@ static void *pool_main(void *v)
         seen = p->gen;
         part_fn fn = p->fn;
         void *arg = p->arg;
-        bool shared = p->shared;
+        bool shared = p->shared, enter = p->open;
         int nparts = p->nparts;
+        if (shared && enter) p->active++;
         pthread_mutex_unlock(&p->mu);
         if (shared) {
-            pool_take_parts(p, seen, fn, arg, nparts);
+            if (!enter) continue; /* woken too late: the job is over */
+            pool_take_parts(p, pa->part, fn, arg, nparts);
+            pthread_mutex_lock(&p->mu);
+            if (--p->active == 0) pthread_cond_signal(&p->done);
+            pthread_mutex_unlock(&p->mu);
             continue;
         }
         fn(arg, pa->part, p->n);
@@ -106,7 +125,7 @@ static void *pool_main(void *v)
     return NULL;
 }
 
-/* Starts job fn(arg) (p->mu held by nobody): the pool threads wake to it. */
+/* Starts job fn(arg): the pool threads wake to it. */
 static void pool_start(pool *p, part_fn fn, void *arg, bool shared, int nparts)
 {
     pthread_mutex_lock(&p->mu);
@@ -116,8 +135,12 @@ static void pool_start(pool *p, part_fn fn, void *arg, bool shared, int nparts)
     p->nparts = nparts;
     p->gen++;
     if (shared) {
-        __atomic_store_n(&p->parts_done, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&p->ticket, (uint64_t)(uint32_t)p->gen << 32, __ATOMIC_RELEASE);
+        for (int t = 0; t < p->n; t++) {
+            uint64_t lo = (uint64_t)nparts * (uint64_t)t / (uint64_t)p->n;
+            uint64_t hi = (uint64_t)nparts * (uint64_t)(t + 1) / (uint64_t)p->n;
+            __atomic_store_n(&p->blocks[t].w, lo << 32 | hi, __ATOMIC_RELAXED);
+        }
+        p->open = true;
     } else {
         p->pending = p->n - 1;
     }
@@ -125,7 +148,7 @@ static void pool_start(pool *p, part_fn fn, void *arg, bool shared, int nparts)
     pthread_mutex_unlock(&p->mu);
 }
 
-/* Runs fn over POOL_PARTS_PER_THREAD parts a thread, taken by whoever is free. */
+/* Runs fn over POOL_PARTS_PER_THREAD parts a thread (see the design note above). */
 static void pool_run(pool *p, part_fn fn, void *arg)
 {
     if (p->n <= 1) {
@@ -134,10 +157,12 @@ static void pool_run(pool *p, part_fn fn, void *arg)
     }
     int nparts = p->n * POOL_PARTS_PER_THREAD;
     pool_start(p, fn, arg, true, nparts);
-    pool_take_parts(p, p->gen, fn, arg, nparts);
-    if (__atomic_load_n(&p->parts_done, __ATOMIC_ACQUIRE) == (uint32_t)nparts) return;
+    pool_take_parts(p, 0, fn, arg, nparts);
+    /* Every part is taken, by this thread or by one that entered: once those have left, all
+     * are done. */
     pthread_mutex_lock(&p->mu);
-    while (__atomic_load_n(&p->parts_done, __ATOMIC_ACQUIRE) != (uint32_t)nparts)
+    p->open = false;
+    while (p->active > 0)
         pthread_cond_wait(&p->done, &p->mu);
     pthread_mutex_unlock(&p->mu);
 }
@@ -167,6 +192,7 @@ static void pool_fini(pool *p)
     for (int i = 1; i < p->n; i++)
         pthread_join(p->th[i], NULL);
     free(p->th);
+    free(p->blocks);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->go);
     pthread_cond_destroy(&p->done);
@@ -178,7 +204,14 @@ static int pool_init(pool *p, int n)
     p->n = n < 1 ? 1 : n;
     if (p->n == 1) return CM_OK;
     p->th = calloc((size_t)p->n, sizeof *p->th);
-    if (p->th == NULL) return CM_ENOMEM;
+    p->blocks = aligned_alloc(64, (size_t)p->n * sizeof *p->blocks);
+    if (p->th == NULL || p->blocks == NULL) {
+        free(p->th);
+        free(p->blocks);
+        p->th = NULL;
+        p->blocks = NULL;
+        return CM_ENOMEM;
+    }
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->go, NULL);
     pthread_cond_init(&p->done, NULL);
@@ -589,7 +622,11 @@ static void spmm_t(pool *p, const model_batch *b, const float *dX, uint32_t d, u
                    float *dE)
 {
     spmm_t_job j = {b, dX, d, ldx, dE};
-    pool_run(p, spmm_t_part, &j);
+    /* Without A's columns every part scans all of A: one part a thread, not several. */
+    if (b->t_ptr != NULL)
+        pool_run(p, spmm_t_part, &j);
+    else
+        pool_run_threads(p, spmm_t_part, &j);
 }
 
 /* Y = act(X W^T + b) for B rows. */
