@@ -513,6 +513,9 @@ typedef struct spmm_job {
 } spmm_job;
 
 /* Samples are independent: each part pools its own range. */
+/* Entries of A ahead whose row of E spmm asks the cache for. */
+#define SPMM_AHEAD 16
+
 static void spmm_part(void *arg, int part, int nparts)
 {
     const spmm_job *j = arg;
@@ -522,11 +525,19 @@ static void spmm_part(void *arg, int part, int nparts)
     part_range(b->B, part, nparts, &s0, &s1);
     const float *E = j->E;
     if (d == 16) { /* the common dim: the sum stays in registers (same adds, same order) */
-        for (size_t s = s0; s < s1; s++)
+        /* The rows were written by the puller on another core, and X's rows were last touched
+         * a step ago: ask for both a little ahead. */
+        const uint32_t kend = b->row_ptr[s1 * F];
+        for (size_t s = s0; s < s1; s++) {
+            if (s + 2 < s1)
+                for (uint32_t f = 0; f <= F; f++) /* one more: a row need not start a line */
+                    __builtin_prefetch(j->X + (s + 2) * j->ldx + (size_t)f * 16, 1);
             for (uint32_t f = 0; f < F; f++) {
                 size_t r = s * F + f;
                 float acc[16] = {0};
                 for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+                    if (k + SPMM_AHEAD < kend)
+                        __builtin_prefetch(E + (size_t)b->col[k + SPMM_AHEAD] * 16);
                     const float *e = E + (size_t)b->col[k] * 16;
                     float v = b->val[k];
                     for (int q = 0; q < 16; q++)
@@ -534,6 +545,7 @@ static void spmm_part(void *arg, int part, int nparts)
                 }
                 memcpy(j->X + s * j->ldx + (size_t)f * 16, acc, sizeof acc);
             }
+        }
         return;
     }
     for (size_t s = s0; s < s1; s++)
@@ -575,9 +587,14 @@ static void spmm_t_part(void *arg, int part, int nparts)
     size_t u0, u1;
     part_range(b->U, part, nparts, &u0, &u1);
     if (b->t_ptr != NULL && d == 16) {
+        const uint32_t eend = b->t_ptr[u1];
         for (size_t u = u0; u < u1; u++) {
             float acc[16] = {0};
             for (uint32_t e = b->t_ptr[u]; e < b->t_ptr[u + 1]; e++) {
+                if (e + SPMM_AHEAD < eend) { /* the gradient rows lie all over dX */
+                    uint32_t ra = b->t_row[e + SPMM_AHEAD], sa = ra / F;
+                    __builtin_prefetch(j->dX + (size_t)sa * j->ldx + (size_t)(ra - sa * F) * 16);
+                }
                 uint32_t r = b->t_row[e], s = r / F;
                 const float *g = j->dX + (size_t)s * j->ldx + (size_t)(r - s * F) * 16;
                 float v = b->t_val[e];
