@@ -9,6 +9,19 @@
 
 #include "common/common.h"
 
+/* A slot of the staging's dedup table: key, its column, and the batch it was set in. */
+typedef struct model_dedup_slot {
+    uint64_t key;
+    uint32_t gen, col;
+} model_dedup_slot;
+
+#define DEDUP_AHEAD 16
+
+static inline uint32_t dedup_hash(uint64_t key)
+{
+    return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> 32);
+}
+
 static const char *const kind_names[] = {"lr", "mlp", "dlrm", "deepfm"};
 
 int model_kind_parse(const char *name, model_kind *out)
@@ -228,9 +241,7 @@ void model_staging_fini(model_staging *s)
     free(s->col);
     free(s->ukeys);
     for (int t = 0; t < MODEL_MAX_TABLES; t++) free(s->emb[t]);
-    free(s->hkeys);
-    free(s->hcol);
-    free(s->hgen);
+    free(s->hslot);
     free(s->t_ptr);
     free(s->t_row);
     free(s->t_val);
@@ -250,16 +261,14 @@ static int staging_reserve(model_staging *s, const model_layout *l, uint32_t B, 
         if (!s->labels || !s->dense || !s->row_ptr) return cm_err(errptr, CM_ENOMEM, "out of memory");
         s->cap_b = B;
     }
-    if (nnz > s->cap_nnz || s->hkeys == NULL) {
+    if (nnz > s->cap_nnz || s->hslot == NULL) {
         uint32_t cap = nnz > 1024 ? nnz : 1024;
         free(s->val);
         free(s->col);
         free(s->ukeys);
         for (int t = 0; t < MODEL_MAX_TABLES; t++) free(s->emb[t]);
         memset(s->emb, 0, sizeof s->emb);
-        free(s->hkeys);
-        free(s->hcol);
-        free(s->hgen);
+        free(s->hslot);
         s->val = malloc(cap * sizeof(float));
         s->col = malloc(cap * sizeof(uint32_t));
         s->ukeys = malloc(cap * sizeof(uint64_t));
@@ -268,12 +277,9 @@ static int staging_reserve(model_staging *s, const model_layout *l, uint32_t B, 
             ok = ok && (s->emb[t] = malloc((size_t)cap * l->table_dim[t] * sizeof(float))) != NULL;
         s->hcap = 1;
         while (s->hcap < 2 * cap) s->hcap <<= 1;
-        s->hkeys = malloc(s->hcap * sizeof(uint64_t));
-        s->hcol = malloc(s->hcap * sizeof(uint32_t));
-        s->hgen = calloc(s->hcap, sizeof(uint32_t));
+        s->hslot = calloc(s->hcap, sizeof *s->hslot);
         s->cur = 0;
-        if (!ok || !s->hkeys || !s->hcol || !s->hgen)
-            return cm_err(errptr, CM_ENOMEM, "out of memory for %u keys", cap);
+        if (!ok || !s->hslot) return cm_err(errptr, CM_ENOMEM, "out of memory for %u keys", cap);
         s->cap_nnz = cap;
     }
     s->n_tables = l->n_tables;
@@ -326,21 +332,25 @@ int model_staging_build(model_staging *s, const model_cfg *m, const model_layout
     for (size_t i = 0; i < (size_t)s->B * D; i++) s->dense[i] = squash(b->dense[i]);
     memcpy(s->row_ptr, b->offsets, ((size_t)s->B * F + 1) * sizeof(uint32_t));
     if (++s->cur == 0) {
-        memset(s->hgen, 0, s->hcap * sizeof(uint32_t));
+        memset(s->hslot, 0, s->hcap * sizeof *s->hslot);
         s->cur = 1;
     }
     uint32_t U = 0, mask = s->hcap - 1;
+    model_dedup_slot *hs = s->hslot;
     for (uint32_t k = 0; k < nnz; k++) {
+        if (k + DEDUP_AHEAD < nnz) /* one slot a key, ahead: the table outgrows L2 */
+            __builtin_prefetch(hs + (dedup_hash(b->keys[k + DEDUP_AHEAD]) & mask), 1);
         uint64_t key = b->keys[k];
-        uint32_t h = (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> 32) & mask;
-        while (s->hgen[h] == s->cur && s->hkeys[h] != key) h = (h + 1) & mask;
-        if (s->hgen[h] != s->cur) {
-            s->hgen[h] = s->cur;
-            s->hkeys[h] = key;
-            s->hcol[h] = U;
+        uint32_t h = dedup_hash(key) & mask;
+        while (hs[h].gen == s->cur && hs[h].key != key)
+            h = (h + 1) & mask;
+        if (hs[h].gen != s->cur) {
+            hs[h].gen = s->cur;
+            hs[h].key = key;
+            hs[h].col = U;
             s->ukeys[U++] = key;
         }
-        s->col[k] = s->hcol[h];
+        s->col[k] = hs[h].col;
     }
     s->U = U;
     for (size_t r = 0; r < (size_t)s->B * F; r++) {

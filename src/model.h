@@ -119,8 +119,8 @@ typedef struct model_staging {
     uint32_t *row_ptr, *col;
     uint64_t *ukeys;
     float *emb[MODEL_MAX_TABLES];
-    uint64_t *hkeys; /* dedup table: slot valid where hgen == cur */
-    uint32_t *hcol, *hgen, hcap, cur;
+    struct model_dedup_slot *hslot; /* dedup table: a slot is valid where its gen == cur */
+    uint32_t hcap, cur;
     uint32_t *t_ptr, *t_row, cap_tu, cap_tn; /* model_staging_index; valid when indexed */
     float *t_val;
     bool indexed;

@@ -44,13 +44,17 @@ static int check_count_;
         (err) = NULL;                                                                              \
     } while (0)
 
+/* The test's directory from check_tmpdir: check_done removes it when every check passed (a
+ * failed test leaves it for a look). */
+static char check_tmpdir_[4096];
+
 /* A fresh directory for this test: $EMBER_TEST_TMP/<name>.<pid>, created empty. */
 static inline const char *check_tmpdir(const char *name)
 {
-    static char buf[4096];
+    char *buf = check_tmpdir_;
     const char *base = getenv("EMBER_TEST_TMP");
     if (base == NULL) base = "/tmp";
-    snprintf(buf, sizeof buf, "%s/%s.%ld", base, name, (long)getpid());
+    snprintf(buf, sizeof check_tmpdir_, "%s/%s.%ld", base, name, (long)getpid());
     char cmd[8400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s'", buf, buf);
     if (system(cmd) != 0) {
@@ -67,6 +71,11 @@ static inline int check_done(void)
         return 1;
     }
     fprintf(stderr, "%d checks, %d failed\n", check_count_, check_failures_);
+    if (check_failures_ == 0 && check_tmpdir_[0] != '\0') {
+        char cmd[8400];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", check_tmpdir_);
+        if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", check_tmpdir_);
+    }
     return check_failures_ ? 1 : 0;
 }
 
