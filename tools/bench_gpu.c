@@ -424,7 +424,7 @@ static void run_big(const bench_train_opts *base, uint64_t rows, uint32_t dim_op
             "GPU's memory%s%s\n",
             br->keys, br->row_bytes, dim, br->table_bytes / 1073741824.0, br->ratio,
             memory ? "; PS memory per shard " : "", memory ? memory : "");
-    bench_train_ember(&o, &ds, "mlp", threads, 1, &br->er);
+    bench_train_ember(&o, &ds, "mlp", threads, 1, 0, &br->er);
     br->ran = 1;
 }
 
@@ -533,7 +533,7 @@ int main(int argc, char **argv)
         char ml[128];
         snprintf(ml, sizeof ml, "%s", o.models);
         for (char *s = strtok(ml, ","); s && n_runs < MAX_MODELS; s = strtok(NULL, ","))
-            bench_train_ember(&o, &ds, s, threads, 1, &runs[n_runs++]);
+            bench_train_ember(&o, &ds, s, threads, 1, 0, &runs[n_runs++]);
         bench_train_torch(&o, &ds, 1, &tr);
     }
     const bench_ember_run *mlp = NULL;

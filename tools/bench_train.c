@@ -13,7 +13,10 @@
  * ember's own samples_per_s (wall time from setup to the end, so it includes the final
  * checkpoint and the evaluation), and the training-loop rate from the last line of
  * metrics.jsonl (samples / seconds at the last step: reader, dedup, pulls, compute and pushes,
- * no eval). The loop rate is the one compared with PyTorch.
+ * no eval). The loop rate is the one compared with PyTorch. The faster mlp then runs once more
+ * in the setting the speed goal names, an `ember ps` process and one worker process over
+ * ipc:// (tools/launch), and that run's loop rate judges the goal (JSON speedup_ipc; speedup
+ * is the embedded PS's).
  *
  * PyTorch (tools/bench_train.py, Debian's python3-torch, CPU, 2 threads): the same rows, read
  * from a binary dump this program writes with the public datasets reader (labels; dense values
@@ -252,10 +255,20 @@ int main(int argc, char **argv)
         char tl[64];
         snprintf(tl, sizeof tl, "%s", !strcmp(model_order[m], "lr") ? "1" : o.threads_list);
         for (char *s = strtok(tl, ","); s && n_runs < MAX_MODELS * 4; s = strtok(NULL, ",")) {
-            bench_train_ember(&o, &ds, model_order[m], atoi(s) > 0 ? atoi(s) : 1, 1, &runs[n_runs]);
+            bench_train_ember(&o, &ds, model_order[m], atoi(s) > 0 ? atoi(s) : 1, 1, 0,
+                              &runs[n_runs]);
             n_runs++;
         }
     }
+    /* The goal's own setting: the faster mlp as two processes over ipc:// (1 PS, 1 worker). */
+    bench_ember_run ipc_run;
+    memset(&ipc_run, 0, sizeof ipc_run);
+    const bench_ember_run *fast = NULL;
+    for (int i = 0; i < n_runs; i++)
+        if (runs[i].ok && !strcmp(runs[i].model, "mlp") &&
+            (fast == NULL || runs[i].loop_samples_per_s > fast->loop_samples_per_s))
+            fast = &runs[i];
+    if (fast) bench_train_ember(&o, &ds, "mlp", fast->threads, 1, 1, &ipc_run);
     bench_torch_run tr;
     if (has_model(&o, "mlp"))
         bench_train_torch(&o, &ds, 1, &tr);
@@ -291,7 +304,7 @@ int main(int argc, char **argv)
         for (uint32_t sd = 2; sd <= o.pairs; sd++) {
             bench_ember_run er;
             bench_torch_run t2;
-            bench_train_ember(&o, &ds, "mlp", best_mlp->threads, sd, &er);
+            bench_train_ember(&o, &ds, "mlp", best_mlp->threads, sd, 0, &er);
             bench_train_torch(&o, &ds, sd, &t2);
             if (!er.ok || !t2.ran) break;
             e_auc[n_pairs] = er.auc;
@@ -324,6 +337,12 @@ int main(int argc, char **argv)
             printf("%-22s %7d %12.0f %12.0f %9.2f %9.4f %9.4f\n", name, r->threads,
                    r->loop_samples_per_s, r->samples_per_s, r->loop_seconds, r->auc, r->logloss);
     }
+    if (fast && !ipc_run.ok)
+        printf("%-22s %7d %12s\n", "ember mlp ipc", ipc_run.threads, "FAILED");
+    else if (fast)
+        printf("%-22s %7d %12.0f %12.0f %9.2f %9.4f %9.4f\n", "ember mlp ipc", ipc_run.threads,
+               ipc_run.loop_samples_per_s, ipc_run.samples_per_s, ipc_run.loop_seconds, ipc_run.auc,
+               ipc_run.logloss);
     if (tr.ran)
         printf("%-22s %7d %12.0f %12s %9.2f %9.4f %9.4f\n", "pytorch mlp", 2, tr.samples_per_s, "-",
                tr.seconds, tr.auc, tr.logloss);
@@ -344,13 +363,15 @@ int main(int argc, char **argv)
         "* = the faster thread count, reported. loop smp/s: samples / seconds at the last step of "
         "metrics.jsonl (ember) or of the timed loop (PyTorch); e2e: ember's own figure, setup to "
         "end "
-        "with checkpoint and eval\n");
+        "with checkpoint and eval; ipc: `ember ps` and one worker as two processes over ipc:// "
+        "(tools/launch), the setting the speed goal names\n");
     double speedup = best_mlp && tr.ran ? best_mlp->loop_samples_per_s / tr.samples_per_s : NAN;
+    double speedup_ipc = ipc_run.ok && tr.ran ? ipc_run.loop_samples_per_s / tr.samples_per_s : NAN;
     /* Under other load the two programs suffer unequally (PyTorch's OpenMP threads spin at
      * their barriers while descheduled: 18,983 and 3,766 samples/s at load 4-9, against 42-55K
      * on a quiet machine), so the ratio is judged only when other work took under a quarter
      * of a core on average during the timed runs. */
-    bool speed_judged = isfinite(speedup) && others < MAX_OTHERS;
+    bool speed_judged = isfinite(speedup_ipc) && others < MAX_OTHERS;
     if (best_mlp && tr.ran) {
         for (uint32_t i = 0; i < n_pairs; i++)
             printf("auc pair, seed %u (%s initial weights): ember %.4f, pytorch %.4f (%+.4f)\n",
@@ -359,12 +380,15 @@ int main(int argc, char **argv)
         printf("goal mlp auc >= torch - %.3f: %s (mean of %u: %.4f vs %.4f)\n", GOAL_AUC_GAP,
                e_mean >= t_mean - GOAL_AUC_GAP ? "met" : "NOT met", n_pairs, e_mean, t_mean);
         if (speed_judged)
-            printf("goal ember >= %.0fx torch samples/s: %s (%.2fx)\n", GOAL_SPEEDUP,
-                   speedup >= GOAL_SPEEDUP ? "met" : "NOT met", speedup);
+            printf("goal ember (1 PS + 1 worker over ipc) >= %.0fx torch samples/s: %s (%.2fx; "
+                   "embedded PS %.2fx)\n",
+                   GOAL_SPEEDUP, speedup_ipc >= GOAL_SPEEDUP ? "met" : "NOT met", speedup_ipc,
+                   speedup);
         else
-            printf("goal ember >= %.0fx torch samples/s: not judged (%.2fx while other work "
-                   "took %.2f cores: rerun on a quiet machine)\n",
-                   GOAL_SPEEDUP, speedup, others);
+            printf("goal ember (1 PS + 1 worker over ipc) >= %.0fx torch samples/s: not judged "
+                   "(%.2fx, embedded %.2fx, while other work took %.2f cores: rerun on a quiet "
+                   "machine, or the ipc run failed)\n",
+                   GOAL_SPEEDUP, speedup_ipc, speedup, others);
     }
     if (best_mlp && best_lr)
         printf("mlp vs lr auc: %.4f vs %.4f (%s)\n", best_mlp->auc, best_lr->auc,
@@ -415,7 +439,9 @@ int main(int argc, char **argv)
         "\"torch_ran\":%s,\"torch_installed_now\":%s,\"torch_version\":\"%s\",\"torch_threads\":2,"
         "\"torch_samples_per_s\":%.0f,\"torch_auc\":%.6f,\"torch_logloss\":%.6f,\"torch_train_"
         "seconds\":%.3f,"
-        "\"speedup\":%.3f,\"sgemm_gflops\":%.2f,\"sgemm_gflops_1024\":%.2f,\"flops_per_sample\":%."
+        "\"speedup\":%.3f,\"ember_ipc_samples_per_s\":%.0f,\"ember_ipc_auc\":%.6f,"
+        "\"speedup_ipc\":%.3f,\"sgemm_gflops\":%.2f,\"sgemm_gflops_1024\":%.2f,\"flops_per_"
+        "sample\":%."
         "0f,"
         "\"roofline_samples_per_s\":%.0f,\"sgemm_gflops_1t\":%.2f,\"roofline_1t_samples_per_s\":%."
         "0f,\"goal_auc_met\":%s,\"goal_speedup_met\":%s,"
@@ -423,10 +449,12 @@ int main(int argc, char **argv)
         "\"wall_seconds\":%.1f}\n",
         tr.ran ? "true" : "false", tr.installed ? "true" : "false", tr.version,
         tr.ran ? tr.samples_per_s : -1, tr.ran ? tr.auc : -1, tr.ran ? tr.logloss : -1,
-        tr.ran ? tr.seconds : -1, isfinite(speedup) ? speedup : -1, rf.gflops_model, rf.gflops_peak,
+        tr.ran ? tr.seconds : -1, isfinite(speedup) ? speedup : -1,
+        ipc_run.ok ? ipc_run.loop_samples_per_s : -1, ipc_run.ok ? ipc_run.auc : -1,
+        isfinite(speedup_ipc) ? speedup_ipc : -1, rf.gflops_model, rf.gflops_peak,
         rf.flops_per_sample, rf.samples_per_s, rf.gflops_model_1t, rf.samples_per_s_1t,
         n_pairs ? (e_mean >= t_mean - GOAL_AUC_GAP ? "true" : "false") : "null",
-        speed_judged ? (speedup >= GOAL_SPEEDUP ? "true" : "false") : "null", load0, load1, others,
-        cm_now() - t_start);
+        speed_judged ? (speedup_ipc >= GOAL_SPEEDUP ? "true" : "false") : "null", load0, load1,
+        others, cm_now() - t_start);
     return head ? 0 : 1;
 }

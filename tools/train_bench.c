@@ -365,17 +365,18 @@ void bench_train_data(const bench_train_opts *o, bench_dataset *ds)
 /* ---- ember train ---- */
 
 void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const char *model,
-                       int threads, uint32_t seed, bench_ember_run *er)
+                       int threads, uint32_t seed, int ipc, bench_ember_run *er)
 {
     memset(er, 0, sizeof *er);
     snprintf(er->model, sizeof er->model, "%s", model);
     er->threads = threads;
+    er->ipc = ipc;
     const char *dev = o->device ? o->device : "cpu";
     int on_cpu = strcmp(dev, "cpu") == 0;
     char out[4400], so[4500], se[4500], mj[4500], th[16], sd[16];
     /* The CPU runs keep the directory names they always had. */
-    snprintf(out, sizeof out, "%s/run-%s%s%s-t%d-s%u", ds->dir, on_cpu ? "" : dev,
-             on_cpu ? "" : "-", model, threads, seed);
+    snprintf(out, sizeof out, "%s/run-%s%s%s-t%d-s%u%s", ds->dir, on_cpu ? "" : dev,
+             on_cpu ? "" : "-", model, threads, seed, ipc ? "-ipc" : "");
     snprintf(sd, sizeof sd, "%u", seed);
     snprintf(so, sizeof so, "%s.stdout", out);
     snprintf(se, sizeof se, "%s.stderr", out);
@@ -384,23 +385,36 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
     char *rm_err = NULL;
     cm_rmtree(out, &rm_err); /* a fresh run directory: no checkpoint to trip over */
     free(rm_err);
-    const char *argv[64 + BENCH_MAX_EXTRA];
+    const char *argv[80 + BENCH_MAX_EXTRA];
     int n = 0;
-    const char *fixed[] = {o->ember,    "train",      "--train",         ds->train,
-                           "--eval",    ds->eval,     "--model",         model,
-                           "--out",     out,          "--device",        dev,
+    /* ipc: the same job as two processes, `ember ps` and a worker over ipc://, through
+     * tools/launch (which adds --out and the cluster file to both). */
+    const char *launch[] = {o->launch, "--ps",    "1",      "--workers", "1", "--transport",
+                            "ipc",     "--ember", o->ember, "--out",     out, "--"};
+    const char *fixed[] = {"--train",   ds->train,    "--eval",          ds->eval,
+                           "--model",   model,        "--device",        dev,
                            "--batch",   "2048",       "--epochs",        "1",
-                           "--workers", "1",          "--shards",        "1",
                            "--threads", th,           "--emb-optimizer", "adagrad",
                            "--emb-lr",  BENCH_EMB_LR, "--dense-lr",      BENCH_DENSE_LR,
                            "--seed",    sd,           "--no-progress"};
+    const char *embedded[] = {"--out", out, "--workers", "1", "--shards", "1"};
+    if (ipc) {
+        for (size_t i = 0; i < sizeof launch / sizeof launch[0]; i++)
+            argv[n++] = launch[i];
+    } else {
+        argv[n++] = o->ember;
+        argv[n++] = "train";
+        for (size_t i = 0; i < sizeof embedded / sizeof embedded[0]; i++)
+            argv[n++] = embedded[i];
+    }
     for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
         argv[n++] = fixed[i];
     for (int i = 0; i < o->n_extra; i++)
         argv[n++] = o->extra[i];
     argv[n] = NULL;
-    fprintf(stderr, "%s: ember train --device %s --model %s --threads %d --seed %u ...\n",
-            bench_self()->name, dev, model, threads, seed);
+    fprintf(stderr, "%s: ember train --device %s --model %s --threads %d --seed %u%s ...\n",
+            bench_self()->name, dev, model, threads, seed,
+            ipc ? " (tools/launch: 1 PS + 1 worker over ipc://)" : "");
     int rc = bench_run_cmd((char *const *)argv, so, se);
     if (rc != 0) {
         fprintf(stderr,
@@ -540,6 +554,12 @@ void bench_train_opts_init(bench_train_opts *o, const char *prog)
     else
         snprintf(py, sizeof py, "tools/bench_train.py");
     o->py_script = py;
+    static char launch[4200];
+    snprintf(launch, sizeof launch, "%s", py);
+    slash = strrchr(launch, '/');
+    snprintf(slash ? slash + 1 : launch, sizeof launch - (size_t)(slash ? slash + 1 - launch : 0),
+             "launch");
+    o->launch = launch;
     /* Debian's interpreter is the one python3-torch installs into. */
     o->python = access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3";
 }

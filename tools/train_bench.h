@@ -32,6 +32,7 @@ typedef struct bench_train_opts {
     uint32_t pairs;     /* bench_train: seeds in the AUC comparison (1..BENCH_MAX_PAIRS) */
     char models[128], threads_list[64];
     const char *dir, *ember, *python, *py_script;
+    const char *launch; /* tools/launch, beside py_script */
     const char *device; /* `ember train --device` and bench_train.py --device: "cpu", "cuda" */
     int torch_threads;  /* torch.set_num_threads */
     const char *extra[BENCH_MAX_EXTRA]; /* more arguments for every `ember train` */
@@ -67,15 +68,17 @@ void bench_train_data(const bench_train_opts *o, bench_dataset *ds);
 typedef struct bench_ember_run {
     char model[16];
     int threads, ok;
+    int ipc; /* run as 1 PS + 1 worker process over ipc:// (tools/launch) */
     double auc, logloss, samples_per_s, seconds, train_loss;
     double loop_samples_per_s, loop_seconds; /* from metrics.jsonl's last line */
     uint64_t rows, eval_rows;
 } bench_ember_run;
 
-/* One `ember train` (embedded PS, 1 worker, 1 shard, batch 2048, Adagrad embeddings, Adam
- * tower, one epoch in file order) on o->device, into <ds dir>/run-[device-]model-tT-sS. */
+/* One `ember train` (1 worker, 1 shard, batch 2048, Adagrad embeddings, Adam tower, one epoch
+ * in file order) on o->device, into <ds dir>/run-[device-]model-tT-sS[-ipc]: the embedded PS,
+ * or with ipc an `ember ps` process and a worker process over ipc:// (tools/launch). */
 void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const char *model,
-                       int threads, uint32_t seed, bench_ember_run *er);
+                       int threads, uint32_t seed, int ipc, bench_ember_run *er);
 
 typedef struct bench_torch_run {
     int ran, installed;
