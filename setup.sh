@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PKGS="build-essential cmake pkg-config librocksdb-dev libnng-dev libxxhash-dev libzstd-dev
-      libopenblas-dev zlib1g-dev libmbedtls-dev openssl python3 python3-numpy iproute2"
+      libopenblas-dev zlib1g-dev libmbedtls-dev openssl python3 python3-numpy iproute2
+      gnuplot-nox"
 missing=()
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
