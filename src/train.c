@@ -256,8 +256,9 @@ static int stage_send(stage *s, const setup *S, void *be, char **errptr)
  * With fresh pulls batch t+1 must see batch t's updates, so its pull waits for t's pushes.
  * To keep that wait short the step hands its row push over as soon as the row gradients are
  * final (model_batch.emb_ready): the puller pushes them and pulls t+1's rows while the
- * stepping thread computes the dense gradients; t+1's dense tower is pulled once the stepping
- * thread has pushed t's. The PS applies the same updates in the same order either way, so
+ * stepping thread computes the dense gradients; t+1's dense tower is the reply to t's dense
+ * push (ps_client_dense_push_pull: no second round trip; under a staleness bound it is pulled
+ * after the clock instead). The PS applies the same updates in the same order either way, so
  * results are the same bits. Not on steps followed by a checkpoint (the cut must come before
  * t+1's pull creates rows) or with a staleness bound (t+1's pull must wait for the clock).
  */
