@@ -522,13 +522,18 @@ static uint64_t budget_cap(const emb_table_config *cfg, uint32_t n_sub)
     return cfg->mem_budget_bytes / n_sub / (emb_row_bytes(cfg) + 1);
 }
 
+/* The capacity each sub-shard starts with: the reservation's, within the budget. */
+static uint64_t start_cap(const emb_table_config *cfg, uint32_t n_sub)
+{
+    uint64_t cap = reserve_cap(cfg->reserve_rows, n_sub), max_cap = budget_cap(cfg, n_sub);
+    if (cap > max_cap) cap = max_cap;
+    return cap < 2 ? 2 : cap; /* emb_mem_init's least */
+}
+
 uint64_t emb_table_initial_bytes(const emb_table_config *cfg)
 {
     uint32_t n_sub = cfg->n_sub ? cfg->n_sub : EMB_DEFAULT_SUBS;
-    uint64_t cap = reserve_cap(cfg->reserve_rows, n_sub), max_cap = budget_cap(cfg, n_sub);
-    if (cap > max_cap) cap = max_cap;
-    if (cap < 2) cap = 2; /* emb_mem_init's least */
-    double bytes = (double)cap * (double)(emb_row_bytes(cfg) + 1) * n_sub;
+    double bytes = (double)start_cap(cfg, n_sub) * (double)(emb_row_bytes(cfg) + 1) * n_sub;
     return bytes >= 1.8e19 ? UINT64_MAX : (uint64_t)bytes;
 }
 
@@ -557,7 +562,7 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
         if (t->spill_path == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         if (rc == CM_OK) rc = emb_store_create("rocksdb", cfg->spill_path, t->rec, &t->spill, errptr);
     }
-    uint64_t initial_cap = reserve_cap(cfg->reserve_rows, t->n_sub);
+    uint64_t initial_cap = start_cap(cfg, t->n_sub);
     uint32_t inited = 0;
     for (; rc == CM_OK && inited < t->n_sub; inited++) {
         pthread_mutex_init(&t->subs[inited].mu, NULL);

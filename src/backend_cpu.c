@@ -512,10 +512,10 @@ typedef struct spmm_job {
     float *X;
 } spmm_job;
 
-/* Samples are independent: each part pools its own range. */
 /* Entries of A ahead whose row of E spmm asks the cache for. */
 #define SPMM_AHEAD 16
 
+/* Samples are independent: each part pools its own range. */
 static void spmm_part(void *arg, int part, int nparts)
 {
     const spmm_job *j = arg;
@@ -882,6 +882,15 @@ static void dw_unit_run(const dw_phase *ph, int u)
     }
 }
 
+/* Takes the next unit of the list and runs it; false when none is left. */
+static bool dw_run_next(dw_phase *ph)
+{
+    int u = __atomic_fetch_add(&ph->next, 1, __ATOMIC_ACQ_REL);
+    if (u >= ph->n_units) return false;
+    dw_unit_run(ph, u);
+    return true;
+}
+
 static void dw_phase_part(void *arg, int part, int nparts)
 {
     (void)nparts;
@@ -894,8 +903,8 @@ static void dw_phase_part(void *arg, int part, int nparts)
             pthread_cond_wait(&c->jcv, &c->jmu);
         pthread_mutex_unlock(&c->jmu);
     }
-    for (int u; (u = __atomic_fetch_add(&ph->next, 1, __ATOMIC_ACQ_REL)) < ph->n_units;)
-        dw_unit_run(ph, u);
+    while (dw_run_next(ph)) {
+    }
     /* The list is taken: threads still waiting to join have nothing left. */
     pthread_mutex_lock(&c->jmu);
     pthread_cond_broadcast(&c->jcv);
@@ -922,10 +931,7 @@ static void *gap_main(void *arg)
         seen = ph->gen;
         c->gap_busy = true;
         pthread_mutex_unlock(&c->jmu);
-        while (__atomic_load_n(&c->joined_gen, __ATOMIC_ACQUIRE) != ph->gen) {
-            int u = __atomic_fetch_add(&ph->next, 1, __ATOMIC_ACQ_REL);
-            if (u >= ph->n_units) break;
-            dw_unit_run(ph, u);
+        while (__atomic_load_n(&c->joined_gen, __ATOMIC_ACQUIRE) != ph->gen && dw_run_next(ph)) {
         }
         pthread_mutex_lock(&c->jmu);
         c->gap_busy = false;

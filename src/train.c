@@ -280,7 +280,8 @@ typedef struct prefetch {
     uint64_t pulled, granted; /* batches pulled; batches allowed to pull rows (fresh pulls) */
     uint64_t dense_granted;   /* batches allowed to pull the dense tower */
     /* The tower as the stepping thread's dense push read it back (ps_client_dense_push_pull):
-     * the next stage takes it instead of pulling it (fresh_ok: not taken yet). */
+     * the next stage takes it instead of pulling it (fresh_ok: not taken yet). NULL where the
+     * next stage pulls it (stale pulls, a staleness bound, no tower). */
     float *fresh;
     bool fresh_ok;
     int job;                  /* JOB_*: the row push handed over by the stepping thread */
@@ -435,7 +436,9 @@ static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *
     p->be = be;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
-    if (!S->o->stale_pull && S->l.n_params > 0 &&
+    /* Asynchronous fresh pulls take the tower from the dense push's reply (with a staleness
+     * bound the next batch must see the clock's updates, so it pulls). */
+    if (!S->o->stale_pull && S->o->staleness < 0 && S->l.n_params > 0 &&
         (p->fresh = malloc(S->l.n_params * sizeof(float))) == NULL) {
         prefetch_stop(p);
         return cm_err(errptr, CM_ENOMEM, "out of memory");
@@ -949,9 +952,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
          * deterministic. (Fresh pulls wait for this push instead.) */
         if (o->stale_pull) prefetch_wait_next(&pf);
         if (rc == CM_OK && !pushed) rc = push_rows(S, c, &s->ms, demb, errptr);
-        /* Asynchronous fresh pulls: the push reads the tower back for the next batch (with a
-         * staleness bound the next batch must see the clock's updates, so it pulls). */
-        bool read_back = S->l.n_params > 0 && pf.fresh != NULL && o->staleness < 0;
+        bool read_back = pf.fresh != NULL; /* prefetch_start decided */
         if (rc == CM_OK && S->l.n_params > 0)
             rc = read_back ? ps_client_dense_push_pull(c, DENSE_BLOCK, dparams, pf.fresh, errptr)
                            : ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);

@@ -9,9 +9,8 @@
  * synchronous SGD does). The row push of batch t goes out once its row gradients are final
  * (model_batch.emb_ready), and t+1's rows are pulled while the step computes the dense
  * gradients; only t+1's dense tower waits for t's dense push, whose reply carries it.
- * --stale-pull pulls t+1 during
- * the compute of t as well: more overlap, but t+1 misses t's update (one step stale), which
- * costs some AUC.
+ * --stale-pull pulls t+1 during the compute of t as well: more overlap, but t+1 misses t's
+ * update (one step stale), which costs some AUC.
  *
  * Deployment: with no cluster file the PS shards run inside the process (nng inproc://) and
  * the workers are threads, all through the same PS protocol as a cluster. With --cluster the

@@ -370,7 +370,6 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
     memset(er, 0, sizeof *er);
     snprintf(er->model, sizeof er->model, "%s", model);
     er->threads = threads;
-    er->ipc = ipc;
     const char *dev = o->device ? o->device : "cpu";
     int on_cpu = strcmp(dev, "cpu") == 0;
     char out[4400], so[4500], se[4500], mj[4500], th[16], sd[16];
@@ -534,9 +533,20 @@ void bench_train_torch(const bench_train_opts *o, const bench_dataset *ds, uint3
     if (v) sscanf(v + 9, "%31[^\"]", t->version);
 }
 
+/* tools/<name> as a path: beside this source file, else relative to the project root. */
+static const char *beside_source(const char *name, char *buf, size_t n)
+{
+    const char *slash = strrchr(__FILE__, '/');
+    if (slash)
+        snprintf(buf, n, "%.*s/%s", (int)(slash - __FILE__), __FILE__, name);
+    else
+        snprintf(buf, n, "tools/%s", name);
+    return buf;
+}
+
 void bench_train_opts_init(bench_train_opts *o, const char *prog)
 {
-    static char py[4200];
+    static char py[4200], launch[4200];
     memset(o, 0, sizeof *o);
     /* bench_util.h's program name lives in each translation unit: set this one's too, so the
      * library's messages and failures name the program. */
@@ -546,20 +556,9 @@ void bench_train_opts_init(bench_train_opts *o, const char *prog)
     o->torch_threads = 2;
     o->dir = getenv("EMBER_BENCH_DIR") ? getenv("EMBER_BENCH_DIR") : "/tmp/ember-bench";
     o->ember = bench_ember_path();
-    /* bench_train.py sits beside this source file (__FILE__ is absolute under CMake). */
-    snprintf(py, sizeof py, "%s", __FILE__);
-    char *slash = strrchr(py, '/');
-    if (slash)
-        strcpy(slash + 1, "bench_train.py");
-    else
-        snprintf(py, sizeof py, "tools/bench_train.py");
-    o->py_script = py;
-    static char launch[4200];
-    snprintf(launch, sizeof launch, "%s", py);
-    slash = strrchr(launch, '/');
-    snprintf(slash ? slash + 1 : launch, sizeof launch - (size_t)(slash ? slash + 1 - launch : 0),
-             "launch");
-    o->launch = launch;
+    /* bench_train.py and launch sit beside this source file (__FILE__ is absolute under CMake). */
+    o->py_script = beside_source("bench_train.py", py, sizeof py);
+    o->launch = beside_source("launch", launch, sizeof launch);
     /* Debian's interpreter is the one python3-torch installs into. */
     o->python = access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3";
 }

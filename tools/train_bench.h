@@ -68,7 +68,6 @@ void bench_train_data(const bench_train_opts *o, bench_dataset *ds);
 typedef struct bench_ember_run {
     char model[16];
     int threads, ok;
-    int ipc; /* run as 1 PS + 1 worker process over ipc:// (tools/launch) */
     double auc, logloss, samples_per_s, seconds, train_loss;
     double loop_samples_per_s, loop_seconds; /* from metrics.jsonl's last line */
     uint64_t rows, eval_rows;
