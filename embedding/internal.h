@@ -63,6 +63,7 @@ typedef struct emb_mem {
     uint64_t max_cap; /* growth limit (budget), UINT64_MAX = none */
     uint8_t *ctrl; /* points into the recs allocation (one block: records, then ctrl) */
     uint8_t *recs;
+    size_t mapped; /* the block's mapping length; 0: malloc'd */
     uint64_t hand; /* CLOCK hand */
 } emb_mem;
 

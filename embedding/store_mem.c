@@ -25,21 +25,36 @@ static uint64_t limit_of(uint64_t cap)
 }
 
 /*
- * Records and ctrl bytes of cap slots in one allocation (records first, then ctrl zeroed):
- * *recs gets the block, *ctrl points into it. A lookup is a random access to both arrays, and
- * with 4 KiB pages nearly every one also misses the TLB (a table of millions of rows spans
- * hundreds of thousands of pages), so a large block asks for transparent huge pages. Only the
- * whole 2 MiB pages inside the block are advised, so resident memory never exceeds what was
+ * Records and ctrl bytes of cap slots in one block (records first, then ctrl zeroed): *recs
+ * gets the block, *ctrl points into it, *mapped its mapping's length (0: malloc'd). A lookup
+ * is a random access to both arrays, and with 4 KiB pages nearly every one also misses the
+ * TLB (a table of millions of rows spans hundreds of thousands of pages), so a large block is
+ * its own mapping, 2 MiB-aligned, advised for transparent huge pages, and touched whole now:
+ * from the heap it would reuse freed memory already faulted in as 4 KiB pages (only half of a
+ * training run's table ended up on huge pages), and faulted in row by row it would stall the
+ * table's first inserts on page clearing and compaction. Touching it now also makes the
+ * table's memory resident at creation, so a machine without room fails then, not mid-run.
+ * Only the whole 2 MiB pages inside are advised, so resident memory never exceeds what was
  * asked for (the budget counts exactly cap x (rec + 1) bytes); where THP is off, madvise fails
  * harmlessly and the block is ordinary memory.
  */
-static int block_alloc(uint64_t cap, size_t rec, uint8_t **recs, uint8_t **ctrl)
+static int block_alloc(uint64_t cap, size_t rec, uint8_t **recs, uint8_t **ctrl, size_t *mapped)
 {
     size_t bytes = (size_t)cap * (rec + 1);
-    void *p = NULL;
+    uint8_t *p = NULL;
+    *mapped = 0;
     if (bytes >= HUGE_PAGE) {
-        if (posix_memalign(&p, HUGE_PAGE, bytes) != 0) return CM_ENOMEM;
+        size_t len = (bytes + 4095) & ~(size_t)4095;
+        uint8_t *m =
+            mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) return CM_ENOMEM;
+        p = (uint8_t *)(((uintptr_t)m + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+        if (p > m) munmap(m, (size_t)(p - m));
+        munmap(p + len, (size_t)(m + len + HUGE_PAGE - (p + len)));
         (void)madvise(p, bytes / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE);
+        for (size_t off = 0; off < len; off += 4096)
+            ((volatile uint8_t *)p)[off] = 0;
+        *mapped = len;
     } else if ((p = malloc(bytes)) == NULL) {
         return CM_ENOMEM;
     }
@@ -47,6 +62,14 @@ static int block_alloc(uint64_t cap, size_t rec, uint8_t **recs, uint8_t **ctrl)
     *ctrl = *recs + (size_t)cap * rec;
     memset(*ctrl, 0, cap);
     return CM_OK;
+}
+
+static void block_free(uint8_t *recs, size_t mapped)
+{
+    if (mapped)
+        munmap(recs, mapped);
+    else
+        free(recs);
 }
 
 int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap, char **errptr)
@@ -57,7 +80,7 @@ int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap,
     if (initial_cap < 2) initial_cap = 2;
     if (initial_cap > max_cap) initial_cap = max_cap;
     m->cap = initial_cap;
-    if (block_alloc(initial_cap, rec, &m->recs, &m->ctrl) != CM_OK) {
+    if (block_alloc(initial_cap, rec, &m->recs, &m->ctrl, &m->mapped) != CM_OK) {
         emb_mem_fini(m);
         return cm_err(errptr, CM_ENOMEM, "out of memory allocating %llu rows",
                       (unsigned long long)initial_cap);
@@ -67,7 +90,7 @@ int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap,
 
 void emb_mem_fini(emb_mem *m)
 {
-    free(m->recs); /* the block; ctrl lies inside it */
+    block_free(m->recs, m->mapped); /* the block; ctrl lies inside it */
     memset(m, 0, sizeof *m);
 }
 
@@ -117,7 +140,8 @@ static int grow(emb_mem *m)
     uint64_t ncap = m->cap * 2;
     if (ncap > m->max_cap) ncap = m->max_cap;
     uint8_t *nctrl, *nrecs;
-    if (block_alloc(ncap, m->rec, &nrecs, &nctrl) != CM_OK) return CM_ENOMEM;
+    size_t nmapped;
+    if (block_alloc(ncap, m->rec, &nrecs, &nctrl, &nmapped) != CM_OK) return CM_ENOMEM;
     for (uint64_t i = 0; i < m->cap; i++) {
         if (m->ctrl[i] == 0) continue;
         const uint8_t *r = m->recs + i * m->rec;
@@ -125,9 +149,10 @@ static int grow(emb_mem *m)
         nctrl[j] = m->ctrl[i];
         memcpy(nrecs + j * m->rec, r, m->rec);
     }
-    free(m->recs);
+    block_free(m->recs, m->mapped);
     m->ctrl = nctrl;
     m->recs = nrecs;
+    m->mapped = nmapped;
     m->cap = ncap;
     m->hand = 0;
     return CM_OK;
