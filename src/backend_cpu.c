@@ -327,13 +327,15 @@ static void gemm_tiles(gemm *g)
         g->tiles *= 2;
 }
 
-static void gemm_tile(const gemm *g, int t)
+/* Tile t of the GEMM over its inner indexes [k0, k1), into C (g->C, or a buffer of its
+ * shape); the epilogue runs only over the whole inner range. */
+static void gemm_tile_part(const gemm *g, int t, int k0, int k1, float *C)
 {
     int len = g->by_cols ? g->N : g->M;
     int i0 = (int)((int64_t)len * t / g->tiles), i1 = (int)((int64_t)len * (t + 1) / g->tiles);
     if (i1 <= i0) return;
-    const float *A = g->A, *B = g->B;
-    float *C = g->C;
+    const float *A = g->A + (g->ta == CblasNoTrans ? (size_t)k0 : (size_t)k0 * g->lda);
+    const float *B = g->B + (g->tb == CblasNoTrans ? (size_t)k0 * g->ldb : (size_t)k0);
     int M = g->M, N = g->N;
     if (g->by_cols) {
         B += g->tb == CblasNoTrans ? (size_t)i0 : (size_t)i0 * g->ldb;
@@ -344,9 +346,15 @@ static void gemm_tile(const gemm *g, int t)
         C += (size_t)i0 * g->ldc;
         M = i1 - i0;
     }
-    cblas_sgemm(CblasRowMajor, g->ta, g->tb, M, N, g->K, 1.0f, A, g->lda, B, g->ldb, 0.0f, C,
+    cblas_sgemm(CblasRowMajor, g->ta, g->tb, M, N, k1 - k0, 1.0f, A, g->lda, B, g->ldb, 0.0f, C,
                 g->ldc);
-    if (g->epi != NULL && !g->by_cols) g->epi->fn(g->epi, (size_t)i0, (size_t)i1);
+    if (g->epi != NULL && !g->by_cols && k0 == 0 && k1 == g->K)
+        g->epi->fn(g->epi, (size_t)i0, (size_t)i1);
+}
+
+static void gemm_tile(const gemm *g, int t)
+{
+    gemm_tile_part(g, t, 0, g->K, g->C);
 }
 
 /* Part `part` of `nparts` runs a contiguous range of the tiles. */
@@ -379,6 +387,45 @@ static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int
     gemm_run(p, &g);
 }
 
+/* The layer's dW = dY^T X (out x in) for a batch of B: its shape and tiles, no operands. */
+static gemm dw_shape(const model_layer *ly, uint32_t B)
+{
+    gemm g = {.ta = CblasTrans,
+              .tb = CblasNoTrans,
+              .M = (int)ly->out,
+              .N = (int)ly->in,
+              .K = (int)B,
+              .lda = (int)ly->out,
+              .ldb = (int)ly->in,
+              .ldc = (int)ly->in,
+              .tiles = 1};
+    gemm_tiles(&g);
+    return g;
+}
+
+/*
+ * The dense-gradient phase also cuts each dW GEMM along its inner index (the batch) into
+ * chunks of ~DW_UNIT_MACS multiply-adds a tile, so that its units are small: the phase runs on
+ * whichever threads have a core (dw_phase_part, gap_main), and a thread that finds the list
+ * empty waits for the last unit another is running (one tile of the first layer's dW was
+ * ~2.3 ms). Unlike narrower tiles, chunks pack nothing twice. Chunk 0 writes dW, chunk j its own
+ * buffer, added into dW in chunk order once the phase is over: fixed by the GEMM's shape, so
+ * the same bits for any thread count.
+ */
+#define DW_UNIT_MACS 2.5e7
+#define DW_MIN_CHUNK 256
+#define DW_MAX_CHUNKS 8
+
+static int dw_chunks(const gemm *g)
+{
+    int n = 1;
+    double per_tile = (double)g->M * g->N * g->K / g->tiles;
+    while (n < DW_MAX_CHUNKS && g->K / (n * 2) >= DW_MIN_CHUNK &&
+           per_tile / (n * 2) >= DW_UNIT_MACS)
+        n *= 2;
+    return n;
+}
+
 typedef struct cpu {
     pool pool;
     /* The dense-gradient phase of a hooked step (dw_phase): phase_gen counts phases, joined_gen
@@ -405,6 +452,7 @@ typedef struct cpu {
      * row gradients need only those) and the dW GEMMs after, from these. */
     float *gact[MODEL_MAX_LAYERS + 1], *gbact[MODEL_MAX_LAYERS];
     float *logit, *dlogit; /* B */
+    float *dw_part[MODEL_MAX_LAYERS]; /* top layer i's dW chunks 1.. (dw_chunks) */
 } cpu;
 
 static void cpu_destroy(void *state)
@@ -438,6 +486,8 @@ static void cpu_destroy(void *state)
         free(c->gbact[i]);
     free(c->logit);
     free(c->dlogit);
+    for (int i = 0; i < MODEL_MAX_LAYERS; i++)
+        free(c->dw_part[i]);
     free(c);
 }
 
@@ -486,6 +536,11 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
     }
     ALLOC(c->logit, B);
     ALLOC(c->dlogit, B);
+    for (uint32_t i = 0; i < l->n_top; i++) { /* chunks grow with the batch: max_b's are most */
+        gemm g = dw_shape(&l->top[i], max_b);
+        int n = dw_chunks(&g);
+        if (n > 1) ALLOC(c->dw_part[i], (size_t)(n - 1) * l->top[i].out * l->top[i].in);
+    }
 #undef ALLOC
     if (!ok) {
         cpu_destroy(c);
@@ -686,21 +741,10 @@ static void colsum_part(void *arg, int part, int nparts)
 /* The layer's dW = dY^T X (out x in, into dP), cut into its tiles. */
 static gemm dw_gemm(const model_layer *ly, const float *X, const float *dY, float *dP, uint32_t B)
 {
-    gemm g = {CblasTrans,
-              CblasNoTrans,
-              (int)ly->out,
-              (int)ly->in,
-              (int)B,
-              (int)ly->out,
-              (int)ly->in,
-              (int)ly->in,
-              dY,
-              X,
-              dP + ly->w,
-              NULL,
-              1,
-              0};
-    gemm_tiles(&g);
+    gemm g = dw_shape(ly, B);
+    g.A = dY;
+    g.B = X;
+    g.C = dP + ly->w;
     return g;
 }
 
@@ -851,7 +895,7 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
  * meanwhile on one core, so the phase starts on half the threads and the rest join when the
  * caller says that work is done (backend_ops.join); without one, all start at once.
  */
-#define DW_MAX_UNITS (MODEL_MAX_LAYERS * (GEMM_MAX_TILES + 1) + 1)
+#define DW_MAX_UNITS (MODEL_MAX_LAYERS * (GEMM_MAX_TILES * DW_MAX_CHUNKS + 1) + 1)
 
 typedef struct dw_phase {
     cpu *c;
@@ -859,8 +903,10 @@ typedef struct dw_phase {
     const model_batch *b;
     float *dP;
     gemm g[MODEL_MAX_LAYERS];
+    int chunks[MODEL_MAX_LAYERS];      /* dw_chunks of g */
     uint16_t unit_layer[DW_MAX_UNITS]; /* top layer, or n_top: the bottom MLP */
     int16_t unit_tile[DW_MAX_UNITS];   /* dW tile, or -1: the bias gradient */
+    uint8_t unit_chunk[DW_MAX_UNITS];  /* dW tile's inner chunk */
     int n_units, next, early;
     uint64_t gen;
 } dw_phase;
@@ -875,11 +921,56 @@ static void dw_unit_run(const dw_phase *ph, int u)
         stack_bwd_dx(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->P, c->dz0, NULL, B);
         stack_bwd_dw(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->b->dense, ph->dP, B);
     } else if (ph->unit_tile[u] >= 0) {
-        gemm_tile(&ph->g[i], ph->unit_tile[u]);
+        const gemm *g = &ph->g[i];
+        int j = ph->unit_chunk[u], n = ph->chunks[i];
+        float *C = j == 0 ? g->C : c->dw_part[i] + (size_t)(j - 1) * g->M * g->N;
+        gemm_tile_part(g, ph->unit_tile[u], (int)((int64_t)g->K * j / n),
+                       (int)((int64_t)g->K * (j + 1) / n), C);
     } else {
         colsum_job j = {c->gact[i], ph->dP + l->top[i].b, B, l->top[i].out};
         colsum_part(&j, 0, 1);
     }
+}
+
+/* Multiply-adds of unit u (the bottom MLP's backward counted as its dW GEMMs twice over). */
+static double dw_unit_cost(const dw_phase *ph, int u, uint32_t B)
+{
+    const model_layout *l = &ph->c->l;
+    uint32_t i = ph->unit_layer[u];
+    if (i == l->n_top) {
+        double f = 0;
+        for (uint32_t k = 0; k < l->n_bot; k++)
+            f += 2.0 * l->bot[k].in * l->bot[k].out * B;
+        return f;
+    }
+    if (ph->unit_tile[u] < 0) return (double)l->top[i].out * B;
+    const gemm *g = &ph->g[i];
+    return (double)g->M * g->N * g->K / g->tiles / ph->chunks[i];
+}
+
+/* Orders the units largest first, so the phase ends on small ones: a thread that finds the
+ * list empty waits at most for a small unit another thread is still running. Each unit writes
+ * its own outputs, so the order changes no bit. */
+static void dw_units_sort(dw_phase *ph, uint32_t B)
+{
+    double cost[DW_MAX_UNITS];
+    for (int u = 0; u < ph->n_units; u++)
+        cost[u] = dw_unit_cost(ph, u, B);
+    for (int u = 1; u < ph->n_units; u++) /* insertion sort, stable: at most a few dozen */
+        for (int v = u; v > 0 && cost[v] > cost[v - 1]; v--) {
+            double tc = cost[v];
+            cost[v] = cost[v - 1];
+            cost[v - 1] = tc;
+            uint16_t tl = ph->unit_layer[v];
+            ph->unit_layer[v] = ph->unit_layer[v - 1];
+            ph->unit_layer[v - 1] = tl;
+            int16_t tt = ph->unit_tile[v];
+            ph->unit_tile[v] = ph->unit_tile[v - 1];
+            ph->unit_tile[v - 1] = tt;
+            uint8_t tk = ph->unit_chunk[v];
+            ph->unit_chunk[v] = ph->unit_chunk[v - 1];
+            ph->unit_chunk[v - 1] = tk;
+        }
 }
 
 /* Takes the next unit of the list and runs it; false when none is left. */
@@ -941,6 +1032,23 @@ static void *gap_main(void *arg)
     return NULL;
 }
 
+/* Adds each dW's chunks 1.. into it (chunk 0), in chunk order, over a part of its elements. */
+static void dw_sum_part(void *arg, int part, int nparts)
+{
+    const dw_phase *ph = arg;
+    for (uint32_t i = 0; i < ph->c->l.n_top; i++) {
+        const gemm *g = &ph->g[i];
+        if (ph->chunks[i] == 1) continue;
+        size_t n = (size_t)g->M * g->N, e0, e1;
+        part_range(n, part, nparts, &e0, &e1);
+        for (int j = 1; j < ph->chunks[i]; j++) {
+            const float *src = ph->c->dw_part[i] + (size_t)(j - 1) * n;
+            for (size_t e = e0; e < e1; e++)
+                g->C[e] += src[e];
+        }
+    }
+}
+
 static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP)
 {
     const model_layout *l = &c->l;
@@ -949,12 +1057,16 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
     for (uint32_t k = l->n_top; k-- > 0;) {
         const gemm *g = &ph.g[k];
         ph.g[k] = dw_gemm(&l->top[k], k ? c->act[k - 1] : c->in, c->gact[k], dP, B);
-        for (int t = 0; t <= g->tiles; t++) { /* the tiles, then the bias gradient */
-            ph.unit_layer[ph.n_units] = (uint16_t)k;
-            ph.unit_tile[ph.n_units++] = (int16_t)(t < g->tiles ? t : -1);
-        }
+        ph.chunks[k] = dw_chunks(g);
+        for (int t = 0; t <= g->tiles; t++) /* the tiles' chunks, then the bias gradient */
+            for (int j = 0; j < (t < g->tiles ? ph.chunks[k] : 1); j++) {
+                ph.unit_layer[ph.n_units] = (uint16_t)k;
+                ph.unit_chunk[ph.n_units] = (uint8_t)j;
+                ph.unit_tile[ph.n_units++] = (int16_t)(t < g->tiles ? t : -1);
+            }
     }
     if (c->m.kind == MODEL_DLRM) ph.unit_layer[ph.n_units++] = (uint16_t)l->n_top;
+    dw_units_sort(&ph, B);
     ph.early = c->pool.n;
     if (b->emb_ready) {
         ph.early = c->pool.n / 2 > 1 ? c->pool.n / 2 : 1;
@@ -975,6 +1087,7 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
             pthread_cond_wait(&c->jcv, &c->jmu);
         pthread_mutex_unlock(&c->jmu);
     }
+    pool_run(&c->pool, dw_sum_part, &ph);
 }
 
 static int cpu_step(void *state, const float *P, const model_batch *b, float *probs, double *loss,
