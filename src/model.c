@@ -361,6 +361,20 @@ int model_staging_build(model_staging *s, const model_cfg *m, const model_layout
     return CM_OK;
 }
 
+void model_staging_seen(const model_staging *s, const uint64_t *keys, uint32_t n, uint32_t *seen)
+{
+    const uint32_t mask = s->hcap - 1;
+    const model_dedup_slot *hs = s->hslot;
+    for (uint32_t i = 0; i < n; i++) {
+        if (i + DEDUP_AHEAD < n)
+            __builtin_prefetch(hs + (dedup_hash(keys[i + DEDUP_AHEAD]) & mask));
+        uint32_t h = dedup_hash(keys[i]) & mask;
+        while (hs[h].gen == s->cur && hs[h].key != keys[i])
+            h = (h + 1) & mask;
+        seen[i] = hs[h].gen == s->cur;
+    }
+}
+
 /* A counting sort of the entries by column; walking the CSR rows in order keeps each column's
  * entries in row order, the order A^T dX must add them in. */
 int model_staging_index(model_staging *s, char **errptr)

@@ -132,6 +132,9 @@ void model_staging_fini(model_staging *s);
 /* Builds A's columns (model_batch.t_ptr) for the batch as it now stands: call it after any
  * reordering of ukeys and col. model_staging_build clears it. */
 int model_staging_index(model_staging *s, char **errptr);
+/* seen[i] = 1 where keys[i] is one of the distinct keys s was last built with, else 0: the
+ * lookup of its dedup table, which stays valid until the next build. */
+void model_staging_seen(const model_staging *s, const uint64_t *keys, uint32_t n, uint32_t *seen);
 /* The staged batch as the backends take it. */
 void model_staging_view(const model_staging *s, model_batch *mb);
 

@@ -144,6 +144,10 @@ typedef struct stage {
     uint64_t ticket; /* what the backend's prefetch returned for this batch (model.h) */
     uint32_t *perm, *pos, cap_order; /* stage_order's scratch */
     uint64_t *okeys;
+    /* ukeys[0, n_new) are keys the worker's batch before did not have, [n_new, U) keys it had
+     * (stage_order): only the second part must wait for that batch's push (pull_stage). */
+    uint32_t n_new;
+    bool new_pulled; /* rows [0, n_new) are pulled already */
 } stage;
 
 static void stage_free(stage *s)
@@ -157,10 +161,12 @@ static void stage_free(stage *s)
 }
 
 /* Puts the stage's distinct keys in the order the PS client sends them (ps_keys_order), so
- * the pull and the push skip their sort, merge and scatter on the critical path; the CSR
- * columns follow. Nothing computed depends on this order: pooling sums a sample's entries in
- * CSR order, and each row gradient sums its entries in sample order. */
-static int stage_order(stage *s, const setup *S, char **errptr)
+ * the pull and the push skip their sort, merge and scatter on the critical path, in two parts:
+ * first the keys `prev` (the batch before, or NULL) did not have, then those it had; a part of
+ * an ordered list is ordered too. The CSR columns follow. Nothing computed depends on this
+ * order: pooling sums a sample's entries in CSR order, and each row gradient sums its entries
+ * in sample order. */
+static int stage_order(stage *s, const setup *S, const model_staging *prev, char **errptr)
 {
     model_staging *m = &s->ms;
     if (m->U > s->cap_order) {
@@ -178,38 +184,62 @@ static int stage_order(stage *s, const setup *S, char **errptr)
     }
     int rc = ps_keys_order(S->ps.n_shards, m->ukeys, m->U, s->perm, errptr);
     if (rc != CM_OK) return rc;
-    for (uint32_t i = 0; i < m->U; i++) {
-        s->okeys[i] = m->ukeys[s->perm[i]];
-        s->pos[s->perm[i]] = i;
+    /* pos[k] first says whether prev had key k, then where key k goes. */
+    if (prev != NULL)
+        model_staging_seen(prev, m->ukeys, m->U, s->pos);
+    else
+        memset(s->pos, 0, m->U * sizeof *s->pos);
+    uint32_t n_new = 0;
+    for (uint32_t k = 0; k < m->U; k++)
+        n_new += !s->pos[k];
+    for (uint32_t i = 0, at_new = 0, at_old = n_new; i < m->U; i++) {
+        uint32_t k = s->perm[i], j = s->pos[k] ? at_old++ : at_new++;
+        s->okeys[j] = m->ukeys[k];
+        s->pos[k] = j;
     }
+    s->n_new = n_new;
+    s->new_pulled = false;
     memcpy(m->ukeys, s->okeys, m->U * sizeof *m->ukeys);
     for (uint32_t k = 0; k < m->nnz; k++)
         m->col[k] = s->pos[m->col[k]];
     return CM_OK;
 }
 
-/* Copies a reader batch into the model layout and deduplicates its keys. */
-static int stage_build(stage *s, const setup *S, const ds_batch *b, char **errptr)
+/* Copies a reader batch into the model layout and deduplicates its keys; prev: the batch
+ * before it (stage_order), or NULL. */
+static int stage_build(stage *s, const setup *S, const ds_batch *b, const model_staging *prev,
+                       char **errptr)
 {
     if (s->params == NULL && (s->params = malloc(S->l.n_params * sizeof(float) + 1)) == NULL)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     model_input in = {b->n_rows, b->n_dense, b->n_fields, b->labels,
                       b->dense,  b->offsets, b->keys,     b->weights};
     int rc = model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
-    if (rc == CM_OK) rc = stage_order(s, S, errptr);
+    if (rc == CM_OK) rc = stage_order(s, S, prev, errptr);
     return rc == CM_OK ? model_staging_index(&s->ms, errptr) : rc;
 }
 
-/* Pulls the stage's rows; for evaluation read only (lookup), so unseen keys read as zeros
- * exactly as in a serving bundle. */
-static int stage_pull_rows(stage *s, const setup *S, ps_client *c, bool lookup, char **errptr)
+/* Pulls the rows of the stage's keys [lo, hi); for evaluation read only (lookup), so unseen
+ * keys read as zeros exactly as in a serving bundle. */
+static int stage_pull_part(stage *s, const setup *S, ps_client *c, bool lookup, uint32_t lo,
+                           uint32_t hi, char **errptr)
 {
     int rc = CM_OK;
     const model_staging *m = &s->ms;
-    for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
-        rc = lookup ? ps_client_lookup(c, t, m->ukeys, m->U, m->emb[t], errptr)
-                    : ps_client_pull(c, t, m->ukeys, m->U, m->emb[t], errptr);
+    for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK && hi > lo; t++) {
+        float *out = m->emb[t] + (size_t)lo * S->l.table_dim[t];
+        rc = lookup ? ps_client_lookup(c, t, m->ukeys + lo, hi - lo, out, errptr)
+                    : ps_client_pull(c, t, m->ukeys + lo, hi - lo, out, errptr);
+    }
     return rc;
+}
+
+/* Pulls the stage's rows not pulled yet: both parts (stage_order), each one pull the push
+ * names later (key elision). */
+static int stage_pull_rows(stage *s, const setup *S, ps_client *c, bool lookup, char **errptr)
+{
+    int rc = s->new_pulled ? CM_OK : stage_pull_part(s, S, c, lookup, 0, s->n_new, errptr);
+    return rc == CM_OK ? stage_pull_part(s, S, c, lookup, s->n_new, s->ms.U, errptr) : rc;
 }
 
 static int stage_pull_dense(stage *s, const setup *S, ps_client *c, char **errptr)
@@ -224,13 +254,25 @@ static int stage_pull(stage *s, const setup *S, ps_client *c, bool lookup, char 
     return rc == CM_OK ? stage_pull_dense(s, S, c, errptr) : rc;
 }
 
-/* Pushes a stepped stage's row gradients (demb[t]: U x dim_t). */
-static int push_rows(const setup *S, ps_client *c, const model_staging *m, float *const *demb,
+/* Pushes a stepped stage's row gradients (demb[t]: U x dim_t) in the two parts it was pulled
+ * in (each names its pull: key elision). The second goes out once the first is applied: the
+ * PS serves requests on many contexts at once, and each push call advances a table's step, so
+ * two pushes in flight together could stamp their rows' last_step in either order. */
+static int push_rows(const setup *S, ps_client *c, const stage *s, float *const *demb,
                      char **errptr)
 {
     int rc = CM_OK;
-    for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++)
-        rc = ps_client_push(c, t, m->ukeys, m->U, demb[t], errptr);
+    const model_staging *m = &s->ms;
+    const uint32_t cut[3] = {0, s->n_new, m->U};
+    for (int part = 0; part < 2 && rc == CM_OK; part++) {
+        if (cut[part + 1] == cut[part]) continue;
+        if (part == 1 && cut[1] > 0) rc = ps_client_flush(c, errptr);
+        for (uint32_t t = 0; t < S->l.n_tables && rc == CM_OK; t++) {
+            size_t off = (size_t)cut[part] * S->l.table_dim[t];
+            rc = ps_client_push(c, t, m->ukeys + cut[part], cut[part + 1] - cut[part],
+                                demb[t] + off, errptr);
+        }
+    }
     return rc;
 }
 
@@ -265,7 +307,7 @@ static int stage_send(stage *s, const setup *S, void *be, char **errptr)
 enum { JOB_NONE, JOB_HANDED, JOB_TAKEN, JOB_DONE };
 /* A stage's life: built, pulled, taken by the stepping thread, released. */
 enum { ST_FREE, ST_BUILT, ST_READY, ST_TAKEN };
-#define N_STAGES 3
+#define N_STAGES 4
 
 typedef struct prefetch {
     const setup *S;
@@ -277,6 +319,8 @@ typedef struct prefetch {
     int next_build, next_pull, next_take; /* ring positions */
     bool stop;
     uint64_t left;            /* batches still to build: nothing is read past the schedule */
+    uint64_t built;           /* batches built (builder only) */
+    uint64_t first;           /* the worker's step of the first batch */
     uint64_t pulled, granted; /* batches pulled; batches allowed to pull rows (fresh pulls) */
     uint64_t dense_granted;   /* batches allowed to pull the dense tower */
     /* The tower as the stepping thread's dense push read it back (ps_client_dense_push_pull):
@@ -285,7 +329,7 @@ typedef struct prefetch {
     float *fresh;
     bool fresh_ok;
     int job;                  /* JOB_*: the row push handed over by the stepping thread */
-    const model_staging *job_ms;
+    const stage *job_stage;
     float *const *job_demb;
     int job_rc;
     char *job_err;
@@ -332,7 +376,10 @@ static void *builder_main(void *arg)
         char *err = NULL;
         int got = p->left == 0 ? 0 : ds_reader_next(p->r, &b, &err), rc = got < 0 ? got : CM_OK;
         if (got == 1) p->left--;
-        if (got == 1) rc = stage_build(s, p->S, b, &err);
+        /* The stage before holds the batch before (built by this thread, rebuilt by no other). */
+        const stage *prev = &p->st[(i + N_STAGES - 1) % N_STAGES];
+        if (got == 1) rc = stage_build(s, p->S, b, p->built ? &prev->ms : NULL, &err);
+        p->built += got == 1 && rc == CM_OK;
         s->status = rc != CM_OK ? rc : got;
         pf_advance(p, i, ST_BUILT, &p->next_build, &err);
         free(err);
@@ -350,11 +397,30 @@ static int pf_pending(const prefetch *p)
     return n;
 }
 
+/* Whether the next batch's new keys (stage_order) may be pulled before the batch before it
+ * is pushed: that push leaves their rows unchanged, and the batch before that is applied
+ * (this client's pulls wait for its pushes in flight). Not under a staleness bound (the pull
+ * waits for the clock) nor across a checkpoint (the cut comes before the batch's pull creates
+ * rows). The puller pulls them before it takes that push, so the PS sees the same order on
+ * every run. */
+static bool early_pull_ok(const prefetch *p)
+{
+    const train_opts *o = p->S->o;
+    uint64_t step = p->first + p->pulled;
+    bool ckpt =
+        o->ckpt_every && step % o->ckpt_every == 0 && step > p->first && step < p->S->min_steps;
+    return o->staleness < 0 && !ckpt;
+}
+
 /* Pulls stage s under the fresh-pull protocol (design note above), running a handed-over push
  * first. *stopped: prefetch_stop interrupted it. */
 static int pull_stage(prefetch *p, stage *s, bool *stopped, char **err)
 {
     int rc = CM_OK;
+    if (early_pull_ok(p)) {
+        rc = stage_pull_part(s, p->S, p->c, false, 0, s->n_new, err);
+        s->new_pulled = rc == CM_OK;
+    }
     pthread_mutex_lock(&p->mu);
     bool go = PF_WAIT(p, p->pulled < p->granted);
     bool job = go && p->job == JOB_HANDED;
@@ -363,7 +429,7 @@ static int pull_stage(prefetch *p, stage *s, bool *stopped, char **err)
     if ((*stopped = !go)) return CM_OK;
     if (job) {
         char *jerr = NULL;
-        int jrc = push_rows(p->S, p->c, p->job_ms, p->job_demb, &jerr);
+        int jrc = push_rows(p->S, p->c, p->job_stage, p->job_demb, &jerr);
         if (jrc != CM_OK) rc = cm_err(err, jrc, "%s", jerr ? jerr : "push failed");
         pthread_mutex_lock(&p->mu);
         p->job = JOB_DONE;
@@ -425,9 +491,10 @@ static void *puller_main(void *arg)
 static void prefetch_stop(prefetch *p);
 
 static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *c, void *be,
-                          uint64_t left, char **errptr)
+                          uint64_t first, uint64_t left, char **errptr)
 {
     memset(p, 0, sizeof *p);
+    p->first = first;
     p->left = left;
     p->granted = p->dense_granted = S->o->stale_pull ? UINT64_MAX : 1;
     p->S = S;
@@ -538,6 +605,7 @@ static int prefetch_refresh(prefetch *p, char **errptr)
     prefetch_wait_next(p);
     stage *s = &p->st[(p->next_take + 1) % N_STAGES];
     if (s->status <= 0) return CM_OK;
+    s->new_pulled = false;
     int rc = stage_pull(s, p->S, p->c, false, errptr);
     return rc == CM_OK ? stage_send(s, p->S, p->be, errptr) : rc;
 }
@@ -615,7 +683,7 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
             rc = cm_err(errptr, CM_ECORRUPT, "eval shards hold more rows than their index says");
             break;
         }
-        rc = stage_build(&s, S, b, errptr);
+        rc = stage_build(&s, S, b, NULL, errptr);
         if (rc == CM_OK) rc = stage_pull(&s, S, c, true, errptr);
         model_batch mb;
         model_staging_view(&s.ms, &mb);
@@ -899,7 +967,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
     dparams = malloc(S->l.n_params * sizeof(float) + 1);
     if (probs == NULL || dparams == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     if (rc != CM_OK) goto out;
-    rc = prefetch_start(&pf, S, r, c, be, total > step ? total - step : 0, errptr);
+    rc = prefetch_start(&pf, S, r, c, be, step, total > step ? total - step : 0, errptr);
     if (rc != CM_OK) goto out;
     pf_started = true;
     uint32_t cap_u = 0;
@@ -930,7 +998,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         bool ckpt_next =
             o->ckpt_every && (step + 1) % o->ckpt_every == 0 && step + 1 < S->min_steps;
         if (!o->stale_pull && o->staleness < 0 && !ckpt_next) {
-            pf.job_ms = &s->ms;
+            pf.job_stage = s;
             pf.job_demb = demb;
             mb.emb_ready = prefetch_emb_ready;
             mb.emb_ready_arg = &pf;
@@ -951,7 +1019,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
          * to t-1 and never t's, whatever the thread timing: a one-worker run stays
          * deterministic. (Fresh pulls wait for this push instead.) */
         if (o->stale_pull) prefetch_wait_next(&pf);
-        if (rc == CM_OK && !pushed) rc = push_rows(S, c, &s->ms, demb, errptr);
+        if (rc == CM_OK && !pushed) rc = push_rows(S, c, s, demb, errptr);
         bool read_back = pf.fresh != NULL; /* prefetch_start decided */
         if (rc == CM_OK && S->l.n_params > 0)
             rc = read_back ? ps_client_dense_push_pull(c, DENSE_BLOCK, dparams, pf.fresh, errptr)
