@@ -71,8 +71,9 @@ int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap,
 void emb_mem_fini(emb_mem *m);
 /* Slot holding key, or -1. */
 int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h);
-/* Hints the cache about the slot key hashes to. */
-void emb_mem_prefetch(const emb_mem *m, uint64_t h);
+/* Hints the cache about the slot key hashes to: its ctrl byte and the first `bytes` of its
+ * record. */
+void emb_mem_prefetch(const emb_mem *m, uint64_t h, size_t bytes);
 /* Rows the table may hold before it must grow, or, at max_cap, evict. */
 uint64_t emb_mem_limit(const emb_mem *m);
 /* True when one more row needs eviction first (at max_cap and at the load limit). */

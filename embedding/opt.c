@@ -1,8 +1,5 @@
 /* Table configuration, row layout and the optimizer kernels. */
 #include <math.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "embedding/internal.h"
 
@@ -155,39 +152,22 @@ void emb_opt_init_row(const emb_table_config *cfg, uint8_t *rec, uint64_t key)
     }
 }
 
-/* One Adagrad coordinate, in double. */
-static inline void adagrad_coord(float *w, float *s, float g, double lr, double l2, double eps)
-{
-    double gj = g + l2 * *w, a = *s + gj * gj;
-    *s = (float)a;
-    *w = (float)(*w - lr * gj / (sqrt(a) + eps));
-}
-
 /*
- * Adagrad over a row. sqrt() may set errno, so the compiler keeps adagrad_coord scalar, with a
- * test and a possible libm call per coordinate; it was ~5% of a training run's CPU. SSE2 does
- * two coordinates at once with the same correctly rounded double operations in the same order
- * (no fused multiply-add), so the rows are the same bits as adagrad_coord's.
+ * Adagrad over a row, in double. Built twice, the AVX2 copy chosen at load time where the CPU
+ * has it: the loop is bound by double sqrt and division, which AVX2 does four at a time (SSE2
+ * two). It vectorizes because the build does not let sqrt() set errno (-fno-math-errno), and
+ * AVX2 alone brings no FMA, so nothing is contracted and every coordinate rounds the same in
+ * both copies (and as the SSE2 intrinsics this replaced).
  */
-static void adagrad_row(float *w, float *s, const float *g, uint32_t dim, double lr, double l2,
-                        double eps)
+__attribute__((target_clones("avx2", "default"))) static void
+adagrad_row(float *restrict w, float *restrict s, const float *restrict g, uint32_t dim, double lr,
+            double l2, double eps)
 {
-    uint32_t j = 0;
-#if defined(__SSE2__)
-    const __m128d vlr = _mm_set1_pd(lr), vl2 = _mm_set1_pd(l2), veps = _mm_set1_pd(eps);
-    for (; j + 2 <= dim; j += 2) {
-        __m128d wj = _mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(w + j))));
-        __m128d sj = _mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(s + j))));
-        __m128d gj = _mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(g + j))));
-        gj = _mm_add_pd(gj, _mm_mul_pd(vl2, wj));
-        __m128d a = _mm_add_pd(sj, _mm_mul_pd(gj, gj));
-        __m128d step = _mm_div_pd(_mm_mul_pd(vlr, gj), _mm_add_pd(_mm_sqrt_pd(a), veps));
-        _mm_storel_epi64((__m128i *)(s + j), _mm_castps_si128(_mm_cvtpd_ps(a)));
-        _mm_storel_epi64((__m128i *)(w + j), _mm_castps_si128(_mm_cvtpd_ps(_mm_sub_pd(wj, step))));
+    for (uint32_t j = 0; j < dim; j++) {
+        double gj = g[j] + l2 * w[j], a = s[j] + gj * gj;
+        s[j] = (float)a;
+        w[j] = (float)(w[j] - lr * gj / (sqrt(a) + eps));
     }
-#endif
-    for (; j < dim; j++)
-        adagrad_coord(&w[j], &s[j], g[j], lr, l2, eps);
 }
 
 void emb_opt_apply(const emb_table_config *cfg, uint8_t *rec, const float *g)

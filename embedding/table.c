@@ -192,30 +192,31 @@ static inline int64_t locate(const emb_mem *m, uint64_t key, uint64_t h, const u
     return slot >= 0 ? slot : emb_mem_find(m, key, h);
 }
 
-/* Hints the cache about where key idx will be looked up: its hinted record when the hint is in
+/* Hints the cache about where key idx will be looked up, the first `bytes` of its record (a
+ * pull reads the header and weights, a push all of it): its hinted record when the hint is in
  * range (a stale one costs a useless prefetch, never a wrong answer), else its home slot. */
-static inline void prefetch_key(const emb_table *t, const emb_mem *m, const uint64_t *h,
-                                const uint64_t *hints, uint32_t k)
+static inline void prefetch_key(const emb_mem *m, const uint64_t *h, const uint64_t *hints,
+                                uint32_t k, size_t bytes)
 {
     if (hints == NULL || hints[k] >= m->cap) {
-        emb_mem_prefetch(m, h[k]);
+        emb_mem_prefetch(m, h[k], bytes);
         return;
     }
     const uint8_t *r = emb_mem_rec(m, (int64_t)hints[k]);
     __builtin_prefetch(m->ctrl + hints[k]);
-    for (size_t off = 0; off < t->rec; off += 64)
+    for (size_t off = 0; off < bytes; off += 64)
         __builtin_prefetch(r + off);
-    __builtin_prefetch(r + t->rec - 1);
+    __builtin_prefetch(r + bytes - 1);
 }
 
 /* Phases 1 and 2: which keys of the group are absent, and what the spill store holds of them. */
 static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *keys,
                             const uint64_t *h, const uint64_t *hints, const uint32_t *idx, size_t m,
-                            char **errptr)
+                            size_t want, char **errptr)
 {
     sc->n_miss = 0;
     for (size_t i = 0; i < m; i++) {
-        if (i + PREFETCH_AHEAD < m) prefetch_key(t, &s->mem, h, hints, idx[i + PREFETCH_AHEAD]);
+        if (i + PREFETCH_AHEAD < m) prefetch_key(&s->mem, h, hints, idx[i + PREFETCH_AHEAD], want);
         uint32_t k = idx[i];
         int64_t slot = locate(&s->mem, keys[k], h[k], hints, k);
         if (slot >= 0) {
@@ -306,13 +307,14 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
 {
     int rc = CM_OK;
     const size_t dim = t->dim;
+    const size_t want = op == OP_PULL ? EMB_REC_HDR + dim * sizeof(float) : t->rec;
     sc->n_miss = 0;
     if (t->spill != NULL && s->spilled > 0) {
-        rc = prefetch_spilled(t, s, sc, keys, h, hints, idx, m, errptr);
+        rc = prefetch_spilled(t, s, sc, keys, h, hints, idx, m, want, errptr);
         if (rc != CM_OK) return rc;
     }
     for (size_t i = 0; i < m; i++) {
-        if (i + PREFETCH_AHEAD < m) prefetch_key(t, &s->mem, h, hints, idx[i + PREFETCH_AHEAD]);
+        if (i + PREFETCH_AHEAD < m) prefetch_key(&s->mem, h, hints, idx[i + PREFETCH_AHEAD], want);
         uint32_t k = idx[i];
         int64_t slot = locate(&s->mem, keys[k], h[k], hints, k);
         if (slot < 0) {
