@@ -13,7 +13,7 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
-#include <xxhash.h>
+#include "common/xxh.h"
 
 static void err_vset(char **errptr, const char *suffix, const char *fmt, va_list ap)
 {

@@ -10,7 +10,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
+#include "common/xxh.h"
 
 int cm_mkdirs(const char *dir, char **errptr)
 {

@@ -3,7 +3,7 @@
 #include <math.h>
 #include <string.h>
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
-#include <xxhash.h>
+#include "common/xxh.h"
 
 static const char *const codec_names[] = {"fp32", "fp16", "bf16", "int8"};
 
