@@ -117,8 +117,9 @@ typedef struct emb_table_config {
      * created at the capacity that holds them under its maximum load factor (capped by the
      * budget), so it never stops to double while they arrive: a doubling rehashes every row of
      * a sub-shard under its lock, and its old and new arrays briefly coexist. The capacity is
-     * allocated at once and becomes resident as rows land anywhere in it, i.e. soon: reserve
-     * what the table would grow to anyway. More rows than reserved still fit (it doubles). */
+     * allocated at creation, and resident from then on where a sub-shard's block is 2 MiB or
+     * more: reserve what the table would grow to anyway.
+     * More rows than reserved still fit (it doubles). */
     uint64_t reserve_rows;
 } emb_table_config;
 

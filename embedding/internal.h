@@ -55,6 +55,8 @@ static inline uint64_t emb_key_hash(uint64_t key)
 /* Maximum load factor, as a fraction: 4/5. */
 #define EMB_LOAD_NUM 4u
 #define EMB_LOAD_DEN 5u
+/* Sub-shards of a table whose config leaves n_sub 0. */
+#define EMB_DEFAULT_SUBS 64u
 
 typedef struct emb_mem {
     size_t rec;       /* record bytes */
@@ -84,6 +86,15 @@ int64_t emb_mem_insert(emb_mem *m, uint64_t key, uint64_t h);
 static inline uint8_t *emb_mem_rec(const emb_mem *m, int64_t slot)
 {
     return m->recs + (size_t)slot * m->rec;
+}
+/* Hints the cache about slot: its ctrl byte and the first `bytes` of its record. */
+static inline void emb_mem_prefetch_slot(const emb_mem *m, uint64_t slot, size_t bytes)
+{
+    const uint8_t *r = emb_mem_rec(m, (int64_t)slot);
+    __builtin_prefetch(m->ctrl + slot);
+    for (size_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch(r + off);
+    __builtin_prefetch(r + bytes - 1);
 }
 /* Removes the record at slot; later records of its cluster shift back one slot. */
 void emb_mem_delete(emb_mem *m, int64_t slot);

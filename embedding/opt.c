@@ -96,7 +96,7 @@ int emb_table_config_check(const emb_table_config *cfg, char **errptr)
     if (cfg->mem_budget_bytes > 0) {
         if (cfg->spill_path == NULL || cfg->spill_path[0] == '\0')
             return cm_err(errptr, CM_EINVAL, "a memory budget needs a spill_path for cold rows");
-        uint32_t n_sub = cfg->n_sub ? cfg->n_sub : 64;
+        uint32_t n_sub = cfg->n_sub ? cfg->n_sub : EMB_DEFAULT_SUBS;
         uint64_t per_sub = cfg->mem_budget_bytes / n_sub;
         if (per_sub / (emb_row_bytes(cfg) + 1) < 2)
             return cm_err(errptr, CM_EINVAL,

@@ -111,12 +111,7 @@ int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h)
 
 void emb_mem_prefetch(const emb_mem *m, uint64_t h, size_t bytes)
 {
-    uint64_t i = slot_home(h, m->cap);
-    const uint8_t *r = m->recs + i * m->rec;
-    __builtin_prefetch(m->ctrl + i);
-    for (size_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch(r + off);
-    __builtin_prefetch(r + bytes - 1);
+    emb_mem_prefetch_slot(m, slot_home(h, m->cap), bytes);
 }
 
 uint64_t emb_mem_limit(const emb_mem *m)

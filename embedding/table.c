@@ -25,7 +25,6 @@
 #define CMS_DEPTH 4
 #define CMS_BITS 18
 #define PREFETCH_AHEAD 8
-#define EMB_DEFAULT_SUBS 64
 
 typedef struct sub {
     pthread_mutex_t mu;
@@ -198,15 +197,10 @@ static inline int64_t locate(const emb_mem *m, uint64_t key, uint64_t h, const u
 static inline void prefetch_key(const emb_mem *m, const uint64_t *h, const uint64_t *hints,
                                 uint32_t k, size_t bytes)
 {
-    if (hints == NULL || hints[k] >= m->cap) {
+    if (hints == NULL || hints[k] >= m->cap)
         emb_mem_prefetch(m, h[k], bytes);
-        return;
-    }
-    const uint8_t *r = emb_mem_rec(m, (int64_t)hints[k]);
-    __builtin_prefetch(m->ctrl + hints[k]);
-    for (size_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch(r + off);
-    __builtin_prefetch(r + bytes - 1);
+    else
+        emb_mem_prefetch_slot(m, hints[k], bytes);
 }
 
 /* Phases 1 and 2: which keys of the group are absent, and what the spill store holds of them. */

@@ -904,9 +904,11 @@ typedef struct dw_phase {
     float *dP;
     gemm g[MODEL_MAX_LAYERS];
     int chunks[MODEL_MAX_LAYERS];      /* dw_chunks of g */
-    uint16_t unit_layer[DW_MAX_UNITS]; /* top layer, or n_top: the bottom MLP */
-    int16_t unit_tile[DW_MAX_UNITS];   /* dW tile, or -1: the bias gradient */
-    uint8_t unit_chunk[DW_MAX_UNITS];  /* dW tile's inner chunk */
+    struct dw_unit {
+        uint16_t layer; /* top layer, or n_top: the bottom MLP */
+        int16_t tile;   /* dW tile, or -1: the bias gradient */
+        uint8_t chunk;  /* dW tile's inner chunk */
+    } unit[DW_MAX_UNITS];
     int n_units, next, early;
     uint64_t gen;
 } dw_phase;
@@ -915,16 +917,17 @@ static void dw_unit_run(const dw_phase *ph, int u)
 {
     const cpu *c = ph->c;
     const model_layout *l = &c->l;
-    uint32_t i = ph->unit_layer[u], B = ph->b->B;
+    const struct dw_unit *un = &ph->unit[u];
+    uint32_t i = un->layer, B = ph->b->B;
     pool one = {.n = 1};
     if (i == l->n_top) {
         stack_bwd_dx(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->P, c->dz0, NULL, B);
         stack_bwd_dw(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->b->dense, ph->dP, B);
-    } else if (ph->unit_tile[u] >= 0) {
+    } else if (un->tile >= 0) {
         const gemm *g = &ph->g[i];
-        int j = ph->unit_chunk[u], n = ph->chunks[i];
+        int j = un->chunk, n = ph->chunks[i];
         float *C = j == 0 ? g->C : c->dw_part[i] + (size_t)(j - 1) * g->M * g->N;
-        gemm_tile_part(g, ph->unit_tile[u], (int)((int64_t)g->K * j / n),
+        gemm_tile_part(g, un->tile, (int)((int64_t)g->K * j / n),
                        (int)((int64_t)g->K * (j + 1) / n), C);
     } else {
         colsum_job j = {c->gact[i], ph->dP + l->top[i].b, B, l->top[i].out};
@@ -936,14 +939,14 @@ static void dw_unit_run(const dw_phase *ph, int u)
 static double dw_unit_cost(const dw_phase *ph, int u, uint32_t B)
 {
     const model_layout *l = &ph->c->l;
-    uint32_t i = ph->unit_layer[u];
+    uint32_t i = ph->unit[u].layer;
     if (i == l->n_top) {
         double f = 0;
         for (uint32_t k = 0; k < l->n_bot; k++)
             f += 2.0 * l->bot[k].in * l->bot[k].out * B;
         return f;
     }
-    if (ph->unit_tile[u] < 0) return (double)l->top[i].out * B;
+    if (ph->unit[u].tile < 0) return (double)l->top[i].out * B;
     const gemm *g = &ph->g[i];
     return (double)g->M * g->N * g->K / g->tiles / ph->chunks[i];
 }
@@ -961,15 +964,9 @@ static void dw_units_sort(dw_phase *ph, uint32_t B)
             double tc = cost[v];
             cost[v] = cost[v - 1];
             cost[v - 1] = tc;
-            uint16_t tl = ph->unit_layer[v];
-            ph->unit_layer[v] = ph->unit_layer[v - 1];
-            ph->unit_layer[v - 1] = tl;
-            int16_t tt = ph->unit_tile[v];
-            ph->unit_tile[v] = ph->unit_tile[v - 1];
-            ph->unit_tile[v - 1] = tt;
-            uint8_t tk = ph->unit_chunk[v];
-            ph->unit_chunk[v] = ph->unit_chunk[v - 1];
-            ph->unit_chunk[v - 1] = tk;
+            struct dw_unit tu = ph->unit[v];
+            ph->unit[v] = ph->unit[v - 1];
+            ph->unit[v - 1] = tu;
         }
 }
 
@@ -1060,12 +1057,11 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
         ph.chunks[k] = dw_chunks(g);
         for (int t = 0; t <= g->tiles; t++) /* the tiles' chunks, then the bias gradient */
             for (int j = 0; j < (t < g->tiles ? ph.chunks[k] : 1); j++) {
-                ph.unit_layer[ph.n_units] = (uint16_t)k;
-                ph.unit_chunk[ph.n_units] = (uint8_t)j;
-                ph.unit_tile[ph.n_units++] = (int16_t)(t < g->tiles ? t : -1);
+                ph.unit[ph.n_units++] =
+                    (struct dw_unit){(uint16_t)k, (int16_t)(t < g->tiles ? t : -1), (uint8_t)j};
             }
     }
-    if (c->m.kind == MODEL_DLRM) ph.unit_layer[ph.n_units++] = (uint16_t)l->n_top;
+    if (c->m.kind == MODEL_DLRM) ph.unit[ph.n_units++] = (struct dw_unit){(uint16_t)l->n_top, 0, 0};
     dw_units_sort(&ph, B);
     ph.early = c->pool.n;
     if (b->emb_ready) {

@@ -22,6 +22,17 @@ static inline uint32_t dedup_hash(uint64_t key)
     return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> 32);
 }
 
+/* The slot of s's dedup table holding key in the current batch, or the free one where it would
+ * go (linear probing; a slot of an earlier batch counts as free). */
+static inline uint32_t dedup_slot(const model_staging *s, uint64_t key)
+{
+    const uint32_t mask = s->hcap - 1;
+    uint32_t h = dedup_hash(key) & mask;
+    while (s->hslot[h].gen == s->cur && s->hslot[h].key != key)
+        h = (h + 1) & mask;
+    return h;
+}
+
 static const char *const kind_names[] = {"lr", "mlp", "dlrm", "deepfm"};
 
 int model_kind_parse(const char *name, model_kind *out)
@@ -341,9 +352,7 @@ int model_staging_build(model_staging *s, const model_cfg *m, const model_layout
         if (k + DEDUP_AHEAD < nnz) /* one slot a key, ahead: the table outgrows L2 */
             __builtin_prefetch(hs + (dedup_hash(b->keys[k + DEDUP_AHEAD]) & mask), 1);
         uint64_t key = b->keys[k];
-        uint32_t h = dedup_hash(key) & mask;
-        while (hs[h].gen == s->cur && hs[h].key != key)
-            h = (h + 1) & mask;
+        uint32_t h = dedup_slot(s, key);
         if (hs[h].gen != s->cur) {
             hs[h].gen = s->cur;
             hs[h].key = key;
@@ -364,14 +373,10 @@ int model_staging_build(model_staging *s, const model_cfg *m, const model_layout
 void model_staging_seen(const model_staging *s, const uint64_t *keys, uint32_t n, uint32_t *seen)
 {
     const uint32_t mask = s->hcap - 1;
-    const model_dedup_slot *hs = s->hslot;
     for (uint32_t i = 0; i < n; i++) {
         if (i + DEDUP_AHEAD < n)
-            __builtin_prefetch(hs + (dedup_hash(keys[i + DEDUP_AHEAD]) & mask));
-        uint32_t h = dedup_hash(keys[i]) & mask;
-        while (hs[h].gen == s->cur && hs[h].key != keys[i])
-            h = (h + 1) & mask;
-        seen[i] = hs[h].gen == s->cur;
+            __builtin_prefetch(s->hslot + (dedup_hash(keys[i + DEDUP_AHEAD]) & mask));
+        seen[i] = s->hslot[dedup_slot(s, keys[i])].gen == s->cur;
     }
 }
 

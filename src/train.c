@@ -135,6 +135,14 @@ typedef struct setup {
     double t0;
 } setup;
 
+/* Whether the worker loop checkpoints once `steps` batches are done: every --checkpoint-every
+ * steps short of the end (the end always checkpoints after the loop). */
+static bool ckpt_after(const setup *S, uint64_t steps)
+{
+    uint64_t every = S->o->ckpt_every;
+    return every && steps % every == 0 && steps < S->min_steps;
+}
+
 /* ---- batches in the model's layout ---- */
 
 typedef struct stage {
@@ -405,11 +413,8 @@ static int pf_pending(const prefetch *p)
  * every run. */
 static bool early_pull_ok(const prefetch *p)
 {
-    const train_opts *o = p->S->o;
     uint64_t step = p->first + p->pulled;
-    bool ckpt =
-        o->ckpt_every && step % o->ckpt_every == 0 && step > p->first && step < p->S->min_steps;
-    return o->staleness < 0 && !ckpt;
+    return p->S->o->staleness < 0 && !(step > p->first && ckpt_after(p->S, step));
 }
 
 /* Pulls stage s under the fresh-pull protocol (design note above), running a handed-over push
@@ -995,9 +1000,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         mb.ticket = s->ticket;
         /* Hand the row push over early (prefetch's design note), except before a checkpoint
          * or under a staleness bound. */
-        bool ckpt_next =
-            o->ckpt_every && (step + 1) % o->ckpt_every == 0 && step + 1 < S->min_steps;
-        if (!o->stale_pull && o->staleness < 0 && !ckpt_next) {
+        if (!o->stale_pull && o->staleness < 0 && !ckpt_after(S, step + 1)) {
             pf.job_stage = s;
             pf.job_demb = demb;
             mb.emb_ready = prefetch_emb_ready;
@@ -1047,7 +1050,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         /* Checkpoint while this stage is still held: the prefetcher has pulled exactly batch
          * step+1 and nothing later, so the cut is the same on every run. A resumed run pulls
          * batch step+1 after the checkpoint; so does this one. */
-        if (rc == CM_OK && o->ckpt_every && step % o->ckpt_every == 0 && step < S->min_steps) {
+        if (rc == CM_OK && ckpt_after(S, step)) {
             rc = checkpoint(S, c, w, step, step, errptr);
             if (rc == CM_OK && o->stale_pull) rc = prefetch_refresh(&pf, errptr);
         }
