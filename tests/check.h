@@ -12,6 +12,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/common.h"
+
 static int check_failures_;
 static int check_count_;
 
@@ -44,21 +46,26 @@ static int check_count_;
         (err) = NULL;                                                                              \
     } while (0)
 
-/* The test's directory from check_tmpdir: check_done removes it when every check passed (a
- * failed test leaves it for a look). */
-static char check_tmpdir_[4096];
+/* The test's directories from check_tmpdir: check_done removes them when every check passed
+ * (a failed test leaves them for a look). */
+#define CHECK_MAX_TMPDIRS 8
+static char check_tmpdirs_[CHECK_MAX_TMPDIRS][4096];
+static int check_n_tmpdirs_;
 
 /* A fresh directory for this test: $EMBER_TEST_TMP/<name>.<pid>, created empty. */
 static inline const char *check_tmpdir(const char *name)
 {
-    char *buf = check_tmpdir_;
+    if (check_n_tmpdirs_ == CHECK_MAX_TMPDIRS) {
+        fprintf(stderr, "more than %d check_tmpdir calls\n", CHECK_MAX_TMPDIRS);
+        exit(2);
+    }
+    char *buf = check_tmpdirs_[check_n_tmpdirs_++];
     const char *base = getenv("EMBER_TEST_TMP");
     if (base == NULL) base = "/tmp";
-    snprintf(buf, sizeof check_tmpdir_, "%s/%s.%ld", base, name, (long)getpid());
-    char cmd[8400];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s'", buf, buf);
-    if (system(cmd) != 0) {
-        fprintf(stderr, "cannot create %s\n", buf);
+    snprintf(buf, sizeof check_tmpdirs_[0], "%s/%s.%ld", base, name, (long)getpid());
+    char *err = NULL;
+    if (cm_rmtree(buf, &err) != 0 || cm_mkdirs(buf, &err) != 0) {
+        fprintf(stderr, "cannot create %s: %s\n", buf, err ? err : "?");
         exit(2);
     }
     return buf;
@@ -71,10 +78,11 @@ static inline int check_done(void)
         return 1;
     }
     fprintf(stderr, "%d checks, %d failed\n", check_count_, check_failures_);
-    if (check_failures_ == 0 && check_tmpdir_[0] != '\0') {
-        char cmd[8400];
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'", check_tmpdir_);
-        if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", check_tmpdir_);
+    for (int i = 0; check_failures_ == 0 && i < check_n_tmpdirs_; i++) {
+        char *err = NULL;
+        if (cm_rmtree(check_tmpdirs_[i], &err) != 0)
+            fprintf(stderr, "cannot remove %s: %s\n", check_tmpdirs_[i], err ? err : "?");
+        free(err);
     }
     return check_failures_ ? 1 : 0;
 }
