@@ -73,9 +73,13 @@ int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap,
 void emb_mem_fini(emb_mem *m);
 /* Slot holding key, or -1. */
 int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h);
-/* Hints the cache about the slot key hashes to: its ctrl byte and the first `bytes` of its
- * record. */
-void emb_mem_prefetch(const emb_mem *m, uint64_t h, size_t bytes);
+/* The two stages of a pipelined lookup, issued some keys ahead of it. Far ahead: the ctrl
+ * byte of the key's home slot. Nearer: reads the ctrl bytes (in cache by then) to the first slot
+ * whose tag matches or that is empty, and hints the first `bytes` of that slot's record. The
+ * home record alone is not enough: at the load limit a key sits on average two slots past its
+ * home, in another cache line. */
+void emb_mem_prefetch_ctrl(const emb_mem *m, uint64_t h);
+void emb_mem_prefetch_probe(const emb_mem *m, uint64_t h, size_t bytes);
 /* Rows the table may hold before it must grow, or, at max_cap, evict. */
 uint64_t emb_mem_limit(const emb_mem *m);
 /* True when one more row needs eviction first (at max_cap and at the load limit). */

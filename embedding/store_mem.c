@@ -109,9 +109,27 @@ int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h)
     return -1;
 }
 
-void emb_mem_prefetch(const emb_mem *m, uint64_t h, size_t bytes)
+void emb_mem_prefetch_ctrl(const emb_mem *m, uint64_t h)
 {
-    emb_mem_prefetch_slot(m, slot_home(h, m->cap), bytes);
+    __builtin_prefetch(m->ctrl + slot_home(h, m->cap));
+}
+
+/* Probes at most a line's worth of slots: a longer cluster is rare and the lookup finds it. */
+#define PROBE_AHEAD_MAX 8
+
+void emb_mem_prefetch_probe(const emb_mem *m, uint64_t h, size_t bytes)
+{
+    uint64_t cap = m->cap, i = slot_home(h, cap);
+    uint8_t tag = ctrl_tag(h);
+    for (int probes = 0; probes < PROBE_AHEAD_MAX; probes++) {
+        uint8_t c = m->ctrl[i];
+        if (c == 0) return;
+        if ((c & (EMB_CTRL_USED | EMB_CTRL_TAG)) == tag) {
+            emb_mem_prefetch_slot(m, i, bytes);
+            return;
+        }
+        if (++i == cap) i = 0;
+    }
 }
 
 uint64_t emb_mem_limit(const emb_mem *m)

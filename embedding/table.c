@@ -24,7 +24,6 @@
 
 #define CMS_DEPTH 4
 #define CMS_BITS 18
-#define PREFETCH_AHEAD 8
 
 typedef struct sub {
     pthread_mutex_t mu;
@@ -191,16 +190,39 @@ static inline int64_t locate(const emb_mem *m, uint64_t key, uint64_t h, const u
     return slot >= 0 ? slot : emb_mem_find(m, key, h);
 }
 
-/* Hints the cache about where key idx will be looked up, the first `bytes` of its record (a
- * pull reads the header and weights, a push all of it): its hinted record when the hint is in
- * range (a stale one costs a useless prefetch, never a wrong answer), else its home slot. */
-static inline void prefetch_key(const emb_mem *m, const uint64_t *h, const uint64_t *hints,
-                                uint32_t k, size_t bytes)
+/* Keys ahead of the lookup at which the two stages of a key's prefetch are issued. */
+#define PREFETCH_FAR 16
+#define PREFETCH_NEAR 8
+
+/* One stage of the prefetch for key k, the first `bytes` of its record (a pull reads the header
+ * and weights, a push all of it). A key with a hint in range has its hinted record asked for at
+ * once (a stale hint costs a useless prefetch, never a wrong answer); one without, its home
+ * ctrl byte far ahead and, nearer, the record those ctrl bytes lead to. */
+static inline void prefetch_stage(const emb_mem *m, const uint64_t *h, const uint64_t *hints,
+                                  uint32_t k, size_t bytes, bool far)
 {
-    if (hints == NULL || hints[k] >= m->cap)
-        emb_mem_prefetch(m, h[k], bytes);
-    else
+    bool hinted = hints != NULL && hints[k] < m->cap;
+    if (far && hinted)
         emb_mem_prefetch_slot(m, hints[k], bytes);
+    else if (far)
+        emb_mem_prefetch_ctrl(m, h[k]);
+    else if (!hinted)
+        emb_mem_prefetch_probe(m, h[k], bytes);
+}
+
+/* The stages due before lookup i of a group idx[0..n); lookup 0 also issues those of the first
+ * keys, which no earlier lookup did (a sub-shard's group in a training batch is ~200 keys). */
+static inline void prefetch_ahead(const emb_mem *m, const uint64_t *h, const uint64_t *hints,
+                                  const uint32_t *idx, size_t n, size_t i, size_t bytes)
+{
+    if (i == 0) {
+        for (size_t j = 0; j < PREFETCH_FAR && j < n; j++)
+            prefetch_stage(m, h, hints, idx[j], bytes, true);
+        for (size_t j = 0; j < PREFETCH_NEAR && j < n; j++)
+            prefetch_stage(m, h, hints, idx[j], bytes, false);
+    }
+    if (i + PREFETCH_FAR < n) prefetch_stage(m, h, hints, idx[i + PREFETCH_FAR], bytes, true);
+    if (i + PREFETCH_NEAR < n) prefetch_stage(m, h, hints, idx[i + PREFETCH_NEAR], bytes, false);
 }
 
 /* Phases 1 and 2: which keys of the group are absent, and what the spill store holds of them. */
@@ -210,7 +232,7 @@ static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *k
 {
     sc->n_miss = 0;
     for (size_t i = 0; i < m; i++) {
-        if (i + PREFETCH_AHEAD < m) prefetch_key(&s->mem, h, hints, idx[i + PREFETCH_AHEAD], want);
+        prefetch_ahead(&s->mem, h, hints, idx, m, i, want);
         uint32_t k = idx[i];
         int64_t slot = locate(&s->mem, keys[k], h[k], hints, k);
         if (slot >= 0) {
@@ -308,7 +330,7 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
         if (rc != CM_OK) return rc;
     }
     for (size_t i = 0; i < m; i++) {
-        if (i + PREFETCH_AHEAD < m) prefetch_key(&s->mem, h, hints, idx[i + PREFETCH_AHEAD], want);
+        prefetch_ahead(&s->mem, h, hints, idx, m, i, want);
         uint32_t k = idx[i];
         int64_t slot = locate(&s->mem, keys[k], h[k], hints, k);
         if (slot < 0) {
