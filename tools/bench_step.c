@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "common/common.h"
+#include "tools/bench_util.h"
 #include "src/model.h"
 
 #define FIELDS 26
@@ -34,18 +35,6 @@ static void hook(void *arg)
 {
     (void)arg;
     hook_at = cm_now();
-}
-
-static int dbl_cmp(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, dbl_cmp);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
@@ -135,9 +124,9 @@ static int run(model_kind kind, uint32_t threads, uint32_t B, uint32_t U, int st
             }
         }
     }
-    out->plain = median(t0, steps);
-    out->to_hook = median(t1, steps);
-    out->after_hook = median(t2, steps);
+    out->plain = bench_median(t0, (size_t)steps);
+    out->to_hook = bench_median(t1, (size_t)steps);
+    out->after_hook = bench_median(t2, (size_t)steps);
     rc = 0;
 out:
     if (st) backend_cpu_ops.destroy(st);

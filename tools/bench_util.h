@@ -80,6 +80,19 @@ static inline int bench_run_cmd(char *const argv[], const char *out_path, const 
 }
 
 /* The size of a file, 0 when it cannot be read. */
+static inline int bench_dbl_cmp_(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Median of v[0..n), n > 0; sorts v in place. */
+static inline double bench_median(double *v, size_t n)
+{
+    qsort(v, n, sizeof *v, bench_dbl_cmp_);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 static inline uint64_t bench_file_size(const char *path)
 {
     struct stat st;
