@@ -73,13 +73,6 @@ int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap,
 void emb_mem_fini(emb_mem *m);
 /* Slot holding key, or -1. */
 int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h);
-/* The two stages of a pipelined lookup, issued some keys ahead of it. Far ahead: the ctrl
- * byte of the key's home slot. Nearer: reads the ctrl bytes (in cache by then) to the first slot
- * whose tag matches or that is empty, and hints the first `bytes` of that slot's record. The
- * home record alone is not enough: at the load limit a key sits on average two slots past its
- * home, in another cache line. */
-void emb_mem_prefetch_ctrl(const emb_mem *m, uint64_t h);
-void emb_mem_prefetch_probe(const emb_mem *m, uint64_t h, size_t bytes);
 /* Rows the table may hold before it must grow, or, at max_cap, evict. */
 uint64_t emb_mem_limit(const emb_mem *m);
 /* True when one more row needs eviction first (at max_cap and at the load limit). */
@@ -99,6 +92,41 @@ static inline void emb_mem_prefetch_slot(const emb_mem *m, uint64_t slot, size_t
     for (size_t off = 0; off < bytes; off += 64)
         __builtin_prefetch(r + off);
     __builtin_prefetch(r + bytes - 1);
+}
+/* The slot a hash starts probing at, and the ctrl byte a row of that hash carries. */
+static inline uint64_t emb_mem_home(uint64_t h, uint64_t cap)
+{
+    return (uint64_t)(((unsigned __int128)h * cap) >> 64);
+}
+static inline uint8_t emb_mem_tag(uint64_t h)
+{
+    return (uint8_t)(EMB_CTRL_USED | ((h >> 8) & EMB_CTRL_TAG));
+}
+/* The two stages of a pipelined lookup, issued some keys ahead of it. Far ahead: the ctrl
+ * byte of the key's home slot. Nearer: reads the ctrl bytes (in cache by then) to the first slot
+ * whose tag matches, hints the first `bytes` of its record and returns the slot, the lookup's
+ * candidate (EMB_NO_HINT when an empty slot or a line's worth of others came first). The home
+ * record alone is not enough: at the load limit a key sits on average two slots past its
+ * home, in another cache line. */
+static inline void emb_mem_prefetch_ctrl(const emb_mem *m, uint64_t h)
+{
+    __builtin_prefetch(m->ctrl + emb_mem_home(h, m->cap));
+}
+#define EMB_PROBE_AHEAD_MAX 8
+static inline uint64_t emb_mem_prefetch_probe(const emb_mem *m, uint64_t h, size_t bytes)
+{
+    uint64_t cap = m->cap, i = emb_mem_home(h, cap);
+    uint8_t tag = emb_mem_tag(h);
+    for (int probes = 0; probes < EMB_PROBE_AHEAD_MAX; probes++) {
+        uint8_t c = m->ctrl[i];
+        if (c == 0) break;
+        if ((c & (EMB_CTRL_USED | EMB_CTRL_TAG)) == tag) {
+            emb_mem_prefetch_slot(m, i, bytes);
+            return i;
+        }
+        if (++i == cap) i = 0;
+    }
+    return EMB_NO_HINT;
 }
 /* Removes the record at slot; later records of its cluster shift back one slot. */
 void emb_mem_delete(emb_mem *m, int64_t slot);

@@ -7,16 +7,6 @@
 /* Transparent huge page size on x86-64 and most arm64 kernels. */
 #define HUGE_PAGE (2u << 20)
 
-static inline uint64_t slot_home(uint64_t h, uint64_t cap)
-{
-    return (uint64_t)(((unsigned __int128)h * cap) >> 64);
-}
-
-static inline uint8_t ctrl_tag(uint64_t h)
-{
-    return (uint8_t)(EMB_CTRL_USED | ((h >> 8) & EMB_CTRL_TAG));
-}
-
 static uint64_t limit_of(uint64_t cap)
 {
     if (cap < 2) return 0;
@@ -96,8 +86,8 @@ void emb_mem_fini(emb_mem *m)
 
 int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h)
 {
-    uint64_t cap = m->cap, i = slot_home(h, cap);
-    uint8_t tag = ctrl_tag(h);
+    uint64_t cap = m->cap, i = emb_mem_home(h, cap);
+    uint8_t tag = emb_mem_tag(h);
     for (uint64_t probes = 0; probes < cap; probes++) {
         uint8_t c = m->ctrl[i];
         if (c == 0) return -1;
@@ -107,29 +97,6 @@ int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h)
         if (++i == cap) i = 0;
     }
     return -1;
-}
-
-void emb_mem_prefetch_ctrl(const emb_mem *m, uint64_t h)
-{
-    __builtin_prefetch(m->ctrl + slot_home(h, m->cap));
-}
-
-/* Probes at most a line's worth of slots: a longer cluster is rare and the lookup finds it. */
-#define PROBE_AHEAD_MAX 8
-
-void emb_mem_prefetch_probe(const emb_mem *m, uint64_t h, size_t bytes)
-{
-    uint64_t cap = m->cap, i = slot_home(h, cap);
-    uint8_t tag = ctrl_tag(h);
-    for (int probes = 0; probes < PROBE_AHEAD_MAX; probes++) {
-        uint8_t c = m->ctrl[i];
-        if (c == 0) return;
-        if ((c & (EMB_CTRL_USED | EMB_CTRL_TAG)) == tag) {
-            emb_mem_prefetch_slot(m, i, bytes);
-            return;
-        }
-        if (++i == cap) i = 0;
-    }
 }
 
 uint64_t emb_mem_limit(const emb_mem *m)
@@ -145,7 +112,7 @@ bool emb_mem_full(const emb_mem *m)
 /* Places a record whose key is absent into the first free slot of its probe sequence. */
 static uint64_t place(uint8_t *ctrl, uint64_t cap, uint64_t h)
 {
-    uint64_t i = slot_home(h, cap);
+    uint64_t i = emb_mem_home(h, cap);
     while (ctrl[i] != 0)
         if (++i == cap) i = 0;
     return i;
@@ -180,7 +147,7 @@ int64_t emb_mem_insert(emb_mem *m, uint64_t key, uint64_t h)
         if (m->cap >= m->max_cap || grow(m) != CM_OK) return -1;
     }
     uint64_t i = place(m->ctrl, m->cap, h);
-    m->ctrl[i] = ctrl_tag(h);
+    m->ctrl[i] = emb_mem_tag(h);
     uint8_t *r = m->recs + i * m->rec;
     memset(r, 0, m->rec);
     memcpy(r, &key, 8);
@@ -194,7 +161,7 @@ void emb_mem_delete(emb_mem *m, int64_t slot)
     for (;;) {
         if (++j == cap) j = 0;
         if (m->ctrl[j] == 0) break;
-        uint64_t k = slot_home(emb_key_hash(emb_rec_key(m->recs + j * m->rec)), cap);
+        uint64_t k = emb_mem_home(emb_key_hash(emb_rec_key(m->recs + j * m->rec)), cap);
         /* j's record may fill hole i only if its home is not cyclically within (i, j]. */
         bool stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
         if (stays) continue;

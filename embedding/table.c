@@ -182,30 +182,42 @@ static inline int64_t hinted_slot(const emb_mem *m, uint64_t key, uint64_t hint)
     return (int64_t)hint;
 }
 
-/* Where key lives in memory (-1: absent), trying its hint (hints may be NULL) before probing. */
-static inline int64_t locate(const emb_mem *m, uint64_t key, uint64_t h, const uint64_t *hints,
-                             uint32_t k)
-{
-    int64_t slot = hints ? hinted_slot(m, key, hints[k]) : -1;
-    return slot >= 0 ? slot : emb_mem_find(m, key, h);
-}
-
-/* Keys ahead of the lookup at which the two stages of a key's prefetch are issued. */
+/* Keys ahead of the lookup at which the two stages of a key's prefetch are issued, and the
+ * candidate slots the nearer stage found, by position in the group modulo PREFETCH_RING. */
 #define PREFETCH_FAR 16
 #define PREFETCH_NEAR 8
+#define PREFETCH_RING 16 /* a power of two above PREFETCH_NEAR */
+typedef struct lookahead {
+    uint64_t cand[PREFETCH_RING];
+} lookahead;
 
-/* One stage of the prefetch for key k, the first `bytes` of its record (a pull reads the header
- * and weights, a push all of it). A key with a hint in range has its hinted record asked for at
- * once (a stale hint costs a useless prefetch, never a wrong answer); one without, its home
- * ctrl byte far ahead and, nearer, the record those ctrl bytes lead to. */
-static inline void prefetch_stage(const emb_mem *m, const uint64_t *h, const uint64_t *hints,
-                                  uint32_t k, size_t bytes, bool far)
+/* Where key idx[i] (k) lives in memory (-1: absent): at its hint (hints may be NULL) or the
+ * candidate its prefetch found, when the slot still holds the key (rows inserted or moved since
+ * make either fail, never lie), else by probing. */
+static inline int64_t locate(const emb_mem *m, const uint64_t *keys, const uint64_t *h,
+                             const uint64_t *hints, const lookahead *la, uint32_t k, size_t i)
 {
+    uint64_t guess = hints ? hints[k] : la->cand[i % PREFETCH_RING];
+    int64_t slot = guess != EMB_NO_HINT ? hinted_slot(m, keys[k], guess) : -1;
+    return slot >= 0 ? slot : emb_mem_find(m, keys[k], h[k]);
+}
+
+/* One stage of the prefetch for key idx[j] (k), the first `bytes` of its record (a pull reads
+ * the header and weights, a push all of it). A key with a hint in range has its hinted record
+ * asked for at once (a stale hint costs a useless prefetch, never a wrong answer); one without,
+ * its home ctrl byte far ahead and, nearer, the record those ctrl bytes lead to. */
+static inline void prefetch_stage(const emb_mem *m, const uint64_t *h, const uint64_t *hints,
+                                  lookahead *la, const uint32_t *idx, size_t j, size_t bytes,
+                                  bool far)
+{
+    uint32_t k = idx[j];
     bool hinted = hints != NULL && hints[k] < m->cap;
     if (far && hinted)
         emb_mem_prefetch_slot(m, hints[k], bytes);
     else if (far)
         emb_mem_prefetch_ctrl(m, h[k]);
+    else if (hints == NULL)
+        la->cand[j % PREFETCH_RING] = emb_mem_prefetch_probe(m, h[k], bytes);
     else if (!hinted)
         emb_mem_prefetch_probe(m, h[k], bytes);
 }
@@ -213,16 +225,18 @@ static inline void prefetch_stage(const emb_mem *m, const uint64_t *h, const uin
 /* The stages due before lookup i of a group idx[0..n); lookup 0 also issues those of the first
  * keys, which no earlier lookup did (a sub-shard's group in a training batch is ~200 keys). */
 static inline void prefetch_ahead(const emb_mem *m, const uint64_t *h, const uint64_t *hints,
-                                  const uint32_t *idx, size_t n, size_t i, size_t bytes)
+                                  lookahead *la, const uint32_t *idx, size_t n, size_t i,
+                                  size_t bytes)
 {
     if (i == 0) {
         for (size_t j = 0; j < PREFETCH_FAR && j < n; j++)
-            prefetch_stage(m, h, hints, idx[j], bytes, true);
+            prefetch_stage(m, h, hints, la, idx, j, bytes, true);
         for (size_t j = 0; j < PREFETCH_NEAR && j < n; j++)
-            prefetch_stage(m, h, hints, idx[j], bytes, false);
+            prefetch_stage(m, h, hints, la, idx, j, bytes, false);
     }
-    if (i + PREFETCH_FAR < n) prefetch_stage(m, h, hints, idx[i + PREFETCH_FAR], bytes, true);
-    if (i + PREFETCH_NEAR < n) prefetch_stage(m, h, hints, idx[i + PREFETCH_NEAR], bytes, false);
+    if (i + PREFETCH_FAR < n) prefetch_stage(m, h, hints, la, idx, i + PREFETCH_FAR, bytes, true);
+    if (i + PREFETCH_NEAR < n)
+        prefetch_stage(m, h, hints, la, idx, i + PREFETCH_NEAR, bytes, false);
 }
 
 /* Phases 1 and 2: which keys of the group are absent, and what the spill store holds of them. */
@@ -230,11 +244,12 @@ static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *k
                             const uint64_t *h, const uint64_t *hints, const uint32_t *idx, size_t m,
                             size_t want, char **errptr)
 {
+    lookahead la;
     sc->n_miss = 0;
     for (size_t i = 0; i < m; i++) {
-        prefetch_ahead(&s->mem, h, hints, idx, m, i, want);
+        prefetch_ahead(&s->mem, h, hints, &la, idx, m, i, want);
         uint32_t k = idx[i];
-        int64_t slot = locate(&s->mem, keys[k], h[k], hints, k);
+        int64_t slot = locate(&s->mem, keys, h, hints, &la, k, i);
         if (slot >= 0) {
             s->mem.ctrl[slot] |= EMB_CTRL_REF;
             continue;
@@ -329,10 +344,11 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
         rc = prefetch_spilled(t, s, sc, keys, h, hints, idx, m, want, errptr);
         if (rc != CM_OK) return rc;
     }
+    lookahead la;
     for (size_t i = 0; i < m; i++) {
-        prefetch_ahead(&s->mem, h, hints, idx, m, i, want);
+        prefetch_ahead(&s->mem, h, hints, &la, idx, m, i, want);
         uint32_t k = idx[i];
-        int64_t slot = locate(&s->mem, keys[k], h[k], hints, k);
+        int64_t slot = locate(&s->mem, keys, h, hints, &la, k, i);
         if (slot < 0) {
             rc = fault_in(t, s, sc, keys[k], h[k], op, &slot, errptr);
             if (rc != CM_OK) break;
@@ -346,7 +362,10 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
         emb_rec_hdr *hdr = (emb_rec_hdr *)rec;
         uint8_t ctrl = s->mem.ctrl[slot] | EMB_CTRL_REF;
         if (op == OP_PULL) {
-            memcpy(out + k * dim, emb_rec_weights(rec), dim * sizeof(float));
+            if (dim == 16) /* the common dim: a copy of fixed size, inlined */
+                memcpy(out + k * 16, emb_rec_weights(rec), 16 * sizeof(float));
+            else
+                memcpy(out + k * dim, emb_rec_weights(rec), dim * sizeof(float));
         } else {
             emb_opt_apply(&t->cfg, rec, grads + k * dim);
             ctrl &= (uint8_t)~EMB_CTRL_CLEAN;
