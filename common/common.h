@@ -46,6 +46,14 @@ uint16_t cm_f32_to_f16(float f);
 float cm_f16_to_f32(uint16_t h);
 uint16_t cm_f32_to_bf16(float f);
 float cm_bf16_to_f32(uint16_t h);
+/* n values at a time, bit for bit what the one-value functions give (a NaN decodes quiet, and
+ * encodes to the quiet NaN 0x7e00 with its sign): with F16C where the CPU has it, else the
+ * _scalar loops, which stay public so tests can hold the two paths equal. The halves are n
+ * little-endian pairs of bytes at any alignment (a wire payload); src and dst do not overlap. */
+void cm_f32_to_f16_n(const float *src, void *dst, size_t n);
+void cm_f16_to_f32_n(const void *src, float *dst, size_t n);
+void cm_f32_to_f16_n_scalar(const float *src, void *dst, size_t n);
+void cm_f16_to_f32_n_scalar(const void *src, float *dst, size_t n);
 
 /* Index of the first non-finite of n floats, n when all are finite; vectorised for the common
  * case (all finite): gradients are checked on every push. */

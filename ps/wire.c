@@ -190,11 +190,14 @@ void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, ui
         if (back) memcpy(back, src, n * 4);
         break;
     case PS_CODEC_F16:
+        cm_f32_to_f16_n(src, dst, n);
+        if (back) cm_f16_to_f32_n(dst, back, n);
+        break;
     case PS_CODEC_BF16:
         for (size_t i = 0; i < n; i++) {
-            uint16_t v = c == PS_CODEC_F16 ? cm_f32_to_f16(src[i]) : cm_f32_to_bf16(src[i]);
+            uint16_t v = cm_f32_to_bf16(src[i]);
             memcpy(dst + 2 * i, &v, 2);
-            if (back) back[i] = c == PS_CODEC_F16 ? cm_f16_to_f32(v) : cm_bf16_to_f32(v);
+            if (back) back[i] = cm_bf16_to_f32(v);
         }
         break;
     case PS_CODEC_INT8:
@@ -220,11 +223,13 @@ int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, f
         memcpy(dst, src, n * 4);
         break;
     case PS_CODEC_F16:
+        cm_f16_to_f32_n(src, dst, n);
+        break;
     case PS_CODEC_BF16:
         for (size_t i = 0; i < n; i++) {
             uint16_t v;
             memcpy(&v, src + 2 * i, 2);
-            dst[i] = c == PS_CODEC_F16 ? cm_f16_to_f32(v) : cm_bf16_to_f32(v);
+            dst[i] = cm_bf16_to_f32(v);
         }
         break;
     case PS_CODEC_INT8:

@@ -30,5 +30,6 @@ int main(void)
             CHECK_MSG(cm_xxh3(buf + off, big[k]) == XXH3_64bits(buf + off, big[k]),
                       "length %zu at offset %zu", big[k], off);
     }
+    free(buf);
     return check_done();
 }
