@@ -180,10 +180,7 @@ static void encode_row(ember_serve_precision p, const float *x, uint32_t dim, ui
     if (p == EMBER_SERVE_FP32) {
         memcpy(out, x, dim * sizeof(float));
     } else if (p == EMBER_SERVE_FP16) {
-        for (uint32_t j = 0; j < dim; j++) {
-            uint16_t v = cm_f32_to_f16(x[j]);
-            memcpy(out + 2 * j, &v, 2);
-        }
+        cm_f32_to_f16_n(x, out, dim);
     } else {
         cm_int8_row_encode(x, dim, out);
     }
@@ -526,11 +523,7 @@ static void decode_row(const serve_table *t, uint32_t row, float *out)
     if (t->prec == EMBER_SERVE_FP32) {
         memcpy(out, r, t->dim * sizeof(float));
     } else if (t->prec == EMBER_SERVE_FP16) {
-        for (uint32_t j = 0; j < t->dim; j++) {
-            uint16_t v;
-            memcpy(&v, r + 2 * j, 2);
-            out[j] = cm_f16_to_f32(v);
-        }
+        cm_f16_to_f32_n(r, out, t->dim);
     } else {
         cm_int8_row_decode(r, t->dim, out);
     }
