@@ -128,6 +128,74 @@ static inline uint64_t emb_mem_prefetch_probe(const emb_mem *m, uint64_t h, size
     }
     return EMB_NO_HINT;
 }
+/* The slot a hint names when it still holds key, else -1. Memory holds a key in at most one
+ * slot, so a hint that passes is exactly what emb_mem_find would return: whatever moved rows
+ * since the hint was taken (growth, eviction, TTL, a restore) at worst makes it fail here. */
+static inline int64_t emb_mem_hinted(const emb_mem *m, uint64_t key, uint64_t hint)
+{
+    if (hint >= m->cap || !(m->ctrl[hint] & EMB_CTRL_USED) ||
+        emb_rec_key(emb_mem_rec(m, (int64_t)hint)) != key)
+        return -1;
+    return (int64_t)hint;
+}
+
+/*
+ * Pipelined lookups of a batch of keys: before lookup i, emb_la_ahead issues the prefetch
+ * stages of the keys EMB_LA_FAR and EMB_LA_NEAR positions on (lookup 0 also those of the first
+ * keys), and emb_la_find then looks key i up. The keys are keys[idx[i]] (idx may be NULL: keys[i])
+ * with their hashes in h, likewise indexed; a key with a hint in range (hints may be NULL, else
+ * indexed like keys; EMB_NO_HINT for none) has its hinted record prefetched at once and tried
+ * first, one without its home ctrl byte far ahead and, nearer, the record its ctrl bytes lead
+ * to, whose slot is kept as its candidate (the lookup does not probe again). A stale hint or
+ * candidate (rows inserted or moved in between) costs a useless prefetch, never a wrong answer.
+ * `bytes`: how much of each record the caller reads (a pull the header and weights, a push all).
+ */
+#define EMB_LA_FAR 16
+#define EMB_LA_NEAR 8
+#define EMB_LA_RING 16 /* a power of two above EMB_LA_NEAR */
+typedef struct emb_lookahead {
+    uint64_t cand[EMB_LA_RING]; /* by position modulo EMB_LA_RING */
+} emb_lookahead;
+
+static inline void emb_la_stage(const emb_mem *m, emb_lookahead *la, const uint64_t *h,
+                                const uint64_t *hints, const uint32_t *idx, size_t j, size_t bytes,
+                                bool far)
+{
+    size_t k = idx ? idx[j] : j;
+    bool hinted = hints != NULL && hints[k] < m->cap;
+    if (far && hinted)
+        emb_mem_prefetch_slot(m, hints[k], bytes);
+    else if (far)
+        emb_mem_prefetch_ctrl(m, h[k]);
+    else if (hints == NULL)
+        la->cand[j % EMB_LA_RING] = emb_mem_prefetch_probe(m, h[k], bytes);
+    else if (!hinted)
+        emb_mem_prefetch_probe(m, h[k], bytes);
+}
+
+static inline void emb_la_ahead(const emb_mem *m, emb_lookahead *la, const uint64_t *h,
+                                const uint64_t *hints, const uint32_t *idx, size_t n, size_t i,
+                                size_t bytes)
+{
+    if (i == 0) {
+        for (size_t j = 0; j < EMB_LA_FAR && j < n; j++)
+            emb_la_stage(m, la, h, hints, idx, j, bytes, true);
+        for (size_t j = 0; j < EMB_LA_NEAR && j < n; j++)
+            emb_la_stage(m, la, h, hints, idx, j, bytes, false);
+    }
+    if (i + EMB_LA_FAR < n) emb_la_stage(m, la, h, hints, idx, i + EMB_LA_FAR, bytes, true);
+    if (i + EMB_LA_NEAR < n) emb_la_stage(m, la, h, hints, idx, i + EMB_LA_NEAR, bytes, false);
+}
+
+/* Slot of lookup i, whose key is keys[k] (k = idx[i], or i), or -1 when absent. */
+static inline int64_t emb_la_find(const emb_mem *m, const emb_lookahead *la, const uint64_t *keys,
+                                  const uint64_t *h, const uint64_t *hints, size_t k, size_t i)
+{
+    uint64_t guess = hints ? hints[k] : la->cand[i % EMB_LA_RING];
+    int64_t slot = guess != EMB_NO_HINT ? emb_mem_hinted(m, keys[k], guess) : -1;
+    return slot >= 0 ? slot : emb_mem_find(m, keys[k], h[k]);
+}
+
 /* Removes the record at slot; later records of its cluster shift back one slot. */
 void emb_mem_delete(emb_mem *m, int64_t slot);
 /* Bytes allocated. */

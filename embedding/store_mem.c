@@ -196,15 +196,27 @@ static void mem_close(void *impl)
     free(impl);
 }
 
+/* Batches run in chunks of this many keys, their hashes on the stack, looked up pipelined. */
+#define MEM_CHUNK 256
+
 static int mem_get(void *impl, const uint64_t *keys, size_t n, void *recs, uint8_t *found,
                    char **errptr)
 {
     (void)errptr;
     emb_mem *m = impl;
-    for (size_t i = 0; i < n; i++) {
-        int64_t s = emb_mem_find(m, keys[i], emb_key_hash(keys[i]));
-        found[i] = s >= 0;
-        if (s >= 0) memcpy((char *)recs + i * m->rec, emb_mem_rec(m, s), m->rec);
+    uint64_t h[MEM_CHUNK];
+    emb_lookahead la;
+    for (size_t c0 = 0; c0 < n; c0 += MEM_CHUNK) {
+        size_t c = n - c0 < MEM_CHUNK ? n - c0 : MEM_CHUNK;
+        const uint64_t *ck = keys + c0;
+        for (size_t i = 0; i < c; i++)
+            h[i] = emb_key_hash(ck[i]);
+        for (size_t i = 0; i < c; i++) {
+            emb_la_ahead(m, &la, h, NULL, NULL, c, i, m->rec);
+            int64_t s = emb_la_find(m, &la, ck, h, NULL, i, i);
+            found[c0 + i] = s >= 0;
+            if (s >= 0) memcpy((char *)recs + (c0 + i) * m->rec, emb_mem_rec(m, s), m->rec);
+        }
     }
     return CM_OK;
 }
@@ -212,13 +224,22 @@ static int mem_get(void *impl, const uint64_t *keys, size_t n, void *recs, uint8
 static int mem_put(void *impl, const void *recs, size_t n, char **errptr)
 {
     emb_mem *m = impl;
-    for (size_t i = 0; i < n; i++) {
-        const uint8_t *r = (const uint8_t *)recs + i * m->rec;
-        uint64_t key = emb_rec_key(r), h = emb_key_hash(key);
-        int64_t s = emb_mem_find(m, key, h);
-        if (s < 0) s = emb_mem_insert(m, key, h);
-        if (s < 0) return cm_err(errptr, CM_ENOMEM, "out of memory growing the memory store");
-        memcpy(emb_mem_rec(m, s), r, m->rec);
+    uint64_t key[MEM_CHUNK], h[MEM_CHUNK];
+    emb_lookahead la;
+    for (size_t c0 = 0; c0 < n; c0 += MEM_CHUNK) {
+        size_t c = n - c0 < MEM_CHUNK ? n - c0 : MEM_CHUNK;
+        const uint8_t *cr = (const uint8_t *)recs + c0 * m->rec;
+        for (size_t i = 0; i < c; i++) {
+            key[i] = emb_rec_key(cr + i * m->rec);
+            h[i] = emb_key_hash(key[i]);
+        }
+        for (size_t i = 0; i < c; i++) {
+            emb_la_ahead(m, &la, h, NULL, NULL, c, i, m->rec);
+            int64_t s = emb_la_find(m, &la, key, h, NULL, i, i);
+            if (s < 0) s = emb_mem_insert(m, key[i], h[i]);
+            if (s < 0) return cm_err(errptr, CM_ENOMEM, "out of memory growing the memory store");
+            memcpy(emb_mem_rec(m, s), cr + i * m->rec, m->rec);
+        }
     }
     return CM_OK;
 }

@@ -171,85 +171,17 @@ static int miss_cmp(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* The slot a hint names when it still holds key, else -1. Memory holds a key in at most one
- * slot, so a hint that passes is exactly what emb_mem_find would return: whatever moved rows
- * since the hint was taken (growth, eviction, TTL, a restore) at worst makes it fail here. */
-static inline int64_t hinted_slot(const emb_mem *m, uint64_t key, uint64_t hint)
-{
-    if (hint >= m->cap || !(m->ctrl[hint] & EMB_CTRL_USED) ||
-        emb_rec_key(emb_mem_rec(m, (int64_t)hint)) != key)
-        return -1;
-    return (int64_t)hint;
-}
-
-/* Keys ahead of the lookup at which the two stages of a key's prefetch are issued, and the
- * candidate slots the nearer stage found, by position in the group modulo PREFETCH_RING. */
-#define PREFETCH_FAR 16
-#define PREFETCH_NEAR 8
-#define PREFETCH_RING 16 /* a power of two above PREFETCH_NEAR */
-typedef struct lookahead {
-    uint64_t cand[PREFETCH_RING];
-} lookahead;
-
-/* Where key idx[i] (k) lives in memory (-1: absent): at its hint (hints may be NULL) or the
- * candidate its prefetch found, when the slot still holds the key (rows inserted or moved since
- * make either fail, never lie), else by probing. */
-static inline int64_t locate(const emb_mem *m, const uint64_t *keys, const uint64_t *h,
-                             const uint64_t *hints, const lookahead *la, uint32_t k, size_t i)
-{
-    uint64_t guess = hints ? hints[k] : la->cand[i % PREFETCH_RING];
-    int64_t slot = guess != EMB_NO_HINT ? hinted_slot(m, keys[k], guess) : -1;
-    return slot >= 0 ? slot : emb_mem_find(m, keys[k], h[k]);
-}
-
-/* One stage of the prefetch for key idx[j] (k), the first `bytes` of its record (a pull reads
- * the header and weights, a push all of it). A key with a hint in range has its hinted record
- * asked for at once (a stale hint costs a useless prefetch, never a wrong answer); one without,
- * its home ctrl byte far ahead and, nearer, the record those ctrl bytes lead to. */
-static inline void prefetch_stage(const emb_mem *m, const uint64_t *h, const uint64_t *hints,
-                                  lookahead *la, const uint32_t *idx, size_t j, size_t bytes,
-                                  bool far)
-{
-    uint32_t k = idx[j];
-    bool hinted = hints != NULL && hints[k] < m->cap;
-    if (far && hinted)
-        emb_mem_prefetch_slot(m, hints[k], bytes);
-    else if (far)
-        emb_mem_prefetch_ctrl(m, h[k]);
-    else if (hints == NULL)
-        la->cand[j % PREFETCH_RING] = emb_mem_prefetch_probe(m, h[k], bytes);
-    else if (!hinted)
-        emb_mem_prefetch_probe(m, h[k], bytes);
-}
-
-/* The stages due before lookup i of a group idx[0..n); lookup 0 also issues those of the first
- * keys, which no earlier lookup did (a sub-shard's group in a training batch is ~200 keys). */
-static inline void prefetch_ahead(const emb_mem *m, const uint64_t *h, const uint64_t *hints,
-                                  lookahead *la, const uint32_t *idx, size_t n, size_t i,
-                                  size_t bytes)
-{
-    if (i == 0) {
-        for (size_t j = 0; j < PREFETCH_FAR && j < n; j++)
-            prefetch_stage(m, h, hints, la, idx, j, bytes, true);
-        for (size_t j = 0; j < PREFETCH_NEAR && j < n; j++)
-            prefetch_stage(m, h, hints, la, idx, j, bytes, false);
-    }
-    if (i + PREFETCH_FAR < n) prefetch_stage(m, h, hints, la, idx, i + PREFETCH_FAR, bytes, true);
-    if (i + PREFETCH_NEAR < n)
-        prefetch_stage(m, h, hints, la, idx, i + PREFETCH_NEAR, bytes, false);
-}
-
 /* Phases 1 and 2: which keys of the group are absent, and what the spill store holds of them. */
 static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *keys,
                             const uint64_t *h, const uint64_t *hints, const uint32_t *idx, size_t m,
                             size_t want, char **errptr)
 {
-    lookahead la;
+    emb_lookahead la;
     sc->n_miss = 0;
     for (size_t i = 0; i < m; i++) {
-        prefetch_ahead(&s->mem, h, hints, &la, idx, m, i, want);
+        emb_la_ahead(&s->mem, &la, h, hints, idx, m, i, want);
         uint32_t k = idx[i];
-        int64_t slot = locate(&s->mem, keys, h, hints, &la, k, i);
+        int64_t slot = emb_la_find(&s->mem, &la, keys, h, hints, k, i);
         if (slot >= 0) {
             s->mem.ctrl[slot] |= EMB_CTRL_REF;
             continue;
@@ -344,11 +276,11 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
         rc = prefetch_spilled(t, s, sc, keys, h, hints, idx, m, want, errptr);
         if (rc != CM_OK) return rc;
     }
-    lookahead la;
+    emb_lookahead la;
     for (size_t i = 0; i < m; i++) {
-        prefetch_ahead(&s->mem, h, hints, &la, idx, m, i, want);
+        emb_la_ahead(&s->mem, &la, h, hints, idx, m, i, want);
         uint32_t k = idx[i];
-        int64_t slot = locate(&s->mem, keys, h, hints, &la, k, i);
+        int64_t slot = emb_la_find(&s->mem, &la, keys, h, hints, k, i);
         if (slot < 0) {
             rc = fault_in(t, s, sc, keys[k], h[k], op, &slot, errptr);
             if (rc != CM_OK) break;
