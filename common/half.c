@@ -152,8 +152,10 @@ float cm_bf16_to_f32(uint16_t h)
 float cm_absmax(const float *x, uint32_t dim)
 {
     float amax = 0.0f;
-    for (uint32_t j = 0; j < dim; j++)
-        amax = fmaxf(amax, fabsf(x[j]));
+    for (uint32_t j = 0; j < dim; j++) { /* fmaxf is a libm call here; a NaN is skipped alike */
+        float a = fabsf(x[j]);
+        amax = a > amax ? a : amax;
+    }
     return amax;
 }
 

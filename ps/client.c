@@ -921,15 +921,18 @@ static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *k
                 g[i * dim + j] += r[j];
         }
     } else {
+        double sq_error = 0, sq_norm = 0; /* in registers, not through c on every value */
         for (size_t i = 0; i < n; i++) {
             memcpy(recs + i * rec, &keys[i], 8);
             float *r = (float *)(recs + i * rec + 8);
             for (uint32_t j = 0; j < dim; j++) {
                 r[j] = g[i * dim + j] - back[i * dim + j];
-                c->st.push_sq_error += (double)r[j] * r[j];
-                c->st.push_sq_norm += (double)g[i * dim + j] * g[i * dim + j];
+                sq_error += (double)r[j] * r[j];
+                sq_norm += (double)g[i * dim + j] * g[i * dim + j];
             }
         }
+        c->st.push_sq_error += sq_error;
+        c->st.push_sq_norm += sq_norm;
         rc = emb_store_put(st, recs, n, errptr);
     }
 out:
