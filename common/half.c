@@ -160,8 +160,9 @@ float cm_absmax(const float *x, uint32_t dim)
 }
 
 /* Rounds with rintf (to nearest even, as lrintf did) and clamps in float, which the compiler
- * vectorises (the AVX2 clone rounds 8 values an instruction); the rounded value is a whole
- * number of magnitude at most 127, so q and back are the same bits as with lrintf. */
+ * vectorises (the AVX2 clone rounds 8 values an instruction); clamped, the rounded value is a
+ * whole number of magnitude at most 127, so q and back are the same bits as with lrintf (a NaN,
+ * which callers reject before, still gives -127). */
 __attribute__((target_clones("avx2", "default"))) void
 cm_int8_quantize(const float *x, uint32_t dim, float scale, float inv, uint8_t *q, float *back)
 {
@@ -170,7 +171,7 @@ cm_int8_quantize(const float *x, uint32_t dim, float scale, float inv, uint8_t *
     const bool divide = !isfinite(inv);
     for (uint32_t j = 0; j < dim; j++) {
         float r = rintf(divide ? x[j] / scale : x[j] * inv);
-        int v = (int)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        int v = (int)(r >= -127.0f ? (r <= 127.0f ? r : 127.0f) : -127.0f); /* NaN: -127 */
         q[j] = (uint8_t)(int8_t)v;
         if (back) back[j] = (float)v * scale; /* from v, not r: a rounded -0.0 decodes as +0 */
     }
