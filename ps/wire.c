@@ -36,19 +36,6 @@ size_t ps_codec_row_bytes(ps_codec c, uint32_t dim)
     return 0;
 }
 
-uint32_t ps_key_shard(uint64_t key, uint32_t n_shards)
-{
-    /* Jump consistent hash (Lamping & Veach) over xxh3 of the key. */
-    uint64_t h = XXH3_64bits(&key, sizeof key);
-    int64_t b = -1, j = 0;
-    while (j < (int64_t)n_shards) {
-        b = j;
-        h = h * 2862933555777941757ull + 1;
-        j = (int64_t)((double)(b + 1) * ((double)(1ull << 31) / (double)((h >> 33) + 1)));
-    }
-    return (uint32_t)b;
-}
-
 static uint64_t seal_hash(const void *buf, size_t total)
 {
     XXH3_state_t st;
