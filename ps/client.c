@@ -962,8 +962,9 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     const bool own = !sp.identity || codec == PS_CODEC_INT8;
     float *gs = own ? calloc(sp.n_uniq * dim + 1, sizeof *gs) : (float *)grads;
     float *back = codec == PS_CODEC_INT8 ? malloc(sp.n_uniq * dim * sizeof *back + 1) : NULL;
-    uint8_t *enc = malloc(sp.n_uniq * rb + 1);
-    if (!gs || (codec == PS_CODEC_INT8 && !back) || !enc) {
+    /* fp32 rows are sent as they lie in gs; other codecs are encoded into enc first. */
+    uint8_t *enc = codec == PS_CODEC_F32 ? NULL : malloc(sp.n_uniq * rb + 1);
+    if (!gs || (codec == PS_CODEC_INT8 && !back) || (codec != PS_CODEC_F32 && !enc)) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto out;
     }
@@ -976,14 +977,16 @@ int ps_client_push(ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
     if (codec == PS_CODEC_INT8)
         rc = error_feedback(c, table, sp.skeys, sp.n_uniq, gs, NULL, 0, errptr);
     if (rc != CM_OK) goto out;
-    ps_codec_encode(codec, gs, sp.n_uniq, dim, enc, codec == PS_CODEC_INT8 ? back : NULL);
+    if (enc != NULL)
+        ps_codec_encode(codec, gs, sp.n_uniq, dim, enc, codec == PS_CODEC_INT8 ? back : NULL);
     if (codec == PS_CODEC_INT8)
         rc = error_feedback(c, table, sp.skeys, sp.n_uniq, gs, back, 1, errptr);
+    const uint8_t *rows = enc != NULL ? enc : (const uint8_t *)gs;
     for (uint32_t s = 0; s < ns && rc == CM_OK; s++) {
         size_t cnt = sp.start[s + 1] - sp.start[s];
         if (cnt == 0) continue;
         if (push_shard(c, s, table, codec, sp.skeys + sp.start[s], cnt,
-                       enc + (size_t)sp.start[s] * rb, rb) != CM_OK)
+                       rows + (size_t)sp.start[s] * rb, rb) != CM_OK)
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     }
     if (rc == CM_OK) __atomic_add_fetch(&c->st.rows_pushed, sp.n_uniq, __ATOMIC_RELAXED);
