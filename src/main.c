@@ -1,14 +1,19 @@
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/common.h"
 #include "src/cli.h"
 
+char *openblas_get_corename(void);
+
 static int cmd_version(int argc, char **argv)
 {
     (void)argc;
     (void)argv;
-    printf("ember %s\n", EMBER_VERSION);
+    const char *forced = getenv("OPENBLAS_CORETYPE");
+    printf("ember %s (OpenBLAS kernels: %s%s)\n", EMBER_VERSION, openblas_get_corename(),
+           forced != NULL ? ", set by OPENBLAS_CORETYPE" : "");
     return 0;
 }
 
@@ -37,6 +42,9 @@ static void usage(FILE *to)
 
 int main(int argc, char **argv)
 {
+    /* OpenBLAS chose its kernels as it loaded; where it fell back to pre-AVX2 ones, ember runs
+     * again with the right ones (ember version says which it uses). */
+    cm_blas_core_reexec(openblas_get_corename(), argv);
     cm_malloc_tune();
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "help") == 0) {
         usage(argc < 2 ? stderr : stdout);

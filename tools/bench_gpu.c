@@ -455,6 +455,7 @@ static const char *jstr(const char *s, char *buf, size_t n)
 
 int main(int argc, char **argv)
 {
+    bench_blas_core(argv);
     bench_init("bench gpu", NULL);
     bench_train_opts o;
     bench_train_opts_init(&o, "bench gpu");

@@ -158,6 +158,7 @@ static void usage(void)
 int main(int argc, char **argv)
 {
     uint32_t B = 2048, U = 13000, tl[MAX_THREADS], nt = 0;
+    bench_blas_core(argv);
     int steps = 30;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;

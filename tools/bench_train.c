@@ -200,6 +200,7 @@ static void loadavg(char *buf, size_t n)
 
 int main(int argc, char **argv)
 {
+    bench_blas_core(argv);
     bench_init("bench train", NULL);
     bench_train_opts o;
     bench_train_opts_init(&o, "bench train");

@@ -12,6 +12,8 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
+
+#include "common/common.h"
 #include <unistd.h>
 
 /* A benchmark is one program that stops at its first failure: these helpers print what failed
@@ -35,6 +37,16 @@ static inline void bench_init(const char *name, void (*on_die)(void))
 {
     bench_self()->name = name;
     bench_self()->on_die = on_die;
+}
+
+char *openblas_get_corename(void);
+
+/* For the benchmarks that compute with OpenBLAS (and start PyTorch, which loads the same
+ * library): the kernels ember itself would use (see cm_blas_core_reexec), inherited by every
+ * child, so a side-by-side run compares the same kernels. First thing in main. */
+static inline void bench_blas_core(char **argv)
+{
+    cm_blas_core_reexec(openblas_get_corename(), argv);
 }
 
 /* Prints "NAME: what: err" and exits 1; frees err (NULL: only what). */
