@@ -395,10 +395,11 @@ static size_t carve(size_t *at, size_t bytes)
     return o;
 }
 
-extern "C" int backend_cuda_probe(char **errptr);
+/* The module's two entry points, found by name (dlsym) by the registry in backend.c. */
+extern "C" int backend_cuda_module_probe(char **errptr);
 
 /* 0 when at least one device is usable; the error names why not. */
-int backend_cuda_probe(char **errptr)
+int backend_cuda_module_probe(char **errptr)
 {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
@@ -670,7 +671,7 @@ static int spmm_presize(cu *c, const plan *pl, char **errptr)
 static int create_impl(cu *c, const model_cfg *m, const model_layout *l, uint32_t max_b,
                        uint32_t max_u, uint32_t flags, char **errptr)
 {
-    TRY(backend_cuda_probe(errptr));
+    TRY(backend_cuda_module_probe(errptr));
     CUDA_TRY(cudaGetDevice(&c->dev));
     CUDA_TRY(cudaSetDevice(c->dev));
     /* A GPU this build has neither SASS nor PTX for would fail only at the first launch, mid
@@ -1247,4 +1248,4 @@ static int cuda_step(void *state, const float *P, const model_batch *b, float *p
 static const backend_ops cuda_ops = {"cuda", cuda_create, cuda_destroy, cuda_prefetch, cuda_step,
                                      NULL};
 
-extern "C" const backend_ops *const backend_cuda_ops = &cuda_ops;
+extern "C" const backend_ops *const backend_cuda_module_ops = &cuda_ops;

@@ -189,11 +189,19 @@ typedef struct backend_ops {
 } backend_ops;
 
 extern const backend_ops backend_cpu_ops;
-/* NULL when ember was built without CUDA. */
-extern const backend_ops *const backend_cuda_ops;
 
-/* 0 when a CUDA device is usable, else an error saying why (not built, no driver, no
- * device). Cheap: it creates nothing. */
+/* Whether this build has the cuda backend (nvcc was found). */
+bool backend_cuda_built(void);
+
+/* The cuda backend, or NULL with an error saying why (not built, its module not found or not
+ * loadable). It lives in a module, libember_cuda.so beside the ember binary (or where
+ * EMBER_CUDA_MODULE names it), loaded on the first call: the CUDA libraries map ~250 MB and
+ * take ~80 ms to load, which a CPU run, a PS process and every other command never pay.
+ * Thread-safe; the answer is the same for the life of the process. */
+const backend_ops *backend_cuda(char **errptr);
+
+/* 0 when a CUDA device is usable, else an error saying why (not built, module not loadable,
+ * no driver, no device). Loads the module; creates nothing on the device. */
 int backend_cuda_probe(char **errptr);
 
 /* "cpu" or "cuda" (error when not built or no device). */

@@ -1216,8 +1216,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         rc = backend_find(o->device, &S->be, errptr);
     } else {
         /* Auto: CUDA when built in and a device answers, else the CPU. */
-        S->be = backend_cuda_ops != NULL && backend_cuda_probe(NULL) == CM_OK ? backend_cuda_ops
-                                                                              : &backend_cpu_ops;
+        S->be = backend_cuda_probe(NULL) == CM_OK ? backend_cuda(NULL) : &backend_cpu_ops;
     }
     if (rc != CM_OK) return rc;
     /* The PS cluster this model needs. */

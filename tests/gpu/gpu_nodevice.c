@@ -6,26 +6,44 @@
  * path on every machine, GPU or not. In a build without CUDA, backend_find("cuda") itself must
  * say so.
  */
+#include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
 #include "src/model.h"
 
+/* Whether this process maps a library whose path contains `name`. */
+static bool mapped(const char *name)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    char line[4600];
+    bool found = false;
+    while (f != NULL && !found && fgets(line, sizeof line, f) != NULL)
+        found = strstr(line, name) != NULL;
+    if (f != NULL) fclose(f);
+    return found;
+}
+
 int main(void)
 {
     setenv("CUDA_VISIBLE_DEVICES", "-1", 1);
     char *err = NULL;
     const backend_ops *ops = NULL;
+    /* Linking the registry maps no CUDA library: only loading the backend does. */
+    CHECK_MSG(!mapped("libcudart") && !mapped("libcublas"), "CUDA libraries mapped at start");
     int rc = backend_find("cuda", &ops, &err);
-    if (backend_cuda_ops == NULL) {
-        CHECK(rc != 0);
+    if (!backend_cuda_built()) {
+        CHECK(rc != 0 && ops == NULL && backend_cuda(NULL) == NULL);
         CHECK_MSG(err && strstr(err, "without CUDA"), "err=%s", err ? err : "(none)");
         free(err);
         return check_done();
     }
+    /* The module loads (from beside the ember binary, or where this build put it). */
     CHECK_OK(rc, err);
-    CHECK(ops == backend_cuda_ops);
+    CHECK(ops != NULL && ops == backend_cuda(NULL));
+    CHECK_MSG(mapped("libember_cuda.so") && mapped("libcudart"), "module not mapped once loaded");
     CHECK(ops && strcmp(ops->name, "cuda") == 0);
     if (ops == NULL) return check_done();
 

@@ -32,6 +32,8 @@
 #include "rng.h"
 #include "src/model.h"
 
+static const backend_ops *cuda; /* the cuda backend, loaded in main */
+
 typedef struct batch {
     uint32_t B, F, D, U;
     float *dense, *labels, *val, *emb[MODEL_MAX_TABLES];
@@ -174,7 +176,7 @@ static void compare_step(const char *name, const model_layout *l, void *gpu, voi
                                   with_bwd ? c.demb : NULL, &err);
     CHECK_OK(rc, err);
     outs_poison(&g, l, b->B, b->U);
-    rc = backend_cuda_ops->step(gpu, params, &b->mb, g.probs, &g.loss, with_bwd ? g.dparams : NULL,
+    rc = cuda->step(gpu, params, &b->mb, g.probs, &g.loss, with_bwd ? g.dparams : NULL,
                                 with_bwd ? g.demb : NULL, &err);
     CHECK_OK(rc, err);
     fprintf(stderr, "%s B %u U %u %s:\n", name, b->B, b->U, with_bwd ? "train" : "forward");
@@ -194,7 +196,7 @@ static void compare_step(const char *name, const model_layout *l, void *gpu, voi
         memset(&g2, 0, sizeof g2);
         outs_alloc(&g2, l, b->B, b->U);
         outs_poison(&g2, l, b->B, b->U);
-        rc = backend_cuda_ops->step(gpu, params, &b->mb, g2.probs, &g2.loss, g2.dparams, g2.demb, &err);
+        rc = cuda->step(gpu, params, &b->mb, g2.probs, &g2.loss, g2.dparams, g2.demb, &err);
         CHECK_OK(rc, err);
         int same = same_bits(g.probs, g2.probs, b->B) && same_bits(g.dparams, g2.dparams, l->n_params) &&
                    memcmp(&g.loss, &g2.loss, sizeof g.loss) == 0;
@@ -219,7 +221,7 @@ typedef struct pf_job {
 static void *pf_main(void *arg)
 {
     pf_job *j = arg;
-    j->rc = backend_cuda_ops->prefetch(j->gpu, j->params, j->mb, &j->mb->ticket, &j->err);
+    j->rc = cuda->prefetch(j->gpu, j->params, j->mb, &j->mb->ticket, &j->err);
     return NULL;
 }
 
@@ -227,7 +229,7 @@ static void prefetch_ok(void *gpu, const float *params, batch *b)
 {
     char *err = NULL;
     b->mb.ticket = 0;
-    CHECK_OK(backend_cuda_ops->prefetch(gpu, params, &b->mb, &b->mb.ticket, &err), err);
+    CHECK_OK(cuda->prefetch(gpu, params, &b->mb, &b->mb.ticket, &err), err);
     CHECK(b->mb.ticket != 0);
 }
 
@@ -237,7 +239,7 @@ static void step_fails(void *gpu, const float *params, const batch *b, const cha
     char *err = NULL;
     float *probs = malloc(b->B * sizeof(float) + 4);
     double loss;
-    int rc = backend_cuda_ops->step(gpu, params, &b->mb, probs, &loss, NULL, NULL, &err);
+    int rc = cuda->step(gpu, params, &b->mb, probs, &loss, NULL, NULL, &err);
     CHECK_MSG(rc != 0 && err && strstr(err, what), "expected an error about '%s', got rc %d: %s",
               what, rc, err ? err : "(none)");
     free(err);
@@ -294,7 +296,7 @@ static void run_prefetch(const char *name, const model_layout *l, void *gpu, voi
         outs_alloc(&g, l, b[3].B, b[3].U);
         outs_poison(&g, l, b[3].B, b[3].U);
         CHECK_OK(
-            backend_cuda_ops->step(gpu, pz, &b[3].mb, g.probs, &g.loss, g.dparams, g.demb, &err),
+            cuda->step(gpu, pz, &b[3].mb, g.probs, &g.loss, g.dparams, g.demb, &err),
             err);
         fprintf(stderr, "%s B %u U %u prefetched, then poisoned:\n", name, b[3].B, b[3].U);
         CHECK_MSG(close_arrays("probs", g.probs, c.probs, b[3].B), "%s poisoned probs", name);
@@ -340,7 +342,7 @@ static void run_model(model_kind kind, int mean, int key_weights)
     for (size_t i = 0; i < l.n_params; i++)
         if (params[i] == 0.0f) params[i] = unif(-0.1f, 0.1f);
     void *gpu = NULL, *cpu = NULL;
-    CHECK_OK(backend_cuda_ops->create(&m, &l, max_b, max_u, 1, 0, &gpu, &err), err);
+    CHECK_OK(cuda->create(&m, &l, max_b, max_u, 1, 0, &gpu, &err), err);
     CHECK_OK(backend_cpu_ops.create(&m, &l, max_b, max_u, 1, 0, &cpu, &err), err);
     if (gpu == NULL || cpu == NULL) goto out;
 
@@ -366,10 +368,10 @@ static void run_model(model_kind kind, int mean, int key_weights)
         double lg = NAN, lc = NAN;
         for (int i = 0; i < 50; i++) pg[i] = NAN;
         CHECK_OK(backend_cpu_ops.step(cpu, params, &b.mb, pc, &lc, NULL, NULL, &err), err);
-        CHECK_OK(backend_cuda_ops->step(gpu, params, &b.mb, pg, &lg, NULL, NULL, &err), err);
+        CHECK_OK(cuda->step(gpu, params, &b.mb, pg, &lg, NULL, NULL, &err), err);
         CHECK(lg == 0.0 && lc == 0.0);
         CHECK_MSG(close_arrays("probs (no labels)", pg, pc, 50), "%s unlabelled probs", name);
-        int rc = backend_cuda_ops->step(gpu, params, &b.mb, pg, &lg, dp, de, &err);
+        int rc = cuda->step(gpu, params, &b.mb, pg, &lg, dp, de, &err);
         CHECK(rc != 0 && err && strstr(err, "labels"));
         free(err);
         err = NULL;
@@ -386,14 +388,14 @@ static void run_model(model_kind kind, int mean, int key_weights)
      * slot grows, synchronously and prefetched. */
     {
         void *small = NULL;
-        CHECK_OK(backend_cuda_ops->create(&m, &l, max_b, 800, 1, 0, &small, &err), err);
+        CHECK_OK(cuda->create(&m, &l, max_b, 800, 1, 0, &small, &err), err);
         batch b;
         batch_make(&b, &l, 300, F, D, 700, mean, key_weights);
         if (small) {
             compare_step(name, &l, small, cpu, params, &b, 1);
             prefetch_ok(small, params, &b);
             compare_step(name, &l, small, cpu, params, &b, 1);
-            backend_cuda_ops->destroy(small);
+            cuda->destroy(small);
         }
         batch_free(&b);
     }
@@ -404,13 +406,13 @@ static void run_model(model_kind kind, int mean, int key_weights)
         batch_make(&b, &l, 10, F, D, max_u + 1, mean, key_weights);
         float probs[10];
         double loss;
-        int rc = backend_cuda_ops->step(gpu, params, &b.mb, probs, &loss, NULL, NULL, &err);
+        int rc = cuda->step(gpu, params, &b.mb, probs, &loss, NULL, NULL, &err);
         CHECK(rc != 0 && err != NULL);
         free(err);
         err = NULL;
         b.mb.F = F + 1;
         b.mb.U = 5;
-        rc = backend_cuda_ops->step(gpu, params, &b.mb, probs, &loss, NULL, NULL, &err);
+        rc = cuda->step(gpu, params, &b.mb, probs, &loss, NULL, NULL, &err);
         CHECK(rc != 0 && err != NULL);
         free(err);
         err = NULL;
@@ -418,7 +420,7 @@ static void run_model(model_kind kind, int mean, int key_weights)
         b.mb.F = F;
         b.mb.U = 2;
         if (b.row_ptr[b.B * F] > 0) {
-            rc = backend_cuda_ops->step(gpu, params, &b.mb, probs, &loss, NULL, NULL, &err);
+            rc = cuda->step(gpu, params, &b.mb, probs, &loss, NULL, NULL, &err);
             CHECK(rc != 0 && err != NULL);
             free(err);
             err = NULL;
@@ -438,7 +440,7 @@ static void run_model(model_kind kind, int mean, int key_weights)
         float *dp = malloc(l.n_params * sizeof(float));
         float *de[MODEL_MAX_TABLES] = {0};
         for (size_t i = 0; i < l.n_params; i++) dp[i] = NAN;
-        CHECK_OK(backend_cuda_ops->step(gpu, params, &b.mb, probs, &loss, dp, de, &err), err);
+        CHECK_OK(cuda->step(gpu, params, &b.mb, probs, &loss, dp, de, &err), err);
         CHECK(loss == 0.0);
         int zero = 1;
         for (size_t i = 0; i < l.n_params; i++) zero = zero && dp[i] == 0.0f;
@@ -447,7 +449,7 @@ static void run_model(model_kind kind, int mean, int key_weights)
         batch_free(&b);
     }
 out:
-    if (gpu) backend_cuda_ops->destroy(gpu);
+    if (gpu) cuda->destroy(gpu);
     if (cpu) backend_cpu_ops.destroy(cpu);
     free(params);
 }
@@ -456,8 +458,14 @@ int main(void)
 {
     rng_state = 12345;
     int n = 0;
+    char *err = NULL;
+    if (backend_cuda_probe(&err) != 0 || (cuda = backend_cuda(&err)) == NULL) {
+        printf("SKIPPED: %s\n", err ? err : "no CUDA device");
+        free(err);
+        return 77;
+    }
     cudaError_t e = cudaGetDeviceCount(&n);
-    if (backend_cuda_ops == NULL || e != cudaSuccess || n <= 0) {
+    if (e != cudaSuccess || n <= 0) {
         if (e != cudaSuccess) printf("SKIPPED: no CUDA device (%s)\n", cudaGetErrorString(e));
         else printf("SKIPPED: no CUDA device\n");
         return 77;
