@@ -491,6 +491,13 @@ static void cpu_destroy(void *state)
     free(c);
 }
 
+char *openblas_get_corename(void);
+
+const char *backend_cpu_kernels(void)
+{
+    return openblas_get_corename();
+}
+
 static void *gap_main(void *arg);
 
 static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b, uint32_t max_u,

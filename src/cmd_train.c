@@ -320,8 +320,9 @@ int cmd_train(int argc, char **argv)
     printf("{\"auc\":%s,\"logloss\":%s,\"samples_per_s\":%.1f,\"rows\":%" PRIu64
            ",\"seconds\":%.3f,\"steps\":%" PRIu64 ",\"eval_rows\":%" PRIu64
            ",\"train_loss\":%.6f,\"model\":\"%s\",\"workers\":%u,\"shards\":%u"
-           ",\"device\":\"%s\"}\n",
+           ",\"device\":\"%s\",\"cpu_kernels\":\"%s\"}\n",
            auc, logloss, r.samples_per_s, r.rows, r.seconds, r.steps, r.eval_rows, r.train_loss,
-           model_kind_name(o.model.kind), r.workers, r.shards, r.device ? r.device : "cpu");
+           model_kind_name(o.model.kind), r.workers, r.shards, r.device ? r.device : "cpu",
+           backend_cpu_kernels());
     return 0;
 }

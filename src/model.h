@@ -190,6 +190,10 @@ typedef struct backend_ops {
 
 extern const backend_ops backend_cpu_ops;
 
+/* The OpenBLAS kernels the cpu backend runs ("SkylakeX", "Haswell"...): results are the same
+ * bits for the same kernels, another core sums in another order. Static storage. */
+const char *backend_cpu_kernels(void);
+
 /* Whether this build has the cuda backend (nvcc was found). */
 bool backend_cuda_built(void);
 

@@ -1,8 +1,8 @@
 /*
  * ember gen -> ingest -> train, as a user runs them ($EMBER_BIN): every model trains on 48k
  * synthetic rows (one epoch, batch 512) and reports a sane final JSON line (auc, logloss,
- * samples_per_s, rows, seconds, steps, eval_rows, model, device) and a metrics.jsonl; every model
- * beats chance clearly (AUC > 0.6); the mlp finds the planted feature interactions that lr cannot
+ * samples_per_s, rows, seconds, steps, eval_rows, model, device, cpu_kernels) and a
+ * metrics.jsonl; every model beats chance clearly (AUC > 0.6); the mlp finds the planted feature interactions that lr cannot
  * (AUC mlp > lr); a one-worker run is deterministic (same AUC and logloss twice).
  */
 #include "cli_util.h"
@@ -29,6 +29,10 @@ static void check_run(const char *model, const char *json, double rows_train, do
     CHECK_MSG(json_raw(json, "device", dev, sizeof dev) == 0 &&
                   (strcmp(dev, "\"cpu\"") == 0 || strcmp(dev, "\"cuda\"") == 0),
               "%s: device %s, expected \"cpu\" or \"cuda\"", model, dev);
+    char kern[64] = "";
+    CHECK_MSG(json_raw(json, "cpu_kernels", kern, sizeof kern) == 0 && strlen(kern) > 2 &&
+                  kern[0] == '"',
+              "%s: cpu_kernels %s", model, kern);
 
     /* metrics.jsonl: one JSON object a line, the last at the final step. */
     char path[256];
