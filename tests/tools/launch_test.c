@@ -1,7 +1,8 @@
 /*
  * tools/launch: a 2 PS x 2 worker job on ~20K generated rows must print worker 0's JSON with
  * auc > 0.55 and leave no process behind; a job whose workers fail, and one stopped with
- * SIGTERM, must exit non-zero and leave no process behind either.
+ * SIGTERM, must exit non-zero and leave no process behind either. The PS processes run at
+ * niceness 5 (--ps-nice), the workers at the caller's; a bad --ps-nice is refused.
  *
  * argv[1] is tools/launch; $EMBER_BIN the ember binary (set by ember_add_test). Every child runs
  * in its own process group under a watchdog, so a hung launch cannot outlive the test.
@@ -96,6 +97,34 @@ static int alive_from(const char *run_dir, int *listed)
     return alive;
 }
 
+/* Checks the niceness of every listed process that runs: ps and backup at `ps_nice`, workers
+ * at this test's own. Returns how many it read. */
+static int check_nice(const char *run_dir, int ps_nice)
+{
+    char path[4400], role[32];
+    snprintf(path, sizeof path, "%s/pids", run_dir);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) return 0;
+    int idx, pid, n = 0, own = nice(0);
+    while (fscanf(f, "%31s %d %d", role, &idx, &pid) == 3) {
+        char stat[64], buf[1024];
+        snprintf(stat, sizeof stat, "/proc/%d/stat", pid);
+        FILE *s = fopen(stat, "r");
+        if (s == NULL) continue;
+        char *p = fgets(buf, sizeof buf, s) ? strrchr(buf, ')') : NULL;
+        fclose(s);
+        int ni = 0;
+        /* After the comm: state, then fields 4..19; niceness is field 19. */
+        if (p == NULL || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %d", &ni) != 1)
+            continue;
+        int want = strcmp(role, "worker") == 0 ? own : own + ps_nice;
+        CHECK_MSG(ni == want, "%s %d (pid %d) runs at niceness %d, expected %d", role, idx, pid, ni, want);
+        n++;
+    }
+    fclose(f);
+    return n;
+}
+
 static double json_num(const char *line, const char *key)
 {
     char pat[64];
@@ -172,6 +201,10 @@ int main(int argc, char **argv)
     CHECK_MSG(rc != 0 && rc != -1, "launch exited %d on a failing job", rc);
     CHECK(alive_from(run_bad, &listed) == 0);
 
+    char *badnice[] = {(char *)launch, "--ps", "1", "--workers", "1", "--ps-nice", "x", "--out", run_bad, "--",
+                       "--train", train, NULL};
+    CHECK_MSG(run(badnice, "/dev/null", 30) == 2, "--ps-nice x accepted");
+
     /* 3. SIGTERM while the job runs (long enough not to finish first). */
     char *term[] = {(char *)launch, "--ps", "2", "--workers", "2", "--out", run_term, "--", "--train", train,
                     "--model", "mlp", "--batch", "64", "--epochs", "1000", "--device", "cpu",
@@ -190,6 +223,8 @@ int main(int argc, char **argv)
     int before = alive_from(run_term, &listed);
     quiet = 0;
     CHECK_MSG(before > 0, "no process of the job running before SIGTERM (%d listed)", listed);
+    /* The PS processes share the cores with the workers at niceness 5 (--ps-nice's default). */
+    CHECK_MSG(check_nice(run_term, 5) > 0, "no niceness read");
     kill(pid, SIGTERM);
     rc = wait_bounded(pid, 30);
     CHECK_MSG(rc != 0 && rc != -1, "launch exited %d after SIGTERM", rc);
