@@ -4,7 +4,8 @@
  * final AUC and logloss equal A's to the last printed digit (a one-worker run is deterministic and
  * resuming replays exactly the pulls A made after its checkpoint), for a one-table model (mlp), a
  * two-table model (deepfm) and lr. Also: A's checkpoint directories and LATEST, the resumed
- * run's step and row counts, and metrics.jsonl appended across the two halves of B.
+ * run's step and row counts, and metrics.jsonl appended across the two halves of B. A resume
+ * under other OpenBLAS kernels than its checkpoint's says so.
  *
  * Early pulls: a worker pulls the keys its previous batch did not have before that batch is
  * pushed, except across a checkpoint. A run checkpointing after every step (no early pulls)
@@ -176,6 +177,27 @@ static void early_pulls(const char *model, const char *const *files)
     }
 }
 
+/* A resume under the checkpoint's OpenBLAS kernels is silent; under others it says that the run
+ * goes on but not bit for bit (OPENBLAS_CORETYPE, which ember keeps when it is set: Prescott
+ * and Core2 run on any x86-64). */
+static void kernels_warning(void)
+{
+    const char *common = "--train ds/train --model mlp --batch 512 --checkpoint-every 2 --out K "
+                         "--no-progress";
+    CHECK(run("train %s --max-steps 4", common) == 0);
+    CHECK(run("train %s --max-steps 6 --resume", common) == 0);
+    CHECK_MSG(!err_has("not bit for bit"), "a resume under the same kernels warned");
+    char *pos = slurp("K/ckpt/step-6/worker-0.pos");
+    CHECK_MSG(pos != NULL && strstr(pos, "\nkernels cpu/") != NULL, "position file: %s",
+              pos ? pos : "(missing)");
+    const char *other = pos != NULL && strstr(pos, "cpu/Prescott") ? "Core2" : "Prescott";
+    free(pos);
+    setenv("OPENBLAS_CORETYPE", other, 1);
+    CHECK(run("train %s --max-steps 8 --resume", common) == 0);
+    CHECK_MSG(err_has("not bit for bit"), "a resume under %s kernels did not say so", other);
+    unsetenv("OPENBLAS_CORETYPE");
+}
+
 int main(void)
 {
     if (cli_init("train_resume") != 0) return 1;
@@ -189,6 +211,7 @@ int main(void)
     resume_case("mlp", 2048, 2, 10, 24);
     resume_case("lr", 2048, 2, 20, 28);
     repeatable();
+    kernels_warning();
     static const char *const one_table[] = {"shard-0/MANIFEST", "shard-0/dense-tower.bin",
                                             "shard-0/table-emb/MANIFEST",
                                             "shard-0/table-emb/rows.bin", NULL};
