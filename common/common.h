@@ -84,15 +84,17 @@ void cm_malloc_tune(void);
 /* The OpenBLAS core (an OPENBLAS_CORETYPE value) this CPU should use, or NULL when `detected`
  * (openblas_get_corename()) is fine. A DYNAMIC_ARCH OpenBLAS that does not know a CPU model
  * falls back to a pre-AVX2 core (Debian 12's 0.3.21 runs SSE3 "Prescott" kernels on a Sapphire
- * Rapids Xeon, ~5x slower sgemm); this names the newest core the CPU and OS support instead.
- * OPENBLAS_CORETYPE is read when the library loads, so a program applies the answer by setting
- * it before OpenBLAS is loaded (a child's environment, a dlopen) or by re-executing itself. */
+ * Rapids Xeon: 31 against 142 GFLOP/s a core); this names the newest core the CPU and OS
+ * support instead. OPENBLAS_CORETYPE is read when the library loads, so a program applies the
+ * answer by setting it before OpenBLAS is loaded (a child's environment, a dlopen) or by
+ * re-executing itself. */
 const char *cm_blas_core_pick(const char *detected);
 
 /* Where cm_blas_core_pick(detected) names a core and OPENBLAS_CORETYPE is unset, sets it and
- * runs this program again (its own binary, /proc/self/exe) with argv, so that OpenBLAS loads with it; returns
- * when nothing needs doing or the exec failed (the run then goes on, only slower). Call first
- * thing in main, before any thread starts; `detected` is openblas_get_corename(). */
+ * runs this program again (its own binary, /proc/self/exe) with argv, so that OpenBLAS loads
+ * with it; returns when nothing needs doing or the exec failed (the run then goes on, only
+ * slower). Call first thing in main, before any thread starts; `detected` is
+ * openblas_get_corename(). */
 void cm_blas_core_reexec(const char *detected, char **argv);
 
 /* Makes the calling thread background work (reading, staging) that should take the cores only

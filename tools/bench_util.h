@@ -12,9 +12,9 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/common.h"
-#include <unistd.h>
 
 /* A benchmark is one program that stops at its first failure: these helpers print what failed
  * under the program's name and exit(1). They live here, not in a library, because only the
