@@ -30,6 +30,12 @@
  * number of threads at once; they only read the mappings. apply_delta and close must not run
  * concurrently with anything else on the handle.
  *
+ * Speed: predict's tower runs on OpenBLAS, whose kernels are chosen when the library loads. A
+ * DYNAMIC_ARCH OpenBLAS that does not know the CPU falls back to SSE3 kernels (Debian 12's
+ * 0.3.21 on a Sapphire Rapids: ~4.5x slower GEMMs); `ember predict` fixes that by itself, a
+ * program linking this library should set OPENBLAS_CORETYPE (`ember version` names the
+ * kernels to use) in the environment it starts with.
+ *
  * Errors: 0 or a negative code, with a message the caller owns (free()) in *errptr.
  */
 #ifndef EMBER_SERVE_H
