@@ -121,6 +121,9 @@ int cm_dir_swap(const char *tmpdir, const char *dir, char **errptr);
 /* Writes all n bytes to fd, retrying on EINTR and short writes. 0 or CM_EIO (errno set). */
 int cm_write_full(int fd, const void *buf, size_t n);
 
+/* The running program's own binary (readlink of /proc/self/exe) into buf, NUL-terminated. */
+int cm_self_exe(char *buf, size_t n, char **errptr);
+
 /* Reads a whole file into a heap buffer (*buf, owned by the caller, free()), length in *len. */
 int cm_read_file(const char *path, void **buf, size_t *len, char **errptr);
 

@@ -39,10 +39,6 @@ void cm_blas_core_reexec(const char *detected, char **argv)
     if (core == NULL || setenv("OPENBLAS_CORETYPE", core, 1) != 0) return;
     /* The binary's own path, not /proc/self/exe: the process keeps its name (ps, pkill). */
     char self[4096];
-    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n > 0) {
-        self[n] = '\0';
-        execv(self, argv);
-    }
+    if (cm_self_exe(self, sizeof self, NULL) == CM_OK) execv(self, argv);
     unsetenv("OPENBLAS_CORETYPE");
 }

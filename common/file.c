@@ -114,6 +114,15 @@ int cm_write_full(int fd, const void *buf, size_t n)
     return CM_OK;
 }
 
+int cm_self_exe(char *buf, size_t n, char **errptr)
+{
+    ssize_t got = n > 1 ? readlink("/proc/self/exe", buf, n - 1) : -1;
+    if (got <= 0) return cm_err_errno(errptr, CM_EIO, "cannot read /proc/self/exe");
+    if ((size_t)got >= n - 1) return cm_err(errptr, CM_EINVAL, "the binary's path is too long");
+    buf[got] = '\0';
+    return CM_OK;
+}
+
 int cm_read_file(const char *path, void **buf, size_t *len, char **errptr)
 {
     int fd = open(path, O_RDONLY);

@@ -52,13 +52,15 @@ static void cuda_load(void)
         return;
     }
     char self[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n > 0) {
-        self[n] = '\0';
+    if (cm_self_exe(self, sizeof self, NULL) == CM_OK) {
         char *slash = strrchr(self, '/');
         if (slash != NULL && (size_t)(slash - self) + sizeof "/libember_cuda.so" <= sizeof self) {
             strcpy(slash, "/libember_cuda.so");
-            if (access(self, F_OK) == 0 && cuda_try(self)) return;
+            if (access(self, F_OK) == 0) {
+                if (cuda_try(self)) return;
+                /* The same file, where the binary runs from its build: tried once. */
+                if (strcmp(self, EMBER_CUDA_MODULE_PATH) == 0) return;
+            }
         }
     }
     cuda_try(EMBER_CUDA_MODULE_PATH);

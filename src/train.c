@@ -810,8 +810,10 @@ static int prune_checkpoints(const setup *S, uint32_t keep, char **errptr)
     return rc;
 }
 
-/* Reads "<prefix><number>" from a small file. */
-static int read_tagged(const char *path, const char *fmt, uint64_t *out, char **errptr)
+/* Reads "<prefix><number>" from a small file; the whole text goes to *keep (the caller frees
+ * it) where keep is not NULL, else it is freed. */
+static int read_tagged(const char *path, const char *fmt, uint64_t *out, char **keep,
+                       char **errptr)
 {
     char *text = NULL;
     size_t len;
@@ -822,33 +824,33 @@ static int read_tagged(const char *path, const char *fmt, uint64_t *out, char **
         rc = cm_err(errptr, CM_ECORRUPT, "%s: unexpected contents", path);
     else
         *out = v;
-    free(text);
+    if (keep != NULL && rc == CM_OK)
+        *keep = text;
+    else
+        free(text);
     return rc;
 }
 
 /* A resume computed by other kernels than the checkpoint's continues correctly but not bit
  * for bit as the run straight through would have: said once, on stderr. A position file from
  * before the kernels were written says nothing. */
-static void warn_kernels(const setup *S, const char *pos)
+static void warn_kernels(const setup *S, const char *pos_text)
 {
-    char *text = NULL, now[64], then[64];
-    size_t len;
-    if (cm_read_file(pos, (void **)&text, &len, NULL) != CM_OK) return;
-    const char *k = strstr(text, "\nkernels ");
+    char now[64], then[64];
+    const char *k = strstr(pos_text, "\nkernels ");
     kernels_tag(S, now, sizeof now);
     if (k != NULL && sscanf(k, "\nkernels %63s", then) == 1 && strcmp(then, now) != 0)
         fprintf(stderr,
                 "ember train: resuming with %s kernels; the checkpoint was computed with %s: the "
                 "run goes on, but not bit for bit as it would have without the restart\n",
                 now, then);
-    free(text);
 }
 
 static int latest_step(const char *root, uint64_t *step, char **errptr)
 {
     char path[2300];
     snprintf(path, sizeof path, "%s/LATEST", root);
-    return read_tagged(path, "step-%llu", step, errptr);
+    return read_tagged(path, "step-%llu", step, NULL, errptr);
 }
 
 /* ---- a cluster worker's progress note (train.h, "Worker restart") ---- */
@@ -903,7 +905,7 @@ static uint64_t rejoin_position(const setup *S, uint32_t w, const char **from)
         if (latest_step(S->ckpt_root, &latest, NULL) == CM_OK) {
             ckpt_dir(S, latest, path, sizeof path);
             snprintf(pos, sizeof pos, "%s/worker-%u.pos", path, w);
-            if (read_tagged(pos, "step %llu", &step, NULL) == CM_OK) *from = "ckpt/LATEST";
+            if (read_tagged(pos, "step %llu", &step, NULL, NULL) == CM_OK) *from = "ckpt/LATEST";
         }
     }
     free(text);
@@ -1141,8 +1143,10 @@ static void *worker_main(void *arg)
         ps_client_barrier_seek(c, barrier_base(S->resume_step) + 4);
         rc = ps_client_load(c, dir, errptr);
         snprintf(pos, sizeof pos, "%s/worker-%u.pos", dir, W->index);
-        if (rc == CM_OK) rc = read_tagged(pos, "step %llu", &W->start, errptr);
-        if (rc == CM_OK) warn_kernels(S, pos);
+        char *pos_text = NULL;
+        if (rc == CM_OK) rc = read_tagged(pos, "step %llu", &W->start, &pos_text, errptr);
+        if (rc == CM_OK) warn_kernels(S, pos_text);
+        free(pos_text);
     }
     /* Clocks count batches, so a rejoined worker's clock is where the others expect it. */
     ps_client_clock_seek(c, W->start);

@@ -439,10 +439,8 @@ int main(int argc, char **argv)
         return 2;
     }
     psp_watchdog(o.quick ? 120 : 280);
-    char self[4096];
-    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (sl <= 0) bench_die("readlink /proc/self/exe", NULL);
-    self[sl] = '\0';
+    char self[4096], *serr = NULL;
+    bench_check(cm_self_exe(self, sizeof self, &serr), serr, "own path");
     char dir[] = "/tmp/ember-bench-ps.XXXXXX";
     if (mkdtemp(dir) == NULL) bench_die("mkdtemp", NULL);
     if (o.cpu) {

@@ -170,9 +170,7 @@ static inline const char *bench_ember_path(void)
     static char buf[4096];
     const char *env = getenv("EMBER_BIN");
     if (env) return env;
-    ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 16);
-    if (n <= 0) return NULL;
-    buf[n] = '\0';
+    if (cm_self_exe(buf, sizeof buf - 16, NULL) != CM_OK) return NULL;
     char *d = dirname(dirname(buf)); /* build/tools/bench_x -> build */
     memmove(buf, d, strlen(d) + 1);
     strcat(buf, "/ember");
