@@ -622,8 +622,9 @@ int main(int argc, char **argv)
            "\"spmm_bwd_gb_per_s\":%.1f,\"spmm_keys\":%u,\"spmm_nnz\":%u,",
            copy_gbs, h2d_gbs, sp.fwd[0].gb_per_s, sp.fwd[0].seconds * 1e6, sp.bwd.gb_per_s, sp.U,
            sp.nnz);
-    for (int i = 0; i < N_SPMM_DIMS; i++)
-        printf("\"spmm_dim%u_gb_per_s\":%.1f,", sp.fwd[i].dim, sp.fwd[i].gb_per_s);
+    for (int i = 0; i < N_SPMM_DIMS; i++) /* not measured (--big-only): no dims to name */
+        if (sp.fwd[i].dim > 0)
+            printf("\"spmm_dim%u_gb_per_s\":%.1f,", sp.fwd[i].dim, sp.fwd[i].gb_per_s);
     if (br.ran)
         printf("\"big_rows\":%" PRIu64 ",\"big_keys\":%" PRIu64 ",\"big_dim\":%u,"
                "\"big_table_bytes\":%.0f,\"big_table_gpu_ratio\":%.3f,\"big_ok\":%s,"

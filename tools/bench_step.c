@@ -192,8 +192,8 @@ int main(int argc, char **argv)
     int jn = snprintf(json, sizeof json, "{\"bench\":\"step\",\"batch\":%u,\"keys\":%u", B, U);
     for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++)
         for (uint32_t ti = 0; ti < nt; ti++) {
-            timing t;
-            double flops;
+            timing t = {0, 0, 0};
+            double flops = 0;
             if (run(kinds[k], tl[ti], B, U, steps, &t, &flops) != 0) return 1;
             const char *name = model_kind_name(kinds[k]);
             double gf = t.plain > 0 ? flops / (t.plain * 1e6) : 0;

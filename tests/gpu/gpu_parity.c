@@ -108,8 +108,10 @@ typedef struct outs {
     double loss;
 } outs;
 
+/* Every table slot not allocated stays NULL, so outs_free can free all of them. */
 static void outs_alloc(outs *o, const model_layout *l, uint32_t B, uint32_t U)
 {
+    memset(o, 0, sizeof *o);
     o->probs = malloc(B * sizeof(float) + 4);
     o->dparams = malloc(l->n_params * sizeof(float) + 4);
     for (uint32_t t = 0; t < l->n_tables; t++)
@@ -168,8 +170,6 @@ static void compare_step(const char *name, const model_layout *l, void *gpu, voi
 {
     char *err = NULL;
     outs g, c;
-    memset(&g, 0, sizeof g);
-    memset(&c, 0, sizeof c);
     outs_alloc(&g, l, b->B, b->U);
     outs_alloc(&c, l, b->B, b->U);
     int rc = backend_cpu_ops.step(cpu, params, &b->mb, c.probs, &c.loss, with_bwd ? c.dparams : NULL,
@@ -193,7 +193,6 @@ static void compare_step(const char *name, const model_layout *l, void *gpu, voi
         }
         /* The same step again: bit-identical (no atomics, fixed reduction orders). */
         outs g2;
-        memset(&g2, 0, sizeof g2);
         outs_alloc(&g2, l, b->B, b->U);
         outs_poison(&g2, l, b->B, b->U);
         rc = cuda->step(gpu, params, &b->mb, g2.probs, &g2.loss, g2.dparams, g2.demb, &err);
