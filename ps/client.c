@@ -15,6 +15,13 @@
  * keys and rows until the push is acknowledged: a shard that no longer holds the list (evicted,
  * or a backup that took over) answers PS_STATUS_NO_KEYS, and the slot sends the push again with
  * its keys, under the same request id (the failed attempt applied nothing).
+ *
+ * Dense mirrors (ps_client_dense_mirror): the client holds a copy of a dense block and its
+ * optimizer state, built from the block's state on the PS. A push-pull on a mirrored block
+ * applies the update to the copy with the PS's own code (ps_dense_push) and returns at once;
+ * the push goes out asynchronously and its reply carries the PS's step and xxh3 of its values
+ * after that update, which the next dense call (or a flush) compares with the copy's. At most
+ * one push per mirrored block is in flight, so the PS applies them in the order the copy did.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -26,12 +33,15 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ps/dense.h"
 #include "ps/keycache.h"
 #include "ps/net.h"
 #include "ps/wire.h"
 
 enum { SL_FREE, SL_SEND, SL_RECV, SL_DONE };
-enum { K_SYNC, K_ASYNC };
+/* K_MIRROR: a mirrored block's push; its slot frees itself and leaves the reply's digest in
+ * the mirror (dense_mirror.done), so it never holds a window slot until someone reaps it. */
+enum { K_SYNC, K_ASYNC, K_MIRROR };
 
 typedef struct slot {
     struct ps_client *c;
@@ -43,6 +53,7 @@ typedef struct slot {
     uint64_t req_id;
     nng_duration timeout;
     nng_msg *copy; /* while the shard may still fail over: the request, to send again */
+    struct dense_mirror *mirror; /* K_MIRROR: where the reply goes */
     /* An elided push in flight: its header, keys and encoded rows, to send it again with the
      * keys if the shard no longer holds the list it names. */
     ps_hdr fb_hdr;
@@ -83,11 +94,29 @@ struct ps_client {
     emb_store *residual[PS_MAX_TABLES]; /* int8 error feedback, per table */
     ps_keycache *pulled; /* recent pulls' key lists per (shard, table); NULL: never elide */
     ps_client_stats st;
+    /* Dense mirrors, per block (NULL: none); mirror_mu serialises their calls (taken before
+     * mu, never from an nng callback). */
+    struct dense_mirror *mirror[PS_MAX_DENSE];
+    pthread_mutex_t mirror_mu;
+    uint32_t mirror_inflight; /* mirror pushes without their reply yet (mu) */
 };
+
+typedef struct dense_mirror {
+    ps_dense *d;
+    bool pending;             /* a push was sent and not reaped yet (mirror_mu) */
+    uint64_t want_step, want; /* the copy's step and digest after that push */
+    /* Filled by the push's slot when its reply is in (c->mu): */
+    bool done;
+    int rc;
+    char *err;
+    uint64_t got_step, got;
+} dense_mirror;
 
 /* ---- slots ---- */
 
 static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout);
+static void mirror_drop(ps_client *c, uint32_t block);
+static int mirrors_reap(ps_client *c, char **errptr);
 
 static void slot_drop_fallback(slot *s)
 {
@@ -121,7 +150,28 @@ static void slot_finish(slot *s, int rc, char *err)
     s->copy = NULL;
     slot_drop_fallback(s);
     pthread_mutex_lock(&c->mu);
-    if (s->kind == K_ASYNC) {
+    if (s->kind == K_MIRROR) {
+        dense_mirror *mi = s->mirror;
+        mi->rc = rc;
+        mi->err = err;
+        err = NULL;
+        ps_hdr h;
+        if (rc == CM_OK) memcpy(&h, nng_msg_body(s->reply), sizeof h);
+        if (rc == CM_OK && h.payload_len == PS_DIGEST_BYTES) {
+            memcpy(&mi->got_step, (uint8_t *)nng_msg_body(s->reply) + PS_HDR_BYTES, 8);
+            memcpy(&mi->got, (uint8_t *)nng_msg_body(s->reply) + PS_HDR_BYTES + 8, 8);
+        } else if (rc == CM_OK) {
+            mi->rc = cm_err(&mi->err, CM_ECORRUPT, "a digest reply of %" PRIu64
+                            " bytes, expected %u", h.payload_len, PS_DIGEST_BYTES);
+        }
+        if (s->reply) nng_msg_free(s->reply);
+        s->reply = NULL;
+        s->mirror = NULL;
+        s->state = SL_FREE;
+        c->shards[s->shard].busy--;
+        c->mirror_inflight--;
+        mi->done = true;
+    } else if (s->kind == K_ASYNC) {
         if (rc != CM_OK && c->async_rc == CM_OK) {
             c->async_rc = rc;
             c->async_err = err;
@@ -436,6 +486,7 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
     memcpy(&seed[1], &t, sizeof t);
     c->next_req = (cm_xxh3(seed, sizeof seed) & 0xffffffffull) << 24;
     pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->mirror_mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     pthread_cond_init(&c->fail_cv, NULL);
     c->shards = calloc(c->cfg.n_shards, sizeof *c->shards);
@@ -545,6 +596,9 @@ void ps_client_destroy(ps_client *c)
     }
     for (uint32_t i = 0; i < PS_MAX_TABLES; i++)
         emb_store_destroy(c->residual[i]);
+    for (uint32_t b = 0; b < PS_MAX_DENSE; b++)
+        mirror_drop(c, b);
+    pthread_mutex_destroy(&c->mirror_mu);
     ps_keycache_destroy(c->pulled);
     free(c->shards);
     free(c->async_err);
@@ -1000,18 +1054,23 @@ out:
 
 int ps_client_flush(ps_client *c, char **errptr)
 {
+    int rc = mirrors_reap(c, errptr);
     pthread_mutex_lock(&c->mu);
     for (uint32_t s = 0; s < c->cfg.n_shards; s++)
         while (c->shards[s].busy > 0)
             pthread_cond_wait(&c->cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
+    if (rc != CM_OK) {
+        take_async_error(c, NULL);
+        return rc;
+    }
     return take_async_error(c, errptr);
 }
 
 uint32_t ps_client_pushes_in_flight(ps_client *c)
 {
-    uint32_t n = 0;
     pthread_mutex_lock(&c->mu);
+    uint32_t n = c->mirror_inflight; /* a mirror's push counts until its reply is in */
     for (uint32_t s = 0; s < c->cfg.n_shards; s++)
         n += c->shards[s].pushing;
     pthread_mutex_unlock(&c->mu);
@@ -1048,26 +1107,169 @@ static int dense_call(ps_client *c, uint16_t op, uint8_t flags, uint32_t block, 
     return rc;
 }
 
+static void mirror_drop(ps_client *c, uint32_t block)
+{
+    dense_mirror *mi = c->mirror[block];
+    if (mi == NULL) return;
+    ps_dense_destroy(mi->d);
+    free(mi->err);
+    free(mi);
+    c->mirror[block] = NULL;
+}
+
+/* Waits for a mirrored block's push in flight, if any, and checks the PS's step and digest
+ * after it against the copy's (mirror_mu held). A mismatch means another writer (or a lost
+ * update): the block's values on the PS are no longer what this client computes with, so the
+ * mirror is dropped (later calls go to the PS) and the error returned. So is a failed push:
+ * the copy holds an update the PS may not. */
+static int mirror_reap(ps_client *c, uint32_t block, char **errptr)
+{
+    dense_mirror *mi = c->mirror[block];
+    if (mi == NULL || !mi->pending) return CM_OK;
+    pthread_mutex_lock(&c->mu);
+    while (!mi->done)
+        pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    mi->pending = false;
+    int rc = mi->rc;
+    if (rc != CM_OK)
+        cm_err(errptr, rc, "dense block %u: the mirror's push failed: %s", block,
+               mi->err ? mi->err : "?");
+    else if (mi->got_step != mi->want_step || mi->got != mi->want)
+        rc = cm_err(errptr, CM_ECORRUPT,
+                    "dense block %u: the PS's values after its step %" PRIu64
+                    " differ from this worker's mirror at step %" PRIu64
+                    " (another writer of the block?); the mirror is dropped",
+                    block, mi->got_step, mi->want_step);
+    if (rc != CM_OK) mirror_drop(c, block);
+    return rc;
+}
+
+/* A push (and read-back into out) on a mirrored block: applied to the copy now, sent to the PS
+ * asynchronously (mirror_mu held). */
+static int mirror_push(ps_client *c, uint32_t block, const float *grads, float *out,
+                       char **errptr)
+{
+    dense_mirror *mi = c->mirror[block];
+    size_t n = (size_t)c->cfg.dense[block].size;
+    int rc = mirror_reap(c, block, errptr);
+    if (rc != CM_OK) return rc;
+    /* What the PS refuses must not reach the copy either. */
+    size_t bad = cm_f32_first_nonfinite(grads, n);
+    if (bad < n)
+        return cm_err(errptr, CM_EINVAL, "dense block %u: non-finite gradient at %zu", block, bad);
+    nng_msg *m = msg_simple(PS_OP_PUSH_DENSE, block, 0, grads, n * sizeof(float));
+    if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    ((ps_hdr *)nng_msg_body(m))->flags = PS_FLAG_DIGEST;
+    ps_dense_push(mi->d, grads);
+    if (out != NULL) ps_dense_pull(mi->d, out);
+    mi->want = ps_dense_digest(mi->d, &mi->want_step);
+    slot *sl = slot_acquire(c, block % c->cfg.n_shards, K_MIRROR);
+    pthread_mutex_lock(&c->mu);
+    sl->mirror = mi;
+    mi->done = false;
+    mi->pending = true;
+    free(mi->err);
+    mi->err = NULL;
+    c->mirror_inflight++;
+    pthread_mutex_unlock(&c->mu);
+    slot_send(sl, m, true, (nng_duration)c->timeout_ms);
+    return CM_OK;
+}
+
+/* Reaps every mirror's push in flight; the first error is kept. */
+static int mirrors_reap(ps_client *c, char **errptr)
+{
+    int rc = CM_OK;
+    pthread_mutex_lock(&c->mirror_mu);
+    for (uint32_t b = 0; b < c->cfg.n_dense; b++) {
+        char *err = NULL;
+        int r = mirror_reap(c, b, &err);
+        if (r != CM_OK && rc == CM_OK) rc = cm_err(errptr, r, "%s", err);
+        free(err);
+    }
+    pthread_mutex_unlock(&c->mirror_mu);
+    return rc;
+}
+
+int ps_client_dense_mirror(ps_client *c, uint32_t block, char **errptr)
+{
+    if (block >= c->cfg.n_dense)
+        return cm_err(errptr, CM_EINVAL, "no dense block %u (the cluster has %u)", block,
+                      c->cfg.n_dense);
+    pthread_mutex_lock(&c->mirror_mu);
+    int rc = mirror_reap(c, block, errptr);
+    mirror_drop(c, block);
+    nng_msg *reply = NULL, *m = rc == CM_OK ? msg_simple(PS_OP_PULL_DENSE, block, 0, NULL, 0) : NULL;
+    dense_mirror *mi = NULL;
+    if (rc == CM_OK && m == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    if (rc == CM_OK) {
+        ((ps_hdr *)nng_msg_body(m))->flags = PS_FLAG_STATE;
+        rc = request(c, block % c->cfg.n_shards, m, true, (nng_duration)c->timeout_ms, &reply,
+                     errptr);
+    }
+    if (rc == CM_OK && (mi = calloc(1, sizeof *mi)) == NULL)
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    if (rc == CM_OK) rc = ps_dense_create(&c->cfg.dense[block], &mi->d, errptr);
+    if (rc == CM_OK) {
+        ps_hdr h;
+        memcpy(&h, nng_msg_body(reply), sizeof h);
+        rc = ps_dense_state_set(mi->d, (uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES,
+                                (size_t)h.payload_len, errptr);
+    }
+    if (rc == CM_OK) {
+        c->mirror[block] = mi;
+    } else if (mi != NULL) {
+        ps_dense_destroy(mi->d);
+        free(mi);
+    }
+    if (reply) nng_msg_free(reply);
+    pthread_mutex_unlock(&c->mirror_mu);
+    return rc;
+}
+
+/* A dense call that reads or replaces the PS's block itself waits for the mirror's push in
+ * flight first (so it sees it); an init or a plain push drops the mirror (the block is no
+ * longer what the copy computed). Then the call proper, unless the mirror serves it. */
+static int dense_op(ps_client *c, uint16_t op, uint8_t flags, uint32_t block, const float *in,
+                    float *out, int *assigned, char **errptr)
+{
+    if (block >= c->cfg.n_dense) return dense_call(c, op, flags, block, in, out, assigned, errptr);
+    pthread_mutex_lock(&c->mirror_mu);
+    int rc = CM_OK;
+    if (c->mirror[block] != NULL) {
+        if (op == PS_OP_PUSH_DENSE && (flags & PS_FLAG_READ_BACK)) {
+            rc = mirror_push(c, block, in, out, errptr);
+            pthread_mutex_unlock(&c->mirror_mu);
+            return rc;
+        }
+        rc = mirror_reap(c, block, errptr);
+        if (op != PS_OP_PULL_DENSE) mirror_drop(c, block);
+    }
+    pthread_mutex_unlock(&c->mirror_mu);
+    return rc == CM_OK ? dense_call(c, op, flags, block, in, out, assigned, errptr) : rc;
+}
+
 int ps_client_dense_pull(ps_client *c, uint32_t block, float *out, char **errptr)
 {
-    return dense_call(c, PS_OP_PULL_DENSE, 0, block, NULL, out, NULL, errptr);
+    return dense_op(c, PS_OP_PULL_DENSE, 0, block, NULL, out, NULL, errptr);
 }
 
 int ps_client_dense_push(ps_client *c, uint32_t block, const float *grads, char **errptr)
 {
-    return dense_call(c, PS_OP_PUSH_DENSE, 0, block, grads, NULL, NULL, errptr);
+    return dense_op(c, PS_OP_PUSH_DENSE, 0, block, grads, NULL, NULL, errptr);
 }
 
 int ps_client_dense_push_pull(ps_client *c, uint32_t block, const float *grads, float *out,
                               char **errptr)
 {
-    return dense_call(c, PS_OP_PUSH_DENSE, PS_FLAG_READ_BACK, block, grads, out, NULL, errptr);
+    return dense_op(c, PS_OP_PUSH_DENSE, PS_FLAG_READ_BACK, block, grads, out, NULL, errptr);
 }
 
 int ps_client_dense_init(ps_client *c, uint32_t block, const float *values, int *assigned,
                          char **errptr)
 {
-    return dense_call(c, PS_OP_INIT_DENSE, 0, block, values, NULL, assigned, errptr);
+    return dense_op(c, PS_OP_INIT_DENSE, 0, block, values, NULL, assigned, errptr);
 }
 
 /* ---- coordination ---- */
@@ -1159,7 +1361,13 @@ int ps_client_save(ps_client *c, const char *dir, char **errptr)
 
 int ps_client_load(ps_client *c, const char *dir, char **errptr)
 {
-    return checkpoint(c, PS_OP_LOAD, dir, errptr);
+    /* The blocks become the checkpoint's: no copy of the old ones stays. */
+    int rc = mirrors_reap(c, errptr);
+    pthread_mutex_lock(&c->mirror_mu);
+    for (uint32_t b = 0; b < PS_MAX_DENSE; b++)
+        mirror_drop(c, b);
+    pthread_mutex_unlock(&c->mirror_mu);
+    return rc == CM_OK ? checkpoint(c, PS_OP_LOAD, dir, errptr) : rc;
 }
 
 int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)

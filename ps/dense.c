@@ -66,9 +66,12 @@ void ps_dense_pull(ps_dense *d, float *out)
 }
 
 /* Built twice, the AVX2 copy chosen at load time where the CPU has it: the loops are bound by
- * double sqrt and division, which AVX2 does four at a time. AVX2 alone brings no FMA, so nothing
- * is contracted and every element rounds exactly as in the SSE2 build (same bits). */
-__attribute__((target_clones("avx2", "default"))) void ps_dense_push(ps_dense *d, const float *g)
+ * sqrt and division, which AVX2 does eight floats at a time. AVX2 alone brings no FMA, so
+ * nothing is contracted and every element rounds exactly as in the SSE2 build (same bits).
+ * Adam runs in float, as PyTorch's does (the slots are floats anyway): 3x faster than in
+ * double (83 against 251 us for the mlp's 143K parameters), and it runs on the critical path
+ * of every step, on the PS or in a worker's mirror (ps_client_dense_mirror). */
+__attribute__((target_clones("avx2", "default"), optimize("no-math-errno"))) void ps_dense_push(ps_dense *d, const float *g)
 {
     const size_t n = (size_t)d->spec.size;
     const double lr = d->spec.lr, b1 = d->spec.beta1, b2 = d->spec.beta2, eps = d->spec.eps;
@@ -88,18 +91,61 @@ __attribute__((target_clones("avx2", "default"))) void ps_dense_push(ps_dense *d
         break;
     case PS_DENSE_ADAM: {
         double bc1 = 1.0 - pow(b1, (double)d->step), bc2 = 1.0 - pow(b2, (double)d->step);
-        double a = lr * sqrt(bc2) / bc1;
+        const float a = (float)(lr * sqrt(bc2) / bc1), e = (float)(eps * sqrt(bc2));
+        const float f1 = (float)b1, f2 = (float)b2, c1 = (float)(1.0 - b1), c2 = (float)(1.0 - b2);
+        float *restrict w = d->w, *restrict s1 = d->s1, *restrict s2 = d->s2;
         for (size_t i = 0; i < n; i++) {
-            double m = b1 * d->s1[i] + (1.0 - b1) * g[i];
-            double v = b2 * d->s2[i] + (1.0 - b2) * (double)g[i] * g[i];
-            d->s1[i] = (float)m;
-            d->s2[i] = (float)v;
-            d->w[i] = (float)(d->w[i] - a * m / (sqrt(v) + eps * sqrt(bc2)));
+            float m = f1 * s1[i] + c1 * g[i];
+            float v = f2 * s2[i] + c2 * g[i] * g[i];
+            s1[i] = m;
+            s2[i] = v;
+            w[i] -= a * m / (sqrtf(v) + e);
         }
         break;
     }
     }
     pthread_mutex_unlock(&d->mu);
+}
+
+size_t ps_dense_state_bytes(const ps_dense_spec *spec)
+{
+    return 8 + (1 + slots(spec->opt)) * (size_t)spec->size * sizeof(float);
+}
+
+void ps_dense_state_get(ps_dense *d, uint8_t *out)
+{
+    const size_t bytes = d->spec.size * sizeof(float);
+    pthread_mutex_lock(&d->mu);
+    memcpy(out, &d->step, 8);
+    memcpy(out + 8, d->w, bytes);
+    if (d->s1) memcpy(out + 8 + bytes, d->s1, bytes);
+    if (d->s2) memcpy(out + 8 + 2 * bytes, d->s2, bytes);
+    pthread_mutex_unlock(&d->mu);
+}
+
+int ps_dense_state_set(ps_dense *d, const uint8_t *in, size_t len, char **errptr)
+{
+    const size_t bytes = d->spec.size * sizeof(float);
+    if (len != ps_dense_state_bytes(&d->spec))
+        return cm_err(errptr, CM_ECORRUPT, "dense block '%s': state of %zu bytes, expected %zu",
+                      d->spec.name, len, ps_dense_state_bytes(&d->spec));
+    pthread_mutex_lock(&d->mu);
+    memcpy(&d->step, in, 8);
+    memcpy(d->w, in + 8, bytes);
+    if (d->s1) memcpy(d->s1, in + 8 + bytes, bytes);
+    if (d->s2) memcpy(d->s2, in + 8 + 2 * bytes, bytes);
+    d->initialised = 1;
+    pthread_mutex_unlock(&d->mu);
+    return CM_OK;
+}
+
+uint64_t ps_dense_digest(ps_dense *d, uint64_t *step)
+{
+    pthread_mutex_lock(&d->mu);
+    uint64_t h = cm_xxh3(d->w, d->spec.size * sizeof(float));
+    *step = d->step;
+    pthread_mutex_unlock(&d->mu);
+    return h;
 }
 
 int ps_dense_init(ps_dense *d, const float *values)

@@ -23,6 +23,16 @@ int ps_dense_init(ps_dense *d, const float *values);
 int ps_dense_save(ps_dense *d, const char *path, char **errptr);
 int ps_dense_load(const char *path, const ps_dense_spec *spec, ps_dense **out, char **errptr);
 
+/* The block's whole state as PULL_DENSE with PS_FLAG_STATE carries it: u64 step, values,
+ * then the optimizer's slots; state_bytes is its length for a spec. get copies it out under
+ * the lock; set replaces the block's state with it (len must be state_bytes: CM_ECORRUPT
+ * otherwise) and marks it initialised. */
+size_t ps_dense_state_bytes(const ps_dense_spec *spec);
+void ps_dense_state_get(ps_dense *d, uint8_t *out);
+int ps_dense_state_set(ps_dense *d, const uint8_t *in, size_t len, char **errptr);
+/* xxh3-64 of the values and the optimizer step, read together under the lock. */
+uint64_t ps_dense_digest(ps_dense *d, uint64_t *step);
+
 /* Reads only the values of a saved block (any size and optimizer), verified. */
 int ps_dense_read_values(const char *path, float **values, uint64_t *n, char **errptr);
 

@@ -55,7 +55,7 @@
 extern "C" {
 #endif
 
-#define PS_PROTOCOL_VERSION 2u
+#define PS_PROTOCOL_VERSION 3u
 #define PS_MAX_TABLES 64u
 #define PS_MAX_DENSE 64u
 #define PS_MAX_SHARDS 1024u
@@ -246,6 +246,21 @@ int ps_client_dense_push_pull(ps_client *c, uint32_t block, const float *grads, 
                               char **errptr);
 int ps_client_dense_init(ps_client *c, uint32_t block, const float *values, int *assigned,
                          char **errptr);
+/*
+ * Mirrors a dense block in this client, for a client that is the block's only writer (one
+ * worker): the next step need not wait a round trip for the PS to apply the update.
+ * Fetches the block's whole state (values, optimizer slots, step) from the PS; from then on
+ * ps_client_dense_push_pull applies the update to this copy with the PS's own optimizer code
+ * (the same bits), fills `out` from it and returns, while the push travels asynchronously;
+ * the PS's reply carries its step and a digest of its values after the update, which the next
+ * dense call or flush compares with the copy's: a mismatch (another writer, a lost update) is
+ * an error naming the block, CM_ECORRUPT. At most one push per block is in flight, so the PS
+ * applies them in the copy's order. A flush (and so a SAVE, a clock) waits for it, and
+ * ps_client_pushes_in_flight counts it. dense_pull waits for it, then pulls; dense_push
+ * (without read-back) and dense_init drop the mirror and go to the PS. Calling it again
+ * rebuilds the mirror from the PS's state.
+ */
+int ps_client_dense_mirror(ps_client *c, uint32_t block, char **errptr);
 
 /* Flushes, then advances this worker's clock; blocks while it is more than staleness clocks
  * ahead of the slowest worker. Returns the new clock in *clock (optional). */

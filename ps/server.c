@@ -461,8 +461,17 @@ short_payload:
 /* The reply to a PUSH_DENSE: empty, or with PS_FLAG_READ_BACK the block's values now. */
 static nng_msg *dense_ack(const ps_hdr *h, ps_dense *d, size_t n)
 {
-    if (!(h->flags & PS_FLAG_READ_BACK)) return reply_ok(h, 0, NULL);
     uint8_t *out;
+    if (h->flags & PS_FLAG_DIGEST) {
+        nng_msg *reply = reply_ok(h, PS_DIGEST_BYTES, &out);
+        if (reply != NULL) {
+            uint64_t step, digest = ps_dense_digest(d, &step);
+            memcpy(out, &step, 8);
+            memcpy(out + 8, &digest, 8);
+        }
+        return reply;
+    }
+    if (!(h->flags & PS_FLAG_READ_BACK)) return reply_ok(h, 0, NULL);
     nng_msg *reply = reply_ok(h, n * sizeof(float), &out);
     if (reply != NULL) ps_dense_pull(d, (float *)out);
     return reply;
@@ -486,7 +495,11 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
     nng_msg *reply = NULL;
     pthread_rwlock_rdlock(&s->tables_lock);
     ps_dense *d = s->dense[h->table];
-    if (h->op == PS_OP_PULL_DENSE) {
+    if (h->op == PS_OP_PULL_DENSE && (h->flags & PS_FLAG_STATE)) {
+        uint8_t *out;
+        if ((reply = reply_ok(h, ps_dense_state_bytes(&s->cfg.dense[h->table]), &out)) != NULL)
+            ps_dense_state_get(d, out);
+    } else if (h->op == PS_OP_PULL_DENSE) {
         uint8_t *out;
         if ((reply = reply_ok(h, n * sizeof(float), &out)) != NULL) ps_dense_pull(d, (float *)out);
     } else {
@@ -732,7 +745,7 @@ static int16_t reply_status(nng_msg *m)
     return h.status;
 }
 
-/* The acknowledgement of a resent read-back dense push: the block as it is. */
+/* The acknowledgement of a resent read-back (or digest) dense push: the block as it is. */
 static nng_msg *dup_read_back(struct ps_server *s, const ps_hdr *h)
 {
     if (h->table >= s->cfg.n_dense || s->dense[h->table] == NULL)
@@ -753,7 +766,8 @@ static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t
         ps_dedup_check_add(s->dedup, h->worker, h->req_id)) {
         STAT_ADD(s, duplicates, 1);
         *dup = true;
-        if (h->op == PS_OP_PUSH_DENSE && (h->flags & PS_FLAG_READ_BACK)) return dup_read_back(s, h);
+        if (h->op == PS_OP_PUSH_DENSE && (h->flags & (PS_FLAG_READ_BACK | PS_FLAG_DIGEST)))
+            return dup_read_back(s, h);
         return reply_ok(h, 0, NULL);
     }
     nng_msg *r;

@@ -45,6 +45,15 @@ typedef enum ps_op {
  * right after would return), saving the worker that round trip before its next step. A
  * resent push, acknowledged without being applied again, returns the current block. */
 #define PS_FLAG_READ_BACK 0x04u
+/* PULL_DENSE flag: the reply carries the block's whole state (u64 optimizer step, the values,
+ * then each optimizer slot: adam m and v, adagrad's sums), from which a client builds its
+ * mirror of the block (ps_client_dense_mirror). */
+#define PS_FLAG_STATE 0x08u
+/* PUSH_DENSE flag: the reply carries u64 optimizer step and u64 xxh3-64 of the values after
+ * this update (a resent push not applied again: of the values now), which a mirroring client
+ * checks its own copy against. */
+#define PS_FLAG_DIGEST 0x10u
+#define PS_DIGEST_BYTES 16u
 /* Key lists of recent PULLs each server keeps per (worker, table), and each client per
  * (table, shard): enough for a worker that prefetches the next batch while pushing this one. */
 #define PS_KEYLIST_RING 4u

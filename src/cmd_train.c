@@ -22,7 +22,7 @@ static void train_usage(FILE *to)
         "  --config FILE        INI with [model] (kind, dim, hidden, bottom, seed, pool) and\n"
         "                       [train] (batch, epochs, emb_lr, dense_lr, emb_optimizer,\n"
         "                       push_codec, memory, shuffle, staleness, checkpoint_every, tf32,\n"
-        "                       expected_rows)\n"
+        "                       expected_rows, dense_mirror)\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
         "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
         "                       fp32; EMBER_CUDA_TF32=1 too); cpu: ignored\n"
@@ -39,6 +39,8 @@ static void train_usage(FILE *to)
         "  --dim D --shuffle ROWS --threads T (compute threads per worker, default: cores, at most "
         "8)\n"
         "  --stale-pull         pull batch t+1 before batch t's push (faster, one step stale)\n"
+        "  --no-dense-mirror    a lone worker waits for the PS's tower update instead of\n"
+        "                       applying the same update to its own copy (same results)\n"
         "  --worker-timeout MS  a worker silent this long no longer holds back clocks and\n"
         "                       barriers (default 0: wait for it)\n"
         "  --progress | --no-progress\n"
@@ -90,6 +92,7 @@ int cmd_train(int argc, char **argv)
         O_REJOIN,
         O_PSTIMEOUT,
         O_TF32,
+        O_NOMIRROR,
         O_EXPECTED,
         O_HELP
     };
@@ -127,6 +130,7 @@ int cmd_train(int argc, char **argv)
                                          {"rejoin", 0, 0, O_REJOIN},
                                          {"ps-timeout", 1, 0, O_PSTIMEOUT},
                                          {"tf32", 0, 0, O_TF32},
+                                         {"no-dense-mirror", 0, 0, O_NOMIRROR},
                                          {"expected-rows", 1, 0, O_EXPECTED},
                                          {"help", 0, 0, O_HELP},
                                          {0, 0, 0, 0}};
@@ -251,6 +255,9 @@ int cmd_train(int argc, char **argv)
             break;
         case O_STALEPULL:
             o.stale_pull = 1;
+            break;
+        case O_NOMIRROR:
+            o.dense_mirror = 0;
             break;
         case O_TF32:
             o.tf32 = 1;

@@ -8,7 +8,9 @@
  * are acknowledged, so every batch of a worker sees all of that worker's earlier updates (as
  * synchronous SGD does). The row push of batch t goes out once its row gradients are final
  * (model_batch.emb_ready), and t+1's rows are pulled while the step computes the dense
- * gradients; only t+1's dense tower waits for t's dense push, whose reply carries it. Only the
+ * gradients; only t+1's dense tower waits for t's dense push, whose reply carries it (a lone
+ * worker mirrors the tower, ps_client_dense_mirror: it applies the same update to its own copy
+ * and does not wait for the PS; --no-dense-mirror turns that off, same bits). Only the
  * keys t+1 shares with t must wait for t's push at all (about a quarter of them on the bench
  * data): the rest are pulled while t computes, and each batch is pulled and pushed in those two
  * parts (two push calls, so a table's step advances by two a batch).
@@ -75,6 +77,7 @@ typedef struct train_opts {
     uint32_t ps_timeout_ms;          /* per PS request (0: the client's default, 30 s) */
     int stale_pull; /* pull batch t+1 before batch t's push (more overlap, one step stale) */
     int tf32;       /* cuda: TF32 tensor-core GEMMs (BACKEND_TF32); the cpu ignores it */
+    int dense_mirror; /* 1 (default): a lone worker mirrors the tower (ps_client_dense_mirror) */
     int eval_every;                  /* steps, 0 = end only */
     /* Rows each embedding table is expected to reach over the whole job (all shards): the PS
      * tables are created that large (emb_table_config.reserve_rows) instead of doubling as rows

@@ -10,6 +10,8 @@
  * Early pulls: a worker pulls the keys its previous batch did not have before that batch is
  * pushed, except across a checkpoint. A run checkpointing after every step (no early pulls)
  * must end with the same checkpoint, byte for byte, as one checkpointing only at its end.
+ * Likewise a run with the tower mirrored in the worker (the default for one worker) and one
+ * without (--no-dense-mirror).
  */
 #include "cli_util.h"
 
@@ -177,6 +179,31 @@ static void early_pulls(const char *model, const char *const *files)
     }
 }
 
+/* A lone worker mirrors the tower (ps_client_dense_mirror): applying the update to its own
+ * copy must give the PS's bits, so a run without the mirror ends with the same checkpoint,
+ * byte for byte (the tower and its Adam state included), and the same AUC. */
+static void dense_mirror(const char *model, const char *const *files)
+{
+    const unsigned steps = 12;
+    char line[2][8192];
+    for (int off = 0; off < 2; off++) {
+        int rc = run("train --train ds/train --eval ds/eval --no-progress --model %s --batch 1024 "
+                     "--max-steps %u --checkpoint-every 6 %s --out M%d-%s",
+                     model, steps, off ? "--no-dense-mirror" : "", off, model);
+        CHECK_MSG(rc == 0, "%s: run exit %d", model, rc);
+        snprintf(line[off], sizeof line[off], "%s", last_line());
+    }
+    same_field(line[0], line[1], "auc", model);
+    same_field(line[0], line[1], "logloss", model);
+    for (unsigned step = 6; step <= steps; step += 6)
+        for (const char *const *f = files; *f; f++) {
+            char a[256], b[256];
+            snprintf(a, sizeof a, "M0-%s/ckpt/step-%u/%s", model, step, *f);
+            snprintf(b, sizeof b, "M1-%s/ckpt/step-%u/%s", model, step, *f);
+            CHECK_MSG(same_bytes(a, b), "%s: the dense mirror changed %s", model, a);
+        }
+}
+
 /* A resume under the checkpoint's OpenBLAS kernels is silent; under others it says that the run
  * goes on but not bit for bit (OPENBLAS_CORETYPE, which ember keeps when it is set: Prescott
  * and Core2 run on any x86-64). */
@@ -219,6 +246,10 @@ int main(void)
                                              "shard-0/table-lin/rows.bin", NULL};
     early_pulls("mlp", one_table);
     early_pulls("deepfm", two_tables);
+    static const char *const dlrm_files[] = {"shard-0/dense-tower.bin",
+                                             "shard-0/table-emb/rows.bin", NULL};
+    dense_mirror("mlp", one_table);
+    dense_mirror("dlrm", dlrm_files);
     free(out_text);
     free(err_text);
     return check_done();
