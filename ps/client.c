@@ -1361,13 +1361,15 @@ int ps_client_save(ps_client *c, const char *dir, char **errptr)
 
 int ps_client_load(ps_client *c, const char *dir, char **errptr)
 {
-    /* The blocks become the checkpoint's: no copy of the old ones stays. */
-    int rc = mirrors_reap(c, errptr);
+    /* The blocks become the checkpoint's: no copy of the old ones stays, and what the last
+     * mirrored pushes did no longer matters (their errors are dropped: the load must still
+     * enter the collective, or the other workers would wait for it at its barriers). */
+    mirrors_reap(c, NULL);
     pthread_mutex_lock(&c->mirror_mu);
     for (uint32_t b = 0; b < PS_MAX_DENSE; b++)
         mirror_drop(c, b);
     pthread_mutex_unlock(&c->mirror_mu);
-    return rc == CM_OK ? checkpoint(c, PS_OP_LOAD, dir, errptr) : rc;
+    return checkpoint(c, PS_OP_LOAD, dir, errptr);
 }
 
 int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)

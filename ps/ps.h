@@ -254,11 +254,14 @@ int ps_client_dense_init(ps_client *c, uint32_t block, const float *values, int 
  * (the same bits), fills `out` from it and returns, while the push travels asynchronously;
  * the PS's reply carries its step and a digest of its values after the update, which the next
  * dense call or flush compares with the copy's: a mismatch (another writer, a lost update) is
- * an error naming the block, CM_ECORRUPT. At most one push per block is in flight, so the PS
- * applies them in the copy's order. A flush (and so a SAVE, a clock) waits for it, and
+ * an error naming the block, CM_ECORRUPT, and so is a failed push; either drops the mirror
+ * (later calls go to the PS). At most one push per block is in flight, so the PS applies them
+ * in the copy's order; its slot frees itself when the reply is in, so a mirror never holds one
+ * of the window's requests. A flush (and so a SAVE, a clock) waits for it, and
  * ps_client_pushes_in_flight counts it. dense_pull waits for it, then pulls; dense_push
- * (without read-back) and dense_init drop the mirror and go to the PS. Calling it again
- * rebuilds the mirror from the PS's state.
+ * (without read-back) and dense_init drop the mirror and go to the PS; ps_client_load drops
+ * every mirror (ignoring what their last pushes reported). Calling it again rebuilds the
+ * mirror from the PS's state.
  */
 int ps_client_dense_mirror(ps_client *c, uint32_t block, char **errptr);
 
