@@ -16,6 +16,8 @@ void ps_dense_destroy(ps_dense *d);
 void ps_dense_pull(ps_dense *d, float *out);
 /* One optimizer step with gradient g (spec->size floats). Thread-safe. */
 void ps_dense_push(ps_dense *d, const float *g);
+/* The same step, and the values right after it into out (one pass: ps_dense_pull's copy). */
+void ps_dense_push_read(ps_dense *d, const float *g, float *out);
 /* Assigns values unless already initialised; returns 1 when assigned, 0 otherwise. */
 int ps_dense_init(ps_dense *d, const float *values);
 /* Writes/reads the block (values, optimizer state, step) as one checksummed file. load builds

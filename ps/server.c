@@ -515,6 +515,11 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
         } else if (!finite) {
             STAT_ADD(s, bad_messages, 1);
             reply = reply_error(s, h, CM_EINVAL, "non-finite value in a dense push");
+        } else if (h->op == PS_OP_PUSH_DENSE && (h->flags & PS_FLAG_READ_BACK) &&
+                   !(h->flags & PS_FLAG_DIGEST)) {
+            uint8_t *out; /* the values go straight from the update into the reply */
+            if ((reply = reply_ok(h, n * sizeof(float), &out)) != NULL)
+                ps_dense_push_read(d, g, (float *)out);
         } else if (h->op == PS_OP_PUSH_DENSE) {
             ps_dense_push(d, g);
             reply = dense_ack(h, d, n);
