@@ -172,8 +172,9 @@ static void slot_finish(slot *s, int rc, char *err)
             memcpy(&mi->got_step, (uint8_t *)nng_msg_body(s->reply) + PS_HDR_BYTES, 8);
             memcpy(&mi->got, (uint8_t *)nng_msg_body(s->reply) + PS_HDR_BYTES + 8, 8);
         } else if (rc == CM_OK) {
-            mi->rc = cm_err(&mi->err, CM_ECORRUPT, "a digest reply of %" PRIu64
-                            " bytes, expected %u", h.payload_len, PS_DIGEST_BYTES);
+            mi->rc =
+                cm_err(&mi->err, CM_ECORRUPT, "a digest reply of %" PRIu64 " bytes, expected %u",
+                       h.payload_len, PS_DIGEST_BYTES);
         }
         if (s->reply) nng_msg_free(s->reply);
         s->reply = NULL;
@@ -1163,8 +1164,7 @@ static int mirror_reap(ps_client *c, uint32_t block, char **errptr)
 
 /* A push (and read-back into out) on a mirrored block: applied to the copy now, queued for the
  * sender thread (mirror_mu held). */
-static int mirror_push(ps_client *c, uint32_t block, const float *grads, float *out,
-                       char **errptr)
+static int mirror_push(ps_client *c, uint32_t block, const float *grads, float *out, char **errptr)
 {
     dense_mirror *mi = c->mirror[block];
     size_t n = (size_t)c->cfg.dense[block].size;
@@ -1247,7 +1247,8 @@ int ps_client_dense_mirror(ps_client *c, uint32_t block, char **errptr)
     pthread_mutex_lock(&c->mirror_mu);
     int rc = mirror_reap(c, block, errptr);
     mirror_drop(c, block);
-    nng_msg *reply = NULL, *m = rc == CM_OK ? msg_simple(PS_OP_PULL_DENSE, block, 0, NULL, 0) : NULL;
+    nng_msg *reply = NULL,
+            *m = rc == CM_OK ? msg_simple(PS_OP_PULL_DENSE, block, 0, NULL, 0) : NULL;
     dense_mirror *mi = NULL;
     if (rc == CM_OK && m == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     if (rc == CM_OK) {

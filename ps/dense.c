@@ -72,9 +72,8 @@ typedef struct dense_coef {
 } dense_coef;
 
 /* Elements [i0, i1) of one step; inlined into each build of dense_step below. */
-static inline __attribute__((always_inline)) void update_range(ps_dense *d, const float *g,
-                                                               size_t i0, size_t i1,
-                                                               const dense_coef *k)
+static inline __attribute__((always_inline)) void
+update_range(ps_dense *d, const float *g, size_t i0, size_t i1, const dense_coef *k)
 {
     switch (d->spec.opt) {
     case PS_DENSE_SGD: {

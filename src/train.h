@@ -55,7 +55,7 @@
 typedef struct train_opts {
     const char *train_path, *eval_path; /* shard directories or files */
     const char *out_dir;
-    const char *config_path; /* optional INI: [model], [train] */
+    const char *config_path;  /* optional INI: [model], [train] */
     const char *cluster_path; /* optional: [cluster] ps = url,url...; workers = N */
     const char *role;         /* with cluster: "ps", "backup" or "worker" */
     uint32_t index;           /* role index */
@@ -63,10 +63,10 @@ typedef struct train_opts {
     model_cfg model;          /* kind set by the caller; shape filled from the shards */
     int model_set;            /* model.kind given */
     uint32_t batch, epochs, workers, shards;
-    uint32_t threads;          /* compute threads per worker */
-    uint32_t keep_checkpoints; /* newest checkpoints kept; 0 (default) keeps all */
+    uint32_t threads;           /* compute threads per worker */
+    uint32_t keep_checkpoints;  /* newest checkpoints kept; 0 (default) keeps all */
     uint32_t worker_timeout_ms; /* a silent worker stops holding back clocks and barriers */
-    int32_t staleness; /* -1 async */
+    int32_t staleness;          /* -1 async */
     uint64_t ckpt_every, max_steps, shuffle_rows, seed, memory;
     uint32_t hidden_override, dim_override; /* 0 = preset */
     float emb_lr, dense_lr;
@@ -75,10 +75,10 @@ typedef struct train_opts {
     int mean_pool, resume, progress; /* progress: -1 auto (terminal) */
     int rejoin;                      /* cluster worker restarted into a running job */
     uint32_t ps_timeout_ms;          /* per PS request (0: the client's default, 30 s) */
-    int stale_pull; /* pull batch t+1 before batch t's push (more overlap, one step stale) */
-    int tf32;       /* cuda: TF32 tensor-core GEMMs (BACKEND_TF32); the cpu ignores it */
+    int stale_pull;   /* pull batch t+1 before batch t's push (more overlap, one step stale) */
+    int tf32;         /* cuda: TF32 tensor-core GEMMs (BACKEND_TF32); the cpu ignores it */
     int dense_mirror; /* 1 (default): a lone worker mirrors the tower (ps_client_dense_mirror) */
-    int eval_every;                  /* steps, 0 = end only */
+    int eval_every;   /* steps, 0 = end only */
     /* Rows each embedding table is expected to reach over the whole job (all shards): the PS
      * tables are created that large (emb_table_config.reserve_rows) instead of doubling as rows
      * arrive. -1 (default): the ingest's distinct-key estimate from the stats.json next to the
