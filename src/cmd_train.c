@@ -327,9 +327,10 @@ int cmd_train(int argc, char **argv)
     printf("{\"auc\":%s,\"logloss\":%s,\"samples_per_s\":%.1f,\"rows\":%" PRIu64
            ",\"seconds\":%.3f,\"steps\":%" PRIu64 ",\"eval_rows\":%" PRIu64
            ",\"train_loss\":%.6f,\"model\":\"%s\",\"workers\":%u,\"shards\":%u"
-           ",\"device\":\"%s\",\"cpu_kernels\":\"%s\"}\n",
+           ",\"device\":\"%s\",\"cpu_kernels\":\"%s\",\"step_ms\":%.3f,\"wait_batch_ms\":%.3f"
+           ",\"wait_push_ms\":%.3f,\"dense_ms\":%.3f}\n",
            auc, logloss, r.samples_per_s, r.rows, r.seconds, r.steps, r.eval_rows, r.train_loss,
            model_kind_name(o.model.kind), r.workers, r.shards, r.device ? r.device : "cpu",
-           backend_cpu_kernels());
+           backend_cpu_kernels(), r.step_ms, r.wait_batch_ms, r.wait_push_ms, r.dense_ms);
     return 0;
 }

@@ -962,15 +962,9 @@ typedef struct worker {
     uint64_t start, steps, samples; /* batches consumed before this run, and in total */
     int progress_fd;                /* cluster: progress/worker-<i>, else -1 */
     double loss_sum;
+    double t_step, t_wait_batch, t_wait_push, t_dense; /* seconds (train_result's *_ms) */
     train_result res; /* worker 0: eval */
 } worker;
-
-static bool all_finite(const float *x, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(x[i])) return false;
-    return true;
-}
 
 static void log_progress(const setup *S, uint64_t step, uint64_t samples, double loss, bool final)
 {
@@ -1024,7 +1018,10 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
     uint64_t window_n = 0;
     while (rc == CM_OK && (o->max_steps == 0 || step < o->max_steps)) {
         int trc;
+        double t0 = cm_now();
         stage *s = prefetch_take(&pf, &trc, errptr);
+        double t1 = cm_now();
+        W->t_wait_batch += t1 - t0;
         if (s == NULL) {
             rc = trc;
             break;
@@ -1051,15 +1048,21 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             mb.emb_ready_arg = &pf;
         }
         double loss = 0;
+        t0 = cm_now();
         if (rc == CM_OK) rc = S->be->step(be, s->params, &mb, probs, &loss, dparams, demb, errptr);
+        t1 = cm_now();
+        W->t_step += t1 - t0;
         /* Whatever the step's outcome, a handed-over push must be finished before this stage
          * and demb can change. */
         bool handed = false, pushed = false;
         char *jerr = NULL;
         int jrc = prefetch_job_wait(&pf, &handed, &pushed, &jerr);
+        t0 = cm_now();
+        W->t_wait_push += t0 - t1;
         if (rc == CM_OK && jrc != CM_OK) rc = cm_err(errptr, jrc, "%s", jerr);
         free(jerr);
-        if (rc == CM_OK && (!isfinite(loss) || !all_finite(dparams, S->l.n_params)))
+        if (rc == CM_OK && (!isfinite(loss) ||
+                            cm_f32_first_nonfinite(dparams, S->l.n_params) < S->l.n_params))
             rc = cm_err(errptr, CM_EINVAL,
                         "non-finite loss or gradient at step %" PRIu64 " (worker %u)", step, w);
         /* Stale pulls: push only once batch t+1 is pulled, so t+1 always sees the updates up
@@ -1071,6 +1074,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         if (rc == CM_OK && S->l.n_params > 0)
             rc = read_back ? ps_client_dense_push_pull(c, DENSE_BLOCK, dparams, pf.fresh, errptr)
                            : ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
+        W->t_dense += cm_now() - t0;
         uint32_t B = s->ms.B;
         if (rc == CM_OK && o->staleness >= 0) rc = ps_client_clock(c, NULL, errptr);
         if (rc != CM_OK) {
@@ -1464,6 +1468,12 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             res->workers = oc.workers;
             res->shards = oc.shards;
             res->device = S.be->name;
+            const worker *w0 = &workers[0];
+            double per = w0->steps > w0->start ? 1e3 / (double)(w0->steps - w0->start) : 0;
+            res->step_ms = w0->t_step * per;
+            res->wait_batch_ms = w0->t_wait_batch * per;
+            res->wait_push_ms = w0->t_wait_push * per;
+            res->dense_ms = w0->t_dense * per;
         }
         if (o->cluster_path && first_w == 0 && rc == CM_OK) {
             /* The job is done: worker 0 takes the cluster down. */

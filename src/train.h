@@ -93,6 +93,11 @@ int train_config_load(const char *path, train_opts *o, char **errptr);
 
 typedef struct train_result {
     double auc, logloss, seconds, samples_per_s, train_loss;
+    /* Worker 0's stepping thread, ms per step on average: in the backend's step, waiting for
+     * the next batch to be pulled, waiting for the row push handed over at emb_ready, and in the
+     * dense push after it (with the tower's read-back, or the mirror's update). Where a step's
+     * time goes besides the compute, without a profiler. */
+    double step_ms, wait_batch_ms, wait_push_ms, dense_ms;
     uint64_t rows, eval_rows, steps;
     uint32_t workers, shards; /* of the whole job (a cluster file may set them) */
     const char *device;       /* the backend that ran the dense math ("cpu", "cuda"); static */

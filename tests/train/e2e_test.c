@@ -1,7 +1,8 @@
 /*
  * ember gen -> ingest -> train, as a user runs them ($EMBER_BIN): every model trains on 48k
  * synthetic rows (one epoch, batch 512) and reports a sane final JSON line (auc, logloss,
- * samples_per_s, rows, seconds, steps, eval_rows, model, device, cpu_kernels) and a
+ * samples_per_s, rows, seconds, steps, eval_rows, model, device, cpu_kernels, and the stepping
+ * thread's step_ms, wait_batch_ms, wait_push_ms, dense_ms) and a
  * metrics.jsonl; every model beats chance clearly (AUC > 0.6); the mlp finds the planted feature interactions that lr cannot
  * (AUC mlp > lr); a one-worker run is deterministic (same AUC and logloss twice).
  */
@@ -33,6 +34,14 @@ static void check_run(const char *model, const char *json, double rows_train, do
     CHECK_MSG(json_raw(json, "cpu_kernels", kern, sizeof kern) == 0 && strlen(kern) > 2 &&
                   kern[0] == '"',
               "%s: cpu_kernels %s", model, kern);
+    /* The stepping thread's time a step: the backend's step takes most of it (a sum of the
+     * parts over the wall time per step would exceed it only if a part were counted twice). */
+    double step_ms = jnum(json, "step_ms"), wb = jnum(json, "wait_batch_ms"),
+           wp = jnum(json, "wait_push_ms"), dn = jnum(json, "dense_ms");
+    CHECK_MSG(step_ms > 0 && wb >= 0 && wp >= 0 && dn >= 0 &&
+                  (step_ms + wb + wp + dn) * steps <= secs * 1e3,
+              "%s: step_ms %g wait_batch_ms %g wait_push_ms %g dense_ms %g over %g steps in %g s",
+              model, step_ms, wb, wp, dn, steps, secs);
 
     /* metrics.jsonl: one JSON object a line, the last at the final step. */
     char path[256];
