@@ -1174,11 +1174,7 @@ static int mirror_push(ps_client *c, uint32_t block, const float *grads, float *
     size_t bad = cm_f32_first_nonfinite(grads, n);
     if (bad < n)
         return cm_err(errptr, CM_EINVAL, "dense block %u: non-finite gradient at %zu", block, bad);
-    if (out != NULL)
-        ps_dense_push_read(mi->d, grads, out);
-    else
-        ps_dense_push(mi->d, grads);
-    mi->want = ps_dense_digest(mi->d, &mi->want_step);
+    ps_dense_push_read(mi->d, grads, out, &mi->want, &mi->want_step);
     memcpy(mi->gbuf, grads, n * sizeof(float));
     pthread_mutex_lock(&c->mu);
     mi->done = false;

@@ -4,6 +4,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation a step */
+#include <xxhash.h>
 
 /* File: {magic "EMBDENS1", u32 version, u32 opt, u64 size, u64 step, u64 initialised}
  * then values and the optimizer slots (adam: m, v; adagrad: a), then xxh3-64 of all before. */
@@ -113,10 +115,11 @@ update_range(ps_dense *d, const float *g, size_t i0, size_t i1, const dense_coef
  * Adam runs in float, as PyTorch's does (the slots are floats anyway): 3x faster than in
  * double (83 against 251 us for the mlp's 143K parameters), and it runs on the critical path
  * of every step, on the PS or in a worker's mirror (ps_client_dense_mirror). A chunk at a
- * time, so that the values a read-back copies out are still in L1 (one pass over the block
- * instead of two). */
+ * time, so that the values a read-back copies out and a digest reads are still in L1 (one
+ * pass over the block instead of three), all under the one lock (the digest is exactly this
+ * update's result). */
 __attribute__((target_clones("avx2", "default"), optimize("no-math-errno"))) static void
-dense_step(ps_dense *d, const float *g, float *out)
+dense_step(ps_dense *d, const float *g, float *out, uint64_t *digest, uint64_t *step)
 {
     enum { CHUNK = 2048 };
     const size_t n = (size_t)d->spec.size;
@@ -130,22 +133,28 @@ dense_step(ps_dense *d, const float *g, float *out)
         k.e = (float)(k.eps * sqrt(bc2));
         k.f1 = (float)b1, k.f2 = (float)b2, k.c1 = (float)(1.0 - b1), k.c2 = (float)(1.0 - b2);
     }
+    /* Streamed a chunk at a time, the digest equals ps_dense_digest's one-shot xxh3. */
+    XXH3_state_t xs;
+    if (digest != NULL) XXH3_64bits_reset(&xs);
     for (size_t i0 = 0; i0 < n; i0 += CHUNK) {
         size_t i1 = n - i0 < CHUNK ? n : i0 + CHUNK;
         update_range(d, g, i0, i1, &k);
         if (out != NULL) memcpy(out + i0, d->w + i0, (i1 - i0) * sizeof(float));
+        if (digest != NULL) XXH3_64bits_update(&xs, d->w + i0, (i1 - i0) * sizeof(float));
     }
+    if (digest != NULL) *digest = XXH3_64bits_digest(&xs);
+    if (step != NULL) *step = d->step;
     pthread_mutex_unlock(&d->mu);
 }
 
 void ps_dense_push(ps_dense *d, const float *g)
 {
-    dense_step(d, g, NULL);
+    dense_step(d, g, NULL, NULL, NULL);
 }
 
-void ps_dense_push_read(ps_dense *d, const float *g, float *out)
+void ps_dense_push_read(ps_dense *d, const float *g, float *out, uint64_t *digest, uint64_t *step)
 {
-    dense_step(d, g, out);
+    dense_step(d, g, out, digest, step);
 }
 
 size_t ps_dense_state_bytes(const ps_dense_spec *spec)

@@ -16,8 +16,10 @@ void ps_dense_destroy(ps_dense *d);
 void ps_dense_pull(ps_dense *d, float *out);
 /* One optimizer step with gradient g (spec->size floats). Thread-safe. */
 void ps_dense_push(ps_dense *d, const float *g);
-/* The same step, and the values right after it into out (one pass: ps_dense_pull's copy). */
-void ps_dense_push_read(ps_dense *d, const float *g, float *out);
+/* The same step, and what ps_dense_pull and ps_dense_digest would say right after it, in the
+ * same pass and under the same lock: the values into out, their xxh3 into *digest, the step
+ * into *step (each optional: NULL). */
+void ps_dense_push_read(ps_dense *d, const float *g, float *out, uint64_t *digest, uint64_t *step);
 /* Assigns values unless already initialised; returns 1 when assigned, 0 otherwise. */
 int ps_dense_init(ps_dense *d, const float *values);
 /* Writes/reads the block (values, optimizer state, step) as one checksummed file. load builds

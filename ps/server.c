@@ -458,22 +458,35 @@ short_payload:
     return reply_error(s, h, CM_EINVAL, msg);
 }
 
-/* The reply to a PUSH_DENSE: empty, or with PS_FLAG_READ_BACK the block's values now. */
-static nng_msg *dense_ack(const ps_hdr *h, ps_dense *d, size_t n)
+/* A PUSH_DENSE's update and its reply, or (g NULL: a resent push not applied again) the reply
+ * alone: empty; with PS_FLAG_READ_BACK the block's values after the update; with
+ * PS_FLAG_DIGEST its step and the xxh3 of those values. The reply is allocated first, so an
+ * update is never applied without its acknowledgement; the values and digest come from the
+ * update's own pass, under its lock. */
+static nng_msg *dense_reply(const ps_hdr *h, ps_dense *d, size_t n, const float *g)
 {
     uint8_t *out;
     if (h->flags & PS_FLAG_DIGEST) {
         nng_msg *reply = reply_ok(h, PS_DIGEST_BYTES, &out);
         if (reply != NULL) {
-            uint64_t step, digest = ps_dense_digest(d, &step);
+            uint64_t step, digest;
+            if (g != NULL)
+                ps_dense_push_read(d, g, NULL, &digest, &step);
+            else
+                digest = ps_dense_digest(d, &step);
             memcpy(out, &step, 8);
             memcpy(out + 8, &digest, 8);
         }
         return reply;
     }
-    if (!(h->flags & PS_FLAG_READ_BACK)) return reply_ok(h, 0, NULL);
-    nng_msg *reply = reply_ok(h, n * sizeof(float), &out);
-    if (reply != NULL) ps_dense_pull(d, (float *)out);
+    if (h->flags & PS_FLAG_READ_BACK) {
+        nng_msg *reply = reply_ok(h, n * sizeof(float), &out);
+        if (reply != NULL && g != NULL) ps_dense_push_read(d, g, (float *)out, NULL, NULL);
+        if (reply != NULL && g == NULL) ps_dense_pull(d, (float *)out);
+        return reply;
+    }
+    nng_msg *reply = reply_ok(h, 0, NULL);
+    if (reply != NULL && g != NULL) ps_dense_push(d, g);
     return reply;
 }
 
@@ -515,14 +528,8 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
         } else if (!finite) {
             STAT_ADD(s, bad_messages, 1);
             reply = reply_error(s, h, CM_EINVAL, "non-finite value in a dense push");
-        } else if (h->op == PS_OP_PUSH_DENSE && (h->flags & PS_FLAG_READ_BACK) &&
-                   !(h->flags & PS_FLAG_DIGEST)) {
-            uint8_t *out; /* the values go straight from the update into the reply */
-            if ((reply = reply_ok(h, n * sizeof(float), &out)) != NULL)
-                ps_dense_push_read(d, g, (float *)out);
         } else if (h->op == PS_OP_PUSH_DENSE) {
-            ps_dense_push(d, g);
-            reply = dense_ack(h, d, n);
+            reply = dense_reply(h, d, n, g);
         } else {
             ps_hdr r = *h;
             r.flags = (uint8_t)ps_dense_init(d, g);
@@ -756,7 +763,7 @@ static nng_msg *dup_read_back(struct ps_server *s, const ps_hdr *h)
     if (h->table >= s->cfg.n_dense || s->dense[h->table] == NULL)
         return reply_error(s, h, CM_EINVAL, "no such dense block on this shard");
     pthread_rwlock_rdlock(&s->tables_lock);
-    nng_msg *r = dense_ack(h, s->dense[h->table], (size_t)s->cfg.dense[h->table].size);
+    nng_msg *r = dense_reply(h, s->dense[h->table], (size_t)s->cfg.dense[h->table].size, NULL);
     pthread_rwlock_unlock(&s->tables_lock);
     return r;
 }
