@@ -59,6 +59,17 @@ void cm_f16_to_f32_n_scalar(const void *src, float *dst, size_t n);
  * case (all finite): gradients are checked on every push. */
 size_t cm_f32_first_nonfinite(const float *x, size_t n);
 
+/* C (M x N, leading dimension ldc) = op(A) op(B), op(X) = X or X^T by ta / tb, row-major like
+ * cblas_sgemm with alpha 1 and beta 0: A is M x K (K x M when ta), B is K x N (N x K when tb).
+ * Every value of A and B is rounded to bfloat16 (as cm_f32_to_bf16) and the products are summed
+ * in fp32 on AMX tiles, in an order fixed by the shape: the same inputs give the same bits on
+ * any thread. Packing scratch is the calling thread's own (kept until it exits). Returns 0,
+ * CM_EINVAL where cm_gemm_bf16_available() is 0 (C untouched), or CM_ENOMEM. */
+int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B,
+                 int ldb, float *C, int ldc);
+/* 1 when this CPU has AMX-BF16 and the OS grants the process its tile state (asked once). */
+int cm_gemm_bf16_available(void);
+
 /* int8 quantisation, shared by serving bundles (fp32 scale) and the PS wire (bf16 scale).
  * cm_int8_quantize: q[j] = x[j] * inv rounded to nearest and clamped to +-127, where inv is the
  * caller's 1/scale (when it is not finite, as for a subnormal scale, x[j] / scale instead);

@@ -58,6 +58,7 @@ typedef struct pool {
     part_fn fn;
     void *arg;
     bool stop;
+    bool bf16; /* the GEMMs run for this pool are cm_gemm_bf16 (BACKEND_BF16) */
 } pool;
 
 typedef struct pool_arg {
@@ -298,6 +299,7 @@ typedef struct gemm {
     float *C;
     const rows_op *epi;
     int tiles, by_cols;
+    bool bf16; /* cm_gemm_bf16 instead of cblas_sgemm */
 } gemm;
 
 /* Below this many multiply-adds a GEMM is one call: not worth waking threads for. */
@@ -346,8 +348,12 @@ static void gemm_tile_part(const gemm *g, int t, int k0, int k1, float *C)
         C += (size_t)i0 * g->ldc;
         M = i1 - i0;
     }
-    cblas_sgemm(CblasRowMajor, g->ta, g->tb, M, N, k1 - k0, 1.0f, A, g->lda, B, g->ldb, 0.0f, C,
-                g->ldc);
+    /* cm_gemm_bf16 fails only for its packing scratch (a few hundred KiB a thread, kept): then
+     * this tile is summed in fp32 instead, as correct and only not the same bits. */
+    if (!g->bf16 || cm_gemm_bf16(g->ta == CblasTrans, g->tb == CblasTrans, M, N, k1 - k0, A, g->lda,
+                                 B, g->ldb, C, g->ldc) != CM_OK)
+        cblas_sgemm(CblasRowMajor, g->ta, g->tb, M, N, k1 - k0, 1.0f, A, g->lda, B, g->ldb, 0.0f, C,
+                    g->ldc);
     if (g->epi != NULL && !g->by_cols && k0 == 0 && k1 == g->K)
         g->epi->fn(g->epi, (size_t)i0, (size_t)i1);
 }
@@ -382,7 +388,7 @@ static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int
                   const float *A, int lda, const float *B, int ldb, float *C, int ldc,
                   const rows_op *epi)
 {
-    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, epi, 1, 0};
+    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, epi, 1, 0, p->bf16};
     gemm_tiles(&g);
     gemm_run(p, &g);
 }
@@ -503,7 +509,11 @@ static void *gap_main(void *arg);
 static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b, uint32_t max_u,
                       uint32_t threads, uint32_t flags, void **state, char **errptr)
 {
-    (void)flags; /* BACKEND_TF32: the CPU path is fp32 only */
+    /* BACKEND_TF32 is the GPU's; BACKEND_BF16 is refused where it would not run as asked. */
+    if ((flags & BACKEND_BF16) && !cm_gemm_bf16_available())
+        return cm_err(errptr, CM_EINVAL,
+                      "bf16 GEMMs need a CPU with AMX-BF16 and Linux 5.16 or later, which this "
+                      "machine lacks; train in fp32 (without --bf16)");
     cpu *c = calloc(1, sizeof *c);
     if (c == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     pthread_mutex_init(&c->jmu, NULL);
@@ -513,6 +523,7 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
         cpu_destroy(c);
         return cm_err(errptr, CM_ERR, "cannot start %u compute threads", threads);
     }
+    c->pool.bf16 = (flags & BACKEND_BF16) != 0;
     c->m = *m;
     c->l = *l;
     c->max_b = max_b;
@@ -760,6 +771,7 @@ static void layer_bwd_dw(pool *pl, const model_layer *ly, const float *X, const 
                          float *dP, uint32_t B)
 {
     gemm g = dw_gemm(ly, X, dY, dP, B);
+    g.bf16 = pl->bf16;
     gemm_run(pl, &g);
     colsum_job j = {dY, dP + ly->b, B, ly->out};
     if (ly->out < 64)
@@ -926,7 +938,7 @@ static void dw_unit_run(const dw_phase *ph, int u)
     const model_layout *l = &c->l;
     const struct dw_unit *un = &ph->unit[u];
     uint32_t i = un->layer, B = ph->b->B;
-    pool one = {.n = 1};
+    pool one = {.n = 1, .bf16 = c->pool.bf16};
     if (i == l->n_top) {
         stack_bwd_dx(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->P, c->dz0, NULL, B);
         stack_bwd_dw(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->b->dense, ph->dP, B);
@@ -1061,6 +1073,7 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
     for (uint32_t k = l->n_top; k-- > 0;) {
         const gemm *g = &ph.g[k];
         ph.g[k] = dw_gemm(&l->top[k], k ? c->act[k - 1] : c->in, c->gact[k], dP, B);
+        ph.g[k].bf16 = c->pool.bf16;
         ph.chunks[k] = dw_chunks(g);
         for (int t = 0; t <= g->tiles; t++) /* the tiles' chunks, then the bias gradient */
             for (int j = 0; j < (t < g->tiles ? ph.chunks[k] : 1); j++) {

@@ -779,6 +779,9 @@ static int cuda_create(const model_cfg *m, const model_layout *l, uint32_t max_b
                        uint32_t threads, uint32_t flags, void **state, char **errptr)
 {
     (void)threads; /* the GPU needs no host compute threads */
+    if (flags & BACKEND_BF16)
+        return cm_err(errptr, CM_EINVAL,
+                      "--bf16 is the CPU's (AMX tiles); on the GPU use --tf32 for tensor cores");
     cu *c = (cu *)calloc(1, sizeof *c);
     if (c == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     int rc = create_impl(c, m, l, max_b, max_u, flags, errptr);

@@ -140,6 +140,10 @@ void model_staging_view(const model_staging *s, model_batch *mb);
 
 /* backend_ops.create flags. */
 #define BACKEND_TF32 1u /* cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative); cpu: ignored */
+/* cpu: every GEMM's operands rounded to bfloat16, products summed in fp32 on AMX tiles
+ * (cm_gemm_bf16; ~3x OpenBLAS's fp32 on a Sapphire Rapids core); refused without AMX-BF16 and
+ * by cuda. Deterministic like fp32: the same bits for any thread count. */
+#define BACKEND_BF16 2u
 
 /* A compute backend: a static ops table per variant (cpu, cuda). */
 typedef struct backend backend;

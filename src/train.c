@@ -102,6 +102,8 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
             bad = cm_parse_size(v, &u) || u > 100000, o->keep_checkpoints = (uint32_t)u;
         else if (!strcmp(k, "tf32"))
             bad = cm_parse_size(v, &u) || u > 1, o->tf32 = (int)u;
+        else if (!strcmp(k, "bf16"))
+            bad = cm_parse_size(v, &u) || u > 1, o->bf16 = (int)u;
         else if (!strcmp(k, "dense_mirror"))
             bad = cm_parse_size(v, &u) || u > 1, o->dense_mirror = (int)u;
         else if (!strcmp(k, "expected_rows"))
@@ -1137,7 +1139,8 @@ static void *worker_main(void *arg)
     int rc = ps_client_create(&co, &c, errptr);
     if (rc == CM_OK)
         rc = S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024, o->threads,
-                           o->tf32 ? BACKEND_TF32 : 0, &be, errptr);
+                           (o->tf32 ? BACKEND_TF32 : 0) | (o->bf16 ? BACKEND_BF16 : 0), &be,
+                           errptr);
     if (rc == CM_OK && W->index == 0 && S->l.n_params > 0) {
         float *p = malloc(S->l.n_params * sizeof(float));
         int assigned;

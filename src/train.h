@@ -77,6 +77,7 @@ typedef struct train_opts {
     uint32_t ps_timeout_ms;          /* per PS request (0: the client's default, 30 s) */
     int stale_pull;   /* pull batch t+1 before batch t's push (more overlap, one step stale) */
     int tf32;         /* cuda: TF32 tensor-core GEMMs (BACKEND_TF32); the cpu ignores it */
+    int bf16;         /* cpu: bf16 GEMMs on AMX tiles (BACKEND_BF16); cuda refuses it */
     int dense_mirror; /* 1 (default): a lone worker mirrors the tower (ps_client_dense_mirror) */
     int eval_every;   /* steps, 0 = end only */
     /* Rows each embedding table is expected to reach over the whole job (all shards): the PS

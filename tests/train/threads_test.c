@@ -13,6 +13,9 @@
  * Three threads crowded onto one core (check_crowded), where pool threads are late and the
  * others take their parts, give the same bits too.
  *
+ * With BACKEND_BF16 (AMX tiles, where the machine has them) the same holds for mlp and dlrm, and
+ * each preset's outputs stay within bf16's precision of the fp32 backend's (check_bf16_close).
+ *
  * gradcheck_test.c checks the same property on a small tower (B 256); this one exists because
  * OpenBLAS picks its kernel by the shape of each call, and only training's shapes reach the
  * small-matrix kernel that made threads 1 and 2 disagree.
@@ -336,11 +339,16 @@ static void columns_check(void *st, const batch *t, const outs *ref, outs *o, co
     free(val);
 }
 
+/* backend_ops.create flags of the backends create() makes: 0, or BACKEND_BF16 for the second
+ * round of the same checks. */
+static uint32_t be_flags;
+
 static void *create(const batch *t, uint32_t threads)
 {
     void *st = NULL;
     char *err = NULL;
-    int rc = backend_cpu_ops.create(&t->m, &t->l, MAX_B, MAX_B * FIELDS + 1, threads, 0, &st, &err);
+    int rc = backend_cpu_ops.create(&t->m, &t->l, MAX_B, MAX_B * FIELDS + 1, threads, be_flags, &st,
+                                    &err);
     CHECK_OK(rc, err);
     return rc == 0 ? st : NULL;
 }
@@ -470,6 +478,76 @@ static void check_crowded(model_kind kind)
     batch_free(&t);
 }
 
+/* ||a - b|| / ||b|| over n floats. */
+static double rel_l2(const float *a, const float *b, size_t n)
+{
+    double d = 0, r = 0;
+    for (size_t i = 0; i < n; i++) {
+        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        r += (double)b[i] * b[i];
+    }
+    return r > 0 ? sqrt(d / r) : sqrt(d);
+}
+
+/*
+ * bf16 GEMMs compute the same step as fp32 to bf16's precision (8 bits of mantissa in each
+ * product's operands): probabilities within 0.01, the loss within 0.5%, every layer's dW and
+ * the dense gradient within 3% and each table's row gradients within 12% (relative L2) of the
+ * fp32 backend's. An operand packed wrong (a transposed tile, a lost K chunk) is off by ~100%.
+ */
+static void check_bf16_close(model_kind kind)
+{
+    batch t;
+    memset(&t, 0, sizeof t);
+    outs ref, o;
+    memset(&ref, 0, sizeof ref);
+    memset(&o, 0, sizeof o);
+    void *st32 = NULL, *st16 = NULL;
+    const char *name = model_kind_name(kind);
+    if (batch_make(&t, kind, 2048, 9001) == 0 && outs_alloc(&ref, &t) == 0 &&
+        outs_alloc(&o, &t) == 0) {
+        be_flags = 0;
+        st32 = create(&t, 2);
+        be_flags = BACKEND_BF16;
+        st16 = create(&t, 2);
+        be_flags = 0;
+    }
+    if (st32 == NULL || st16 == NULL || step(st32, &t, &ref) != 0 || step(st16, &t, &o) != 0) {
+        CHECK_MSG(0, "%s: cannot run the fp32 and bf16 backends", name);
+    } else {
+        float pmax = 0;
+        for (uint32_t i = 0; i < t.mb.B; i++)
+            pmax = fmaxf(pmax, fabsf(o.probs[i] - ref.probs[i]));
+        CHECK_MSG(pmax <= 0.01f, "%s bf16: probabilities up to %g from fp32's", name, pmax);
+        CHECK_MSG(fabs(o.loss - ref.loss) <= 0.005 * fabs(ref.loss),
+                  "%s bf16: loss %.9g, fp32 %.9g", name, o.loss, ref.loss);
+        const model_layout *l = &t.l;
+        for (uint32_t i = 0; i < l->n_top; i++) {
+            double e = rel_l2(o.dparams + l->top[i].w, ref.dparams + l->top[i].w,
+                              (size_t)l->top[i].in * l->top[i].out);
+            CHECK_MSG(e <= 0.03, "%s bf16: top layer %u dW %.4f from fp32's (relative L2)", name, i,
+                      e);
+        }
+        double e = rel_l2(o.dparams, ref.dparams, l->n_params);
+        CHECK_MSG(e <= 0.03, "%s bf16: dparams %.4f from fp32's (relative L2)", name, e);
+        /* A row gradient sums 256 products of either sign (dY W): with that cancellation its
+         * error relative to itself is ~16x an operand's rounding (measured 6-7%). */
+        for (uint32_t tb = 0; tb < l->n_tables; tb++) {
+            e = rel_l2(o.demb[tb], ref.demb[tb], (size_t)t.U * l->table_dim[tb]);
+            CHECK_MSG(e <= 0.12, "%s bf16: demb[%u] %.4f from fp32's (relative L2)", name, tb, e);
+        }
+        /* Not the fp32 bits where there is a tower: the bf16 path did run (lr has no GEMM). */
+        if (l->n_top > 0)
+            CHECK_MSG(ndiff(o.dparams, ref.dparams, l->n_params) > 0,
+                      "%s bf16: dparams identical to fp32's", name);
+    }
+    if (st32) backend_cpu_ops.destroy(st32);
+    if (st16) backend_cpu_ops.destroy(st16);
+    outs_free(&ref);
+    outs_free(&o);
+    batch_free(&t);
+}
+
 int main(void)
 {
     const model_kind kinds[] = {MODEL_MLP, MODEL_LR, MODEL_DLRM, MODEL_DEEPFM};
@@ -477,5 +555,29 @@ int main(void)
         check_kind(kinds[k]);
     check_crowded(MODEL_MLP);
     check_crowded(MODEL_DLRM);
+    /* The same properties for bf16 GEMMs (AMX), and their closeness to fp32. */
+    if (cm_gemm_bf16_available()) {
+        be_flags = BACKEND_BF16;
+        check_kind(MODEL_MLP);
+        check_kind(MODEL_DLRM);
+        check_crowded(MODEL_MLP);
+        be_flags = 0;
+        for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++)
+            check_bf16_close(kinds[k]);
+    } else {
+        fprintf(stderr, "train_threads: SKIP the bf16 rounds: this CPU/OS has no AMX-BF16\n");
+        /* Where it cannot run, asking for it is an error, not a silent fp32 run. */
+        batch t;
+        memset(&t, 0, sizeof t);
+        if (batch_make(&t, MODEL_MLP, 33, 5) == 0) {
+            void *st = NULL;
+            char *err = NULL;
+            CHECK(backend_cpu_ops.create(&t.m, &t.l, MAX_B, MAX_B * FIELDS + 1, 1, BACKEND_BF16,
+                                         &st, &err) != 0 &&
+                  st == NULL && err != NULL && strstr(err, "AMX") != NULL);
+            free(err);
+        }
+        batch_free(&t);
+    }
     return check_done();
 }

@@ -1,0 +1,307 @@
+/*
+ * bf16 GEMM on AMX tiles (cm_gemm_bf16, contract in common.h).
+ *
+ * Both operands are rounded to bfloat16 (cm_f32_to_bf16's rounding) while they are packed into
+ * the layouts the tile instructions read, and the products are summed in fp32 by TDPBF16PS:
+ *  - A (M x K) as 16-row x 32-value tiles, a row's values along K in order;
+ *  - B (K x N) as 16-row x 16-pair tiles, row p holding for each column n the pair
+ *    (B[2p][n], B[2p+1][n]) in one 32-bit lane ("VNNI" order).
+ * M and N are padded to 32 and K to 32 with zeros; C is computed in 32 x 32 blocks (four
+ * accumulator tiles, two A and two B tiles), each block's K loop in order, so the result
+ * depends on the shape and the inputs only, never on threads or timing.
+ *
+ * Each packer computes 16 32-bit lanes along the operand's contiguous direction, which is a
+ * tile row for A NoTrans and B NoTrans, and a tile column (stored with a scatter) for A Trans
+ * and B Trans. Scratch for the packed operands is per thread and grows as needed.
+ */
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/common.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && __GNUC__ >= 11
+#define CM_HAVE_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#ifdef CM_HAVE_AMX
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_state; /* 1 usable, -1 not; set once */
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_probe(void)
+{
+    unsigned a, b, c, d;
+    amx_state = -1;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
+    bool tile = d & (1u << 24), bf16 = d & (1u << 22), avx512bw = b & (1u << 30),
+         avx512f = b & (1u << 16);
+    if (!tile || !bf16 || !avx512f || !avx512bw) return;
+    /* The OS must hand this process the tile data state (Linux 5.16+). */
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return;
+    amx_state = 1;
+}
+
+typedef struct tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+/* The calling thread's packing scratch (released at thread exit). */
+typedef struct scratch {
+    void *a, *b;
+    size_t na, nb;
+} scratch;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *p)
+{
+    scratch *s = p;
+    free(s->a);
+    free(s->b);
+    free(s);
+}
+
+static void scratch_key_make(void)
+{
+    (void)pthread_key_create(&scratch_key, scratch_free);
+}
+
+static int grow(void **p, size_t *have, size_t need)
+{
+    if (*have >= need) return 0;
+    void *q = NULL;
+    if (posix_memalign(&q, 64, need) != 0) return -1;
+    free(*p);
+    *p = q;
+    *have = need;
+    return 0;
+}
+
+static scratch *scratch_get(size_t na, size_t nb)
+{
+    pthread_once(&scratch_once, scratch_key_make);
+    scratch *s = pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        s = calloc(1, sizeof *s);
+        if (s == NULL || pthread_setspecific(scratch_key, s) != 0) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (grow(&s->a, &s->na, na) || grow(&s->b, &s->nb, nb)) return NULL;
+    return s;
+}
+
+/* 16 floats rounded to bf16 (cm_f32_to_bf16, lane by lane), each in its lane's low half. */
+AMX_TARGET static inline __m512i bf16_round(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i r = _mm512_add_epi32(
+        u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_srli_epi32(r, 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+/* Up to 16 floats from p (n of them, the rest zero). */
+AMX_TARGET static inline __m512 load16(const float *p, int n)
+{
+    if (n >= 16) return _mm512_loadu_ps(p);
+    if (n <= 0) return _mm512_setzero_ps();
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
+}
+
+/* Pairs (lo[j], hi[j]) of 16 lanes: lo in the low half, as TDPBF16PS reads a pair. */
+AMX_TARGET static inline __m512i pair16(__m512 lo, __m512 hi)
+{
+    return _mm512_or_si512(bf16_round(lo), _mm512_slli_epi32(bf16_round(hi), 16));
+}
+
+/* 32 consecutive values from p (n of them) as 16 pairs. */
+AMX_TARGET static inline __m512i pack32(const float *p, int n)
+{
+    __m512i lo = bf16_round(load16(p, n)), hi = bf16_round(load16(p + 16, n - 16));
+    /* Even values to the low halves: bf16 of value 2j and 2j+1 into lane j. */
+    __m256i l = _mm512_cvtepi32_epi16(lo), h = _mm512_cvtepi32_epi16(hi);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
+}
+
+/*
+ * Packs an operand into tiles of 16 rows x 16 lanes (a lane is a pair along `pairdim`):
+ *  - A (pair along its columns, K): out row i of the tile = row i of op(A);
+ *  - B (pair along its rows, K): out row p = the pairs of rows 2p, 2p+1 of op(B).
+ * Tile (r, kk) of R x KK tiles at out + (r * KK + kk) * 256 lanes, R = rows/16 (padded), KK =
+ * K/32 (padded). `rows` is M for A (its rows) and N for B (its columns).
+ */
+AMX_TARGET static void pack_a(const float *A, int lda, bool ta, int M, int K, int R, int KK,
+                              uint32_t *out)
+{
+    const __m512i idx =
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(16));
+    for (int r = 0; r < R; r++)
+        for (int kk = 0; kk < KK; kk++) {
+            uint32_t *t = out + ((size_t)r * KK + kk) * 256;
+            int i0 = r * 16, k0 = kk * 32;
+            if (!ta) {
+                /* Rows of A are contiguous along K: a tile row at a time. */
+                for (int i = 0; i < 16; i++) {
+                    __m512i v = _mm512_setzero_si512();
+                    if (i0 + i < M) v = pack32(A + (size_t)(i0 + i) * lda + k0, K - k0);
+                    _mm512_store_si512(t + i * 16, v);
+                }
+            } else {
+                /* A^T is stored K x M: rows k0+2p and k0+2p+1 give tile column p. */
+                int n = M - i0;
+                for (int p = 0; p < 16; p++) {
+                    int k = k0 + 2 * p;
+                    __m512 lo = k < K ? load16(A + (size_t)k * lda + i0, n) : _mm512_setzero_ps();
+                    __m512 hi =
+                        k + 1 < K ? load16(A + (size_t)(k + 1) * lda + i0, n) : _mm512_setzero_ps();
+                    _mm512_i32scatter_epi32(t + p, idx, pair16(lo, hi), 4);
+                }
+            }
+        }
+}
+
+AMX_TARGET static void pack_b(const float *B, int ldb, bool tb, int K, int N, int R, int KK,
+                              uint32_t *out)
+{
+    const __m512i idx =
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(16));
+    for (int r = 0; r < R; r++)
+        for (int kk = 0; kk < KK; kk++) {
+            uint32_t *t = out + ((size_t)r * KK + kk) * 256;
+            int j0 = r * 16, k0 = kk * 32;
+            if (!tb) {
+                /* Rows of B are contiguous along N: rows k, k+1 give tile row p. */
+                int n = N - j0;
+                for (int p = 0; p < 16; p++) {
+                    int k = k0 + 2 * p;
+                    __m512 lo = k < K ? load16(B + (size_t)k * ldb + j0, n) : _mm512_setzero_ps();
+                    __m512 hi =
+                        k + 1 < K ? load16(B + (size_t)(k + 1) * ldb + j0, n) : _mm512_setzero_ps();
+                    _mm512_store_si512(t + p * 16, pair16(lo, hi));
+                }
+            } else {
+                /* B^T is stored N x K: column j of B, contiguous along K, is tile column j. */
+                for (int j = 0; j < 16; j++) {
+                    __m512i v = _mm512_setzero_si512();
+                    if (j0 + j < N) v = pack32(B + (size_t)(j0 + j) * ldb + k0, K - k0);
+                    _mm512_i32scatter_epi32(t + j, idx, v, 4);
+                }
+            }
+        }
+}
+
+/* Stores accumulator tile `t` (16 x 16) at C[i0][j0], clipped to M x N. */
+#define STORE_TILE(t, i0, j0)                                                                      \
+    do {                                                                                           \
+        if ((i0) + 16 <= M && (j0) + 16 <= N)                                                      \
+            _tile_stored(t, C + (size_t)(i0)*ldc + (j0), ldc * 4);                                 \
+        else if ((i0) < M && (j0) < N) {                                                           \
+            _tile_stored(t, edge, 64);                                                             \
+            for (int i_ = 0; i_ < 16 && (i0) + i_ < M; i_++)                                       \
+                for (int j_ = 0; j_ < 16 && (j0) + j_ < N; j_++)                                   \
+                    C[(size_t)((i0) + i_) * ldc + (j0) + j_] = edge[i_ * 16 + j_];                 \
+        }                                                                                          \
+    } while (0)
+
+AMX_TARGET static void amx_run(int M, int N, const uint32_t *Ap, const uint32_t *Bp, int KK,
+                               float *C, int ldc)
+{
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    float edge[256] __attribute__((aligned(64)));
+    int MB = (M + 31) / 32, NB = (N + 31) / 32;
+    for (int nb = 0; nb < NB; nb++)
+        for (int mb = 0; mb < MB; mb++) {
+            const uint32_t *a0 = Ap + (size_t)(2 * mb) * KK * 256, *a1 = a0 + (size_t)KK * 256;
+            const uint32_t *b0 = Bp + (size_t)(2 * nb) * KK * 256, *b1 = b0 + (size_t)KK * 256;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int kk = 0; kk < KK; kk++) {
+                _tile_loadd(4, a0 + (size_t)kk * 256, 64);
+                _tile_loadd(5, a1 + (size_t)kk * 256, 64);
+                _tile_loadd(6, b0 + (size_t)kk * 256, 64);
+                _tile_loadd(7, b1 + (size_t)kk * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            int i0 = mb * 32, j0 = nb * 32;
+            STORE_TILE(0, i0, j0);
+            STORE_TILE(1, i0, j0 + 16);
+            STORE_TILE(2, i0 + 16, j0);
+            STORE_TILE(3, i0 + 16, j0 + 16);
+        }
+    _tile_release();
+}
+
+int cm_gemm_bf16_available(void)
+{
+    pthread_once(&amx_once, amx_probe);
+    return amx_state == 1;
+}
+
+int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B,
+                 int ldb, float *C, int ldc)
+{
+    if (M <= 0 || N <= 0) return CM_OK;
+    if (!cm_gemm_bf16_available()) return CM_EINVAL;
+    if (K <= 0) {
+        for (int i = 0; i < M; i++)
+            memset(C + (size_t)i * ldc, 0, (size_t)N * sizeof(float));
+        return CM_OK;
+    }
+    int RA = (M + 31) / 32 * 2, RB = (N + 31) / 32 * 2, KK = (K + 31) / 32;
+    scratch *s = scratch_get((size_t)RA * KK * 1024, (size_t)RB * KK * 1024);
+    if (s == NULL) return CM_ENOMEM;
+    pack_a(A, lda, ta != 0, M, K, RA, KK, s->a);
+    pack_b(B, ldb, tb != 0, K, N, RB, KK, s->b);
+    amx_run(M, N, s->a, s->b, KK, C, ldc);
+    return CM_OK;
+}
+
+#else /* no AMX build */
+
+int cm_gemm_bf16_available(void)
+{
+    return 0;
+}
+
+int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B,
+                 int ldb, float *C, int ldc)
+{
+    (void)ta, (void)tb, (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)ldb;
+    (void)C, (void)ldc;
+    return CM_EINVAL;
+}
+
+#endif

@@ -1,0 +1,448 @@
+/*
+ * cm_gemm_bf16 (bf16 GEMM on AMX tiles) against a double reference of the bf16-rounded operands:
+ * all four transpose combinations over shapes that cross every 16 / 32 padding edge of M, N and
+ * K, with leading-dimension slack (holding NaNs the kernel must never read) and C's padding
+ * columns and tail left untouched; the training shapes (sampled); magnitudes over six decades; a
+ * NaN in A (in B) reaching exactly its row (column); bit-identical repeats and concurrent calls
+ * from two threads; K = 0 and empty outputs. Where AMX is missing, only the refusal is checked.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+
+#include "check.h"
+#include "common/common.h"
+#include "rng.h"
+
+#define SENTINEL 0x7fa5a5a5u /* C's cells the call must leave alone: a NaN no product gives */
+#define PAD_NAN 0x7fc0beefu  /* A's and B's leading-dimension slack: never to be read */
+#define GUARD 16             /* sentinel floats after C's last row */
+#define FULL_MAX 70000       /* outputs up to which every one is checked, else SAMPLE of them */
+#define SAMPLE 2000
+#define THREAD_ITERS 20
+
+static const int V[10] = {1, 15, 16, 17, 31, 32, 33, 63, 64, 65};
+
+static double worst_ratio; /* max |C - ref| / bound over every output compared */
+static long n_compared;
+
+static float f_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint32_t u_of(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static double bf(float x)
+{
+    return (double)cm_bf16_to_f32(cm_f32_to_bf16(x));
+}
+
+/* One product's operands: op(A) M x K, op(B) K x N, C M x ldc (+ GUARD). */
+typedef struct gcase {
+    int ta, tb, M, N, K, lda, ldb, ldc;
+    float *A, *B;
+    size_t nc;
+    char desc[128];
+} gcase;
+
+static float *a_at(const gcase *g, int i, int k)
+{
+    return g->ta ? &g->A[(size_t)k * g->lda + i] : &g->A[(size_t)i * g->lda + k];
+}
+
+static float *b_at(const gcase *g, int k, int j)
+{
+    return g->tb ? &g->B[(size_t)j * g->ldb + k] : &g->B[(size_t)k * g->ldb + j];
+}
+
+static float value(int spread)
+{
+    if (!spread) return (float)unif(-1.0, 1.0);
+    double m = pow(10.0, unif(-3.0, 3.0));
+    return (float)(rnd64() & 1 ? m : -m);
+}
+
+static int imax(int a, int b)
+{
+    return a > b ? a : b;
+}
+
+/* Operands of a shape with leading dimensions xa / xb / xc over the minimum, values uniform in
+ * [-1, 1) (or +-10^[-3, 3) when spread), the slack NaN. */
+static void case_init(gcase *g, int ta, int tb, int M, int N, int K, int xa, int xb, int xc,
+                      int spread)
+{
+    memset(g, 0, sizeof *g);
+    g->ta = ta, g->tb = tb, g->M = M, g->N = N, g->K = K;
+    g->lda = imax(1, (ta ? M : K) + xa);
+    g->ldb = imax(1, (tb ? K : N) + xb);
+    g->ldc = imax(1, N + xc);
+    size_t na = (size_t)imax(1, ta ? K : M) * g->lda, nb = (size_t)imax(1, tb ? N : K) * g->ldb;
+    g->nc = (size_t)M * g->ldc + GUARD;
+    g->A = malloc(na * sizeof(float));
+    g->B = malloc(nb * sizeof(float));
+    if (g->A == NULL || g->B == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    for (size_t x = 0; x < na; x++)
+        g->A[x] = f_of(PAD_NAN);
+    for (size_t x = 0; x < nb; x++)
+        g->B[x] = f_of(PAD_NAN);
+    for (int i = 0; i < M; i++)
+        for (int k = 0; k < K; k++)
+            *a_at(g, i, k) = value(spread);
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < N; j++)
+            *b_at(g, k, j) = value(spread);
+    snprintf(g->desc, sizeof g->desc, "ta=%d tb=%d M=%d N=%d K=%d lda=%d ldb=%d ldc=%d%s", ta, tb,
+             M, N, K, g->lda, g->ldb, g->ldc, spread ? " spread" : "");
+}
+
+static void case_free(gcase *g)
+{
+    free(g->A);
+    free(g->B);
+    g->A = g->B = NULL;
+}
+
+static float *c_new(size_t n)
+{
+    float *c = malloc(n * sizeof(float));
+    if (c == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    for (size_t x = 0; x < n; x++)
+        c[x] = f_of(SENTINEL);
+    return c;
+}
+
+/* Cells of C outside the M x N block (ldc slack and the guard) that no longer hold SENTINEL. */
+static size_t outside_changed(const gcase *g, const float *C)
+{
+    size_t bad = 0;
+    for (int i = 0; i < g->M; i++)
+        for (int j = g->N; j < g->ldc; j++)
+            bad += u_of(C[(size_t)i * g->ldc + j]) != SENTINEL;
+    for (size_t x = (size_t)g->M * g->ldc; x < g->nc; x++)
+        bad += u_of(C[x]) != SENTINEL;
+    return bad;
+}
+
+/* The double reference of output (i, j) and its fp32 summation bound. */
+static double ref_at(const gcase *g, int i, int j, double *bound)
+{
+    double s = 0.0, sa = 0.0;
+    for (int k = 0; k < g->K; k++) {
+        double p = bf(*a_at(g, i, k)) * bf(*b_at(g, k, j));
+        s += p;
+        sa += fabs(p);
+    }
+    *bound = ldexp(1.0, -23) * g->K * sa + 1e-30;
+    return s;
+}
+
+/* C against the reference: every output of a small product, SAMPLE of a big one (its four
+ * corners included); row skip_row and column skip_col (-1: none) left out. */
+static void check_values(const gcase *g, const float *C, int skip_row, int skip_col)
+{
+    int full = (size_t)g->M * g->N <= FULL_MAX;
+    long n = full ? (long)g->M * g->N : SAMPLE, bad = 0;
+    int bi = -1, bj = -1;
+    double bgot = 0, bref = 0, bbound = 0, worst = 0.0;
+    for (long x = 0; x < n; x++) {
+        int i, j;
+        if (full) {
+            i = (int)(x / g->N), j = (int)(x % g->N);
+        } else if (x < 4) {
+            i = x & 1 ? g->M - 1 : 0, j = x & 2 ? g->N - 1 : 0;
+        } else {
+            i = (int)rndu((uint32_t)g->M), j = (int)rndu((uint32_t)g->N);
+        }
+        if (i == skip_row || j == skip_col) continue;
+        double bound, ref = ref_at(g, i, j, &bound), got = C[(size_t)i * g->ldc + j];
+        double err = fabs(got - ref);
+        n_compared++;
+        if (!(err <= bound)) {
+            if (bad++ == 0) bi = i, bj = j, bgot = got, bref = ref, bbound = bound;
+            continue;
+        }
+        worst = err / bound > worst ? err / bound : worst;
+    }
+    worst_ratio = worst > worst_ratio ? worst : worst_ratio;
+    CHECK_MSG(bad == 0,
+              "%s: %ld of %ld outputs off, first (%d, %d): got %.9g, ref %.9g, bound %.3g", g->desc,
+              bad, n, bi, bj, bgot, bref, bbound);
+}
+
+static int gemm(const gcase *g, float *C)
+{
+    return cm_gemm_bf16(g->ta, g->tb, g->M, g->N, g->K, g->A, g->lda, g->B, g->ldb, C, g->ldc);
+}
+
+/* Runs g, checks the return, C's outside, the values (row / column skips as check_values) and a
+ * second call's bits; returns the C (the caller frees it). */
+static float *run_checked(const gcase *g, int skip_row, int skip_col)
+{
+    float *C = c_new(g->nc), *C2 = c_new(g->nc);
+    int rc = gemm(g, C);
+    CHECK_MSG(rc == 0, "%s: rc=%d", g->desc, rc);
+    size_t out = outside_changed(g, C);
+    CHECK_MSG(out == 0, "%s: %zu cells outside the M x N block written", g->desc, out);
+    check_values(g, C, skip_row, skip_col);
+    rc = gemm(g, C2);
+    CHECK_MSG(rc == 0 && memcmp(C, C2, g->nc * sizeof(float)) == 0,
+              "%s: a second call gives other bits (rc=%d)", g->desc, rc);
+    free(C2);
+    return C;
+}
+
+/* Without AMX: the call refuses and leaves C alone. */
+static int check_unavailable(void)
+{
+    gcase g;
+    case_init(&g, 0, 1, 17, 15, 33, 3, 0, 2, 0);
+    float *C = c_new(g.nc);
+    int rc = gemm(&g, C);
+    CHECK_MSG(rc == CM_EINVAL, "without AMX: rc=%d, want CM_EINVAL", rc);
+    size_t changed = 0;
+    for (size_t x = 0; x < g.nc; x++)
+        changed += u_of(C[x]) != SENTINEL;
+    CHECK_MSG(changed == 0, "without AMX: %zu cells of C written", changed);
+    free(C);
+    case_free(&g);
+    fprintf(stderr, "common_gemm: SKIP the AMX comparisons: this CPU/OS has no AMX-BF16\n");
+    return check_done();
+}
+
+/* K = 0 gives zeros in the block; M = 0 or N = 0 returns 0 and writes nothing. */
+static void check_degenerate(void)
+{
+    static const int shapes[][5] = {{17, 33, 3, 0, 1}, {1, 1, 0, 0, 0}, {64, 16, 5, 1, 0}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        gcase g;
+        case_init(&g, shapes[s][3], shapes[s][4], shapes[s][0], shapes[s][1], 0, 2, 1, shapes[s][2],
+                  0);
+        float *C = c_new(g.nc);
+        int rc = gemm(&g, C);
+        CHECK_MSG(rc == 0, "%s: rc=%d", g.desc, rc);
+        size_t nz = 0;
+        for (int i = 0; i < g.M; i++)
+            for (int j = 0; j < g.N; j++)
+                nz += u_of(C[(size_t)i * g.ldc + j]) != 0; /* +0 */
+        CHECK_MSG(nz == 0, "%s: %zu outputs not +0", g.desc, nz);
+        size_t out = outside_changed(&g, C);
+        CHECK_MSG(out == 0, "%s: %zu cells outside the M x N block written", g.desc, out);
+        free(C);
+        case_free(&g);
+    }
+    static const int empty[][3] = {{0, 17, 5}, {17, 0, 5}, {0, 0, 0}, {0, 33, 0}};
+    for (size_t s = 0; s < sizeof empty / sizeof empty[0]; s++) {
+        float A[64], B[64], C[64];
+        for (int x = 0; x < 64; x++)
+            A[x] = B[x] = 1.0f, C[x] = f_of(SENTINEL);
+        for (int t = 0; t < 4; t++) {
+            int rc = cm_gemm_bf16(t >> 1, t & 1, empty[s][0], empty[s][1], empty[s][2], A, 8, B, 8,
+                                  C, 8);
+            size_t changed = 0;
+            for (int x = 0; x < 64; x++)
+                changed += u_of(C[x]) != SENTINEL;
+            CHECK_MSG(rc == 0 && changed == 0, "M=%d N=%d K=%d ta=%d tb=%d: rc=%d, %zu written",
+                      empty[s][0], empty[s][1], empty[s][2], t >> 1, t & 1, rc, changed);
+        }
+    }
+}
+
+/* 60 (M, N, K) from V per transpose combination: six blocks of three permutations, so each
+ * value of V comes six times in each dimension; leading dimensions 0, 3 or 17 over the minimum. */
+static void check_small(void)
+{
+    static const int slack[4] = {0, 0, 3, 17};
+    for (int t = 0; t < 4; t++)
+        for (int blk = 0; blk < 6; blk++) {
+            int p[3][10];
+            for (int d = 0; d < 3; d++) {
+                for (int x = 0; x < 10; x++)
+                    p[d][x] = x;
+                for (int x = 9; x > 0; x--) {
+                    int y = (int)rndu((uint32_t)x + 1), tmp = p[d][x];
+                    p[d][x] = p[d][y], p[d][y] = tmp;
+                }
+            }
+            for (int x = 0; x < 10; x++) {
+                gcase g;
+                case_init(&g, t >> 1, t & 1, V[p[0][x]], V[p[1][x]], V[p[2][x]], slack[rndu(4)],
+                          slack[rndu(4)], slack[rndu(4)], 0);
+                free(run_checked(&g, -1, -1));
+                case_free(&g);
+            }
+        }
+}
+
+/* A NaN in op(A) at (i0, k0): row i0 NaN wherever op(B) row k0 is nonzero, the other rows
+ * right. A NaN in op(B) at (k1, j1): column j1 NaN wherever op(A) column k1 is nonzero. The
+ * NaNs carry payloads that bf16 truncation alone would turn into infinities. */
+static void check_nan(void)
+{
+    for (int t = 0; t < 4; t++) {
+        gcase g;
+        int i0 = 17, k0 = 40, zero_cols[3] = {0, 5, 46};
+        case_init(&g, t >> 1, t & 1, 33, 47, 65, 3, 1, 2, 0);
+        for (int z = 0; z < 3; z++)
+            *b_at(&g, k0, zero_cols[z]) = 0.0f;
+        *a_at(&g, i0, k0) = f_of(0x7f800001u); /* signalling, low payload */
+        float *C = run_checked(&g, i0, -1);
+        int bad = 0, first = -1;
+        for (int j = 0; j < g.N; j++)
+            if (bf(*b_at(&g, k0, j)) != 0.0 && !isnan(C[(size_t)i0 * g.ldc + j]) && bad++ == 0)
+                first = j;
+        CHECK_MSG(bad == 0, "%s: NaN in A row %d: %d outputs of the row not NaN, first col %d",
+                  g.desc, i0, bad, first);
+        free(C);
+        case_free(&g);
+
+        int k1 = 33, j1 = 31, zero_rows[2] = {2, 32};
+        case_init(&g, t >> 1, t & 1, 63, 33, 64, 0, 3, 17, 0);
+        for (int z = 0; z < 2; z++)
+            *a_at(&g, zero_rows[z], k1) = 0.0f;
+        *b_at(&g, k1, j1) = f_of(0xff800001u);
+        C = run_checked(&g, -1, j1);
+        bad = 0, first = -1;
+        for (int i = 0; i < g.M; i++)
+            if (bf(*a_at(&g, i, k1)) != 0.0 && !isnan(C[(size_t)i * g.ldc + j1]) && bad++ == 0)
+                first = i;
+        CHECK_MSG(bad == 0, "%s: NaN in B col %d: %d outputs of the column not NaN, first row %d",
+                  g.desc, j1, bad, first);
+        free(C);
+        case_free(&g);
+    }
+}
+
+/* Two threads at once, each over its own products into its own outputs, many times: every call
+ * gives the single-thread bits. */
+typedef struct tjob {
+    const gcase *g[3];
+    const float *want[3];
+    float *C[3];
+    pthread_barrier_t *bar;
+    int calls, wrong;
+} tjob;
+
+static void *worker(void *p)
+{
+    tjob *t = p;
+    pthread_barrier_wait(t->bar);
+    for (int it = 0; it < THREAD_ITERS; it++)
+        for (int c = 0; c < 3; c++) {
+            const gcase *g = t->g[c];
+            for (size_t x = 0; x < g->nc; x++)
+                t->C[c][x] = f_of(SENTINEL);
+            int rc = gemm(g, t->C[c]);
+            t->calls++;
+            t->wrong += rc != 0 || memcmp(t->C[c], t->want[c], g->nc * sizeof(float)) != 0;
+        }
+    return NULL;
+}
+
+static void check_threads(gcase *const train[5], float *const train_c[5])
+{
+    gcase s[2];
+    float *sc[2];
+    case_init(&s[0], 1, 1, 65, 33, 63, 17, 3, 0, 0);
+    case_init(&s[1], 0, 0, 17, 64, 31, 0, 17, 3, 0);
+    for (int x = 0; x < 2; x++)
+        sc[x] = run_checked(&s[x], -1, -1);
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, 2);
+    tjob job[2] = {{.g = {train[0], &s[0], train[3]}, .want = {train_c[0], sc[0], train_c[3]}},
+                   {.g = {train[2], &s[1], train[4]}, .want = {train_c[2], sc[1], train_c[4]}}};
+    pthread_t th[2];
+    int started[2];
+    for (int w = 0; w < 2; w++) {
+        job[w].bar = &bar;
+        for (int c = 0; c < 3; c++)
+            job[w].C[c] = c_new(job[w].g[c]->nc);
+    }
+    for (int w = 0; w < 2; w++) {
+        started[w] = pthread_create(&th[w], NULL, worker, &job[w]) == 0;
+        CHECK_MSG(started[w], "pthread_create %d", w);
+    }
+    if (!started[0] || !started[1]) {
+        fprintf(stderr, "cannot start the threads\n");
+        exit(2);
+    }
+    for (int w = 0; w < 2; w++) {
+        pthread_join(th[w], NULL);
+        CHECK_MSG(job[w].wrong == 0, "thread %d: %d of %d calls gave other bits than one thread", w,
+                  job[w].wrong, job[w].calls);
+        for (int c = 0; c < 3; c++)
+            free(job[w].C[c]);
+    }
+    pthread_barrier_destroy(&bar);
+    for (int x = 0; x < 2; x++) {
+        free(sc[x]);
+        case_free(&s[x]);
+    }
+}
+
+int main(void)
+{
+    rng_state = 0x6e6d6d5f62663136ull;
+    if (!cm_gemm_bf16_available()) return check_unavailable();
+
+    check_degenerate();
+    check_small();
+
+    /* The training products (minimum leading dimensions, as the trainer calls them). */
+    static const int train_shape[5][5] = {{2048, 256, 429, 0, 1},
+                                          {2048, 429, 256, 0, 0},
+                                          {256, 429, 2048, 1, 0},
+                                          {2048, 1, 128, 0, 1},
+                                          {2048, 128, 1, 0, 0}};
+    gcase train[5];
+    gcase *train_p[5];
+    float *train_c[5];
+    for (int s = 0; s < 5; s++) {
+        const int *d = train_shape[s];
+        case_init(&train[s], d[3], d[4], d[0], d[1], d[2], 0, 0, 0, 0);
+        train_p[s] = &train[s];
+        train_c[s] = run_checked(&train[s], -1, -1);
+    }
+
+    /* Magnitudes over six decades: each combination on two shapes, and a training shape. */
+    for (int t = 0; t < 4; t++) {
+        gcase g;
+        case_init(&g, t >> 1, t & 1, 65, 63, 65, 3, 0, 1, 1);
+        free(run_checked(&g, -1, -1));
+        case_free(&g);
+        case_init(&g, t >> 1, t & 1, 33, 64, 17, 0, 17, 0, 1);
+        free(run_checked(&g, -1, -1));
+        case_free(&g);
+    }
+    {
+        gcase g;
+        case_init(&g, 0, 1, 2048, 256, 429, 0, 0, 3, 1);
+        free(run_checked(&g, -1, -1));
+        case_free(&g);
+    }
+
+    check_nan();
+    check_threads(train_p, train_c);
+
+    for (int s = 0; s < 5; s++) {
+        free(train_c[s]);
+        case_free(&train[s]);
+    }
+    fprintf(stderr, "common_gemm: %ld outputs compared, worst |C - ref| / bound = %.4g\n",
+            n_compared, worst_ratio);
+    return check_done();
+}
