@@ -20,11 +20,17 @@
  * median of them (JSON speedup_ipc, the ratios in speedup_ipc_pairs; speedup is the embedded
  * PS's in pair 1).
  *
- * PyTorch (tools/bench_train.py, Debian's python3-torch, CPU, 2 threads): the same rows, read
- * from a binary dump this program writes with the public datasets reader (labels; dense values
- * as sign(x)*log1p(|x|), as ember does; per-field keys remapped to rows of one table, every
- * distinct (field, token) its own row, row 0 a zero padding row for a missing field); the same
- * model (F x 16 + D -> 256 -> 128 -> 1, ReLU, Xavier-uniform weights, zero biases, embeddings
+ * Mixed precision, like with like: where this CPU has AMX-BF16 (and without --no-bf16), every
+ * seed's pair is followed by a second one, ember --bf16 over ipc against PyTorch with its forward
+ * under torch.autocast(bfloat16); their ratios and AUCs are reported apart (speedup_ipc_bf16),
+ * never mixed with the fp32 pairs the goal is judged on.
+ *
+ * PyTorch (tools/bench_train.py, Debian's python3-torch, CPU, 2 threads; OpenBLAS inside it on one
+ * thread, since torch's own 2 threads call it: a second pool on the same cores cost it ~40%): the
+ * same rows, read from a binary dump this program writes with the public datasets reader (labels;
+ * dense values as sign(x)*log1p(|x|), as ember does; per-field keys remapped to rows of one table,
+ * every distinct (field, token) its own row, row 0 a zero padding row for a missing field); the
+ * same model (F x 16 + D -> 256 -> 128 -> 1, ReLU, Xavier-uniform weights, zero biases, embeddings
  * uniform +-0.05), BCE-with-logits, batch 2048, Adagrad lr 0.05 (eps 1e-8) on the embeddings,
  * Adam lr 0.001 on the MLP, one epoch in file order. Only the training loop is timed (data
  * already in tensors); then AUC and logloss on the held-out rows. A full run installs
@@ -183,9 +189,42 @@ static void usage(void)
         stderr,
         "usage: bench_train [--quick] [--model M | --models M,M] [--rows N] [--eval-rows N]\n"
         "       [--seed S] [--threads-list 1,2] [--no-torch] [--no-install] [--torch-own-init]\n"
-        "       [--dir DIR]\n"
+        "       [--no-bf16] [--dir DIR]\n"
         "       [--ember PATH] [--python PATH] [--train-arg ARG]...\n");
     exit(2);
+}
+
+/* The mixed-precision pairs: ember --bf16 over ipc and PyTorch under bf16 autocast. */
+typedef struct mixed {
+    bool on;
+    uint32_t n; /* pairs run (both sides ok) */
+    double e_auc[MAX_PAIRS], t_auc[MAX_PAIRS], e_rate[MAX_PAIRS], t_rate[MAX_PAIRS];
+} mixed;
+
+static void mixed_pair(bench_train_opts *o, const bench_dataset *ds, int threads, uint32_t seed,
+                       mixed *mx)
+{
+    if (!mx->on || mx->n == MAX_PAIRS) return;
+    bench_ember_run er;
+    bench_torch_run t;
+    o->bf16 = 1;
+    bench_train_ember(o, ds, "mlp", threads, seed, 1, &er);
+    bench_train_torch(o, ds, seed, &t);
+    o->bf16 = 0;
+    if (!er.ok || !t.ran) return;
+    mx->e_auc[mx->n] = er.auc;
+    mx->t_auc[mx->n] = t.auc;
+    mx->e_rate[mx->n] = er.loop_samples_per_s;
+    mx->t_rate[mx->n] = t.samples_per_s;
+    mx->n++;
+}
+
+static double mean_of(const double *x, uint32_t n)
+{
+    double m = 0;
+    for (uint32_t i = 0; i < n; i++)
+        m += x[i] / n;
+    return n ? m : NAN;
 }
 
 static void loadavg(char *buf, size_t n)
@@ -217,6 +256,8 @@ int main(int argc, char **argv)
             o.no_install = 1;
         else if (!strcmp(a, "--torch-own-init"))
             o.torch_own_init = 1;
+        else if (!strcmp(a, "--no-bf16"))
+            o.no_bf16 = 1;
         else if (v == NULL)
             usage();
         else if (!strcmp(a, "--pairs"))
@@ -294,11 +335,15 @@ int main(int argc, char **argv)
      * since on this shared machine one pair's ratio moves by ~10% from run to run. */
     double e_auc[MAX_PAIRS], t_auc[MAX_PAIRS], ratio[MAX_PAIRS], e_mean = NAN, t_mean = NAN;
     uint32_t n_pairs = 0, n_ratios = 0;
+    /* Each seed also runs both sides in mixed precision where this CPU has AMX (ember --bf16,
+     * PyTorch under autocast(bfloat16)), right after its fp32 pair: like with like. */
+    mixed mx = {.on = !o.no_bf16 && cm_gemm_bf16_available()};
     if (best_mlp && tr.ran) {
         e_auc[0] = best_mlp->auc;
         t_auc[0] = tr.auc;
         n_pairs = 1;
         if (ipc_run.ok) ratio[n_ratios++] = ipc_run.loop_samples_per_s / tr.samples_per_s;
+        mixed_pair(&o, &ds, best_mlp->threads, 1, &mx);
         for (uint32_t sd = 2; sd <= o.pairs; sd++) {
             bench_ember_run er;
             bench_torch_run t2;
@@ -309,6 +354,7 @@ int main(int argc, char **argv)
             t_auc[n_pairs] = t2.auc;
             if (n_ratios == n_pairs) ratio[n_ratios++] = er.loop_samples_per_s / t2.samples_per_s;
             n_pairs++;
+            mixed_pair(&o, &ds, best_mlp->threads, sd, &mx);
         }
         e_mean = t_mean = 0;
         for (uint32_t i = 0; i < n_pairs; i++) {
@@ -384,6 +430,21 @@ int main(int argc, char **argv)
             if (i < n_ratios) printf("; speed ipc / pytorch %.2fx", ratio[i]);
             printf("\n");
         }
+        if (mx.n) {
+            double r[MAX_PAIRS];
+            for (uint32_t i = 0; i < mx.n; i++) {
+                r[i] = mx.e_rate[i] / mx.t_rate[i];
+                printf("bf16 pair, seed %u: ember %.4f (%.0f smp/s ipc), pytorch autocast %.4f "
+                       "(%.0f smp/s); speed %.2fx\n",
+                       i + 1, mx.e_auc[i], mx.e_rate[i], mx.t_auc[i], mx.t_rate[i], r[i]);
+            }
+            printf("mixed precision, like with like: ember --bf16 over ipc / PyTorch bf16 "
+                   "autocast, median of %u pairs %.2fx; auc mean %.4f vs %.4f\n",
+                   mx.n, bench_median(r, mx.n), mean_of(mx.e_auc, mx.n), mean_of(mx.t_auc, mx.n));
+        } else if (!mx.on) {
+            printf("mixed precision pairs: skipped (%s)\n",
+                   o.no_bf16 ? "--no-bf16" : "this CPU/OS has no AMX-BF16");
+        }
         printf("goal mlp auc >= torch - %.3f: %s (mean of %u: %.4f vs %.4f)\n", GOAL_AUC_GAP,
                e_mean >= t_mean - GOAL_AUC_GAP ? "met" : "NOT met", n_pairs, e_mean, t_mean);
         if (speed_judged)
@@ -445,6 +506,20 @@ int main(int argc, char **argv)
     for (uint32_t i = 0; i < n_ratios; i++)
         printf("%s%.3f", i ? "," : "", ratio[i]);
     printf("],");
+    {
+        double r[MAX_PAIRS];
+        printf("\"bf16_pairs\":%u,\"speedup_ipc_bf16_pairs\":[", mx.n);
+        for (uint32_t i = 0; i < mx.n; i++) {
+            r[i] = mx.e_rate[i] / mx.t_rate[i];
+            printf("%s%.3f", i ? "," : "", r[i]);
+        }
+        printf("],\"speedup_ipc_bf16\":%.3f,\"ember_bf16_ipc_samples_per_s\":%.0f,"
+               "\"torch_bf16_samples_per_s\":%.0f,\"ember_bf16_auc_mean\":%.6f,"
+               "\"torch_bf16_auc_mean\":%.6f,",
+               mx.n ? bench_median(r, mx.n) : -1.0, mx.n ? mean_of(mx.e_rate, mx.n) : -1.0,
+               mx.n ? mean_of(mx.t_rate, mx.n) : -1.0, mx.n ? mean_of(mx.e_auc, mx.n) : -1.0,
+               mx.n ? mean_of(mx.t_auc, mx.n) : -1.0);
+    }
     printf(
         "\"torch_ran\":%s,\"torch_installed_now\":%s,\"torch_version\":\"%s\",\"torch_threads\":2,"
         "\"torch_samples_per_s\":%.0f,\"torch_auc\":%.6f,\"torch_logloss\":%.6f,\"torch_train_"

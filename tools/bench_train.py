@@ -17,8 +17,15 @@ out-of-memory error, which is the point of comparison for ember's PS-held tables
 """
 import argparse
 import json
+import os
 import sys
 import time
+
+# torch runs its own pool of --threads intra-op threads and calls BLAS from them; OpenBLAS's
+# own pool on the same cores would fight it (measured on 2 cores: 35-45K samples/s with
+# OpenBLAS's default of one thread a core, 61-67K with 1). Set before torch loads OpenBLAS;
+# the caller's setting wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 import torch
@@ -165,6 +172,9 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model, "
                     "its embeddings and the rows live")
     ap.add_argument("--init", help="start from ember's initial weights (tools/bench_train.c write_init)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="mixed precision: the forward pass under torch.autocast(bfloat16), "
+                         "weights and optimisers in fp32 (ember's --bf16 counterpart)")
     ap.add_argument("--stale", action="store_true",
                     help="experiment: emulate ember's pipeline, where batch t+1's rows and tower are "
                          "read before batch t's update (one step stale)")
@@ -208,11 +218,18 @@ def main():
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
+    if a.stale and a.bf16:
+        sys.exit("bench_train.py: --stale and --bf16 do not combine")
     if a.stale:
         loss_sum = train_stale(model, opt_e, opt_d, loss_fn, itr, xtr, ytr, a.batch)
     for s in range(0, 0 if a.stale else n, a.batch):
         e = min(n, s + a.batch)
-        logits = model(itr[s:e], xtr[s:e])
+        if a.bf16:
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logits = model(itr[s:e], xtr[s:e])
+            logits = logits.float()
+        else:
+            logits = model(itr[s:e], xtr[s:e])
         loss = loss_fn(logits, ytr[s:e])
         opt_e.zero_grad(set_to_none=True)
         opt_d.zero_grad(set_to_none=True)
@@ -239,7 +256,8 @@ def main():
                       "rows": n, "eval_rows": len(yev), "seconds": round(train_s, 3),
                       "samples_per_s": round(n / train_s, 1), "train_loss": loss_sum / n,
                       "auc": auc, "logloss": logloss, "load_seconds": round(load_s, 3),
-                      "stale": a.stale, "device": a.device},
+                      "stale": a.stale, "bf16": a.bf16, "device": a.device,
+                      "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS")},
                      separators=(",", ":")))
 
 

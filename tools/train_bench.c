@@ -374,8 +374,8 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
     int on_cpu = strcmp(dev, "cpu") == 0;
     char out[4400], so[4500], se[4500], mj[4500], th[16], sd[16];
     /* The CPU runs keep the directory names they always had. */
-    snprintf(out, sizeof out, "%s/run-%s%s%s-t%d-s%u%s", ds->dir, on_cpu ? "" : dev,
-             on_cpu ? "" : "-", model, threads, seed, ipc ? "-ipc" : "");
+    snprintf(out, sizeof out, "%s/run-%s%s%s-t%d-s%u%s%s", ds->dir, on_cpu ? "" : dev,
+             on_cpu ? "" : "-", model, threads, seed, ipc ? "-ipc" : "", o->bf16 ? "-bf16" : "");
     snprintf(sd, sizeof sd, "%u", seed);
     snprintf(so, sizeof so, "%s.stdout", out);
     snprintf(se, sizeof se, "%s.stderr", out);
@@ -408,11 +408,12 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
     }
     for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
         argv[n++] = fixed[i];
+    if (o->bf16) argv[n++] = "--bf16";
     for (int i = 0; i < o->n_extra; i++)
         argv[n++] = o->extra[i];
     argv[n] = NULL;
-    fprintf(stderr, "%s: ember train --device %s --model %s --threads %d --seed %u%s ...\n",
-            bench_self()->name, dev, model, threads, seed,
+    fprintf(stderr, "%s: ember train --device %s --model %s --threads %d --seed %u%s%s ...\n",
+            bench_self()->name, dev, model, threads, seed, o->bf16 ? " --bf16" : "",
             ipc ? " (tools/launch: 1 PS + 1 worker over ipc://)" : "");
     int rc = bench_run_cmd((char *const *)argv, so, se);
     if (rc != 0) {
@@ -494,9 +495,10 @@ void bench_train_torch(const bench_train_opts *o, const bench_dataset *ds, uint3
         t->installed = 1;
     }
     char out[4400], se[4400], ip[4400], sd[16], th[16];
-    snprintf(out, sizeof out, "%s/torch-%s%ss%u.stdout", ds->dir, on_cpu ? "" : dev,
+    const char *pr = o->bf16 ? "bf16-" : "";
+    snprintf(out, sizeof out, "%s/torch-%s%s%ss%u.stdout", ds->dir, pr, on_cpu ? "" : dev,
              on_cpu ? "" : "-", seed);
-    snprintf(se, sizeof se, "%s/torch-%s%ss%u.stderr", ds->dir, on_cpu ? "" : dev,
+    snprintf(se, sizeof se, "%s/torch-%s%s%ss%u.stderr", ds->dir, pr, on_cpu ? "" : dev,
              on_cpu ? "" : "-", seed);
     init_path(ds->dir, seed, ip, sizeof ip);
     snprintf(sd, sizeof sd, "%u", seed);
@@ -511,9 +513,12 @@ void bench_train_torch(const bench_train_opts *o, const bench_dataset *ds, uint3
         argv[n++] = fixed[i];
     if (!on_cpu) argv[n++] = "--device", argv[n++] = dev;
     if (!o->torch_own_init) argv[n++] = "--init", argv[n++] = ip;
+    if (o->bf16) argv[n++] = "--bf16";
     argv[n] = NULL;
-    fprintf(stderr, "%s: PyTorch (%s %s, %s, %s threads, %s) ...\n", name, o->python, o->py_script,
-            dev, th, o->torch_own_init ? "its own initial weights" : "ember's initial weights");
+    fprintf(stderr, "%s: PyTorch (%s %s, %s, %s threads, %s%s) ...\n", name, o->python,
+            o->py_script, dev, th,
+            o->torch_own_init ? "its own initial weights" : "ember's initial weights",
+            o->bf16 ? ", bf16 autocast" : "");
     int rc = bench_run_cmd((char *const *)argv, out, se);
     char line[8192];
     bench_last_line(out, line, sizeof line);

@@ -26,7 +26,7 @@
 
 typedef struct bench_train_opts {
     uint64_t rows, eval_rows, seed;
-    int quick, no_torch, no_install;
+    int quick, no_torch, no_install, no_bf16;
     int torch_own_init; /* PyTorch draws its own initial weights instead of starting from ember's */
     int no_dump;        /* data without the PyTorch dump (a table too large for PyTorch anyway) */
     uint32_t pairs;     /* bench_train: seeds in the AUC comparison (1..BENCH_MAX_PAIRS) */
@@ -35,6 +35,8 @@ typedef struct bench_train_opts {
     const char *launch; /* tools/launch, beside py_script */
     const char *device; /* `ember train --device` and bench_train.py --device: "cpu", "cuda" */
     int torch_threads;  /* torch.set_num_threads */
+    int bf16;           /* mixed precision: `ember train --bf16` (AMX GEMMs), bench_train.py --bf16
+                         * (torch.autocast); runs go to directories named -bf16 */
     const char *extra[BENCH_MAX_EXTRA]; /* more arguments for every `ember train` */
     int n_extra;
 } bench_train_opts;
