@@ -69,6 +69,21 @@ int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, c
                  int ldb, float *C, int ldc);
 /* 1 when this CPU has AMX-BF16 and the OS grants the process its tile state (asked once). */
 int cm_gemm_bf16_available(void);
+/* One operand packed once for several cm_gemm_bf16_pre calls that share it (a GEMM cut into
+ * row or column tiles, or into chunks of K): cm_gemm_bf16_packed_size(rows, K) bytes (64-byte
+ * aligned) hold op(A) (b 0, rows = M) or op(B) (b 1, rows = N, the columns of op(B)) over inner
+ * indexes [0, K). cm_gemm_bf16_pack fills rows [r0, r1) of it (r0 a multiple of 32, r1 a
+ * multiple of 32 or >= rows), so that threads can share the packing; X, ld, trans as A, lda, ta
+ * (or B, ldb, tb) of cm_gemm_bf16. Does nothing where cm_gemm_bf16_available() is 0. */
+size_t cm_gemm_bf16_packed_size(int rows, int K);
+void cm_gemm_bf16_pack(int b, int trans, int rows, int K, const float *X, int ld, int r0, int r1,
+                       void *out);
+/* cm_gemm_bf16 where A (pa non-NULL) and/or B (pb non-NULL) comes packed over K0 inner values
+ * and the whole of its M (or N): this call multiplies over inner indexes [k0, k0 + K) of it, k0
+ * a multiple of 32 and k0 + K either K0 or a multiple of 32. A (B) is not read when pa (pb) is
+ * given. The same bits as cm_gemm_bf16 on the same values. */
+int cm_gemm_bf16_pre(int ta, int tb, int M, int N, int K, const float *A, int lda, const void *pa,
+                     const float *B, int ldb, const void *pb, int K0, int k0, float *C, int ldc);
 
 /* int8 quantisation, shared by serving bundles (fp32 scale) and the PS wire (bf16 scale).
  * cm_int8_quantize: q[j] = x[j] * inv rounded to nearest and clamped to +-127, where inv is the

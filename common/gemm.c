@@ -142,72 +142,74 @@ AMX_TARGET static inline __m512i pack32(const float *p, int n)
     return _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
 }
 
-/*
- * Packs an operand into tiles of 16 rows x 16 lanes (a lane is a pair along `pairdim`):
- *  - A (pair along its columns, K): out row i of the tile = row i of op(A);
- *  - B (pair along its rows, K): out row p = the pairs of rows 2p, 2p+1 of op(B).
- * Tile (r, kk) of R x KK tiles at out + (r * KK + kk) * 256 lanes, R = rows/16 (padded), KK =
- * K/32 (padded). `rows` is M for A (its rows) and N for B (its columns).
- */
-AMX_TARGET static void pack_a(const float *A, int lda, bool ta, int M, int K, int R, int KK,
-                              uint32_t *out)
+/* Transposes 16 rows of 16 32-bit lanes in registers (r[i] lane j becomes r[j] lane i):
+ * pairs of lanes, then pairs of pairs, then 128-bit quarters twice. */
+AMX_TARGET static inline void transpose16(__m512i r[16])
 {
-    const __m512i idx =
-        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32(16));
-    for (int r = 0; r < R; r++)
-        for (int kk = 0; kk < KK; kk++) {
-            uint32_t *t = out + ((size_t)r * KK + kk) * 256;
-            int i0 = r * 16, k0 = kk * 32;
-            if (!ta) {
-                /* Rows of A are contiguous along K: a tile row at a time. */
-                for (int i = 0; i < 16; i++) {
-                    __m512i v = _mm512_setzero_si512();
-                    if (i0 + i < M) v = pack32(A + (size_t)(i0 + i) * lda + k0, K - k0);
-                    _mm512_store_si512(t + i * 16, v);
-                }
-            } else {
-                /* A^T is stored K x M: rows k0+2p and k0+2p+1 give tile column p. */
-                int n = M - i0;
-                for (int p = 0; p < 16; p++) {
-                    int k = k0 + 2 * p;
-                    __m512 lo = k < K ? load16(A + (size_t)k * lda + i0, n) : _mm512_setzero_ps();
-                    __m512 hi =
-                        k + 1 < K ? load16(A + (size_t)(k + 1) * lda + i0, n) : _mm512_setzero_ps();
-                    _mm512_i32scatter_epi32(t + p, idx, pair16(lo, hi), 4);
-                }
-            }
-        }
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* u[4g + c], lane quarter L: rows 4g..4g+3 at column 4L + c. */
+    __m512i u[16];
+    for (int g = 0; g < 4; g++) {
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+        __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+        __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        r[4 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
 }
 
-AMX_TARGET static void pack_b(const float *B, int ldb, bool tb, int K, int N, int R, int KK,
-                              uint32_t *out)
+/*
+ * Packs tiles [r0, r1) of an operand's 16-row tiles, each of 16 rows x 16 lanes (a lane is a
+ * pair along K), tile (r, kk) at out + (r * KK + kk) * 256 lanes, KK = K/32 (padded):
+ *  - A (b 0): row i of a tile is row r*16 + i of op(A) (rows = M);
+ *  - B (b 1): row p of a tile holds the pairs of op(B)'s rows 2p, 2p+1 over columns r*16..+15
+ *    (rows = N).
+ * op(X) is X, or X^T where trans. The lanes are computed along the stored operand's contiguous
+ * direction: a tile row for A NoTrans and B NoTrans, a tile column for A Trans and B Trans
+ * (transposed in registers).
+ */
+AMX_TARGET static void pack_tiles(int b, bool trans, int rows, int K, const float *X, int ld,
+                                  int r0, int r1, int KK, uint32_t *out)
 {
-    const __m512i idx =
-        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32(16));
-    for (int r = 0; r < R; r++)
+    /* A NoTrans and B Trans read rows of X along K; A Trans and B NoTrans read pairs of rows of
+     * X (along K) across 16 of the operand's rows. */
+    bool along_k = b ? trans : !trans;
+    for (int r = r0; r < r1; r++)
         for (int kk = 0; kk < KK; kk++) {
             uint32_t *t = out + ((size_t)r * KK + kk) * 256;
-            int j0 = r * 16, k0 = kk * 32;
-            if (!tb) {
-                /* Rows of B are contiguous along N: rows k, k+1 give tile row p. */
-                int n = N - j0;
+            int i0 = r * 16, k0 = kk * 32, n = rows - i0;
+            __m512i v[16];
+            if (along_k) {
+                for (int i = 0; i < 16; i++)
+                    v[i] = i < n ? pack32(X + (size_t)(i0 + i) * ld + k0, K - k0)
+                                 : _mm512_setzero_si512();
+            } else {
                 for (int p = 0; p < 16; p++) {
                     int k = k0 + 2 * p;
-                    __m512 lo = k < K ? load16(B + (size_t)k * ldb + j0, n) : _mm512_setzero_ps();
+                    __m512 lo = k < K ? load16(X + (size_t)k * ld + i0, n) : _mm512_setzero_ps();
                     __m512 hi =
-                        k + 1 < K ? load16(B + (size_t)(k + 1) * ldb + j0, n) : _mm512_setzero_ps();
-                    _mm512_store_si512(t + p * 16, pair16(lo, hi));
-                }
-            } else {
-                /* B^T is stored N x K: column j of B, contiguous along K, is tile column j. */
-                for (int j = 0; j < 16; j++) {
-                    __m512i v = _mm512_setzero_si512();
-                    if (j0 + j < N) v = pack32(B + (size_t)(j0 + j) * ldb + k0, K - k0);
-                    _mm512_i32scatter_epi32(t + j, idx, v, 4);
+                        k + 1 < K ? load16(X + (size_t)(k + 1) * ld + i0, n) : _mm512_setzero_ps();
+                    v[p] = pair16(lo, hi);
                 }
             }
+            /* A wants rows along K (its lanes run along rows when read across); B wants rows
+             * of pairs across N (its lanes run along K when read along K). */
+            if (b ? along_k : !along_k) transpose16(v);
+            for (int i = 0; i < 16; i++)
+                _mm512_store_si512(t + i * 16, v[i]);
         }
 }
 
@@ -224,8 +226,13 @@ AMX_TARGET static void pack_b(const float *B, int ldb, bool tb, int K, int N, in
         }                                                                                          \
     } while (0)
 
-AMX_TARGET static void amx_run(int M, int N, const uint32_t *Ap, const uint32_t *Bp, int KK,
-                               float *C, int ldc)
+/* A packed operand as amx_run reads it: tile (r, kk) at p + (r * stride + kk + off) * 256. */
+typedef struct packed {
+    const uint32_t *p;
+    int stride, off;
+} packed;
+
+AMX_TARGET static void amx_run(int M, int N, packed A, packed B, int KK, float *C, int ldc)
 {
     tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -239,8 +246,10 @@ AMX_TARGET static void amx_run(int M, int N, const uint32_t *Ap, const uint32_t 
     int MB = (M + 31) / 32, NB = (N + 31) / 32;
     for (int nb = 0; nb < NB; nb++)
         for (int mb = 0; mb < MB; mb++) {
-            const uint32_t *a0 = Ap + (size_t)(2 * mb) * KK * 256, *a1 = a0 + (size_t)KK * 256;
-            const uint32_t *b0 = Bp + (size_t)(2 * nb) * KK * 256, *b1 = b0 + (size_t)KK * 256;
+            const uint32_t *a0 = A.p + ((size_t)(2 * mb) * A.stride + A.off) * 256,
+                           *a1 = a0 + (size_t)A.stride * 256;
+            const uint32_t *b0 = B.p + ((size_t)(2 * nb) * B.stride + B.off) * 256,
+                           *b1 = b0 + (size_t)B.stride * 256;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
@@ -270,8 +279,23 @@ int cm_gemm_bf16_available(void)
     return amx_state == 1;
 }
 
-int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B,
-                 int ldb, float *C, int ldc)
+size_t cm_gemm_bf16_packed_size(int rows, int K)
+{
+    if (rows <= 0 || K <= 0) return 0;
+    return (size_t)((rows + 31) / 32 * 2) * (size_t)((K + 31) / 32) * 1024;
+}
+
+void cm_gemm_bf16_pack(int b, int trans, int rows, int K, const float *X, int ld, int r0, int r1,
+                       void *out)
+{
+    if (rows <= 0 || K <= 0 || !cm_gemm_bf16_available()) return;
+    int R = (rows + 31) / 32 * 2;
+    r1 = r1 > rows ? R : r1 / 16;
+    pack_tiles(b != 0, trans != 0, rows, K, X, ld, r0 / 16, r1, (K + 31) / 32, out);
+}
+
+int cm_gemm_bf16_pre(int ta, int tb, int M, int N, int K, const float *A, int lda, const void *pa,
+                     const float *B, int ldb, const void *pb, int K0, int k0, float *C, int ldc)
 {
     if (M <= 0 || N <= 0) return CM_OK;
     if (!cm_gemm_bf16_available()) return CM_EINVAL;
@@ -281,12 +305,25 @@ int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, c
         return CM_OK;
     }
     int RA = (M + 31) / 32 * 2, RB = (N + 31) / 32 * 2, KK = (K + 31) / 32;
-    scratch *s = scratch_get((size_t)RA * KK * 1024, (size_t)RB * KK * 1024);
+    scratch *s = scratch_get(pa ? 0 : (size_t)RA * KK * 1024, pb ? 0 : (size_t)RB * KK * 1024);
     if (s == NULL) return CM_ENOMEM;
-    pack_a(A, lda, ta != 0, M, K, RA, KK, s->a);
-    pack_b(B, ldb, tb != 0, K, N, RB, KK, s->b);
-    amx_run(M, N, s->a, s->b, KK, C, ldc);
+    packed Ap = {s->a, KK, 0}, Bp = {s->b, KK, 0};
+    if (pa)
+        Ap = (packed){pa, (K0 + 31) / 32, k0 / 32};
+    else
+        pack_tiles(0, ta != 0, M, K, A, lda, 0, RA, KK, s->a);
+    if (pb)
+        Bp = (packed){pb, (K0 + 31) / 32, k0 / 32};
+    else
+        pack_tiles(1, tb != 0, N, K, B, ldb, 0, RB, KK, s->b);
+    amx_run(M, N, Ap, Bp, KK, C, ldc);
     return CM_OK;
+}
+
+int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B,
+                 int ldb, float *C, int ldc)
+{
+    return cm_gemm_bf16_pre(ta, tb, M, N, K, A, lda, NULL, B, ldb, NULL, K, 0, C, ldc);
 }
 
 #else /* no AMX build */
@@ -294,6 +331,26 @@ int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, c
 int cm_gemm_bf16_available(void)
 {
     return 0;
+}
+
+size_t cm_gemm_bf16_packed_size(int rows, int K)
+{
+    (void)rows, (void)K;
+    return 0;
+}
+
+void cm_gemm_bf16_pack(int b, int trans, int rows, int K, const float *X, int ld, int r0, int r1,
+                       void *out)
+{
+    (void)b, (void)trans, (void)rows, (void)K, (void)X, (void)ld, (void)r0, (void)r1, (void)out;
+}
+
+int cm_gemm_bf16_pre(int ta, int tb, int M, int N, int K, const float *A, int lda, const void *pa,
+                     const float *B, int ldb, const void *pb, int K0, int k0, float *C, int ldc)
+{
+    (void)ta, (void)tb, (void)M, (void)N, (void)K, (void)A, (void)lda, (void)pa, (void)B;
+    (void)ldb, (void)pb, (void)K0, (void)k0, (void)C, (void)ldc;
+    return CM_EINVAL;
 }
 
 int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B,

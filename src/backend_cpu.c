@@ -59,6 +59,10 @@ typedef struct pool {
     void *arg;
     bool stop;
     bool bf16; /* the GEMMs run for this pool are cm_gemm_bf16 (BACKEND_BF16) */
+    /* bf16: where gemm_run packs the operand every tile of a GEMM shares (NULL: each tile
+     * packs its own), bf16_pk_cap bytes */
+    void *bf16_pk;
+    size_t bf16_pk_cap;
 } pool;
 
 typedef struct pool_arg {
@@ -300,6 +304,9 @@ typedef struct gemm {
     const rows_op *epi;
     int tiles, by_cols;
     bool bf16; /* cm_gemm_bf16 instead of cblas_sgemm */
+    /* bf16: the operand all tiles share (A when by_cols, else B), packed over the whole K by
+     * gemm_share; NULL: each call packs both */
+    const void *pk;
 } gemm;
 
 /* Below this many multiply-adds a GEMM is one call: not worth waking threads for. */
@@ -350,8 +357,9 @@ static void gemm_tile_part(const gemm *g, int t, int k0, int k1, float *C)
     }
     /* cm_gemm_bf16 fails only for its packing scratch (a few hundred KiB a thread, kept): then
      * this tile is summed in fp32 instead, as correct and only not the same bits. */
-    if (!g->bf16 || cm_gemm_bf16(g->ta == CblasTrans, g->tb == CblasTrans, M, N, k1 - k0, A, g->lda,
-                                 B, g->ldb, C, g->ldc) != CM_OK)
+    const void *pa = g->pk && g->by_cols ? g->pk : NULL, *pb = g->pk && !g->by_cols ? g->pk : NULL;
+    if (!g->bf16 || cm_gemm_bf16_pre(g->ta == CblasTrans, g->tb == CblasTrans, M, N, k1 - k0, A,
+                                     g->lda, pa, B, g->ldb, pb, g->K, k0, C, g->ldc) != CM_OK)
         cblas_sgemm(CblasRowMajor, g->ta, g->tb, M, N, k1 - k0, 1.0f, A, g->lda, B, g->ldb, 0.0f, C,
                     g->ldc);
     if (g->epi != NULL && !g->by_cols && k0 == 0 && k1 == g->K)
@@ -373,22 +381,69 @@ static void gemm_part(void *arg, int part, int nparts)
         gemm_tile(g, (int)t);
 }
 
+/* The operand every tile of a GEMM shares, packed for cm_gemm_bf16_pre into out (rows in
+ * blocks of 32 dealt to the parts): A when the tiles are column ranges, else B. */
+typedef struct share_job {
+    const gemm *g;
+    void *out;
+} share_job;
+
+static void share_rows(const gemm *g, int *b, int *trans, int *rows, const float **X, int *ld)
+{
+    *b = !g->by_cols;
+    *trans = g->by_cols ? g->ta == CblasTrans : g->tb == CblasTrans;
+    *rows = g->by_cols ? g->M : g->N;
+    *X = g->by_cols ? g->A : g->B;
+    *ld = g->by_cols ? g->lda : g->ldb;
+}
+
+static void share_part(void *arg, int part, int nparts)
+{
+    const share_job *j = arg;
+    int b, trans, rows, ld;
+    const float *X;
+    share_rows(j->g, &b, &trans, &rows, &X, &ld);
+    size_t r0, r1;
+    part_range((size_t)(rows + 31) / 32, part, nparts, &r0, &r1);
+    if (r1 > r0)
+        cm_gemm_bf16_pack(b, trans, rows, j->g->K, X, ld, (int)r0 * 32, (int)r1 * 32, j->out);
+}
+
+/* bf16, more than one tile: packs the shared operand once into out (cap bytes) on the pool
+ * and points g->pk at it, where it fits; otherwise every tile packs its own. Without it each
+ * of a forward GEMM's 8 tiles packed the whole weight matrix again, and each of a dW GEMM's
+ * column tiles the whole output gradient. */
+static void gemm_share(pool *p, gemm *g, void *out, size_t cap)
+{
+    g->pk = NULL;
+    if (!g->bf16 || g->tiles < 2 || out == NULL) return;
+    int b, trans, rows, ld;
+    const float *X;
+    share_rows(g, &b, &trans, &rows, &X, &ld);
+    if (cm_gemm_bf16_packed_size(rows, g->K) > cap) return;
+    share_job j = {g, out};
+    pool_run(p, share_part, &j);
+    g->pk = out;
+}
+
 /* Runs a GEMM cut by gemm_tiles: its tiles on the pool, then the epilogue where the tiles
  * held no whole row. */
-static void gemm_run(pool *p, const gemm *g)
+static void gemm_run(pool *p, const gemm *g0)
 {
-    if (g->tiles == 1)
-        gemm_tile(g, 0);
+    gemm g = *g0;
+    gemm_share(p, &g, p->bf16_pk, p->bf16_pk_cap);
+    if (g.tiles == 1)
+        gemm_tile(&g, 0);
     else
-        pool_run(p, gemm_part, (void *)g);
-    if (g->epi != NULL && g->by_cols) rows_run(p, g->epi, (size_t)g->M);
+        pool_run(p, gemm_part, &g);
+    if (g.epi != NULL && g.by_cols) rows_run(p, g.epi, (size_t)g.M);
 }
 
 static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int M, int N, int K,
                   const float *A, int lda, const float *B, int ldb, float *C, int ldc,
                   const rows_op *epi)
 {
-    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, epi, 1, 0, p->bf16};
+    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, epi, 1, 0, p->bf16, NULL};
     gemm_tiles(&g);
     gemm_run(p, &g);
 }
@@ -459,6 +514,10 @@ typedef struct cpu {
     float *gact[MODEL_MAX_LAYERS + 1], *gbact[MODEL_MAX_LAYERS];
     float *logit, *dlogit; /* B */
     float *dw_part[MODEL_MAX_LAYERS]; /* top layer i's dW chunks 1.. (dw_chunks) */
+    /* bf16: top layer i's output gradient packed for its dW units (gemm_share), dw_pk_cap[i]
+     * bytes */
+    void *dw_pk[MODEL_MAX_LAYERS];
+    size_t dw_pk_cap[MODEL_MAX_LAYERS];
 } cpu;
 
 static void cpu_destroy(void *state)
@@ -492,8 +551,11 @@ static void cpu_destroy(void *state)
         free(c->gbact[i]);
     free(c->logit);
     free(c->dlogit);
-    for (int i = 0; i < MODEL_MAX_LAYERS; i++)
+    for (int i = 0; i < MODEL_MAX_LAYERS; i++) {
         free(c->dw_part[i]);
+        free(c->dw_pk[i]);
+    }
+    free(c->pool.bf16_pk);
     free(c);
 }
 
@@ -560,6 +622,29 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
         if (n > 1) ALLOC(c->dw_part[i], (size_t)(n - 1) * l->top[i].out * l->top[i].in);
     }
 #undef ALLOC
+    if (ok && c->pool.bf16) {
+        /* Shared operands (gemm_share): a layer's weights, or its input or output gradient for
+         * batches too small to cut by rows; a dW GEMM's output gradient (or input). */
+        const model_layer *ls[2] = {l->top, l->bot};
+        uint32_t ns[2] = {l->n_top, l->n_bot};
+        size_t cap = 0;
+        for (int s = 0; s < 2; s++)
+            for (uint32_t i = 0; i < ns[s]; i++) {
+                int in = (int)ls[s][i].in, out = (int)ls[s][i].out, mb = (int)max_b;
+                size_t v[4] = {cm_gemm_bf16_packed_size(out, in), cm_gemm_bf16_packed_size(in, out),
+                               cm_gemm_bf16_packed_size(mb, in), cm_gemm_bf16_packed_size(mb, out)};
+                for (int k = 0; k < 4; k++)
+                    cap = v[k] > cap ? v[k] : cap;
+            }
+        c->pool.bf16_pk_cap = cap;
+        ok = (c->pool.bf16_pk = aligned_alloc(64, (cap + 63) / 64 * 64 + 64)) != NULL;
+        for (uint32_t i = 0; ok && i < l->n_top; i++) {
+            size_t a = cm_gemm_bf16_packed_size((int)l->top[i].out, (int)max_b),
+                   b = cm_gemm_bf16_packed_size((int)l->top[i].in, (int)max_b);
+            c->dw_pk_cap[i] = a > b ? a : b;
+            ok = (c->dw_pk[i] = aligned_alloc(64, (c->dw_pk_cap[i] + 63) / 64 * 64 + 64)) != NULL;
+        }
+    }
     if (!ok) {
         cpu_destroy(c);
         return cm_err(errptr, CM_ENOMEM, "out of memory for batches of %u", max_b);
@@ -1082,6 +1167,14 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
             }
     }
     if (c->m.kind == MODEL_DLRM) ph.unit[ph.n_units++] = (struct dw_unit){(uint16_t)l->n_top, 0, 0};
+    /* bf16: each dW's shared operand packed once for its tiles, where every chunk starts on a
+     * 32-value step of the packed K (cm_gemm_bf16_pre); before any unit can run. */
+    for (uint32_t k = 0; k < l->n_top; k++) {
+        bool aligned = true;
+        for (int j = 1; j < ph.chunks[k]; j++)
+            aligned = aligned && (int64_t)ph.g[k].K * j / ph.chunks[k] % 32 == 0;
+        if (aligned) gemm_share(&c->pool, &ph.g[k], c->dw_pk[k], c->dw_pk_cap[k]);
+    }
     dw_units_sort(&ph, B);
     ph.early = c->pool.n;
     if (b->emb_ready) {

@@ -9,7 +9,9 @@
  * gradients run on half the threads). Times are medians over the timed steps, in ms; GFLOP/s
  * counts the tower's GEMM FLOPs (model_flops_per_sample).
  *
- * Usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2]
+ * With --bf16 the backend runs its GEMMs on AMX tiles (BACKEND_BF16, `ember train --bf16`).
+ *
+ * Usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2] [--bf16]
  * Prints a table, then one JSON object as the last line.
  */
 #include <math.h>
@@ -30,6 +32,7 @@ typedef struct timing {
 } timing;
 
 static double hook_at;
+static uint32_t be_flags; /* backend_ops.create flags: BACKEND_BF16 with --bf16 */
 
 static void hook(void *arg)
 {
@@ -100,7 +103,7 @@ static int run(model_kind kind, uint32_t threads, uint32_t B, uint32_t U, int st
             emb[t][i] = unif(-0.05f, 0.05f);
         mb.emb[t] = emb[t];
     }
-    if (backend_cpu_ops.create(&m, &l, B, U, threads, 0, &st, &err) != CM_OK) {
+    if (backend_cpu_ops.create(&m, &l, B, U, threads, be_flags, &st, &err) != CM_OK) {
         fprintf(stderr, "bench step: %s\n", err);
         goto out;
     }
@@ -152,7 +155,8 @@ out:
 static void usage(void)
 {
     fprintf(stderr,
-            "usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2]\n");
+            "usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2] "
+            "[--bf16]\n");
 }
 
 int main(int argc, char **argv)
@@ -165,6 +169,7 @@ int main(int argc, char **argv)
         if (!strcmp(a, "--batch") && v) B = (uint32_t)atoi(argv[++i]);
         else if (!strcmp(a, "--keys") && v) U = (uint32_t)atoi(argv[++i]);
         else if (!strcmp(a, "--steps") && v) steps = atoi(argv[++i]);
+        else if (!strcmp(a, "--bf16")) be_flags |= BACKEND_BF16;
         else if (!strcmp(a, "--threads-list") && v) {
             char *s = argv[++i], *end;
             while (*s && nt < MAX_THREADS) {
@@ -184,12 +189,13 @@ int main(int argc, char **argv)
         return 2;
     }
     const model_kind kinds[] = {MODEL_LR, MODEL_MLP, MODEL_DLRM, MODEL_DEEPFM};
-    printf("bench step: cpu backend, batch %u, %u distinct keys, %d timed steps (medians)\n", B, U,
-           steps);
+    printf("bench step: cpu backend%s, batch %u, %u distinct keys, %d timed steps (medians)\n",
+           be_flags & BACKEND_BF16 ? " (bf16 GEMMs on AMX)" : "", B, U, steps);
     printf("%-8s %7s %10s %10s %10s %10s %12s\n", "model", "threads", "step ms", "to hook",
            "after hook", "GFLOP/s", "samples/s");
     char json[4096];
-    int jn = snprintf(json, sizeof json, "{\"bench\":\"step\",\"batch\":%u,\"keys\":%u", B, U);
+    int jn = snprintf(json, sizeof json, "{\"bench\":\"step\",\"bf16\":%s,\"batch\":%u,\"keys\":%u",
+                      be_flags & BACKEND_BF16 ? "true" : "false", B, U);
     for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++)
         for (uint32_t ti = 0; ti < nt; ti++) {
             timing t = {0, 0, 0};
