@@ -290,7 +290,7 @@ void cm_gemm_bf16_pack(int b, int trans, int rows, int K, const float *X, int ld
 {
     if (rows <= 0 || K <= 0 || !cm_gemm_bf16_available()) return;
     int R = (rows + 31) / 32 * 2;
-    r1 = r1 > rows ? R : r1 / 16;
+    r1 = r1 >= rows ? R : r1 / 16;
     pack_tiles(b != 0, trans != 0, rows, K, X, ld, r0 / 16, r1, (K + 31) / 32, out);
 }
 

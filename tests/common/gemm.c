@@ -4,7 +4,11 @@
  * K, with leading-dimension slack (holding NaNs the kernel must never read) and C's padding
  * columns and tail left untouched; the training shapes (sampled); magnitudes over six decades; a
  * NaN in A (in B) reaching exactly its row (column); bit-identical repeats and concurrent calls
- * from two threads; K = 0 and empty outputs. Where AMX is missing, only the refusal is checked.
+ * from two threads; K = 0 and empty outputs. Packed operands: cm_gemm_bf16_packed_size's zeros
+ * and growth; packing in row ranges (in any order) writing every byte as one call does; and
+ * cm_gemm_bf16_pre over inner sub-ranges with A, B or both packed (the float operand then
+ * poisoned) giving cm_gemm_bf16's bits on the sub-matrices. Where AMX is missing, only the
+ * refusal is checked.
  */
 #include <math.h>
 #include <pthread.h>
@@ -394,6 +398,216 @@ static void check_threads(gcase *const train[5], float *const train_c[5])
     }
 }
 
+/* Packed operands (cm_gemm_bf16_pack / cm_gemm_bf16_pre) ------------------------------------ */
+
+/* A packed buffer of cm_gemm_bf16_packed_size(rows, K) bytes, 64-byte aligned, every byte
+ * `fill` (so that a byte the packer leaves unwritten shows). */
+static void *pk_new(int rows, int K, int fill)
+{
+    size_t n = cm_gemm_bf16_packed_size(rows, K), r = (n + 63) / 64 * 64;
+    void *p = aligned_alloc(64, r ? r : 64);
+    if (p == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    memset(p, fill, r ? r : 64);
+    return p;
+}
+
+/* Floats in A's (B's) storage, slack included, as case_init allocates them. */
+static size_t a_len(const gcase *g)
+{
+    return (size_t)imax(1, g->ta ? g->K : g->M) * g->lda;
+}
+
+static size_t b_len(const gcase *g)
+{
+    return (size_t)imax(1, g->tb ? g->N : g->K) * g->ldb;
+}
+
+static float *poisoned(size_t n)
+{
+    float *p = malloc(n * sizeof(float));
+    if (p == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    for (size_t x = 0; x < n; x++)
+        p[x] = f_of(PAD_NAN);
+    return p;
+}
+
+/* 0 for an empty operand; growing in rows and in K; room for rows x K bf16 values at least. */
+static void check_packed_size(void)
+{
+    static const int empty[][2] = {{0, 0},   {0, 32},    {32, 0}, {-1, 32},
+                                   {32, -1}, {-32, -32}, {1, 0}};
+    for (size_t e = 0; e < sizeof empty / sizeof empty[0]; e++)
+        CHECK_MSG(cm_gemm_bf16_packed_size(empty[e][0], empty[e][1]) == 0,
+                  "packed_size(%d, %d) = %zu, want 0", empty[e][0], empty[e][1],
+                  cm_gemm_bf16_packed_size(empty[e][0], empty[e][1]));
+    long bad = 0;
+    int br = 0, bk = 0;
+    for (int rows = 1; rows <= 300; rows++)
+        for (int K = 1; K <= 300; K += K < 70 ? 1 : 7) {
+            size_t s = cm_gemm_bf16_packed_size(rows, K);
+            if (s < (size_t)rows * K * 2 || cm_gemm_bf16_packed_size(rows + 1, K) < s ||
+                cm_gemm_bf16_packed_size(rows, K + 1) < s) {
+                if (bad++ == 0) br = rows, bk = K;
+            }
+        }
+    CHECK_MSG(bad == 0,
+              "packed_size not >= 2 rows K or not monotonic at %ld points, first (%d, %d)", bad, br,
+              bk);
+}
+
+/* Packing rows [0, rows) in one call writes every byte of the size (two buffers of other
+ * garbage come out the same); rows [0, 32), [32, 64), [64, rows) in that order or backwards,
+ * or [0, rows rounded up to 32) in one call, write the same bytes. */
+static void check_pack_ranges(void)
+{
+    static const int shape[][2] = {{65, 33}, {81, 100}, {96, 1}, {100, 512}, {128, 64}, {215, 31}};
+    static const int cut[4] = {0, 32, 64, -1}; /* -1: rows */
+    for (int b = 0; b < 2; b++)
+        for (int trans = 0; trans < 2; trans++)
+            for (size_t s = 0; s < sizeof shape / sizeof shape[0]; s++) {
+                int rows = shape[s][0], K = shape[s][1], up = (rows + 31) / 32 * 32;
+                gcase g; /* the operand as A (b 0) or B (b 1) of a product with that K */
+                case_init(&g, trans, trans, b ? 1 : rows, b ? rows : 1, K, 3, 5, 0, 0);
+                const float *X = b ? g.B : g.A;
+                int ld = b ? g.ldb : g.lda;
+                size_t n = cm_gemm_bf16_packed_size(rows, K);
+                void *one = pk_new(rows, K, 0xab), *two = pk_new(rows, K, 0xcd),
+                     *fwd = pk_new(rows, K, 0x5a), *bwd = pk_new(rows, K, 0xff),
+                     *upto = pk_new(rows, K, 0x00);
+                cm_gemm_bf16_pack(b, trans, rows, K, X, ld, 0, rows, one);
+                cm_gemm_bf16_pack(b, trans, rows, K, X, ld, 0, rows, two);
+                for (int r = 0; r < 3; r++) {
+                    cm_gemm_bf16_pack(b, trans, rows, K, X, ld, cut[r],
+                                      cut[r + 1] < 0 ? rows : cut[r + 1], fwd);
+                    cm_gemm_bf16_pack(b, trans, rows, K, X, ld, cut[2 - r],
+                                      cut[3 - r] < 0 ? rows : cut[3 - r], bwd);
+                }
+                cm_gemm_bf16_pack(b, trans, rows, K, X, ld, 0, up, upto);
+                int d_two = memcmp(one, two, n) != 0, d_fwd = memcmp(one, fwd, n) != 0,
+                    d_bwd = memcmp(one, bwd, n) != 0, d_up = memcmp(one, upto, n) != 0;
+                CHECK_MSG(!d_two,
+                          "pack b=%d trans=%d rows=%d K=%d: [0,rows) leaves bytes of the "
+                          "%zu unwritten",
+                          b, trans, rows, K, n);
+                CHECK_MSG(!d_fwd && !d_bwd && !d_up,
+                          "pack b=%d trans=%d rows=%d K=%d: against [0,rows) in one call, "
+                          "[0,32) [32,64) [64,rows) %s, backwards %s; [0,%d) %s",
+                          b, trans, rows, K, d_fwd ? "differ" : "same", d_bwd ? "differ" : "same",
+                          up, d_up ? "differs" : "same");
+                free(one);
+                free(two);
+                free(fwd);
+                free(bwd);
+                free(upto);
+                case_free(&g);
+            }
+}
+
+/* Inner ranges [k0, k0 + K) of K0 that cm_gemm_bf16_pre takes: the whole; every chunk of 32,
+ * 64 and 256 (the last one ending at K0); two more from a random multiple of 32 to K0 or to a
+ * later multiple of 32. Returns the count (at most cap). */
+static int sub_ranges(int K0, int (*r)[2], int cap)
+{
+    int n = 0, KT = (K0 + 31) / 32;
+    r[n][0] = 0, r[n][1] = K0, n++;
+    static const int chunk[3] = {32, 64, 256};
+    for (int c = 0; c < 3; c++)
+        for (int k0 = 0; k0 < K0 && chunk[c] < K0 && n < cap; k0 += chunk[c])
+            r[n][0] = k0, r[n][1] = (k0 + chunk[c] < K0 ? k0 + chunk[c] : K0) - k0, n++;
+    for (int x = 0; x < 2 && n < cap; x++) {
+        int t0 = (int)rndu((uint32_t)KT), t1 = t0 + 1 + (int)rndu((uint32_t)(KT - t0));
+        r[n][0] = t0 * 32, r[n][1] = (t1 == KT ? K0 : t1 * 32) - t0 * 32, n++;
+    }
+    return n;
+}
+
+/* One shape: A packed in one call, B in two or three row ranges (split at random multiples of
+ * 32, packed last range first, the last one ending at N or N rounded up to 32); then for each
+ * inner range, cm_gemm_bf16_pre with pa, with pb and with both (the unpacked float operand
+ * there poisoned with NaNs: never to be read) gives cm_gemm_bf16's bits on the sub-matrices. */
+static void check_pre_shape(int ta, int tb, int M, int N, int K0)
+{
+    gcase g;
+    case_init(&g, ta, tb, M, N, K0, (int)rndu(2) * 3, (int)rndu(2) * 5, (int)rndu(2) * 2, 0);
+    void *pa = pk_new(M, K0, 0xab), *pb = pk_new(N, K0, 0xcd);
+    cm_gemm_bf16_pack(0, ta, M, K0, g.A, g.lda, 0, M, pa);
+    int cut[4] = {0, 0, 0, 0}, nc = 1, NT = (N + 31) / 32;
+    for (int x = 0; x < 2 && NT > 1; x++) {
+        int c = 32 * (1 + (int)rndu((uint32_t)NT - 1));
+        if (c != cut[1] && c != cut[2]) cut[++nc - 1] = c;
+    }
+    if (nc == 3 && cut[1] > cut[2]) {
+        int t = cut[1];
+        cut[1] = cut[2], cut[2] = t;
+    }
+    cut[nc] = rndu(2) ? N : NT * 32;
+    for (int r = nc - 1; r >= 0; r--)
+        cm_gemm_bf16_pack(1, tb, N, K0, g.B, g.ldb, cut[r], cut[r + 1], pb);
+    float *PA = poisoned(a_len(&g)), *PB = poisoned(b_len(&g));
+    float *want = c_new(g.nc), *got = c_new(g.nc);
+    int rr[64][2], nr = sub_ranges(K0, rr, 64);
+    static const char *mode[3] = {"pa", "pb", "pa+pb"};
+    int bad[3] = {0, 0, 0}, first[3][3];
+    for (int s = 0; s < nr; s++) {
+        int k0 = rr[s][0], K = rr[s][1];
+        size_t oa = ta ? (size_t)k0 * g.lda : (size_t)k0, ob = tb ? (size_t)k0 : (size_t)k0 * g.ldb;
+        for (size_t x = 0; x < g.nc; x++)
+            want[x] = f_of(SENTINEL);
+        int rc0 = cm_gemm_bf16(ta, tb, M, N, K, g.A + oa, g.lda, g.B + ob, g.ldb, want, g.ldc);
+        for (int m = 0; m < 3; m++) {
+            int use_a = m != 1, use_b = m != 0;
+            for (size_t x = 0; x < g.nc; x++)
+                got[x] = f_of(SENTINEL);
+            int rc = cm_gemm_bf16_pre(ta, tb, M, N, K, (use_a ? PA : g.A) + oa, g.lda,
+                                      use_a ? pa : NULL, (use_b ? PB : g.B) + ob, g.ldb,
+                                      use_b ? pb : NULL, K0, k0, got, g.ldc);
+            size_t nonfinite = 0;
+            for (int i = 0; i < M; i++)
+                for (int j = 0; j < N; j++)
+                    nonfinite += !isfinite(got[(size_t)i * g.ldc + j]);
+            if ((rc0 != 0 || rc != 0 || nonfinite != 0 ||
+                 memcmp(want, got, g.nc * sizeof(float)) != 0) &&
+                bad[m]++ == 0)
+                first[m][0] = k0, first[m][1] = K, first[m][2] = rc;
+        }
+    }
+    char ranges[64];
+    int at = 0;
+    for (int r = 0; r < nc; r++)
+        at += snprintf(ranges + at, sizeof ranges - (size_t)at, " [%d,%d)", cut[r], cut[r + 1]);
+    for (int m = 0; m < 3; m++)
+        CHECK_MSG(bad[m] == 0,
+                  "%s, B packed in%s: pre with %s: %d of %d inner ranges differ from "
+                  "cm_gemm_bf16, first k0=%d K=%d (rc=%d)",
+                  g.desc, ranges, mode[m], bad[m], nr, bad[m] ? first[m][0] : 0,
+                  bad[m] ? first[m][1] : 0, bad[m] ? first[m][2] : 0);
+    free(want);
+    free(got);
+    free(PA);
+    free(PB);
+    free(pa);
+    free(pb);
+    case_free(&g);
+}
+
+/* Each transpose combination over every (M, N, K0) of the sets. */
+static void check_pre(void)
+{
+    static const int Ms[4] = {1, 33, 100, 256}, Ns[4] = {1, 17, 54, 215},
+                     K0s[5] = {32, 64, 100, 512, 1000};
+    for (int t = 0; t < 4; t++)
+        for (int kx = 0; kx < 5; kx++)
+            for (int mx = 0; mx < 4; mx++)
+                for (int nx = 0; nx < 4; nx++)
+                    check_pre_shape(t >> 1, t & 1, Ms[mx], Ns[nx], K0s[kx]);
+}
+
 int main(void)
 {
     rng_state = 0x6e6d6d5f62663136ull;
@@ -437,6 +651,9 @@ int main(void)
 
     check_nan();
     check_threads(train_p, train_c);
+    check_packed_size();
+    check_pack_ranges();
+    check_pre();
 
     for (int s = 0; s < 5; s++) {
         free(train_c[s]);
