@@ -750,13 +750,14 @@ static uint64_t barrier_base(uint64_t step)
     return 8 * step + 8;
 }
 
-/* What computed the run: the bits depend on it (another OpenBLAS core sums in another order). */
+/* What computed the run: the bits depend on it (another OpenBLAS core sums in another order;
+ * bf16 and TF32 GEMMs round their operands). */
 static void kernels_tag(const setup *S, char *out, size_t n)
 {
     if (S->be == &backend_cpu_ops)
-        snprintf(out, n, "cpu/%s", backend_cpu_kernels());
+        snprintf(out, n, "cpu/%s%s", backend_cpu_kernels(), S->o->bf16 ? "+bf16" : "");
     else
-        snprintf(out, n, "%s", S->be->name);
+        snprintf(out, n, "%s%s", S->be->name, S->o->tf32 ? "+tf32" : "");
 }
 
 /* Collective: PS snapshot named by tag (the same for every worker), each worker's own data

@@ -5,7 +5,7 @@
  * resuming replays exactly the pulls A made after its checkpoint), for a one-table model (mlp), a
  * two-table model (deepfm) and lr. Also: A's checkpoint directories and LATEST, the resumed
  * run's step and row counts, and metrics.jsonl appended across the two halves of B. A resume
- * under other OpenBLAS kernels than its checkpoint's says so.
+ * under other OpenBLAS kernels than its checkpoint's (or with --bf16 added or dropped) says so.
  *
  * Early pulls: a worker pulls the keys its previous batch did not have before that batch is
  * pushed, except across a checkpoint. A run checkpointing after every step (no early pulls)
@@ -32,12 +32,16 @@ static void same_field(const char *a, const char *b, const char *key, const char
     CHECK_MSG(strcmp(x, y) == 0, "%s: %s %s straight through, %s resumed", model, key, x, y);
 }
 
+/* More arguments for every run of resume_case ("--bf16" for its bf16 round). */
+static const char *resume_extra = "";
+
 static void resume_case(const char *model, unsigned batch, unsigned epochs, unsigned mid, unsigned total)
 {
     char tag[64];
-    snprintf(tag, sizeof tag, "%s-%u-%u", model, batch, mid);
-    char a[4096] = "", b[4096] = "";
-    const char *common = "--train ds/train --eval ds/eval --no-progress";
+    snprintf(tag, sizeof tag, "%s-%u-%u%s", model, batch, mid, *resume_extra ? "-x" : "");
+    char a[4096] = "", b[4096] = "", common[256];
+    snprintf(common, sizeof common, "--train ds/train --eval ds/eval --no-progress %s",
+             resume_extra);
     int rc = run("train %s --model %s --batch %u --epochs %u --max-steps %u --checkpoint-every %u "
                  "--out A-%s", common, model, batch, epochs, total, mid, tag);
     CHECK_MSG(rc == 0, "%s: run A exit %d", model, rc);
@@ -223,6 +227,18 @@ static void kernels_warning(void)
     CHECK(run("train %s --max-steps 8 --resume", common) == 0);
     CHECK_MSG(err_has("not bit for bit"), "a resume under %s kernels did not say so", other);
     unsetenv("OPENBLAS_CORETYPE");
+    /* bf16 GEMMs are other kernels too: recorded, silent when kept, said when dropped. */
+    if (cm_gemm_bf16_available()) {
+        CHECK(run("train %s --max-steps 10 --resume --bf16", common) == 0);
+        CHECK(run("train %s --max-steps 12 --resume --bf16", common) == 0);
+        CHECK_MSG(!err_has("not bit for bit"), "a bf16 resume of a bf16 checkpoint warned");
+        pos = slurp("K/ckpt/step-12/worker-0.pos");
+        CHECK_MSG(pos != NULL && strstr(pos, "+bf16\n") != NULL, "position file: %s",
+                  pos ? pos : "(missing)");
+        free(pos);
+        CHECK(run("train %s --max-steps 14 --resume", common) == 0);
+        CHECK_MSG(err_has("not bit for bit"), "an fp32 resume of a bf16 checkpoint did not say so");
+    }
 }
 
 int main(void)
@@ -237,6 +253,12 @@ int main(void)
      * and from a checkpoint inside the second epoch. */
     resume_case("mlp", 2048, 2, 10, 24);
     resume_case("lr", 2048, 2, 20, 28);
+    /* bf16 GEMMs resume bit for bit too. */
+    if (cm_gemm_bf16_available()) {
+        resume_extra = "--bf16";
+        resume_case("mlp", 512, 1, 20, 40);
+        resume_extra = "";
+    }
     repeatable();
     kernels_warning();
     static const char *const one_table[] = {"shard-0/MANIFEST", "shard-0/dense-tower.bin",
