@@ -12,7 +12,8 @@
  *
  * Each packer computes 16 32-bit lanes along the operand's contiguous direction, which is a
  * tile row for A NoTrans and B NoTrans, and a tile column for A Trans and B Trans (sixteen of
- * them transposed in registers: scattering each column cost 3x more). Scratch for the packed
+ * them transposed in registers: a scatter per column took ~2x as long, 0.78 against 0.43 ns a
+ * value for a dW GEMM's A, 0.48 against 0.23 for a forward's B). Scratch for the packed
  * operands is per thread and grows as needed; an operand several calls share (a GEMM cut into
  * tiles) can be packed once by the caller instead (cm_gemm_bf16_pack / cm_gemm_bf16_pre).
  *
