@@ -150,6 +150,25 @@ static void test_key_order(ps_client *c)
         keys[i] = 0x9E3779B97F4A7C15ull * (uint64_t)(i + 11) >> 7; /* distinct, unordered */
     for (uint32_t ns = 1; ns <= 5; ns++)
         check_order(ns, keys, K);
+    /* The sort's paths (client.c key_sort): hashed keys (buckets on their top bits, insertion-
+     * sorted), a few clusters of them (buckets too large: LSD passes inside), keys within 22
+     * bits (LSD passes alone), keys differing only in high bits, and sizes around the bucket
+     * thresholds. */
+    enum { BIG = 40000 };
+    uint64_t *many = malloc(BIG * sizeof *many), x = 0x2545F4914F6CDD1Dull;
+    for (int shape = 0; many != NULL && shape < 4; shape++)
+        for (size_t n = 1; n <= BIG; n = n < 100 ? n + 33 : n * 7) {
+            for (size_t i = 0; i < n; i++) {
+                x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                many[i] = shape == 0   ? x
+                          : shape == 1 ? ((uint64_t)(i % 3) << 60) | (x >> 24)
+                          : shape == 2 ? (uint64_t)i * 2654435761u % (1u << 22) /* distinct */
+                                       : ((uint64_t)i << 40) | 7;
+            }
+            check_order(1, many, n);
+            check_order(3, many, n);
+        }
+    free(many);
     uint64_t dup[3] = {5, 9, 5};
     CHECK(ps_keys_order(2, dup, 3, perm, &err) == CM_EINVAL && err && strstr(err, "twice"));
     free(err), err = NULL;
