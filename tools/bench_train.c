@@ -44,8 +44,9 @@
  *
  * Usage: tools/bench train [--quick] [--model M | --models M,M] [--rows N] [--eval-rows N]
  *        [--seed S] [--threads-list 1,2] [--no-torch] [--no-install] [--torch-own-init]
- *        [--pairs N] [--dir DIR] [--ember PATH] [--python PATH] [--train-arg ARG]...
+ *        [--pairs N] [--no-bf16] [--dir DIR] [--ember PATH] [--python PATH] [--train-arg ARG]...
  *   --quick       300K + 30K rows, no install
+ *   --no-bf16     no mixed-precision pairs (they run where the CPU has AMX-BF16)
  *   --torch-own-init  PyTorch draws its own initial weights; by default it starts from exactly
  *                 ember's (embedding rows and tower, written next to the dump), because the
  *                 initial draw alone moves the mlp's AUC by up to 0.004 on these data
