@@ -94,6 +94,27 @@ size_t ps_varint_put(uint8_t *out, uint64_t v)
 size_t ps_varint_get(const uint8_t *in, size_t len, uint64_t *v)
 {
     uint64_t x = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* Eight bytes at once where the input has them and the varint ends inside them (every key
+     * delta under 2^56): the bytes up to the first without a continuation bit, their 7-bit
+     * groups packed together in three steps. A server decodes tens of thousands of keys a
+     * pull; byte by byte this was ~7% of its CPU. The same values and lengths as the loop. */
+    if (len >= 8) {
+        uint64_t w;
+        memcpy(&w, in, 8);
+        uint64_t stop = ~w & 0x8080808080808080ull;
+        if (stop != 0) {
+            unsigned used = ((unsigned)__builtin_ctzll(stop) >> 3) + 1;
+            if (used < 8) w &= (1ull << (8 * used)) - 1;
+            w &= 0x7f7f7f7f7f7f7f7full;
+            w = ((w & 0x7f007f007f007f00ull) >> 1) | (w & 0x007f007f007f007full);
+            w = ((w & 0x3fff00003fff0000ull) >> 2) | (w & 0x00003fff00003fffull);
+            w = ((w & 0x0fffffff00000000ull) >> 4) | (w & 0x000000000fffffffull);
+            *v = w;
+            return used;
+        }
+    }
+#endif
     for (size_t i = 0; i < len && i < 10; i++) {
         uint64_t b = in[i] & 0x7f;
         if (i == 9 && b > 1) return 0; /* bits beyond 64 */

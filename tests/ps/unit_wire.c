@@ -187,6 +187,32 @@ static void test_varint(void)
     CHECK(ps_varint_get(over, 10, &v) == 10 && v == UINT64_MAX);
     over[9] = 0x81; /* continuation past the 10th byte */
     CHECK(ps_varint_get(over, 11, &v) == 0);
+    /* The eight-byte path against byte-by-byte decoding, on random bytes (valid and not, with
+     * continuation bits at every density) at every length and offset. */
+    uint8_t r[64];
+    size_t bad = 0;
+    for (int t = 0; t < 200000; t++) {
+        unsigned density = (unsigned)(rng() % 9); /* continuation bits in ~density/8 of bytes */
+        for (size_t i = 0; i < sizeof r; i++) {
+            uint8_t byte = (uint8_t)(rng() & 0x7f);
+            r[i] = (uint8_t)(byte | (rng() % 8 < density ? 0x80 : 0));
+        }
+        size_t off = (size_t)(rng() % 16), len = (size_t)(rng() % 24);
+        uint64_t want = 0, got = 0x5555;
+        size_t wn = 0;
+        for (size_t i = 0; i < len && i < 10; i++) {
+            uint64_t b = r[off + i] & 0x7f;
+            if (i == 9 && b > 1) break;
+            want |= b << (7 * i);
+            if ((r[off + i] & 0x80) == 0) {
+                wn = i + 1;
+                break;
+            }
+        }
+        size_t gn = ps_varint_get(r + off, len, &got);
+        bad += gn != wn || (wn != 0 && got != want);
+    }
+    CHECK_MSG(bad == 0, "ps_varint_get differs from byte-by-byte decoding in %zu of 200000", bad);
 }
 
 static void test_keys(void)
