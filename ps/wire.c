@@ -127,12 +127,33 @@ size_t ps_varint_get(const uint8_t *in, size_t len, uint64_t *v)
     return 0;
 }
 
+/* ps_varint_put for the keys' deltas, which may write all 8 bytes at out for a value under
+ * 2^56 (the 7-bit groups spread to bytes in three steps, continuation bits on all but the
+ * last): the encoder's output buffer has 10 bytes a key, so the spare bytes are overwritten by
+ * the next key or ignored. The same bytes as ps_varint_put up to the length it returns. */
+static inline size_t varint_put8(uint8_t *out, uint64_t v)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (v < (1ull << 56)) {
+        size_t used = v ? ((size_t)(64 - __builtin_clzll(v)) + 6) / 7 : 1;
+        uint64_t w = v;
+        w = ((w & 0x00fffffff0000000ull) << 4) | (w & 0x000000000fffffffull);
+        w = ((w & 0x0fffc0000fffc000ull) << 2) | (w & 0x00003fff00003fffull);
+        w = ((w & 0x3f803f803f803f80ull) << 1) | (w & 0x007f007f007f007full);
+        w |= ((1ull << (8 * (used - 1))) - 1) & 0x8080808080808080ull;
+        memcpy(out, &w, 8);
+        return used;
+    }
+#endif
+    return ps_varint_put(out, v);
+}
+
 size_t ps_keys_encode(const uint64_t *keys, size_t n, uint8_t *out)
 {
     size_t off = 0;
     uint64_t prev = 0;
     for (size_t i = 0; i < n; i++) {
-        off += ps_varint_put(out + off, keys[i] - prev);
+        off += varint_put8(out + off, keys[i] - prev);
         prev = keys[i];
     }
     return off;

@@ -98,7 +98,8 @@ int ps_wire_open(const void *buf, size_t len, ps_hdr *h, char **errptr);
 size_t ps_varint_put(uint8_t *out, uint64_t v);
 size_t ps_varint_get(const uint8_t *in, size_t len, uint64_t *v);
 
-/* Keys, strictly increasing, as delta varints. Worst case 10 bytes a key. */
+/* Keys, strictly increasing, as delta varints (ps_varint_put's bytes). out must hold 10 bytes
+ * a key, the worst case: bytes past the returned length may be overwritten. */
 size_t ps_keys_encode(const uint64_t *keys, size_t n, uint8_t *out);
 /* Decodes exactly n strictly increasing keys from exactly len bytes. */
 int ps_keys_decode(const uint8_t *in, size_t len, size_t n, uint64_t *keys, char **errptr);
