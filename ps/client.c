@@ -953,11 +953,16 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
     rc = split_keys(c, keys, n, &sp, errptr);
     if (rc != CM_OK) return rc;
     /* Replies are decoded in shard order into rows: each caller's key is one copy away from its
-     * row; keys already in that order decode straight into out. */
-    float *rows = sp.identity ? out : malloc(sp.n_uniq * dim * sizeof *rows + 1);
+     * row; keys already in that order decode straight into out. fp32 replies need no decoding:
+     * they are kept, each caller's key copies its row straight out of its shard's reply (one
+     * copy of the batch instead of two), and out is checked for non-finite values after. */
+    const bool direct = codec == PS_CODEC_F32 && !sp.identity;
+    float *rows = sp.identity ? out : direct ? NULL : malloc(sp.n_uniq * dim * sizeof *rows + 1);
     slot **slots = calloc(ns, sizeof *slots);
     uint64_t *req_ids = calloc(ns, sizeof *req_ids);
-    if (!rows || !slots || !req_ids) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    nng_msg **replies = direct ? calloc(ns, sizeof *replies) : NULL;
+    if ((!rows && !direct) || !slots || !req_ids || (direct && !replies))
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     /* Read your writes: the server serves requests on many contexts at once, so a pull sent
      * while this client's push to the same shard is in flight could overtake it. */
     pthread_mutex_lock(&c->mu);
@@ -988,7 +993,7 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
         if (r == CM_OK && nng_msg_len(reply) != PS_HDR_BYTES + cnt * rb)
             r = cm_err(&err, CM_ECORRUPT, "shard %u returned %zu bytes for %zu rows", s,
                        nng_msg_len(reply) - PS_HDR_BYTES, cnt);
-        if (r == CM_OK)
+        if (r == CM_OK && !direct)
             r = ps_codec_decode(codec, (const uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, cnt,
                                 dim, rows + (size_t)sp.start[s] * dim, &err);
         if (r == CM_OK) remember_pull(c, s, table, req_ids[s], sp.skeys + sp.start[s], cnt, flags);
@@ -997,13 +1002,41 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
             cm_err(errptr, r, "%s", err ? err : "pull failed");
         }
         free(err);
-        if (reply) nng_msg_free(reply);
+        if (reply && r == CM_OK && direct)
+            replies[s] = reply;
+        else if (reply)
+            nng_msg_free(reply);
     }
-    if (rc == CM_OK) {
+    if (rc == CM_OK && direct) {
+        for (size_t i = 0; i < n; i++) {
+            uint32_t p = sp.inv[i], s = 0;
+            if (ns > 1) { /* the shard whose range holds position p */
+                uint32_t lo = 0, hi = ns - 1;
+                while (lo < hi) {
+                    uint32_t mid = (lo + hi + 1) / 2;
+                    if (sp.start[mid] <= p)
+                        lo = mid;
+                    else
+                        hi = mid - 1;
+                }
+                s = lo;
+            }
+            const uint8_t *src = (const uint8_t *)nng_msg_body(replies[s]) + PS_HDR_BYTES +
+                                 (size_t)(p - sp.start[s]) * dim * sizeof(float);
+            memcpy(out + i * dim, src, dim * sizeof(float));
+        }
+        char *err = NULL;
+        if (ps_f32_check(out, n * dim, dim, &err) != CM_OK)
+            rc = cm_err(errptr, CM_ECORRUPT, "pull of table %u: %s (caller's order)", table, err);
+        free(err);
+    } else if (rc == CM_OK) {
         for (size_t i = 0; i < n && !sp.identity; i++)
             memcpy(out + i * dim, rows + (size_t)sp.inv[i] * dim, dim * sizeof(float));
-        __atomic_add_fetch(&c->st.rows_pulled, sp.n_uniq, __ATOMIC_RELAXED);
     }
+    if (rc == CM_OK) __atomic_add_fetch(&c->st.rows_pulled, sp.n_uniq, __ATOMIC_RELAXED);
+    for (uint32_t s = 0; replies != NULL && s < ns; s++)
+        if (replies[s]) nng_msg_free(replies[s]);
+    free(replies);
     free(slots);
     free(req_ids);
     if (!sp.identity) free(rows);
