@@ -69,6 +69,13 @@ int main(void)
         /* No error pointer: still a clean failure. */
         void *state = NULL;
         CHECK(ops->create(&m, &l, 16, 16, 1, 0, &state, NULL) != 0 && state == NULL);
+        /* bf16 is the CPU's (AMX): refused by name, before any device is asked for. */
+        rc = ops->create(&m, &l, 16, 16, 1, BACKEND_BF16, &state, &err);
+        CHECK_MSG(rc != 0 && state == NULL && err && strstr(err, "--bf16") && strstr(err, "--tf32"),
+                  "%s with BACKEND_BF16: rc %d, err=%s", model_kind_name(kinds[k]), rc,
+                  err ? err : "(none)");
+        free(err);
+        err = NULL;
     }
     ops->destroy(NULL); /* a no-op, as for the cpu backend */
 
