@@ -37,6 +37,21 @@ static int check_count_;
         }                                                                                          \
     } while (0)
 
+/* A float from its bits and back (memcpy: no aliasing through pointers). */
+static inline float check_f32_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t check_u32_of(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
 /* Fails the check when rc != 0, printing and freeing err. */
 #define CHECK_OK(rc, err)                                                                          \
     do {                                                                                           \

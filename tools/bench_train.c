@@ -200,6 +200,9 @@ typedef struct mixed {
     bool on;
     uint32_t n; /* pairs run (both sides ok) */
     double e_auc[MAX_PAIRS], t_auc[MAX_PAIRS], e_rate[MAX_PAIRS], t_rate[MAX_PAIRS];
+    double ratio[MAX_PAIRS];   /* e_rate / t_rate */
+    double median_ratio;       /* of ratio, NAN without pairs (mixed_finish) */
+    double e_auc_mean, t_auc_mean, e_rate_mean, t_rate_mean;
 } mixed;
 
 static void mixed_pair(bench_train_opts *o, const bench_dataset *ds, int threads, uint32_t seed,
@@ -217,6 +220,7 @@ static void mixed_pair(bench_train_opts *o, const bench_dataset *ds, int threads
     mx->t_auc[mx->n] = t.auc;
     mx->e_rate[mx->n] = er.loop_samples_per_s;
     mx->t_rate[mx->n] = t.samples_per_s;
+    mx->ratio[mx->n] = er.loop_samples_per_s / t.samples_per_s;
     mx->n++;
 }
 
@@ -226,6 +230,18 @@ static double mean_of(const double *x, uint32_t n)
     for (uint32_t i = 0; i < n; i++)
         m += x[i] / n;
     return n ? m : NAN;
+}
+
+/* The summary of the pairs run: median ratio and means (NAN without pairs). */
+static void mixed_finish(mixed *mx)
+{
+    double sorted[MAX_PAIRS];
+    memcpy(sorted, mx->ratio, mx->n * sizeof *sorted);
+    mx->median_ratio = mx->n ? bench_median(sorted, mx->n) : NAN;
+    mx->e_auc_mean = mean_of(mx->e_auc, mx->n);
+    mx->t_auc_mean = mean_of(mx->t_auc, mx->n);
+    mx->e_rate_mean = mean_of(mx->e_rate, mx->n);
+    mx->t_rate_mean = mean_of(mx->t_rate, mx->n);
 }
 
 static void loadavg(char *buf, size_t n)
@@ -357,12 +373,10 @@ int main(int argc, char **argv)
             n_pairs++;
             mixed_pair(&o, &ds, best_mlp->threads, sd, &mx);
         }
-        e_mean = t_mean = 0;
-        for (uint32_t i = 0; i < n_pairs; i++) {
-            e_mean += e_auc[i] / n_pairs;
-            t_mean += t_auc[i] / n_pairs;
-        }
+        e_mean = mean_of(e_auc, n_pairs);
+        t_mean = mean_of(t_auc, n_pairs);
     }
+    mixed_finish(&mx);
     double others = bench_others_end(&busy);
     loadavg(load1, sizeof load1);
     roofline rf;
@@ -432,16 +446,13 @@ int main(int argc, char **argv)
             printf("\n");
         }
         if (mx.n) {
-            double r[MAX_PAIRS];
-            for (uint32_t i = 0; i < mx.n; i++) {
-                r[i] = mx.e_rate[i] / mx.t_rate[i];
+            for (uint32_t i = 0; i < mx.n; i++)
                 printf("bf16 pair, seed %u: ember %.4f (%.0f smp/s ipc), pytorch autocast %.4f "
                        "(%.0f smp/s); speed %.2fx\n",
-                       i + 1, mx.e_auc[i], mx.e_rate[i], mx.t_auc[i], mx.t_rate[i], r[i]);
-            }
+                       i + 1, mx.e_auc[i], mx.e_rate[i], mx.t_auc[i], mx.t_rate[i], mx.ratio[i]);
             printf("mixed precision, like with like: ember --bf16 over ipc / PyTorch bf16 "
                    "autocast, median of %u pairs %.2fx; auc mean %.4f vs %.4f\n",
-                   mx.n, bench_median(r, mx.n), mean_of(mx.e_auc, mx.n), mean_of(mx.t_auc, mx.n));
+                   mx.n, mx.median_ratio, mx.e_auc_mean, mx.t_auc_mean);
         } else if (!mx.on) {
             printf("mixed precision pairs: skipped (%s)\n",
                    o.no_bf16 ? "--no-bf16" : "this CPU/OS has no AMX-BF16");
@@ -507,20 +518,14 @@ int main(int argc, char **argv)
     for (uint32_t i = 0; i < n_ratios; i++)
         printf("%s%.3f", i ? "," : "", ratio[i]);
     printf("],");
-    {
-        double r[MAX_PAIRS];
-        printf("\"bf16_pairs\":%u,\"speedup_ipc_bf16_pairs\":[", mx.n);
-        for (uint32_t i = 0; i < mx.n; i++) {
-            r[i] = mx.e_rate[i] / mx.t_rate[i];
-            printf("%s%.3f", i ? "," : "", r[i]);
-        }
-        printf("],\"speedup_ipc_bf16\":%.3f,\"ember_bf16_ipc_samples_per_s\":%.0f,"
-               "\"torch_bf16_samples_per_s\":%.0f,\"ember_bf16_auc_mean\":%.6f,"
-               "\"torch_bf16_auc_mean\":%.6f,",
-               mx.n ? bench_median(r, mx.n) : -1.0, mx.n ? mean_of(mx.e_rate, mx.n) : -1.0,
-               mx.n ? mean_of(mx.t_rate, mx.n) : -1.0, mx.n ? mean_of(mx.e_auc, mx.n) : -1.0,
-               mx.n ? mean_of(mx.t_auc, mx.n) : -1.0);
-    }
+    printf("\"bf16_pairs\":%u,\"speedup_ipc_bf16_pairs\":[", mx.n);
+    for (uint32_t i = 0; i < mx.n; i++)
+        printf("%s%.3f", i ? "," : "", mx.ratio[i]);
+    printf("],\"speedup_ipc_bf16\":%.3f,\"ember_bf16_ipc_samples_per_s\":%.0f,"
+           "\"torch_bf16_samples_per_s\":%.0f,\"ember_bf16_auc_mean\":%.6f,"
+           "\"torch_bf16_auc_mean\":%.6f,",
+           JNUM(mx.median_ratio), JNUM(mx.e_rate_mean), JNUM(mx.t_rate_mean), JNUM(mx.e_auc_mean),
+           JNUM(mx.t_auc_mean));
     printf(
         "\"torch_ran\":%s,\"torch_installed_now\":%s,\"torch_version\":\"%s\",\"torch_threads\":2,"
         "\"torch_samples_per_s\":%.0f,\"torch_auc\":%.6f,\"torch_logloss\":%.6f,\"torch_train_"

@@ -30,20 +30,6 @@ static const int V[10] = {1, 15, 16, 17, 31, 32, 33, 63, 64, 65};
 static double worst_ratio; /* max |C - ref| / bound over every output compared */
 static long n_compared;
 
-static float f_of(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint32_t u_of(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
 static double bf(float x)
 {
     return (double)cm_bf16_to_f32(cm_f32_to_bf16(x));
@@ -98,9 +84,9 @@ static void case_init(gcase *g, int ta, int tb, int M, int N, int K, int xa, int
         exit(2);
     }
     for (size_t x = 0; x < na; x++)
-        g->A[x] = f_of(PAD_NAN);
+        g->A[x] = check_f32_of(PAD_NAN);
     for (size_t x = 0; x < nb; x++)
-        g->B[x] = f_of(PAD_NAN);
+        g->B[x] = check_f32_of(PAD_NAN);
     for (int i = 0; i < M; i++)
         for (int k = 0; k < K; k++)
             *a_at(g, i, k) = value(spread);
@@ -118,7 +104,8 @@ static void case_free(gcase *g)
     g->A = g->B = NULL;
 }
 
-static float *c_new(size_t n)
+/* n floats, each with the bits `bits`. */
+static float *filled(size_t n, uint32_t bits)
 {
     float *c = malloc(n * sizeof(float));
     if (c == NULL) {
@@ -126,8 +113,13 @@ static float *c_new(size_t n)
         exit(2);
     }
     for (size_t x = 0; x < n; x++)
-        c[x] = f_of(SENTINEL);
+        c[x] = check_f32_of(bits);
     return c;
+}
+
+static float *c_new(size_t n)
+{
+    return filled(n, SENTINEL);
 }
 
 /* Cells of C outside the M x N block (ldc slack and the guard) that no longer hold SENTINEL. */
@@ -136,9 +128,9 @@ static size_t outside_changed(const gcase *g, const float *C)
     size_t bad = 0;
     for (int i = 0; i < g->M; i++)
         for (int j = g->N; j < g->ldc; j++)
-            bad += u_of(C[(size_t)i * g->ldc + j]) != SENTINEL;
+            bad += check_u32_of(C[(size_t)i * g->ldc + j]) != SENTINEL;
     for (size_t x = (size_t)g->M * g->ldc; x < g->nc; x++)
-        bad += u_of(C[x]) != SENTINEL;
+        bad += check_u32_of(C[x]) != SENTINEL;
     return bad;
 }
 
@@ -220,7 +212,7 @@ static int check_unavailable(void)
     CHECK_MSG(rc == CM_EINVAL, "without AMX: rc=%d, want CM_EINVAL", rc);
     size_t changed = 0;
     for (size_t x = 0; x < g.nc; x++)
-        changed += u_of(C[x]) != SENTINEL;
+        changed += check_u32_of(C[x]) != SENTINEL;
     CHECK_MSG(changed == 0, "without AMX: %zu cells of C written", changed);
     free(C);
     case_free(&g);
@@ -242,7 +234,7 @@ static void check_degenerate(void)
         size_t nz = 0;
         for (int i = 0; i < g.M; i++)
             for (int j = 0; j < g.N; j++)
-                nz += u_of(C[(size_t)i * g.ldc + j]) != 0; /* +0 */
+                nz += check_u32_of(C[(size_t)i * g.ldc + j]) != 0; /* +0 */
         CHECK_MSG(nz == 0, "%s: %zu outputs not +0", g.desc, nz);
         size_t out = outside_changed(&g, C);
         CHECK_MSG(out == 0, "%s: %zu cells outside the M x N block written", g.desc, out);
@@ -253,13 +245,13 @@ static void check_degenerate(void)
     for (size_t s = 0; s < sizeof empty / sizeof empty[0]; s++) {
         float A[64], B[64], C[64];
         for (int x = 0; x < 64; x++)
-            A[x] = B[x] = 1.0f, C[x] = f_of(SENTINEL);
+            A[x] = B[x] = 1.0f, C[x] = check_f32_of(SENTINEL);
         for (int t = 0; t < 4; t++) {
             int rc = cm_gemm_bf16(t >> 1, t & 1, empty[s][0], empty[s][1], empty[s][2], A, 8, B, 8,
                                   C, 8);
             size_t changed = 0;
             for (int x = 0; x < 64; x++)
-                changed += u_of(C[x]) != SENTINEL;
+                changed += check_u32_of(C[x]) != SENTINEL;
             CHECK_MSG(rc == 0 && changed == 0, "M=%d N=%d K=%d ta=%d tb=%d: rc=%d, %zu written",
                       empty[s][0], empty[s][1], empty[s][2], t >> 1, t & 1, rc, changed);
         }
@@ -303,7 +295,7 @@ static void check_nan(void)
         case_init(&g, t >> 1, t & 1, 33, 47, 65, 3, 1, 2, 0);
         for (int z = 0; z < 3; z++)
             *b_at(&g, k0, zero_cols[z]) = 0.0f;
-        *a_at(&g, i0, k0) = f_of(0x7f800001u); /* signalling, low payload */
+        *a_at(&g, i0, k0) = check_f32_of(0x7f800001u); /* signalling, low payload */
         float *C = run_checked(&g, i0, -1);
         int bad = 0, first = -1;
         for (int j = 0; j < g.N; j++)
@@ -318,7 +310,7 @@ static void check_nan(void)
         case_init(&g, t >> 1, t & 1, 63, 33, 64, 0, 3, 17, 0);
         for (int z = 0; z < 2; z++)
             *a_at(&g, zero_rows[z], k1) = 0.0f;
-        *b_at(&g, k1, j1) = f_of(0xff800001u);
+        *b_at(&g, k1, j1) = check_f32_of(0xff800001u);
         C = run_checked(&g, -1, j1);
         bad = 0, first = -1;
         for (int i = 0; i < g.M; i++)
@@ -349,7 +341,7 @@ static void *worker(void *p)
         for (int c = 0; c < 3; c++) {
             const gcase *g = t->g[c];
             for (size_t x = 0; x < g->nc; x++)
-                t->C[c][x] = f_of(SENTINEL);
+                t->C[c][x] = check_f32_of(SENTINEL);
             int rc = gemm(g, t->C[c]);
             t->calls++;
             t->wrong += rc != 0 || memcmp(t->C[c], t->want[c], g->nc * sizeof(float)) != 0;
@@ -427,14 +419,7 @@ static size_t b_len(const gcase *g)
 
 static float *poisoned(size_t n)
 {
-    float *p = malloc(n * sizeof(float));
-    if (p == NULL) {
-        fprintf(stderr, "out of memory\n");
-        exit(2);
-    }
-    for (size_t x = 0; x < n; x++)
-        p[x] = f_of(PAD_NAN);
-    return p;
+    return filled(n, PAD_NAN);
 }
 
 /* 0 for an empty operand; growing in rows and in K; room for rows x K bf16 values at least. */
@@ -558,12 +543,12 @@ static void check_pre_shape(int ta, int tb, int M, int N, int K0)
         int k0 = rr[s][0], K = rr[s][1];
         size_t oa = ta ? (size_t)k0 * g.lda : (size_t)k0, ob = tb ? (size_t)k0 : (size_t)k0 * g.ldb;
         for (size_t x = 0; x < g.nc; x++)
-            want[x] = f_of(SENTINEL);
+            want[x] = check_f32_of(SENTINEL);
         int rc0 = cm_gemm_bf16(ta, tb, M, N, K, g.A + oa, g.lda, g.B + ob, g.ldb, want, g.ldc);
         for (int m = 0; m < 3; m++) {
             int use_a = m != 1, use_b = m != 0;
             for (size_t x = 0; x < g.nc; x++)
-                got[x] = f_of(SENTINEL);
+                got[x] = check_f32_of(SENTINEL);
             int rc = cm_gemm_bf16_pre(ta, tb, M, N, K, (use_a ? PA : g.A) + oa, g.lda,
                                       use_a ? pa : NULL, (use_b ? PB : g.B) + ob, g.ldb,
                                       use_b ? pb : NULL, K0, k0, got, g.ldc);

@@ -11,20 +11,6 @@
 #include "check.h"
 #include "common/common.h"
 
-static float f_of(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint32_t u_of(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
 /* Encodes src[0..n) both ways into buffers at byte offset off and compares every half. */
 static void check_encode(const float *src, size_t n, size_t off)
 {
@@ -37,7 +23,7 @@ static void check_encode(const float *src, size_t n, size_t off)
         for (size_t i = 0; i < n; i++)
             if (memcmp(a + off + 2 * i, b + off + 2 * i, 2) != 0 && bad++ == 0) first = i;
         CHECK_MSG(bad == 0, "%zu of %zu encodings differ, first for 0x%08x (offset %zu)", bad, n,
-                  first < n ? u_of(src[first]) : 0u, off);
+                  first < n ? check_u32_of(src[first]) : 0u, off);
     }
     free(a);
     free(b);
@@ -52,8 +38,8 @@ int main(void)
     CHECK(cm_f32_to_f16(ldexpf(1.0f, -24)) == 0x0001); /* smallest subnormal */
     CHECK(cm_f32_to_f16(ldexpf(1.0f, -25)) == 0x0000); /* tie to even: down */
     CHECK(cm_f32_to_f16(ldexpf(3.0f, -25)) == 0x0002); /* tie to even: up */
-    CHECK(cm_f32_to_f16(f_of(0xffc12345u)) == 0xfe00); /* NaN: quiet, sign kept */
-    CHECK(u_of(cm_f16_to_f32(0x7c01)) == 0x7fc02000u); /* signalling NaN decodes quiet */
+    CHECK(cm_f32_to_f16(check_f32_of(0xffc12345u)) == 0xfe00); /* NaN: quiet, sign kept */
+    CHECK(check_u32_of(cm_f16_to_f32(0x7c01)) == 0x7fc02000u); /* signalling NaN decodes quiet */
 
     /* decode: all halves, from an aligned and an odd start */
     enum { H = 65536 };
@@ -71,7 +57,7 @@ int main(void)
         cm_f16_to_f32_n_scalar(hs + off, fb, n);
         size_t bad = 0;
         for (size_t i = 0; i < n; i++)
-            bad += u_of(fa[i]) != u_of(fb[i]);
+            bad += check_u32_of(fa[i]) != check_u32_of(fb[i]);
         CHECK_MSG(bad == 0, "%zu of %zu decodings differ (offset %zu)", bad, n, off);
     }
 
@@ -93,15 +79,15 @@ int main(void)
     for (uint32_t e = 0; e < 256; e++)
         for (uint32_t m = 0; m < 8; m++) {
             uint32_t mant = m == 7 ? 0x7fffffu : m * 0x123457u % 0x800000u;
-            src[n++] = f_of(e << 23 | mant);
-            src[n++] = f_of(0x80000000u | e << 23 | mant);
+            src[n++] = check_f32_of(e << 23 | mant);
+            src[n++] = check_f32_of(0x80000000u | e << 23 | mant);
         }
     static const uint32_t special[] = {0x33000000u, 0x33000001u, 0x387fe000u, 0x387ff000u,
                                        0x38800000u, 0x477fe000u, 0x477fefffu, 0x477ff000u,
                                        0x7f800000u, 0xff800000u, 0x7f800001u, 0x7fc12345u,
                                        0xffa00000u, 0x7fffffffu, 0x80000000u, 0x00000001u};
     for (size_t i = 0; i < sizeof special / sizeof *special; i++)
-        src[n++] = f_of(special[i]);
+        src[n++] = check_f32_of(special[i]);
     CHECK(n <= cap);
     for (size_t off = 0; off < 2; off++)
         check_encode(src, n, off);
