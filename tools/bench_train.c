@@ -200,8 +200,8 @@ typedef struct mixed {
     bool on;
     uint32_t n; /* pairs run (both sides ok) */
     double e_auc[MAX_PAIRS], t_auc[MAX_PAIRS], e_rate[MAX_PAIRS], t_rate[MAX_PAIRS];
-    double ratio[MAX_PAIRS];   /* e_rate / t_rate */
-    double median_ratio;       /* of ratio, NAN without pairs (mixed_finish) */
+    double ratio[MAX_PAIRS]; /* e_rate / t_rate */
+    double median_ratio;     /* of ratio, NAN without pairs (mixed_finish) */
     double e_auc_mean, t_auc_mean, e_rate_mean, t_rate_mean;
 } mixed;
 
