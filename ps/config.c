@@ -223,8 +223,28 @@ int ps_config_load(const char *path, ps_config *cfg, char **errptr)
     return rc;
 }
 
+/* Table and dense names become file and directory names (a table's spill database is
+ * <spill_dir>/shard-<s>/<name>, which the server deletes when it stops; checkpoint files are
+ * named after them): only a plain file name is safe, never "..", a path or a hidden name. */
+static bool name_ok(const char *name)
+{
+    if (name[0] == '\0' || name[0] == '.') return false;
+    for (const char *p = name; *p; p++)
+        if (!(isalnum((unsigned char)*p) || *p == '_' || *p == '-' || *p == '.')) return false;
+    return true;
+}
+
 int ps_config_check(const ps_config *cfg, char **errptr)
 {
+    for (uint32_t i = 0; i < cfg->n_tables + cfg->n_dense; i++) {
+        bool tab = i < cfg->n_tables;
+        const char *name = tab ? cfg->tables[i].name : cfg->dense[i - cfg->n_tables].name;
+        if (!name_ok(name))
+            return cm_err(errptr, CM_EINVAL,
+                          "%s name '%s' is not a plain name (letters, digits, '_', '-', '.'; "
+                          "not starting with '.'): it names files on disk",
+                          tab ? "table" : "dense", name);
+    }
     if (cfg->n_shards == 0 || cfg->n_shards > PS_MAX_SHARDS)
         return cm_err(errptr, CM_EINVAL, "shards %u out of range 1..%u", cfg->n_shards,
                       PS_MAX_SHARDS);

@@ -61,6 +61,7 @@ int cmd_ps(int argc, char **argv)
     bool backup = false;
     long shard = 0, shards = 0, contexts = 0;
     long long plan = -1;
+    bool plan_given = false;
     int o;
     optind = 1;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -71,7 +72,10 @@ int cmd_ps(int argc, char **argv)
         case 's': shard = strtol(optarg, &end, 10); break;
         case 'n': shards = strtol(optarg, &end, 10); break;
         case 'k': contexts = strtol(optarg, &end, 10); break;
-        case 'p': plan = strtoll(optarg, &end, 10); break;
+        case 'p':
+            plan = strtoll(optarg, &end, 10);
+            plan_given = true;
+            break;
         case 'r': replica = optarg; break;
         case 'b': backup = true; break;
         case 'h': ps_usage(stdout); return 0;
@@ -82,9 +86,18 @@ int cmd_ps(int argc, char **argv)
             return 2;
         }
     }
-    if (config == NULL || optind != argc || shard < 0 || shards < 0 || contexts < 0 ||
-        (backup && replica)) {
+    if (config == NULL || optind != argc || (backup && replica)) {
         ps_usage(stderr);
+        return 2;
+    }
+    /* Out-of-range numbers are refused by name rather than cast (a shard of 2^32 would serve
+     * as shard 0; a negative --plan would start a server instead of printing a plan). */
+    if (shard < 0 || shard >= PS_MAX_SHARDS || shards < 0 || shards > PS_MAX_SHARDS ||
+        contexts < 0 || contexts > 1024 || plan < -1 || (plan == -1 && plan_given)) {
+        fprintf(stderr,
+                "ember ps: out of range: --shard %ld (0..%u), --shards %ld (1..%u), "
+                "--contexts %ld (0..1024), --plan %lld (rows >= 0)\n",
+                shard, PS_MAX_SHARDS - 1, shards, PS_MAX_SHARDS, contexts, plan);
         return 2;
     }
     ps_config *cfg = malloc(sizeof *cfg);

@@ -1170,9 +1170,9 @@ static void *worker_main(void *arg)
         free(pos_text);
     }
     /* Clocks count batches, so a rejoined worker's clock is where the others expect it. */
-    ps_client_clock_seek(c, W->start);
+    if (rc == CM_OK) ps_client_clock_seek(c, W->start);
     if (rc == CM_OK && o->cluster_path) rc = progress_open(S, W->index, &W->progress_fd, errptr);
-    ps_client_barrier_seek(c, barrier_base(o->resume ? S->resume_step : 0) + 6);
+    if (rc == CM_OK) ps_client_barrier_seek(c, barrier_base(o->resume ? S->resume_step : 0) + 6);
     if (rc == CM_OK && !o->rejoin) rc = ps_client_barrier(c, errptr);
     if (rc == CM_OK) rc = worker_loop(W, c, be, errptr);
     /* The final checkpoint is named after the longest schedule, so every worker agrees. */

@@ -141,6 +141,25 @@ static void test_errors(void)
     CHECK(ps_config_load(path, &c, &err) == CM_EINVAL);
     CHECK_MSG(err && strstr(err, path) && strstr(err, "shards"), "%s", err ? err : "");
     free(err), err = NULL;
+    /* Names become file names (a spill database the server deletes when it stops): a path,
+     * "..", or a hidden name is refused, naming the table. */
+    const char *bad_names[] = {"..", "../x", "a/b", ".hidden", "sp ace"};
+    path = pt_path(dir, "names.conf");
+    for (size_t i = 0; i < sizeof bad_names / sizeof bad_names[0]; i++) {
+        char text[128];
+        snprintf(text, sizeof text, "[table %s]\ndim = 4\n", bad_names[i]);
+        pt_write(path, text);
+        CHECK_MSG(ps_config_load(path, &c, &err) == CM_EINVAL, "name '%s' accepted", bad_names[i]);
+        CHECK_MSG(err && strstr(err, path) && strstr(err, bad_names[i]), "%s", err ? err : "");
+        free(err), err = NULL;
+    }
+    pt_write(path, "[dense ..]\nsize = 4\n");
+    CHECK(ps_config_load(path, &c, &err) == CM_EINVAL && err && strstr(err, "dense name"));
+    free(err), err = NULL;
+    pt_write(path, "[table user_2.a-b]\ndim = 4\n");
+    CHECK(ps_config_load(path, &c, &err) == CM_OK);
+    free(err), err = NULL;
+    path = pt_path(dir, "bad.conf");
     CHECK(ps_config_load(pt_path(dir, "missing.conf"), &c, &err) == CM_ENOTFOUND);
     CHECK(err && strstr(err, "missing.conf"));
     free(err);
@@ -168,6 +187,16 @@ static void test_plan_cli(void)
              pt_path(dir, "bad.conf"));
     int st = system(cmd);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 2);
+    /* Numbers out of range are refused, not cast: a shard of 2^32 is not shard 0, and a
+     * negative --plan does not start a server. */
+    const char *bad_args[] = {"--plan -1", "--plan -7", "--shard 4294967296", "--shard -1",
+                              "--shards 100000"};
+    for (size_t i = 0; i < sizeof bad_args / sizeof bad_args[0]; i++) {
+        snprintf(cmd, sizeof cmd, "timeout 10 '%s' ps --config '%s' %s 2>/dev/null", bin,
+                 pt_path(dir, "plan.conf"), bad_args[i]);
+        st = system(cmd);
+        CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 2, "'%s' gave status %d", bad_args[i], st);
+    }
 }
 
 int main(void)

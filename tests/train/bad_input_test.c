@@ -114,6 +114,18 @@ int main(void)
     rc = run("train --train ds/train --device tpu --out r4 --no-progress");
     CHECK_MSG((rc == 1 || rc == 2) && err_has("tpu"), "unknown device: exit %d", rc);
 
+    /* A worker whose PS is unreachable (nothing listens on port 1) or whose URL is not one:
+     * a message naming the address and exit 1, not a crash. */
+    write_text("dead.ini", "[cluster]\nps = tcp://127.0.0.1:1\nworkers = 1\n");
+    rc = run("train --train ds/train --model lr --cluster dead.ini --role worker --index 0 "
+             "--ps-timeout 1000 --out r4b --no-progress");
+    CHECK_MSG(rc == 1 && err_has("127.0.0.1:1"), "unreachable PS: exit %d, stderr: %s", rc,
+              err_text);
+    write_text("badurl.ini", "[cluster]\nps = foo://x\nworkers = 1\n");
+    rc = run("train --train ds/train --model lr --cluster badurl.ini --role worker --index 0 "
+             "--ps-timeout 1000 --out r4c --no-progress");
+    CHECK_MSG(rc == 1 && err_has("foo://x"), "bad PS URL: exit %d, stderr: %s", rc, err_text);
+
     /* --resume with nothing to resume from. */
     rc = run("train --train ds/train --model lr --resume --out r5 --no-progress");
     CHECK_MSG(rc == 1 && err_has("checkpoint") && err_has("r5/ckpt"), "--resume without checkpoint: exit %d", rc);
