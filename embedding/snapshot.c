@@ -211,13 +211,19 @@ static int manifest_read(const char *dir, manifest *m, char **errptr)
     rc = CM_ECORRUPT;
     memset(m, 0, sizeof *m);
     emb_table_config_init(&m->cfg);
-    /* The checksum line is last and covers everything before it. */
+    /* The checksum line is last and covers everything before it. The writer ends the file
+     * with that line's '\n', so nothing at all (not even a NUL byte) may follow it. */
     char *cl = NULL;
     for (char *p = text; (p = strstr(p, "checksum ")) != NULL; p++)
         if (p == text || p[-1] == '\n') cl = p;
+    const char *cl_end = cl ? strchr(cl, '\n') : NULL;
     uint64_t want, dim64 = 0, seed = 0;
     char optname[32] = {0};
     const char *ov;
+    if (cl_end != NULL && (size_t)(cl_end + 1 - text) != len) {
+        cm_err(errptr, rc, "%s: unexpected data after the checksum line", path);
+        goto out;
+    }
     if (strncmp(text, MANIFEST_TAG "\n", strlen(MANIFEST_TAG) + 1) != 0 || cl == NULL ||
         mf_u64(cl, "checksum", 16, &want) != 0 || cm_xxh3(text, (size_t)(cl - text)) != want) {
         cm_err(errptr, rc, "%s: not an ember embedding manifest or checksum mismatch", path);

@@ -5,7 +5,8 @@
  *    tables then train on identically (Adam's per-row t and state must have come back).
  *  - a snapshot over an existing one replaces it.
  *  - corruption (a flipped byte in rows.bin or MANIFEST, a truncated, extended or missing
- *    file) is refused with an error naming the file, and no table is returned.
+ *    file, or anything after the MANIFEST checksum line) is refused with an error naming the
+ *    file, and no table is returned.
  *  - a model-config mismatch is refused naming the field.
  */
 #include <dirent.h>
@@ -85,7 +86,7 @@ static void copy_dir(const char *src, const char *dst)
     closedir(d);
 }
 
-typedef enum { FLIP, TRUNCATE, EXTEND, REMOVE } damage;
+typedef enum { FLIP, TRUNCATE, EXTEND, REMOVE, APPEND } damage;
 
 /* Damages one file of a copy of the snapshot and checks that restore refuses it by name. */
 static void corrupt_case(const char *snap, const emb_table_config *cfg, const char *file,
@@ -116,9 +117,18 @@ static void corrupt_case(const char *snap, const emb_table_config *cfg, const ch
         break;
     }
     case REMOVE: CHECK(unlink(p) == 0); break;
+    case APPEND: { /* `echo garbage >> file` */
+        static const char line[] = "garbage\n";
+        uint8_t *more = eu_xmalloc(len + sizeof line - 1);
+        memcpy(more, buf, len);
+        memcpy(more + len, line, sizeof line - 1);
+        CHECK_OK(cm_write_file_atomic(p, more, len + sizeof line - 1, &err), err);
+        free(more);
+        break;
+    }
     }
     free(buf);
-    static const char *const names[] = {"flip", "truncate", "extend", "remove"};
+    static const char *const names[] = {"flip", "truncate", "extend", "remove", "append"};
     emb_table *t = NULL;
     int rc = emb_table_restore(dst, cfg, &t, &err);
     CHECK_MSG(rc < 0 && t == NULL && eu_has(err, file),
@@ -237,6 +247,8 @@ int main(void)
     corrupt_case(snap, &model, "rows.bin", TRUNCATE, 0.0); /* empty */
     corrupt_case(snap, &model, "rows.bin", EXTEND, 0);
     corrupt_case(snap, &model, "MANIFEST", TRUNCATE, 0.5);
+    corrupt_case(snap, &model, "MANIFEST", EXTEND, 0); /* a NUL byte after the checksum line */
+    corrupt_case(snap, &model, "MANIFEST", APPEND, 0); /* a whole line after it */
     corrupt_case(snap, &model, "rows.bin", REMOVE, 0);
     corrupt_case(snap, &model, "MANIFEST", REMOVE, 0);
 
