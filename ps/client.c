@@ -1541,7 +1541,11 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
         t->elided += ss.elided;
         t->elided_misses += ss.elided_misses;
         t->keylist_bytes += ss.keylist_bytes;
-        if (s == 0) {
+        t->duplicates += ss.duplicates;
+        t->replicated += ss.replicated;
+        t->replica_dropped += ss.replica_dropped;
+        t->promoted += ss.promoted;
+        if (s == 0) { /* clocks and barriers are shard 0's alone */
             t->clocks_min = ss.clocks_min;
             t->clocks_max = ss.clocks_max;
             t->staleness_max = ss.staleness_max;
@@ -1550,10 +1554,15 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
             emb_table_stats ts;
             memcpy(&ts, p + sizeof ss + i * sizeof ts, sizeof ts);
             emb_table_stats *o = &out->table_total[i];
+            uint64_t step = s == 0 || ts.step > o->step ? ts.step : o->step;
             uint64_t *dst = (uint64_t *)o;
             const uint64_t *src = (const uint64_t *)&ts;
             for (size_t k = 0; k < sizeof ts / sizeof(uint64_t); k++)
                 dst[k] += src[k];
+            /* Counts and bytes add up over shards (bytes_budget: the table's whole budget);
+             * a row's size is every shard's, and the step is the furthest shard's. */
+            o->row_bytes = ts.row_bytes;
+            o->step = step;
         }
         nng_msg_free(reply);
     }

@@ -296,8 +296,11 @@ typedef struct ps_client_stats {
     uint64_t push_bytes;                /* bytes of PUSH requests sent, resends included */
     uint64_t pushes_elided;             /* per-shard pushes sent naming a pull's key list */
     uint64_t push_fallbacks;            /* ... sent again with keys (PS_STATUS_NO_KEYS) */
-    ps_server_stats shard_total;        /* summed over shards by ps_client_stats_get */
-    emb_table_stats table_total[PS_MAX_TABLES];
+    ps_server_stats shard_total;        /* counters summed over shards; clocks and
+                                           staleness shard 0's, which serves them */
+    emb_table_stats table_total[PS_MAX_TABLES]; /* counts and bytes summed over shards
+                                                   (bytes_budget: the table's whole budget);
+                                                   row_bytes one row's, step the highest */
 } ps_client_stats;
 /* Local counters plus every shard's STATS reply. */
 int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr);

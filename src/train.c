@@ -1248,7 +1248,22 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
     if (rc != CM_OK) return rc;
     const ds_schema *sch = ds_reader_schema(r);
     model_cfg_preset(&S->m, o->model.kind, sch->n_fields, sch->n_dense);
+    uint32_t n_fields = sch->n_fields, n_dense = sch->n_dense;
     ds_reader_destroy(r);
+    /* The eval shards are checked before training, not found wanting after it. */
+    if (o->eval_path != NULL) {
+        rc = reader_open(S, o->eval_path, 0, 1, 1, 0, &r, errptr);
+        if (rc != CM_OK) return rc;
+        sch = ds_reader_schema(r);
+        if (sch->n_fields != n_fields || sch->n_dense != n_dense)
+            rc = cm_err(errptr, CM_EINVAL,
+                        "eval shards %s have %u fields and %u dense values; the training shards "
+                        "%s have %u and %u",
+                        o->eval_path, sch->n_fields, sch->n_dense, o->train_path, n_fields,
+                        n_dense);
+        ds_reader_destroy(r);
+        if (rc != CM_OK) return rc;
+    }
     if (o->hidden_override) {
         S->m.n_hidden = o->model.n_hidden;
         memcpy(S->m.hidden, o->model.hidden, sizeof S->m.hidden);

@@ -6,6 +6,8 @@
  * gradients go non-finite (huge --dense-lr): it stops with a non-finite error and non-zero exit,
  * and the checkpoints an earlier run left in the same directory are untouched.
  */
+#include <unistd.h>
+
 #include "cli_util.h"
 
 /* A small file in the test directory. */
@@ -74,8 +76,14 @@ int main(void)
 
     /* Schemas that do not match: criteo training shards, avazu eval shards. */
     rc = run("train --train ds/train --eval av/eval --model lr --max-steps 2 --out r2 --no-progress");
-    CHECK_MSG(rc == 1 && err_has("fields") && err_has("23") && err_has("26"),
+    CHECK_MSG(rc == 1 && err_has("fields") && err_has("23") && err_has("26") && err_has("av/eval"),
               "criteo train / avazu eval: exit %d", rc);
+    /* Found before training: no checkpoint was written. */
+    char ck[8192];
+    snprintf(ck, sizeof ck, "%s/r2/ckpt/LATEST", dir);
+    CHECK_MSG(access(ck, F_OK) != 0, "a bad --eval was found only after training (%s)", ck);
+    snprintf(ck, sizeof ck, "%s/r1/ckpt/LATEST", dir);
+    CHECK_MSG(access(ck, F_OK) != 0, "a missing --eval was found only after training (%s)", ck);
     rc = run("train --train av/train --eval ds/eval --model mlp --max-steps 2 --out r2b --no-progress");
     CHECK_MSG(rc == 1 && err_has("fields"), "avazu train / criteo eval: exit %d", rc);
     rc = run("train --train av/train --model dlrm --out r3 --no-progress");
