@@ -1256,11 +1256,11 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         if (rc != CM_OK) return rc;
         sch = ds_reader_schema(r);
         if (sch->n_fields != n_fields || sch->n_dense != n_dense)
-            rc = cm_err(errptr, CM_EINVAL,
-                        "eval shards %s have %u fields and %u dense values; the training shards "
-                        "%s have %u and %u",
-                        o->eval_path, sch->n_fields, sch->n_dense, o->train_path, n_fields,
-                        n_dense);
+            rc =
+                cm_err(errptr, CM_EINVAL,
+                       "eval shards %s have %u fields and %u dense values; the training shards "
+                       "%s have %u and %u",
+                       o->eval_path, sch->n_fields, sch->n_dense, o->train_path, n_fields, n_dense);
         ds_reader_destroy(r);
         if (rc != CM_OK) return rc;
     }

@@ -300,6 +300,135 @@ static void test_other_ops(void)
     expect_error("clock of unknown worker", m.buf, PS_HDR_BYTES, "known workers", 0);
 }
 
+/* One status, without the liveness pull of expect_error (that one is for the main server). */
+static int status_of(const msg *m, const char *name, char *text, size_t textn)
+{
+    int st = call(m->buf, m->len, text, textn, NULL);
+    (void)name;
+    return st;
+}
+
+/* A server with max_message = 4096 and a client-like socket whose receive limit is the same.
+ * (a) A pull whose reply is the header plus rows must fit max_message: rows that fill it
+ * exactly, without the header, make a reply the client drops (and resends forever); the server
+ * must refuse such a pull with an error naming the sizes. (b) A malformed push (or dense push)
+ * that reuses the request id of one already applied is answered as malformed, counted bad, and
+ * does not disturb the de-duplication of the genuine resend. */
+static void test_limits_and_resends(const char *dir)
+{
+    static const char small[] = "[cluster]\nshards = 1\nworkers = 1\nmax_message = 4096\n"
+                                "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\n"
+                                "init_scale = 0.1\n"
+                                "[dense d]\nsize = 8\noptimizer = sgd\n";
+    static ps_config cfg2;
+    pt_config(dir, "small.conf", small, &cfg2);
+    const char *url = pt_ipc(dir, "small");
+    ps_server *s2 = pt_server(&cfg2, url, 0);
+    const nng_socket main_raw = raw;
+    CHECK(nng_req0_open(&raw) == 0);
+    nng_socket_set_size(raw, NNG_OPT_RECVMAXSZ, 4096);  /* as ps/client.c sets it */
+    nng_socket_set_ms(raw, NNG_OPT_RECVTIMEO, 3000);    /* a dropped reply: fail, not hang */
+    nng_socket_set_ms(raw, NNG_OPT_SENDTIMEO, 3000);
+    CHECK(nng_dial(raw, url, NULL, 0) == 0);
+    uint64_t bad = 0, dups = 0;
+    char text[512];
+    size_t plen = 0;
+    msg m;
+
+    /* (a) 256 rows of 16 bytes are exactly 4096: with the header, 4152 bytes. */
+    uint64_t keys[256];
+    pt_keys_of_shard(0, 1, 1, keys, 256);
+    build_rows(&m, PS_OP_PULL, 0, keys, 256, PS_CODEC_F32, NULL, 0);
+    int st = call(m.buf, m.len, text, sizeof text, NULL);
+    CHECK_MSG(st < 0 && strstr(text, "4152") && strstr(text, "4096"),
+              "pull filling max_message: status %d '%s'", st, text);
+    bad++;
+    build_rows(&m, PS_OP_PULL, 0, keys, 253, PS_CODEC_F32, NULL, 0); /* 4104 bytes */
+    st = call(m.buf, m.len, text, sizeof text, NULL);
+    CHECK_MSG(st < 0 && strstr(text, "4104"), "pull of 253 rows: status %d '%s'", st, text);
+    bad++;
+    build_rows(&m, PS_OP_PULL, 0, keys, 252, PS_CODEC_F32, NULL, 0); /* 4088 bytes: fits */
+    st = call(m.buf, m.len, text, sizeof text, &plen);
+    CHECK_MSG(st == 0 && plen == 252 * DIM * 4, "pull of 252 rows: status %d '%s'", st, text);
+
+    /* (b) A push applied as request 42, then malformed messages reusing that id. */
+    float rows[4 * DIM];
+    for (uint32_t i = 0; i < 4 * DIM; i++)
+        rows[i] = 0.5f;
+    build_rows(&m, PS_OP_PUSH, 0, keys, 4, PS_CODEC_F32, rows, sizeof rows);
+    const msg good = m;
+    st = call(m.buf, m.len, text, sizeof text, NULL);
+    CHECK_MSG(st == 0, "push 42: status %d '%s'", st, text);
+    rows[1] = NAN;
+    build_rows(&m, PS_OP_PUSH, 0, keys, 4, PS_CODEC_F32, rows, sizeof rows);
+    st = status_of(&m, "dup NaN", text, sizeof text);
+    CHECK_MSG(st < 0 && strstr(text, "non-finite"), "NaN push reusing id 42: status %d '%s'",
+              st, text);
+    bad++;
+    rows[1] = 0.5f;
+    build_rows(&m, PS_OP_PUSH, 0, keys, 4, PS_CODEC_F32, rows, sizeof rows - 4);
+    st = status_of(&m, "dup short", text, sizeof text);
+    CHECK_MSG(st < 0 && strstr(text, "does not match"),
+              "short push reusing id 42: status %d '%s'", st, text);
+    bad++;
+    build_rows(&m, PS_OP_PUSH, 0, keys, 4, 9, rows, sizeof rows);
+    st = status_of(&m, "dup codec", text, sizeof text);
+    CHECK_MSG(st < 0 && strstr(text, "unknown codec"),
+              "bad-codec push reusing id 42: status %d '%s'", st, text);
+    bad++;
+    build_rows(&m, PS_OP_PUSH, 7, keys, 4, PS_CODEC_F32, rows, sizeof rows);
+    st = status_of(&m, "dup table", text, sizeof text);
+    CHECK_MSG(st < 0 && strstr(text, "no table 7"),
+              "wrong-table push reusing id 42: status %d '%s'", st, text);
+    bad++;
+    rows[5] = INFINITY;
+    build_elided(&m, 4242, ps_keys_sum(keys, 4), 4, rows, sizeof rows);
+    st = status_of(&m, "dup elided inf", text, sizeof text);
+    CHECK_MSG(st < 0 && strstr(text, "non-finite"),
+              "elided inf push reusing id 42: status %d '%s'", st, text);
+    bad++;
+    rows[5] = 0.5f;
+    /* The genuine resends are still recognised (the malformed ones did not forget id 42). */
+    st = call(good.buf, good.len, text, sizeof text, NULL);
+    CHECK_MSG(st == 0, "resend of push 42: status %d '%s'", st, text);
+    dups++;
+    build_elided(&m, 4242, ps_keys_sum(keys, 4), 4, rows, sizeof rows);
+    st = call(m.buf, m.len, text, sizeof text, NULL);
+    CHECK_MSG(st == 0, "elided resend of push 42 (key list unknown): status %d '%s'", st, text);
+    dups++;
+
+    /* The same for a dense push. */
+    float ones[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, ones, sizeof ones);
+    const msg dgood = m;
+    CHECK(call(m.buf, m.len, text, sizeof text, NULL) == 0);
+    ones[3] = NAN;
+    build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, ones, sizeof ones);
+    st = status_of(&m, "dense dup NaN", text, sizeof text);
+    CHECK_MSG(st < 0 && strstr(text, "non-finite"),
+              "NaN dense push reusing id 42: status %d '%s'", st, text);
+    bad++;
+    build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, ones, sizeof ones - 4);
+    st = status_of(&m, "dense dup size", text, sizeof text);
+    CHECK_MSG(st < 0 && strstr(text, "expected 32"),
+              "short dense push reusing id 42: status %d '%s'", st, text);
+    bad++;
+    CHECK(call(dgood.buf, dgood.len, text, sizeof text, NULL) == 0);
+    dups++;
+
+    ps_server_stats ss;
+    ps_server_stats_get(s2, &ss);
+    CHECK_MSG(ss.bad_messages == bad, "small server: bad_messages %llu, expected %llu",
+              (unsigned long long)ss.bad_messages, (unsigned long long)bad);
+    CHECK_MSG(ss.duplicates == dups && ss.rows_pushed == 4,
+              "small server: duplicates %llu (want %llu), rows_pushed %llu (want 4)",
+              (unsigned long long)ss.duplicates, (unsigned long long)dups,
+              (unsigned long long)ss.rows_pushed);
+    nng_close(raw);
+    raw = main_raw;
+    ps_server_destroy(s2);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -331,6 +460,7 @@ int main(void)
     test_rows();
     test_elided();
     test_other_ops();
+    test_limits_and_resends(dir);
 
     nng_msg_alloc(&req, m.len);
     memcpy(nng_msg_body(req), m.buf, m.len);

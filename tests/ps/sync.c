@@ -179,8 +179,8 @@ int main(void)
     CHECK(st.shard_total.bad_messages == 0 && st.shard_total.errors == 0);
     /* Over the two shards: a row's size is one row's, the step the furthest shard's (every
      * push step reaches both shards here), not their sums. */
-    CHECK_MSG(st.table_total[0].row_bytes == emb_row_bytes(&cfg.tables[0].cfg),
-              "row_bytes %llu", (unsigned long long)st.table_total[0].row_bytes);
+    CHECK_MSG(st.table_total[0].row_bytes == emb_row_bytes(&cfg.tables[0].cfg), "row_bytes %llu",
+              (unsigned long long)st.table_total[0].row_bytes);
     CHECK_MSG(st.table_total[0].step > 0 && st.table_total[0].step <= (uint64_t)STEPS * WORKERS,
               "step %llu", (unsigned long long)st.table_total[0].step);
     /* SHUTDOWN: both processes exit 0 on their own. */
