@@ -131,6 +131,21 @@ static nng_msg *reply_ok(const ps_hdr *req, size_t payload, uint8_t **p)
     return m;
 }
 
+/* NULL when a reply of `payload` bytes plus the wire header fits max_message (the clients'
+ * receive limit: a reply over it is dropped there, and the request resent forever); otherwise
+ * the error reply, naming the sizes. */
+static nng_msg *reply_too_big(struct ps_server *s, const ps_hdr *h, double payload,
+                              const char *what)
+{
+    char msg[256];
+    if (payload + PS_HDR_BYTES <= (double)s->cfg.max_msg_bytes) return NULL;
+    snprintf(msg, sizeof msg,
+             "%s of %.0f bytes (%u header + %.0f payload) exceeds max_message of %" PRIu64
+             " bytes",
+             what, payload + PS_HDR_BYTES, PS_HDR_BYTES, payload, s->cfg.max_msg_bytes);
+    return reply_error(s, h, CM_EINVAL, msg);
+}
+
 /* ---- clocks and barriers (shard 0) ---- */
 
 /* A worker silent for longer than worker_timeout_ms no longer holds back clocks and barriers
@@ -288,9 +303,11 @@ static int check_keys_owned(struct ps_server *s, const uint64_t *keys, size_t n,
 
 /* Resolves the keys of an elided push from the key list of the pull it names. NULL when found;
  * otherwise the error reply: PS_STATUS_NO_KEYS when the list is not held (a normal event: the
- * client resends with keys), a malformed-message error when it is held but does not match. */
+ * client resends with keys), a malformed-message error when it is held but does not match.
+ * When the list is not held but the push was applied before (dup not NULL: a resend of an
+ * update), *dup is set and the reply is its acknowledgement. */
 static nng_msg *elided_keys(struct ps_server *s, const ps_hdr *h, const uint8_t *p, uint64_t *keys,
-                            uint64_t *hints)
+                            uint64_t *hints, bool *dup)
 {
     char msg[200];
     uint64_t pull_id, sum;
@@ -303,6 +320,14 @@ static nng_msg *elided_keys(struct ps_server *s, const ps_hdr *h, const uint8_t 
         STAT_ADD(s, elided, 1);
         return NULL;
     case PS_KC_UNKNOWN:
+        if (dup != NULL) {
+            if (ps_dedup_check_add(s->dedup, h->worker, h->req_id)) {
+                STAT_ADD(s, duplicates, 1);
+                *dup = true;
+                return reply_ok(h, 0, NULL);
+            }
+            ps_dedup_remove(s->dedup, h->worker, h->req_id); /* not applied: only checked */
+        }
         STAT_ADD(s, elided_misses, 1);
         snprintf(msg, sizeof msg, "no key list of pull %" PRIu64 " by worker %u for table %u",
                  pull_id, h->worker, h->table);
@@ -324,9 +349,12 @@ static nng_msg *elided_keys(struct ps_server *s, const ps_hdr *h, const uint8_t 
  * rows; or, with PS_FLAG_ELIDED, u64 pull request id, u64 key checksum, rows. Everything is
  * validated before the table is touched. A successful pull's keys are kept for the pushes that
  * name it. When `with_keys` is not NULL and an elided push was applied, *with_keys gets the same
- * push with its keys (sealed): what a backup, which never saw the pull, can apply. */
+ * push with its keys (sealed): what a backup, which never saw the pull, can apply. `dup` (PUSH
+ * only; NULL for no de-duplication): a valid push whose request id was applied before is
+ * acknowledged without being applied again, and *dup set; the id is looked up only once the
+ * push has passed every check, so a malformed resend is still answered as malformed. */
 static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t *p,
-                            nng_msg **with_keys)
+                            nng_msg **with_keys, bool *dup)
 {
     char msg[256];
     char *err = NULL;
@@ -348,10 +376,18 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
     }
     const size_t row_bytes = ps_codec_row_bytes((ps_codec)h->codec, dim);
     /* Every key takes at least one byte, so count is bounded by what arrived. */
-    if (n == 0 || n > h->payload_len || (double)n * row_bytes > (double)s->cfg.max_msg_bytes) {
-        snprintf(msg, sizeof msg, "count %zu is zero or does not fit the message", n);
+    if (n == 0 || n > h->payload_len) {
+        snprintf(msg, sizeof msg, "count %zu is zero or exceeds the %" PRIu64 "-byte payload", n,
+                 h->payload_len);
         STAT_ADD(s, bad_messages, 1);
         return reply_error(s, h, CM_EINVAL, msg);
+    }
+    /* A pull's reply is the header and the rows; a push carries at least as much, so the same
+     * bound holds for it (it arrived within max_message). */
+    if ((reply = reply_too_big(s, h, (double)n * row_bytes,
+                               h->op == PS_OP_PULL ? "pull reply" : "push")) != NULL) {
+        STAT_ADD(s, bad_messages, 1);
+        return reply;
     }
     size_t key_bytes = h->payload_len;
     const bool elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
@@ -386,12 +422,15 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         reply = reply_error(s, h, CM_ENOMEM, "server out of memory");
         goto out;
     }
-    if (elided && (reply = elided_keys(s, h, p, keys, hints)) != NULL) goto out;
-    rc = elided ? CM_OK : ps_keys_decode(p, key_bytes, n, keys, &err);
+    /* A push's rows are checked before its keys are resolved: a resent elided push whose key
+     * list is gone is acknowledged by elided_keys, and must have been checked by then. */
     const float *grads = in_place ? (const float *)(const void *)rows_at : vals;
-    if (rc == CM_OK && h->op == PS_OP_PUSH)
+    if (h->op == PS_OP_PUSH)
         rc = in_place ? ps_f32_check(grads, n * dim, dim, &err)
                       : ps_codec_decode((ps_codec)h->codec, rows_at, n, dim, vals, &err);
+    if (rc == CM_OK && elided && (reply = elided_keys(s, h, p, keys, hints, dup)) != NULL)
+        goto out;
+    if (rc == CM_OK && !elided) rc = ps_keys_decode(p, key_bytes, n, keys, &err);
     if (rc != CM_OK) {
         STAT_ADD(s, bad_messages, 1);
         reply = reply_error(s, h, rc, err);
@@ -401,6 +440,14 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
     if (!elided && check_keys_owned(s, keys, n, msg, sizeof msg) != CM_OK) {
         STAT_ADD(s, bad_messages, 1);
         reply = reply_error(s, h, CM_EINVAL, msg);
+        goto out;
+    }
+    /* Valid: only now is the request id consulted (a resend is acknowledged, not applied). */
+    const bool dedup = h->op == PS_OP_PUSH && dup != NULL;
+    if (dedup && ps_dedup_check_add(s->dedup, h->worker, h->req_id)) {
+        STAT_ADD(s, duplicates, 1);
+        *dup = true;
+        reply = reply_ok(h, 0, NULL);
         goto out;
     }
     pthread_rwlock_rdlock(&s->tables_lock);
@@ -427,6 +474,9 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
                    : emb_table_push(t, keys, n, grads, &err);
         if (rc == CM_OK) reply = reply_ok(h, 0, NULL);
         if (rc == CM_OK) STAT_ADD(s, rows_pushed, n);
+        /* Not applied (or not acknowledged): a resend must be tried again. */
+        if (dedup && (rc != CM_OK || reply == NULL))
+            ps_dedup_remove(s->dedup, h->worker, h->req_id);
     }
     pthread_rwlock_unlock(&s->tables_lock);
     if (rc != CM_OK) {
@@ -490,7 +540,9 @@ static nng_msg *dense_reply(const ps_hdr *h, ps_dense *d, size_t n, const float 
     return reply;
 }
 
-static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t *p)
+/* PULL_DENSE, PUSH_DENSE, INIT_DENSE. `dup` as for handle_rows (PUSH_DENSE only): the request
+ * id is looked up once the push has passed every check. */
+static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t *p, bool *dup)
 {
     char msg[160];
     if (h->table >= s->cfg.n_dense || s->dense[h->table] == NULL) {
@@ -506,6 +558,13 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
         return reply_error(s, h, CM_EINVAL, msg);
     }
     nng_msg *reply = NULL;
+    if (h->op == PS_OP_PULL_DENSE &&
+        (reply = reply_too_big(s, h,
+                               h->flags & PS_FLAG_STATE
+                                   ? (double)ps_dense_state_bytes(&s->cfg.dense[h->table])
+                                   : (double)n * sizeof(float),
+                               "dense pull reply")) != NULL)
+        return reply;
     pthread_rwlock_rdlock(&s->tables_lock);
     ps_dense *d = s->dense[h->table];
     if (h->op == PS_OP_PULL_DENSE && (h->flags & PS_FLAG_STATE)) {
@@ -516,6 +575,7 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
         uint8_t *out;
         if ((reply = reply_ok(h, n * sizeof(float), &out)) != NULL) ps_dense_pull(d, (float *)out);
     } else {
+        const bool dedup = h->op == PS_OP_PUSH_DENSE && dup != NULL;
         /* Read where the values lie in the request when aligned for floats (the body is, and
          * the header is 56 bytes), else from an aligned copy. */
         float *copy = NULL;
@@ -528,8 +588,14 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
         } else if (!finite) {
             STAT_ADD(s, bad_messages, 1);
             reply = reply_error(s, h, CM_EINVAL, "non-finite value in a dense push");
+        } else if (dedup && ps_dedup_check_add(s->dedup, h->worker, h->req_id)) {
+            /* A resend: acknowledged (read back: with the block as it is), not applied. */
+            STAT_ADD(s, duplicates, 1);
+            *dup = true;
+            reply = dense_reply(h, d, n, NULL);
         } else if (h->op == PS_OP_PUSH_DENSE) {
             reply = dense_reply(h, d, n, g);
+            if (dedup && reply == NULL) ps_dedup_remove(s->dedup, h->worker, h->req_id);
         } else {
             ps_hdr r = *h;
             r.flags = (uint8_t)ps_dense_init(d, g);
@@ -679,8 +745,10 @@ static nng_msg *handle_stats(struct ps_server *s, const ps_hdr *h)
 {
     uint8_t *p;
     size_t n = s->cfg.n_tables;
-    nng_msg *m = reply_ok(h, sizeof(ps_server_stats) + n * sizeof(emb_table_stats), &p);
-    if (m == NULL) return NULL;
+    const size_t bytes = sizeof(ps_server_stats) + n * sizeof(emb_table_stats);
+    nng_msg *m = reply_too_big(s, h, (double)bytes, "stats reply");
+    if (m != NULL) return m;
+    if ((m = reply_ok(h, bytes, &p)) == NULL) return NULL;
     ps_server_stats_get(s, (ps_server_stats *)(void *)p);
     pthread_rwlock_rdlock(&s->tables_lock);
     for (size_t i = 0; i < n; i++) {
@@ -757,39 +825,22 @@ static int16_t reply_status(nng_msg *m)
     return h.status;
 }
 
-/* The acknowledgement of a resent read-back (or digest) dense push: the block as it is. */
-static nng_msg *dup_read_back(struct ps_server *s, const ps_hdr *h)
-{
-    if (h->table >= s->cfg.n_dense || s->dense[h->table] == NULL)
-        return reply_error(s, h, CM_EINVAL, "no such dense block on this shard");
-    pthread_rwlock_rdlock(&s->tables_lock);
-    nng_msg *r = dense_reply(h, s->dense[h->table], (size_t)s->cfg.dense[h->table].size, NULL);
-    pthread_rwlock_unlock(&s->tables_lock);
-    return r;
-}
-
 /* Applies one update. A push seen before (a resend) is acknowledged without being applied
  * again; *dup tells. with_keys: see handle_rows. */
 static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t *p, bool *dup,
                              nng_msg **with_keys)
 {
     *dup = false;
-    if ((h->op == PS_OP_PUSH || h->op == PS_OP_PUSH_DENSE) &&
-        ps_dedup_check_add(s->dedup, h->worker, h->req_id)) {
-        STAT_ADD(s, duplicates, 1);
-        *dup = true;
-        if (h->op == PS_OP_PUSH_DENSE && (h->flags & (PS_FLAG_READ_BACK | PS_FLAG_DIGEST)))
-            return dup_read_back(s, h);
-        return reply_ok(h, 0, NULL);
-    }
+    /* Pushes are validated first and only then looked up among those applied (handle_rows,
+     * handle_dense), so a malformed resend is answered as malformed, not acknowledged. */
     nng_msg *r;
     switch (h->op) {
     case PS_OP_PUSH:
-        r = handle_rows(s, h, p, with_keys);
+        r = handle_rows(s, h, p, with_keys, dup);
         break;
     case PS_OP_PUSH_DENSE:
     case PS_OP_INIT_DENSE:
-        r = handle_dense(s, h, p);
+        r = handle_dense(s, h, p, dup);
         break;
     case PS_OP_LOAD:
         r = handle_save_load(s, h, p);
@@ -798,8 +849,6 @@ static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t
         r = reply_ok(h, 0, NULL);
         break; /* SHUTDOWN: the caller stops */
     }
-    if ((h->op == PS_OP_PUSH || h->op == PS_OP_PUSH_DENSE) && (r == NULL || reply_status(r) != 0))
-        ps_dedup_remove(s->dedup, h->worker, h->req_id);
     return r;
 }
 
@@ -1030,7 +1079,7 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
             *reply = handle_hello(s, &h, p);
             break;
         case PS_OP_PULL:
-            *reply = handle_rows(s, &h, p, NULL);
+            *reply = handle_rows(s, &h, p, NULL, NULL);
             break;
         case PS_OP_PUSH:
         case PS_OP_PUSH_DENSE:
@@ -1040,7 +1089,7 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
             parked = handle_update(s, c, &h, body, len, reply);
             break;
         case PS_OP_PULL_DENSE:
-            *reply = handle_dense(s, &h, p);
+            *reply = handle_dense(s, &h, p, NULL);
             break;
         case PS_OP_REPLICATE:
             *reply = handle_replicate(s, &h, p);
