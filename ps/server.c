@@ -140,8 +140,7 @@ static nng_msg *reply_too_big(struct ps_server *s, const ps_hdr *h, double paylo
     char msg[256];
     if (payload + PS_HDR_BYTES <= (double)s->cfg.max_msg_bytes) return NULL;
     snprintf(msg, sizeof msg,
-             "%s of %.0f bytes (%u header + %.0f payload) exceeds max_message of %" PRIu64
-             " bytes",
+             "%s of %.0f bytes (%u header + %.0f payload) exceeds max_message of %" PRIu64 " bytes",
              what, payload + PS_HDR_BYTES, PS_HDR_BYTES, payload, s->cfg.max_msg_bytes);
     return reply_error(s, h, CM_EINVAL, msg);
 }
@@ -428,8 +427,7 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
     if (h->op == PS_OP_PUSH)
         rc = in_place ? ps_f32_check(grads, n * dim, dim, &err)
                       : ps_codec_decode((ps_codec)h->codec, rows_at, n, dim, vals, &err);
-    if (rc == CM_OK && elided && (reply = elided_keys(s, h, p, keys, hints, dup)) != NULL)
-        goto out;
+    if (rc == CM_OK && elided && (reply = elided_keys(s, h, p, keys, hints, dup)) != NULL) goto out;
     if (rc == CM_OK && !elided) rc = ps_keys_decode(p, key_bytes, n, keys, &err);
     if (rc != CM_OK) {
         STAT_ADD(s, bad_messages, 1);

@@ -406,8 +406,8 @@ static void test_limits_and_resends(const char *dir)
     build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, ones, sizeof ones);
     set_req_id(&m, 43);
     st = call(m.buf, m.len, text, sizeof text, NULL);
-    CHECK_MSG(st < 0 && strstr(text, "non-finite"),
-              "NaN dense push reusing id 43: status %d '%s'", st, text);
+    CHECK_MSG(st < 0 && strstr(text, "non-finite"), "NaN dense push reusing id 43: status %d '%s'",
+              st, text);
     bad++;
     build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, ones, sizeof ones - 4);
     set_req_id(&m, 43);
