@@ -678,10 +678,17 @@ static int load_shard(struct ps_server *s, const char *dir, char **errptr)
     for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_tables; i++) {
         emb_table_config cfg = *emb_table_get_config(s->tables[i]);
         snprintf(path, sizeof path, "%s/table-%s", final, s->cfg.tables[i].name);
-        /* The live table owns its spill path: the restored one gets a sibling. */
+        /* The live table owns its spill path: the restored one gets the other of two
+         * siblings, the configured path and it with "+load" (a character no table name has,
+         * so no other table's path), so loads alternate between them instead of lengthening
+         * the name on every load. */
         char spill[2100];
         if (cfg.spill_path) {
-            snprintf(spill, sizeof spill, "%s.load", cfg.spill_path);
+            size_t n = strlen(cfg.spill_path);
+            if (n > 5 && strcmp(cfg.spill_path + n - 5, "+load") == 0)
+                snprintf(spill, sizeof spill, "%.*s", (int)(n - 5), cfg.spill_path);
+            else
+                snprintf(spill, sizeof spill, "%s+load", cfg.spill_path);
             cfg.spill_path = spill;
         }
         rc = emb_table_restore(path, &cfg, &tables[i], errptr);
