@@ -260,7 +260,9 @@ int ds_reader_open(const ds_reader_opts *opts, ds_reader **out, char **errptr)
     for (size_t i = 0; rc == CM_OK && i < opts->n_paths; i++) rc = collect(r, opts->paths[i], errptr);
     if (rc != CM_OK) goto out;
     if (r->n_paths == 0) {
-        rc = cm_err(errptr, CM_ENOTFOUND, "no shard files found");
+        rc = cm_err(errptr, CM_ENOTFOUND, "no shard files (*.shard) found in %s%s",
+                    opts->n_paths ? opts->paths[0] : "(no path given)",
+                    opts->n_paths > 1 ? " and the other paths given" : "");
         goto out;
     }
     qsort(r->paths, r->n_paths, sizeof *r->paths, cmp_str);

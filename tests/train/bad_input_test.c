@@ -6,6 +6,7 @@
  * gradients go non-finite (huge --dense-lr): it stops with a non-finite error and non-zero exit,
  * and the checkpoints an earlier run left in the same directory are untouched.
  */
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli_util.h"
@@ -69,6 +70,12 @@ int main(void)
     /* Missing training data. */
     rc = run("train --train no/such/dir --out r1 --no-progress");
     CHECK_MSG((rc == 1 || rc == 2) && err_has("no/such/dir"), "missing --train dir: exit %d", rc);
+    char empty[8192];
+    snprintf(empty, sizeof empty, "%s/empty-train", dir);
+    CHECK(mkdir(empty, 0755) == 0);
+    rc = run("train --train empty-train --out r1 --no-progress");
+    CHECK_MSG(rc == 1 && err_has("empty-train"), "empty --train dir: exit %d, stderr: %s", rc,
+              err_text);
     rc = run("train --out r1");
     CHECK_MSG(rc == 2 && err_has("--train"), "no --train: exit %d", rc);
     rc = run("train --train ds/train --eval no/such/eval --model lr --max-steps 2 --out r1 --no-progress");
