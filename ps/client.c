@@ -319,6 +319,18 @@ static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout
     s->op = h.op;
     memcpy(nng_msg_body(m), &h, sizeof h);
     ps_msg_seal(m);
+    if (nng_msg_len(m) > c->cfg.max_msg_bytes) {
+        /* The server's transport would drop it unanswered (and nng resend it until the
+         * timeout): refused here, naming the sizes. */
+        char *err = NULL;
+        cm_err(&err, CM_EINVAL,
+               "request to shard %u of %zu bytes exceeds max_message of %llu bytes (op %u): "
+               "send fewer keys a call or raise max_message",
+               s->shard, nng_msg_len(m), (unsigned long long)c->cfg.max_msg_bytes, (unsigned)h.op);
+        nng_msg_free(m);
+        slot_finish(s, CM_EINVAL, err);
+        return;
+    }
     __atomic_add_fetch(&c->st.bytes_sent, nng_msg_len(m), __ATOMIC_RELAXED);
     if (h.op == PS_OP_PUSH) __atomic_add_fetch(&c->st.push_bytes, nng_msg_len(m), __ATOMIC_RELAXED);
     nng_ctx_set_ms(s->ctx, NNG_OPT_REQ_RESENDTIME,

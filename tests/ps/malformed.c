@@ -426,6 +426,26 @@ static void test_limits_and_resends(const char *dir)
               "small server: duplicates %llu (want %llu), rows_pushed %llu (want 4)",
               (unsigned long long)ss.duplicates, (unsigned long long)dups,
               (unsigned long long)ss.rows_pushed);
+
+    /* (c) A client refuses a request over max_message before sending it (the server's
+     * transport would drop it unanswered and nng resend it until the timeout), names the
+     * limit, and carries on: a push of 400 rows is over 6 KB. */
+    ps_client *cl = pt_client(&cfg2, &url, 0, 3000);
+    static uint64_t many[400];
+    static float grads[400 * DIM];
+    pt_keys_of_shard(0, 1, 1, many, 400);
+    char *err = NULL;
+    int rc = ps_client_push(cl, 0, many, 400, grads, &err);
+    if (rc == CM_OK) rc = ps_client_flush(cl, &err);
+    CHECK_MSG(rc != CM_OK && err && strstr(err, "max_message"), "oversized push: rc %d '%s'", rc,
+              err ? err : "");
+    free(err), err = NULL;
+    float one[DIM];
+    CHECK_OK(ps_client_pull(cl, 0, many, 1, one, &err), err);
+    ps_client_destroy(cl);
+    ps_server_stats_get(s2, &ss);
+    CHECK(ss.bad_messages == bad); /* nothing reached the server */
+
     nng_close(raw);
     raw = main_raw;
     ps_server_destroy(s2);
