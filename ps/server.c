@@ -545,6 +545,7 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
     char msg[160];
     if (h->table >= s->cfg.n_dense || s->dense[h->table] == NULL) {
         snprintf(msg, sizeof msg, "dense block %u is not on shard %u", h->table, s->shard);
+        STAT_ADD(s, bad_messages, 1);
         return reply_error(s, h, CM_EINVAL, msg);
     }
     size_t n = (size_t)s->cfg.dense[h->table].size;
@@ -1073,8 +1074,13 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
         promote(s);
     if (h.worker < s->cfg.n_workers && h.op != PS_OP_REPLICATE)
         __atomic_store_n(&s->last_seen[h.worker], now_ms(), __ATOMIC_RELAXED);
-    if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER) &&
-        (s->shard != 0 || h.worker >= s->cfg.n_workers)) {
+    if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER || h.op == PS_OP_STATS ||
+         h.op == PS_OP_SHUTDOWN) &&
+        h.payload_len != 0) {
+        STAT_ADD(s, bad_messages, 1);
+        *reply = reply_error(s, &h, CM_EINVAL, "this op carries no payload");
+    } else if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER) &&
+               (s->shard != 0 || h.worker >= s->cfg.n_workers)) {
         *reply = reply_error(s, &h, CM_EINVAL,
                              "clocks and barriers are served by shard 0 for "
                              "known workers only");

@@ -270,7 +270,17 @@ static void test_other_ops(void)
     build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, dn, sizeof dn);
     expect_error("dense NaN", m.buf, m.len, "non-finite", 1);
     build(&m, PS_OP_PULL_DENSE, 5, 0, 0, NULL, 0);
-    expect_error("dense id", m.buf, m.len, "dense block 5", 0);
+    expect_error("dense id", m.buf, m.len, "dense block 5", 1);
+    /* Ops that carry no payload refuse one (and SHUTDOWN with junk does not stop the server). */
+    static const uint8_t junk[100] = {1, 2, 3};
+    build(&m, PS_OP_STATS, 0, 0, 0, junk, sizeof junk);
+    expect_error("stats payload", m.buf, m.len, "no payload", 1);
+    build(&m, PS_OP_CLOCK, 0, 0, 0, junk, sizeof junk);
+    expect_error("clock payload", m.buf, m.len, "no payload", 1);
+    build(&m, PS_OP_BARRIER, 0, 0, 0, junk, sizeof junk);
+    expect_error("barrier payload", m.buf, m.len, "no payload", 1);
+    build(&m, PS_OP_SHUTDOWN, 0, 0, 0, junk, sizeof junk);
+    expect_error("shutdown payload", m.buf, m.len, "no payload", 1);
     /* A read-back push and its resend: both replies carry the block after the one update. */
     float ones[8] = {1, 1, 1, 1, 1, 1, 1, 1};
     build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, ones, sizeof ones);
