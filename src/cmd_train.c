@@ -16,13 +16,14 @@ static void train_usage(FILE *to)
         "usage: ember train --train DIR [--eval DIR] [--model lr|mlp|dlrm|deepfm] [--out RUNDIR]\n"
         "                   [options]\n"
         "  --train DIR          training shards (ember ingest's train/)\n"
-        "  --eval DIR           held-out shards: AUC and logloss at the end\n"
+        "  --eval DIR           held-out shards: exact AUC and logloss at the end\n"
+        "  --eval-every N       ... and every N steps of worker 0 (metrics.jsonl, progress)\n"
         "  --model NAME         lr, mlp (default), dlrm, deepfm\n"
         "  --out RUNDIR         checkpoints, metrics.jsonl (default runs/train)\n"
         "  --config FILE        INI with [model] (kind, dim, hidden, bottom, seed, pool) and\n"
         "                       [train] (batch, epochs, emb_lr, dense_lr, emb_optimizer,\n"
-        "                       push_codec, memory, shuffle, staleness, checkpoint_every, tf32,\n"
-        "                       bf16, expected_rows, dense_mirror)\n"
+        "                       push_codec, memory, shuffle, staleness, checkpoint_every,\n"
+        "                       eval_every, tf32, bf16, expected_rows, dense_mirror)\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
         "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
         "                       fp32; EMBER_CUDA_TF32=1 too); cpu: ignored\n"
@@ -72,6 +73,7 @@ int cmd_train(int argc, char **argv)
         O_SHARDS,
         O_STALE,
         O_CKPT,
+        O_EVAL_EVERY,
         O_MAXSTEPS,
         O_RESUME,
         O_SEED,
@@ -111,6 +113,7 @@ int cmd_train(int argc, char **argv)
                                          {"shards", 1, 0, O_SHARDS},
                                          {"staleness", 1, 0, O_STALE},
                                          {"checkpoint-every", 1, 0, O_CKPT},
+                                         {"eval-every", 1, 0, O_EVAL_EVERY},
                                          {"max-steps", 1, 0, O_MAXSTEPS},
                                          {"resume", 0, 0, O_RESUME},
                                          {"seed", 1, 0, O_SEED},
@@ -200,6 +203,9 @@ int cmd_train(int argc, char **argv)
         }
         case O_CKPT:
             bad = parse_uint(optarg, UINT64_MAX, &o.ckpt_every);
+            break;
+        case O_EVAL_EVERY:
+            bad = parse_uint(optarg, UINT64_MAX, &o.eval_every);
             break;
         case O_MAXSTEPS:
             bad = parse_uint(optarg, UINT64_MAX, &o.max_steps);
@@ -331,13 +337,15 @@ int cmd_train(int argc, char **argv)
         snprintf(auc, sizeof auc, "%.6f", r.auc);
         snprintf(logloss, sizeof logloss, "%.6f", r.logloss);
     }
-    printf("{\"auc\":%s,\"logloss\":%s,\"samples_per_s\":%.1f,\"rows\":%" PRIu64
-           ",\"seconds\":%.3f,\"steps\":%" PRIu64 ",\"eval_rows\":%" PRIu64
-           ",\"train_loss\":%.6f,\"model\":\"%s\",\"workers\":%u,\"shards\":%u"
-           ",\"device\":\"%s\",\"cpu_kernels\":\"%s\",\"step_ms\":%.3f,\"wait_batch_ms\":%.3f"
-           ",\"wait_push_ms\":%.3f,\"dense_ms\":%.3f}\n",
-           auc, logloss, r.samples_per_s, r.rows, r.seconds, r.steps, r.eval_rows, r.train_loss,
-           model_kind_name(o.model.kind), r.workers, r.shards, r.device ? r.device : "cpu",
-           backend_cpu_kernels(), r.step_ms, r.wait_batch_ms, r.wait_push_ms, r.dense_ms);
+    printf(
+        "{\"auc\":%s,\"logloss\":%s,\"samples_per_s\":%.1f,\"rows\":%" PRIu64
+        ",\"seconds\":%.3f,\"steps\":%" PRIu64 ",\"eval_rows\":%" PRIu64
+        ",\"eval_seconds\":%.3f,\"train_loss\":%.6f,\"model\":\"%s\",\"workers\":%u,\"shards\":%u"
+        ",\"device\":\"%s\",\"cpu_kernels\":\"%s\",\"step_ms\":%.3f,\"wait_batch_ms\":%.3f"
+        ",\"wait_push_ms\":%.3f,\"dense_ms\":%.3f}\n",
+        auc, logloss, r.samples_per_s, r.rows, r.seconds, r.steps, r.eval_rows, r.eval_seconds,
+        r.train_loss, model_kind_name(o.model.kind), r.workers, r.shards,
+        r.device ? r.device : "cpu", backend_cpu_kernels(), r.step_ms, r.wait_batch_ms,
+        r.wait_push_ms, r.dense_ms);
     return 0;
 }

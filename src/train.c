@@ -96,6 +96,8 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
             o->staleness = (int32_t)x;
         } else if (!strcmp(k, "checkpoint_every"))
             bad = cm_parse_size(v, &o->ckpt_every);
+        else if (!strcmp(k, "eval_every"))
+            bad = cm_parse_size(v, &o->eval_every);
         else if (!strcmp(k, "worker_timeout"))
             bad = cm_parse_size(v, &u) || u > UINT32_MAX, o->worker_timeout_ms = (uint32_t)u;
         else if (!strcmp(k, "keep_checkpoints"))
@@ -138,6 +140,8 @@ typedef struct setup {
     uint64_t resume_step;
     FILE *metrics; /* worker 0 */
     double t0;
+    double t_eval;   /* worker 0's seconds in evaluate(), left out of the samples/s it logs */
+    double last_auc; /* worker 0's latest evaluation, NAN before the first */
 } setup;
 
 /* Whether the worker loop checkpoints once `steps` batches are done: every --checkpoint-every
@@ -146,6 +150,21 @@ static bool ckpt_after(const setup *S, uint64_t steps)
 {
     uint64_t every = S->o->ckpt_every;
     return every && steps % every == 0 && steps < S->min_steps;
+}
+
+/* Whether worker w evaluates once `steps` batches are done: worker 0, every --eval-every steps
+ * short of its end (the end always evaluates after the loop). */
+static bool eval_after(const setup *S, uint32_t w, uint64_t steps)
+{
+    uint64_t every = S->o->eval_every;
+    return w == 0 && every && steps % every == 0 && steps < S->steps_of[0];
+}
+
+/* Whether the model is read once `steps` batches are done (a checkpoint, an evaluation): the
+ * next batch's pull must not create its rows before that. */
+static bool cut_after(const setup *S, uint32_t w, uint64_t steps)
+{
+    return ckpt_after(S, steps) || eval_after(S, w, steps);
 }
 
 /* ---- batches in the model's layout ---- */
@@ -314,8 +333,9 @@ static int stage_send(stage *s, const setup *S, void *be, char **errptr)
  * stepping thread computes the dense gradients; t+1's dense tower is the reply to t's dense
  * push (ps_client_dense_push_pull: no second round trip; under a staleness bound it is pulled
  * after the clock instead). The PS applies the same updates in the same order either way, so
- * results are the same bits. Not on steps followed by a checkpoint (the cut must come before
- * t+1's pull creates rows) or with a staleness bound (t+1's pull must wait for the clock).
+ * results are the same bits. Not on steps followed by a checkpoint or an evaluation (the cut
+ * must come before t+1's pull creates rows) or with a staleness bound (t+1's pull must wait for the
+ * clock).
  */
 enum { JOB_NONE, JOB_HANDED, JOB_TAKEN, JOB_DONE };
 /* A stage's life: built, pulled, taken by the stepping thread, released. */
@@ -331,9 +351,10 @@ typedef struct prefetch {
     int state[N_STAGES];                  /* ST_* */
     int next_build, next_pull, next_take; /* ring positions */
     bool stop;
-    uint64_t left;            /* batches still to build: nothing is read past the schedule */
-    uint64_t built;           /* batches built (builder only) */
-    uint64_t first;           /* the worker's step of the first batch */
+    uint64_t left;  /* batches still to build: nothing is read past the schedule */
+    uint64_t built; /* batches built (builder only) */
+    uint64_t first; /* the worker's step of the first batch */
+    uint32_t worker;
     uint64_t pulled, granted; /* batches pulled; batches allowed to pull rows (fresh pulls) */
     uint64_t dense_granted;   /* batches allowed to pull the dense tower */
     /* The tower as the stepping thread's dense push read it back (ps_client_dense_push_pull):
@@ -341,7 +362,7 @@ typedef struct prefetch {
      * next stage pulls it (stale pulls, a staleness bound, no tower). */
     float *fresh;
     bool fresh_ok;
-    int job;                  /* JOB_*: the row push handed over by the stepping thread */
+    int job; /* JOB_*: the row push handed over by the stepping thread */
     const stage *job_stage;
     float *const *job_demb;
     int job_rc;
@@ -413,13 +434,13 @@ static int pf_pending(const prefetch *p)
 /* Whether the next batch's new keys (stage_order) may be pulled before the batch before it
  * is pushed: that push leaves their rows unchanged, and the batch before that is applied
  * (this client's pulls wait for its pushes in flight). Not under a staleness bound (the pull
- * waits for the clock) nor across a checkpoint (the cut comes before the batch's pull creates
- * rows). The puller pulls them before it takes that push, so the PS sees the same order on
- * every run. */
+ * waits for the clock) nor across a checkpoint or an evaluation (cut_after: the cut comes before
+ * the batch's pull creates rows). The puller pulls them before it takes that push, so the PS sees
+ * the same order on every run. */
 static bool early_pull_ok(const prefetch *p)
 {
     uint64_t step = p->first + p->pulled;
-    return p->S->o->staleness < 0 && !(step > p->first && ckpt_after(p->S, step));
+    return p->S->o->staleness < 0 && !(step > p->first && cut_after(p->S, p->worker, step));
 }
 
 /* Pulls stage s under the fresh-pull protocol (design note above), running a handed-over push
@@ -501,10 +522,11 @@ static void *puller_main(void *arg)
 static void prefetch_stop(prefetch *p);
 
 static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *c, void *be,
-                          uint64_t first, uint64_t left, char **errptr)
+                          uint32_t worker, uint64_t first, uint64_t left, char **errptr)
 {
     memset(p, 0, sizeof *p);
     p->first = first;
+    p->worker = worker;
     p->left = left;
     p->granted = p->dense_granted = S->o->stale_pull ? UINT64_MAX : 1;
     p->S = S;
@@ -681,8 +703,15 @@ int write_probs(const char *path, const float *p, uint64_t n, char **errptr)
     return rc;
 }
 
-static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, char **errptr)
+/* Exact AUC and logloss of the model as the PS holds it now over all the eval shards, with
+ * read-only pulls (nothing is created or marked touched, so training is not disturbed: a run
+ * with --eval-every is bit-for-bit the run without). `be` is a backend state no prefetch is
+ * pending on. Worker 0 only: the result goes to metrics.jsonl (tagged with the step) and
+ * S->last_auc, and with `final` the probabilities to eval_predictions.txt. */
+static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final, train_result *res,
+                    char **errptr)
 {
+    double t0 = cm_now();
     ds_reader *r = NULL;
     int rc = reader_open(S, S->o->eval_path, 0, 1, 1, 0, &r, errptr);
     if (rc != CM_OK) return rc;
@@ -692,6 +721,8 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
     memset(&s, 0, sizeof s);
     if (probs == NULL || labels == NULL)
         rc = cm_err(errptr, CM_ENOMEM, "out of memory for %" PRIu64 " eval rows", rows);
+    /* Every pushed update is applied before the first pull, so the cut is this step's. */
+    if (rc == CM_OK) rc = ps_client_flush(c, errptr);
     while (rc == CM_OK) {
         const ds_batch *b;
         int got = ds_reader_next(r, &b, errptr);
@@ -704,7 +735,8 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
             break;
         }
         rc = stage_build(&s, S, b, NULL, errptr);
-        if (rc == CM_OK) rc = stage_pull(&s, S, c, true, errptr);
+        if (rc == CM_OK) rc = stage_pull_rows(&s, S, c, true, errptr);
+        if (rc == CM_OK && n == 0) rc = stage_pull_dense(&s, S, c, errptr); /* once */
         model_batch mb;
         model_staging_view(&s.ms, &mb);
         mb.labels = NULL;
@@ -718,7 +750,7 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
         rc = cm_err(errptr, CM_EINVAL, "no eval rows in %s", S->o->eval_path);
     if (rc == CM_OK) rc = metrics_auc(probs, labels, n, &res->auc, errptr);
     if (rc == CM_OK) rc = metrics_logloss(probs, labels, n, &res->logloss, errptr);
-    if (rc == CM_OK) {
+    if (rc == CM_OK && final) {
         /* One probability per eval row, in reader order: what `ember predict` must reproduce. */
         char path[2300];
         snprintf(path, sizeof path, "%s/eval_predictions.txt", S->o->out_dir);
@@ -729,6 +761,18 @@ static int evaluate(const setup *S, ps_client *c, void *be, train_result *res, c
     free(probs);
     free(labels);
     ds_reader_destroy(r);
+    double t = cm_now() - t0;
+    S->t_eval += t;
+    if (rc == CM_OK) {
+        S->last_auc = res->auc;
+        if (S->metrics) {
+            fprintf(S->metrics,
+                    "{\"step\":%" PRIu64 ",\"seconds\":%.3f,\"auc\":%.6f,\"logloss\":%.6f"
+                    ",\"eval_rows\":%" PRIu64 ",\"eval_seconds\":%.3f,\"final\":%s}\n",
+                    step, cm_now() - S->t0, res->auc, res->logloss, n, t, final ? "true" : "false");
+            fflush(S->metrics);
+        }
+    }
     return rc;
 }
 
@@ -828,8 +872,7 @@ static int prune_checkpoints(const setup *S, uint32_t keep, char **errptr)
 
 /* Reads "<prefix><number>" from a small file; the whole text goes to *keep (the caller frees
  * it) where keep is not NULL, else it is freed. */
-static int read_tagged(const char *path, const char *fmt, uint64_t *out, char **keep,
-                       char **errptr)
+static int read_tagged(const char *path, const char *fmt, uint64_t *out, char **keep, char **errptr)
 {
     char *text = NULL;
     size_t len;
@@ -966,21 +1009,54 @@ typedef struct worker {
     int progress_fd;                /* cluster: progress/worker-<i>, else -1 */
     double loss_sum;
     double t_step, t_wait_batch, t_wait_push, t_dense; /* seconds (train_result's *_ms) */
-    train_result res; /* worker 0: eval */
+    train_result res;                                  /* worker 0: eval */
+    void *eval_be; /* worker 0 with --eval-every: the backend state evaluations step on */
 } worker;
 
+/* A backend state for worker batches (the run's device, batch and flags). */
+static int backend_open(const setup *S, void **be, char **errptr)
+{
+    const train_opts *o = S->o;
+    return S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024, o->threads,
+                         (o->tf32 ? BACKEND_TF32 : 0) | (o->bf16 ? BACKEND_BF16 : 0), be, errptr);
+}
+
+/* A periodic evaluation mid-run. It steps on a state of its own: the training state may have
+ * the next batches pending (backend_ops.prefetch), which a step without a ticket would drop. */
+static int evaluate_periodic(worker *W, ps_client *c, uint64_t step, char **errptr)
+{
+    int rc = W->eval_be ? CM_OK : backend_open(W->S, &W->eval_be, errptr);
+    train_result r = {0};
+    return rc == CM_OK ? evaluate(W->S, c, W->eval_be, step, false, &r, errptr) : rc;
+}
+
+/* Worker 0's progress: a bar on a terminal (redrawn in place), a log line otherwise, and a
+ * JSON line in metrics.jsonl. samples/s leaves out the time spent evaluating. */
 static void log_progress(const setup *S, uint64_t step, uint64_t samples, double loss, bool final)
 {
-    double el = cm_now() - S->t0, rate = el > 0 ? (double)samples / el : 0;
+    double el = cm_now() - S->t0, busy = el - S->t_eval,
+           rate = busy > 0 ? (double)samples / busy : 0;
     double eta =
         rate > 0 && S->max_steps > step ? (double)(S->max_steps - step) * S->o->batch / rate : 0;
+    char auc[32] = "";
+    if (!isnan(S->last_auc)) snprintf(auc, sizeof auc, "  auc %.4f", S->last_auc);
     bool tty = S->o->progress == 1 || (S->o->progress < 0 && isatty(2));
-    if (tty)
-        fprintf(stderr, "\r[%" PRIu64 "/%" PRIu64 "] %.0f samples/s  loss %.5f  ETA %.0fs   %s",
-                step, S->max_steps, rate, loss, eta, final ? "\n" : "");
-    else
-        fprintf(stderr, "step %" PRIu64 "/%" PRIu64 " samples/s %.0f loss %.5f eta %.0fs\n", step,
-                S->max_steps, rate, loss, eta);
+    if (tty) {
+        enum { WIDTH = 24 };
+        char bar[WIDTH + 1];
+        uint64_t filled = S->max_steps ? step * WIDTH / S->max_steps : WIDTH;
+        for (int i = 0; i < WIDTH; i++)
+            bar[i] = (uint64_t)i < filled ? '#' : '-';
+        bar[WIDTH] = '\0';
+        fprintf(stderr,
+                "\r[%s] %3.0f%%  %" PRIu64 "/%" PRIu64
+                "  %.0f samples/s  loss %.5f%s  ETA %.0fs  %s",
+                bar, S->max_steps ? 100.0 * (double)step / (double)S->max_steps : 100.0, step,
+                S->max_steps, rate, loss, auc, eta, final ? "\n" : "");
+    } else {
+        fprintf(stderr, "step %" PRIu64 "/%" PRIu64 " samples/s %.0f loss %.5f%s eta %.0fs\n", step,
+                S->max_steps, rate, loss, auc, eta);
+    }
     if (S->metrics) {
         fprintf(S->metrics,
                 "{\"step\":%" PRIu64 ",\"samples\":%" PRIu64
@@ -1013,7 +1089,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
     dparams = malloc(S->l.n_params * sizeof(float) + 1);
     if (probs == NULL || dparams == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     if (rc != CM_OK) goto out;
-    rc = prefetch_start(&pf, S, r, c, be, step, total > step ? total - step : 0, errptr);
+    rc = prefetch_start(&pf, S, r, c, be, w, step, total > step ? total - step : 0, errptr);
     if (rc != CM_OK) goto out;
     pf_started = true;
     uint32_t cap_u = 0;
@@ -1043,8 +1119,8 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         model_staging_view(&s->ms, &mb);
         mb.ticket = s->ticket;
         /* Hand the row push over early (prefetch's design note), except before a checkpoint
-         * or under a staleness bound. */
-        if (!o->stale_pull && o->staleness < 0 && !ckpt_after(S, step + 1)) {
+         * or an evaluation, or under a staleness bound. */
+        if (!o->stale_pull && o->staleness < 0 && !cut_after(S, w, step + 1)) {
             pf.job_stage = s;
             pf.job_demb = demb;
             mb.emb_ready = prefetch_emb_ready;
@@ -1064,8 +1140,8 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         W->t_wait_push += t0 - t1;
         if (rc == CM_OK && jrc != CM_OK) rc = cm_err(errptr, jrc, "%s", jerr);
         free(jerr);
-        if (rc == CM_OK && (!isfinite(loss) ||
-                            cm_f32_first_nonfinite(dparams, S->l.n_params) < S->l.n_params))
+        if (rc == CM_OK &&
+            (!isfinite(loss) || cm_f32_first_nonfinite(dparams, S->l.n_params) < S->l.n_params))
             rc = cm_err(errptr, CM_EINVAL,
                         "non-finite loss or gradient at step %" PRIu64 " (worker %u)", step, w);
         /* Stale pulls: push only once batch t+1 is pulled, so t+1 always sees the updates up
@@ -1105,7 +1181,9 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             rc = checkpoint(S, c, w, step, step, errptr);
             if (rc == CM_OK && o->stale_pull) rc = prefetch_refresh(&pf, errptr);
         }
-        prefetch_grant(&pf, handed, read_back); /* after any checkpoint: no pull races it */
+        /* An evaluation at the same cut: it sees exactly what a checkpoint here would hold. */
+        if (rc == CM_OK && eval_after(S, w, step)) rc = evaluate_periodic(W, c, step, errptr);
+        prefetch_grant(&pf, handed, read_back); /* after the cut: no pull races it */
         prefetch_release(&pf);
     }
     /* Synchronous mode: keep clocking until the slowest worker is through. */
@@ -1138,10 +1216,7 @@ static void *worker_main(void *arg)
                          .backup_urls = (const char *const *)S->backups,
                          .timeout_ms = o->ps_timeout_ms};
     int rc = ps_client_create(&co, &c, errptr);
-    if (rc == CM_OK)
-        rc = S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024, o->threads,
-                           (o->tf32 ? BACKEND_TF32 : 0) | (o->bf16 ? BACKEND_BF16 : 0), &be,
-                           errptr);
+    if (rc == CM_OK) rc = backend_open(S, &be, errptr);
     if (rc == CM_OK && W->index == 0 && S->l.n_params > 0) {
         float *p = malloc(S->l.n_params * sizeof(float));
         int assigned;
@@ -1177,11 +1252,13 @@ static void *worker_main(void *arg)
     if (rc == CM_OK) rc = worker_loop(W, c, be, errptr);
     /* The final checkpoint is named after the longest schedule, so every worker agrees. */
     if (rc == CM_OK) rc = checkpoint(S, c, W->index, S->max_steps, W->steps, errptr);
-    if (rc == CM_OK && W->index == 0 && o->eval_path) rc = evaluate(S, c, be, &W->res, errptr);
+    if (rc == CM_OK && W->index == 0 && o->eval_path)
+        rc = evaluate(S, c, be, W->steps, true, &W->res, errptr);
     /* Nobody leaves before worker 0's evaluation is done: then worker 0 may stop the PS. */
     if (rc == CM_OK) ps_client_barrier_seek(c, barrier_base(S->max_steps) + 7);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
     if (be) S->be->destroy(be);
+    if (W->eval_be) S->be->destroy(W->eval_be);
     if (c && rc != CM_OK) ps_client_flush(c, NULL);
     ps_client_destroy(c);
     if (W->progress_fd >= 0) close(W->progress_fd);
@@ -1250,6 +1327,8 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
     model_cfg_preset(&S->m, o->model.kind, sch->n_fields, sch->n_dense);
     uint32_t n_fields = sch->n_fields, n_dense = sch->n_dense;
     ds_reader_destroy(r);
+    if (o->eval_every && o->eval_path == NULL)
+        return cm_err(errptr, CM_EINVAL, "--eval-every needs --eval (the held-out shards)");
     /* The eval shards are checked before training, not found wanting after it. */
     if (o->eval_path != NULL) {
         rc = reader_open(S, o->eval_path, 0, 1, 1, 0, &r, errptr);
@@ -1408,6 +1487,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     if (rc != CM_OK) goto out;
     S.o = &oc;
     S.t0 = cm_now();
+    S.last_auc = NAN;
     bool run_ps = !o->cluster_path, run_workers = !o->cluster_path, is_backup = false;
     uint32_t first_w = 0, n_w = oc.workers, first_s = 0, n_s = oc.shards;
     if (o->cluster_path) {
@@ -1484,6 +1564,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             res->steps = workers[0].steps;
             res->samples_per_s = res->seconds > 0 ? (double)samples / res->seconds : 0;
             res->train_loss = samples ? loss / (double)samples : 0;
+            res->eval_seconds = S.t_eval;
             res->workers = oc.workers;
             res->shards = oc.shards;
             res->device = S.be->name;

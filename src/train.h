@@ -31,6 +31,15 @@
  * after the cut as a resumed run must, so resume is bitwise equal when both runs use the same
  * --checkpoint-every.)
  *
+ * Evaluation: worker 0 computes the exact AUC and logloss over all the eval shards at the end
+ * and, with --eval-every N, after every N of its steps, with read-only pulls (emb_table_lookup:
+ * nothing created or marked touched) on a backend state of its own. A periodic evaluation is
+ * taken at the same cut as a checkpoint (every push of the batches before it applied, the next
+ * batch not yet pulled), so it gives what a run stopped at that step would, and the run's bits
+ * are those of a run without it. Each evaluation appends a line with "auc" and "logloss" to
+ * metrics.jsonl ("final": true for the last); the progress line shows the latest AUC, and its
+ * samples/s leaves out the time spent evaluating.
+ *
  * Run directory (--out): ckpt/step-<N>/ (PS shards, model.txt, worker-<i>.pos: the batches
  * each worker had consumed), ckpt/LATEST (atomically replaced once a checkpoint is complete,
  * so a crashed save never replaces a good one), metrics.jsonl, eval_predictions.txt. Only the
@@ -68,6 +77,8 @@ typedef struct train_opts {
     uint32_t worker_timeout_ms; /* a silent worker stops holding back clocks and barriers */
     int32_t staleness;          /* -1 async */
     uint64_t ckpt_every, max_steps, shuffle_rows, seed, memory;
+    uint64_t eval_every; /* worker 0 evaluates every N of its steps (needs eval_path); 0: at the
+                            end only */
     uint32_t hidden_override, dim_override; /* 0 = preset */
     float emb_lr, dense_lr;
     emb_opt_kind emb_opt;
@@ -79,7 +90,6 @@ typedef struct train_opts {
     int tf32;         /* cuda: TF32 tensor-core GEMMs (BACKEND_TF32); the cpu ignores it */
     int bf16;         /* cpu: bf16 GEMMs on AMX tiles (BACKEND_BF16); cuda refuses it */
     int dense_mirror; /* 1 (default): a lone worker mirrors the tower (ps_client_dense_mirror) */
-    int eval_every;   /* steps, 0 = end only */
     /* Rows each embedding table is expected to reach over the whole job (all shards): the PS
      * tables are created that large (emb_table_config.reserve_rows) instead of doubling as rows
      * arrive. -1 (default): the ingest's distinct-key estimate from the stats.json next to the
@@ -94,6 +104,7 @@ int train_config_load(const char *path, train_opts *o, char **errptr);
 
 typedef struct train_result {
     double auc, logloss, seconds, samples_per_s, train_loss;
+    double eval_seconds; /* worker 0's time in evaluations, periodic and final (in seconds) */
     /* Worker 0's stepping thread, ms per step on average: in the backend's step, waiting for
      * the next batch to be pulled, waiting for the row push handed over at emb_ready, and in the
      * dense push after it (with the tower's read-back, or the mirror's update). Where a step's

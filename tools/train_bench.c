@@ -15,14 +15,15 @@
 #include "tools/train_bench.h"
 #include "tools/bench_util.h"
 
-void bench_last_line(const char *path, char *buf, size_t n)
+void bench_last_line(const char *path, const char *with, char *buf, size_t n)
 {
     buf[0] = '\0';
     FILE *f = fopen(path, "r");
     if (f == NULL) return;
     char line[8192];
     while (fgets(line, sizeof line, f))
-        if (line[0] != '\n' && line[0] != '\0') snprintf(buf, n, "%s", line);
+        if (line[0] != '\n' && line[0] != '\0' && (with == NULL || strstr(line, with)))
+            snprintf(buf, n, "%s", line);
     fclose(f);
 }
 
@@ -423,7 +424,7 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
         return;
     }
     char line[8192];
-    bench_last_line(so, line, sizeof line);
+    bench_last_line(so, NULL, line, sizeof line);
     er->auc = bench_json_num(line, "auc");
     er->logloss = bench_json_num(line, "logloss");
     er->samples_per_s = bench_json_num(line, "samples_per_s");
@@ -431,7 +432,7 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
     er->train_loss = bench_json_num(line, "train_loss");
     er->rows = (uint64_t)bench_json_num(line, "rows");
     er->eval_rows = (uint64_t)bench_json_num(line, "eval_rows");
-    bench_last_line(mj, line, sizeof line);
+    bench_last_line(mj, "\"samples_per_s\"", line, sizeof line); /* the loop's, not an eval's */
     er->loop_seconds = bench_json_num(line, "seconds");
     double samples = bench_json_num(line, "samples");
     er->loop_samples_per_s = er->loop_seconds > 0 ? samples / er->loop_seconds : NAN;
@@ -521,7 +522,7 @@ void bench_train_torch(const bench_train_opts *o, const bench_dataset *ds, uint3
             o->bf16 ? ", bf16 autocast" : "");
     int rc = bench_run_cmd((char *const *)argv, out, se);
     char line[8192];
-    bench_last_line(out, line, sizeof line);
+    bench_last_line(out, NULL, line, sizeof line);
     if (rc != 0 || !isfinite(bench_json_num(line, "auc"))) {
         snprintf(t->why, sizeof t->why, "failed (exit %d); see %s", rc, se);
         fprintf(stderr, "%s: PyTorch %s\n", name, t->why);

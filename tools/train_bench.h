@@ -93,8 +93,8 @@ typedef struct bench_torch_run {
 void bench_train_torch(const bench_train_opts *o, const bench_dataset *ds, uint32_t seed,
                        bench_torch_run *t);
 
-/* The last non-empty line of a file into buf ("" when none). */
-void bench_last_line(const char *path, char *buf, size_t n);
+/* The last non-empty line of a file that contains `with` (NULL: any) into buf ("" when none). */
+void bench_last_line(const char *path, const char *with, char *buf, size_t n);
 /* The number after "key": in a one-line JSON object; NAN when absent. */
 double bench_json_num(const char *line, const char *key);
 

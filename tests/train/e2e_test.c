@@ -7,10 +7,12 @@
  * (AUC mlp > lr); a one-worker run is deterministic (same AUC and logloss twice); so is an
  * mlp run with --bf16, within 0.01 AUC of fp32's (or, without AMX-BF16, it is refused).
  */
+#include <math.h>
+
 #include "cli_util.h"
 
-static void check_run(const char *model, const char *json, double rows_train, double rows_eval,
-                      unsigned batch)
+static void check_run(const char *model, const char *out, const char *json, double rows_train,
+                      double rows_eval, unsigned batch)
 {
     fprintf(stderr, "    %s\n", json);
     double auc = jnum(json, "auc"), ll = jnum(json, "logloss"), sps = jnum(json, "samples_per_s");
@@ -44,34 +46,49 @@ static void check_run(const char *model, const char *json, double rows_train, do
               "%s: step_ms %g wait_batch_ms %g wait_push_ms %g dense_ms %g over %g steps in %g s",
               model, step_ms, wb, wp, dn, steps, secs);
 
-    /* metrics.jsonl: one JSON object a line, the last at the final step. */
+    /* metrics.jsonl: one JSON object a line; the last training line at the final step, then
+     * the final evaluation with the printed AUC and logloss. */
     char path[256];
-    snprintf(path, sizeof path, "run-%s/metrics.jsonl", model);
+    snprintf(path, sizeof path, "%s/metrics.jsonl", out);
     char *m = slurp(path);
     CHECK_MSG(m != NULL && *m, "%s missing or empty", path);
     if (m) {
         size_t lines = 0;
-        const char *last = NULL;
+        const char *last = NULL, *eval = NULL;
         for (char *p = m; *p;) {
             char *nl = strchr(p, '\n');
             CHECK_MSG(nl != NULL, "%s: unterminated line", path);
             if (!nl) break;
             *nl = '\0';
-            CHECK_MSG(p[0] == '{' && nl[-1] == '}' && strstr(p, "\"step\":") && strstr(p, "\"loss\":"),
+            int is_eval = strstr(p, "\"auc\":") != NULL;
+            CHECK_MSG(p[0] == '{' && nl[-1] == '}' && strstr(p, "\"step\":") &&
+                          strstr(p, is_eval ? "\"logloss\":" : "\"loss\":"),
                       "%s: bad line %s", path, p);
-            last = p;
+            CHECK_MSG(!eval, "%s: a line after the final evaluation: %s", path, p);
+            if (is_eval)
+                eval = p;
+            else
+                last = p;
             lines++;
             p = nl + 1;
         }
-        CHECK(lines >= 1);
+        CHECK(lines >= 2);
         if (last) {
             CHECK_MSG(jnum(last, "step") == steps, "%s: last step %s", path, last);
             double loss = jnum(last, "loss");
             CHECK(loss > 0 && loss < 1);
         }
+        CHECK_MSG(eval != NULL && strstr(eval, "\"final\":true"), "%s: no final evaluation line",
+                  path);
+        if (eval) {
+            CHECK_MSG(jnum(eval, "step") == steps, "%s: final evaluation at %s", path, eval);
+            CHECK_MSG(fabs(jnum(eval, "auc") - jnum(json, "auc")) < 1e-6 &&
+                          fabs(jnum(eval, "logloss") - jnum(json, "logloss")) < 1e-6,
+                      "%s: final evaluation %s, printed %s", path, eval, json);
+        }
     }
     free(m);
-    snprintf(path, sizeof path, "run-%s/ckpt/LATEST", model);
+    snprintf(path, sizeof path, "%s/ckpt/LATEST", out);
     char *latest = slurp(path), wantl[64];
     snprintf(wantl, sizeof wantl, "step-%.0f\n", steps);
     CHECK_MSG(latest && strcmp(latest, wantl) == 0, "%s: %s", path, latest ? latest : "(missing)");
@@ -97,7 +114,9 @@ int main(void)
         if (rc != 0) continue;
         const char *json = last_line();
         if (i == 1) snprintf(json0, sizeof json0, "%s", json);
-        check_run(models[i], json, rows_train, rows_eval, batch);
+        char out[64];
+        snprintf(out, sizeof out, "run-%s", models[i]);
+        check_run(models[i], out, json, rows_train, rows_eval, batch);
         auc[i] = jnum(json, "auc");
     }
     fprintf(stderr, "AUC lr %.4f mlp %.4f dlrm %.4f deepfm %.4f\n", auc[0], auc[1], auc[2], auc[3]);
@@ -126,7 +145,9 @@ int main(void)
                      "--out run-mlp-bf16-%d --no-progress",
                      batch, k);
             CHECK_MSG(rc == 0, "train --bf16: exit %d", rc);
-            if (rc == 0) check_run("mlp", last_line(), rows_train, rows_eval, batch);
+            char out[64];
+            snprintf(out, sizeof out, "run-mlp-bf16-%d", k);
+            if (rc == 0) check_run("mlp", out, last_line(), rows_train, rows_eval, batch);
             b[k] = rc == 0 ? jnum(last_line(), "auc") : NAN;
         }
         fprintf(stderr, "AUC mlp --bf16 %.6f, %.6f (fp32 %.6f)\n", b[0], b[1], auc[1]);

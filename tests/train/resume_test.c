@@ -11,7 +11,7 @@
  * pushed, except across a checkpoint. A run checkpointing after every step (no early pulls)
  * must end with the same checkpoint, byte for byte, as one checkpointing only at its end.
  * Likewise a run with the tower mirrored in the worker (the default for one worker) and one
- * without (--no-dense-mirror).
+ * without (--no-dense-mirror), and one evaluating every few steps (--eval-every).
  */
 #include "cli_util.h"
 
@@ -90,6 +90,8 @@ static void resume_case(const char *model, unsigned batch, unsigned epochs, unsi
         int saw20 = 0, saw40 = 0;
         double prev = 0;
         for (char *s = m; (s = strstr(s, "{\"step\":")) != NULL; s++) {
+            const char *nl = strchr(s, '\n'), *auc = strstr(s, "\"auc\":");
+            if (auc && (!nl || auc < nl)) continue; /* an evaluation: the step it followed */
             double st = strtod(s + 8, NULL);
             CHECK_MSG(st > prev, "%s: step %g after %g", p, st, prev);
             prev = st;
@@ -166,6 +168,20 @@ static int same_bytes(const char *a, const char *b)
     return ok;
 }
 
+/* Runs ra and rb left the same bytes in `files` of each checkpoint every `every` steps up to
+ * `steps`; `what` names the difference between the runs. */
+static void same_ckpts(const char *ra, const char *rb, unsigned every, unsigned steps,
+                       const char *const *files, const char *what)
+{
+    for (unsigned step = every; step <= steps; step += every)
+        for (const char *const *f = files; *f; f++) {
+            char a[256], b[256];
+            snprintf(a, sizeof a, "%s/ckpt/step-%u/%s", ra, step, *f);
+            snprintf(b, sizeof b, "%s/ckpt/step-%u/%s", rb, step, *f);
+            CHECK_MSG(same_bytes(a, b), "%s changed %s", what, b);
+        }
+}
+
 static void early_pulls(const char *model, const char *const *files)
 {
     const unsigned steps = 12;
@@ -175,12 +191,11 @@ static void early_pulls(const char *model, const char *const *files)
                      model, steps, every_step ? 1 : steps, every_step, model);
         CHECK_MSG(rc == 0, "%s: run exit %d", model, rc);
     }
-    for (const char *const *f = files; *f; f++) {
-        char a[256], b[256];
-        snprintf(a, sizeof a, "E0-%s/ckpt/step-%u/%s", model, steps, *f);
-        snprintf(b, sizeof b, "E1-%s/ckpt/step-%u/%s", model, steps, *f);
-        CHECK_MSG(same_bytes(a, b), "%s: early pulls changed %s", model, *f);
-    }
+    char ra[64], rb[64], what[64];
+    snprintf(ra, sizeof ra, "E0-%s", model);
+    snprintf(rb, sizeof rb, "E1-%s", model);
+    snprintf(what, sizeof what, "%s: early pulls", model);
+    same_ckpts(ra, rb, steps, steps, files, what);
 }
 
 /* A lone worker mirrors the tower (ps_client_dense_mirror): applying the update to its own
@@ -199,13 +214,79 @@ static void dense_mirror(const char *model, const char *const *files)
     }
     same_field(line[0], line[1], "auc", model);
     same_field(line[0], line[1], "logloss", model);
-    for (unsigned step = 6; step <= steps; step += 6)
-        for (const char *const *f = files; *f; f++) {
-            char a[256], b[256];
-            snprintf(a, sizeof a, "M0-%s/ckpt/step-%u/%s", model, step, *f);
-            snprintf(b, sizeof b, "M1-%s/ckpt/step-%u/%s", model, step, *f);
-            CHECK_MSG(same_bytes(a, b), "%s: the dense mirror changed %s", model, a);
-        }
+    char ra[64], rb[64], what[64];
+    snprintf(ra, sizeof ra, "M0-%s", model);
+    snprintf(rb, sizeof rb, "M1-%s", model);
+    snprintf(what, sizeof what, "%s: the dense mirror", model);
+    same_ckpts(ra, rb, 6, steps, files, what);
+}
+
+/* The metrics.jsonl line of an evaluation at `step` (NULL when none): a pointer into m. */
+static const char *eval_line(const char *m, unsigned step)
+{
+    char pat[64];
+    snprintf(pat, sizeof pat, "{\"step\":%u,", step);
+    for (const char *s = m; s && (s = strstr(s, pat)) != NULL; s++) {
+        const char *nl = strchr(s, '\n'), *a = strstr(s, "\"auc\":");
+        if (a && (!nl || a < nl)) return s;
+    }
+    return NULL;
+}
+
+/* --eval-every: worker 0 evaluates every N steps with read-only pulls, so training is not
+ * disturbed (the checkpoints are the same bytes as M0-<model>'s, dense_mirror's run without
+ * it), and each evaluation is exact: the one at step 6 gives the AUC and logloss of a run that
+ * stops at step 6. metrics.jsonl gets an eval line for steps 4, 8 and the final 12, the final
+ * one's figures are the printed result's, and the progress lines show the AUC so far. */
+static void periodic_eval(const char *model, const char *const *files)
+{
+    const unsigned steps = 12;
+    const char *common = "--train ds/train --eval ds/eval --no-progress --batch 1024 "
+                         "--checkpoint-every 6";
+    int rc = run("train %s --model %s --max-steps %u --eval-every 4 --out V-%s", common, model,
+                 steps, model);
+    CHECK_MSG(rc == 0, "%s: run with --eval-every exit %d", model, rc);
+    char final[8192];
+    snprintf(final, sizeof final, "%s", last_line());
+    CHECK_MSG(err_has(" auc 0."), "%s: the progress lines show no AUC so far", model);
+    char ra[64], rb[64], what[64];
+    snprintf(ra, sizeof ra, "M0-%s", model);
+    snprintf(rb, sizeof rb, "V-%s", model);
+    snprintf(what, sizeof what, "%s: --eval-every", model);
+    same_ckpts(ra, rb, 6, steps, files, what);
+    char p[256];
+    snprintf(p, sizeof p, "V-%s/metrics.jsonl", model);
+    char *m = slurp(p);
+    CHECK_MSG(m != NULL, "%s missing", p);
+    const char *e4 = eval_line(m, 4), *e8 = eval_line(m, 8), *e12 = eval_line(m, 12);
+    CHECK_MSG(e4 && e8 && e12, "%s: no eval line at step 4, 8 or 12:\n%s", p, m ? m : "");
+    CHECK_MSG(!eval_line(m, 6), "%s: an eval line at step 6 without --eval-every 6", p);
+    if (e12) {
+        char line[512];
+        snprintf(line, sizeof line, "%.*s", (int)strcspn(e12, "\n"), e12);
+        same_field(final, line, "auc", model);
+        same_field(final, line, "logloss", model);
+        CHECK_MSG(strstr(line, "\"final\":true") != NULL, "%s: final eval line %s", p, line);
+    }
+    free(m);
+    /* Exact mid-run: the step-6 evaluation of a run with --eval-every 6 is a 6-step run's. */
+    rc = run("train %s --model %s --max-steps 6 --out V6-%s", common, model, model);
+    CHECK_MSG(rc == 0, "%s: 6-step run exit %d", model, rc);
+    snprintf(final, sizeof final, "%s", last_line());
+    rc = run("train %s --model %s --max-steps %u --eval-every 6 --out V12-%s", common, model, steps,
+             model);
+    CHECK_MSG(rc == 0, "%s: run with --eval-every 6 exit %d", model, rc);
+    snprintf(p, sizeof p, "V12-%s/metrics.jsonl", model);
+    m = slurp(p);
+    const char *e6 = m ? eval_line(m, 6) : NULL;
+    CHECK_MSG(e6 != NULL, "%s: no eval line at step 6", p);
+    if (e6) {
+        char line[512];
+        snprintf(line, sizeof line, "%.*s", (int)strcspn(e6, "\n"), e6);
+        same_field(final, line, "auc", model);
+        same_field(final, line, "logloss", model);
+    }
+    free(m);
 }
 
 /* A resume under the checkpoint's OpenBLAS kernels is silent; under others it says that the run
@@ -272,6 +353,8 @@ int main(void)
                                              "shard-0/table-emb/rows.bin", NULL};
     dense_mirror("mlp", one_table);
     dense_mirror("dlrm", dlrm_files);
+    periodic_eval("mlp", one_table);
+    periodic_eval("dlrm", dlrm_files);
     free(out_text);
     free(err_text);
     return check_done();
