@@ -29,6 +29,7 @@ enum {
     CM_ECORRUPT = -4,  /* data failed a magic, version, size or checksum check */
     CM_ENOMEM = -5,    /* allocation failed */
     CM_ENOTFOUND = -6, /* a named file or object does not exist */
+    CM_ECANCELED = -7, /* abandoned on request (ps_client_abort) */
 };
 
 /* Formats a message into *errptr (if errptr is non-NULL) and returns code. */

@@ -108,6 +108,7 @@ struct ps_client {
     pthread_cond_t mirror_cv;
     pthread_t sender;
     bool sender_running;
+    int aborted; /* ps_client_abort (atomic) */
 };
 
 typedef struct dense_mirror {
@@ -205,6 +206,13 @@ static void slot_finish(slot *s, int rc, char *err)
     free(err);
 }
 
+/* An operation started after ps_client_abort's sweep of the slots is cancelled here: the flag
+ * is set before the sweep, so every operation is either swept or sees it. */
+static void abort_recheck(slot *s)
+{
+    if (__atomic_load_n(&s->c->aborted, __ATOMIC_ACQUIRE)) nng_aio_cancel(s->aio);
+}
+
 static int reply_check(slot *s, nng_msg *m, char **errptr)
 {
     ps_hdr h;
@@ -244,6 +252,13 @@ static void slot_cb(void *arg)
     slot *s = arg;
     int rv = nng_aio_result(s->aio);
     char *err = NULL;
+    if (rv != 0 && __atomic_load_n(&s->c->aborted, __ATOMIC_ACQUIRE)) {
+        if (s->state == SL_SEND) nng_msg_free(ps_aio_msg_take(s->aio));
+        cm_err(&err, CM_ECANCELED, "request to shard %u abandoned: the client was aborted",
+               s->shard);
+        slot_finish(s, CM_ECANCELED, err);
+        return;
+    }
     if (rv != 0 && rv != NNG_ECLOSED && rv != NNG_ECANCELED && s->copy) {
         /* The primary failed this request (its connection reset, or it went silent): fail
          * over and send the request again, to the backup. A push the primary had applied is
@@ -256,6 +271,7 @@ static void slot_cb(void *arg)
         nng_aio_set_timeout(s->aio, s->timeout);
         nng_aio_set_msg(s->aio, m);
         nng_ctx_send(s->ctx, s->aio);
+        abort_recheck(s);
         return;
     }
     if (s->state == SL_SEND) {
@@ -268,6 +284,7 @@ static void slot_cb(void *arg)
         }
         s->state = SL_RECV;
         nng_ctx_recv(s->ctx, s->aio);
+        abort_recheck(s);
         return;
     }
     if (rv != 0) {
@@ -319,6 +336,14 @@ static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout
     s->op = h.op;
     memcpy(nng_msg_body(m), &h, sizeof h);
     ps_msg_seal(m);
+    if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE)) {
+        char *err = NULL;
+        cm_err(&err, CM_ECANCELED, "request to shard %u not sent: the client was aborted",
+               s->shard);
+        nng_msg_free(m);
+        slot_finish(s, CM_ECANCELED, err);
+        return;
+    }
     if (nng_msg_len(m) > c->cfg.max_msg_bytes) {
         /* The server's transport would drop it unanswered (and nng resend it until the
          * timeout): refused here, naming the sizes. */
@@ -344,6 +369,7 @@ static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout
     if (may_fail_over && nng_msg_dup(&s->copy, m) != 0) s->copy = NULL;
     nng_aio_set_msg(s->aio, m);
     nng_ctx_send(s->ctx, s->aio);
+    abort_recheck(s);
 }
 
 /* Waits for a synchronous slot; hands over its reply (caller frees) and frees the slot. */
@@ -590,6 +616,17 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
 fail:
     ps_client_destroy(c);
     return rc;
+}
+
+void ps_client_abort(ps_client *c)
+{
+    if (c == NULL || c->shards == NULL) return;
+    __atomic_store_n(&c->aborted, 1, __ATOMIC_RELEASE);
+    for (uint32_t i = 0; i < c->cfg.n_shards; i++) {
+        shard_conn *sc = &c->shards[i];
+        for (uint32_t j = 0; sc->slots && j < c->window; j++)
+            if (sc->slots[j].aio) nng_aio_cancel(sc->slots[j].aio);
+    }
 }
 
 void ps_client_destroy(ps_client *c)

@@ -216,6 +216,13 @@ typedef struct ps_client_opts {
 int ps_client_create(const ps_client_opts *opts, ps_client **out, char **errptr);
 /* Waits for in-flight pushes, then disconnects. NULL is fine. */
 void ps_client_destroy(ps_client *c);
+/* Gives up on everything in flight and to come: every waiting call (a barrier, a clock, a
+ * pull, a flush) returns CM_ECANCELED at once, and so does every later request. For a job that
+ * has already failed elsewhere (another worker's error), so the rest stop now instead of
+ * waiting out the barrier timeout. Thread-safe, from any thread, while others use c; the
+ * client must still be destroyed by its owner. Requests already on the wire may or may not be
+ * applied by the PS. */
+void ps_client_abort(ps_client *c);
 
 /* Pulls n keys of a table into out (n * dim floats, caller's order). Duplicates are fetched
  * once. Waits for this client's earlier pushes to the same shards to be applied first. */
@@ -291,13 +298,13 @@ int ps_client_load(ps_client *c, const char *dir, char **errptr);
 typedef struct ps_client_stats {
     uint64_t bytes_sent, bytes_received;
     uint64_t rows_pulled, rows_pushed;
-    double push_sq_error, push_sq_norm; /* quantisation error of pushes (sum of squares) */
-    uint64_t failovers;                 /* shards this client moved to their backup */
-    uint64_t push_bytes;                /* bytes of PUSH requests sent, resends included */
-    uint64_t pushes_elided;             /* per-shard pushes sent naming a pull's key list */
-    uint64_t push_fallbacks;            /* ... sent again with keys (PS_STATUS_NO_KEYS) */
-    ps_server_stats shard_total;        /* counters summed over shards; clocks and
-                                           staleness shard 0's, which serves them */
+    double push_sq_error, push_sq_norm;         /* quantisation error of pushes (sum of squares) */
+    uint64_t failovers;                         /* shards this client moved to their backup */
+    uint64_t push_bytes;                        /* bytes of PUSH requests sent, resends included */
+    uint64_t pushes_elided;                     /* per-shard pushes sent naming a pull's key list */
+    uint64_t push_fallbacks;                    /* ... sent again with keys (PS_STATUS_NO_KEYS) */
+    ps_server_stats shard_total;                /* counters summed over shards; clocks and
+                                                   staleness shard 0's, which serves them */
     emb_table_stats table_total[PS_MAX_TABLES]; /* counts and bytes summed over shards
                                                    (bytes_budget: the table's whole budget);
                                                    row_bytes one row's, step the highest */

@@ -140,6 +140,12 @@ typedef struct setup {
     uint64_t resume_step;
     FILE *metrics; /* worker 0 */
     double t0;
+    /* This process's workers, and the first of them to fail (-1: none): its error is the job's,
+     * and the others' clients are aborted (job_abort). Under abort_mu. */
+    struct worker *workers;
+    uint32_t n_workers;
+    int first_failed;
+    pthread_mutex_t abort_mu;
     double t_eval;   /* worker 0's seconds in evaluate(), left out of the samples/s it logs */
     double last_auc; /* worker 0's latest evaluation, NAN before the first */
 } setup;
@@ -1010,8 +1016,35 @@ typedef struct worker {
     double loss_sum;
     double t_step, t_wait_batch, t_wait_push, t_dense; /* seconds (train_result's *_ms) */
     train_result res;                                  /* worker 0: eval */
-    void *eval_be; /* worker 0 with --eval-every: the backend state evaluations step on */
+    void *eval_be;   /* worker 0 with --eval-every: the backend state evaluations step on */
+    ps_client *live; /* its client while it may be waiting (S->abort_mu): job_abort's to stop */
 } worker;
+
+/* Publishes (c) or withdraws (NULL) worker W's client for job_abort; a client published after
+ * the job failed is aborted at once. */
+static void job_client(worker *W, ps_client *c)
+{
+    setup *S = W->S;
+    pthread_mutex_lock(&S->abort_mu);
+    W->live = c;
+    if (c && S->first_failed >= 0) ps_client_abort(c);
+    pthread_mutex_unlock(&S->abort_mu);
+}
+
+/* Worker W failed: the job cannot succeed, so the other workers of this process stop now (their
+ * waits at a barrier or clock would otherwise last out 20 x --ps-timeout) and W's error is the
+ * one reported. */
+static void job_abort(worker *W)
+{
+    setup *S = W->S;
+    pthread_mutex_lock(&S->abort_mu);
+    if (S->first_failed < 0) {
+        S->first_failed = (int)(W - S->workers);
+        for (uint32_t i = 0; i < S->n_workers; i++)
+            if (&S->workers[i] != W) ps_client_abort(S->workers[i].live);
+    }
+    pthread_mutex_unlock(&S->abort_mu);
+}
 
 /* A backend state for worker batches (the run's device, batch and flags). */
 static int backend_open(const setup *S, void **be, char **errptr)
@@ -1216,6 +1249,7 @@ static void *worker_main(void *arg)
                          .backup_urls = (const char *const *)S->backups,
                          .timeout_ms = o->ps_timeout_ms};
     int rc = ps_client_create(&co, &c, errptr);
+    if (rc == CM_OK) job_client(W, c);
     if (rc == CM_OK) rc = backend_open(S, &be, errptr);
     if (rc == CM_OK && W->index == 0 && S->l.n_params > 0) {
         float *p = malloc(S->l.n_params * sizeof(float));
@@ -1257,9 +1291,11 @@ static void *worker_main(void *arg)
     /* Nobody leaves before worker 0's evaluation is done: then worker 0 may stop the PS. */
     if (rc == CM_OK) ps_client_barrier_seek(c, barrier_base(S->max_steps) + 7);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
+    if (rc != CM_OK && rc != CM_ECANCELED) job_abort(W);
     if (be) S->be->destroy(be);
     if (W->eval_be) S->be->destroy(W->eval_be);
     if (c && rc != CM_OK) ps_client_flush(c, NULL);
+    job_client(W, NULL);
     ps_client_destroy(c);
     if (W->progress_fd >= 0) close(W->progress_fd);
     W->rc = rc;
@@ -1439,6 +1475,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
 
 static void setup_free(setup *S)
 {
+    pthread_mutex_destroy(&S->abort_mu); /* zeroed storage is an unlocked mutex too */
     for (uint32_t i = 0; S->urls && i < S->n_urls; i++)
         free(S->urls[i]);
     free(S->urls);
@@ -1488,6 +1525,8 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     S.o = &oc;
     S.t0 = cm_now();
     S.last_auc = NAN;
+    S.first_failed = -1;
+    pthread_mutex_init(&S.abort_mu, NULL);
     bool run_ps = !o->cluster_path, run_workers = !o->cluster_path, is_backup = false;
     uint32_t first_w = 0, n_w = oc.workers, first_s = 0, n_s = oc.shards;
     if (o->cluster_path) {
@@ -1536,6 +1575,8 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         workers = calloc(n_w, sizeof *workers);
         pthread_t *th = calloc(n_w, sizeof *th);
         if (workers == NULL || th == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        S.workers = workers;
+        S.n_workers = workers ? n_w : 0;
         for (uint32_t i = 0; rc == CM_OK && i < n_w; i++) {
             workers[i].S = &S;
             workers[i].index = first_w + i;
@@ -1550,6 +1591,11 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         free(th);
         uint64_t samples = 0;
         double loss = 0;
+        /* The first worker to fail caused the rest (job_abort). */
+        if (rc == CM_OK && S.first_failed >= 0) {
+            const worker *f = &workers[S.first_failed];
+            rc = cm_err(errptr, f->rc, "worker %u: %s", f->index, f->err ? f->err : "failed");
+        }
         for (uint32_t i = 0; workers && i < n_w; i++) {
             if (workers[i].rc != CM_OK && rc == CM_OK)
                 rc = cm_err(errptr, workers[i].rc, "worker %u: %s", workers[i].index,

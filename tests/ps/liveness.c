@@ -3,7 +3,7 @@
  * silent, so a barrier and a synchronous clock release the live workers instead of hanging;
  * a restarted worker learns the current barrier generation from HELLO and counts again.
  * Without the timeout the same barrier must still be waiting (the control: the release is the
- * timeout's doing).
+ * timeout's doing). And ps_client_abort releases a waiting client at once.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -128,6 +128,34 @@ int main(void)
     CHECK(rc == CM_OK && joined(th2) == CM_OK);
     ps_client_destroy(a);
     ps_client_destroy(b);
+    ps_server_destroy(s);
+
+    /* ps_client_abort: a waits at a barrier the silent b never enters (no timeout: it would
+     * wait 20 x 5 s); aborted from another thread it returns CM_ECANCELED at once, and so does
+     * every later request, without hanging; the client is still destroyed cleanly. */
+    const char *urls4[1] = {pt_ipc(dir, "ps3")};
+    s = pt_server(&cfg_forever, urls4[0], 0);
+    a = pt_client(&cfg_forever, urls4, 0, 5000);
+    th = barrier_async(a);
+    usleep(200000);
+    t0 = cm_now();
+    ps_client_abort(a);
+    rc = joined(th);
+    t = cm_now() - t0;
+    CHECK_MSG(rc == CM_ECANCELED && t < 1.0, "an aborted barrier returned %d after %.3f s", rc, t);
+    float row[4] = {0};
+    uint64_t key = 7;
+    t0 = cm_now();
+    rc = ps_client_pull(a, 0, &key, 1, row, &err);
+    CHECK_MSG(rc == CM_ECANCELED && err && strstr(err, "aborted") && cm_now() - t0 < 1.0,
+              "a pull after the abort: %d (%s)", rc, err ? err : "no message");
+    free(err);
+    err = NULL;
+    rc = ps_client_push(a, 0, &key, 1, row, &err);
+    rc = rc == CM_OK ? ps_client_flush(a, &err) : rc;
+    CHECK_MSG(rc == CM_ECANCELED, "a push after the abort: %d (%s)", rc, err ? err : "no message");
+    free(err);
+    ps_client_destroy(a);
     ps_server_destroy(s);
     return pt_finish(dir);
 }

@@ -4,7 +4,8 @@
  * (criteo vs avazu: the field counts named), dlrm on shards without dense features, an unknown
  * model, bad flag values (exit 2, the flag named), --resume with no checkpoint, and a run whose
  * gradients go non-finite (huge --dense-lr): it stops with a non-finite error and non-zero exit,
- * and the checkpoints an earlier run left in the same directory are untouched.
+ * and the checkpoints an earlier run left in the same directory are untouched. When one of
+ * two embedded workers fails, the other stops at once and the failing one's error is reported.
  */
 #include <sys/stat.h>
 #include <unistd.h>
@@ -168,6 +169,19 @@ int main(void)
     rc = run("train --train ds/train --eval ds/eval --model mlp --batch 512 --max-steps 25 "
              "--checkpoint-every 5 --resume --out r6 --no-progress");
     CHECK_MSG(rc == 0 && jnum(last_line(), "steps") == 25, "resume after the failed run: exit %d", rc);
+
+    /* One of two embedded workers fails (a 1-worker checkpoint resumed with --workers 2 has no
+     * worker-1.pos): the other must stop at once, not wait out its barrier (20 x --ps-timeout,
+     * 600 s), and the error reported is the failing worker's, naming the file. */
+    rc = run("train --train ds/train --model mlp --batch 512 --max-steps 4 --checkpoint-every 2 "
+             "--out r7 --no-progress");
+    CHECK_MSG(rc == 0, "1-worker run: exit %d", rc);
+    double t0 = cm_now();
+    rc = run_limit(60, "train --train ds/train --model mlp --batch 512 --max-steps 8 --workers 2 "
+                       "--resume --out r7 --no-progress");
+    double took = cm_now() - t0;
+    CHECK_MSG(rc == 1 && err_has("worker 1") && err_has("worker-1.pos") && took < 20,
+              "one of two workers failing: exit %d after %.1f s, stderr: %s", rc, took, err_text);
     free(latest0);
     free(latest1);
     free(list0);
