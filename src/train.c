@@ -810,6 +810,77 @@ static void kernels_tag(const setup *S, char *out, size_t n)
         snprintf(out, n, "%s%s", S->be->name, S->o->tf32 ? "+tf32" : "");
 }
 
+/* What a checkpoint's data positions and rows depend on besides the model (run.txt): a resume
+ * with another batch size, shuffle, seed or worker or shard count would replay or skip rows, or
+ * find the rows on other shards. Epochs and --max-steps may change (a run is extended). */
+static int run_format(const setup *S, char *out, size_t n)
+{
+    const train_opts *o = S->o;
+    int len = snprintf(out, n,
+                       "batch %u\nshuffle %" PRIu64 "\nseed %" PRIu64
+                       "\nworkers %u\nshards %u\nemb_optimizer %s\n",
+                       o->batch, o->shuffle_rows, o->seed, o->workers, o->shards,
+                       emb_opt_name(o->emb_opt));
+    return len < 0 || (size_t)len >= n ? 0 : len;
+}
+
+/* Appends to msg (cap bytes) every "key value" line of `then` whose key `now` has with another
+ * value, as "key NOW (checkpoint THEN)"; prefix names the file. */
+static void diff_settings(const char *then, const char *now, const char *prefix, char *msg,
+                          size_t cap)
+{
+    for (const char *l = then; *l; l += strcspn(l, "\n"), l += *l == '\n') {
+        size_t kl = strcspn(l, " \n"), ll = strcspn(l, "\n");
+        if (l[kl] != ' ') continue;
+        for (const char *m = now; *m; m += strcspn(m, "\n"), m += *m == '\n') {
+            size_t ml = strcspn(m, "\n");
+            if (strncmp(m, l, kl + 1) == 0 && (ml != ll || strncmp(m, l, ll) != 0)) {
+                size_t at = strlen(msg);
+                snprintf(msg + at, cap - at, "%s%s%.*s %.*s (checkpoint %.*s)", at ? "; " : "",
+                         prefix, (int)kl, l, (int)(ml - kl - 1), m + kl + 1, (int)(ll - kl - 1),
+                         l + kl + 1);
+            }
+        }
+    }
+}
+
+/* --resume: the checkpoint's model.txt and run.txt must describe this run (a checkpoint from
+ * before run.txt existed is checked for its model only). Every difference is named. */
+static int resume_check(const setup *S, char **errptr)
+{
+    char dir[2200], path[2400], now[1024], msg[2048] = "";
+    if (ckpt_dir(S, S->resume_step, dir, sizeof dir) != CM_OK)
+        return cm_err(errptr, CM_EINVAL, "path too long");
+    const char *file[2] = {"model.txt", "run.txt"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, file[i]);
+        char *then = NULL;
+        size_t len;
+        char *err = NULL;
+        int rc = cm_read_file(path, (void **)&then, &len, &err);
+        free(err);
+        if (rc == CM_ENOTFOUND && i == 1) continue;
+        if (rc != CM_OK) return cm_err(errptr, rc, "--resume: cannot read %s", path);
+        char *t = realloc(then, len + 1);
+        if (t == NULL) {
+            free(then);
+            return cm_err(errptr, CM_ENOMEM, "out of memory");
+        }
+        t[len] = '\0';
+        if (i == 0)
+            model_cfg_format(&S->m, S->o->mean_pool, now, sizeof now);
+        else
+            run_format(S, now, sizeof now);
+        diff_settings(t, now, i == 0 ? "model " : "", msg, sizeof msg);
+        free(t);
+    }
+    return msg[0] ? cm_err(errptr, CM_EINVAL,
+                           "--resume: this run differs from the checkpoint %s: %s; resume with the "
+                           "checkpoint's settings, or train into a new --out",
+                           dir, msg)
+                  : CM_OK;
+}
+
 /* Collective: PS snapshot named by tag (the same for every worker), each worker's own data
  * position (batches consumed, and the kernels that computed them), then LATEST (worker 0). */
 static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t own,
@@ -834,6 +905,9 @@ static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, ui
         len = model_cfg_format(&S->m, S->o->mean_pool, model, sizeof model);
         rc = len < 0 ? cm_err(errptr, CM_ERR, "model config too long")
                      : cm_write_file_atomic(path, model, (size_t)len, errptr);
+        snprintf(path, sizeof path, "%s/run.txt", dir);
+        len = run_format(S, model, sizeof model);
+        if (rc == CM_OK) rc = cm_write_file_atomic(path, model, (size_t)len, errptr);
     }
     if (rc == CM_OK && w == 0) {
         snprintf(path, sizeof path, "%s/LATEST", S->ckpt_root);
@@ -1470,6 +1544,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         if (lr != CM_OK) rc = cm_err(errptr, lr, "--resume: no checkpoint to resume from: %s", err);
         free(err);
     }
+    if (rc == CM_OK && o->resume) rc = resume_check(S, errptr);
     return rc;
 }
 

@@ -40,8 +40,9 @@
  * metrics.jsonl ("final": true for the last); the progress line shows the latest AUC, and its
  * samples/s leaves out the time spent evaluating.
  *
- * Run directory (--out): ckpt/step-<N>/ (PS shards, model.txt, worker-<i>.pos: the batches
- * each worker had consumed), ckpt/LATEST (atomically replaced once a checkpoint is complete,
+ * Run directory (--out): ckpt/step-<N>/ (PS shards, model.txt, run.txt: batch, shuffle, seed,
+ * worker and shard counts, which --resume must match, worker-<i>.pos: the batches each worker
+ * had consumed), ckpt/LATEST (atomically replaced once a checkpoint is complete,
  * so a crashed save never replaces a good one), metrics.jsonl, eval_predictions.txt. Only the
  * newest --keep-checkpoints are kept. --resume continues from ckpt/LATEST.
  *
