@@ -105,18 +105,25 @@ static int set_dense(ps_dense_spec *d, const char *k, const char *v)
     if (!strcmp(k, "beta1")) return parse_float(v, &d->beta1);
     if (!strcmp(k, "beta2")) return parse_float(v, &d->beta2);
     if (!strcmp(k, "eps")) return parse_float(v, &d->eps);
-    if (!strcmp(k, "optimizer")) {
-        if (!strcmp(v, "adam"))
-            d->opt = PS_DENSE_ADAM;
-        else if (!strcmp(v, "adagrad"))
-            d->opt = PS_DENSE_ADAGRAD;
-        else if (!strcmp(v, "sgd"))
-            d->opt = PS_DENSE_SGD;
-        else
-            return -1;
-        return 0;
-    }
+    if (!strcmp(k, "optimizer")) return ps_dense_opt_parse(v, &d->opt) == CM_OK ? 0 : -1;
     return 1;
+}
+
+static const char *const dense_opt_names[] = {"adam", "adagrad", "sgd"};
+
+int ps_dense_opt_parse(const char *name, ps_dense_opt *out)
+{
+    for (size_t i = 0; name != NULL && i < 3; i++)
+        if (strcmp(name, dense_opt_names[i]) == 0) {
+            *out = (ps_dense_opt)i;
+            return CM_OK;
+        }
+    return CM_EINVAL;
+}
+
+const char *ps_dense_opt_name(ps_dense_opt opt)
+{
+    return (unsigned)opt < 3 ? dense_opt_names[opt] : "unknown";
 }
 
 static void dense_spec_init(ps_dense_spec *d)

@@ -90,6 +90,9 @@ typedef enum ps_dense_opt {
     PS_DENSE_ADAGRAD = 1,
     PS_DENSE_SGD = 2
 } ps_dense_opt;
+/* "adam", "adagrad", "sgd" <-> ps_dense_opt; parse returns CM_EINVAL for another name. */
+int ps_dense_opt_parse(const char *name, ps_dense_opt *out);
+const char *ps_dense_opt_name(ps_dense_opt opt);
 
 typedef struct ps_table_spec {
     char name[PS_NAME_MAX];

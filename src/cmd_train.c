@@ -23,7 +23,8 @@ static void train_usage(FILE *to)
         "  --config FILE        INI with [model] (kind, dim, hidden, bottom, seed, pool) and\n"
         "                       [train] (batch, epochs, emb_lr, dense_lr, emb_optimizer,\n"
         "                       push_codec, memory, shuffle, staleness, checkpoint_every,\n"
-        "                       eval_every, tf32, bf16, expected_rows, dense_mirror)\n"
+        "                       eval_every, tf32, bf16, expected_rows, dense_mirror,\n"
+        "                       dense_optimizer)\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
         "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
         "                       fp32; EMBER_CUDA_TF32=1 too); cpu: ignored\n"
@@ -39,6 +40,7 @@ static void train_usage(FILE *to)
         "                       created that large instead of doubling (default: the distinct-\n"
         "                       key estimate in the ingest's stats.json, +5%%; 0: start small)\n"
         "  --emb-lr X --dense-lr X --emb-optimizer NAME --push-codec fp32|fp16|bf16|int8\n"
+        "  --dense-optimizer adam|adagrad|sgd   the tower's, on the PS (default adam)\n"
         "  --dim D --shuffle ROWS --threads T (compute threads per worker, default: cores, at most "
         "8)\n"
         "  --stale-pull         pull batch t+1 before batch t's push (faster, one step stale)\n"
@@ -81,6 +83,7 @@ int cmd_train(int argc, char **argv)
         O_EMBLR,
         O_DENSELR,
         O_EMBOPT,
+        O_DENSEOPT,
         O_CODEC,
         O_DIM,
         O_SHUFFLE,
@@ -121,6 +124,7 @@ int cmd_train(int argc, char **argv)
                                          {"emb-lr", 1, 0, O_EMBLR},
                                          {"dense-lr", 1, 0, O_DENSELR},
                                          {"emb-optimizer", 1, 0, O_EMBOPT},
+                                         {"dense-optimizer", 1, 0, O_DENSEOPT},
                                          {"push-codec", 1, 0, O_CODEC},
                                          {"dim", 1, 0, O_DIM},
                                          {"shuffle", 1, 0, O_SHUFFLE},
@@ -236,6 +240,9 @@ int cmd_train(int argc, char **argv)
             break;
         case O_EMBOPT:
             bad = emb_opt_parse(optarg, &o.emb_opt);
+            break;
+        case O_DENSEOPT:
+            bad = ps_dense_opt_parse(optarg, &o.dense_opt);
             break;
         case O_CODEC:
             bad = ps_codec_parse(optarg, &o.push_codec);

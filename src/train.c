@@ -84,6 +84,8 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
             bad = *end || !(o->dense_lr > 0) || !isfinite(o->dense_lr);
         else if (!strcmp(k, "emb_optimizer"))
             bad = emb_opt_parse(v, &o->emb_opt);
+        else if (!strcmp(k, "dense_optimizer"))
+            bad = ps_dense_opt_parse(v, &o->dense_opt);
         else if (!strcmp(k, "push_codec"))
             bad = ps_codec_parse(v, &o->push_codec);
         else if (!strcmp(k, "memory"))
@@ -818,9 +820,9 @@ static int run_format(const setup *S, char *out, size_t n)
     const train_opts *o = S->o;
     int len = snprintf(out, n,
                        "batch %u\nshuffle %" PRIu64 "\nseed %" PRIu64
-                       "\nworkers %u\nshards %u\nemb_optimizer %s\n",
+                       "\nworkers %u\nshards %u\nemb_optimizer %s\ndense_optimizer %s\n",
                        o->batch, o->shuffle_rows, o->seed, o->workers, o->shards,
-                       emb_opt_name(o->emb_opt));
+                       emb_opt_name(o->emb_opt), ps_dense_opt_name(o->dense_opt));
     return len < 0 || (size_t)len >= n ? 0 : len;
 }
 
@@ -1507,7 +1509,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         memset(d, 0, sizeof *d);
         snprintf(d->name, sizeof d->name, "tower");
         d->size = S->l.n_params;
-        d->opt = PS_DENSE_ADAM;
+        d->opt = o->dense_opt;
         d->lr = o->dense_lr;
         d->beta1 = 0.9f;
         d->beta2 = 0.999f;

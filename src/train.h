@@ -83,6 +83,7 @@ typedef struct train_opts {
     uint32_t hidden_override, dim_override; /* 0 = preset */
     float emb_lr, dense_lr;
     emb_opt_kind emb_opt;
+    ps_dense_opt dense_opt; /* the tower's optimizer on the PS (default Adam) */
     ps_codec push_codec;
     int mean_pool, resume, progress; /* progress: -1 auto (terminal) */
     int rejoin;                      /* cluster worker restarted into a running job */

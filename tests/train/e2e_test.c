@@ -8,6 +8,7 @@
  * mlp run with --bf16, within 0.01 AUC of fp32's (or, without AMX-BF16, it is refused).
  */
 #include <math.h>
+#include <sys/stat.h>
 
 #include "cli_util.h"
 
@@ -161,6 +162,26 @@ int main(void)
         CHECK_MSG(rc != 0 && err_text && strstr(err_text, "AMX"),
                   "train --bf16 without AMX: exit %d, stderr %s", rc, err_text ? err_text : "");
     }
+
+    /* --dense-optimizer reaches the tower's block on the PS: its checkpoint holds the values
+     * plus two Adam slots, one Adagrad slot, or none for SGD (and a small header). */
+    long bytes[3] = {0};
+    const char *opts[3] = {"adam", "adagrad", "sgd"};
+    for (int k = 0; k < 3; k++) {
+        rc = run("train --train ds/train --model mlp --batch %u --max-steps 3 --dense-optimizer %s "
+                 "--out run-dense-%s --no-progress",
+                 batch, opts[k], opts[k]);
+        CHECK_MSG(rc == 0, "--dense-optimizer %s: exit %d, stderr %s", opts[k], rc, err_text);
+        char path[8192];
+        snprintf(path, sizeof path, "%s/run-dense-%s/ckpt/step-3/shard-0/dense-tower.bin", dir,
+                 opts[k]);
+        struct stat st;
+        bytes[k] = stat(path, &st) == 0 ? (long)st.st_size : -1;
+    }
+    long per = bytes[0] - bytes[1]; /* one slot */
+    CHECK_MSG(per > 0 && labs(bytes[1] - bytes[2] - per) < 64 && labs(bytes[2] - per) < 256,
+              "dense-tower.bin bytes: adam %ld, adagrad %ld, sgd %ld", bytes[0], bytes[1],
+              bytes[2]);
     free(out_text);
     free(err_text);
     return check_done();
