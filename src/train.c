@@ -884,9 +884,10 @@ static int resume_check(const setup *S, char **errptr)
 }
 
 /* Collective: PS snapshot named by tag (the same for every worker), each worker's own data
- * position (batches consumed, and the kernels that computed them), then LATEST (worker 0). */
+ * position (batches consumed, the kernels that computed them, and the rows and summed loss of
+ * this run so far: job_totals), then LATEST (worker 0). */
 static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t own,
-                      char **errptr)
+                      uint64_t samples, double loss_sum, char **errptr)
 {
     char dir[2200], path[2400], text[256];
     if (ckpt_dir(S, tag, dir, sizeof dir) != CM_OK)
@@ -897,7 +898,9 @@ static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, ui
     snprintf(path, sizeof path, "%s/worker-%u.pos", dir, w);
     char kern[64];
     kernels_tag(S, kern, sizeof kern);
-    int len = snprintf(text, sizeof text, "step %" PRIu64 "\nkernels %s\n", own, kern);
+    int len = snprintf(text, sizeof text,
+                       "step %" PRIu64 "\nkernels %s\nsamples %" PRIu64 "\nloss_sum %.17g\n", own,
+                       kern, samples, loss_sum);
     rc = cm_write_file_atomic(path, text, (size_t)len, errptr);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
     if (rc == CM_OK && w == 0) {
@@ -1094,7 +1097,45 @@ typedef struct worker {
     train_result res;                                  /* worker 0: eval */
     void *eval_be;   /* worker 0 with --eval-every: the backend state evaluations step on */
     ps_client *live; /* its client while it may be waiting (S->abort_mu): job_abort's to stop */
+    uint64_t job_samples; /* worker 0: every worker's rows this run (job_totals) */
+    double job_loss;      /* ... and their summed loss */
 } worker;
+
+/* Every worker's rows and summed loss this run, from the final checkpoint's position files
+ * (each worker writes its own before the checkpoint's last barrier): in a cluster the other
+ * workers are other processes, and the job's figures are theirs too. */
+static int job_totals(const setup *S, uint64_t *samples, double *loss, char **errptr)
+{
+    char dir[2200], path[2400];
+    if (ckpt_dir(S, S->max_steps, dir, sizeof dir) != CM_OK)
+        return cm_err(errptr, CM_EINVAL, "path too long");
+    *samples = 0;
+    *loss = 0;
+    int rc = CM_OK;
+    for (uint32_t w = 0; w < S->o->workers && rc == CM_OK; w++) {
+        snprintf(path, sizeof path, "%s/worker-%u.pos", dir, w);
+        char *text = NULL;
+        size_t len;
+        rc = cm_read_file(path, (void **)&text, &len, errptr);
+        if (rc != CM_OK) break;
+        char *t = realloc(text, len + 1);
+        if (t == NULL) {
+            free(text);
+            return cm_err(errptr, CM_ENOMEM, "out of memory");
+        }
+        t[len] = '\0';
+        const char *a = strstr(t, "\nsamples "), *b = strstr(t, "\nloss_sum ");
+        unsigned long long n;
+        double l;
+        if (a == NULL || b == NULL || sscanf(a, "\nsamples %llu", &n) != 1 ||
+            sscanf(b, "\nloss_sum %lf", &l) != 1)
+            rc = cm_err(errptr, CM_ECORRUPT, "%s: no samples or loss_sum line", path);
+        else
+            *samples += n, *loss += l;
+        free(t);
+    }
+    return rc;
+}
 
 /* Publishes (c) or withdraws (NULL) worker W's client for job_abort; a client published after
  * the job failed is aborted at once. */
@@ -1287,7 +1328,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
          * step+1 and nothing later, so the cut is the same on every run. A resumed run pulls
          * batch step+1 after the checkpoint; so does this one. */
         if (rc == CM_OK && ckpt_after(S, step)) {
-            rc = checkpoint(S, c, w, step, step, errptr);
+            rc = checkpoint(S, c, w, step, step, W->samples, W->loss_sum, errptr);
             if (rc == CM_OK && o->stale_pull) rc = prefetch_refresh(&pf, errptr);
         }
         /* An evaluation at the same cut: it sees exactly what a checkpoint here would hold. */
@@ -1361,7 +1402,9 @@ static void *worker_main(void *arg)
     if (rc == CM_OK && !o->rejoin) rc = ps_client_barrier(c, errptr);
     if (rc == CM_OK) rc = worker_loop(W, c, be, errptr);
     /* The final checkpoint is named after the longest schedule, so every worker agrees. */
-    if (rc == CM_OK) rc = checkpoint(S, c, W->index, S->max_steps, W->steps, errptr);
+    if (rc == CM_OK)
+        rc = checkpoint(S, c, W->index, S->max_steps, W->steps, W->samples, W->loss_sum, errptr);
+    if (rc == CM_OK && W->index == 0) rc = job_totals(S, &W->job_samples, &W->job_loss, errptr);
     if (rc == CM_OK && W->index == 0 && o->eval_path)
         rc = evaluate(S, c, be, W->steps, true, &W->res, errptr);
     /* Nobody leaves before worker 0's evaluation is done: then worker 0 may stop the PS. */
@@ -1683,6 +1726,10 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         if (rc == CM_OK) {
             *res = workers[0].res;
             res->seconds = cm_now() - S.t0;
+            if (first_w == 0) { /* the job's figures, cluster workers included */
+                samples = workers[0].job_samples;
+                loss = workers[0].job_loss;
+            }
             res->rows = samples;
             res->steps = workers[0].steps;
             res->samples_per_s = res->seconds > 0 ? (double)samples / res->seconds : 0;

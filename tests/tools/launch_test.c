@@ -183,9 +183,14 @@ int main(int argc, char **argv)
     double auc = json_num(line, "auc");
     fprintf(stderr, "launch_test: good job took %.1f s: %s", now_s() - t0, line[0] ? line : "(no JSON)\n");
     CHECK_MSG(auc > 0.55, "auc %.4f", auc);
-    /* (The JSON's "workers"/"shards" are ember train's --workers/--shards flags, 1 and 1 here,
-     * not the cluster's: launch passes the cluster file instead.) */
     CHECK(json_num(line, "eval_rows") > 1000);
+    /* The job's figures, not worker 0's alone: both workers' rows (the eval rows plus the
+     * training rows are the 20K generated), from the cluster file's 2 workers and 2 shards. */
+    double rows = json_num(line, "rows"), erows = json_num(line, "eval_rows");
+    CHECK_MSG(rows + erows == 20000 && json_num(line, "workers") == 2 &&
+                  json_num(line, "shards") == 2,
+              "final JSON: rows %g + eval_rows %g (expected 20000), workers %g, shards %g", rows,
+              erows, json_num(line, "workers"), json_num(line, "shards"));
     int listed;
     CHECK(alive_from(run_ok, &listed) == 0);
     CHECK(listed == 4);
