@@ -786,7 +786,7 @@ static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final,
 
 /* ---- checkpoints ---- */
 
-static int prune_checkpoints(const setup *S, uint32_t keep, char **errptr);
+static int prune_checkpoints(const setup *S, uint32_t keep, uint64_t latest, char **errptr);
 
 static int ckpt_dir(const setup *S, uint64_t step, char *out, size_t n)
 {
@@ -918,7 +918,7 @@ static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, ui
         snprintf(path, sizeof path, "%s/LATEST", S->ckpt_root);
         len = snprintf(text, sizeof text, "step-%" PRIu64 "\n", tag);
         rc = cm_write_file_atomic(path, text, (size_t)len, errptr);
-        if (rc == CM_OK) rc = prune_checkpoints(S, S->o->keep_checkpoints, errptr);
+        if (rc == CM_OK) rc = prune_checkpoints(S, S->o->keep_checkpoints, tag, errptr);
     }
     return rc;
 }
@@ -932,9 +932,12 @@ static int u64_cmp(const void *a, const void *b)
 /* Removes all but the newest `keep` step-N checkpoints (0 keeps all). Runs after LATEST points
  * at the newest, so the one a resume would use is never touched; a crash midway leaves only
  * extra old checkpoints. */
-static int prune_checkpoints(const setup *S, uint32_t keep, char **errptr)
+/* Once step-<latest> is complete and LATEST names it: no checkpoint newer than it survives (an
+ * earlier, longer run's in the same directory, or a save that never completed; left there, a
+ * later prune would delete this run's checkpoints before them), and of the rest only the newest
+ * `keep` (0: all). */
+static int prune_checkpoints(const setup *S, uint32_t keep, uint64_t latest, char **errptr)
 {
-    if (keep == 0) return CM_OK;
     DIR *d = opendir(S->ckpt_root);
     if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", S->ckpt_root);
     uint64_t steps[4096];
@@ -948,10 +951,17 @@ static int prune_checkpoints(const setup *S, uint32_t keep, char **errptr)
     closedir(d);
     qsort(steps, n, sizeof steps[0], u64_cmp);
     int rc = CM_OK;
-    for (size_t i = 0; rc == CM_OK && i + keep < n; i++) {
-        char dir[2200];
-        if (ckpt_dir(S, steps[i], dir, sizeof dir) == CM_OK) rc = cm_rmtree(dir, errptr);
+    char dir[2200];
+    while (rc == CM_OK && n > 0 && steps[n - 1] > latest) {
+        if (ckpt_dir(S, steps[--n], dir, sizeof dir) != CM_OK) continue;
+        fprintf(stderr,
+                "ember train: removing %s: newer than this run's checkpoint step-%" PRIu64
+                " (left by an earlier run in this directory, or a save that never completed)\n",
+                dir, latest);
+        rc = cm_rmtree(dir, errptr);
     }
+    for (size_t i = 0; rc == CM_OK && keep > 0 && i + keep < n; i++)
+        if (ckpt_dir(S, steps[i], dir, sizeof dir) == CM_OK) rc = cm_rmtree(dir, errptr);
     return rc;
 }
 

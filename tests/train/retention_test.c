@@ -1,7 +1,8 @@
 /*
  * Checkpoint retention: --keep-checkpoints K keeps the newest K step-N directories and never
  * the one LATEST points at loses; the default keeps every checkpoint; a resume from the pruned
- * run continues from the newest.
+ * run continues from the newest. A fresh run into a directory with an older run's checkpoints
+ * removes those newer than its own, so they can neither outlive its own nor be resumed.
  */
 #include "cli_util.h"
 
@@ -31,5 +32,24 @@ int main(void)
     free(latest);
     CHECK(exists("keep2/ckpt/step-35") && !exists("keep2/ckpt/step-30"));
     CHECK(run("train --train ds/train --model lr --keep-checkpoints -1 --out bad") == 2);
+    /* A fresh, shorter run into keep2 (whose checkpoints reach step 40): the older run's newer
+     * checkpoints go (said on stderr), so --keep-checkpoints prunes this run's oldest, never
+     * its LATEST, and a resume continues this run. */
+    CHECK(run("train --train ds/train --model lr --batch 256 --no-progress --device cpu "
+              "--checkpoint-every 5 --max-steps 15 --keep-checkpoints 2 --out keep2") == 0);
+    CHECK_MSG(err_has("removing") && err_has("step-40"), "stale checkpoints not named: %s",
+              err_text);
+    latest = slurp("keep2/ckpt/LATEST");
+    CHECK_MSG(latest && strcmp(latest, "step-15\n") == 0, "LATEST is %s",
+              latest ? latest : "(none)");
+    free(latest);
+    CHECK_MSG(exists("keep2/ckpt/step-15/model.txt") && exists("keep2/ckpt/step-10/model.txt") &&
+                  !exists("keep2/ckpt/step-5") && !exists("keep2/ckpt/step-35") &&
+                  !exists("keep2/ckpt/step-40"),
+              "keep2/ckpt after a shorter fresh run: step-10/15 kept, 5, 35, 40 gone");
+    CHECK(run("train --train ds/train --model lr --batch 256 --no-progress --device cpu "
+              "--checkpoint-every 5 --max-steps 20 --keep-checkpoints 2 --resume --out keep2") ==
+          0);
+    CHECK(jnum(last_line(), "steps") == 20 && exists("keep2/ckpt/step-20/model.txt"));
     return check_done();
 }
