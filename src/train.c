@@ -7,6 +7,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -141,6 +142,7 @@ typedef struct setup {
     char ckpt_root[2048];
     uint64_t resume_step;
     FILE *metrics; /* worker 0 */
+    FILE *log;     /* embedded runs: logs/train.log in the run directory (train_log) */
     double t0;
     /* This process's workers, and the first of them to fail (-1: none): its error is the job's,
      * and the others' clients are aborted (job_abort). Under abort_mu. */
@@ -158,6 +160,21 @@ static bool ckpt_after(const setup *S, uint64_t steps)
 {
     uint64_t every = S->o->ckpt_every;
     return every && steps % every == 0 && steps < S->min_steps;
+}
+
+/* A line in the run's own log (embedded runs, where no launcher keeps the output), stamped with
+ * the seconds since the start. */
+static void train_log(const setup *S, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void train_log(const setup *S, const char *fmt, ...)
+{
+    if (S->log == NULL) return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(S->log, "[%9.3f] ", cm_now() - S->t0);
+    vfprintf(S->log, fmt, ap);
+    va_end(ap);
+    fputc('\n', S->log);
+    fflush(S->log);
 }
 
 /* Whether worker w evaluates once `steps` batches are done: worker 0, every --eval-every steps
@@ -772,6 +789,9 @@ static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final,
     double t = cm_now() - t0;
     S->t_eval += t;
     if (rc == CM_OK) {
+        train_log(
+            S, "eval at step %" PRIu64 "%s: auc %.6f logloss %.6f over %" PRIu64 " rows in %.3f s",
+            step, final ? " (final)" : "", res->auc, res->logloss, n, t);
         S->last_auc = res->auc;
         if (S->metrics) {
             fprintf(S->metrics,
@@ -958,6 +978,7 @@ static int prune_checkpoints(const setup *S, uint32_t keep, uint64_t latest, cha
                 "ember train: removing %s: newer than this run's checkpoint step-%" PRIu64
                 " (left by an earlier run in this directory, or a save that never completed)\n",
                 dir, latest);
+        train_log(S, "removing %s: newer than this run's checkpoint step-%" PRIu64, dir, latest);
         rc = cm_rmtree(dir, errptr);
     }
     for (size_t i = 0; rc == CM_OK && keep > 0 && i + keep < n; i++)
@@ -1217,6 +1238,8 @@ static void log_progress(const setup *S, uint64_t step, uint64_t samples, double
         fprintf(stderr, "step %" PRIu64 "/%" PRIu64 " samples/s %.0f loss %.5f%s eta %.0fs\n", step,
                 S->max_steps, rate, loss, auc, eta);
     }
+    train_log(S, "step %" PRIu64 "/%" PRIu64 " samples/s %.0f loss %.5f%s eta %.0fs", step,
+              S->max_steps, rate, loss, auc, eta);
     if (S->metrics) {
         fprintf(S->metrics,
                 "{\"step\":%" PRIu64 ",\"samples\":%" PRIu64
@@ -1614,6 +1637,7 @@ static void setup_free(setup *S)
     free(S->backups);
     free(S->steps_of);
     if (S->metrics) fclose(S->metrics);
+    if (S->log) fclose(S->log);
 }
 
 static int cluster_urls(setup *S, const char *path, char **errptr);
@@ -1702,6 +1726,17 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         char path[2300];
         snprintf(path, sizeof path, "%s/metrics.jsonl", oc.out_dir);
         if (first_w == 0) S.metrics = fopen(path, oc.resume || oc.rejoin ? "a" : "w");
+        snprintf(path, sizeof path, "%s/logs", oc.out_dir);
+        if (!o->cluster_path && cm_mkdirs(path, NULL) == CM_OK) {
+            snprintf(path, sizeof path, "%s/logs/train.log", oc.out_dir);
+            S.log = fopen(path, oc.resume ? "a" : "w");
+        }
+        train_log(&S,
+                  "ember train %s: model %s, %u worker(s), %u shard(s), batch %u, epochs %u, "
+                  "%" PRIu64 " steps, train %s, eval %s, device %s",
+                  oc.resume ? "resumed" : "started", model_kind_name(S.m.kind), oc.workers,
+                  oc.shards, oc.batch, oc.epochs, S.max_steps, oc.train_path,
+                  oc.eval_path ? oc.eval_path : "-", S.be->name);
         workers = calloc(n_w, sizeof *workers);
         pthread_t *th = calloc(n_w, sizeof *th);
         if (workers == NULL || th == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
@@ -1773,6 +1808,11 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
                         first_s);
     }
 out:
+    if (rc == CM_OK)
+        train_log(&S, "done: %" PRIu64 " rows in %.3f s, auc %.6f logloss %.6f", res->rows,
+                  res->seconds, res->auc, res->logloss);
+    else
+        train_log(&S, "failed: %s", errptr && *errptr ? *errptr : "(no message)");
     for (uint32_t i = 0; servers && i < oc.shards; i++)
         ps_server_destroy(servers[i]);
     free(servers);

@@ -43,7 +43,8 @@
  * Run directory (--out): ckpt/step-<N>/ (PS shards, model.txt, run.txt: batch, shuffle, seed,
  * worker and shard counts, which --resume must match, worker-<i>.pos: the batches each worker
  * had consumed), ckpt/LATEST (atomically replaced once a checkpoint is complete,
- * so a crashed save never replaces a good one), metrics.jsonl, eval_predictions.txt. Only the
+ * so a crashed save never replaces a good one), metrics.jsonl, eval_predictions.txt, and for an
+ * embedded run logs/train.log (start, progress, evaluations, the result or the error). Only the
  * newest --keep-checkpoints are kept. --resume continues from ckpt/LATEST.
  *
  * Worker restart (cluster mode): each worker keeps progress/worker-<i> in the run directory,

@@ -183,6 +183,10 @@ int main(void)
              "--checkpoint-every 5 --dense-lr 1e30 --out r6 --no-progress");
     CHECK_MSG(rc != 0 && rc != 124 && err_has("non-finite"), "diverging run: exit %d", rc);
     CHECK(strstr(out_text, "\"auc\"") == NULL); /* no result line */
+    char *log6 = slurp("r6/logs/train.log");
+    CHECK_MSG(log6 && strstr(log6, "] failed: ") && strstr(log6, "non-finite"),
+              "r6/logs/train.log of the diverging run: %s", log6 ? log6 : "(missing)");
+    free(log6);
     char *latest1 = slurp("r6/ckpt/LATEST"), *list1 = ckpt_listing("r6");
     CHECK_MSG(latest1 && latest0 && strcmp(latest0, latest1) == 0, "LATEST changed: %s", latest1);
     CHECK_MSG(list0 && list1 && strcmp(list0, list1) == 0, "checkpoint files changed:\n%s\n---\n%s",

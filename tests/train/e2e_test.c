@@ -89,6 +89,13 @@ static void check_run(const char *model, const char *out, const char *json, doub
         }
     }
     free(m);
+    /* logs/train.log: the embedded run's own log, from start to result. */
+    snprintf(path, sizeof path, "%s/logs/train.log", out);
+    char *log = slurp(path);
+    CHECK_MSG(log && strstr(log, "ember train started: model ") && strstr(log, "eval at step") &&
+                  strstr(log, "\n[") && strstr(log, "] done: "),
+              "%s: %s", path, log ? log : "(missing)");
+    free(log);
     snprintf(path, sizeof path, "%s/ckpt/LATEST", out);
     char *latest = slurp(path), wantl[64];
     snprintf(wantl, sizeof wantl, "step-%.0f\n", steps);
