@@ -7,7 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ps/dense.h"
 #include "ps/ps.h"
+#include "ps/wire.h"
 
 void ps_config_init(ps_config *cfg)
 {
@@ -282,6 +284,15 @@ int ps_config_check(const ps_config *cfg, char **errptr)
         if (!(d->lr >= 0) || !(d->beta1 >= 0 && d->beta1 < 1) || !(d->beta2 >= 0 && d->beta2 < 1) ||
             !(d->eps > 0))
             return cm_err(errptr, CM_EINVAL, "dense '%s': bad optimizer parameters", d->name);
+        /* Its largest message, the whole state a mirroring client pulls, must pass the
+         * receive limit, or every such pull would fail at run time. */
+        uint64_t need = (uint64_t)ps_dense_state_bytes(d) + PS_HDR_BYTES;
+        if (need > cfg->max_msg_bytes)
+            return cm_err(errptr, CM_EINVAL,
+                          "dense '%s': its state of %llu bytes (with the message header) exceeds "
+                          "max_message %llu: raise max_message or split the block",
+                          d->name, (unsigned long long)need,
+                          (unsigned long long)cfg->max_msg_bytes);
     }
     return CM_OK;
 }

@@ -1045,6 +1045,24 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
 }
 
 /* Handles one request; returns true when the context was parked. */
+
+/* The request flags each op may carry (wire.h). */
+static uint8_t op_flags(uint16_t op)
+{
+    switch (op) {
+    case PS_OP_PULL:
+        return PS_FLAG_LOOKUP;
+    case PS_OP_PUSH:
+        return PS_FLAG_ELIDED;
+    case PS_OP_PUSH_DENSE:
+        return PS_FLAG_READ_BACK | PS_FLAG_DIGEST;
+    case PS_OP_PULL_DENSE:
+        return PS_FLAG_STATE;
+    default:
+        return 0;
+    }
+}
+
 static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **reply)
 {
     ps_hdr h;
@@ -1079,8 +1097,21 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
         h.payload_len != 0) {
         STAT_ADD(s, bad_messages, 1);
         *reply = reply_error(s, &h, CM_EINVAL, "this op carries no payload");
-    } else if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER) &&
-               (s->shard != 0 || h.worker >= s->cfg.n_workers)) {
+    } else if (h.flags & ~op_flags(h.op)) {
+        /* A flag this server does not define for the op: a feature it would silently ignore
+         * (a lookup applied as a creating pull, say) or garbage. */
+        STAT_ADD(s, bad_messages, 1);
+        char text[96];
+        snprintf(text, sizeof text, "flags 0x%02x are not defined for op %u", h.flags, h.op);
+        *reply = reply_error(s, &h, CM_EINVAL, text);
+    } else if (h.worker >= s->cfg.n_workers && h.op != PS_OP_REPLICATE && h.op != PS_OP_STATS) {
+        /* Its updates, clocks and de-duplication would be a worker the job does not have. */
+        STAT_ADD(s, bad_messages, 1);
+        char text[96];
+        snprintf(text, sizeof text, "worker %u is not one of the cluster's %u known workers",
+                 h.worker, s->cfg.n_workers);
+        *reply = reply_error(s, &h, CM_EINVAL, text);
+    } else if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER) && s->shard != 0) {
         *reply = reply_error(s, &h, CM_EINVAL,
                              "clocks and barriers are served by shard 0 for "
                              "known workers only");

@@ -159,6 +159,15 @@ static void test_errors(void)
     pt_write(path, "[table user_2.a-b]\ndim = 4\n");
     CHECK(ps_config_load(path, &c, &err) == CM_OK);
     free(err), err = NULL;
+    /* A dense block whose whole state (Adam: values and two slots, 12 bytes a float, plus the
+     * step and the 56-byte header) would not pass max_message is refused up front. */
+    pt_write(path, "[cluster]\nmax_message = 4096\n[dense big]\nsize = 400\n");
+    CHECK(ps_config_load(path, &c, &err) == CM_EINVAL && err && strstr(err, "'big'") &&
+          strstr(err, "max_message 4096"));
+    free(err), err = NULL;
+    pt_write(path, "[cluster]\nmax_message = 4096\n[dense fits]\nsize = 330\n");
+    CHECK_MSG(ps_config_load(path, &c, &err) == CM_OK, "%s", err ? err : "");
+    free(err), err = NULL;
     path = pt_path(dir, "bad.conf");
     CHECK(ps_config_load(pt_path(dir, "missing.conf"), &c, &err) == CM_ENOTFOUND);
     CHECK(err && strstr(err, "missing.conf"));

@@ -158,6 +158,25 @@ static void test_rows(void)
     expect_error("wrong table", m.buf, m.len, "no table 7", 1);
     build_rows(&m, PS_OP_PULL, 0, owned, 4, 9, NULL, 0);
     expect_error("unknown codec", m.buf, m.len, "unknown codec", 1);
+    /* Flags the op does not define (a pull with a push's or an unknown bit), and a request
+     * from a worker the cluster does not have: refused and counted, never applied. */
+    static const uint8_t bad_flags[] = {PS_FLAG_ELIDED, 0x80, PS_FLAG_LOOKUP | 0x40};
+    for (size_t i = 0; i < sizeof bad_flags; i++) {
+        build_rows(&m, PS_OP_PULL, 0, owned, 4, PS_CODEC_F32, NULL, 0);
+        m.buf[offsetof(ps_hdr, flags)] = bad_flags[i];
+        ps_wire_seal(m.buf, m.len - PS_HDR_BYTES);
+        expect_error("pull with undefined flags", m.buf, m.len, "not defined for op", 1);
+    }
+    float grads[4 * 4] = {0};
+    build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_F32, grads, sizeof grads);
+    m.buf[offsetof(ps_hdr, flags)] = PS_FLAG_READ_BACK;
+    ps_wire_seal(m.buf, m.len - PS_HDR_BYTES);
+    expect_error("push with a dense push's flag", m.buf, m.len, "not defined for op", 1);
+    build_rows(&m, PS_OP_PUSH, 0, owned, 4, PS_CODEC_F32, grads, sizeof grads);
+    uint16_t stranger = 5;
+    memcpy(m.buf + offsetof(ps_hdr, worker), &stranger, sizeof stranger);
+    ps_wire_seal(m.buf, m.len - PS_HDR_BYTES);
+    expect_error("push from worker 5 of 1", m.buf, m.len, "known workers", 1);
     uint64_t desc[2] = {owned[1], owned[0]};
     build(&m, PS_OP_PULL, 0, 2, PS_CODEC_F32, p, ps_keys_encode(desc, 2, p));
     expect_error("unsorted keys", m.buf, m.len, "increasing", 1);
@@ -307,7 +326,7 @@ static void test_other_ops(void)
     h.clock = 1;
     memcpy(m.buf, &h, sizeof h);
     ps_wire_seal(m.buf, 0);
-    expect_error("clock of unknown worker", m.buf, PS_HDR_BYTES, "known workers", 0);
+    expect_error("clock of unknown worker", m.buf, PS_HDR_BYTES, "known workers", 1);
 }
 
 /* Sets a built message's request id (build uses 42) and reseals it. */
