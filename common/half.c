@@ -5,6 +5,7 @@
 #include <stdbool.h>
 #include <string.h>
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -102,8 +103,9 @@ static bool have_f16c(void)
 {
     int v = __atomic_load_n(&f16c_state, __ATOMIC_RELAXED);
     if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("f16c") ? 1 : 0;
+        /* cpuid rather than __builtin_cpu_supports("f16c"), which clang 14 does not know. */
+        unsigned a, b, c, d;
+        v = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) ? 1 : 0;
         __atomic_store_n(&f16c_state, v, __ATOMIC_RELAXED);
     }
     return v == 1;
@@ -163,8 +165,13 @@ float cm_absmax(const float *x, uint32_t dim)
  * vectorises (the AVX2 clone rounds 8 values an instruction); clamped, the rounded value is a
  * whole number of magnitude at most 127, so q and back are the same bits as with lrintf (a NaN,
  * which callers reject before, still gives -127). */
-__attribute__((target_clones("avx2", "default"))) void
-cm_int8_quantize(const float *x, uint32_t dim, float scale, float inv, uint8_t *q, float *back)
+#if defined(__clang__) /* clang 14 emits the clones of an external function but no resolver */
+#define QUANTIZE_CLONES
+#else
+#define QUANTIZE_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+QUANTIZE_CLONES void cm_int8_quantize(const float *x, uint32_t dim, float scale, float inv,
+                                      uint8_t *q, float *back)
 {
     /* A subnormal scale has no finite inverse: divide instead (rare, so the common path keeps
      * its multiply). */

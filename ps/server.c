@@ -367,39 +367,20 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         return reply_error(s, h, CM_EINVAL, msg);
     }
     const uint32_t dim = s->cfg.tables[h->table].cfg.dim;
-    const size_t n = h->count;
-    if (h->codec > PS_CODEC_INT8) {
-        STAT_ADD(s, bad_messages, 1);
-        snprintf(msg, sizeof msg, "unknown codec %u", h->codec);
-        return reply_error(s, h, CM_EINVAL, msg);
-    }
-    const size_t row_bytes = ps_codec_row_bytes((ps_codec)h->codec, dim);
-    /* Every key takes at least one byte, so count is bounded by what arrived. */
-    if (n == 0 || n > h->payload_len) {
-        snprintf(msg, sizeof msg, "count %zu is zero or exceeds the %" PRIu64 "-byte payload", n,
-                 h->payload_len);
+    ps_rows_layout lay;
+    if (ps_rows_layout_get(h, p, dim, &lay, msg, sizeof msg) != CM_OK) {
         STAT_ADD(s, bad_messages, 1);
         return reply_error(s, h, CM_EINVAL, msg);
     }
+    const size_t n = lay.n, row_bytes = lay.row_bytes, key_bytes = lay.key_bytes;
+    const bool elided = lay.elided;
+    p = lay.keys_at;
     /* A pull's reply is the header and the rows; a push carries at least as much, so the same
      * bound holds for it (it arrived within max_message). */
     if ((reply = reply_too_big(s, h, (double)n * row_bytes,
                                h->op == PS_OP_PULL ? "pull reply" : "push")) != NULL) {
         STAT_ADD(s, bad_messages, 1);
         return reply;
-    }
-    size_t key_bytes = h->payload_len;
-    const bool elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
-    if (elided) {
-        if (h->payload_len != PS_ELIDED_HEAD + (uint64_t)n * row_bytes) goto short_payload;
-        key_bytes = PS_ELIDED_HEAD;
-    } else if (h->op == PS_OP_PUSH) {
-        uint32_t kb;
-        if (h->payload_len < 4) goto short_payload;
-        memcpy(&kb, p, 4);
-        if ((uint64_t)kb + 4 + (uint64_t)n * row_bytes != h->payload_len) goto short_payload;
-        key_bytes = kb;
-        p += 4;
     }
     /* fp32 pulls gather straight into the reply and need no vals; an fp32 push is read where
      * its rows lie in the request when they are aligned for floats (an elided push's always
@@ -499,11 +480,6 @@ out:
     free(hints);
     free(vals);
     return reply;
-short_payload:
-    STAT_ADD(s, bad_messages, 1);
-    snprintf(msg, sizeof msg, "payload of %" PRIu64 " bytes does not match %zu rows of %s",
-             h->payload_len, n, ps_codec_name((ps_codec)h->codec));
-    return reply_error(s, h, CM_EINVAL, msg);
 }
 
 /* A PUSH_DENSE's update and its reply, or (g NULL: a resent push not applied again) the reply

@@ -1,6 +1,7 @@
 #include "ps/wire.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include "common/xxh.h"
@@ -324,4 +325,47 @@ uint64_t ps_dense_fingerprint(const ps_dense_spec *d)
     fp.b2 = d->beta2;
     fp.eps = d->eps;
     return XXH3_64bits(&fp, sizeof fp);
+}
+
+int ps_rows_layout_get(const ps_hdr *h, const uint8_t *p, uint32_t dim, ps_rows_layout *out,
+                       char *msg, size_t cap)
+{
+    memset(out, 0, sizeof *out);
+    if (h->codec > PS_CODEC_INT8) {
+        snprintf(msg, cap, "unknown codec %u", h->codec);
+        return CM_EINVAL;
+    }
+    const size_t n = h->count, row_bytes = ps_codec_row_bytes((ps_codec)h->codec, dim);
+    /* Every key takes at least one byte, so count is bounded by what arrived. */
+    if (n == 0 || n > h->payload_len) {
+        snprintf(msg, cap, "count %zu is zero or exceeds the %llu-byte payload", n,
+                 (unsigned long long)h->payload_len);
+        return CM_EINVAL;
+    }
+    size_t key_bytes = h->payload_len;
+    const bool elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
+    bool fits = true;
+    if (elided) {
+        fits = h->payload_len == PS_ELIDED_HEAD + (uint64_t)n * row_bytes;
+        key_bytes = PS_ELIDED_HEAD;
+    } else if (h->op == PS_OP_PUSH) {
+        uint32_t kb = 0;
+        fits = h->payload_len >= 4;
+        if (fits) memcpy(&kb, p, 4);
+        fits = fits && (uint64_t)kb + 4 + (uint64_t)n * row_bytes == h->payload_len;
+        key_bytes = kb;
+        p += 4;
+    }
+    if (!fits) {
+        snprintf(msg, cap, "payload of %llu bytes does not match %zu rows of %s",
+                 (unsigned long long)h->payload_len, n, ps_codec_name((ps_codec)h->codec));
+        return CM_EINVAL;
+    }
+    *out = (ps_rows_layout){.n = n,
+                            .row_bytes = row_bytes,
+                            .key_bytes = key_bytes,
+                            .keys_at = p,
+                            .rows_at = p + key_bytes,
+                            .elided = elided};
+    return CM_OK;
 }

@@ -121,6 +121,19 @@ int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, f
  * code and message), for a caller that reads fp32 rows where they lie in the message. */
 int ps_f32_check(const float *x, size_t n, uint32_t dim, char **errptr);
 
+/* Where a PULL's or PUSH's parts lie in its payload p (h->payload_len bytes, checked by
+ * ps_wire_open), for a table of `dim`: keys at keys_at (key_bytes of varints, or for an elided
+ * push its 16-byte head), then for a push n rows of row_bytes at rows_at. Checks the codec, the
+ * count against the payload, and that the lengths add up; a failure is CM_EINVAL with a message
+ * naming the field in msg (cap bytes). The server and the fuzz target both use it. */
+typedef struct ps_rows_layout {
+    size_t n, row_bytes, key_bytes;
+    const uint8_t *keys_at, *rows_at;
+    bool elided; /* a PUSH with PS_FLAG_ELIDED */
+} ps_rows_layout;
+int ps_rows_layout_get(const ps_hdr *h, const uint8_t *p, uint32_t dim, ps_rows_layout *out,
+                       char *msg, size_t cap);
+
 /* A fingerprint of everything about a table or dense block that client and server must
  * agree on (name, model config, codecs). */
 uint64_t ps_table_fingerprint(const ps_table_spec *t);

@@ -1,9 +1,10 @@
 /*
  * libFuzzer target: the PS server's decoding of a received message, in the order the server
- * does it: ps_wire_open, then for PULL/PUSH the count and length checks, the key list and the
- * rows in the message's codec. A checksum stops random bytes at the first step, so the first
- * input byte picks a mode: odd = seal the rest first (a valid frame with fuzzed fields and
- * payload, reaching the key and codec decoders), even = the bytes as they are (header checks).
+ * does it: ps_wire_open, then for PULL/PUSH the server's own count and length checks
+ * (ps_rows_layout_get), the key list and the rows in the message's codec. A checksum stops random
+ * bytes at the first step, so the first input byte picks a mode: odd = seal the rest first (a valid
+ * frame with fuzzed fields and payload, reaching the key and codec decoders), even = the bytes as
+ * they are (header checks).
  *
  * An elided PUSH (PS_FLAG_ELIDED) names a pull's key list instead of carrying keys: its length
  * check, its rows, and the lookup of the list it names in a key cache that holds one list.
@@ -54,22 +55,19 @@ static void elided_keys(const ps_hdr *h, const uint8_t *p, uint64_t *keys)
 static void decode_rows(const ps_hdr *h, const uint8_t *p)
 {
     const uint32_t dim = 1 + h->table % 17; /* as if the cluster had tables of dim 1..17 */
-    if (h->codec > PS_CODEC_INT8) return;
-    const size_t n = h->count, row_bytes = ps_codec_row_bytes((ps_codec)h->codec, dim);
-    if (n == 0 || n > h->payload_len || (double)n * row_bytes > MAX_BYTES) return;
-    size_t key_bytes = h->payload_len;
-    const int elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
-    if (elided) {
-        if (h->payload_len != PS_ELIDED_HEAD + (uint64_t)n * row_bytes) return;
-        key_bytes = PS_ELIDED_HEAD;
-    } else if (h->op == PS_OP_PUSH) {
-        uint32_t kb;
-        if (h->payload_len < 4) return;
-        memcpy(&kb, p, 4);
-        if ((uint64_t)kb + 4 + (uint64_t)n * row_bytes != h->payload_len) return;
-        key_bytes = kb;
-        p += 4;
+    ps_rows_layout lay;
+    char msg[256];
+    if (ps_rows_layout_get(h, p, dim, &lay, msg, sizeof msg) != CM_OK) {
+        if (msg[0] == '\0') abort(); /* every refusal names its reason */
+        return;
     }
+    const size_t n = lay.n, key_bytes = lay.key_bytes;
+    const int elided = lay.elided;
+    if ((double)n * lay.row_bytes > MAX_BYTES) return; /* the server's reply_too_big */
+    if (lay.keys_at < p || lay.rows_at != lay.keys_at + key_bytes ||
+        lay.rows_at + (h->op == PS_OP_PUSH ? n * lay.row_bytes : 0) > p + h->payload_len)
+        abort(); /* the layout stays inside the payload */
+    p = lay.keys_at;
     uint64_t *keys = malloc(n * sizeof *keys);
     float *vals = malloc(n * dim * sizeof *vals);
     uint8_t *re = malloc(n * 10);
