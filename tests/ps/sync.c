@@ -1,12 +1,14 @@
 /*
- * Synchronous training, 2 `ember ps` processes x 2 worker threads (each its own client):
+ * Synchronous training, 2 `ember ps` processes x 2 worker processes (this binary run again as
+ * `ps_sync worker I DIR`, each with its own client):
  * staleness 0, sgd, fp32 pushes with duplicated keys, a clock after every step. The test
  * replays the same float arithmetic (client sums duplicates in float; the table applies
  * w = (float)(w - lr * g) in double) to know every row after every step. At each step a worker
  * must read exactly the rows left by everyone's previous step, and at the end both see the
- * final rows bit for bit. Then SHUTDOWN stops both processes cleanly.
+ * final rows bit for bit (a worker's exit status says which of these failed). Then SHUTDOWN
+ * stops both PS processes cleanly.
  */
-#include <pthread.h>
+#include <unistd.h>
 
 #include "ps_test_util.h"
 
@@ -78,9 +80,11 @@ typedef struct worker_res {
     uint64_t last_clock;
 } worker_res;
 
-static void *worker(void *arg)
+/* A worker's exit status: a bit for each kind of failure. */
+enum { W_ERRORS = 1, W_STALE = 2, W_FINAL = 4, W_CLOCK = 8 };
+
+static void worker(worker_res *r)
 {
-    worker_res *r = arg;
     ps_client_opts o = {.cfg = &cfg, .urls = urls, .worker = r->id, .timeout_ms = 10000};
     ps_client *c = NULL;
     char *err = NULL;
@@ -124,11 +128,33 @@ out:
     free(keys);
     free(g);
     free(out);
-    return NULL;
 }
 
-int main(void)
+/* `ps_sync worker I DIR`: the rows to expect come from DIR/expect.bin, which the parent wrote. */
+static int worker_main(uint32_t id, const char *dir)
 {
+    alarm(PT_WATCHDOG_S);
+    char *err = NULL;
+    if (ps_config_load(pt_path(dir, "ps.conf"), &cfg, &err) != CM_OK) pt_die("worker config", err);
+    urls[0] = pt_ipc(dir, "s0");
+    urls[1] = pt_ipc(dir, "s1");
+    size_t len = 0;
+    if (cm_read_file(pt_path(dir, "expect.bin"), (void **)&expect, &len, &err) != CM_OK ||
+        len != (STEPS + 1) * NKEYS * DIM * sizeof *expect)
+        pt_die("worker expect.bin", err);
+    worker_res r = {.id = id};
+    worker(&r);
+    fprintf(stderr, "worker %u: %d errors, %d stale rows, %d final mismatches, clock %llu\n", id,
+            r.errors, r.stale_rows, r.final_mismatch, (unsigned long long)r.last_clock);
+    free(expect);
+    return (r.errors ? W_ERRORS : 0) | (r.stale_rows ? W_STALE : 0) |
+           (r.final_mismatch ? W_FINAL : 0) | (r.last_clock != STEPS ? W_CLOCK : 0);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 4 && strcmp(argv[1], "worker") == 0)
+        return worker_main((uint32_t)atoi(argv[2]), argv[3]);
     psp_watchdog(PT_WATCHDOG_S);
     const char *dir = check_tmpdir("ps_sync");
     const char *path = pt_config(dir, "ps.conf", conf, &cfg);
@@ -152,21 +178,25 @@ int main(void)
     ps_client_destroy(c);
     compute_expected();
 
-    pthread_t th[WORKERS];
-    worker_res res[WORKERS];
+    CHECK_OK(cm_write_file_atomic(pt_path(dir, "expect.bin"), expect,
+                                  (STEPS + 1) * NKEYS * DIM * sizeof *expect, &err),
+             err);
+    pid_t wp[WORKERS];
     for (uint32_t w = 0; w < WORKERS; w++) {
-        res[w] = (worker_res){.id = w};
-        pthread_create(&th[w], NULL, worker, &res[w]);
+        char id[16];
+        snprintf(id, sizeof id, "%u", w);
+        char *args[] = {"/proc/self/exe", "worker", id, (char *)dir, NULL};
+        wp[w] = psp_spawn_argv(args, NULL, NULL);
+        if (wp[w] < 0) pt_die("spawn a worker", NULL);
     }
-    for (uint32_t w = 0; w < WORKERS; w++)
-        pthread_join(th[w], NULL);
     for (uint32_t w = 0; w < WORKERS; w++) {
-        CHECK_MSG(res[w].errors == 0, "worker %u had %d errors", w, res[w].errors);
-        CHECK_MSG(res[w].stale_rows == 0, "worker %u read %d rows not matching the previous step",
-                  w, res[w].stale_rows);
-        CHECK_MSG(res[w].final_mismatch == 0, "worker %u: %d final rows differ", w,
-                  res[w].final_mismatch);
-        CHECK(res[w].last_clock == STEPS);
+        int status = psp_stop(wp[w], 0, 60.0);
+        int code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        CHECK_MSG(code == 0, "worker process %u: status %d (%s%s%s%s)", w, status,
+                  code > 0 && (code & W_ERRORS) ? "failed calls " : "",
+                  code > 0 && (code & W_STALE) ? "rows not matching the previous step " : "",
+                  code > 0 && (code & W_FINAL) ? "final rows differ " : "",
+                  code > 0 && (code & W_CLOCK) ? "clock not at the last step" : "");
     }
 
     c = pt_client(&cfg, urls, 0, 10000);
