@@ -1535,11 +1535,21 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         S->m.n_hidden = o->model.n_hidden;
         memcpy(S->m.hidden, o->model.hidden, sizeof S->m.hidden);
     }
+    /* A setting the model has no place for is refused, not ignored: the run would not be the
+     * one asked for. */
+    const char *kind = model_kind_name(o->model.kind);
+    if (o->hidden_override && o->model.kind == MODEL_LR)
+        return cm_err(errptr, CM_EINVAL, "[model] hidden does not apply to %s (no tower)", kind);
+    if (o->model.n_bottom && o->model.kind != MODEL_DLRM)
+        return cm_err(errptr, CM_EINVAL, "[model] bottom applies to dlrm only, not %s", kind);
+    if (o->dim_override && o->model.kind == MODEL_LR)
+        return cm_err(errptr, CM_EINVAL,
+                      "--dim / [model] dim does not apply to lr (one weight a key)");
     if (o->model.n_bottom) {
         S->m.n_bottom = o->model.n_bottom;
         memcpy(S->m.bottom, o->model.bottom, sizeof S->m.bottom);
     }
-    if (o->dim_override && o->model.kind != MODEL_LR) {
+    if (o->dim_override) {
         S->m.dim = o->dim_override;
         if (o->model.kind == MODEL_DLRM && S->m.n_bottom) S->m.bottom[S->m.n_bottom - 1] = S->m.dim;
     }

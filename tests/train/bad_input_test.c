@@ -108,6 +108,18 @@ int main(void)
     rc = run("train --train av/train --model lr --device cpu --tf32 --config tf32.ini --batch 64 "
              "--max-steps 2 --out r3c --no-progress");
     CHECK_MSG(rc == 0, "--tf32 on the cpu: exit %d, stderr: %s", rc, err_text);
+    /* Settings the model has no place for are refused, naming them, not ignored. */
+    write_text("lr-hidden.ini", "[model]\nkind = lr\nhidden = 64,32\n");
+    rc = run("train --train ds/train --config lr-hidden.ini --out r3e --no-progress");
+    CHECK_MSG(rc == 1 && err_has("hidden does not apply to lr"), "lr with hidden: exit %d, %s", rc,
+              err_text);
+    write_text("mlp-bottom.ini", "[model]\nkind = mlp\nbottom = 32,16\n");
+    rc = run("train --train ds/train --config mlp-bottom.ini --out r3e --no-progress");
+    CHECK_MSG(rc == 1 && err_has("bottom applies to dlrm only, not mlp"),
+              "mlp with bottom: exit %d, %s", rc, err_text);
+    rc = run("train --train ds/train --model lr --dim 8 --out r3e --no-progress");
+    CHECK_MSG(rc == 1 && err_has("does not apply to lr"), "lr with --dim: exit %d, %s", rc,
+              err_text);
     write_text("tf32-bad.ini", "[train]\ntf32 = 2\n");
     rc = run("train --train av/train --model lr --config tf32-bad.ini --out r3d --no-progress");
     CHECK_MSG(rc != 0 && err_has("bad value '2' for tf32"), "[train] tf32 = 2: exit %d", rc);
