@@ -3,14 +3,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "common/common.h"
 
 static char *trim(char *s)
 {
-    while (isspace((unsigned char)*s)) s++;
+    while (isspace((unsigned char)*s))
+        s++;
     char *e = s + strlen(s);
-    while (e > s && isspace((unsigned char)e[-1])) *--e = '\0';
+    while (e > s && isspace((unsigned char)e[-1]))
+        *--e = '\0';
     return s;
 }
 
@@ -23,11 +26,28 @@ int cm_parse_size(const char *v, uint64_t *out)
     if (errno || end == v) return -1;
     uint64_t mult = 1;
     switch (*end) {
-    case 'K': case 'k': mult = 1ull << 10; end++; break;
-    case 'M': case 'm': mult = 1ull << 20; end++; break;
-    case 'G': case 'g': mult = 1ull << 30; end++; break;
-    case 'T': case 't': mult = 1ull << 40; end++; break;
-    default: break;
+    case 'K':
+    case 'k':
+        mult = 1ull << 10;
+        end++;
+        break;
+    case 'M':
+    case 'm':
+        mult = 1ull << 20;
+        end++;
+        break;
+    case 'G':
+    case 'g':
+        mult = 1ull << 30;
+        end++;
+        break;
+    case 'T':
+    case 't':
+        mult = 1ull << 40;
+        end++;
+        break;
+    default:
+        break;
     }
     if (*end != '\0' || (x != 0 && mult > UINT64_MAX / x)) return -1;
     *out = x * mult;
@@ -38,6 +58,11 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
 {
     FILE *f = fopen(path, "r");
     if (f == NULL) return cm_err_errno(errptr, CM_ENOTFOUND, "cannot open %s", path);
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+        fclose(f);
+        return cm_err(errptr, CM_EINVAL, "%s is not a regular file", path);
+    }
     char line[4096], section[256] = "", sarg[256] = "";
     int rc = CM_OK, lineno = 0;
     char *err = NULL;
@@ -59,7 +84,8 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
             }
             *close = '\0';
             char *name = trim(s + 1), *a = name;
-            while (*a && !isspace((unsigned char)*a)) a++;
+            while (*a && !isspace((unsigned char)*a))
+                a++;
             if (*a) *a++ = '\0';
             a = trim(a);
             if (strlen(name) >= sizeof section || strlen(a) >= sizeof sarg) {
@@ -78,8 +104,9 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
             *eq = '\0';
             rc = cb(arg, section, sarg, trim(s), trim(eq + 1), &err);
         }
-        if (rc != CM_OK) cm_err(errptr, rc < 0 ? rc : CM_EINVAL, "%s:%d: %s", path, lineno,
-                                err ? err : "rejected");
+        if (rc != CM_OK)
+            cm_err(errptr, rc < 0 ? rc : CM_EINVAL, "%s:%d: %s", path, lineno,
+                   err ? err : "rejected");
         if (rc > 0) rc = CM_EINVAL;
     }
     free(err);

@@ -40,7 +40,8 @@ static void train_usage(FILE *to)
         "                       created that large instead of doubling (default: the distinct-\n"
         "                       key estimate in the ingest's stats.json, +5%%; 0: start small)\n"
         "  --emb-lr X --dense-lr X --emb-optimizer NAME --push-codec fp32|fp16|bf16|int8\n"
-        "  --dense-optimizer adam|adagrad|sgd   the tower's, on the PS (default adam)\n"
+        "  --dense-optimizer adam|adagrad|sgd   the tower's, on the PS (default adam; its\n"
+        "                       --dense-lr defaults to 0.001, sgd's to 0.1)\n"
         "  --dim D --shuffle ROWS --threads T (compute threads per worker, default: cores, at most "
         "8)\n"
         "  --stale-pull         pull batch t+1 before batch t's push (faster, one step stale)\n"
@@ -62,6 +63,7 @@ static int parse_uint(const char *s, uint64_t max, uint64_t *out)
 
 int cmd_train(int argc, char **argv)
 {
+    int index_set = 0;
     enum {
         O_TRAIN = 256,
         O_EVAL,
@@ -269,6 +271,7 @@ int cmd_train(int argc, char **argv)
         case O_INDEX:
             bad = parse_uint(optarg, UINT32_MAX, &u);
             o.index = (uint32_t)u;
+            index_set = 1;
             break;
         case O_STALEPULL:
             o.stale_pull = 1;
@@ -317,6 +320,15 @@ int cmd_train(int argc, char **argv)
                 : o.train_path == NULL ? "--train is required"
                                        : "--cluster needs --role");
         train_usage(stderr);
+        return 2;
+    }
+    if (o.cluster_path == NULL && (o.role != NULL || index_set)) {
+        fprintf(stderr, "ember train: --role and --index are for one role of a cluster job: "
+                        "give --cluster FILE too (without it the whole job runs here)\n");
+        return 2;
+    }
+    if (o.eval_every && o.eval_path == NULL) {
+        fprintf(stderr, "ember train: --eval-every needs --eval (the held-out shards)\n");
         return 2;
     }
     if (o.rejoin && (o.resume || o.cluster_path == NULL || strcmp(o.role, "worker") != 0)) {

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -34,7 +35,7 @@ void train_opts_init(train_opts *o)
     o->keep_checkpoints = 0;
     o->staleness = -1;
     o->emb_lr = 0.05f;
-    o->dense_lr = 0.001f;
+    o->dense_lr = 0; /* the optimizer's default (setup_make) */
     o->emb_opt = EMB_OPT_ADAGRAD;
     o->push_codec = PS_CODEC_F32;
     o->progress = -1;
@@ -143,6 +144,8 @@ typedef struct setup {
     uint64_t resume_step;
     FILE *metrics; /* worker 0 */
     FILE *log;     /* embedded runs: logs/train.log in the run directory (train_log) */
+    int lock_fd;   /* RUNDIR/lock, held while this job's worker 0 runs here (run_lock) */
+    bool locked;
     double t0;
     /* This process's workers, and the first of them to fail (-1: none): its error is the job's,
      * and the others' clients are aborted (job_abort). Under abort_mu. */
@@ -150,8 +153,9 @@ typedef struct setup {
     uint32_t n_workers;
     int first_failed;
     pthread_mutex_t abort_mu;
-    double t_eval;   /* worker 0's seconds in evaluate(), left out of the samples/s it logs */
-    double last_auc; /* worker 0's latest evaluation, NAN before the first */
+    bool pruned_foreign; /* worker 0: a fresh run's first checkpoint removed the older ones */
+    double t_eval;       /* worker 0's seconds in evaluate(), left out of the samples/s it logs */
+    double last_auc;     /* worker 0's latest evaluation, NAN before the first */
 } setup;
 
 /* Whether the worker loop checkpoints once `steps` batches are done: every --checkpoint-every
@@ -806,7 +810,7 @@ static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final,
 
 /* ---- checkpoints ---- */
 
-static int prune_checkpoints(const setup *S, uint32_t keep, uint64_t latest, char **errptr);
+static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **errptr);
 
 static int ckpt_dir(const setup *S, uint64_t step, char *out, size_t n)
 {
@@ -832,6 +836,14 @@ static void kernels_tag(const setup *S, char *out, size_t n)
         snprintf(out, n, "%s%s", S->be->name, S->o->tf32 ? "+tf32" : "");
 }
 
+/* --dense-lr, or the tower optimizer's default: Adam and Adagrad 0.001, SGD 0.1 (the best of
+ * 0.03, 0.1 and 0.3 on generated Criteo-like data; Adam's 0.001 as measured for the presets). */
+static float dense_lr_of(const train_opts *o)
+{
+    if (o->dense_lr > 0) return o->dense_lr;
+    return o->dense_opt == PS_DENSE_SGD ? 0.1f : 0.001f;
+}
+
 /* What a checkpoint's data positions and rows depend on besides the model (run.txt): a resume
  * with another batch size, shuffle, seed or worker or shard count would replay or skip rows, or
  * find the rows on other shards. Epochs and --max-steps may change (a run is extended). */
@@ -840,9 +852,11 @@ static int run_format(const setup *S, char *out, size_t n)
     const train_opts *o = S->o;
     int len = snprintf(out, n,
                        "batch %u\nshuffle %" PRIu64 "\nseed %" PRIu64
-                       "\nworkers %u\nshards %u\nemb_optimizer %s\ndense_optimizer %s\n",
+                       "\nworkers %u\nshards %u\nemb_optimizer %s\ndense_optimizer %s"
+                       "\nemb_lr %.7g\ndense_lr %.7g\npush_codec %s\n",
                        o->batch, o->shuffle_rows, o->seed, o->workers, o->shards,
-                       emb_opt_name(o->emb_opt), ps_dense_opt_name(o->dense_opt));
+                       emb_opt_name(o->emb_opt), ps_dense_opt_name(o->dense_opt), (double)o->emb_lr,
+                       (double)dense_lr_of(o), ps_codec_name(o->push_codec));
     return len < 0 || (size_t)len >= n ? 0 : len;
 }
 
@@ -906,7 +920,30 @@ static int resume_check(const setup *S, char **errptr)
 /* Collective: PS snapshot named by tag (the same for every worker), each worker's own data
  * position (batches consumed, the kernels that computed them, and the rows and summed loss of
  * this run so far: job_totals), then LATEST (worker 0). */
-static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t own,
+/* A checkpoint directory may hold an earlier run's, saved at the same step with more shards or
+ * workers: their entries would make this one unreadable (two copies of a row). */
+static int drop_foreign(const setup *S, const char *dir, char **errptr)
+{
+    DIR *d = opendir(dir);
+    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", dir);
+    struct dirent *e;
+    int rc = CM_OK;
+    while (rc == CM_OK && (e = readdir(d)) != NULL) {
+        unsigned i;
+        char tail[8];
+        bool foreign = (sscanf(e->d_name, "shard-%u%1s", &i, tail) == 1 && i >= S->ps.n_shards) ||
+                       (sscanf(e->d_name, "worker-%u.po%1s", &i, tail) == 2 && i >= S->o->workers);
+        if (foreign) {
+            char path[2600];
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            rc = cm_rmtree(path, errptr);
+        }
+    }
+    closedir(d);
+    return rc;
+}
+
+static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t own,
                       uint64_t samples, double loss_sum, char **errptr)
 {
     char dir[2200], path[2400], text[256];
@@ -934,6 +971,7 @@ static int checkpoint(const setup *S, ps_client *c, uint32_t w, uint64_t tag, ui
         len = run_format(S, model, sizeof model);
         if (rc == CM_OK) rc = cm_write_file_atomic(path, model, (size_t)len, errptr);
     }
+    if (rc == CM_OK && w == 0) rc = drop_foreign(S, dir, errptr);
     if (rc == CM_OK && w == 0) {
         snprintf(path, sizeof path, "%s/LATEST", S->ckpt_root);
         len = snprintf(text, sizeof text, "step-%" PRIu64 "\n", tag);
@@ -955,9 +993,15 @@ static int u64_cmp(const void *a, const void *b)
 /* Once step-<latest> is complete and LATEST names it: no checkpoint newer than it survives (an
  * earlier, longer run's in the same directory, or a save that never completed; left there, a
  * later prune would delete this run's checkpoints before them), and of the rest only the newest
- * `keep` (0: all). */
-static int prune_checkpoints(const setup *S, uint32_t keep, uint64_t latest, char **errptr)
+ * `keep` (0: all). A fresh run's first checkpoint also removes every older one: they are an
+ * earlier run's (kept until now, so a fresh run that fails first leaves them as they were). */
+static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **errptr)
 {
+    bool earlier = !S->o->resume && !S->o->rejoin && !S->pruned_foreign;
+    if (earlier) {
+        S->pruned_foreign = true;
+        keep = 1;
+    }
     DIR *d = opendir(S->ckpt_root);
     if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", S->ckpt_root);
     uint64_t steps[4096];
@@ -981,8 +1025,14 @@ static int prune_checkpoints(const setup *S, uint32_t keep, uint64_t latest, cha
         train_log(S, "removing %s: newer than this run's checkpoint step-%" PRIu64, dir, latest);
         rc = cm_rmtree(dir, errptr);
     }
-    for (size_t i = 0; rc == CM_OK && keep > 0 && i + keep < n; i++)
-        if (ckpt_dir(S, steps[i], dir, sizeof dir) == CM_OK) rc = cm_rmtree(dir, errptr);
+    for (size_t i = 0; rc == CM_OK && keep > 0 && i + keep < n; i++) {
+        if (ckpt_dir(S, steps[i], dir, sizeof dir) != CM_OK) continue;
+        if (earlier) {
+            fprintf(stderr, "ember train: removing %s: an earlier run's, in this directory\n", dir);
+            train_log(S, "removing %s: an earlier run's", dir);
+        }
+        rc = cm_rmtree(dir, errptr);
+    }
     return rc;
 }
 
@@ -1217,8 +1267,10 @@ static void log_progress(const setup *S, uint64_t step, uint64_t samples, double
 {
     double el = cm_now() - S->t0, busy = el - S->t_eval,
            rate = busy > 0 ? (double)samples / busy : 0;
-    double eta =
-        rate > 0 && S->max_steps > step ? (double)(S->max_steps - step) * S->o->batch / rate : 0;
+    /* rate is the job's (every worker's rows), and each worker has the steps left. */
+    double eta = rate > 0 && S->max_steps > step
+                     ? (double)(S->max_steps - step) * S->o->batch * S->o->workers / rate
+                     : 0;
     char auc[32] = "";
     if (!isnan(S->last_auc)) snprintf(auc, sizeof auc, "  auc %.4f", S->last_auc);
     bool tty = S->o->progress == 1 || (S->o->progress < 0 && isatty(2));
@@ -1425,6 +1477,12 @@ static void *worker_main(void *arg)
         snprintf(pos, sizeof pos, "%s/worker-%u.pos", dir, W->index);
         char *pos_text = NULL;
         if (rc == CM_OK) rc = read_tagged(pos, "step %llu", &W->start, &pos_text, errptr);
+        /* A worker is never past the checkpoint's step, nor past its own schedule. */
+        if (rc == CM_OK && (W->start > S->resume_step || W->start > S->steps_of[W->index]))
+            rc = cm_err(errptr, CM_ECORRUPT,
+                        "%s says step %" PRIu64 ", past the checkpoint's step %" PRIu64
+                        " or this worker's %" PRIu64 " steps",
+                        pos, W->start, S->resume_step, S->steps_of[W->index]);
         if (rc == CM_OK) warn_kernels(S, pos_text);
         free(pos_text);
     }
@@ -1596,7 +1654,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         snprintf(d->name, sizeof d->name, "tower");
         d->size = S->l.n_params;
         d->opt = o->dense_opt;
-        d->lr = o->dense_lr;
+        d->lr = dense_lr_of(o);
         d->beta1 = 0.9f;
         d->beta2 = 0.999f;
         d->eps = 1e-8f;
@@ -1633,6 +1691,14 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         free(err);
     }
     if (rc == CM_OK && o->resume) rc = resume_check(S, errptr);
+    /* The final checkpoint is named after the schedule's end: one that ends at or before the
+     * checkpoint's step would overwrite newer state under an older name. */
+    if (rc == CM_OK && o->resume && S->resume_step >= S->max_steps)
+        rc = cm_err(errptr, CM_EINVAL,
+                    "--resume: the checkpoint is at step %" PRIu64 " and this run's schedule ends "
+                    "at step %" PRIu64 ": nothing to resume (raise --epochs or --max-steps, or "
+                    "use the same --train data)",
+                    S->resume_step, S->max_steps);
     return rc;
 }
 
@@ -1648,9 +1714,76 @@ static void setup_free(setup *S)
     free(S->steps_of);
     if (S->metrics) fclose(S->metrics);
     if (S->log) fclose(S->log);
+    if (S->locked) close(S->lock_fd);
 }
 
 static int cluster_urls(setup *S, const char *path, char **errptr);
+
+/* One job a run directory: the process that runs worker 0 holds an exclusive flock on
+ * RUNDIR/lock (released by the kernel however the process ends), so a second job cannot
+ * overwrite or prune the first one's checkpoints. */
+static int run_lock(setup *S, const char *out_dir, char **errptr)
+{
+    char path[2300];
+    snprintf(path, sizeof path, "%s/lock", out_dir);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return cm_err_errno(errptr, CM_EIO, "cannot open %s", path);
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        char pid[32] = "";
+        ssize_t n = read(fd, pid, sizeof pid - 1);
+        pid[n > 0 ? strcspn(pid, "\n") : 0] = '\0';
+        close(fd);
+        return cm_err(errptr, CM_EINVAL,
+                      "run directory %s is in use by another ember train (pid %s): wait for it "
+                      "to end, or use another --out",
+                      out_dir, pid[0] ? pid : "?");
+    }
+    char text[32];
+    int len = snprintf(text, sizeof text, "%ld\n", (long)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, text, (size_t)len, 0) != len) {
+        /* the pid is only a hint for the message above */
+    }
+    S->lock_fd = fd;
+    S->locked = true;
+    return CM_OK;
+}
+
+/* A resumed run continues metrics.jsonl from the checkpoint: lines of steps after it are the
+ * interrupted run's, which the resumed run computes again. */
+static int metrics_trim(const char *path, uint64_t step, char **errptr)
+{
+    char *text = NULL;
+    size_t len = 0;
+    char *err = NULL;
+    int rc = cm_read_file(path, (void **)&text, &len, &err);
+    free(err);
+    if (rc != CM_OK) return CM_OK; /* none yet */
+    char *out = malloc(len + 1);
+    size_t n = 0;
+    if (out == NULL) {
+        free(text);
+        return cm_err(errptr, CM_ENOMEM, "out of memory");
+    }
+    for (size_t at = 0; at < len;) {
+        size_t end = at;
+        while (end < len && text[end] != '\n')
+            end++;
+        unsigned long long st;
+        char line[40];
+        snprintf(line, sizeof line, "%.*s", (int)(end - at < 39 ? end - at : 39), text + at);
+        bool keep = sscanf(line, "{\"step\":%llu", &st) != 1 || st <= step;
+        if (keep && end > at) {
+            memcpy(out + n, text + at, end - at);
+            n += end - at;
+            out[n++] = '\n';
+        }
+        at = end + 1;
+    }
+    rc = n == len ? CM_OK : cm_write_file_atomic(path, out, n, errptr);
+    free(out);
+    free(text);
+    return rc;
+}
 
 int train_run(const train_opts *o, train_result *res, char **errptr)
 {
@@ -1735,6 +1868,16 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     if (rc == CM_OK && run_workers) {
         char path[2300];
         snprintf(path, sizeof path, "%s/metrics.jsonl", oc.out_dir);
+        if (first_w == 0) rc = run_lock(&S, oc.out_dir, errptr);
+        if (rc == CM_OK && first_w == 0 && oc.resume)
+            rc = metrics_trim(path, S.resume_step, errptr);
+        if (rc == CM_OK && first_w == 0 && !oc.resume && !oc.rejoin) {
+            /* A fresh run's: an earlier run's predictions would pass for this one's. */
+            char pred[2300];
+            snprintf(pred, sizeof pred, "%s/eval_predictions.txt", oc.out_dir);
+            unlink(pred);
+        }
+        if (rc != CM_OK) goto out;
         if (first_w == 0) S.metrics = fopen(path, oc.resume || oc.rejoin ? "a" : "w");
         snprintf(path, sizeof path, "%s/logs", oc.out_dir);
         if (!o->cluster_path && cm_mkdirs(path, NULL) == CM_OK) {
@@ -1818,9 +1961,11 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
                         first_s);
     }
 out:
-    if (rc == CM_OK)
+    if (rc == CM_OK && oc.eval_path)
         train_log(&S, "done: %" PRIu64 " rows in %.3f s, auc %.6f logloss %.6f", res->rows,
                   res->seconds, res->auc, res->logloss);
+    else if (rc == CM_OK)
+        train_log(&S, "done: %" PRIu64 " rows in %.3f s (no --eval)", res->rows, res->seconds);
     else
         train_log(&S, "failed: %s", errptr && *errptr ? *errptr : "(no message)");
     for (uint32_t i = 0; servers && i < oc.shards; i++)

@@ -45,7 +45,11 @@
  * had consumed), ckpt/LATEST (atomically replaced once a checkpoint is complete,
  * so a crashed save never replaces a good one), metrics.jsonl, eval_predictions.txt, and for an
  * embedded run logs/train.log (start, progress, evaluations, the result or the error). Only the
- * newest --keep-checkpoints are kept. --resume continues from ckpt/LATEST.
+ * newest --keep-checkpoints are kept. --resume continues from ckpt/LATEST (refused when the new
+ * schedule ends at or before it; metrics.jsonl is first cut back to its step). A fresh run's
+ * first checkpoint removes the checkpoints an earlier run left in the directory (kept until
+ * then, so a fresh run that fails first leaves them as they were). The process running worker 0
+ * holds RUNDIR/lock (flock): a second job into the same directory is refused.
  *
  * Worker restart (cluster mode): each worker keeps progress/worker-<i> in the run directory,
  * the batch it is about to compute, rewritten in place whenever none of its pushes is in

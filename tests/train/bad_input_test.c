@@ -261,6 +261,110 @@ int main(void)
     double took = cm_now() - t0;
     CHECK_MSG(rc == 1 && err_has("part-00000.shard") && took < 20,
               "one of two workers failing: exit %d after %.1f s, stderr: %s", rc, took, err_text);
+
+    /* The run directory's life across runs (ds/train: 32 batches of 512 an epoch). */
+    const char *c9 = "--train ds/train --model mlp --batch 512 --no-progress --out r9";
+    rc = run("train %s --max-steps 12 --checkpoint-every 4 --shards 2 --workers 2", c9);
+    CHECK_MSG(rc == 0, "r9 2x2 run: exit %d, %s", rc, err_text);
+    char *list9 = ckpt_listing("r9");
+    /* A resume whose schedule ends at or before the checkpoint would write newer state under
+     * an older name and prune the rest: refused, nothing touched. */
+    rc = run("train %s --max-steps 12 --shards 2 --workers 2 --resume", c9);
+    CHECK_MSG(rc == 1 && err_has("nothing to resume"), "resume at the end: exit %d, %s", rc,
+              err_text);
+    rc = run("train %s --max-steps 8 --shards 2 --workers 2 --resume", c9);
+    CHECK_MSG(rc == 1 && err_has("checkpoint is at step 12"), "resume past the end: exit %d, %s",
+              rc, err_text);
+    /* Settings the shards' tables depend on are named too, not reported as a corrupt
+     * MANIFEST. */
+    rc = run("train %s --max-steps 16 --shards 2 --workers 2 --resume --emb-lr 0.2", c9);
+    CHECK_MSG(rc == 1 && err_has("emb_lr 0.2 (checkpoint 0.05)"), "--emb-lr on resume: %d, %s", rc,
+              err_text);
+    /* A position past its checkpoint's step is refused. */
+    write_text("r9/ckpt/step-12/worker-1.pos.bak", "");
+    char *pos = slurp("r9/ckpt/step-12/worker-1.pos");
+    write_text("r9/ckpt/step-12/worker-1.pos", "step 99999\n");
+    rc = run("train %s --max-steps 16 --shards 2 --workers 2 --resume", c9);
+    CHECK_MSG(rc == 1 && err_has("worker-1.pos says step 99999"), "bad position: %d, %s", rc,
+              err_text);
+    if (pos) write_text("r9/ckpt/step-12/worker-1.pos", pos);
+    free(pos);
+    unlink(strcat(strcpy((char[8300]){0}, dir), "/r9/ckpt/step-12/worker-1.pos.bak"));
+    char *list9b = ckpt_listing("r9");
+    CHECK_MSG(list9 && list9b && strcmp(list9, list9b) == 0, "refused resumes changed r9/ckpt");
+    free(list9);
+    free(list9b);
+    /* A fresh 1x1 run into r9 saves step-4 where the 2x2 run did: its checkpoint must not keep
+     * the earlier run's shard-1/ or worker-1.pos (exporting it then finds every row twice), and
+     * its first checkpoint removes the earlier run's others. */
+    rc = run("train %s --max-steps 6 --checkpoint-every 4", c9);
+    CHECK_MSG(rc == 0, "fresh 1x1 run into r9: exit %d, %s", rc, err_text);
+    CHECK_MSG(!exists("r9/ckpt/step-4/shard-1") && !exists("r9/ckpt/step-4/worker-1.pos") &&
+                  exists("r9/ckpt/step-4/shard-0") && !exists("r9/ckpt/step-8") &&
+                  !exists("r9/ckpt/step-12") && exists("r9/ckpt/step-6/model.txt"),
+              "r9/ckpt after a fresh 1x1 run");
+    CHECK_MSG(err_has("removing r9/ckpt/step-12"), "removed checkpoints not named: %s", err_text);
+    rc = run("export --checkpoint r9/ckpt/step-4 --out r9-bundle");
+    CHECK_MSG(rc == 0, "export of the fresh run's step-4: exit %d, %s", rc, err_text);
+    /* One job a run directory: a second run into r9 while the first runs is refused. */
+    char cmd[16384];
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && rm -f r9/metrics.jsonl && (timeout 60 '%s' train --train ds/train --model "
+             "mlp --batch 256 --epochs 100 --no-progress --out r9 >/dev/null 2>&1 & echo $! > "
+             "first.pid) && for i in $(seq 100); do [ -s r9/metrics.jsonl ] && break; sleep 0.1; "
+             "done; timeout 60 '%s' train --train ds/train --model lr --no-progress --out r9 "
+             "2>lock.txt; echo $? > lock.rc; kill $(cat first.pid); wait",
+             dir, bin, bin);
+    CHECK(system(cmd) == 0);
+    char *lrc = slurp("lock.rc"), *ltxt = slurp("lock.txt");
+    CHECK_MSG(lrc && atoi(lrc) == 1 && ltxt && strstr(ltxt, "is in use by another ember train"),
+              "a second run into a busy run directory: exit %s, %s", lrc ? lrc : "?",
+              ltxt ? ltxt : "");
+    free(lrc);
+    free(ltxt);
+    /* --role / --index without --cluster; a directory as --config; --dense-optimizer sgd's own
+     * learning rate; train.log without --eval. */
+    rc = run("train --train ds/train --role ps --index 1 --out r10 --no-progress");
+    CHECK_MSG(rc == 2 && err_has("--cluster"), "--role without --cluster: exit %d", rc);
+    rc = run("train --train ds/train --config ds --out r10 --no-progress");
+    CHECK_MSG(rc == 2 && err_has("not a regular file"), "--config DIR: exit %d, %s", rc, err_text);
+    rc = run("train --train ds/train --model mlp --dense-optimizer sgd --max-steps 2 --out r10 "
+             "--no-progress");
+    char *run10 = slurp("r10/ckpt/step-2/run.txt"), *log10 = slurp("r10/logs/train.log");
+    CHECK_MSG(rc == 0 && run10 && strstr(run10, "dense_lr 0.1\n"), "sgd's lr: %s",
+              run10 ? run10 : "(no run.txt)");
+    CHECK_MSG(log10 && strstr(log10, "(no --eval)") && !strstr(log10, "auc 0.000000"),
+              "train.log without --eval: %s", log10 ? log10 : "(missing)");
+    free(run10);
+    free(log10);
+    /* A run killed after its step-2 checkpoint (LATEST set back to it: the later lines of
+     * metrics.jsonl are the killed run's), then resumed: metrics.jsonl is cut back to step 2
+     * first, so its training lines' steps only increase. */
+    rc = run("train --train ds/train --eval ds/eval --model lr --batch 512 --max-steps 6 "
+             "--checkpoint-every 2 --eval-every 2 --out r11 --no-progress");
+    CHECK(rc == 0);
+    write_text("r11/ckpt/LATEST", "step-2\n");
+    rc = run("train --train ds/train --eval ds/eval --model lr --batch 512 --max-steps 6 "
+             "--checkpoint-every 2 --eval-every 2 --out r11 --no-progress --resume");
+    CHECK_MSG(rc == 0, "resume of r11: exit %d, %s", rc, err_text);
+    char *m11 = slurp("r11/metrics.jsonl");
+    double prev = 0;
+    int evals = 0;
+    for (char *l = m11; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : l + strlen(l)) {
+        double st = strtod(l + 8, NULL);
+        size_t ll = strcspn(l, "\n");
+        char line[512];
+        snprintf(line, sizeof line, "%.*s", (int)ll, l);
+        if (strstr(line, "\"auc\"")) {
+            evals++;
+            continue;
+        }
+        CHECK_MSG(st > prev, "r11/metrics.jsonl: step %g after %g:\n%s", st, prev, m11);
+        prev = st;
+    }
+    CHECK_MSG(evals == 3, "r11/metrics.jsonl: %d eval lines (2, 4, 6 once each):\n%s", evals,
+              m11 ? m11 : "");
+    free(m11);
     free(latest0);
     free(latest1);
     free(list0);
