@@ -1562,12 +1562,23 @@ static uint64_t expected_rows(const train_opts *o, uint32_t n_fields)
     return rows;
 }
 
+/* The whole of a flag's shards, for a check before training; an error names the flag. */
+static int reader_open_flag(const setup *S, const char *flag, const char *path, ds_reader **r,
+                            char **errptr)
+{
+    char *err = NULL;
+    int rc = reader_open(S, path, 0, 1, 1, 0, r, &err);
+    if (rc != CM_OK) cm_err(errptr, rc, "%s: %s", flag, err ? err : "cannot open");
+    free(err);
+    return rc;
+}
+
 static int setup_make(setup *S, const train_opts *o, char **errptr)
 {
     memset(S, 0, sizeof *S);
     S->o = o;
     ds_reader *r = NULL;
-    int rc = reader_open(S, o->train_path, 0, 1, 1, 0, &r, errptr);
+    int rc = reader_open_flag(S, "--train", o->train_path, &r, errptr);
     if (rc != CM_OK) return rc;
     const ds_schema *sch = ds_reader_schema(r);
     model_cfg_preset(&S->m, o->model.kind, sch->n_fields, sch->n_dense);
@@ -1577,7 +1588,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         return cm_err(errptr, CM_EINVAL, "--eval-every needs --eval (the held-out shards)");
     /* The eval shards are checked before training, not found wanting after it. */
     if (o->eval_path != NULL) {
-        rc = reader_open(S, o->eval_path, 0, 1, 1, 0, &r, errptr);
+        rc = reader_open_flag(S, "--eval", o->eval_path, &r, errptr);
         if (rc != CM_OK) return rc;
         sch = ds_reader_schema(r);
         if (sch->n_fields != n_fields || sch->n_dense != n_dense)

@@ -38,7 +38,9 @@
  * batch not yet pulled), so it gives what a run stopped at that step would, and the run's bits
  * are those of a run without it. Each evaluation appends a line with "auc" and "logloss" to
  * metrics.jsonl ("final": true for the last); the progress line shows the latest AUC, and its
- * samples/s leaves out the time spent evaluating.
+ * samples/s leaves out the time spent evaluating. With several workers the progress lines'
+ * "samples" are worker 0's rows times the worker count and "loss" is worker 0's (the other
+ * workers may be other processes); the final JSON's rows and train_loss are every worker's.
  *
  * Run directory (--out): ckpt/step-<N>/ (PS shards, model.txt, run.txt: batch, shuffle, seed,
  * worker and shard counts, which --resume must match, worker-<i>.pos: the batches each worker

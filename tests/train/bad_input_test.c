@@ -81,7 +81,8 @@ int main(void)
     rc = run("train --out r1");
     CHECK_MSG(rc == 2 && err_has("--train"), "no --train: exit %d", rc);
     rc = run("train --train ds/train --eval no/such/eval --model lr --max-steps 2 --out r1 --no-progress");
-    CHECK_MSG(rc == 1 && err_has("no/such/eval"), "missing --eval dir: exit %d", rc);
+    CHECK_MSG(rc == 1 && err_has("--eval: ") && err_has("no/such/eval"),
+              "missing --eval dir: exit %d", rc);
     rc = run("train --train ds/train --eval-every 5 --no-progress --out bad-ee");
     CHECK_MSG(rc != 0 && err_has("--eval-every needs --eval"),
               "--eval-every without --eval: exit %d", rc);
