@@ -25,10 +25,12 @@
  * budget / n_sub bytes of hash table (capacity x row bytes, exactly what is allocated). When a
  * sub-shard is full, a CLOCK sweep picks rows not touched since the last sweep and moves them
  * (whole records, bit for bit) into a RocksDB database at spill_path, then drops them from
- * memory. A pull or push of a spilled key reads it back with one batched MultiGet and deletes
- * it from RocksDB: every key lives in exactly one place. Because records move whole and the
- * optimizer math does not depend on where a row lives, a table ten times its budget ends a
- * training sequence with exactly the rows the same table would have fully in memory.
+ * memory. A pull of a spilled key reads it back with one batched MultiGet; a push reads it too,
+ * but when the sub-shard has no free room it updates the row where it lies, in RocksDB, since
+ * making room would mean writing rows out before the push is sure to succeed. Memory is
+ * authoritative: a row's RocksDB copy counts only while the row is not in memory. Because records
+ * move whole and the optimizer math does not depend on where a row lives, a table ten times its
+ * budget ends a training sequence with exactly the rows the same table would have fully in memory.
  *
  * Admission (admit_threshold > 1): a key absent from the table is counted in a count-min
  * sketch each time it appears in a pull; only when its estimate reaches the threshold is the row
@@ -176,7 +178,10 @@ int emb_table_pull(emb_table *t, const uint64_t *keys, size_t n, float *out, cha
 /* Applies one optimizer step per (key, gradient) pair: grads is n * dim floats. Duplicated
  * keys are applied in order, as separate steps. Keys not yet admitted are dropped and counted.
  * A non-finite gradient rejects the whole call with CM_EINVAL before any row changes. Advances
- * the table step by one. */
+ * the table step by one.
+ * All or nothing: when the push fails for any reason (an I/O error of the spill store, e.g. a
+ * full disk: CM_EIO; out of memory), no row is created or changed and the step does not advance;
+ * the message names the table's spill path and what failed. The same push may be sent again. */
 int emb_table_push(emb_table *t, const uint64_t *keys, size_t n, const float *grads,
                    char **errptr);
 

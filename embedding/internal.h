@@ -67,6 +67,9 @@ typedef struct emb_mem {
     uint8_t *recs;
     size_t mapped; /* the block's mapping length; 0: malloc'd */
     uint64_t hand; /* CLOCK hand */
+    /* Rows promised to pushes between their two passes (table.c, push_memory): other inserts
+     * count them as used, so the promised room is still free when the push comes to use it. */
+    uint64_t reserved;
 } emb_mem;
 
 int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap, char **errptr);
@@ -77,8 +80,11 @@ int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h);
 uint64_t emb_mem_limit(const emb_mem *m);
 /* True when one more row needs eviction first (at max_cap and at the load limit). */
 bool emb_mem_full(const emb_mem *m);
-/* Inserts a key known to be absent, growing if allowed; returns the slot (record zeroed except
- * the key) or -1 on allocation failure. The caller ensures !emb_mem_full(). */
+/* Doubles the capacity (up to max_cap): CM_OK, or CM_ENOMEM (also at max_cap) with m unchanged. */
+int emb_mem_grow(emb_mem *m);
+/* Inserts a key known to be absent, growing if allowed (when count + reserved is at the load
+ * limit); returns the slot (record zeroed except the key) or -1 on allocation failure. The caller
+ * ensures !emb_mem_full(); one using a reserved row takes it out of `reserved` first. */
 int64_t emb_mem_insert(emb_mem *m, uint64_t key, uint64_t h);
 static inline uint8_t *emb_mem_rec(const emb_mem *m, int64_t slot)
 {

@@ -106,7 +106,7 @@ uint64_t emb_mem_limit(const emb_mem *m)
 
 bool emb_mem_full(const emb_mem *m)
 {
-    return m->cap >= m->max_cap && m->count >= limit_of(m->cap);
+    return m->cap >= m->max_cap && m->count + m->reserved >= limit_of(m->cap);
 }
 
 /* Places a record whose key is absent into the first free slot of its probe sequence. */
@@ -118,8 +118,9 @@ static uint64_t place(uint8_t *ctrl, uint64_t cap, uint64_t h)
     return i;
 }
 
-static int grow(emb_mem *m)
+int emb_mem_grow(emb_mem *m)
 {
+    if (m->cap >= m->max_cap) return CM_ENOMEM;
     uint64_t ncap = m->cap * 2;
     if (ncap > m->max_cap) ncap = m->max_cap;
     uint8_t *nctrl, *nrecs;
@@ -143,8 +144,8 @@ static int grow(emb_mem *m)
 
 int64_t emb_mem_insert(emb_mem *m, uint64_t key, uint64_t h)
 {
-    if (m->count >= limit_of(m->cap)) {
-        if (m->cap >= m->max_cap || grow(m) != CM_OK) return -1;
+    if (m->count + m->reserved >= limit_of(m->cap)) {
+        if (m->cap >= m->max_cap || emb_mem_grow(m) != CM_OK) return -1;
     }
     uint64_t i = place(m->ctrl, m->cap, h);
     m->ctrl[i] = emb_mem_tag(h);

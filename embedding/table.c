@@ -2,13 +2,15 @@
  * emb_table: sub-shards of in-memory rows, a spill store for cold rows, admission and TTL.
  * The design block in embedding.h explains the layout; this file is the mechanism.
  *
- * A batched call hashes its keys once, groups them by sub-shard with a counting sort, and
+ * A batched call hashes its keys once and groups them by sub-shard with a counting sort. A pull
  * processes each group under that sub-shard's lock in three phases:
  *   1. (only when the sub-shard has spilled rows) find which keys are absent from memory and
  *      mark the present ones referenced, so the CLOCK spares them while this group evicts;
  *   2. read the absent keys from the spill store with one batched get;
  *   3. walk the keys in the caller's order: find, else fault in (spilled record, new row, or
- *      held back by admission), then copy out or apply the optimizer.
+ *      held back by admission), then copy out.
+ * A push is all or nothing (push_memory, push_spill): everything that can fail is done for every
+ * group before the first row changes.
  * A row read back from the spill store keeps its copy there (no delete, so no tombstone) and
  * is marked DISK|CLEAN; any change to the row clears CLEAN. Evicting a clean row writes
  * nothing. Memory is authoritative: a key resident in memory is never read from the spill
@@ -51,9 +53,11 @@ typedef struct scratch {
     uint8_t *miss_found, *miss_used;
     uint8_t *miss_recs;
     size_t n_miss, cap_miss;
-    /* eviction buffer */
-    uint8_t *ev;
-    size_t cap_ev;
+    /* eviction buffer, and the ctrl byte each dirty row had */
+    uint8_t *ev, *ev_ctrl;
+    size_t cap_ev, cap_ev_ctrl;
+    /* rows still reserved for the group being pushed (push_memory), or NULL */
+    uint64_t *resv;
 } scratch;
 
 static int grow_buf(void **p, size_t *cap, size_t need, size_t elem)
@@ -75,6 +79,7 @@ static void scratch_fini(scratch *sc)
     free(sc->miss_used);
     free(sc->miss_recs);
     free(sc->ev);
+    free(sc->ev_ctrl);
 }
 
 static inline uint32_t sub_of(const emb_table *t, uint64_t h)
@@ -112,7 +117,8 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
     emb_mem *m = &s->mem;
     uint64_t target = emb_mem_limit(m) / 32;
     if (target == 0) target = 1;
-    if (grow_buf((void **)&sc->ev, &sc->cap_ev, target, t->rec) != CM_OK)
+    if (grow_buf((void **)&sc->ev, &sc->cap_ev, target, t->rec) != CM_OK ||
+        grow_buf((void **)&sc->ev_ctrl, &sc->cap_ev_ctrl, target, 1) != CM_OK)
         return cm_err(errptr, CM_ENOMEM, "out of memory for the eviction buffer");
     uint64_t n = 0, n_dirty = 0;
     for (uint64_t scanned = 0; n < target && m->count > 0 && scanned <= 2 * m->cap; scanned++) {
@@ -126,20 +132,25 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
         } else {
             /* A clean row's spill copy is current: it leaves memory without a write. The
              * cluster shifts back into this slot, so the hand stays to look at it. */
-            if ((c & (EMB_CTRL_DISK | EMB_CTRL_CLEAN)) != (EMB_CTRL_DISK | EMB_CTRL_CLEAN))
+            if ((c & (EMB_CTRL_DISK | EMB_CTRL_CLEAN)) != (EMB_CTRL_DISK | EMB_CTRL_CLEAN)) {
+                sc->ev_ctrl[n_dirty] = c;
                 memcpy(sc->ev + n_dirty++ * t->rec, emb_mem_rec(m, (int64_t)m->hand), t->rec);
+            }
             emb_mem_delete(m, (int64_t)m->hand);
             n++;
         }
     }
     int rc = emb_store_put(t->spill, sc->ev, n_dirty, errptr);
     if (rc != CM_OK) {
-        /* Put the unwritten rows back rather than lose them; room exists since they left. */
+        /* Put the unwritten rows back rather than lose them; room exists since they left. A
+         * row keeps its DISK flag: its stale spill copy must still go when the row expires. */
         for (uint64_t i = 0; i < n_dirty; i++) {
             uint8_t *r = sc->ev + i * t->rec;
             uint64_t k = emb_rec_key(r);
             int64_t slot = emb_mem_insert(m, k, emb_key_hash(k));
-            if (slot >= 0) memcpy(emb_mem_rec(m, slot), r, t->rec);
+            if (slot < 0) continue;
+            memcpy(emb_mem_rec(m, slot), r, t->rec);
+            m->ctrl[slot] |= sc->ev_ctrl[i] & EMB_CTRL_DISK;
         }
         s->spilled += n - n_dirty;
         s->spill_evictions += n - n_dirty;
@@ -154,6 +165,10 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
 static int insert_room(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
                        int64_t *slot, char **errptr)
 {
+    if (sc->resv != NULL && *sc->resv > 0) {
+        (*sc->resv)--;
+        s->mem.reserved--;
+    }
     if (emb_mem_full(&s->mem)) {
         int rc = evict(t, s, sc, errptr);
         if (rc != CM_OK) return rc;
@@ -169,6 +184,17 @@ static int miss_cmp(const void *a, const void *b)
 {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return (x > y) - (x < y);
+}
+
+/* Sorts n keys and drops repeats; returns how many distinct keys remain at the front. */
+static size_t sort_unique(uint64_t *k, size_t n)
+{
+    if (n == 0) return 0;
+    qsort(k, n, sizeof *k, miss_cmp);
+    size_t u = 1;
+    for (size_t i = 1; i < n; i++)
+        if (k[u - 1] != k[i]) k[u++] = k[i];
+    return u;
 }
 
 /* Phases 1 and 2: which keys of the group are absent, and what the spill store holds of them. */
@@ -191,11 +217,7 @@ static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *k
         sc->miss[sc->n_miss++] = keys[k];
     }
     if (sc->n_miss == 0) return CM_OK;
-    qsort(sc->miss, sc->n_miss, sizeof(uint64_t), miss_cmp);
-    size_t u = 0;
-    for (size_t i = 0; i < sc->n_miss; i++)
-        if (u == 0 || sc->miss[u - 1] != sc->miss[i]) sc->miss[u++] = sc->miss[i];
-    sc->n_miss = u;
+    size_t u = sc->n_miss = sort_unique(sc->miss, sc->n_miss);
     free(sc->miss_found);
     free(sc->miss_used);
     free(sc->miss_recs);
@@ -353,6 +375,357 @@ static int group_keys(const emb_table *t, const uint64_t *keys, size_t n, uint64
     return CM_OK;
 }
 
+/* ---- pushes: all or nothing ---- */
+
+/* The message of a push that failed having changed nothing: which table, and what failed (why,
+ * which is freed). */
+static int push_failed(const emb_table *t, size_t n, int rc, char *why, char **errptr)
+{
+    const char *what = why != NULL ? why : "unknown error";
+    if (t->spill_path != NULL)
+        cm_err(errptr, rc,
+               "push of %zu keys to the table spilling to %s not applied (no row changed): %s", n,
+               t->spill_path, what);
+    else
+        cm_err(errptr, rc,
+               "push of %zu keys to an in-memory table not applied (no row changed): %s", n, what);
+    free(why);
+    return rc;
+}
+
+/* Reserves room in a sub-shard without a spill store for the rows a push's group may create: as
+ * many as it has keys when they fit without a doubling (the usual case, a mere count), else its
+ * distinct absent keys, doubling until they fit, so that the table grows when it must and not
+ * earlier. The caller holds s->mu. */
+static int reserve_rows(sub *s, scratch *sc, const uint64_t *keys, const uint64_t *h,
+                        const uint32_t *idx, size_t m, uint64_t *got, char **errptr)
+{
+    emb_mem *mem = &s->mem;
+    uint64_t need = m;
+    if (mem->count + mem->reserved + need > emb_mem_limit(mem)) {
+        sc->n_miss = 0;
+        for (size_t i = 0; i < m; i++) {
+            uint32_t k = idx[i];
+            if (emb_mem_find(mem, keys[k], h[k]) >= 0) continue;
+            if (grow_buf((void **)&sc->miss, &sc->cap_miss, sc->n_miss + 1, sizeof(uint64_t)) !=
+                CM_OK)
+                return cm_err(errptr, CM_ENOMEM, "out of memory");
+            sc->miss[sc->n_miss++] = keys[k];
+        }
+        need = sort_unique(sc->miss, sc->n_miss);
+        sc->n_miss = 0;
+        while (mem->count + mem->reserved + need > emb_mem_limit(mem))
+            if (emb_mem_grow(mem) != CM_OK)
+                return cm_err(errptr, CM_ENOMEM,
+                              "out of memory growing an embedding sub-shard of %llu rows for %llu "
+                              "new ones",
+                              (unsigned long long)mem->count, (unsigned long long)need);
+    }
+    mem->reserved += need;
+    *got = need;
+    return CM_OK;
+}
+
+/*
+ * A push to a table without a spill store. The one thing that can fail there is growing a
+ * sub-shard for the rows the push creates, so a first pass reserves that room in every group
+ * before the update pass, which then never has to grow and cannot fail: a push that fails has
+ * changed nothing. Each pass locks one group at a time, as a pull does, so that concurrent pushes
+ * overlap as before (holding every lock to the end would serialise them); the reservation keeps
+ * other inserts out of the promised room in between, and TTL expiry leaves a sub-shard holding
+ * one alone, so no row the update pass counts on is dropped in between either.
+ */
+static int push_memory(emb_table *t, size_t n, const uint64_t *keys, const float *grads,
+                       const uint64_t *hints, const uint64_t *h, const uint32_t *ord,
+                       const uint32_t *st, char **errptr)
+{
+    scratch sc = {0};
+    char *why = NULL;
+    uint64_t *resv = calloc(t->n_sub, sizeof *resv);
+    int rc = resv != NULL ? CM_OK : cm_err(&why, CM_ENOMEM, "out of memory");
+    /* Backwards: a reservation would otherwise wait at each group for another push's update
+     * pass, which holds it far longer, and trail it; going the other way the two cross once.
+     * With admission a push creates no row (a key not yet admitted is dropped). */
+    uint32_t b = t->n_sub;
+    while (rc == CM_OK && t->cms == NULL && b-- > 0) {
+        if (st[b] == st[b + 1]) continue;
+        sub *s = &t->subs[b];
+        pthread_mutex_lock(&s->mu);
+        rc = reserve_rows(s, &sc, keys, h, ord + st[b], st[b + 1] - st[b], &resv[b], &why);
+        pthread_mutex_unlock(&s->mu);
+    }
+    if (rc != CM_OK) {
+        for (uint32_t j = b + 1; resv != NULL && j < t->n_sub; j++) {
+            if (resv[j] == 0) continue;
+            pthread_mutex_lock(&t->subs[j].mu);
+            t->subs[j].mem.reserved -= resv[j];
+            pthread_mutex_unlock(&t->subs[j].mu);
+        }
+        free(resv);
+        scratch_fini(&sc);
+        return push_failed(t, n, rc, why, errptr);
+    }
+    uint64_t step = __atomic_add_fetch(&t->step, 1, __ATOMIC_RELAXED);
+    for (b = 0; b < t->n_sub; b++) {
+        if (st[b] == st[b + 1]) continue;
+        sub *s = &t->subs[b];
+        pthread_mutex_lock(&s->mu);
+        sc.resv = &resv[b];
+        int r = process_group(t, s, &sc, keys, h, ord + st[b], st[b + 1] - st[b], OP_PUSH, NULL,
+                              grads, hints, NULL, step, &why);
+        s->mem.reserved -= resv[b];
+        pthread_mutex_unlock(&s->mu);
+        if (rc == CM_OK) rc = r; /* unreachable: the rows it inserts have their room */
+    }
+    free(resv);
+    scratch_fini(&sc);
+    if (rc != CM_OK) cm_err(errptr, rc, "%s", why != NULL ? why : "push failed");
+    free(why);
+    return rc;
+}
+
+enum { FATE_DROP, FATE_MEM, FATE_STAGE };
+
+/* State of one push_spill: where each key's row is, and the rows absent from memory. */
+typedef struct spush {
+    int64_t *where; /* by key index: its slot, or -1 - j for absent row j */
+    size_t *first;  /* by group: its first absent row (n_sub + 1 entries) */
+    uint64_t *akey; /* absent rows' keys, sorted and distinct within each group */
+    uint8_t *found; /* read back from the spill store (else new) */
+    uint8_t *fate;  /* FATE_DROP (not admitted), FATE_MEM or FATE_STAGE (updated on disk) */
+    int64_t *slot;  /* FATE_MEM: its slot once inserted, else -1 */
+    uint8_t *recs;  /* its record: as read back, or new */
+    uint8_t *stage; /* the FATE_STAGE records, updated, for one write */
+    size_t n_abs, cap_akey, cap_abs;
+} spush;
+
+static void spush_fini(spush *p)
+{
+    free(p->where);
+    free(p->first);
+    free(p->akey);
+    free(p->found);
+    free(p->fate);
+    free(p->slot);
+    free(p->recs);
+    free(p->stage);
+}
+
+/* Room for n absent rows in every array but akey. */
+static int spush_grow(spush *p, size_t n, size_t rec)
+{
+    if (n <= p->cap_abs) return CM_OK;
+    size_t cap = p->cap_abs ? p->cap_abs : 64;
+    while (cap < n)
+        cap *= 2;
+    uint8_t *found = realloc(p->found, cap);
+    if (found != NULL) p->found = found;
+    uint8_t *fate = realloc(p->fate, cap);
+    if (fate != NULL) p->fate = fate;
+    int64_t *slot = realloc(p->slot, cap * sizeof *slot);
+    if (slot != NULL) p->slot = slot;
+    uint8_t *recs = realloc(p->recs, cap * rec);
+    if (recs != NULL) p->recs = recs;
+    if (!found || !fate || !slot || !recs) return CM_ENOMEM;
+    p->cap_abs = cap;
+    return CM_OK;
+}
+
+/* First pass of push_spill over one group, its lock held: where each key's row is, the absent
+ * rows read back from the spill store (or made new), and where each of those will live. */
+static int prepare_group(emb_table *t, sub *s, spush *p, const uint64_t *keys, const uint64_t *h,
+                         const uint64_t *hints, const uint32_t *idx, size_t m, char **errptr)
+{
+    emb_mem *mem = &s->mem;
+    const size_t first = p->n_abs;
+    emb_lookahead la;
+    for (size_t i = 0; i < m; i++) {
+        emb_la_ahead(mem, &la, h, hints, idx, m, i, EMB_REC_HDR);
+        uint32_t k = idx[i];
+        int64_t slot = emb_la_find(mem, &la, keys, h, hints, k, i);
+        p->where[k] = slot;
+        if (slot >= 0) continue;
+        if (grow_buf((void **)&p->akey, &p->cap_akey, p->n_abs + 1, sizeof(uint64_t)) != CM_OK)
+            return cm_err(errptr, CM_ENOMEM, "out of memory");
+        p->akey[p->n_abs++] = keys[k];
+    }
+    if (p->n_abs == first) return CM_OK;
+    const size_t u = sort_unique(p->akey + first, p->n_abs - first);
+    p->n_abs = first + u;
+    if (spush_grow(p, p->n_abs, t->rec) != CM_OK) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    for (size_t i = 0; i < m; i++) {
+        uint32_t k = idx[i];
+        if (p->where[k] >= 0) continue;
+        const uint64_t *a = bsearch(&keys[k], p->akey + first, u, sizeof(uint64_t), miss_cmp);
+        p->where[k] = -1 - (int64_t)(a - p->akey);
+    }
+    memset(p->found + first, 0, u);
+    if (s->spilled > 0) {
+        int rc = emb_store_get(t->spill, p->akey + first, u, p->recs + first * t->rec,
+                               p->found + first, errptr);
+        if (rc != CM_OK) return rc;
+    }
+    /* Rows the push reads back or creates go into memory while the sub-shard has room under its
+     * budget (grown now, while a failure still changes nothing); the rest are updated where they
+     * lie. Making room instead would write evicted rows before the push is sure to succeed. */
+    uint64_t homes = 0;
+    for (size_t j = first; j < p->n_abs; j++)
+        homes += p->found[j] || t->cms == NULL;
+    bool grew = false;
+    while (mem->count + mem->reserved + homes > emb_mem_limit(mem) && mem->cap < mem->max_cap) {
+        if (emb_mem_grow(mem) != CM_OK)
+            return cm_err(errptr, CM_ENOMEM,
+                          "out of memory growing an embedding sub-shard of %llu rows",
+                          (unsigned long long)mem->count);
+        grew = true;
+    }
+    for (size_t i = 0; grew && i < m; i++) { /* the rows found above have moved */
+        uint32_t k = idx[i];
+        if (p->where[k] >= 0) p->where[k] = emb_mem_find(mem, keys[k], h[k]);
+    }
+    uint64_t used = mem->count + mem->reserved, limit = emb_mem_limit(mem);
+    uint64_t room = limit > used ? limit - used : 0;
+    for (size_t j = first; j < p->n_abs; j++) {
+        p->slot[j] = -1;
+        if (!p->found[j] && t->cms != NULL) {
+            p->fate[j] = FATE_DROP;
+            continue;
+        }
+        if (!p->found[j]) {
+            uint8_t *rec = p->recs + j * t->rec;
+            memset(rec, 0, t->rec);
+            memcpy(rec, &p->akey[j], sizeof(uint64_t));
+            emb_opt_init_row(&t->cfg, rec, p->akey[j]);
+        }
+        p->fate[j] = room > 0 ? FATE_MEM : FATE_STAGE;
+        if (room > 0) room--;
+    }
+    return CM_OK;
+}
+
+/* The rows updated where they lie: their gradients applied in the caller's order (ord lists each
+ * key's occurrences in it), then all written in one batch, which RocksDB applies whole or not
+ * at all. This is the push's only write. */
+static int stage_commit(emb_table *t, spush *p, const uint32_t *ord, size_t n, const float *grads,
+                        uint64_t step, char **errptr)
+{
+    size_t n_stage = 0;
+    for (size_t j = 0; j < p->n_abs; j++)
+        n_stage += p->fate[j] == FATE_STAGE;
+    if (n_stage == 0) return CM_OK;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t k = ord[i];
+        if (p->where[k] >= 0) continue;
+        size_t j = (size_t)(-1 - p->where[k]);
+        if (p->fate[j] != FATE_STAGE) continue;
+        uint8_t *rec = p->recs + j * t->rec;
+        emb_opt_apply(&t->cfg, rec, grads + (size_t)k * t->dim);
+        ((emb_rec_hdr *)rec)->last_step = step;
+    }
+    p->stage = malloc(n_stage * t->rec);
+    if (p->stage == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    size_t at = 0;
+    for (size_t j = 0; j < p->n_abs; j++)
+        if (p->fate[j] == FATE_STAGE)
+            memcpy(p->stage + at++ * t->rec, p->recs + j * t->rec, t->rec);
+    return emb_store_put(t->spill, p->stage, n_stage, errptr);
+}
+
+/* Last pass of push_spill over group b, its lock held since prepare_group: nothing here can fail
+ * (the rows going into memory have their room, the staged ones are written). */
+static void apply_group(emb_table *t, sub *s, spush *p, uint32_t b, const uint64_t *keys,
+                        const uint64_t *h, const uint32_t *idx, size_t m, const float *grads,
+                        uint64_t step)
+{
+    emb_mem *mem = &s->mem;
+    for (size_t i = 0; i < m; i++) {
+        if (i + EMB_LA_FAR < m && p->where[idx[i + EMB_LA_FAR]] >= 0)
+            emb_mem_prefetch_slot(mem, (uint64_t)p->where[idx[i + EMB_LA_FAR]], t->rec);
+        uint32_t k = idx[i];
+        int64_t slot = p->where[k];
+        if (slot < 0) {
+            size_t j = (size_t)(-1 - slot);
+            if (p->fate[j] == FATE_DROP) s->push_dropped++;
+            if (p->fate[j] != FATE_MEM) continue;
+            if (p->slot[j] < 0) {
+                p->slot[j] = emb_mem_insert(mem, keys[k], h[k]);
+                if (p->slot[j] < 0) continue; /* unreachable: prepare_group made the room */
+                memcpy(emb_mem_rec(mem, p->slot[j]), p->recs + j * t->rec, t->rec);
+                if (p->found[j]) {
+                    mem->ctrl[p->slot[j]] |= EMB_CTRL_DISK;
+                    s->spilled--;
+                    s->spill_loads++;
+                } else {
+                    s->created++;
+                }
+            }
+            slot = p->slot[j];
+        }
+        uint8_t *rec = emb_mem_rec(mem, slot);
+        emb_opt_apply(&t->cfg, rec, grads + (size_t)k * t->dim);
+        ((emb_rec_hdr *)rec)->last_step = step;
+        mem->ctrl[slot] = (uint8_t)((mem->ctrl[slot] | EMB_CTRL_REF) & ~EMB_CTRL_CLEAN);
+    }
+    for (size_t j = p->first[b]; j < p->first[b + 1]; j++) {
+        if (p->fate[j] != FATE_STAGE || p->found[j]) continue;
+        s->spilled++;
+        s->created++;
+    }
+    s->pushes += m;
+}
+
+/*
+ * A push to a table with a spill store, all or nothing: everything that can fail (reading rows
+ * back, growing a sub-shard, the one write) is done for every group before the first row changes:
+ *   1. per group (prepare_group): find each key's row; read the absent ones back or make them
+ *      new, each to live in memory while there is room, else to be updated on disk;
+ *   2. step; the rows updated on disk get their gradients and are written in one batch;
+ *   3. per group (apply_group): every other row is updated in memory; unlock.
+ * On a failure in 1 or 2 the locks are released with no row changed and the step taken back.
+ * Each group's lock is held from 1 to 3 (taken in sub-shard order, as pause_all does): released
+ * in between, another call could evict or load the rows found in 1, and 3 would have to do I/O
+ * again, after other groups had changed. The price is that on such a table a push does not
+ * overlap other calls on the sub-shards it holds.
+ */
+static int push_spill(emb_table *t, size_t n, const uint64_t *keys, const float *grads,
+                      const uint64_t *hints, const uint64_t *h, const uint32_t *ord,
+                      const uint32_t *st, char **errptr)
+{
+    spush p = {0};
+    char *why = NULL;
+    int rc = CM_OK;
+    p.where = malloc(n * sizeof *p.where);
+    p.first = malloc(((size_t)t->n_sub + 1) * sizeof *p.first);
+    if (p.where == NULL || p.first == NULL)
+        rc = cm_err(&why, CM_ENOMEM, "out of memory for a batch of %zu keys", n);
+    uint32_t locked = 0; /* groups before this one are locked (the empty ones aside) */
+    for (; rc == CM_OK && locked < t->n_sub; locked++) {
+        uint32_t b = locked;
+        p.first[b] = p.n_abs;
+        if (st[b] == st[b + 1]) continue;
+        pthread_mutex_lock(&t->subs[b].mu);
+        rc =
+            prepare_group(t, &t->subs[b], &p, keys, h, hints, ord + st[b], st[b + 1] - st[b], &why);
+    }
+    uint64_t step = 0;
+    if (rc == CM_OK) {
+        p.first[t->n_sub] = p.n_abs;
+        step = __atomic_add_fetch(&t->step, 1, __ATOMIC_RELAXED);
+        rc = stage_commit(t, &p, ord, n, grads, step, &why);
+        if (rc != CM_OK) __atomic_sub_fetch(&t->step, 1, __ATOMIC_RELAXED);
+    }
+    for (uint32_t b = 0; b < locked; b++) {
+        if (st[b] == st[b + 1]) continue;
+        if (rc == CM_OK)
+            apply_group(t, &t->subs[b], &p, b, keys, h, ord + st[b], st[b + 1] - st[b], grads,
+                        step);
+        pthread_mutex_unlock(&t->subs[b].mu);
+    }
+    spush_fini(&p);
+    if (rc != CM_OK) return push_failed(t, n, rc, why, errptr);
+    return CM_OK;
+}
+
 static int table_batch(emb_table *t, const uint64_t *keys, size_t n, int op, float *out,
                        const float *grads, const uint64_t *hints, uint64_t *hints_out,
                        char **errptr)
@@ -361,31 +734,33 @@ static int table_batch(emb_table *t, const uint64_t *keys, size_t n, int op, flo
     if (keys == NULL || (op == OP_PULL ? out == NULL : grads == NULL))
         return cm_err(errptr, CM_EINVAL, "NULL keys or values for a batch of %zu", n);
     if (n > UINT32_MAX) return cm_err(errptr, CM_EINVAL, "batch of %zu keys is too large", n);
-    uint64_t step;
     if (op == OP_PUSH) {
         size_t i = cm_f32_first_nonfinite(grads, n * t->dim);
         if (i < n * t->dim)
             return cm_err(errptr, CM_EINVAL,
                           "non-finite gradient for key %llu (element %zu): push rejected",
                           (unsigned long long)keys[i / t->dim], i % t->dim);
-        step = __atomic_add_fetch(&t->step, 1, __ATOMIC_RELAXED);
-    } else {
-        step = __atomic_load_n(&t->step, __ATOMIC_RELAXED);
     }
     uint64_t *h = NULL;
     uint32_t *ord = NULL, *st = NULL;
     int rc = group_keys(t, keys, n, &h, &ord, &st, errptr);
     if (rc != CM_OK) return rc;
-    scratch sc = {0};
-    for (uint32_t b = 0; b < t->n_sub && rc == CM_OK; b++) {
-        if (st[b] == st[b + 1]) continue;
-        sub *s = &t->subs[b];
-        pthread_mutex_lock(&s->mu);
-        rc = process_group(t, s, &sc, keys, h, ord + st[b], st[b + 1] - st[b], op, out, grads,
-                           hints, hints_out, step, errptr);
-        pthread_mutex_unlock(&s->mu);
+    if (op == OP_PUSH) {
+        rc = t->spill != NULL ? push_spill(t, n, keys, grads, hints, h, ord, st, errptr)
+                              : push_memory(t, n, keys, grads, hints, h, ord, st, errptr);
+    } else {
+        uint64_t step = __atomic_load_n(&t->step, __ATOMIC_RELAXED);
+        scratch sc = {0};
+        for (uint32_t b = 0; b < t->n_sub && rc == CM_OK; b++) {
+            if (st[b] == st[b + 1]) continue;
+            sub *s = &t->subs[b];
+            pthread_mutex_lock(&s->mu);
+            rc = process_group(t, s, &sc, keys, h, ord + st[b], st[b + 1] - st[b], op, out, NULL,
+                               NULL, hints_out, step, errptr);
+            pthread_mutex_unlock(&s->mu);
+        }
+        scratch_fini(&sc);
     }
-    scratch_fini(&sc);
     free(h);
     free(ord);
     free(st);
@@ -743,6 +1118,9 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
     for (uint32_t i = 0; rc == CM_OK && i < t->n_sub; i++) {
         sub *s = &t->subs[i];
         emb_mem *m = &s->mem;
+        /* A push between its passes (push_memory) counts on its rows staying: they expire next
+         * time. */
+        if (m->reserved > 0) continue;
         for (uint64_t j = 0; j < m->cap;) {
             /* A deletion shifts the cluster back into slot j: look at it again. */
             uint8_t *rec = m->ctrl[j] ? emb_mem_rec(m, (int64_t)j) : NULL;
