@@ -7,6 +7,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -164,6 +165,22 @@ static bool ckpt_after(const setup *S, uint64_t steps)
 {
     uint64_t every = S->o->ckpt_every;
     return every && steps % every == 0 && steps < S->min_steps;
+}
+
+/* The log's descriptor for interrupt_note (-1: none): a signal handler may only write(2). */
+static volatile sig_atomic_t log_fd_for_signal = -1;
+
+/* SIGINT / SIGTERM on an embedded run: a last line in train.log, then the default action (the
+ * checkpoints are atomic, so the last complete one is what --resume takes). */
+static void interrupt_note(int sig)
+{
+    static const char text[] = "[ interrupted] stopped by a signal (SIGINT or SIGTERM): --resume "
+                               "continues from ckpt/LATEST\n";
+    if (log_fd_for_signal >= 0 && write(log_fd_for_signal, text, sizeof text - 1) < 0) {
+        /* nothing left to tell */
+    }
+    signal(sig, SIG_DFL);
+    raise(sig);
 }
 
 /* A line in the run's own log (embedded runs, where no launcher keeps the output), stamped with
@@ -1724,7 +1741,10 @@ static void setup_free(setup *S)
     free(S->backups);
     free(S->steps_of);
     if (S->metrics) fclose(S->metrics);
-    if (S->log) fclose(S->log);
+    if (S->log) {
+        log_fd_for_signal = -1;
+        fclose(S->log);
+    }
     if (S->locked) close(S->lock_fd);
 }
 
@@ -1894,6 +1914,11 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         if (!o->cluster_path && cm_mkdirs(path, NULL) == CM_OK) {
             snprintf(path, sizeof path, "%s/logs/train.log", oc.out_dir);
             S.log = fopen(path, oc.resume ? "a" : "w");
+            if (S.log != NULL) {
+                log_fd_for_signal = fileno(S.log);
+                signal(SIGINT, interrupt_note);
+                signal(SIGTERM, interrupt_note);
+            }
         }
         train_log(&S,
                   "ember train %s: model %s, %u worker(s), %u shard(s), batch %u, epochs %u, "

@@ -348,6 +348,19 @@ int main(void)
     rc = run("train --train ds/train --eval ds/eval --model lr --batch 512 --max-steps 6 "
              "--checkpoint-every 2 --eval-every 2 --out r11 --no-progress --resume");
     CHECK_MSG(rc == 0, "resume of r11: exit %d, %s", rc, err_text);
+    /* Ctrl-C on an embedded run: a last line in train.log says so. */
+    char cmd12[16384];
+    snprintf(cmd12, sizeof cmd12,
+             "cd '%s' && (timeout 60 '%s' train --train ds/train --model mlp --batch 256 --epochs "
+             "100 --no-progress --out r12 >/dev/null 2>&1 & echo $! > r12.pid) && for i in $(seq "
+             "100); do [ -s r12/metrics.jsonl ] && break; sleep 0.1; done; pkill -INT -P $(cat "
+             "r12.pid); wait",
+             dir, bin);
+    CHECK(system(cmd12) == 0);
+    char *log12 = slurp("r12/logs/train.log");
+    CHECK_MSG(log12 && strstr(log12, "interrupted"), "train.log after SIGINT: %s",
+              log12 ? log12 : "(missing)");
+    free(log12);
     char *m11 = slurp("r11/metrics.jsonl");
     double prev = 0;
     int evals = 0;
