@@ -92,12 +92,20 @@ int cmd_ps(int argc, char **argv)
     }
     /* Out-of-range numbers are refused by name rather than cast (a shard of 2^32 would serve
      * as shard 0; a negative --plan would start a server instead of printing a plan). */
-    if (shard < 0 || shard >= PS_MAX_SHARDS || shards < 0 || shards > PS_MAX_SHARDS ||
-        contexts < 0 || contexts > 1024 || plan < -1 || (plan == -1 && plan_given)) {
-        fprintf(stderr,
-                "ember ps: out of range: --shard %ld (0..%u), --shards %ld (1..%u), "
-                "--contexts %ld (0..1024), --plan %lld (rows >= 0)\n",
-                shard, PS_MAX_SHARDS - 1, shards, PS_MAX_SHARDS, contexts, plan);
+    if (shard < 0 || shard >= PS_MAX_SHARDS) {
+        fprintf(stderr, "ember ps: --shard %ld out of range (0..%u)\n", shard, PS_MAX_SHARDS - 1);
+        return 2;
+    }
+    if (shards < 0 || shards > PS_MAX_SHARDS) {
+        fprintf(stderr, "ember ps: --shards %ld out of range (1..%u)\n", shards, PS_MAX_SHARDS);
+        return 2;
+    }
+    if (contexts < 0 || contexts > 1024) {
+        fprintf(stderr, "ember ps: --contexts %ld out of range (0..1024)\n", contexts);
+        return 2;
+    }
+    if (plan < -1 || (plan == -1 && plan_given)) {
+        fprintf(stderr, "ember ps: --plan %lld out of range (rows >= 0)\n", plan);
         return 2;
     }
     ps_config *cfg = malloc(sizeof *cfg);

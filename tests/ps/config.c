@@ -201,10 +201,21 @@ static void test_plan_cli(void)
     const char *bad_args[] = {"--plan -1", "--plan -7", "--shard 4294967296", "--shard -1",
                               "--shards 100000"};
     for (size_t i = 0; i < sizeof bad_args / sizeof bad_args[0]; i++) {
-        snprintf(cmd, sizeof cmd, "timeout 10 '%s' ps --config '%s' %s 2>/dev/null", bin,
-                 pt_path(dir, "plan.conf"), bad_args[i]);
+        snprintf(cmd, sizeof cmd, "timeout 10 '%s' ps --config '%s' %s 2>'%s'", bin,
+                 pt_path(dir, "plan.conf"), bad_args[i], pt_path(dir, "range.err"));
         st = system(cmd);
         CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 2, "'%s' gave status %d", bad_args[i], st);
+        /* The message names the flag given, and no other. */
+        char flag[16], *msg = NULL;
+        size_t len = 0;
+        sscanf(bad_args[i], "%15s", flag);
+        CHECK(cm_read_file(pt_path(dir, "range.err"), (void **)&msg, &len, NULL) == CM_OK);
+        char *text = msg ? realloc(msg, len + 1) : NULL;
+        if (text) text[len] = '\0';
+        CHECK_MSG(text && strstr(text, flag) && strstr(text, "out of range") &&
+                      !strstr(text, "--contexts"),
+                  "'%s': %s", bad_args[i], text ? text : "(no message)");
+        free(text ? text : msg);
     }
 }
 
