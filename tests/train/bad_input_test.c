@@ -309,13 +309,14 @@ int main(void)
     CHECK_MSG(rc == 0, "export of the fresh run's step-4: exit %d, %s", rc, err_text);
     /* One job a run directory: a second run into r9 while the first runs is refused. */
     char cmd[16384];
-    snprintf(cmd, sizeof cmd,
-             "cd '%s' && rm -f r9/metrics.jsonl && (timeout 60 '%s' train --train ds/train --model "
-             "mlp --batch 256 --epochs 100 --no-progress --out r9 >/dev/null 2>&1 & echo $! > "
-             "first.pid) && for i in $(seq 100); do [ -s r9/metrics.jsonl ] && break; sleep 0.1; "
-             "done; timeout 60 '%s' train --train ds/train --model lr --no-progress --out r9 "
-             "2>lock.txt; echo $? > lock.rc; kill $(cat first.pid); wait",
-             dir, bin, bin);
+    snprintf(
+        cmd, sizeof cmd,
+        "cd '%s' && rm -f r9/metrics.jsonl && { timeout 60 '%s' train --train ds/train "
+        "--model mlp --batch 256 --epochs 100 --no-progress --out r9 >/dev/null 2>&1 & echo "
+        "$! > first.pid; } && for i in $(seq 100); do [ -s r9/metrics.jsonl ] && break; sleep 0.1; "
+        "done; timeout 60 '%s' train --train ds/train --model lr --no-progress --out r9 "
+        "2>lock.txt; echo $? > lock.rc; kill $(cat first.pid); wait",
+        dir, bin, bin);
     CHECK(system(cmd) == 0);
     char *lrc = slurp("lock.rc"), *ltxt = slurp("lock.txt");
     CHECK_MSG(lrc && atoi(lrc) == 1 && ltxt && strstr(ltxt, "is in use by another ember train"),
@@ -348,11 +349,12 @@ int main(void)
     rc = run("train --train ds/train --eval ds/eval --model lr --batch 512 --max-steps 6 "
              "--checkpoint-every 2 --eval-every 2 --out r11 --no-progress --resume");
     CHECK_MSG(rc == 0, "resume of r11: exit %d, %s", rc, err_text);
-    /* Ctrl-C on an embedded run: a last line in train.log says so. */
+    /* Ctrl-C on an embedded run: a last line in train.log says so. (The run is a job of the
+     * same shell, so `wait` waits for it before the log is read.) */
     char cmd12[16384];
     snprintf(cmd12, sizeof cmd12,
-             "cd '%s' && (timeout 60 '%s' train --train ds/train --model mlp --batch 256 --epochs "
-             "100 --no-progress --out r12 >/dev/null 2>&1 & echo $! > r12.pid) && for i in $(seq "
+             "cd '%s' && { timeout 60 '%s' train --train ds/train --model mlp --batch 256 --epochs "
+             "100 --no-progress --out r12 >/dev/null 2>&1 & echo $! > r12.pid; } && for i in $(seq "
              "100); do [ -s r12/metrics.jsonl ] && break; sleep 0.1; done; pkill -INT -P $(cat "
              "r12.pid); wait",
              dir, bin);
