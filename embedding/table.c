@@ -42,8 +42,8 @@ struct emb_table {
     uint32_t dim, n_sub;
     sub *subs;
     emb_store *spill;
-    uint64_t step;  /* atomic */
-    uint16_t *cms;  /* admission sketch, CMS_DEPTH x 2^CMS_BITS, atomic saturating counters */
+    uint64_t step; /* atomic */
+    uint16_t *cms; /* admission sketch, CMS_DEPTH x 2^CMS_BITS, atomic saturating counters */
 };
 
 /* Per-call scratch for the groups of one batched call; grown, never shrunk. */
@@ -64,7 +64,8 @@ static int grow_buf(void **p, size_t *cap, size_t need, size_t elem)
 {
     if (need <= *cap) return CM_OK;
     size_t ncap = *cap ? *cap : 64;
-    while (ncap < need) ncap *= 2;
+    while (ncap < need)
+        ncap *= 2;
     void *np = realloc(*p, ncap * elem);
     if (np == NULL) return CM_ENOMEM;
     *p = np;
@@ -162,8 +163,8 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
 }
 
 /* Inserts an absent key into memory, evicting first when the sub-shard is at its budget. */
-static int insert_room(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
-                       int64_t *slot, char **errptr)
+static int insert_room(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h, int64_t *slot,
+                       char **errptr)
 {
     if (sc->resv != NULL && *sc->resv > 0) {
         (*sc->resv)--;
@@ -175,7 +176,8 @@ static int insert_room(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t
     }
     *slot = emb_mem_insert(&s->mem, key, h);
     if (*slot < 0)
-        return cm_err(errptr, CM_ENOMEM, "out of memory growing an embedding sub-shard to %llu rows",
+        return cm_err(errptr, CM_ENOMEM,
+                      "out of memory growing an embedding sub-shard to %llu rows",
                       (unsigned long long)s->mem.count);
     return CM_OK;
 }
@@ -240,7 +242,8 @@ static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
     *slot = -1;
     if (t->spill != NULL && s->spilled > 0) {
         const uint8_t *src = NULL;
-        uint64_t *hit = sc->n_miss ? bsearch(&key, sc->miss, sc->n_miss, sizeof key, miss_cmp) : NULL;
+        uint64_t *hit =
+            sc->n_miss ? bsearch(&key, sc->miss, sc->n_miss, sizeof key, miss_cmp) : NULL;
         size_t u = hit ? (size_t)(hit - sc->miss) : 0;
         uint8_t one_found = 0;
         if (hit != NULL && !sc->miss_used[u]) {
@@ -330,8 +333,10 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
         }
         s->mem.ctrl[slot] = ctrl;
     }
-    if (op == OP_PULL) s->pulls += m;
-    else s->pushes += m;
+    if (op == OP_PULL)
+        s->pulls += m;
+    else
+        s->pushes += m;
     return rc;
 }
 
@@ -356,7 +361,8 @@ static int group_keys(const emb_table *t, const uint64_t *keys, size_t n, uint64
         sub_id[i] = sub_of(t, h[i]);
         st[sub_id[i] + 1]++;
     }
-    for (uint32_t b = 0; b < t->n_sub; b++) st[b + 1] += st[b];
+    for (uint32_t b = 0; b < t->n_sub; b++)
+        st[b + 1] += st[b];
     uint32_t *fill = malloc((t->n_sub + 1) * sizeof *fill);
     if (fill == NULL) {
         free(h);
@@ -366,7 +372,8 @@ static int group_keys(const emb_table *t, const uint64_t *keys, size_t n, uint64
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     }
     memcpy(fill, st, (t->n_sub + 1) * sizeof *fill);
-    for (size_t i = 0; i < n; i++) ord[fill[sub_id[i]]++] = (uint32_t)i;
+    for (size_t i = 0; i < n; i++)
+        ord[fill[sub_id[i]]++] = (uint32_t)i;
     free(fill);
     free(sub_id);
     *hash = h;
@@ -779,7 +786,8 @@ int emb_table_lookup(emb_table *t, const uint64_t *keys, size_t n, float *out, u
     uint64_t *miss = malloc(n * sizeof *miss);
     uint32_t *miss_at = malloc(n * sizeof *miss_at);
     uint8_t *recs = NULL, *got = malloc(n);
-    if (miss == NULL || miss_at == NULL || got == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    if (miss == NULL || miss_at == NULL || got == NULL)
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     for (uint32_t b = 0; b < t->n_sub && rc == CM_OK; b++) {
         sub *s = &t->subs[b];
         size_t n_miss = 0;
@@ -789,7 +797,8 @@ int emb_table_lookup(emb_table *t, const uint64_t *keys, size_t n, float *out, u
             int64_t slot = emb_mem_find(&s->mem, keys[k], h[k]);
             if (found) found[k] = slot >= 0;
             if (slot >= 0) {
-                memcpy(out + k * dim, emb_rec_weights(emb_mem_rec(&s->mem, slot)), dim * sizeof(float));
+                memcpy(out + k * dim, emb_rec_weights(emb_mem_rec(&s->mem, slot)),
+                       dim * sizeof(float));
                 continue;
             }
             memset(out + k * dim, 0, dim * sizeof(float));
@@ -830,8 +839,7 @@ int emb_table_pull_hinted(emb_table *t, const uint64_t *keys, size_t n, float *o
     return table_batch(t, keys, n, OP_PULL, out, NULL, NULL, hints, errptr);
 }
 
-int emb_table_push(emb_table *t, const uint64_t *keys, size_t n, const float *grads,
-                   char **errptr)
+int emb_table_push(emb_table *t, const uint64_t *keys, size_t n, const float *grads, char **errptr)
 {
     return table_batch(t, keys, n, OP_PUSH, NULL, grads, NULL, NULL, errptr);
 }
@@ -904,7 +912,8 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
         t->spill_path = strdup(cfg->spill_path);
         t->cfg.spill_path = t->spill_path;
         if (t->spill_path == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-        if (rc == CM_OK) rc = emb_store_create("rocksdb", cfg->spill_path, t->rec, &t->spill, errptr);
+        if (rc == CM_OK)
+            rc = emb_store_create("rocksdb", cfg->spill_path, t->rec, &t->spill, errptr);
     }
     uint64_t initial_cap = start_cap(cfg, t->n_sub);
     uint32_t inited = 0;
@@ -915,7 +924,8 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
     }
     if (rc == CM_OK && cfg->admit_threshold > 1) {
         t->cms = calloc((size_t)CMS_DEPTH << CMS_BITS, sizeof *t->cms);
-        if (t->cms == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory for the admission sketch");
+        if (t->cms == NULL)
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory for the admission sketch");
     }
     if (rc != CM_OK) {
         table_free(t, inited < t->n_sub ? inited : t->n_sub);
@@ -960,12 +970,14 @@ uint64_t emb_table_step(const emb_table *t)
 
 static void pause_all(emb_table *t)
 {
-    for (uint32_t i = 0; i < t->n_sub; i++) pthread_mutex_lock(&t->subs[i].mu);
+    for (uint32_t i = 0; i < t->n_sub; i++)
+        pthread_mutex_lock(&t->subs[i].mu);
 }
 
 static void resume_all(emb_table *t)
 {
-    for (uint32_t i = t->n_sub; i-- > 0;) pthread_mutex_unlock(&t->subs[i].mu);
+    for (uint32_t i = t->n_sub; i-- > 0;)
+        pthread_mutex_unlock(&t->subs[i].mu);
 }
 
 static void row_view(const emb_table *t, const uint8_t *rec, emb_row *row)
@@ -1088,7 +1100,8 @@ static int expire_rec(const void *rec, void *arg)
     emb_rec_hdr hdr; /* copied: spilled records are not aligned */
     memcpy(&hdr, rec, sizeof hdr);
     if (!expired(ea->step, hdr.last_step, ea->ttl)) return 0;
-    if (grow_buf((void **)&ea->keys, &ea->cap, ea->n + 1, sizeof(uint64_t)) != CM_OK) return CM_ENOMEM;
+    if (grow_buf((void **)&ea->keys, &ea->cap, ea->n + 1, sizeof(uint64_t)) != CM_OK)
+        return CM_ENOMEM;
     ea->keys[ea->n++] = hdr.key;
     return 0;
 }
@@ -1103,18 +1116,40 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
     struct expire_arg ea = {t, step, ttl, NULL, 0, 0};
     /* Rows living only in the spill store first (the walk skips resident keys), then resident
      * rows, whose stale spill copies must go too or they would come back. */
+    /* Every key to drop from the spill store is gathered, and the store's delete done, before
+     * memory or a count changes: a failed delete (a full disk) then leaves the table as it was,
+     * instead of rows gone from memory whose stale spill copies would come back. Rows living
+     * only in the spill store first (the walk skips resident keys), then the spill copies of
+     * resident rows that expire. All sub-shards are paused, so nothing moves in between. */
     size_t n_spill_only = 0;
     if (t->spill != NULL) {
         struct spill_walk sw = {t, expire_rec, &ea};
         rc = emb_store_foreach(t->spill, spill_walk_rec, &sw, errptr);
         if (rc == CM_ENOMEM) rc = cm_err(errptr, CM_ENOMEM, "out of memory expiring rows");
         n_spill_only = ea.n;
-        for (size_t i = 0; rc == CM_OK && i < ea.n; i++) {
-            sub *s = &t->subs[sub_of(t, emb_key_hash(ea.keys[i]))];
-            s->spilled--;
-            s->ttl_evictions++;
+    }
+    for (uint32_t i = 0; rc == CM_OK && t->spill != NULL && i < t->n_sub; i++) {
+        emb_mem *m = &t->subs[i].mem;
+        if (m->reserved > 0) continue; /* see below */
+        for (uint64_t j = 0; rc == CM_OK && j < m->cap; j++) {
+            uint8_t *rec = m->ctrl[j] ? emb_mem_rec(m, (int64_t)j) : NULL;
+            if (rec && (m->ctrl[j] & EMB_CTRL_DISK) &&
+                expired(step, ((emb_rec_hdr *)rec)->last_step, ttl)) {
+                rc = grow_buf((void **)&ea.keys, &ea.cap, ea.n + 1, sizeof(uint64_t));
+                if (rc == CM_OK)
+                    ea.keys[ea.n++] = emb_rec_key(rec);
+                else
+                    rc = cm_err(errptr, CM_ENOMEM, "out of memory expiring rows");
+            }
         }
     }
+    if (rc == CM_OK && t->spill != NULL) rc = emb_store_del(t->spill, ea.keys, ea.n, errptr);
+    for (size_t i = 0; rc == CM_OK && i < n_spill_only; i++) {
+        sub *s = &t->subs[sub_of(t, emb_key_hash(ea.keys[i]))];
+        s->spilled--;
+        s->ttl_evictions++;
+    }
+    if (rc == CM_OK) total += n_spill_only;
     for (uint32_t i = 0; rc == CM_OK && i < t->n_sub; i++) {
         sub *s = &t->subs[i];
         emb_mem *m = &s->mem;
@@ -1125,9 +1160,6 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
             /* A deletion shifts the cluster back into slot j: look at it again. */
             uint8_t *rec = m->ctrl[j] ? emb_mem_rec(m, (int64_t)j) : NULL;
             if (rec && expired(step, ((emb_rec_hdr *)rec)->last_step, ttl)) {
-                if ((m->ctrl[j] & EMB_CTRL_DISK) &&
-                    grow_buf((void **)&ea.keys, &ea.cap, ea.n + 1, sizeof(uint64_t)) == CM_OK)
-                    ea.keys[ea.n++] = emb_rec_key(rec);
                 emb_mem_delete(m, (int64_t)j);
                 s->ttl_evictions++;
                 total++;
@@ -1136,8 +1168,6 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
             j++;
         }
     }
-    if (rc == CM_OK && t->spill != NULL) rc = emb_store_del(t->spill, ea.keys, ea.n, errptr);
-    if (rc == CM_OK) total += n_spill_only;
     free(ea.keys);
     resume_all(t);
 out:
@@ -1185,7 +1215,8 @@ void emb_table_resume(emb_table *t)
 uint64_t emb_table_rows_locked(emb_table *t)
 {
     uint64_t n = 0;
-    for (uint32_t i = 0; i < t->n_sub; i++) n += t->subs[i].mem.count + t->subs[i].spilled;
+    for (uint32_t i = 0; i < t->n_sub; i++)
+        n += t->subs[i].mem.count + t->subs[i].spilled;
     return n;
 }
 
@@ -1214,11 +1245,14 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
         /* Replacing a spilled row: the new row becomes resident and its old copy is stale. */
         uint8_t old[t->rec];
         rc = emb_store_get(t->spill, &row->key, 1, old, &on_disk, errptr);
-        if (rc == CM_OK && on_disk) s->spilled--;
     }
     if (rc == CM_OK && slot < 0) {
         rc = insert_room(t, s, &sc, row->key, h, &slot, errptr);
-        if (rc == CM_OK && on_disk) s->mem.ctrl[slot] |= EMB_CTRL_DISK;
+        /* Counted resident only once it is: a failed eviction leaves it spilled. */
+        if (rc == CM_OK && on_disk) {
+            s->mem.ctrl[slot] |= EMB_CTRL_DISK;
+            s->spilled--;
+        }
     }
     if (rc == CM_OK) {
         memcpy(emb_mem_rec(&s->mem, slot), rec, t->rec);
