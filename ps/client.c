@@ -130,6 +130,15 @@ static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout
 static void mirror_drop(ps_client *c, uint32_t block);
 static int mirrors_reap(ps_client *c, char **errptr);
 
+/* A slot's state moves under c->mu, which its waiters (slot_wait, slot_acquire) read it under;
+ * only its own aio callback moves it between SEND and RECV, but they must see each move. */
+static void slot_set_state(slot *s, int state)
+{
+    pthread_mutex_lock(&s->c->mu);
+    s->state = state;
+    pthread_mutex_unlock(&s->c->mu);
+}
+
 static void slot_drop_fallback(slot *s)
 {
     free(s->fb_keys);
@@ -150,7 +159,7 @@ static bool slot_send_with_keys(slot *s)
     if (s->copy) nng_msg_free(s->copy);
     s->copy = NULL;
     __atomic_add_fetch(&s->c->st.push_fallbacks, 1, __ATOMIC_RELAXED);
-    s->state = SL_SEND;
+    slot_set_state(s, SL_SEND);
     slot_send(s, m, true, s->timeout);
     return true;
 }
@@ -267,7 +276,7 @@ static void slot_cb(void *arg)
         want_failover(s->c, &s->c->shards[s->shard]);
         nng_msg *m = s->copy;
         s->copy = NULL;
-        s->state = SL_SEND;
+        slot_set_state(s, SL_SEND);
         nng_aio_set_timeout(s->aio, s->timeout);
         nng_aio_set_msg(s->aio, m);
         nng_ctx_send(s->ctx, s->aio);
@@ -282,7 +291,7 @@ static void slot_cb(void *arg)
             slot_finish(s, CM_EIO, err);
             return;
         }
-        s->state = SL_RECV;
+        slot_set_state(s, SL_RECV);
         nng_ctx_recv(s->ctx, s->aio);
         abort_recheck(s);
         return;

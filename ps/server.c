@@ -1359,8 +1359,13 @@ void ps_server_destroy(ps_server *s)
 
 void ps_server_stats_get(ps_server *s, ps_server_stats *out)
 {
+    /* Handlers add to the counters atomically without the lock (STAT_ADD): read them so too. */
+    _Static_assert(sizeof(ps_server_stats) % sizeof(uint64_t) == 0, "all u64 counters");
+    const uint64_t *from = (const uint64_t *)&s->st;
+    uint64_t *to = (uint64_t *)out;
     pthread_mutex_lock(&s->mu);
-    *out = s->st;
+    for (size_t i = 0; i < sizeof *out / sizeof(uint64_t); i++)
+        to[i] = __atomic_load_n(&from[i], __ATOMIC_RELAXED);
     pthread_mutex_unlock(&s->mu);
     out->keylist_bytes = ps_keycache_bytes(s->pulled);
 }
