@@ -103,8 +103,13 @@ static uint32_t cms_add(emb_table *t, uint64_t h)
     uint32_t est = UINT32_MAX;
     for (int d = 0; d < CMS_DEPTH; d++) {
         uint16_t *c = &t->cms[cms_index(h, d)];
+        /* Saturating: a load then an add could let two threads both pass 65534 and wrap the
+         * counter to 0, so the add is a compare-and-swap from what was seen. */
         uint16_t v = __atomic_load_n(c, __ATOMIC_RELAXED);
-        if (v < UINT16_MAX) v = (uint16_t)(__atomic_add_fetch(c, 1, __ATOMIC_RELAXED));
+        while (v < UINT16_MAX && !__atomic_compare_exchange_n(c, &v, (uint16_t)(v + 1), true,
+                                                              __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+        }
+        if (v < UINT16_MAX) v++;
         if (v < est) est = v;
     }
     return est;
