@@ -2,9 +2,12 @@
 #include <getopt.h>
 #include <inttypes.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "src/cli.h"
 #include "src/train.h"
@@ -337,6 +340,8 @@ int cmd_train(int argc, char **argv)
         return 2;
     }
     char *err = NULL;
+    struct stat st;
+    bool existed = stat(o.out_dir, &st) == 0;
     if (cm_mkdirs(o.out_dir, &err) != CM_OK) {
         fprintf(stderr, "ember train: %s\n", err);
         free(err);
@@ -347,6 +352,17 @@ int cmd_train(int argc, char **argv)
     if (rc != CM_OK) {
         fprintf(stderr, "ember train: %s\n", err ? err : "failed");
         free(err);
+        if (!existed) {
+            /* A run that failed before writing anything leaves no run directory behind (only
+             * empty directories go: rmdir refuses the others). */
+            char path[4200];
+            const char *sub[] = {"ckpt", "logs"};
+            for (int i = 0; i < 2; i++) {
+                snprintf(path, sizeof path, "%s/%s", o.out_dir, sub[i]);
+                rmdir(path);
+            }
+            rmdir(o.out_dir);
+        }
         return 1;
     }
     if (o.cluster_path && strcmp(o.role, "worker") == 0 && o.index != 0) return 0;

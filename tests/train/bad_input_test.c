@@ -83,6 +83,9 @@ int main(void)
     rc = run("train --train ds/train --eval no/such/eval --model lr --max-steps 2 --out r1 --no-progress");
     CHECK_MSG(rc == 1 && err_has("--eval: ") && err_has("no/such/eval"),
               "missing --eval dir: exit %d", rc);
+    /* A run that failed before writing anything leaves no run directory behind. */
+    rc = run("train --train no/such/dir --out never-made --no-progress");
+    CHECK_MSG(rc != 0 && !exists("never-made"), "a failed run left never-made/ (exit %d)", rc);
     rc = run("train --train ds/train --eval-every 5 --no-progress --out bad-ee");
     CHECK_MSG(rc != 0 && err_has("--eval-every needs --eval"),
               "--eval-every without --eval: exit %d", rc);
