@@ -151,7 +151,8 @@ int cm_write_full(int fd, const void *buf, size_t n);
 /* The running program's own binary (readlink of /proc/self/exe) into buf, NUL-terminated. */
 int cm_self_exe(char *buf, size_t n, char **errptr);
 
-/* Reads a whole file into a heap buffer (*buf, owned by the caller, free()), length in *len. */
+/* Reads a whole file into a heap buffer (*buf, owned by the caller, free()), length in *len.
+ * A NUL byte follows the data (not counted in *len), so a text file reads as a C string. */
 int cm_read_file(const char *path, void **buf, size_t *len, char **errptr);
 
 /* An atomically-committed output file. Storage is the caller's (cm_afile_init/...); the

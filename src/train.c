@@ -914,18 +914,12 @@ static int resume_check(const setup *S, char **errptr)
         free(err);
         if (rc == CM_ENOTFOUND && i == 1) continue;
         if (rc != CM_OK) return cm_err(errptr, rc, "--resume: cannot read %s", path);
-        char *t = realloc(then, len + 1);
-        if (t == NULL) {
-            free(then);
-            return cm_err(errptr, CM_ENOMEM, "out of memory");
-        }
-        t[len] = '\0';
         if (i == 0)
             model_cfg_format(&S->m, S->o->mean_pool, now, sizeof now);
         else
             run_format(S, now, sizeof now);
-        diff_settings(t, now, i == 0 ? "model " : "", msg, sizeof msg);
-        free(t);
+        diff_settings(then, now, i == 0 ? "model " : "", msg, sizeof msg);
+        free(then);
     }
     return msg[0] ? cm_err(errptr, CM_EINVAL,
                            "--resume: this run differs from the checkpoint %s: %s; resume with the "
@@ -934,9 +928,6 @@ static int resume_check(const setup *S, char **errptr)
                   : CM_OK;
 }
 
-/* Collective: PS snapshot named by tag (the same for every worker), each worker's own data
- * position (batches consumed, the kernels that computed them, and the rows and summed loss of
- * this run so far: job_totals), then LATEST (worker 0). */
 /* A checkpoint directory may hold an earlier run's, saved at the same step with more shards or
  * workers: their entries would make this one unreadable (two copies of a row). */
 static int drop_foreign(const setup *S, const char *dir, char **errptr)
@@ -960,6 +951,9 @@ static int drop_foreign(const setup *S, const char *dir, char **errptr)
     return rc;
 }
 
+/* Collective: PS snapshot named by tag (the same for every worker), each worker's own data
+ * position (batches consumed, the kernels that computed them, and the rows and summed loss of
+ * this run so far: job_totals), then LATEST (worker 0). */
 static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t own,
                       uint64_t samples, double loss_sum, char **errptr)
 {
@@ -1004,14 +998,12 @@ static int u64_cmp(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* Removes all but the newest `keep` step-N checkpoints (0 keeps all). Runs after LATEST points
- * at the newest, so the one a resume would use is never touched; a crash midway leaves only
- * extra old checkpoints. */
-/* Once step-<latest> is complete and LATEST names it: no checkpoint newer than it survives (an
- * earlier, longer run's in the same directory, or a save that never completed; left there, a
- * later prune would delete this run's checkpoints before them), and of the rest only the newest
- * `keep` (0: all). A fresh run's first checkpoint also removes every older one: they are an
- * earlier run's (kept until now, so a fresh run that fails first leaves them as they were). */
+/* Runs once step-<latest> is complete and LATEST names it, so the checkpoint a resume would use
+ * is never touched and a crash midway leaves only extra checkpoints. No checkpoint newer than it
+ * survives (an earlier, longer run's in the same directory, or a save that never completed; left
+ * there, a later prune would delete this run's checkpoints before them), and of the rest only the
+ * newest `keep` (0: all). A fresh run's first checkpoint also removes every older one: they are
+ * an earlier run's (kept until now, so a fresh run that fails first leaves them as they were). */
 static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **errptr)
 {
     bool earlier = !S->o->resume && !S->o->rejoin && !S->pruned_foreign;
@@ -1216,13 +1208,7 @@ static int job_totals(const setup *S, uint64_t *samples, double *loss, char **er
         size_t len;
         rc = cm_read_file(path, (void **)&text, &len, errptr);
         if (rc != CM_OK) break;
-        char *t = realloc(text, len + 1);
-        if (t == NULL) {
-            free(text);
-            return cm_err(errptr, CM_ENOMEM, "out of memory");
-        }
-        t[len] = '\0';
-        const char *a = strstr(t, "\nsamples "), *b = strstr(t, "\nloss_sum ");
+        const char *a = strstr(text, "\nsamples "), *b = strstr(text, "\nloss_sum ");
         unsigned long long n;
         double l;
         if (a == NULL || b == NULL || sscanf(a, "\nsamples %llu", &n) != 1 ||
@@ -1230,7 +1216,7 @@ static int job_totals(const setup *S, uint64_t *samples, double *loss, char **er
             rc = cm_err(errptr, CM_ECORRUPT, "%s: no samples or loss_sum line", path);
         else
             *samples += n, *loss += l;
-        free(t);
+        free(text);
     }
     return rc;
 }
@@ -1303,12 +1289,12 @@ static void log_progress(const setup *S, uint64_t step, uint64_t samples, double
                 "  %.0f samples/s  loss %.5f%s  ETA %.0fs  %s",
                 bar, S->max_steps ? 100.0 * (double)step / (double)S->max_steps : 100.0, step,
                 S->max_steps, rate, loss, auc, eta, final ? "\n" : "");
-    } else {
-        fprintf(stderr, "step %" PRIu64 "/%" PRIu64 " samples/s %.0f loss %.5f%s eta %.0fs\n", step,
-                S->max_steps, rate, loss, auc, eta);
     }
-    train_log(S, "step %" PRIu64 "/%" PRIu64 " samples/s %.0f loss %.5f%s eta %.0fs", step,
-              S->max_steps, rate, loss, auc, eta);
+    char line[160];
+    snprintf(line, sizeof line, "step %" PRIu64 "/%" PRIu64 " samples/s %.0f loss %.5f%s eta %.0fs",
+             step, S->max_steps, rate, loss, auc, eta);
+    if (!tty) fprintf(stderr, "%s\n", line);
+    train_log(S, "%s", line);
     if (S->metrics) {
         fprintf(S->metrics,
                 "{\"step\":%" PRIu64 ",\"samples\":%" PRIu64
@@ -1601,8 +1587,6 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
     model_cfg_preset(&S->m, o->model.kind, sch->n_fields, sch->n_dense);
     uint32_t n_fields = sch->n_fields, n_dense = sch->n_dense;
     ds_reader_destroy(r);
-    if (o->eval_every && o->eval_path == NULL)
-        return cm_err(errptr, CM_EINVAL, "--eval-every needs --eval (the held-out shards)");
     /* The eval shards are checked before training, not found wanting after it. */
     if (o->eval_path != NULL) {
         rc = reader_open_flag(S, "--eval", o->eval_path, &r, errptr);
@@ -1800,9 +1784,7 @@ static int metrics_trim(const char *path, uint64_t step, char **errptr)
         while (end < len && text[end] != '\n')
             end++;
         unsigned long long st;
-        char line[40];
-        snprintf(line, sizeof line, "%.*s", (int)(end - at < 39 ? end - at : 39), text + at);
-        bool keep = sscanf(line, "{\"step\":%llu", &st) != 1 || st <= step;
+        bool keep = sscanf(text + at, "{\"step\":%llu", &st) != 1 || st <= step;
         if (keep && end > at) {
             memcpy(out + n, text + at, end - at);
             n += end - at;
