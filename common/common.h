@@ -202,6 +202,21 @@ void cm_afile_abort(cm_afile *f);
 int cm_write_file_atomic(const char *path, const void *buf, size_t n, char **errptr);
 
 /*
+ * Small text files that carry their own checksum: a checkpoint's model.txt, run.txt, worker
+ * positions and LATEST. The text (n bytes, ending in a newline) is followed by one last line
+ * "xxh3 <16 hex digits>" over every byte before it. These files steer a resume (which step,
+ * which position, which settings), and a damaged digit would otherwise point a run at another
+ * step or position and go on silently. Written atomically like cm_write_file_atomic.
+ */
+#define CM_SEAL_LINE 22 /* "xxh3 " + 16 hex digits + "\n" */
+int cm_write_sealed(const char *path, const char *text, size_t n, char **errptr);
+/* Reads such a file: *text (heap, NUL-terminated, owned by the caller) is its text without
+ * the checksum line, *len its length. A file whose last line is not a checksum line (cut short,
+ * or not written by ember) or whose checksum does not match is refused with CM_ECORRUPT naming
+ * the path; a missing file is CM_ENOTFOUND. */
+int cm_read_sealed(const char *path, char **text, size_t *len, char **errptr);
+
+/*
  * INI files: "[name]" or "[name arg]" section headers, "key = value" lines, '#' comments.
  * cb is called with key == NULL at each section header, then once per key; a non-zero return
  * stops the parse. Messages from cb are prefixed with "path:line: ".

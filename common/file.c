@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <aio.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -422,4 +423,51 @@ int cm_write_file_atomic(const char *path, const void *buf, size_t n, char **err
         return rc;
     }
     return cm_afile_commit(&f, errptr);
+}
+
+int cm_write_sealed(const char *path, const char *text, size_t n, char **errptr)
+{
+    if (n == 0 || text[n - 1] != '\n')
+        return cm_err(errptr, CM_EINVAL, "%s: sealed text must end with a newline", path);
+    char line[CM_SEAL_LINE + 1];
+    snprintf(line, sizeof line, "xxh3 %016" PRIx64 "\n", cm_xxh3(text, n));
+    cm_afile f;
+    int rc = cm_afile_open(&f, path, errptr);
+    if (rc != CM_OK) return rc;
+    rc = cm_afile_write(&f, text, n, errptr);
+    if (rc == CM_OK) rc = cm_afile_write(&f, line, CM_SEAL_LINE, errptr);
+    if (rc != CM_OK) {
+        cm_afile_abort(&f);
+        return rc;
+    }
+    return cm_afile_commit(&f, errptr);
+}
+
+int cm_read_sealed(const char *path, char **text, size_t *len, char **errptr)
+{
+    char *buf = NULL;
+    size_t n = 0;
+    int rc = cm_read_file(path, (void **)&buf, &n, errptr);
+    if (rc != CM_OK) return rc;
+    const char *line = n >= CM_SEAL_LINE ? buf + n - CM_SEAL_LINE : NULL;
+    uint64_t want = 0;
+    int used = 0;
+    if (line == NULL || (line > buf && line[-1] != '\n') ||
+        sscanf(line, "xxh3 %16" SCNx64 "%n", &want, &used) != 1 || used != CM_SEAL_LINE - 1 ||
+        line[used] != '\n')
+        rc = cm_err(errptr, CM_ECORRUPT,
+                    "%s: no checksum line at its end (cut short, or from an ember before "
+                    "checksummed text files)",
+                    path);
+    else if (cm_xxh3(buf, n - CM_SEAL_LINE) != want)
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: checksum mismatch: the file is damaged", path);
+    if (rc != CM_OK) {
+        free(buf);
+        return rc;
+    }
+    n -= CM_SEAL_LINE;
+    buf[n] = '\0';
+    *text = buf;
+    *len = n;
+    return CM_OK;
 }

@@ -263,7 +263,7 @@ int cmd_export(int argc, char **argv)
     if (rc == CM_OK && since) rc = train_resolve_checkpoint(since, old_ckpt, sizeof old_ckpt, &old_step, &err);
     if (rc == CM_OK) rc = ps_checkpoint_names(ckpt, tnames, &n_t, dnames, &n_d, &err);
     snprintf(path, sizeof path, "%s/model.txt", ckpt);
-    if (rc == CM_OK) rc = cm_read_file(path, (void **)&model, &mlen, &err);
+    if (rc == CM_OK) rc = cm_read_sealed(path, &model, &mlen, &err);
     if (rc == CM_OK) rc = ps_checkpoint_dense(ckpt, "tower", &tower, &n_tower, &err);
     for (uint32_t i = 0; rc == CM_OK && i < n_t; i++) rc = load_table(ckpt, tnames[i], &tabs[i], &err);
     if (rc == CM_OK && bundle)

@@ -18,26 +18,45 @@ static void reshard_usage(FILE *to)
                 "  --resume\n");
 }
 
-/* Copies the trainer's files (model.txt, worker-<i>.pos) that sit beside the shards. */
-static int copy_side_files(const char *from, const char *to, char **errptr)
+/* Copies the trainer's files that sit beside the shards (model.txt, worker-<i>.pos, and
+ * run.txt with its shard count made the new one, so that a resume still checks the other
+ * settings against it), each checksum verified on the way. */
+static int copy_side_files(const char *from, const char *to, uint32_t shards, char **errptr)
 {
     DIR *d = opendir(from);
     if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", from);
     struct dirent *e;
     int rc = CM_OK;
     while (rc == CM_OK && (e = readdir(d)) != NULL) {
-        if (strncmp(e->d_name, "worker-", 7) && strcmp(e->d_name, "model.txt")) continue;
+        bool run = !strcmp(e->d_name, "run.txt");
+        if (strncmp(e->d_name, "worker-", 7) && strcmp(e->d_name, "model.txt") && !run) continue;
         char src[4400], dst[4400];
         if (snprintf(src, sizeof src, "%s/%s", from, e->d_name) >= (int)sizeof src ||
             snprintf(dst, sizeof dst, "%s/%s", to, e->d_name) >= (int)sizeof dst) {
             rc = cm_err(errptr, CM_EINVAL, "path too long under %s", to);
             break;
         }
-        void *buf = NULL;
+        char *text = NULL, *out = NULL;
         size_t len;
-        rc = cm_read_file(src, &buf, &len, errptr);
-        if (rc == CM_OK) rc = cm_write_file_atomic(dst, buf, len, errptr);
-        free(buf);
+        rc = cm_read_sealed(src, &text, &len, errptr);
+        if (rc == CM_OK && run) {
+            char *at = strstr(text, "\nshards ");
+            size_t cap = len + 32;
+            out = at ? malloc(cap) : NULL;
+            if (at == NULL)
+                rc = cm_err(errptr, CM_ECORRUPT, "%s: no shards line", src);
+            else if (out == NULL)
+                rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+            else {
+                at++;
+                const char *rest = at + strcspn(at, "\n");
+                len = (size_t)snprintf(out, cap, "%.*sshards %u%s", (int)(at - text), text, shards,
+                                       rest);
+            }
+        }
+        if (rc == CM_OK) rc = cm_write_sealed(dst, out ? out : text, len, errptr);
+        free(out);
+        free(text);
     }
     closedir(d);
     return rc;
@@ -84,9 +103,9 @@ int cmd_reshard(int argc, char **argv)
         rc = cm_mkdirs(parent, &err);
     }
     if (rc == CM_OK) rc = ps_checkpoint_reshard(ckpt, dst, (uint32_t)shards, &err);
-    if (rc == CM_OK) rc = copy_side_files(ckpt, dst, &err);
+    if (rc == CM_OK) rc = copy_side_files(ckpt, dst, (uint32_t)shards, &err);
     strcat(name, "\n");
-    if (rc == CM_OK) rc = cm_write_file_atomic(latest, name, strlen(name), &err);
+    if (rc == CM_OK) rc = cm_write_sealed(latest, name, strlen(name), &err);
     if (rc != CM_OK) {
         fprintf(stderr, "ember reshard: %s\n", err ? err : "failed");
         free(err);

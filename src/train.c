@@ -910,10 +910,17 @@ static int resume_check(const setup *S, char **errptr)
         char *then = NULL;
         size_t len;
         char *err = NULL;
-        int rc = cm_read_file(path, (void **)&then, &len, &err);
+        int rc = cm_read_sealed(path, &then, &len, &err);
+        if (rc == CM_ENOTFOUND && i == 1) {
+            free(err);
+            continue;
+        }
+        if (rc != CM_OK) {
+            rc = cm_err(errptr, rc, "--resume: %s", err ? err : path);
+            free(err);
+            return rc;
+        }
         free(err);
-        if (rc == CM_ENOTFOUND && i == 1) continue;
-        if (rc != CM_OK) return cm_err(errptr, rc, "--resume: cannot read %s", path);
         if (i == 0)
             model_cfg_format(&S->m, S->o->mean_pool, now, sizeof now);
         else
@@ -969,7 +976,7 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
     int len = snprintf(text, sizeof text,
                        "step %" PRIu64 "\nkernels %s\nsamples %" PRIu64 "\nloss_sum %.17g\n", own,
                        kern, samples, loss_sum);
-    rc = cm_write_file_atomic(path, text, (size_t)len, errptr);
+    rc = cm_write_sealed(path, text, (size_t)len, errptr);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
     if (rc == CM_OK && w == 0) {
         /* The model's shape travels with its weights: export and serving read it. */
@@ -977,16 +984,16 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
         snprintf(path, sizeof path, "%s/model.txt", dir);
         len = model_cfg_format(&S->m, S->o->mean_pool, model, sizeof model);
         rc = len < 0 ? cm_err(errptr, CM_ERR, "model config too long")
-                     : cm_write_file_atomic(path, model, (size_t)len, errptr);
+                     : cm_write_sealed(path, model, (size_t)len, errptr);
         snprintf(path, sizeof path, "%s/run.txt", dir);
         len = run_format(S, model, sizeof model);
-        if (rc == CM_OK) rc = cm_write_file_atomic(path, model, (size_t)len, errptr);
+        if (rc == CM_OK) rc = cm_write_sealed(path, model, (size_t)len, errptr);
     }
     if (rc == CM_OK && w == 0) rc = drop_foreign(S, dir, errptr);
     if (rc == CM_OK && w == 0) {
         snprintf(path, sizeof path, "%s/LATEST", S->ckpt_root);
         len = snprintf(text, sizeof text, "step-%" PRIu64 "\n", tag);
-        rc = cm_write_file_atomic(path, text, (size_t)len, errptr);
+        rc = cm_write_sealed(path, text, (size_t)len, errptr);
         if (rc == CM_OK) rc = prune_checkpoints(S, S->o->keep_checkpoints, tag, errptr);
     }
     return rc;
@@ -1051,7 +1058,7 @@ static int read_tagged(const char *path, const char *fmt, uint64_t *out, char **
 {
     char *text = NULL;
     size_t len;
-    int rc = cm_read_file(path, (void **)&text, &len, errptr);
+    int rc = cm_read_sealed(path, &text, &len, errptr);
     if (rc != CM_OK) return rc;
     unsigned long long v;
     if (sscanf(text, fmt, &v) != 1)
@@ -1082,7 +1089,7 @@ static void warn_kernels(const setup *S, const char *pos_text)
 
 static int latest_step(const char *root, uint64_t *step, char **errptr)
 {
-    char path[2300];
+    char path[4400];
     snprintf(path, sizeof path, "%s/LATEST", root);
     return read_tagged(path, "step-%llu", step, NULL, errptr);
 }
@@ -1155,17 +1162,16 @@ int train_resolve_checkpoint(const char *in, char *out, size_t n, uint64_t *step
     if (stat(path, &st) == 0) {
         snprintf(out, n, "%s", in);
     } else {
-        snprintf(path, sizeof path, "%s/ckpt/LATEST", in);
-        char *text = NULL;
-        size_t len;
-        if (cm_read_file(path, (void **)&text, &len, NULL) != CM_OK)
+        snprintf(path, sizeof path, "%s/ckpt", in);
+        uint64_t latest = 0;
+        int rc = latest_step(path, &latest, errptr);
+        if (rc == CM_ENOTFOUND)
             return cm_err(errptr, CM_ENOTFOUND,
                           "%s is neither a checkpoint (shard-0/) nor a run "
                           "directory (ckpt/LATEST)",
                           in);
-        text[strcspn(text, "\n")] = '\0';
-        snprintf(out, n, "%s/ckpt/%s", in, text);
-        free(text);
+        if (rc != CM_OK) return rc;
+        snprintf(out, n, "%s/ckpt/step-%" PRIu64, in, latest);
     }
     const char *base = strrchr(out, '/');
     unsigned long long s = 0;
@@ -1206,7 +1212,7 @@ static int job_totals(const setup *S, uint64_t *samples, double *loss, char **er
         snprintf(path, sizeof path, "%s/worker-%u.pos", dir, w);
         char *text = NULL;
         size_t len;
-        rc = cm_read_file(path, (void **)&text, &len, errptr);
+        rc = cm_read_sealed(path, &text, &len, errptr);
         if (rc != CM_OK) break;
         const char *a = strstr(text, "\nsamples "), *b = strstr(text, "\nloss_sum ");
         unsigned long long n;

@@ -6,7 +6,10 @@
  *     size and digest report every byte;
  *   - an abort with stage writes in flight leaves neither the target nor the temporary;
  *   - a target that is no regular file (a FIFO here, as /dev/null would be) is written in
- *     place and is still a FIFO after the commit, not replaced by a plain file.
+ *     place and is still a FIFO after the commit, not replaced by a plain file;
+ *   - sealed text (cm_write_sealed) reads back as written, and every damage is refused by
+ *     cm_read_sealed with the path named: any one byte flipped, any cut, a missing or extra
+ *     last line, an empty file; a missing file is CM_ENOTFOUND.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -147,11 +150,77 @@ static void special_target(const char *dir)
     close(rd);
 }
 
+static void raw_write(const char *path, const char *buf, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    CHECK(f != NULL);
+    if (f) fwrite(buf, 1, n, f), fclose(f);
+}
+
+/* cm_read_sealed of path: 1 when refused as CM_ECORRUPT with the path in the message. */
+static int refused(const char *path)
+{
+    char *text = NULL, *err = NULL;
+    size_t len;
+    int rc = cm_read_sealed(path, &text, &len, &err);
+    int ok = rc == CM_ECORRUPT && err && strstr(err, path) && text == NULL;
+    free(text);
+    free(err);
+    return ok;
+}
+
+static void sealed_text(const char *dir)
+{
+    char path[4096], *text = NULL, *err = NULL;
+    snprintf(path, sizeof path, "%s/sealed.txt", dir);
+    const char *body = "step 42\nsamples 1000\nloss_sum 0.5\n";
+    size_t n = strlen(body), len = 0;
+    CHECK(cm_write_sealed(path, body, n, &err) == CM_OK);
+    CHECK(cm_read_sealed(path, &text, &len, &err) == CM_OK && len == n && strcmp(text, body) == 0);
+    free(text);
+    char *raw = NULL;
+    size_t rn = 0;
+    CHECK(cm_read_file(path, (void **)&raw, &rn, &err) == CM_OK && rn == n + CM_SEAL_LINE);
+    int missed = 0;
+    for (size_t i = 0; raw && i < rn; i++) /* every byte, the checksum line's included */
+        for (int bit = 0; bit < 8; bit += 3) {
+            raw[i] ^= (char)(1 << bit);
+            raw_write(path, raw, rn);
+            missed += !refused(path);
+            raw[i] ^= (char)(1 << bit);
+        }
+    CHECK_MSG(missed == 0, "%d damaged copies read back", missed);
+    missed = 0;
+    for (size_t cut = 0; raw && cut < rn; cut++) {
+        raw_write(path, raw, cut);
+        missed += !refused(path);
+    }
+    CHECK_MSG(missed == 0, "%d cut copies read back", missed);
+    if (raw) { /* a line after the checksum's, and the text alone */
+        char *more = malloc(rn + 8);
+        memcpy(more, raw, rn);
+        memcpy(more + rn, "step 9\n", 7);
+        raw_write(path, more, rn + 7);
+        CHECK(refused(path));
+        free(more);
+        raw_write(path, body, n);
+        CHECK(refused(path));
+    }
+    free(raw);
+    CHECK(cm_write_sealed(path, "no newline", 10, &err) == CM_EINVAL);
+    free(err);
+    err = NULL;
+    snprintf(path, sizeof path, "%s/absent.txt", dir);
+    CHECK(cm_read_sealed(path, &text, &len, &err) == CM_ENOTFOUND);
+    free(err);
+}
+
 int main(void)
 {
     const char *dir = check_tmpdir("common_afile");
     direct_equals_buffered(dir);
     abort_in_flight(dir);
     special_target(dir);
+    sealed_text(dir);
     return check_done();
 }

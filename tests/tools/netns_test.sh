@@ -323,7 +323,7 @@ run_job() { # run_job NAME SCHEME PORT [extra [cluster] lines...]
         [ "${eval_rows:-x}" = "$(json_num "$ref_json" eval_rows)" ] && [ "${eval_rows:-0}" -gt 1000 ]
     check $? "$name: steps/rows/eval_rows ${steps:-?}/${rows:-?}/${eval_rows:-?} as on loopback"
     local latest
-    latest="$(cat "$run/ckpt/LATEST" 2>/dev/null)"
+    latest="$(head -n 1 "$run/ckpt/LATEST" 2>/dev/null)"
     [ -n "$latest" ] && [ -f "$run/ckpt/$latest/shard-0/MANIFEST" ] && [ -f "$run/ckpt/$latest/shard-1/MANIFEST" ]
     check $? "$name: final checkpoint ${latest:-(none)} holds both PS shards"
     # Who talked to whom: established connections sampled on the PS hosts, plus the TIME-WAIT

@@ -23,6 +23,15 @@ static void write_text(const char *name, const char *text)
     if (f) fputs(text, f), fclose(f);
 }
 
+/* A small file with a checksum line, as ember writes a checkpoint's text files. */
+static void write_sealed(const char *name, const char *text)
+{
+    char path[8192], *err = NULL;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    CHECK_MSG(cm_write_sealed(path, text, strlen(text), &err) == CM_OK, "%s", err ? err : "");
+    free(err);
+}
+
 /* A small Avazu CSV (no dense features, 23 fields). */
 static void write_avazu(const char *name, int rows)
 {
@@ -192,7 +201,7 @@ int main(void)
     rc = run("train --train ds/train --eval ds/eval --model mlp --batch 512 --max-steps 20 "
              "--checkpoint-every 5 --out r6 --no-progress");
     CHECK_MSG(rc == 0, "normal run: exit %d", rc);
-    char *latest0 = slurp("r6/ckpt/LATEST"), *list0 = ckpt_listing("r6");
+    char *latest0 = slurp_sealed("r6/ckpt/LATEST"), *list0 = ckpt_listing("r6");
     CHECK(latest0 && strcmp(latest0, "step-20\n") == 0);
     CHECK(list0 && strstr(list0, "./step-5/") && strstr(list0, "./step-15/"));
     rc = run("train --train ds/train --eval ds/eval --model mlp --batch 512 --max-steps 20 "
@@ -203,7 +212,7 @@ int main(void)
     CHECK_MSG(log6 && strstr(log6, "] failed: ") && strstr(log6, "non-finite"),
               "r6/logs/train.log of the diverging run: %s", log6 ? log6 : "(missing)");
     free(log6);
-    char *latest1 = slurp("r6/ckpt/LATEST"), *list1 = ckpt_listing("r6");
+    char *latest1 = slurp_sealed("r6/ckpt/LATEST"), *list1 = ckpt_listing("r6");
     CHECK_MSG(latest1 && latest0 && strcmp(latest0, latest1) == 0, "LATEST changed: %s", latest1);
     CHECK_MSG(list0 && list1 && strcmp(list0, list1) == 0, "checkpoint files changed:\n%s\n---\n%s",
               list0, list1);
@@ -287,10 +296,23 @@ int main(void)
     /* A position past its checkpoint's step is refused. */
     write_text("r9/ckpt/step-12/worker-1.pos.bak", "");
     char *pos = slurp("r9/ckpt/step-12/worker-1.pos");
-    write_text("r9/ckpt/step-12/worker-1.pos", "step 99999\n");
+    write_sealed("r9/ckpt/step-12/worker-1.pos", "step 99999\n");
     rc = run("train %s --max-steps 16 --shards 2 --workers 2 --resume", c9);
     CHECK_MSG(rc == 1 && err_has("worker-1.pos says step 99999"), "bad position: %d, %s", rc,
               err_text);
+    /* A damaged position (its step's first digit changed, its checksum line kept) is refused,
+     * not resumed from: a step read too low would train batches twice. */
+    if (pos && strncmp(pos, "step ", 5) == 0 && pos[5] >= '0' && pos[5] <= '9') {
+        char *bad = strdup(pos);
+        bad[5] = bad[5] == '1' ? '2' : '1';
+        write_text("r9/ckpt/step-12/worker-1.pos", bad);
+        free(bad);
+        rc = run("train %s --max-steps 16 --shards 2 --workers 2 --resume", c9);
+        CHECK_MSG(rc == 1 && err_has("worker-1.pos: checksum mismatch"), "damaged position: %d, %s",
+                  rc, err_text);
+    } else {
+        CHECK_MSG(0, "worker-1.pos of step 12: %s", pos ? pos : "(missing)");
+    }
     if (pos) write_text("r9/ckpt/step-12/worker-1.pos", pos);
     free(pos);
     unlink(strcat(strcpy((char[8300]){0}, dir), "/r9/ckpt/step-12/worker-1.pos.bak"));
@@ -335,7 +357,7 @@ int main(void)
     CHECK_MSG(rc == 2 && err_has("not a regular file"), "--config DIR: exit %d, %s", rc, err_text);
     rc = run("train --train ds/train --model mlp --dense-optimizer sgd --max-steps 2 --out r10 "
              "--no-progress");
-    char *run10 = slurp("r10/ckpt/step-2/run.txt"), *log10 = slurp("r10/logs/train.log");
+    char *run10 = slurp_sealed("r10/ckpt/step-2/run.txt"), *log10 = slurp("r10/logs/train.log");
     CHECK_MSG(rc == 0 && run10 && strstr(run10, "dense_lr 0.1\n"), "sgd's lr: %s",
               run10 ? run10 : "(no run.txt)");
     CHECK_MSG(log10 && strstr(log10, "(no --eval)") && !strstr(log10, "auc 0.000000"),
@@ -348,10 +370,32 @@ int main(void)
     rc = run("train --train ds/train --eval ds/eval --model lr --batch 512 --max-steps 6 "
              "--checkpoint-every 2 --eval-every 2 --out r11 --no-progress");
     CHECK(rc == 0);
-    write_text("r11/ckpt/LATEST", "step-2\n");
+    /* A damaged LATEST is refused by --resume and by export, with the file named. */
+    write_text("r11/ckpt/LATEST", "step-4\nxxh3 0000000000000000\n");
+    rc = run("train --train ds/train --eval ds/eval --model lr --batch 512 --max-steps 6 "
+             "--checkpoint-every 2 --eval-every 2 --out r11 --no-progress --resume");
+    CHECK_MSG(rc == 1 && err_has("LATEST: checksum mismatch"), "damaged LATEST: %d, %s", rc,
+              err_text);
+    rc = run("export --checkpoint r11 --out r11x");
+    CHECK_MSG(rc == 1 && err_has("LATEST: checksum mismatch"), "export, damaged LATEST: %d, %s", rc,
+              err_text);
+    write_sealed("r11/ckpt/LATEST", "step-2\n");
     rc = run("train --train ds/train --eval ds/eval --model lr --batch 512 --max-steps 6 "
              "--checkpoint-every 2 --eval-every 2 --out r11 --no-progress --resume");
     CHECK_MSG(rc == 0, "resume of r11: exit %d, %s", rc, err_text);
+    /* A damaged model.txt is refused by export, which would otherwise build a bundle of the
+     * wrong shape or fail on a "corrupt" tower. */
+    char *model11 = slurp("r11/ckpt/step-6/model.txt");
+    if (model11 && strncmp(model11, "kind lr\n", 8) == 0) {
+        memcpy(model11 + 5, "fm", 2); /* kind fm: another model, as a bit flip could make it */
+        write_text("r11/ckpt/step-6/model.txt", model11);
+        rc = run("export --checkpoint r11 --out r11y");
+        CHECK_MSG(rc == 1 && err_has("model.txt: checksum mismatch"), "damaged model.txt: %d, %s",
+                  rc, err_text);
+    } else {
+        CHECK_MSG(0, "r11's step-6/model.txt: %s", model11 ? model11 : "(missing)");
+    }
+    free(model11);
     /* Ctrl-C on an embedded run: a last line in train.log says so. (The run is a job of the
      * same shell, so `wait` waits for it before the log is read.) */
     char cmd12[16384];

@@ -39,6 +39,21 @@ static inline char *slurp(const char *name)
     return slurp_path(path);
 }
 
+/* dir/name's text without its checksum line (cm_read_sealed: a checkpoint's LATEST, model.txt,
+ * run.txt, worker positions), or NULL when it is missing or fails its checksum. */
+static inline char *slurp_sealed(const char *name)
+{
+    char path[8192], *text = NULL, *err = NULL;
+    size_t len;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    if (cm_read_sealed(path, &text, &len, &err) != 0) {
+        fprintf(stderr, "%s\n", err ? err : path);
+        free(err);
+        return NULL;
+    }
+    return text;
+}
+
 static inline int exists(const char *name)
 {
     char path[8192];

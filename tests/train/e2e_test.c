@@ -97,7 +97,7 @@ static void check_run(const char *model, const char *out, const char *json, doub
               "%s: %s", path, log ? log : "(missing)");
     free(log);
     snprintf(path, sizeof path, "%s/ckpt/LATEST", out);
-    char *latest = slurp(path), wantl[64];
+    char *latest = slurp_sealed(path), wantl[64];
     snprintf(wantl, sizeof wantl, "step-%.0f\n", steps);
     CHECK_MSG(latest && strcmp(latest, wantl) == 0, "%s: %s", path, latest ? latest : "(missing)");
     free(latest);

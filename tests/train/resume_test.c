@@ -19,7 +19,7 @@ static void check_latest(const char *run, const char *want)
 {
     char path[256];
     snprintf(path, sizeof path, "%s/ckpt/LATEST", run);
-    char *s = slurp(path);
+    char *s = slurp_sealed(path);
     CHECK_MSG(s && strcmp(s, want) == 0, "%s is '%s', expected '%s'", path, s ? s : "(missing)", want);
     free(s);
 }
@@ -299,7 +299,7 @@ static void kernels_warning(void)
     CHECK(run("train %s --max-steps 4", common) == 0);
     CHECK(run("train %s --max-steps 6 --resume", common) == 0);
     CHECK_MSG(!err_has("not bit for bit"), "a resume under the same kernels warned");
-    char *pos = slurp("K/ckpt/step-6/worker-0.pos");
+    char *pos = slurp_sealed("K/ckpt/step-6/worker-0.pos");
     CHECK_MSG(pos != NULL && strstr(pos, "\nkernels cpu/") != NULL, "position file: %s",
               pos ? pos : "(missing)");
     const char *other = pos != NULL && strstr(pos, "cpu/Prescott") ? "Core2" : "Prescott";
@@ -313,13 +313,77 @@ static void kernels_warning(void)
         CHECK(run("train %s --max-steps 10 --resume --bf16", common) == 0);
         CHECK(run("train %s --max-steps 12 --resume --bf16", common) == 0);
         CHECK_MSG(!err_has("not bit for bit"), "a bf16 resume of a bf16 checkpoint warned");
-        pos = slurp("K/ckpt/step-12/worker-0.pos");
+        pos = slurp_sealed("K/ckpt/step-12/worker-0.pos");
         CHECK_MSG(pos != NULL && strstr(pos, "+bf16\n") != NULL, "position file: %s",
                   pos ? pos : "(missing)");
         free(pos);
         CHECK(run("train %s --max-steps 14 --resume", common) == 0);
         CHECK_MSG(err_has("not bit for bit"), "an fp32 resume of a bf16 checkpoint did not say so");
     }
+}
+
+/* Rows in a checkpoint's table over its shards (the snapshots' MANIFEST "rows" lines). */
+static long ckpt_rows(const char *ckpt, unsigned shards, const char *table)
+{
+    long total = 0;
+    for (unsigned i = 0; i < shards; i++) {
+        char p[512];
+        snprintf(p, sizeof p, "%s/shard-%u/table-%s/MANIFEST", ckpt, i, table);
+        char *m = slurp(p);
+        const char *r = m ? strstr(m, "\nrows ") : NULL;
+        total = r && total >= 0 ? total + strtol(r + 6, NULL, 10) : -1;
+        free(m);
+    }
+    return total;
+}
+
+/* ember reshard: a 2-shard checkpoint spread over 3 shards keeps every row, carries model.txt,
+ * the positions and run.txt (its shard count made 3, so a resume still checks the rest), and
+ * resumes on 3 shards to the same AUC and logloss as the 2-shard run resumed (each row's
+ * updates do not depend on which shard holds it). Damaged side files are refused, not copied. */
+static void reshard_case(void)
+{
+    const char *common = "--train ds/train --eval ds/eval --model mlp --batch 512 --no-progress "
+                         "--checkpoint-every 4";
+    CHECK(run("train %s --shards 2 --max-steps 8 --out S2", common) == 0);
+    CHECK_MSG(run("reshard --from S2 --shards 3 --out S3") == 0, "reshard: %s", err_text);
+    char *latest = slurp_sealed("S3/ckpt/LATEST"), *run3 = slurp_sealed("S3/ckpt/step-8/run.txt");
+    char *run2 = slurp_sealed("S2/ckpt/step-8/run.txt");
+    CHECK_MSG(latest && strcmp(latest, "step-8\n") == 0, "S3 LATEST: %s", latest ? latest : "-");
+    CHECK_MSG(run3 && strstr(run3, "\nshards 3\n") && run2 && strstr(run2, "\nshards 2\n"),
+              "run.txt after reshard: %s", run3 ? run3 : "(missing)");
+    CHECK(exists("S3/ckpt/step-8/model.txt") && exists("S3/ckpt/step-8/worker-0.pos"));
+    long r2 = ckpt_rows("S2/ckpt/step-8", 2, "emb"), r3 = ckpt_rows("S3/ckpt/step-8", 3, "emb");
+    CHECK_MSG(r2 > 0 && r2 == r3, "rows: %ld on 2 shards, %ld on 3", r2, r3);
+    free(latest);
+    free(run2);
+    free(run3);
+    CHECK(run("train %s --shards 3 --max-steps 12 --resume --out S3", common) == 0);
+    char *a3 = strdup(last_line());
+    CHECK(run("train %s --shards 2 --max-steps 12 --resume --out S2", common) == 0);
+    same_field(last_line(), a3, "auc", "reshard 2 -> 3");
+    same_field(last_line(), a3, "logloss", "reshard 2 -> 3");
+    free(a3);
+    int rc = run("train %s --shards 3 --max-steps 16 --resume --out S3 --batch 256", common);
+    CHECK_MSG(rc == 1 && err_has("batch 256 (checkpoint 512)"),
+              "resharded resume, other batch: "
+              "%d",
+              rc);
+    rc = run("train %s --shards 2 --max-steps 16 --resume --out S3", common);
+    CHECK_MSG(rc == 1 && err_has("shards 2 (checkpoint 3)"), "resharded resume, 2 shards: %d", rc);
+    char *pos = slurp("S2/ckpt/step-12/worker-0.pos");
+    if (pos && pos[5] >= '0' && pos[5] <= '9') {
+        pos[5] = pos[5] == '1' ? '2' : '1';
+        char p[8300];
+        snprintf(p, sizeof p, "%s/S2/ckpt/step-12/worker-0.pos", dir);
+        FILE *f = fopen(p, "w");
+        if (f) fputs(pos, f), fclose(f);
+        rc = run("reshard --from S2 --shards 3 --out S4");
+        CHECK_MSG(rc == 1 && err_has("worker-0.pos: checksum mismatch"), "damaged pos: %d", rc);
+    } else {
+        CHECK_MSG(0, "S2's step-12 position: %s", pos ? pos : "(missing)");
+    }
+    free(pos);
 }
 
 int main(void)
@@ -342,6 +406,7 @@ int main(void)
     }
     repeatable();
     kernels_warning();
+    reshard_case();
     static const char *const one_table[] = {"shard-0/MANIFEST", "shard-0/dense-tower.bin",
                                             "shard-0/table-emb/MANIFEST",
                                             "shard-0/table-emb/rows.bin", NULL};

@@ -13,7 +13,7 @@ int main(void)
     const char *common = "train --train ds/train --model lr --batch 256 --no-progress --device cpu "
                          "--checkpoint-every 5 --max-steps 30";
     CHECK(run("%s --keep-checkpoints 2 --out keep2", common) == 0);
-    char *latest = slurp("keep2/ckpt/LATEST");
+    char *latest = slurp_sealed("keep2/ckpt/LATEST");
     CHECK_MSG(latest && strcmp(latest, "step-30\n") == 0, "LATEST is %s", latest ? latest : "(none)");
     free(latest);
     CHECK(exists("keep2/ckpt/step-30/shard-0/MANIFEST") && exists("keep2/ckpt/step-25/model.txt"));
@@ -27,7 +27,7 @@ int main(void)
     /* Resuming the pruned run continues from its newest checkpoint. */
     CHECK(run("train --train ds/train --model lr --batch 256 --no-progress --device cpu "
               "--checkpoint-every 5 --max-steps 40 --keep-checkpoints 2 --resume --out keep2") == 0);
-    latest = slurp("keep2/ckpt/LATEST");
+    latest = slurp_sealed("keep2/ckpt/LATEST");
     CHECK_MSG(latest && strcmp(latest, "step-40\n") == 0, "LATEST is %s", latest ? latest : "(none)");
     free(latest);
     CHECK(exists("keep2/ckpt/step-35") && !exists("keep2/ckpt/step-30"));
@@ -39,7 +39,7 @@ int main(void)
               "--checkpoint-every 5 --max-steps 15 --keep-checkpoints 2 --out keep2") == 0);
     CHECK_MSG(err_has("removing") && err_has("step-40"), "stale checkpoints not named: %s",
               err_text);
-    latest = slurp("keep2/ckpt/LATEST");
+    latest = slurp_sealed("keep2/ckpt/LATEST");
     CHECK_MSG(latest && strcmp(latest, "step-15\n") == 0, "LATEST is %s",
               latest ? latest : "(none)");
     free(latest);
