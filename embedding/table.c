@@ -444,8 +444,8 @@ static int reserve_rows(sub *s, scratch *sc, const uint64_t *keys, const uint64_
  * before the update pass, which then never has to grow and cannot fail: a push that fails has
  * changed nothing. Each pass locks one group at a time, as a pull does, so that concurrent pushes
  * overlap as before (holding every lock to the end would serialise them); the reservation keeps
- * other inserts out of the promised room in between, and TTL expiry leaves a sub-shard holding
- * one alone, so no row the update pass counts on is dropped in between either.
+ * other inserts out of the promised room in between. A row TTL expiry drops in between frees the
+ * slot the update pass then re-creates it in (emb_table_expire).
  */
 static int push_memory(emb_table *t, size_t n, const uint64_t *keys, const float *grads,
                        const uint64_t *hints, const uint64_t *h, const uint32_t *ord,
@@ -1135,7 +1135,6 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
     }
     for (uint32_t i = 0; rc == CM_OK && t->spill != NULL && i < t->n_sub; i++) {
         emb_mem *m = &t->subs[i].mem;
-        if (m->reserved > 0) continue; /* see below */
         for (uint64_t j = 0; rc == CM_OK && j < m->cap; j++) {
             uint8_t *rec = m->ctrl[j] ? emb_mem_rec(m, (int64_t)j) : NULL;
             if (rec && (m->ctrl[j] & EMB_CTRL_DISK) &&
@@ -1158,9 +1157,12 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
     for (uint32_t i = 0; rc == CM_OK && i < t->n_sub; i++) {
         sub *s = &t->subs[i];
         emb_mem *m = &s->mem;
-        /* A push between its passes (push_memory) counts on its rows staying: they expire next
-         * time. */
-        if (m->reserved > 0) continue;
+        /* A push between its passes (push_memory) may find a row of its gone when its update
+         * pass comes: it then creates the row again, in the slot the deletion freed (its
+         * reservation assumed the row present), so it still cannot run out of room. That row
+         * expired before the push touched it, as if the push had come after this call.
+         * Skipping sub-shards with a reservation instead let steady pushes keep rows past
+         * their TTL indefinitely. */
         for (uint64_t j = 0; j < m->cap;) {
             /* A deletion shifts the cluster back into slot j: look at it again. */
             uint8_t *rec = m->ctrl[j] ? emb_mem_rec(m, (int64_t)j) : NULL;

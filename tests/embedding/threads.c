@@ -7,8 +7,13 @@
  *    float and order-free: each weight must end at exactly -lr * (sum of its gradients), and
  *    updates at the number of pushes of the key. A reader thread meanwhile walks, reads rows,
  *    takes stats and snapshots, to shake out lock-order and lifetime bugs (ASan build).
+ *  - TTL expiry while a thread pushes: one emb_table_expire call drops every expired row,
+ *    whatever the push in flight holds (an in-memory push reserves room in every sub-shard between
+ *    its two passes; expiry used to skip such sub-shards, so under steady pushes rows could
+ *    outlive their TTL indefinitely), and the pushes lose nothing.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 
 #include "emb_util.h"
@@ -256,6 +261,78 @@ static void run_overlap(int spill)
     free(jobs);
 }
 
+/* ---- expiry under pushes ---- */
+
+#define COLD 4096u /* rows pushed once, then left to expire */
+#define HOT 512u   /* keys the pushing thread keeps pushing */
+
+typedef struct hjob {
+    emb_table *t;
+    atomic_int *stop;
+    uint64_t pushes;
+} hjob;
+
+static void *hot_pusher(void *arg)
+{
+    hjob *j = arg;
+    uint64_t *keys = eu_xmalloc(HOT * sizeof *keys);
+    float *g = eu_xcalloc(HOT * DIM, sizeof *g);
+    for (uint32_t i = 0; i < HOT; i++)
+        keys[i] = eu_key(1000000u + i);
+    while (!atomic_load(j->stop)) {
+        tpush(j->t, keys, HOT, g);
+        j->pushes++;
+    }
+    free(keys);
+    free(g);
+    return NULL;
+}
+
+/* One pushing thread: its rows are stamped by every step, so only the cold ones expire. */
+static void run_expire_under_pushes(void)
+{
+    emb_table_config c = eu_config(EMB_OPT_ADAGRAD, DIM);
+    c.ttl_steps = 20;
+    emb_table *t = eu_create(&c);
+    uint64_t *keys = eu_xmalloc(COLD * sizeof *keys);
+    float *g = eu_xcalloc(COLD * DIM, sizeof *g);
+    for (uint32_t i = 0; i < COLD; i++)
+        keys[i] = eu_key(i);
+    tpush(t, keys, COLD, g);
+    atomic_int stop;
+    atomic_init(&stop, 0);
+    hjob job = {t, &stop, 0};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, hot_pusher, &job) == 0);
+    while (emb_table_step(t) < 1 + c.ttl_steps + 40) /* the cold rows' TTL long past */
+        sched_yield();
+    uint64_t dropped = 0;
+    char *err = NULL;
+    tcheck(emb_table_expire(t, &dropped, &err), err, "expire");
+    for (int round = 0; round < 20; round++) { /* more calls while the pushes go on */
+        uint64_t more = 0;
+        tcheck(emb_table_expire(t, &more, &err), err, "expire");
+        CHECK_MSG(more == 0, "expire round %d dropped %" PRIu64 " rows", round, more);
+    }
+    atomic_store(&stop, 1);
+    pthread_join(th, NULL);
+    CHECK_MSG(dropped == COLD, "one expire under pushes dropped %" PRIu64 " of %u expired rows",
+              dropped, COLD);
+    emb_table_stats st;
+    emb_table_stats_get(t, &st);
+    CHECK_MSG(st.rows_mem == HOT && st.ttl_evictions == COLD,
+              "after expiry: %" PRIu64 " rows, %" PRIu64 " TTL evictions", st.rows_mem,
+              st.ttl_evictions);
+    eu_row *row = eu_xmalloc(sizeof *row);
+    CHECK_MSG(eu_get(t, eu_key(1000000u), row) && row->updates == job.pushes,
+              "a hot row has %" PRIu64 " updates after %" PRIu64 " pushes", row->updates,
+              job.pushes);
+    free(row);
+    free(keys);
+    free(g);
+    emb_table_destroy(t);
+}
+
 int main(void)
 {
     g_dir = check_tmpdir("emb_threads");
@@ -270,6 +347,8 @@ int main(void)
     run_overlap(0);
     fprintf(stderr, "overlapping sgd, spilled\n");
     run_overlap(1);
+    fprintf(stderr, "expiry under pushes\n");
+    run_expire_under_pushes();
     CHECK_MSG(atomic_load(&g_thread_errors) == 0, "%u failed calls in threads",
               atomic_load(&g_thread_errors));
     cm_rmtree(g_dir, NULL);
