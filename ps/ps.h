@@ -167,6 +167,10 @@ typedef struct ps_server_opts {
     uint32_t n_contexts;     /* concurrent requests in service; 0 = 64 */
     const char *replica_url; /* primary with a backup: the backup's URL (NULL: none) */
     bool backup;             /* this process is the backup of its shard (see Replication) */
+    /* SAVE and LOAD only within this directory (created if missing): a request naming a path
+     * outside it, by ".." or through a symbolic link, is refused. NULL: any path the process
+     * may use (docs/PROTOCOL.md, "Trust"). ember train sets its run directory's ckpt/. */
+    const char *checkpoint_root;
 } ps_server_opts;
 
 /* Creates the shard's tables and starts listening. *out is the caller's (ps_server_destroy). */

@@ -16,6 +16,7 @@
  * (so no update is ever acknowledged by a primary that its backup does not have).
  */
 #include <inttypes.h>
+#include <limits.h>
 #include <math.h>
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
@@ -24,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "ps/checkpoint.h"
@@ -77,6 +79,7 @@ struct ps_server {
     /* replication */
     bool is_backup, has_backup;
     char replica_url[1024];
+    char *ckpt_root; /* realpath of ps_server_opts.checkpoint_root, or NULL */
     nng_socket rsock;
     bool rsock_open;
     pthread_mutex_t repl_mu;        /* orders updates: primary apply + numbering, backup apply */
@@ -697,6 +700,38 @@ static int load_shard(struct ps_server *s, const char *dir, char **errptr)
     return rc;
 }
 
+/* Whether dir lies within root (a realpath): no ".." component, and the deepest part of it
+ * that exists resolves (links followed) to root or below; what does not exist yet is created
+ * by SAVE as plain directories under it. */
+static bool dir_within(const char *root, const char *dir)
+{
+    for (const char *c = dir; *c;) {
+        size_t n = strcspn(c, "/");
+        if (n == 2 && c[0] == '.' && c[1] == '.') return false;
+        c += n;
+        c += *c == '/';
+    }
+    char probe[1025], real[PATH_MAX];
+    snprintf(probe, sizeof probe, "%s", dir);
+    for (;;) {
+        struct stat st;
+        if (stat(probe, &st) == 0) break;
+        char *slash = strrchr(probe, '/');
+        if (slash == NULL) {
+            snprintf(probe, sizeof probe, ".");
+            break;
+        }
+        if (slash == probe) { /* "/x" with no /x */
+            probe[1] = '\0';
+            break;
+        }
+        *slash = '\0';
+    }
+    if (realpath(probe, real) == NULL) return false;
+    size_t rl = strlen(root);
+    return strncmp(real, root, rl) == 0 && (real[rl] == '\0' || real[rl] == '/' || rl == 1);
+}
+
 static nng_msg *handle_save_load(struct ps_server *s, const ps_hdr *h, const uint8_t *p)
 {
     if (h->payload_len == 0 || h->payload_len > 1024 || memchr(p, '\0', h->payload_len)) {
@@ -708,6 +743,12 @@ static nng_msg *handle_save_load(struct ps_server *s, const ps_hdr *h, const uin
     dir[h->payload_len] = '\0';
     char *err = NULL;
     int rc;
+    if (s->ckpt_root != NULL && !dir_within(s->ckpt_root, dir)) {
+        char msg[2200];
+        snprintf(msg, sizeof msg, "checkpoint directory %s is outside this PS's checkpoint root %s",
+                 dir, s->ckpt_root);
+        return reply_error(s, h, CM_EINVAL, msg);
+    }
     if (h->op == PS_OP_SAVE) {
         pthread_rwlock_rdlock(&s->tables_lock);
         rc = cm_mkdirs(dir, &err);
@@ -1191,6 +1232,12 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto fail;
     }
+    if (o->checkpoint_root != NULL) {
+        rc = cm_mkdirs(o->checkpoint_root, errptr);
+        if (rc == CM_OK && (s->ckpt_root = realpath(o->checkpoint_root, NULL)) == NULL)
+            rc = cm_err_errno(errptr, CM_EIO, "checkpoint root %s", o->checkpoint_root);
+        if (rc != CM_OK) goto fail;
+    }
     for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_tables; i++) {
         emb_table_config cfg = s->cfg.tables[i].cfg;
         char spill[2200];
@@ -1348,6 +1395,7 @@ void ps_server_destroy(ps_server *s)
     for (uint32_t i = 0; i < PS_MAX_DENSE; i++)
         ps_dense_destroy(s->dense[i]);
     free(s->ctxs);
+    free(s->ckpt_root);
     free(s->clocks);
     free(s->last_seen);
     free(s->arrived);

@@ -30,6 +30,8 @@ static void ps_usage(FILE *to)
             "  --contexts K   requests served concurrently (default 64 + 2 x workers)\n"
             "  --replica URL  ship every applied update to this shard's backup at URL\n"
             "  --backup       serve as the backup of shard I (takes over when clients come)\n"
+            "  --checkpoint-root DIR  SAVE and LOAD only within DIR (default: any path this\n"
+            "                 process may write or read)\n"
             "  --plan ROWS    print each table's memory and disk cost for ROWS rows per shard\n"
             "                 (start_GiB: what a shard allocates at start, see reserve_rows)\n");
 }
@@ -51,13 +53,18 @@ static int print_plan(const ps_config *cfg, uint64_t rows)
 
 int cmd_ps(int argc, char **argv)
 {
-    static const struct option opts[] = {
-        {"config", required_argument, 0, 'c'}, {"listen", required_argument, 0, 'l'},
-        {"shard", required_argument, 0, 's'},  {"shards", required_argument, 0, 'n'},
-        {"contexts", required_argument, 0, 'k'}, {"plan", required_argument, 0, 'p'},
-        {"replica", required_argument, 0, 'r'}, {"backup", no_argument, 0, 'b'},
-        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
-    const char *config = NULL, *listen = NULL, *replica = NULL;
+    static const struct option opts[] = {{"config", required_argument, 0, 'c'},
+                                         {"listen", required_argument, 0, 'l'},
+                                         {"shard", required_argument, 0, 's'},
+                                         {"shards", required_argument, 0, 'n'},
+                                         {"contexts", required_argument, 0, 'k'},
+                                         {"plan", required_argument, 0, 'p'},
+                                         {"replica", required_argument, 0, 'r'},
+                                         {"backup", no_argument, 0, 'b'},
+                                         {"checkpoint-root", required_argument, 0, 'C'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *config = NULL, *listen = NULL, *replica = NULL, *ckroot = NULL;
     bool backup = false;
     long shard = 0, shards = 0, contexts = 0;
     long long plan = -1;
@@ -69,6 +76,9 @@ int cmd_ps(int argc, char **argv)
         switch (o) {
         case 'c': config = optarg; break;
         case 'l': listen = optarg; break;
+        case 'C':
+            ckroot = optarg;
+            break;
         case 's': shard = strtol(optarg, &end, 10); break;
         case 'n': shards = strtol(optarg, &end, 10); break;
         case 'k': contexts = strtol(optarg, &end, 10); break;
@@ -128,8 +138,13 @@ int cmd_ps(int argc, char **argv)
         snprintf(url, sizeof url, "tcp://127.0.0.1:%ld", 7400 + shard);
         listen = url;
     }
-    ps_server_opts so = {.cfg = cfg, .listen = listen, .shard = (uint32_t)shard,
-                         .n_contexts = (uint32_t)contexts, .replica_url = replica, .backup = backup};
+    ps_server_opts so = {.cfg = cfg,
+                         .listen = listen,
+                         .shard = (uint32_t)shard,
+                         .n_contexts = (uint32_t)contexts,
+                         .replica_url = replica,
+                         .backup = backup,
+                         .checkpoint_root = ckroot};
     ps_server *s = NULL;
     if (ps_server_create(&so, &s, &err) != CM_OK) {
         fprintf(stderr, "ember ps: shard %ld on %s: %s\n", shard, listen, err);

@@ -1874,7 +1874,9 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     if (run_ps) {
         servers = calloc(oc.shards, sizeof *servers);
         for (uint32_t i = first_s; rc == CM_OK && i < first_s + n_s; i++) {
-            ps_server_opts so = {.cfg = &S.ps, .listen = S.urls[i], .shard = i};
+            /* A PS serves SAVE and LOAD for this run's checkpoints only. */
+            ps_server_opts so = {
+                .cfg = &S.ps, .listen = S.urls[i], .shard = i, .checkpoint_root = S.ckpt_root};
             if (S.backups && is_backup) {
                 so.listen = S.backups[i];
                 so.backup = true;

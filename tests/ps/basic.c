@@ -2,9 +2,12 @@
  * One client against two in-process shards: a pull sees this client's earlier pushes without
  * an explicit flush (ps.h promises it), duplicates and caller order in pull and push, the
  * lossy codecs end to end with int8 error feedback, dense blocks (their optimizers against a
- * double-precision reference), and the STATS counters.
+ * double-precision reference), and the STATS counters. A server with a checkpoint root
+ * SAVEs and LOADs within it and refuses paths outside it (plainly, by "..", through a link).
  */
 #include <math.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "ps_test_util.h"
 
@@ -301,6 +304,52 @@ static void test_dense_optimizers(ps_client *c)
     CHECK_MSG(worst <= 1e-5, "dense optimizers: %.3g relative from the reference", worst);
 }
 
+/* SAVE (or LOAD) of dir: 0, or the error's code with its message checked for "outside". */
+static int save_at(ps_client *c, const char *dir, bool load)
+{
+    char *err = NULL;
+    int rc = load ? ps_client_load(c, dir, &err) : ps_client_save(c, dir, &err);
+    if (rc != CM_OK)
+        CHECK_MSG(err && strstr(err, "outside this PS's checkpoint root"), "%s: %s", dir,
+                  err ? err : "(no message)");
+    free(err);
+    return rc;
+}
+
+static void test_checkpoint_root(const char *dir)
+{
+    ps_config cfg;
+    pt_config(dir, "root.conf",
+              "[cluster]\nshards = 1\nworkers = 1\n[table t]\ndim = 4\noptimizer = sgd\n", &cfg);
+    const char *url = pt_ipc(dir, "root"), *urls[1] = {url};
+    char root[1200], inside[1300], outside[1300], dotdot[1300], link[1300], via[1400];
+    snprintf(root, sizeof root, "%s/ckroot", dir);
+    ps_server_opts o = {.cfg = &cfg, .listen = url, .shard = 0, .checkpoint_root = root};
+    ps_server *s = NULL;
+    char *err = NULL;
+    if (ps_server_create(&o, &s, &err) != CM_OK) pt_die("ps_server_create", err);
+    ps_client *c = pt_client(&cfg, urls, 0, 10000);
+    snprintf(inside, sizeof inside, "%s/step-1", root);
+    snprintf(outside, sizeof outside, "%s/elsewhere", dir);
+    snprintf(dotdot, sizeof dotdot, "%s/../elsewhere2", root);
+    snprintf(link, sizeof link, "%s/out", root);
+    snprintf(via, sizeof via, "%s/step-2", link);
+    CHECK(mkdir(outside, 0755) == 0 && symlink(outside, link) == 0);
+    CHECK(save_at(c, inside, false) == CM_OK && save_at(c, inside, true) == CM_OK);
+    CHECK(save_at(c, root, false) == CM_OK); /* the root itself */
+    CHECK(save_at(c, outside, false) == CM_EINVAL && save_at(c, outside, true) == CM_EINVAL);
+    CHECK(save_at(c, dotdot, false) == CM_EINVAL && save_at(c, via, false) == CM_EINVAL);
+    CHECK(save_at(c, "/", false) == CM_EINVAL);
+    struct stat st;
+    char probe[1500];
+    snprintf(probe, sizeof probe, "%s/elsewhere2", dir);
+    CHECK_MSG(stat(probe, &st) != 0, "a refused SAVE created %s", probe);
+    snprintf(probe, sizeof probe, "%s/step-2", outside);
+    CHECK_MSG(stat(probe, &st) != 0, "a refused SAVE created %s", probe);
+    ps_client_destroy(c);
+    ps_server_destroy(s);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -327,5 +376,6 @@ int main(void)
     ps_client_destroy(c);
     ps_server_destroy(s0);
     ps_server_destroy(s1);
+    test_checkpoint_root(dir);
     return pt_finish(dir);
 }

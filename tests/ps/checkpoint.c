@@ -2,7 +2,9 @@
  * Checkpoints survive the processes: train a little on 2 `ember ps` processes, SAVE, kill -9
  * both, start fresh ones (which hold only initial rows: checked, so the comparison has
  * teeth), LOAD, and every row of both tables and both dense blocks is bit-identical to what
- * was pulled before the save. A LOAD of a missing checkpoint fails and changes nothing.
+ * was pulled before the save. A LOAD of a missing checkpoint fails and changes nothing. The
+ * fresh processes run with `--checkpoint-root` (the test's directory): LOAD within it works,
+ * a SAVE or LOAD outside it is refused.
  */
 #include <dirent.h>
 
@@ -60,6 +62,23 @@ static void train(ps_client *c, const uint64_t *keys)
     free(g);
 }
 
+/* pt_spawn_cluster with `--checkpoint-root root`. */
+static void spawn_rooted(const char *config, const char *const *urls, const char *root, pid_t *pids)
+{
+    for (uint32_t i = 0; i < 2; i++) {
+        char shard[16];
+        snprintf(shard, sizeof shard, "%u", i);
+        char *argv[] = {getenv("EMBER_BIN"), "ps",         "--config", (char *)config,
+                        "--shard",           shard,        "--listen", (char *)urls[i],
+                        "--checkpoint-root", (char *)root, NULL};
+        pids[i] = psp_spawn_argv(argv, urls[i], NULL);
+        if (pids[i] < 0) pt_die("spawn ember ps", NULL);
+    }
+    for (uint32_t i = 0; i < 2; i++)
+        if (psp_wait_ready(pids[i], urls[i], 20.0) != 0)
+            pt_die("ember ps did not come up", strdup(urls[i]));
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -88,7 +107,7 @@ int main(void)
         int st = psp_stop(pids[i], SIGKILL, 5.0);
         CHECK(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
     }
-    pt_spawn_cluster(path, 2, urls, pids);
+    spawn_rooted(path, urls, dir, pids);
     c = pt_client(&cfg, urls, 0, 10000);
     pull_all(c, keys, &fresh);
     CHECK_MSG(memcmp(fresh.t, before.t, sizeof fresh.t) != 0,
@@ -100,6 +119,15 @@ int main(void)
     /* A missing checkpoint: error naming it, state untouched. */
     CHECK(ps_client_load(c, pt_path(dir, "nope"), &err) != CM_OK);
     CHECK_MSG(err && strstr(err, "nope"), "%s", err ? err : "(none)");
+    free(err), err = NULL;
+    pull_all(c, keys, &after);
+    CHECK(memcmp(&after, &fresh, sizeof after) == 0);
+
+    /* Outside the checkpoint root: refused, state untouched. */
+    CHECK(ps_client_load(c, "/tmp", &err) == CM_EINVAL);
+    CHECK_MSG(err && strstr(err, "outside this PS's checkpoint root"), "%s", err ? err : "(none)");
+    free(err), err = NULL;
+    CHECK(ps_client_save(c, "/tmp/ember-not-here", &err) == CM_EINVAL);
     free(err), err = NULL;
     pull_all(c, keys, &after);
     CHECK(memcmp(&after, &fresh, sizeof after) == 0);
