@@ -2,16 +2,22 @@
  * bench step: the CPU backend's training step alone, without the PS or the data path, so the
  * compute's share of `ember train`'s step can be told from the loop's. For each preset (lr,
  * mlp, dlrm, deepfm: 26 fields x dim 16 + 13 dense, the defaults ember train uses) and each
- * thread count, one random batch of B rows whose fields each hold one of U distinct keys
- * (default 2048 and 13,000: the mean of the 2M bench data's batches) is stepped forward and
+ * thread count, one random batch of B rows whose fields each hold one key (default 2048 rows and
+ * 13,000 keys: the mean distinct keys of the 2M bench data's batches) is stepped forward and
  * backward, first plainly, then with a model_batch.emb_ready hook as the trainer sets one
  * (the time to the hook is what the trainer's row push waits for; after it the dense
  * gradients run on half the threads). Times are medians over the timed steps, in ms; GFLOP/s
  * counts the tower's GEMM FLOPs (model_flops_per_sample).
  *
+ * Field f draws its key uniformly from its own U/F keys, as the trainer's keys belong to one
+ * field each (ingest hashes the field into the key): a batch then holds ~U distinct (field, key)
+ * pairs, which is what the cpu backend's factorized first layer costs. --shared-keys draws
+ * every field's key from all U instead (~B*F distinct pairs: the factorized form's worst case).
+ *
  * With --bf16 the backend runs its GEMMs on AMX tiles (BACKEND_BF16, `ember train --bf16`).
  *
  * Usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2] [--bf16]
+ *                         [--shared-keys]
  * Prints a table, then one JSON object as the last line.
  */
 #include <math.h>
@@ -33,6 +39,7 @@ typedef struct timing {
 
 static double hook_at;
 static uint32_t be_flags; /* backend_ops.create flags: BACKEND_BF16 with --bf16 */
+static int shared_keys;   /* --shared-keys: every field draws from all U keys */
 
 static void hook(void *arg)
 {
@@ -88,8 +95,11 @@ static int run(model_kind kind, uint32_t threads, uint32_t B, uint32_t U, int st
         labels[i] = unif(0, 1) < 0.25f ? 1.0f : 0.0f;
     for (size_t r = 0; r <= nnz; r++)
         row_ptr[r] = (uint32_t)r;
+    const uint32_t per_field = U / FIELDS ? U / FIELDS : 1;
     for (size_t k = 0; k < nnz; k++) {
-        col[k] = (uint32_t)(rnd() % U);
+        uint32_t f = (uint32_t)(k % FIELDS);
+        col[k] = shared_keys ? (uint32_t)(rnd() % U)
+                             : (f * per_field + (uint32_t)(rnd() % per_field)) % U;
         val[k] = 1.0f;
     }
     model_batch mb = {.B = B, .F = FIELDS, .D = DENSE, .U = U, .dense = dense, .labels = labels,
@@ -156,7 +166,7 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2] "
-            "[--bf16]\n");
+            "[--bf16] [--shared-keys]\n");
 }
 
 int main(int argc, char **argv)
@@ -170,6 +180,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--keys") && v) U = (uint32_t)atoi(argv[++i]);
         else if (!strcmp(a, "--steps") && v) steps = atoi(argv[++i]);
         else if (!strcmp(a, "--bf16")) be_flags |= BACKEND_BF16;
+        else if (!strcmp(a, "--shared-keys")) shared_keys = 1;
         else if (!strcmp(a, "--threads-list") && v) {
             char *s = argv[++i], *end;
             while (*s && nt < MAX_THREADS) {
@@ -189,13 +200,16 @@ int main(int argc, char **argv)
         return 2;
     }
     const model_kind kinds[] = {MODEL_LR, MODEL_MLP, MODEL_DLRM, MODEL_DEEPFM};
-    printf("bench step: cpu backend%s, batch %u, %u distinct keys, %d timed steps (medians)\n",
-           be_flags & BACKEND_BF16 ? " (bf16 GEMMs on AMX)" : "", B, U, steps);
+    printf("bench step: cpu backend%s, batch %u, %u keys (%s), %d timed steps (medians)\n",
+           be_flags & BACKEND_BF16 ? " (bf16 GEMMs on AMX)" : "", B, U,
+           shared_keys ? "shared by the fields" : "U/F a field", steps);
     printf("%-8s %7s %10s %10s %10s %10s %12s\n", "model", "threads", "step ms", "to hook",
            "after hook", "GFLOP/s", "samples/s");
     char json[4096];
-    int jn = snprintf(json, sizeof json, "{\"bench\":\"step\",\"bf16\":%s,\"batch\":%u,\"keys\":%u",
-                      be_flags & BACKEND_BF16 ? "true" : "false", B, U);
+    int jn = snprintf(json, sizeof json,
+                      "{\"bench\":\"step\",\"bf16\":%s,\"batch\":%u,\"keys\":%u,\"shared_keys\":%s",
+                      be_flags & BACKEND_BF16 ? "true" : "false", B, U,
+                      shared_keys ? "true" : "false");
     for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++)
         for (uint32_t ti = 0; ti < nt; ti++) {
             timing t = {0, 0, 0};
