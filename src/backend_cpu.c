@@ -487,6 +487,36 @@ static int dw_chunks(const gemm *g)
     return n;
 }
 
+/*
+ * The factorized first layer's state (see "The factorized first layer" below). Per key arrays
+ * are sized at create; the per-batch ones grow with the batch (a failed growth just leaves
+ * that batch to the GEMM).
+ */
+typedef struct fact {
+    bool on;    /* the model and flags allow it (fact_init) */
+    bool force; /* BACKEND_FACTORED: on every batch, whatever the cost model says */
+    bool simd;  /* the AVX-512 kernels (d 16, H a multiple of FACT_COLS, the CPU has them) */
+    uint32_t F, d, D, H, in, wb, nblk; /* wb: a forward column block's width; nblk = H / wb */
+    uint32_t gb, ngb;                  /* the backward's column blocks: gb wide, ngb = H / gb */
+    uint32_t max_u;
+    uint32_t *stamp, *uid, *key_ptr, gen; /* per key (max_u, key_ptr max_u + 1) */
+    uint32_t *field_ptr; /* F + 1: field f's units are [field_ptr[f], field_ptr[f + 1]) */
+    float *wt; /* W1^T in column blocks: W1[h][i] at wt[((h / wb) * in + i) * wb + h % wb] */
+    /* Per batch (cap_nnz entries; units <= entries): */
+    uint32_t *ent_unit;                         /* each CSR entry's unit */
+    uint32_t *unit_key, *unit_field, *unit_ptr; /* a unit's key, field, entries */
+    uint32_t *ue_s;      /* the units' entries [unit_ptr[i], unit_ptr[i + 1]): sample, in order */
+    float *ue_v;         /* ... and value */
+    uint32_t *key_units; /* key u's units [key_ptr[u], key_ptr[u + 1]), in field order */
+    /* cap_pg floats: P by column blocks of wb (forward), then G by column blocks of 16
+     * (backward: G[unit][h] at pg[(h / 16 * n_units + unit) * 16 + h % 16], so that dW_f's
+     * tasks, 16 rows of a field, read theirs in one run) */
+    float *pg;
+    float *dep; /* in pg after G: each unit's row gradient part of each backward block */
+    size_t cap_nnz, cap_pg;
+    uint32_t n_units;
+} fact;
+
 typedef struct cpu {
     pool pool;
     /* The dense-gradient phase of a hooked step (dw_phase): phase_gen counts phases, joined_gen
@@ -518,7 +548,12 @@ typedef struct cpu {
      * bytes */
     void *dw_pk[MODEL_MAX_LAYERS];
     size_t dw_pk_cap[MODEL_MAX_LAYERS];
+    fact fx;
+    bool fact_now; /* this step computes the first layer factorized */
 } cpu;
+
+static int fact_init(cpu *c, uint32_t flags);
+static void fact_free(fact *x);
 
 static void cpu_destroy(void *state)
 {
@@ -556,6 +591,7 @@ static void cpu_destroy(void *state)
         free(c->dw_pk[i]);
     }
     free(c->pool.bf16_pk);
+    fact_free(&c->fx);
     free(c);
 }
 
@@ -622,6 +658,7 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
         if (n > 1) ALLOC(c->dw_part[i], (size_t)(n - 1) * l->top[i].out * l->top[i].in);
     }
 #undef ALLOC
+    ok = ok && fact_init(c, flags) == CM_OK;
     if (ok && c->pool.bf16) {
         /* Shared operands (gemm_share): a layer's weights, or its input or output gradient for
          * batches too small to cut by rows; a dW GEMM's output gradient (or input). */
@@ -903,7 +940,13 @@ static void stack_bwd_dw(pool *pl, const model_layer *ly, uint32_t n, float *con
  * MLP input: z0, then every pair's dot) and deepfm's FM term, forward and backward. Samples
  * are independent, so parts take ranges of them and no bit depends on the split.
  */
-typedef enum { INTER_DLRM_FWD, INTER_DLRM_BWD, INTER_FM_FWD, INTER_FM_BWD } inter_kind;
+typedef enum {
+    INTER_DLRM_FWD,
+    INTER_DLRM_BWD,
+    INTER_FM_FWD,
+    INTER_FM_BWD,    /* adds to dxe (the top MLP's input gradient) */
+    INTER_FM_BWD_SET /* writes dxe: the factorized first layer leaves it unwritten */
+} inter_kind;
 
 typedef struct inter_job {
     const cpu *c;
@@ -970,14 +1013,16 @@ static void inter_part(void *arg, int part, int nparts)
             c->logit[i] += fm;
             break;
         }
-        case INTER_FM_BWD: {
+        case INTER_FM_BWD:
+        case INTER_FM_BWD_SET: {
             float *dv = c->dxe + i * lde;
+            const bool set = j->kind == INTER_FM_BWD_SET;
             for (uint32_t q = 0; q < d; q++) {
                 float s = 0;
                 for (uint32_t f = 0; f < F; f++)
                     s += ve[f * d + q];
                 for (uint32_t f = 0; f < F; f++)
-                    dv[f * d + q] += j->g[i] * (s - ve[f * d + q]);
+                    dv[f * d + q] = (set ? 0.0f : dv[f * d + q]) + j->g[i] * (s - ve[f * d + q]);
             }
             break;
         }
@@ -992,6 +1037,588 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
 }
 
 /*
+ * The factorized first layer (mlp, deepfm; fp32). The top MLP's first layer computes, for
+ * sample s, Y1[s] = relu(b1 + Wd x[s] + sum_f W_f X_f[s]), X_f[s] = sum of val[k] E[col[k]]
+ * over the CSR entries k of row s*F+f, W_f the H x d block of W1 that field f's inputs meet.
+ * By associativity the sum is sum_f sum_k val[k] P[(f, col[k])], P[(f, u)] = W_f E[u]: each
+ * W_f is applied once per distinct (field, key) pair of the batch, a "unit", instead of once
+ * per sample. Backward, with dY1 the layer's masked output gradient and G[(f, u)] the sum of
+ * val[k] dY1[s] over the unit's entries:
+ *   dE[u] = sum over u's units, in field order, of W_f^T G[(f, u)]    (the row gradients)
+ *   dW_f = sum over f's units of G[(f, u)] E[u]^T;  dWd = dY1^T x;  db1 = dY1's column sums.
+ * A batch of 2048 samples x 26 fields holds ~53K slots but ~13K units, so the layer's three
+ * GEMMs (forward, dX, dW: 2048 x 429 x 256 each) shrink ~4x; for the mlp the pooling (spmm)
+ * and its transpose (spmm_t) go as well (deepfm's FM term still needs them).
+ *
+ * P and G are applied and formed by kernels written for their shapes (OpenBLAS runs GEMMs of
+ * K 16 or N 16 at a third of its speed, and a materialized P of 13 MB gathered from L3 cost
+ * more than the GEMMs it saved): the forward runs by column blocks of FACT_COLS, a block's P
+ * for all units computed and then gathered by every sample while it sits in L2; the backward
+ * runs by key, forming each unit's G row and turning it into the key's row gradient while it
+ * is in L1; dW_f reads G in the dense-gradient phase.
+ *
+ * Each output element has one fixed summation order (below), so the results are the same bits
+ * for any thread count; the AVX-512 kernels and the portable ones compute the same bits
+ * (fmaf where the vectors fuse, the same orders; the test runs both):
+ *   P[(f,u)][h] = fma chain over q < d from 0 of E[u][q] * W1[h][f d + q];
+ *   Y1[s][h]: from b1[h], fma over j < D of x[s][j] W1[h][F d + j], then over the sample's
+ *     entries in CSR order of val[k] P[unit k][h]; then max(., 0) (NaN passes);
+ *   G[unit][h] = fma chain over the unit's entries (sample order) from 0;
+ *   dE of a unit [q]: 16 lanes, lane j an fma chain over h = j, j + 16, ... of G[h] W1[h][f d
+ *     + q], then summed as a tree (lane j + lane j+8, then +4, +2, +1: _mm512_reduce_add_ps);
+ *     the key's row: the FM term's part (deepfm) or 0, plus its units' in field order;
+ *   dW_f[h][q] = fma chain over f's units in unit order from 0 of G[unit][h] E[u][q].
+ */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FACT_AVX512 1
+#include <immintrin.h>
+#define FACT_TARGET __attribute__((target("avx512f")))
+#endif
+
+/* A forward column block: its P rows for 13,000 units (1.6 MiB) stay in a core's 2 MiB L2
+ * while every sample gathers from them. */
+#define FACT_COLS 32
+#define FACT_NV (FACT_COLS / 16)
+/* Units of the dense-gradient phase the dW_f of all fields are dealt into. */
+#define FACT_DW_PARTS 16
+
+static void fact_free(fact *x)
+{
+    free(x->stamp);
+    free(x->uid);
+    free(x->key_ptr);
+    free(x->field_ptr);
+    free(x->wt);
+    free(x->ent_unit);
+    free(x->unit_key);
+    free(x->unit_field);
+    free(x->unit_ptr);
+    free(x->ue_s);
+    free(x->ue_v);
+    free(x->key_units);
+    free(x->pg);
+    memset(x, 0, sizeof *x);
+}
+
+static int fact_init(cpu *c, uint32_t flags)
+{
+    fact *x = &c->fx;
+    const model_layout *l = &c->l;
+    const model_cfg *m = &c->m;
+    memset(x, 0, sizeof *x);
+    x->on = !(flags & (BACKEND_PLAIN | BACKEND_BF16)) &&
+            (m->kind == MODEL_MLP || m->kind == MODEL_DEEPFM) && l->emb_table >= 0 &&
+            l->n_top >= 2 && l->top[0].in == m->n_fields * m->dim + m->n_dense;
+    if (!x->on) return CM_OK;
+    x->force = (flags & BACKEND_FACTORED) != 0;
+    x->F = m->n_fields;
+    x->d = m->dim;
+    x->D = m->n_dense;
+    x->H = l->top[0].out;
+    x->in = l->top[0].in;
+    x->wb = x->H % FACT_COLS == 0 ? FACT_COLS : x->H;
+    x->nblk = x->H / x->wb;
+    x->gb = x->H % 128 == 0 ? 128 : x->wb;
+    x->ngb = x->H / x->gb;
+#ifdef FACT_AVX512
+    x->simd = !(flags & BACKEND_NO_SIMD) && __builtin_cpu_supports("avx512f") && x->d == 16 &&
+              x->H % FACT_COLS == 0;
+#endif
+    size_t U = x->max_u = c->max_u;
+    x->stamp = calloc(U + 1, sizeof *x->stamp);
+    x->uid = malloc((U + 1) * sizeof *x->uid);
+    x->key_ptr = malloc((U + 2) * sizeof *x->key_ptr);
+    x->field_ptr = malloc((x->F + 1) * sizeof *x->field_ptr);
+    x->wt = malloc((size_t)x->in * x->H * sizeof *x->wt);
+    if (!x->stamp || !x->uid || !x->key_ptr || !x->field_ptr || !x->wt) return CM_ENOMEM;
+    return CM_OK;
+}
+
+/* Room for a batch of nnz entries; false (the batch then takes the GEMM) without memory. */
+static bool fact_reserve(fact *x, size_t nnz)
+{
+    if (nnz <= x->cap_nnz && x->ent_unit != NULL) return true;
+    size_t cap = nnz + nnz / 4 + 64;
+    uint32_t **u32[] = {&x->ent_unit, &x->unit_key, &x->unit_field,
+                        &x->unit_ptr, &x->ue_s,     &x->key_units};
+    bool ok = true;
+    for (size_t i = 0; i < sizeof u32 / sizeof *u32; i++) {
+        free(*u32[i]);
+        ok = (*u32[i] = malloc((cap + 1) * sizeof(uint32_t))) != NULL && ok;
+    }
+    free(x->ue_v);
+    ok = (x->ue_v = malloc(cap * sizeof(float))) != NULL && ok;
+    x->cap_nnz = ok ? cap : 0;
+    return ok;
+}
+
+/*
+ * The batch's units, numbered field by field, in each field in the order the samples first
+ * use them; each unit's entries in sample order; each key's units in field order. A plain
+ * pass over A's entries: depends on the batch only.
+ */
+static void fact_index(fact *x, const model_batch *b)
+{
+    const uint32_t F = x->F, B = b->B;
+    if (x->gen > UINT32_MAX - F - 1) { /* a stamp could repeat: start the generations over */
+        memset(x->stamp, 0, ((size_t)x->max_u + 1) * sizeof *x->stamp);
+        x->gen = 0;
+    }
+    uint32_t n = 0;
+    for (uint32_t f = 0; f < F; f++) {
+        x->field_ptr[f] = n;
+        const uint32_t g = ++x->gen;
+        for (uint32_t s = 0; s < B; s++) {
+            size_t r = (size_t)s * F + f;
+            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+                uint32_t u = b->col[k];
+                if (x->stamp[u] != g) {
+                    x->stamp[u] = g;
+                    x->uid[u] = n;
+                    x->unit_key[n] = u;
+                    x->unit_field[n] = f;
+                    x->unit_ptr[n + 1] = 0;
+                    n++;
+                }
+                x->ent_unit[k] = x->uid[u];
+                x->unit_ptr[x->uid[u] + 1]++;
+            }
+        }
+    }
+    x->field_ptr[F] = n;
+    x->n_units = n;
+    x->unit_ptr[0] = 0;
+    for (uint32_t i = 0; i < n; i++)
+        x->unit_ptr[i + 1] += x->unit_ptr[i];
+    /* The entries by unit (key_units is the fill cursor until its own turn). */
+    uint32_t *cur = x->key_units;
+    memcpy(cur, x->unit_ptr, n * sizeof *cur);
+    for (uint32_t s = 0; s < B; s++)
+        for (uint32_t k = b->row_ptr[(size_t)s * F]; k < b->row_ptr[(size_t)(s + 1) * F]; k++) {
+            uint32_t e = cur[x->ent_unit[k]]++;
+            x->ue_s[e] = s;
+            x->ue_v[e] = b->val[k];
+        }
+    /* Each key's units (uid is the fill cursor now). */
+    memset(x->key_ptr, 0, ((size_t)b->U + 1) * sizeof *x->key_ptr);
+    for (uint32_t i = 0; i < n; i++)
+        x->key_ptr[x->unit_key[i] + 1]++;
+    for (uint32_t u = 0; u < b->U; u++) {
+        x->key_ptr[u + 1] += x->key_ptr[u];
+        x->uid[u] = x->key_ptr[u];
+    }
+    for (uint32_t i = 0; i < n; i++)
+        x->key_units[x->uid[x->unit_key[i]]++] = i;
+}
+
+/*
+ * Whether this batch takes the factorized layer: indexes it and sizes its buffers. The cost
+ * model compares the work each form scales with (units against samples; see FACT_UNIT_COST),
+ * so the choice depends on the batch alone.
+ */
+#define FACT_UNIT_COST 0.0f /* placeholder: measured below */
+static bool fact_plan(cpu *c, const model_batch *b)
+{
+    fact *x = &c->fx;
+    if (!x->on || b->B == 0) return false;
+    size_t nnz = b->row_ptr[(size_t)b->B * x->F];
+    if (!fact_reserve(x, nnz)) return false;
+    fact_index(x, b);
+    if (!x->force && (double)x->n_units > 0.5 * (double)b->B * x->F) return false;
+    /* G's blocks of 16 columns are whole even where H is not a multiple of 16. */
+    const size_t hg = (x->H + 15) / 16 * 16;
+    size_t need = (size_t)x->n_units * (hg + (size_t)x->ngb * x->d) + 16;
+    if (need > x->cap_pg) {
+        free(x->pg);
+        size_t cap = need + need / 4;
+        x->pg = aligned_alloc(64, (cap * sizeof(float) + 63) / 64 * 64);
+        x->cap_pg = x->pg ? cap : 0;
+        if (x->pg == NULL) return false;
+    }
+    x->dep = x->pg + (size_t)x->n_units * hg;
+    return true;
+}
+
+/* W1^T's column block blk (wb columns of W1's rows) into wt. */
+static void fact_wt_block(const fact *x, const float *W, uint32_t blk)
+{
+    float *w = x->wt + (size_t)blk * x->in * x->wb;
+    for (uint32_t o = 0; o < x->wb; o++) {
+        const float *row = W + (size_t)(blk * x->wb + o) * x->in;
+        for (uint32_t i = 0; i < x->in; i++)
+            w[(size_t)i * x->wb + o] = row[i];
+    }
+}
+
+/* A column block of P: P_b[unit][o] for the block's wb columns, w its block of W1^T. */
+static void fact_p_scalar(const fact *x, const float *E, const float *w, float *Pb)
+{
+    const uint32_t d = x->d, wb = x->wb;
+    for (uint32_t i = 0; i < x->n_units; i++) {
+        const float *e = E + (size_t)x->unit_key[i] * d;
+        const float *wf = w + (size_t)x->unit_field[i] * d * wb;
+        for (uint32_t o = 0; o < wb; o++) {
+            float acc = 0;
+            for (uint32_t q = 0; q < d; q++)
+                acc = fmaf(e[q], wf[(size_t)q * wb + o], acc);
+            Pb[(size_t)i * wb + o] = acc;
+        }
+    }
+}
+
+/* A column block of Y1 (columns col0..col0+wb of every sample) from P_b. */
+static void fact_y_scalar(const fact *x, const model_batch *b, const float *bias, const float *w,
+                          const float *Pb, float *Y, uint32_t col0)
+{
+    const uint32_t F = x->F, D = x->D, wb = x->wb;
+    const float *wd = w + (size_t)F * x->d * wb;
+    for (uint32_t s = 0; s < b->B; s++)
+        for (uint32_t o = 0; o < wb; o++) {
+            float acc = bias[col0 + o];
+            for (uint32_t j = 0; j < D; j++)
+                acc = fmaf(b->dense[(size_t)s * D + j], wd[(size_t)j * wb + o], acc);
+            for (uint32_t k = b->row_ptr[(size_t)s * F]; k < b->row_ptr[(size_t)(s + 1) * F]; k++)
+                acc = fmaf(b->val[k], Pb[(size_t)x->ent_unit[k] * wb + o], acc);
+            Y[(size_t)s * x->H + col0 + o] = acc < 0.0f ? 0.0f : acc;
+        }
+}
+
+/* W1[h][i] from the blocked transpose. */
+static inline float fact_w(const fact *x, uint32_t h, uint32_t i)
+{
+    return x->wt[((size_t)(h / x->wb) * x->in + i) * x->wb + h % x->wb];
+}
+
+/* The tree _mm512_reduce_add_ps sums 16 lanes in. */
+static float fact_tree16(const float p[16])
+{
+    float a[8], b[4];
+    for (int j = 0; j < 8; j++)
+        a[j] = p[j] + p[j + 8];
+    for (int j = 0; j < 4; j++)
+        b[j] = a[j] + a[j + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* Unit un's G row (into pg), and its part of its key's row gradient added into row[0..d). */
+/* G[unit][h] in pg's blocked layout. */
+static inline size_t fact_g(const fact *x, uint32_t un, uint32_t h)
+{
+    return ((size_t)(h / 16) * x->n_units + un) * 16 + h % 16;
+}
+
+/* Backward column block b of unit un: its G columns, and the block's part of its row
+ * gradient: dep[(b * n_units + un) * d + q] = the tree of 16 lanes, lane j an fma chain over
+ * the block's columns h with (h - b gb) % 16 == j of G[h] W1[h][f d + q]. */
+static void fact_gblk_scalar(const fact *x, const float *dY, uint32_t un, uint32_t b)
+{
+    const uint32_t H = x->H, f = x->unit_field[un], c0 = b * x->gb, c1 = c0 + x->gb;
+    for (uint32_t h = c0; h < c1; h++) {
+        float acc = 0;
+        for (uint32_t e = x->unit_ptr[un]; e < x->unit_ptr[un + 1]; e++)
+            acc = fmaf(x->ue_v[e], dY[(size_t)x->ue_s[e] * H + h], acc);
+        x->pg[fact_g(x, un, h)] = acc;
+    }
+    for (uint32_t q = 0; q < x->d; q++) {
+        float p[16] = {0};
+        for (uint32_t h = c0; h < c1; h++)
+            p[(h - c0) % 16] =
+                fmaf(x->pg[fact_g(x, un, h)], fact_w(x, h, f * x->d + q), p[(h - c0) % 16]);
+        x->dep[((size_t)b * x->n_units + un) * x->d + q] = fact_tree16(p);
+    }
+}
+
+/* dW_f's rows h0..h0+16 (fewer at the end) into W (dP's first layer weights). */
+static void fact_dw_scalar(const fact *x, const float *E, float *W, uint32_t f, uint32_t h0)
+{
+    const uint32_t d = x->d, h1 = h0 + 16 < x->H ? h0 + 16 : x->H;
+    for (uint32_t h = h0; h < h1; h++)
+        for (uint32_t q = 0; q < d; q++) {
+            float acc = 0;
+            for (uint32_t i = x->field_ptr[f]; i < x->field_ptr[f + 1]; i++)
+                acc = fmaf(x->pg[fact_g(x, i, h)], E[(size_t)x->unit_key[i] * d + q], acc);
+            W[(size_t)h * x->in + (size_t)f * d + q] = acc;
+        }
+}
+
+#ifdef FACT_AVX512
+#define FACT_INLINE __attribute__((always_inline)) inline
+
+/* Units i..i+nu of P's block, their chains interleaved: one unit's 16 dependent FMAs a column
+ * vector left the FMA units idle (measured 2.5x the FMA bound). */
+FACT_TARGET static FACT_INLINE void fact_p_units(const fact *x, const float *E, const float *w,
+                                                 float *Pb, uint32_t i, const int nu)
+{
+    const float *e[4], *wf[4];
+    __m512 a[4][FACT_NV];
+    for (int t = 0; t < nu; t++) {
+        e[t] = E + (size_t)x->unit_key[i + t] * 16;
+        wf[t] = w + (size_t)x->unit_field[i + t] * 16 * FACT_COLS;
+        for (int v = 0; v < FACT_NV; v++)
+            a[t][v] = _mm512_setzero_ps();
+    }
+    for (int q = 0; q < 16; q++)
+        for (int t = 0; t < nu; t++) {
+            __m512 eq = _mm512_set1_ps(e[t][q]);
+            for (int v = 0; v < FACT_NV; v++)
+                a[t][v] =
+                    _mm512_fmadd_ps(eq, _mm512_loadu_ps(wf[t] + q * FACT_COLS + 16 * v), a[t][v]);
+        }
+    for (int t = 0; t < nu; t++)
+        for (int v = 0; v < FACT_NV; v++)
+            _mm512_storeu_ps(Pb + (size_t)(i + t) * FACT_COLS + 16 * v, a[t][v]);
+}
+
+/* fact_p_scalar for d 16 and wb FACT_COLS. */
+FACT_TARGET static void fact_p_avx512(const fact *x, const float *E, const float *w, float *Pb)
+{
+    uint32_t i = 0;
+    for (; i + 4 <= x->n_units; i += 4)
+        fact_p_units(x, E, w, Pb, i, 4);
+    for (; i < x->n_units; i++)
+        fact_p_units(x, E, w, Pb, i, 1);
+}
+
+/* fact_y_scalar for d 16 and wb FACT_COLS. */
+FACT_TARGET static void fact_y_avx512(const fact *x, const model_batch *b, const float *bias,
+                                      const float *w, const float *Pb, float *Y, uint32_t col0)
+{
+    const uint32_t F = x->F, D = x->D;
+    const float *wd = w + (size_t)F * 16 * FACT_COLS;
+    const __m512 zero = _mm512_setzero_ps();
+    for (uint32_t s = 0; s < b->B; s++) {
+        __m512 a[FACT_NV];
+        for (int v = 0; v < FACT_NV; v++)
+            a[v] = _mm512_loadu_ps(bias + col0 + 16 * v);
+        for (uint32_t j = 0; j < D; j++) {
+            __m512 xj = _mm512_set1_ps(b->dense[(size_t)s * D + j]);
+            for (int v = 0; v < FACT_NV; v++)
+                a[v] =
+                    _mm512_fmadd_ps(xj, _mm512_loadu_ps(wd + (size_t)j * FACT_COLS + 16 * v), a[v]);
+        }
+        for (uint32_t k = b->row_ptr[(size_t)s * F]; k < b->row_ptr[(size_t)(s + 1) * F]; k++) {
+            __m512 vk = _mm512_set1_ps(b->val[k]);
+            const float *p = Pb + (size_t)x->ent_unit[k] * FACT_COLS;
+            for (int v = 0; v < FACT_NV; v++)
+                a[v] = _mm512_fmadd_ps(vk, _mm512_loadu_ps(p + 16 * v), a[v]);
+        }
+        float *y = Y + (size_t)s * x->H + col0;
+        for (int v = 0; v < FACT_NV; v++) {
+            __mmask16 neg = _mm512_cmp_ps_mask(a[v], zero, _CMP_LT_OQ);
+            _mm512_storeu_ps(y + 16 * v, _mm512_mask_mov_ps(a[v], neg, zero));
+        }
+    }
+}
+
+/* The 16 lane sums of acc[0..16) as one vector (q in lane q), each summed in the order of
+ * fact_tree16 (lane j + lane j+8, +4, +2, +1), by a transposing tree: 30 shuffles for the
+ * 16 sums instead of 96 (_mm512_reduce_add_ps each), which took port 5 from the FMAs. */
+FACT_TARGET static FACT_INLINE __m512 fact_sum16(const __m512 acc[16])
+{
+    __m512 s1[8], s2[4], s3[2];
+    for (int q = 0; q < 8; q++) /* j + j+8: q in elements 0..7, q+8 in 8..15 */
+        s1[q] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[q], acc[q + 8], 0x44),
+                              _mm512_shuffle_f32x4(acc[q], acc[q + 8], 0xEE));
+    for (int q = 0; q < 4; q++) /* + j+4: 128-bit lanes q, q+8, q+4, q+12 */
+        s2[q] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[q], s1[q + 4], 0x88),
+                              _mm512_shuffle_f32x4(s1[q], s1[q + 4], 0xDD));
+    for (int q = 0; q < 2; q++) /* + j+2: pairs (q, q+2) in each 128-bit lane */
+        s3[q] = _mm512_add_ps(_mm512_shuffle_ps(s2[q], s2[q + 2], 0x44),
+                              _mm512_shuffle_ps(s2[q], s2[q + 2], 0xEE));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), /* + j+1 */
+                             _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+    /* r holds q = 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15: a permutation that is its own
+     * inverse. */
+    const __m512i back = _mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0);
+    return _mm512_permutexvar_ps(back, r);
+}
+
+/* fact_gblk_scalar for d 16 and gb 16 nv, units u0..u1. A block of dY's columns (1 MiB for
+ * 128 columns of 2048 samples) stays in L2 while the units gather from it: whole rows of dY a
+ * unit, which the units' entries take from anywhere, came from L3 (53 MB a step) and the FMAs
+ * waited for them most of the time. */
+FACT_TARGET static FACT_INLINE void fact_gblk_units(const fact *x, const float *dY, uint32_t u0,
+                                                    uint32_t u1, uint32_t b, const int nv)
+{
+    const uint32_t H = x->H, c0 = b * x->gb;
+    for (uint32_t un = u0; un < u1; un++) {
+        __m512 a[8];
+        for (int v = 0; v < nv; v++)
+            a[v] = _mm512_setzero_ps();
+        for (uint32_t e = x->unit_ptr[un]; e < x->unit_ptr[un + 1]; e++) {
+            __m512 ve = _mm512_set1_ps(x->ue_v[e]);
+            const float *g = dY + (size_t)x->ue_s[e] * H + c0;
+            for (int v = 0; v < nv; v++)
+                a[v] = _mm512_fmadd_ps(ve, _mm512_loadu_ps(g + 16 * v), a[v]);
+        }
+        const uint32_t f = x->unit_field[un];
+        __m512 acc[16];
+        for (int q = 0; q < 16; q++)
+            acc[q] = _mm512_setzero_ps();
+        for (int v = 0; v < nv; v++) {
+            uint32_t h = c0 + 16 * (uint32_t)v;
+            _mm512_storeu_ps(x->pg + fact_g(x, un, h), a[v]);
+            const float *w =
+                x->wt + ((size_t)(h / FACT_COLS) * x->in + f * 16) * FACT_COLS + h % FACT_COLS;
+            for (int q = 0; q < 16; q++)
+                acc[q] = _mm512_fmadd_ps(a[v], _mm512_loadu_ps(w + q * FACT_COLS), acc[q]);
+        }
+        _mm512_storeu_ps(x->dep + ((size_t)b * x->n_units + un) * 16, fact_sum16(acc));
+    }
+}
+
+FACT_TARGET static void fact_gblk_avx512(const fact *x, const float *dY, uint32_t u0, uint32_t u1,
+                                         uint32_t b)
+{
+    if (x->gb == 128)
+        fact_gblk_units(x, dY, u0, u1, b, 8);
+    else
+        fact_gblk_units(x, dY, u0, u1, b, FACT_NV);
+}
+
+/* fact_dw_scalar for d 16 and H a multiple of 16. */
+FACT_TARGET static void fact_dw_avx512(const fact *x, const float *E, float *W, uint32_t f,
+                                       uint32_t h0)
+{
+    __m512 a[16];
+    for (int r = 0; r < 16; r++)
+        a[r] = _mm512_setzero_ps();
+    for (uint32_t i = x->field_ptr[f]; i < x->field_ptr[f + 1]; i++) {
+        __m512 e = _mm512_loadu_ps(E + (size_t)x->unit_key[i] * 16);
+        const float *g = x->pg + fact_g(x, i, h0);
+        for (int r = 0; r < 16; r++)
+            a[r] = _mm512_fmadd_ps(_mm512_set1_ps(g[r]), e, a[r]);
+    }
+    for (int r = 0; r < 16; r++)
+        _mm512_storeu_ps(W + (size_t)(h0 + r) * x->in + (size_t)f * 16, a[r]);
+}
+#endif
+
+typedef struct fact_job {
+    cpu *c;
+    const float *P;
+    const model_batch *b;
+    float *demb; /* backward: the row gradients */
+    bool add;    /* backward: demb holds the FM term's part, to add to (deepfm) */
+} fact_job;
+
+/* The forward by column blocks: each block's W1^T, P and Y1 columns. */
+static void fact_fwd_part(void *arg, int part, int nparts)
+{
+    const fact_job *j = arg;
+    cpu *c = j->c;
+    const fact *x = &c->fx;
+    const model_layer *ly = &c->l.top[0];
+    const float *E = j->b->emb[c->l.emb_table];
+    size_t k0, k1;
+    part_range(x->nblk, part, nparts, &k0, &k1);
+    for (size_t k = k0; k < k1; k++) {
+        uint32_t blk = (uint32_t)k;
+        fact_wt_block(x, j->P + ly->w, blk);
+        const float *w = x->wt + (size_t)blk * x->in * x->wb;
+        float *Pb = x->pg + (size_t)blk * x->n_units * x->wb;
+#ifdef FACT_AVX512
+        if (x->simd) {
+            fact_p_avx512(x, E, w, Pb);
+            fact_y_avx512(x, j->b, j->P + ly->b, w, Pb, c->act[0], blk * x->wb);
+            continue;
+        }
+#endif
+        fact_p_scalar(x, E, w, Pb);
+        fact_y_scalar(x, j->b, j->P + ly->b, w, Pb, c->act[0], blk * x->wb);
+    }
+}
+
+/* Backward tasks: each backward column block's units in FACT_G_SPLIT ranges. */
+#define FACT_G_SPLIT 4
+
+/* The backward, first by column blocks: G and the blocks' row gradient parts. */
+static void fact_bwd_g_part(void *arg, int part, int nparts)
+{
+    const fact_job *j = arg;
+    const cpu *c = j->c;
+    const fact *x = &c->fx;
+    size_t t0, t1;
+    part_range((size_t)x->ngb * FACT_G_SPLIT, part, nparts, &t0, &t1);
+    for (size_t t = t0; t < t1; t++) {
+        uint32_t b = (uint32_t)(t / FACT_G_SPLIT);
+        size_t u0, u1;
+        part_range(x->n_units, (int)(t % FACT_G_SPLIT), FACT_G_SPLIT, &u0, &u1);
+#ifdef FACT_AVX512
+        if (x->simd) {
+            fact_gblk_avx512(x, c->gact[0], (uint32_t)u0, (uint32_t)u1, b);
+            continue;
+        }
+#endif
+        for (size_t un = u0; un < u1; un++)
+            fact_gblk_scalar(x, c->gact[0], (uint32_t)un, b);
+    }
+}
+
+/* Then by key: a unit's part is the sum of its blocks' in block order; the key's row, the FM
+ * term's part (deepfm) or 0 plus its units' parts in field order. Element by element: the
+ * compiler's vectors add the same bits. */
+static void fact_bwd_e_part(void *arg, int part, int nparts)
+{
+    const fact_job *j = arg;
+    const fact *x = &j->c->fx;
+    const uint32_t d = x->d;
+    size_t u0, u1;
+    part_range(j->b->U, part, nparts, &u0, &u1);
+    for (size_t u = u0; u < u1; u++) {
+        float *row = j->demb + u * d;
+        if (!j->add) memset(row, 0, d * sizeof(float));
+        for (uint32_t i = x->key_ptr[u]; i < x->key_ptr[u + 1]; i++) {
+            const uint32_t un = x->key_units[i];
+            for (uint32_t q = 0; q < d; q++) {
+                float t = x->dep[(size_t)un * d + q];
+                for (uint32_t b = 1; b < x->ngb; b++)
+                    t += x->dep[((size_t)b * x->n_units + un) * d + q];
+                row[q] += t;
+            }
+        }
+    }
+}
+
+/* dW_f for tasks [t0, t1) of (field, 16 rows), in the dense-gradient phase. */
+static void fact_dw_run(const cpu *c, const model_batch *b, float *dP, uint32_t t0, uint32_t t1)
+{
+    const fact *x = &c->fx;
+    const uint32_t nh = (x->H + 15) / 16;
+    const float *E = b->emb[c->l.emb_table];
+    float *W = dP + c->l.top[0].w;
+    for (uint32_t t = t0; t < t1; t++) {
+#ifdef FACT_AVX512
+        if (x->simd) {
+            fact_dw_avx512(x, E, W, t / nh, t % nh * 16);
+            continue;
+        }
+#endif
+        fact_dw_scalar(x, E, W, t / nh, t % nh * 16);
+    }
+}
+
+/* The first layer's dWd = dY1^T x (H x D, beside the dW_f in dP) as a dW GEMM of the phase. */
+static gemm fact_dense_dw(const cpu *c, const model_batch *b, float *dP)
+{
+    const fact *x = &c->fx;
+    gemm g = {.ta = CblasTrans,
+              .tb = CblasNoTrans,
+              .M = (int)x->H,
+              .N = (int)x->D,
+              .K = (int)b->B,
+              .lda = (int)x->H,
+              .ldb = x->D ? (int)x->D : 1,
+              .ldc = (int)x->in,
+              .A = c->gact[0],
+              .B = b->dense,
+              .C = dP + c->l.top[0].w + (size_t)x->F * x->d,
+              .tiles = 1};
+    gemm_tiles(&g);
+    return g;
+}
+
+/*
  * A step's dense gradients, after the row gradients: a list of units taken in order from a
  * shared counter (each tile of each layer's dW GEMM, each layer's bias gradient, dlrm's whole
  * bottom MLP). A unit computes the same bits whoever runs it. With an emb_ready hook the
@@ -999,7 +1626,7 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
  * meanwhile on one core, so the phase starts on half the threads and the rest join when the
  * caller says that work is done (backend_ops.join); without one, all start at once.
  */
-#define DW_MAX_UNITS (MODEL_MAX_LAYERS * (GEMM_MAX_TILES * DW_MAX_CHUNKS + 1) + 1)
+#define DW_MAX_UNITS (MODEL_MAX_LAYERS * (GEMM_MAX_TILES * DW_MAX_CHUNKS + 1) + 1 + FACT_DW_PARTS)
 
 typedef struct dw_phase {
     cpu *c;
@@ -1009,10 +1636,14 @@ typedef struct dw_phase {
     gemm g[MODEL_MAX_LAYERS];
     int chunks[MODEL_MAX_LAYERS];      /* dw_chunks of g */
     struct dw_unit {
-        uint16_t layer; /* top layer, or n_top: the bottom MLP */
-        int16_t tile;   /* dW tile, or -1: the bias gradient */
+        uint16_t layer; /* top layer, or n_top: the bottom MLP, or n_top + 1: dW_f (fact) */
+        int16_t tile;   /* dW tile, or -1: the bias gradient; dW_f: its part */
         uint8_t chunk;  /* dW tile's inner chunk */
     } unit[DW_MAX_UNITS];
+    /* The factorized layer's dW_f: part p runs tasks [fact_t[p], fact_t[p + 1]) of
+     * fact_dw_run, fact_cost[p] multiply-adds. */
+    uint32_t fact_t[FACT_DW_PARTS + 1];
+    double fact_cost[FACT_DW_PARTS];
     int n_units, next, early;
     uint64_t gen;
 } dw_phase;
@@ -1024,7 +1655,9 @@ static void dw_unit_run(const dw_phase *ph, int u)
     const struct dw_unit *un = &ph->unit[u];
     uint32_t i = un->layer, B = ph->b->B;
     pool one = {.n = 1, .bf16 = c->pool.bf16};
-    if (i == l->n_top) {
+    if (i == l->n_top + 1) {
+        fact_dw_run(c, ph->b, ph->dP, ph->fact_t[un->tile], ph->fact_t[un->tile + 1]);
+    } else if (i == l->n_top) {
         stack_bwd_dx(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->P, c->dz0, NULL, B);
         stack_bwd_dw(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->b->dense, ph->dP, B);
     } else if (un->tile >= 0) {
@@ -1044,6 +1677,7 @@ static double dw_unit_cost(const dw_phase *ph, int u, uint32_t B)
 {
     const model_layout *l = &ph->c->l;
     uint32_t i = ph->unit[u].layer;
+    if (i == l->n_top + 1) return ph->fact_cost[ph->unit[u].tile];
     if (i == l->n_top) {
         double f = 0;
         for (uint32_t k = 0; k < l->n_bot; k++)
@@ -1150,6 +1784,34 @@ static void dw_sum_part(void *arg, int part, int nparts)
     }
 }
 
+/* The dW_f tasks of fact_dw_run (a field's 16 rows, costing its units) dealt into
+ * FACT_DW_PARTS units of about equal cost. Each task computes the same bits whichever unit
+ * holds it. */
+static void fact_dw_units(dw_phase *ph)
+{
+    const fact *x = &ph->c->fx;
+    const uint32_t nh = (x->H + 15) / 16, nt = x->F * nh;
+    const double per_task = 16.0 * x->d; /* multiply-adds a unit of the field */
+    double total = 0, sum = 0;
+    for (uint32_t f = 0; f < x->F; f++)
+        total += (x->field_ptr[f + 1] - x->field_ptr[f] + 1.0) * nh;
+    uint32_t t = 0;
+    ph->fact_t[0] = 0;
+    for (int p = 0; p < FACT_DW_PARTS; p++) {
+        double start = sum, goal = total * (p + 1) / FACT_DW_PARTS;
+        while (t < nt && (p == FACT_DW_PARTS - 1 || sum < goal)) {
+            uint32_t f = t / nh;
+            sum += x->field_ptr[f + 1] - x->field_ptr[f] + 1.0;
+            t++;
+        }
+        ph->fact_t[p + 1] = t;
+        ph->fact_cost[p] = (sum - start) * per_task;
+        if (t > ph->fact_t[p])
+            ph->unit[ph->n_units++] =
+                (struct dw_unit){(uint16_t)(ph->c->l.n_top + 1), (int16_t)p, 0};
+    }
+}
+
 static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP)
 {
     const model_layout *l = &c->l;
@@ -1157,9 +1819,13 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
     dw_phase ph = {.c = c, .P = P, .b = b, .dP = dP};
     for (uint32_t k = l->n_top; k-- > 0;) {
         const gemm *g = &ph.g[k];
-        ph.g[k] = dw_gemm(&l->top[k], k ? c->act[k - 1] : c->in, c->gact[k], dP, B);
+        /* Factorized, the first layer's GEMM is left with the dense inputs' columns (dWd; one
+         * chunk: dw_sum_part adds chunks as if dW were contiguous, which dWd is not). */
+        bool dense_only = k == 0 && c->fact_now;
+        ph.g[k] = dense_only ? fact_dense_dw(c, b, dP)
+                             : dw_gemm(&l->top[k], k ? c->act[k - 1] : c->in, c->gact[k], dP, B);
         ph.g[k].bf16 = c->pool.bf16;
-        ph.chunks[k] = dw_chunks(g);
+        ph.chunks[k] = dense_only ? 1 : dw_chunks(g);
         for (int t = 0; t <= g->tiles; t++) /* the tiles' chunks, then the bias gradient */
             for (int j = 0; j < (t < g->tiles ? ph.chunks[k] : 1); j++) {
                 ph.unit[ph.n_units++] =
@@ -1167,6 +1833,7 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
             }
     }
     if (c->m.kind == MODEL_DLRM) ph.unit[ph.n_units++] = (struct dw_unit){(uint16_t)l->n_top, 0, 0};
+    if (c->fact_now) fact_dw_units(&ph);
     /* bf16: each dW's shared operand packed once for its tiles, where every chunk starts on a
      * 32-value step of the packed K (cm_gemm_bf16_pre); before any unit can run. */
     for (uint32_t k = 0; k < l->n_top; k++) {
@@ -1212,11 +1879,14 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                       "(F %u, D %u, at most %u rows, %u keys)",
                       B, b->F, b->D, b->U, F, D, c->max_b, c->max_u);
     const bool bwd = dP != NULL;
+    const bool fact = c->fact_now = fact_plan(c, b);
+    /* The mlp's factorized first layer reads the rows themselves, not their pooled sums. */
+    const bool pooled = l->emb_table >= 0 && !(fact && m->kind == MODEL_MLP);
     /* Every layer overwrites its own dW and db; only the first-order terms accumulate. */
     if (bwd && l->lin_table >= 0) memset(dP + l->lin_w, 0, (m->n_dense + 1) * sizeof(float));
     float *logit = c->logit;
     memset(logit, 0, B * sizeof(float));
-    if (l->emb_table >= 0) spmm(&c->pool, b, b->emb[l->emb_table], d, c->xe, c->ldxe);
+    if (pooled) spmm(&c->pool, b, b->emb[l->emb_table], d, c->xe, c->ldxe);
     if (l->lin_table >= 0) {
         spmm(&c->pool, b, b->emb[l->lin_table], 1, c->xl, F);
         for (uint32_t i = 0; i < B; i++) {
@@ -1236,13 +1906,20 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
         if (m->kind == MODEL_DLRM) {
             z0 = stack_fwd(&c->pool, l->bot, l->n_bot, c->bact, P, b->dense, B);
             inter_run(c, INTER_DLRM_FWD, B, z0, NULL);
-        } else {
+        } else if (!fact) {
             /* The pooled embeddings are in place already (cpu_create). */
             for (uint32_t i = 0; i < B; i++)
                 memcpy(c->in + (size_t)i * ti + (size_t)F * d, b->dense + (size_t)i * D,
                        D * sizeof(float));
         }
-        const float *out = stack_fwd(&c->pool, l->top, l->n_top, c->act, P, c->in, B);
+        const float *out;
+        if (fact) {
+            fact_job fj = {c, P, b, NULL, false};
+            pool_run(&c->pool, fact_fwd_part, &fj);
+            out = stack_fwd(&c->pool, l->top + 1, l->n_top - 1, c->act + 1, P, c->act[0], B);
+        } else {
+            out = stack_fwd(&c->pool, l->top, l->n_top, c->act, P, c->in, B);
+        }
         for (uint32_t i = 0; i < B; i++)
             logit[i] += out[i];
     }
@@ -1272,14 +1949,20 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
         spmm_t(&c->pool, b, c->dxl, 1, F, demb[l->lin_table]);
     }
     /* Every model with embeddings has a top MLP (model_layout_make); for mlp and deepfm its
-     * input gradient din holds the pooled embeddings' gradient dxe in place. */
+     * input gradient din holds the pooled embeddings' gradient dxe in place (factorized, the
+     * first layer has no input gradient: its row gradients come from fact_bwd_part). */
     if (l->n_top > 0) {
-        stack_bwd_dx(&c->pool, l->top, l->n_top, c->act, c->gact, P, g, c->din, B);
+        stack_bwd_dx(&c->pool, l->top, l->n_top, c->act, c->gact, P, g, fact ? NULL : c->din, B);
         if (m->kind == MODEL_DLRM) inter_run(c, INTER_DLRM_BWD, B, z0, NULL);
     }
     /* The FM term's gradient adds to the top MLP's (already in dxe = din). */
-    if (m->kind == MODEL_DEEPFM) inter_run(c, INTER_FM_BWD, B, NULL, g);
-    if (l->emb_table >= 0) spmm_t(&c->pool, b, c->dxe, d, c->ldxe, demb[l->emb_table]);
+    if (m->kind == MODEL_DEEPFM) inter_run(c, fact ? INTER_FM_BWD_SET : INTER_FM_BWD, B, NULL, g);
+    if (pooled) spmm_t(&c->pool, b, c->dxe, d, c->ldxe, demb[l->emb_table]);
+    if (fact) {
+        fact_job fj = {c, P, b, demb[l->emb_table], pooled};
+        pool_run(&c->pool, fact_bwd_g_part, &fj);
+        pool_run(&c->pool, fact_bwd_e_part, &fj);
+    }
     /* The dense gradients: nothing above reads them. */
     dw_phase_run(c, P, b, dP);
     return CM_OK;

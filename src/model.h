@@ -144,6 +144,18 @@ void model_staging_view(const model_staging *s, model_batch *mb);
  * (cm_gemm_bf16; ~3x OpenBLAS's fp32 on a Sapphire Rapids core); refused without AMX-BF16 and
  * by cuda. Deterministic like fp32: the same bits for any thread count. */
 #define BACKEND_BF16 2u
+/* cpu, fp32, mlp and deepfm: how the top MLP's first layer is computed. By default the backend
+ * picks per batch, from the batch alone (so runs stay reproducible), between the GEMM over the
+ * pooled inputs (the reference formulation) and the factorized form, which applies each field's
+ * block of the weights once per distinct (field, key) pair of the batch instead of once per
+ * sample (cheaper when keys repeat; see backend_cpu.c). PLAIN always takes the GEMM; FACTORED
+ * takes the factorized form on every batch it can (tests, measurements). The two differ only
+ * in summation order. */
+#define BACKEND_PLAIN 4u
+#define BACKEND_FACTORED 8u
+/* cpu: the factorized layer's portable kernels even where its AVX-512 ones run (tests: they
+ * must give the same bits). */
+#define BACKEND_NO_SIMD 16u
 
 /* A compute backend: a static ops table per variant (cpu, cuda). */
 typedef struct backend backend;

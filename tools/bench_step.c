@@ -15,9 +15,11 @@
  * every field's key from all U instead (~B*F distinct pairs: the factorized form's worst case).
  *
  * With --bf16 the backend runs its GEMMs on AMX tiles (BACKEND_BF16, `ember train --bf16`).
+ * --plain and --factored fix the mlp's and deepfm's first layer to one formulation
+ * (BACKEND_PLAIN, BACKEND_FACTORED) instead of the backend's choice per batch.
  *
  * Usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2] [--bf16]
- *                         [--shared-keys]
+ *                         [--shared-keys] [--plain | --factored] [--model NAME]
  * Prints a table, then one JSON object as the last line.
  */
 #include <math.h>
@@ -40,6 +42,7 @@ typedef struct timing {
 static double hook_at;
 static uint32_t be_flags; /* backend_ops.create flags: BACKEND_BF16 with --bf16 */
 static int shared_keys;   /* --shared-keys: every field draws from all U keys */
+static const char *only;  /* --model NAME: that preset alone */
 
 static void hook(void *arg)
 {
@@ -166,7 +169,7 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2] "
-            "[--bf16] [--shared-keys]\n");
+            "[--bf16] [--shared-keys] [--plain | --factored] [--model NAME]\n");
 }
 
 int main(int argc, char **argv)
@@ -181,6 +184,12 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--steps") && v) steps = atoi(argv[++i]);
         else if (!strcmp(a, "--bf16")) be_flags |= BACKEND_BF16;
         else if (!strcmp(a, "--shared-keys")) shared_keys = 1;
+        else if (!strcmp(a, "--model") && v)
+            only = argv[++i];
+        else if (!strcmp(a, "--plain"))
+            be_flags |= BACKEND_PLAIN;
+        else if (!strcmp(a, "--factored"))
+            be_flags |= BACKEND_FACTORED;
         else if (!strcmp(a, "--threads-list") && v) {
             char *s = argv[++i], *end;
             while (*s && nt < MAX_THREADS) {
@@ -212,6 +221,7 @@ int main(int argc, char **argv)
                       shared_keys ? "true" : "false");
     for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++)
         for (uint32_t ti = 0; ti < nt; ti++) {
+            if (only != NULL && strcmp(only, model_kind_name(kinds[k])) != 0) continue;
             timing t = {0, 0, 0};
             double flops = 0;
             if (run(kinds[k], tl[ti], B, U, steps, &t, &flops) != 0) return 1;

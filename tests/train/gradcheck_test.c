@@ -17,6 +17,11 @@
  * start as NaN), unused keys get zero rows; forward-only probs equal the training call's;
  * threads 1 / 2 / 3 give bit-identical outputs (a small case and one large enough that the
  * backend splits its GEMMs); shape errors are reported.
+ *
+ * mlp and deepfm run every check twice: with the backend's choice of first layer (the GEMM
+ * over pooled inputs on these batches) and with the factorized one forced (BACKEND_FACTORED,
+ * its portable kernels at dim 4); two more cases at dim 16 and hidden {32, 6} run the
+ * factorized layer's AVX-512 kernels (where the CPU has them) and its portable ones.
  */
 #include <stdint.h>
 
@@ -269,11 +274,14 @@ static int outs_same(const outs *a, const outs *b, const tcase *t)
     return same;
 }
 
+/* backend_ops.create flags for the backends be_create makes. */
+static uint32_t be_flags;
+
 static void *be_create(const tcase *t, uint32_t threads)
 {
     void *st = NULL;
     char *err = NULL;
-    int rc = backend_cpu_ops.create(&t->m, &t->l, t->B + 5, t->U + 7, threads, 0, &st, &err);
+    int rc = backend_cpu_ops.create(&t->m, &t->l, t->B + 5, t->U + 7, threads, be_flags, &st, &err);
     CHECK_OK(rc, err);
     return rc == 0 ? st : NULL;
 }
@@ -567,16 +575,49 @@ int main(void)
                 shape sh = {.F = 3 + (uint32_t)si, .D = 2 + (uint32_t)((si + k) % 3), .B = 7,
                             .U = 12, .dim = 4, .max_keys = 3, .n_hidden = 2, .hidden = {8, 6},
                             .n_bottom = 2, .bottom = {5, 4}, .wscale = 0.6};
-                tcase t;
-                if (tcase_make(&t, kinds[k], &sh, pool, si == 2, seed) != 0) continue;
-                char label[96];
-                snprintf(label, sizeof label, "%s F%u D%u %s%s", t.name, sh.F, sh.D,
-                         pool ? "mean" : "sum", si == 2 ? " weighted" : "");
-                gradcheck(&t, label);
-                tcase_free(&t);
+                bool fact = kinds[k] == MODEL_MLP || kinds[k] == MODEL_DEEPFM;
+                for (int fa = 0; fa < (fact ? 2 : 1); fa++) {
+                    tcase t;
+                    if (tcase_make(&t, kinds[k], &sh, pool, si == 2, seed) != 0) continue;
+                    char label[96];
+                    snprintf(label, sizeof label, "%s F%u D%u %s%s%s", t.name, sh.F, sh.D,
+                             pool ? "mean" : "sum", si == 2 ? " weighted" : "",
+                             fa ? " factorized" : "");
+                    be_flags = fa ? BACKEND_FACTORED : 0;
+                    gradcheck(&t, label);
+                    be_flags = 0;
+                    tcase_free(&t);
+                }
             }
+    /* The factorized layer's kernels for dim 16 (AVX-512 where it runs, then portable). */
+    for (int k = 0; k < 2; k++)
+        for (int simd = 1; simd >= 0; simd--) {
+            model_kind kind = k ? MODEL_DEEPFM : MODEL_MLP;
+            shape sh = {.F = 4,
+                        .D = 3,
+                        .B = 7,
+                        .U = 12,
+                        .dim = 16,
+                        .max_keys = 3,
+                        .n_hidden = 2,
+                        .hidden = {32, 6},
+                        .wscale = 0.3};
+            tcase t;
+            if (tcase_make(&t, kind, &sh, 1, 1, 4711 + (uint64_t)k) != 0) continue;
+            char label[96];
+            snprintf(label, sizeof label, "%s dim 16 factorized%s", t.name,
+                     simd ? "" : " portable");
+            be_flags = BACKEND_FACTORED | (simd ? 0 : BACKEND_NO_SIMD);
+            gradcheck(&t, label);
+            be_flags = 0;
+            tcase_free(&t);
+        }
     lr_by_hand();
     shape_errors();
     for (int k = 0; k < 4; k++) threads_large(kinds[k]);
+    be_flags = BACKEND_FACTORED;
+    threads_large(MODEL_MLP);
+    threads_large(MODEL_DEEPFM);
+    be_flags = 0;
     return check_done();
 }

@@ -16,6 +16,11 @@
  * With BACKEND_BF16 (AMX tiles, where the machine has them) the same holds for mlp and dlrm, and
  * each preset's outputs stay within bf16's precision of the fp32 backend's (check_bf16_close).
  *
+ * The factorized first layer (mlp, deepfm) is held to the same with BACKEND_FACTORED, and to
+ * the GEMM over pooled inputs (BACKEND_PLAIN) within summation-order rounding on the same
+ * batches, its AVX-512 kernels to its portable ones bit for bit, and the backend's own choice
+ * to one of the two (check_fact).
+ *
  * gradcheck_test.c checks the same property on a small tower (B 256); this one exists because
  * OpenBLAS picks its kernel by the shape of each call, and only training's shapes reach the
  * small-matrix kernel that made threads 1 and 2 disagree.
@@ -34,6 +39,12 @@
 #define DENSE 13
 #define MAX_B 2048
 #define MAX_KEYS 3
+
+/* batch_make's keys: drawn from key_pool keys (0, or not below U: a third of U, so that nearly
+ * every slot is its own (field, key) pair), every field from the same ones; with weighted_keys the
+ * pooling values carry a random key weight too. */
+static uint32_t key_pool;
+static int weighted_keys;
 
 /* One random batch of B rows for a model: CSR of 0..MAX_KEYS keys per field, mean pooling. */
 typedef struct batch {
@@ -81,13 +92,13 @@ static int batch_make(batch *t, model_kind kind, uint32_t B, uint64_t seed)
     for (uint32_t i = 0; i < B; i++)
         t->labels[i] = unif(0, 1) < 0.25f ? 1.0f : 0.0f;
     /* Keys from a pool smaller than the batch, so rows repeat and their gradients sum. */
-    uint32_t nnz = 0, pool = t->U / 3 + 1;
+    uint32_t nnz = 0, pool = key_pool && key_pool < t->U ? key_pool : t->U / 3 + 1;
     t->row_ptr[0] = 0;
     for (size_t r = 0; r < (size_t)B * FIELDS; r++) {
         uint32_t n = (uint32_t)(rnd64() % (MAX_KEYS + 1));
         for (uint32_t k = 0; k < n; k++) {
             t->col[nnz] = (uint32_t)(rnd64() % pool);
-            t->val[nnz++] = 1.0f / (float)n;
+            t->val[nnz++] = (weighted_keys ? unif(0.5f, 1.5f) : 1.0f) / (float)n;
         }
         t->row_ptr[r + 1] = nnz;
     }
@@ -548,6 +559,122 @@ static void check_bf16_close(model_kind kind)
     batch_free(&t);
 }
 
+/* Relative L2 of a against b within tol, else a message naming what; close_worst keeps the
+ * largest seen. */
+static double close_worst;
+
+static void close_l2(const float *a, const float *b, size_t n, double tol, const char *ctx,
+                     const char *what)
+{
+    double e = rel_l2(a, b, n);
+    close_worst = fmax(close_worst, e);
+    CHECK_MSG(e <= tol, "%s: %s %.3g from the plain formulation's (relative L2)", ctx, what, e);
+}
+
+/*
+ * The factorized first layer against the GEMM over pooled inputs, on the same batches: every
+ * output within 1e-5 (relative L2, each layer's dW and db and each table's row gradients on
+ * their own; measured up to 3.3e-7: the two differ in summation order only), probabilities
+ * within 1e-6 (measured 1.8e-7), the loss within 1e-6 relative. The portable kernels
+ * (BACKEND_NO_SIMD) give the AVX-512 ones' bits. Batches: keys from a pool of 500 (a unit per ~4
+ * slots, as in training) or of a third of U (nearly a unit a slot), mean pooling, with and without
+ * key weights, B 2048, 1000, 33, 1. And the backend's own choice (no flag) gives the bits of one of
+ * the two: the factorized where units are few, the GEMM where nearly every slot is its own unit.
+ */
+static void check_fact(model_kind kind)
+{
+    static const uint32_t sizes[] = {2048, 1000, 33, 1};
+    const char *name = model_kind_name(kind);
+    batch t;
+    memset(&t, 0, sizeof t);
+    outs ref, o, sc;
+    memset(&ref, 0, sizeof ref);
+    memset(&o, 0, sizeof o);
+    memset(&sc, 0, sizeof sc);
+    void *st[4] = {NULL, NULL, NULL, NULL}; /* plain, factorized, portable, the backend's choice */
+    const uint32_t flags[4] = {BACKEND_PLAIN, BACKEND_FACTORED, BACKEND_FACTORED | BACKEND_NO_SIMD,
+                               0};
+    const uint32_t threads[4] = {2, 2, 1, 2};
+    for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++)
+        for (int var = 0; var < 3; var++) {
+            key_pool = var < 2 ? 500 : 0;
+            weighted_keys = var == 1;
+            batch_free(&t);
+            int rc = batch_make(&t, kind, sizes[si], 555 + si * 10 + (uint64_t)var);
+            key_pool = 0;
+            weighted_keys = 0;
+            if (rc != 0) {
+                CHECK_MSG(0, "%s: cannot build a batch of %u", name, sizes[si]);
+                goto out;
+            }
+            if (st[0] == NULL) {
+                for (int i = 0; i < 4; i++) {
+                    be_flags = flags[i];
+                    st[i] = create(&t, threads[i]);
+                }
+                be_flags = 0;
+                if (!st[0] || !st[1] || !st[2] || !st[3] || outs_alloc(&ref, &t) != 0 ||
+                    outs_alloc(&o, &t) != 0 || outs_alloc(&sc, &t) != 0) {
+                    CHECK_MSG(0, "%s: cannot create the backends", name);
+                    goto out;
+                }
+            }
+            char ctx[128];
+            snprintf(ctx, sizeof ctx, "%s B=%u keys from %s%s, factorized", name, sizes[si],
+                     var < 2 ? "500" : "U/3", var == 1 ? ", weighted" : "");
+            if (step(st[0], &t, &ref) != 0 || step(st[1], &t, &o) != 0 || step(st[2], &t, &sc))
+                goto out;
+            double pmax = 0;
+            for (uint32_t i = 0; i < t.mb.B; i++)
+                pmax = fmax(pmax, fabs((double)o.probs[i] - ref.probs[i]));
+            CHECK_MSG(pmax <= 1e-6, "%s: probabilities up to %g from the plain formulation's", ctx,
+                      pmax);
+            CHECK_MSG(fabs(o.loss - ref.loss) <= 1e-6 * fabs(ref.loss), "%s: loss %.9g, plain %.9g",
+                      ctx, o.loss, ref.loss);
+            const model_layout *l = &t.l;
+            for (uint32_t i = 0; i < l->n_top; i++) {
+                char what[48];
+                snprintf(what, sizeof what, "top layer %u dW", i);
+                close_l2(o.dparams + l->top[i].w, ref.dparams + l->top[i].w,
+                         (size_t)l->top[i].in * l->top[i].out, 1e-5, ctx, what);
+                snprintf(what, sizeof what, "top layer %u db", i);
+                close_l2(o.dparams + l->top[i].b, ref.dparams + l->top[i].b, l->top[i].out, 1e-5,
+                         ctx, what);
+            }
+            close_l2(o.dparams, ref.dparams, l->n_params, 1e-5, ctx, "dparams");
+            for (uint32_t tb = 0; tb < l->n_tables; tb++) {
+                char what[32];
+                snprintf(what, sizeof what, "demb[%u]", tb);
+                close_l2(o.demb[tb], ref.demb[tb], (size_t)t.U * l->table_dim[tb], 1e-5, ctx, what);
+            }
+            /* Summation order does change bits: the factorized path did run (a batch of one
+             * has too few terms a sum to be sure of it). */
+            CHECK_MSG(sizes[si] == 1 || ndiff(o.dparams, ref.dparams, l->n_params) > 0,
+                      "%s: dparams identical to the plain formulation's", ctx);
+            fprintf(stderr, "%-56s probs %.2g, worst relative L2 %.2g\n", ctx, pmax, close_worst);
+            close_worst = 0;
+            char c2[256];
+            snprintf(c2, sizeof c2, "%s, portable kernels vs AVX-512", ctx);
+            outs_same(&t, &o, &sc, c2);
+            /* The backend's own choice, where it is clear: the factorized form for 1000 or
+             * more samples with keys from 500 (a unit per 2 to 4 slots), the GEMM for keys
+             * from U/3 (more units than slots). */
+            if ((var == 2 || sizes[si] >= 1000) && step(st[3], &t, &sc) == 0) {
+                bool fact = var < 2;
+                snprintf(c2, sizeof c2, "%s, the backend's choice vs %s", ctx,
+                         fact ? "factorized" : "plain");
+                outs_same(&t, fact ? &o : &ref, &sc, c2);
+            }
+        }
+out:
+    for (int i = 0; i < 4; i++)
+        if (st[i]) backend_cpu_ops.destroy(st[i]);
+    outs_free(&ref);
+    outs_free(&o);
+    outs_free(&sc);
+    batch_free(&t);
+}
+
 int main(void)
 {
     const model_kind kinds[] = {MODEL_MLP, MODEL_LR, MODEL_DLRM, MODEL_DEEPFM};
@@ -555,6 +682,15 @@ int main(void)
         check_kind(kinds[k]);
     check_crowded(MODEL_MLP);
     check_crowded(MODEL_DLRM);
+    /* The factorized first layer: the same properties on every batch, and its closeness to the
+     * GEMM. */
+    be_flags = BACKEND_FACTORED;
+    check_kind(MODEL_MLP);
+    check_kind(MODEL_DEEPFM);
+    check_crowded(MODEL_MLP);
+    be_flags = 0;
+    check_fact(MODEL_MLP);
+    check_fact(MODEL_DEEPFM);
     /* The same properties for bf16 GEMMs (AMX), and their closeness to fp32. */
     if (cm_gemm_bf16_available()) {
         be_flags = BACKEND_BF16;
