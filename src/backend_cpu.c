@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "common/common.h"
 #include "src/model.h"
@@ -517,6 +518,18 @@ typedef struct fact {
     uint32_t n_units;
 } fact;
 
+/* n bytes on 2 MiB pages where the kernel has them (transparent huge pages, advised): for
+ * buffers read at random rows, where nearly every row is another 4 KiB page's TLB miss. */
+#define HUGE_PAGE ((size_t)2 << 20)
+static void *huge_alloc(size_t n)
+{
+    if (n < HUGE_PAGE / 2) return aligned_alloc(64, (n + 63) / 64 * 64);
+    size_t len = (n + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    void *p = aligned_alloc(HUGE_PAGE, len);
+    if (p != NULL) (void)madvise(p, len, MADV_HUGEPAGE);
+    return p;
+}
+
 typedef struct cpu {
     pool pool;
     /* The dense-gradient phase of a hooked step (dw_phase): phase_gen counts phases, joined_gen
@@ -644,7 +657,7 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
     ALLOC(c->din, B * (l->top_in + 1));
     for (uint32_t i = 0; i < l->n_top; i++) {
         ALLOC(c->act[i], B * l->top[i].out);
-        ALLOC(c->gact[i], B * l->top[i].out);
+        ok = ok && (c->gact[i] = huge_alloc(B * l->top[i].out * sizeof(float) + 1)) != NULL;
     }
     for (uint32_t i = 0; i < l->n_bot; i++) {
         ALLOC(c->bact[i], B * l->bot[i].out);
@@ -1118,7 +1131,12 @@ static int fact_init(cpu *c, uint32_t flags)
     x->in = l->top[0].in;
     x->wb = x->H % FACT_COLS == 0 ? FACT_COLS : x->H;
     x->nblk = x->H / x->wb;
-    x->gb = x->H % 128 == 0 ? 128 : x->wb;
+    x->gb = x->wb; /* the widest of 256, 128, 64 that H takes */
+    for (uint32_t w = 256; w > x->wb; w /= 2)
+        if (x->H % w == 0) {
+            x->gb = w;
+            break;
+        }
     x->ngb = x->H / x->gb;
 #ifdef FACT_AVX512
     x->simd = !(flags & BACKEND_NO_SIMD) && __builtin_cpu_supports("avx512f") && x->d == 16 &&
@@ -1212,11 +1230,19 @@ static void fact_index(fact *x, const model_batch *b)
 }
 
 /*
- * Whether this batch takes the factorized layer: indexes it and sizes its buffers. The cost
- * model compares the work each form scales with (units against samples; see FACT_UNIT_COST),
- * so the choice depends on the batch alone.
+ * The cost model: the factorized layer's work grows with the units (P, the row gradients and
+ * dW_f cost ~H d multiply-adds a unit, besides the gathers a slot), the GEMM's with the samples
+ * (3 H (F d + D) a sample), so it takes the factorized form where units <= FACT_MAX_UNITS of
+ * the slots (B F). Measured (tools/bench step, mlp, B 2048, 26 one-hot fields, 2 threads,
+ * --plain against --factored, two runs each): 12.8K units (0.24 of the slots) 9.7 against
+ * 12.0 ms, 22.6K (0.42) 13.0 against 13.2, 33K (0.62) 16.8 against 13.4, 49K (shared keys,
+ * 0.92) 24-35 against 15-16: the step grows ~0.33 ms a thousand units, and the two meet at
+ * ~0.39 of the slots. Below it, a little, to stay on the side that wins.
  */
-#define FACT_UNIT_COST 0.0f /* placeholder: measured below */
+#define FACT_MAX_UNITS 0.35
+
+/* Whether this batch takes the factorized layer: indexes it, applies the cost model (the batch
+ * alone decides, so a run is reproducible) and sizes its buffers. */
 static bool fact_plan(cpu *c, const model_batch *b)
 {
     fact *x = &c->fx;
@@ -1224,14 +1250,14 @@ static bool fact_plan(cpu *c, const model_batch *b)
     size_t nnz = b->row_ptr[(size_t)b->B * x->F];
     if (!fact_reserve(x, nnz)) return false;
     fact_index(x, b);
-    if (!x->force && (double)x->n_units > 0.5 * (double)b->B * x->F) return false;
+    if (!x->force && (double)x->n_units > FACT_MAX_UNITS * (double)b->B * x->F) return false;
     /* G's blocks of 16 columns are whole even where H is not a multiple of 16. */
     const size_t hg = (x->H + 15) / 16 * 16;
     size_t need = (size_t)x->n_units * (hg + (size_t)x->ngb * x->d) + 16;
     if (need > x->cap_pg) {
         free(x->pg);
         size_t cap = need + need / 4;
-        x->pg = aligned_alloc(64, (cap * sizeof(float) + 63) / 64 * 64);
+        x->pg = huge_alloc(cap * sizeof(float));
         x->cap_pg = x->pg ? cap : 0;
         if (x->pg == NULL) return false;
     }
@@ -1344,39 +1370,50 @@ static void fact_dw_scalar(const fact *x, const float *E, float *W, uint32_t f, 
 #ifdef FACT_AVX512
 #define FACT_INLINE __attribute__((always_inline)) inline
 
-/* Units i..i+nu of P's block, their chains interleaved: one unit's 16 dependent FMAs a column
- * vector left the FMA units idle (measured 2.5x the FMA bound). */
-FACT_TARGET static FACT_INLINE void fact_p_units(const fact *x, const float *E, const float *w,
+/* Entries ahead whose rows of dY the backward's gather asks the cache for: rows at random,
+ * waited for otherwise (~8% of fact_gblk_avx512's time; the same for P's rows in the forward
+ * measured slower). */
+#define FACT_AHEAD 4
+
+/* Units i..i+nu of field f's, 16 columns of P's block: W_f^T's 16 x 16 in registers (w), the
+ * units' chains interleaved. From memory, W's operands made it bound by loads, and one unit's
+ * 16 dependent FMAs at a time left the FMA units idle (2.5x the FMA bound). */
+FACT_TARGET static FACT_INLINE void fact_p_units(const fact *x, const float *E, const __m512 w[16],
                                                  float *Pb, uint32_t i, const int nu)
 {
-    const float *e[4], *wf[4];
-    __m512 a[4][FACT_NV];
+    const float *e[8];
+    __m512 a[8];
+#pragma GCC unroll 16
     for (int t = 0; t < nu; t++) {
         e[t] = E + (size_t)x->unit_key[i + t] * 16;
-        wf[t] = w + (size_t)x->unit_field[i + t] * 16 * FACT_COLS;
-        for (int v = 0; v < FACT_NV; v++)
-            a[t][v] = _mm512_setzero_ps();
+        a[t] = _mm512_setzero_ps();
     }
+#pragma GCC unroll 16
     for (int q = 0; q < 16; q++)
-        for (int t = 0; t < nu; t++) {
-            __m512 eq = _mm512_set1_ps(e[t][q]);
-            for (int v = 0; v < FACT_NV; v++)
-                a[t][v] =
-                    _mm512_fmadd_ps(eq, _mm512_loadu_ps(wf[t] + q * FACT_COLS + 16 * v), a[t][v]);
-        }
+#pragma GCC unroll 16
+        for (int t = 0; t < nu; t++)
+            a[t] = _mm512_fmadd_ps(_mm512_set1_ps(e[t][q]), w[q], a[t]);
+#pragma GCC unroll 16
     for (int t = 0; t < nu; t++)
-        for (int v = 0; v < FACT_NV; v++)
-            _mm512_storeu_ps(Pb + (size_t)(i + t) * FACT_COLS + 16 * v, a[t][v]);
+        _mm512_storeu_ps(Pb + (size_t)(i + t) * FACT_COLS, a[t]);
 }
 
-/* fact_p_scalar for d 16 and wb FACT_COLS. */
+/* fact_p_scalar for d 16 and wb FACT_COLS: field by field, 16 columns at a time. */
 FACT_TARGET static void fact_p_avx512(const fact *x, const float *E, const float *w, float *Pb)
 {
-    uint32_t i = 0;
-    for (; i + 4 <= x->n_units; i += 4)
-        fact_p_units(x, E, w, Pb, i, 4);
-    for (; i < x->n_units; i++)
-        fact_p_units(x, E, w, Pb, i, 1);
+    for (uint32_t f = 0; f < x->F; f++)
+#pragma GCC unroll 16
+        for (int v = 0; v < FACT_NV; v++) {
+            __m512 wr[16];
+#pragma GCC unroll 16
+            for (int q = 0; q < 16; q++)
+                wr[q] = _mm512_loadu_ps(w + ((size_t)f * 16 + q) * FACT_COLS + 16 * v);
+            uint32_t i = x->field_ptr[f];
+            for (; i + 8 <= x->field_ptr[f + 1]; i += 8)
+                fact_p_units(x, E, wr, Pb + 16 * v, i, 8);
+            for (; i < x->field_ptr[f + 1]; i++)
+                fact_p_units(x, E, wr, Pb + 16 * v, i, 1);
+        }
 }
 
 /* fact_y_scalar for d 16 and wb FACT_COLS. */
@@ -1388,10 +1425,12 @@ FACT_TARGET static void fact_y_avx512(const fact *x, const model_batch *b, const
     const __m512 zero = _mm512_setzero_ps();
     for (uint32_t s = 0; s < b->B; s++) {
         __m512 a[FACT_NV];
+#pragma GCC unroll 16
         for (int v = 0; v < FACT_NV; v++)
             a[v] = _mm512_loadu_ps(bias + col0 + 16 * v);
         for (uint32_t j = 0; j < D; j++) {
             __m512 xj = _mm512_set1_ps(b->dense[(size_t)s * D + j]);
+#pragma GCC unroll 16
             for (int v = 0; v < FACT_NV; v++)
                 a[v] =
                     _mm512_fmadd_ps(xj, _mm512_loadu_ps(wd + (size_t)j * FACT_COLS + 16 * v), a[v]);
@@ -1399,10 +1438,12 @@ FACT_TARGET static void fact_y_avx512(const fact *x, const model_batch *b, const
         for (uint32_t k = b->row_ptr[(size_t)s * F]; k < b->row_ptr[(size_t)(s + 1) * F]; k++) {
             __m512 vk = _mm512_set1_ps(b->val[k]);
             const float *p = Pb + (size_t)x->ent_unit[k] * FACT_COLS;
+#pragma GCC unroll 16
             for (int v = 0; v < FACT_NV; v++)
                 a[v] = _mm512_fmadd_ps(vk, _mm512_loadu_ps(p + 16 * v), a[v]);
         }
         float *y = Y + (size_t)s * x->H + col0;
+#pragma GCC unroll 16
         for (int v = 0; v < FACT_NV; v++) {
             __mmask16 neg = _mm512_cmp_ps_mask(a[v], zero, _CMP_LT_OQ);
             _mm512_storeu_ps(y + 16 * v, _mm512_mask_mov_ps(a[v], neg, zero));
@@ -1416,6 +1457,7 @@ FACT_TARGET static void fact_y_avx512(const fact *x, const model_batch *b, const
 FACT_TARGET static FACT_INLINE __m512 fact_sum16(const __m512 acc[16])
 {
     __m512 s1[8], s2[4], s3[2];
+#pragma GCC unroll 16
     for (int q = 0; q < 8; q++) /* j + j+8: q in elements 0..7, q+8 in 8..15 */
         s1[q] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[q], acc[q + 8], 0x44),
                               _mm512_shuffle_f32x4(acc[q], acc[q + 8], 0xEE));
@@ -1440,28 +1482,44 @@ FACT_TARGET static FACT_INLINE __m512 fact_sum16(const __m512 acc[16])
 FACT_TARGET static FACT_INLINE void fact_gblk_units(const fact *x, const float *dY, uint32_t u0,
                                                     uint32_t u1, uint32_t b, const int nv)
 {
-    const uint32_t H = x->H, c0 = b * x->gb;
+    const uint32_t H = x->H, c0 = b * x->gb, eend = x->unit_ptr[u1];
     for (uint32_t un = u0; un < u1; un++) {
-        __m512 a[8];
-        for (int v = 0; v < nv; v++)
-            a[v] = _mm512_setzero_ps();
-        for (uint32_t e = x->unit_ptr[un]; e < x->unit_ptr[un + 1]; e++) {
-            __m512 ve = _mm512_set1_ps(x->ue_v[e]);
-            const float *g = dY + (size_t)x->ue_s[e] * H + c0;
-            for (int v = 0; v < nv; v++)
-                a[v] = _mm512_fmadd_ps(ve, _mm512_loadu_ps(g + 16 * v), a[v]);
-        }
         const uint32_t f = x->unit_field[un];
         __m512 acc[16];
+#pragma GCC unroll 16
         for (int q = 0; q < 16; q++)
             acc[q] = _mm512_setzero_ps();
-        for (int v = 0; v < nv; v++) {
-            uint32_t h = c0 + 16 * (uint32_t)v;
-            _mm512_storeu_ps(x->pg + fact_g(x, un, h), a[v]);
-            const float *w =
-                x->wt + ((size_t)(h / FACT_COLS) * x->in + f * 16) * FACT_COLS + h % FACT_COLS;
-            for (int q = 0; q < 16; q++)
-                acc[q] = _mm512_fmadd_ps(a[v], _mm512_loadu_ps(w + q * FACT_COLS), acc[q]);
+            /* 128 columns at a time: their G and the 16 sums fill the registers. */
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c += 8) {
+            const int cv = nv - c < 8 ? nv - c : 8;
+            __m512 a[8];
+#pragma GCC unroll 8
+            for (int v = 0; v < cv; v++)
+                a[v] = _mm512_setzero_ps();
+            for (uint32_t e = x->unit_ptr[un]; e < x->unit_ptr[un + 1]; e++) {
+                if (e + FACT_AHEAD < eend) { /* the units' entries follow each other */
+                    const float *n = dY + (size_t)x->ue_s[e + FACT_AHEAD] * H + c0 + 16 * c;
+#pragma GCC unroll 8
+                    for (int v = 0; v < cv; v++)
+                        _mm_prefetch((const char *)(n + 16 * v), _MM_HINT_T0);
+                }
+                __m512 ve = _mm512_set1_ps(x->ue_v[e]);
+                const float *g = dY + (size_t)x->ue_s[e] * H + c0 + 16 * c;
+#pragma GCC unroll 8
+                for (int v = 0; v < cv; v++)
+                    a[v] = _mm512_fmadd_ps(ve, _mm512_loadu_ps(g + 16 * v), a[v]);
+            }
+#pragma GCC unroll 8
+            for (int v = 0; v < cv; v++) {
+                uint32_t h = c0 + 16 * (uint32_t)(c + v);
+                _mm512_storeu_ps(x->pg + fact_g(x, un, h), a[v]);
+                const float *w =
+                    x->wt + ((size_t)(h / FACT_COLS) * x->in + f * 16) * FACT_COLS + h % FACT_COLS;
+#pragma GCC unroll 16
+                for (int q = 0; q < 16; q++)
+                    acc[q] = _mm512_fmadd_ps(a[v], _mm512_loadu_ps(w + q * FACT_COLS), acc[q]);
+            }
         }
         _mm512_storeu_ps(x->dep + ((size_t)b * x->n_units + un) * 16, fact_sum16(acc));
     }
@@ -1470,10 +1528,20 @@ FACT_TARGET static FACT_INLINE void fact_gblk_units(const fact *x, const float *
 FACT_TARGET static void fact_gblk_avx512(const fact *x, const float *dY, uint32_t u0, uint32_t u1,
                                          uint32_t b)
 {
-    if (x->gb == 128)
+    switch (x->gb) { /* constant widths: the accumulators stay in registers */
+    case 256:
+        fact_gblk_units(x, dY, u0, u1, b, 16);
+        break;
+    case 128:
         fact_gblk_units(x, dY, u0, u1, b, 8);
-    else
+        break;
+    case 64:
+        fact_gblk_units(x, dY, u0, u1, b, 4);
+        break;
+    default:
         fact_gblk_units(x, dY, u0, u1, b, FACT_NV);
+        break;
+    }
 }
 
 /* fact_dw_scalar for d 16 and H a multiple of 16. */
@@ -1481,14 +1549,17 @@ FACT_TARGET static void fact_dw_avx512(const fact *x, const float *E, float *W, 
                                        uint32_t h0)
 {
     __m512 a[16];
+#pragma GCC unroll 16
     for (int r = 0; r < 16; r++)
         a[r] = _mm512_setzero_ps();
     for (uint32_t i = x->field_ptr[f]; i < x->field_ptr[f + 1]; i++) {
         __m512 e = _mm512_loadu_ps(E + (size_t)x->unit_key[i] * 16);
         const float *g = x->pg + fact_g(x, i, h0);
+#pragma GCC unroll 16
         for (int r = 0; r < 16; r++)
             a[r] = _mm512_fmadd_ps(_mm512_set1_ps(g[r]), e, a[r]);
     }
+#pragma GCC unroll 16
     for (int r = 0; r < 16; r++)
         _mm512_storeu_ps(W + (size_t)(h0 + r) * x->in + (size_t)f * 16, a[r]);
 }

@@ -656,10 +656,10 @@ static void check_fact(model_kind kind)
             char c2[256];
             snprintf(c2, sizeof c2, "%s, portable kernels vs AVX-512", ctx);
             outs_same(&t, &o, &sc, c2);
-            /* The backend's own choice, where it is clear: the factorized form for 1000 or
-             * more samples with keys from 500 (a unit per 2 to 4 slots), the GEMM for keys
-             * from U/3 (more units than slots). */
-            if ((var == 2 || sizes[si] >= 1000) && step(st[3], &t, &sc) == 0) {
+            /* The backend's own choice, where it is clear: the factorized form for 2048
+             * samples with keys from 500 (a unit per ~4 slots), the GEMM for keys from U/3
+             * (more units than slots). */
+            if ((var == 2 || sizes[si] == 2048) && step(st[3], &t, &sc) == 0) {
                 bool fact = var < 2;
                 snprintf(c2, sizeof c2, "%s, the backend's choice vs %s", ctx,
                          fact ? "factorized" : "plain");
