@@ -503,6 +503,7 @@ typedef struct fact {
     uint32_t *stamp, *uid, *key_ptr, gen; /* per key (max_u, key_ptr max_u + 1) */
     uint32_t *field_ptr; /* F + 1: field f's units are [field_ptr[f], field_ptr[f + 1]) */
     float *wt; /* W1^T in column blocks: W1[h][i] at wt[((h / wb) * in + i) * wb + h % wb] */
+    float *wf; /* the fields' blocks of W1, row by row: W1[h][f d + q] at wf[(f H + h) d + q] */
     /* Per batch (cap_nnz entries; units <= entries): */
     uint32_t *ent_unit;                         /* each CSR entry's unit */
     uint32_t *unit_key, *unit_field, *unit_ptr; /* a unit's key, field, entries */
@@ -1077,9 +1078,9 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
  *   Y1[s][h]: from b1[h], fma over j < D of x[s][j] W1[h][F d + j], then over the sample's
  *     entries in CSR order of val[k] P[unit k][h]; then max(., 0) (NaN passes);
  *   G[unit][h] = fma chain over the unit's entries (sample order) from 0;
- *   dE of a unit [q]: 16 lanes, lane j an fma chain over h = j, j + 16, ... of G[h] W1[h][f d
- *     + q], then summed as a tree (lane j + lane j+8, then +4, +2, +1: _mm512_reduce_add_ps);
- *     the key's row: the FM term's part (deepfm) or 0, plus its units' in field order;
+ *   dE of a unit [q]: for each backward column block (gb columns) an fma chain over its h
+ *     from 0 of G[h] W1[h][f d + q], the blocks' sums added in block order; the key's row: the
+ *     FM term's part (deepfm) or 0, plus its units' in field order;
  *   dW_f[h][q] = fma chain over f's units in unit order from 0 of G[unit][h] E[u][q].
  */
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -1102,6 +1103,7 @@ static void fact_free(fact *x)
     free(x->key_ptr);
     free(x->field_ptr);
     free(x->wt);
+    free(x->wf);
     free(x->ent_unit);
     free(x->unit_key);
     free(x->unit_field);
@@ -1148,7 +1150,8 @@ static int fact_init(cpu *c, uint32_t flags)
     x->key_ptr = malloc((U + 2) * sizeof *x->key_ptr);
     x->field_ptr = malloc((x->F + 1) * sizeof *x->field_ptr);
     x->wt = malloc((size_t)x->in * x->H * sizeof *x->wt);
-    if (!x->stamp || !x->uid || !x->key_ptr || !x->field_ptr || !x->wt) return CM_ENOMEM;
+    x->wf = aligned_alloc(64, ((size_t)x->F * x->H * x->d * sizeof *x->wf + 63) / 64 * 64);
+    if (!x->stamp || !x->uid || !x->key_ptr || !x->field_ptr || !x->wt || !x->wf) return CM_ENOMEM;
     return CM_OK;
 }
 
@@ -1265,15 +1268,22 @@ static bool fact_plan(cpu *c, const model_batch *b)
     return true;
 }
 
-/* W1^T's column block blk (wb columns of W1's rows) into wt. */
+/* W1^T's column block blk (wb columns of W1's rows) into wt, and those rows' field blocks
+ * into wf, for the backward. */
 static void fact_wt_block(const fact *x, const float *W, uint32_t blk)
 {
     float *w = x->wt + (size_t)blk * x->in * x->wb;
+    const size_t fd = (size_t)x->F * x->d;
     for (uint32_t o = 0; o < x->wb; o++) {
-        const float *row = W + (size_t)(blk * x->wb + o) * x->in;
+        const uint32_t h = blk * x->wb + o;
+        const float *row = W + (size_t)h * x->in;
         for (uint32_t i = 0; i < x->in; i++)
             w[(size_t)i * x->wb + o] = row[i];
+        for (uint32_t f = 0; f < x->F; f++)
+            memcpy(x->wf + ((size_t)f * x->H + h) * x->d, row + (size_t)f * x->d,
+                   x->d * sizeof(float));
     }
+    (void)fd;
 }
 
 /* A column block of P: P_b[unit][o] for the block's wb columns, w its block of W1^T. */
@@ -1309,24 +1319,6 @@ static void fact_y_scalar(const fact *x, const model_batch *b, const float *bias
         }
 }
 
-/* W1[h][i] from the blocked transpose. */
-static inline float fact_w(const fact *x, uint32_t h, uint32_t i)
-{
-    return x->wt[((size_t)(h / x->wb) * x->in + i) * x->wb + h % x->wb];
-}
-
-/* The tree _mm512_reduce_add_ps sums 16 lanes in. */
-static float fact_tree16(const float p[16])
-{
-    float a[8], b[4];
-    for (int j = 0; j < 8; j++)
-        a[j] = p[j] + p[j + 8];
-    for (int j = 0; j < 4; j++)
-        b[j] = a[j] + a[j + 4];
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-/* Unit un's G row (into pg), and its part of its key's row gradient added into row[0..d). */
 /* G[unit][h] in pg's blocked layout. */
 static inline size_t fact_g(const fact *x, uint32_t un, uint32_t h)
 {
@@ -1334,8 +1326,8 @@ static inline size_t fact_g(const fact *x, uint32_t un, uint32_t h)
 }
 
 /* Backward column block b of unit un: its G columns, and the block's part of its row
- * gradient: dep[(b * n_units + un) * d + q] = the tree of 16 lanes, lane j an fma chain over
- * the block's columns h with (h - b gb) % 16 == j of G[h] W1[h][f d + q]. */
+ * gradient: dep[(b * n_units + un) * d + q] = an fma chain over the block's columns h of
+ * G[h] W1[h][f d + q]. */
 static void fact_gblk_scalar(const fact *x, const float *dY, uint32_t un, uint32_t b)
 {
     const uint32_t H = x->H, f = x->unit_field[un], c0 = b * x->gb, c1 = c0 + x->gb;
@@ -1346,11 +1338,10 @@ static void fact_gblk_scalar(const fact *x, const float *dY, uint32_t un, uint32
         x->pg[fact_g(x, un, h)] = acc;
     }
     for (uint32_t q = 0; q < x->d; q++) {
-        float p[16] = {0};
+        float acc = 0;
         for (uint32_t h = c0; h < c1; h++)
-            p[(h - c0) % 16] =
-                fmaf(x->pg[fact_g(x, un, h)], fact_w(x, h, f * x->d + q), p[(h - c0) % 16]);
-        x->dep[((size_t)b * x->n_units + un) * x->d + q] = fact_tree16(p);
+            acc = fmaf(x->pg[fact_g(x, un, h)], x->wf[((size_t)f * H + h) * x->d + q], acc);
+        x->dep[((size_t)b * x->n_units + un) * x->d + q] = acc;
     }
 }
 
@@ -1451,77 +1442,86 @@ FACT_TARGET static void fact_y_avx512(const fact *x, const model_batch *b, const
     }
 }
 
-/* The 16 lane sums of acc[0..16) as one vector (q in lane q), each summed in the order of
- * fact_tree16 (lane j + lane j+8, +4, +2, +1), by a transposing tree: 30 shuffles for the
- * 16 sums instead of 96 (_mm512_reduce_add_ps each), which took port 5 from the FMAs. */
-FACT_TARGET static FACT_INLINE __m512 fact_sum16(const __m512 acc[16])
+/* Unit un's G columns c0..c0+16 nv into pg and into gl (16 nv floats), 128 columns at a time
+ * (their accumulators fill the registers). A block of dY's columns stays in L2 while the units
+ * gather from it; its rows, which the units' entries take from anywhere, are asked for
+ * FACT_AHEAD entries ahead (entries of consecutive units follow each other, to eend). */
+FACT_TARGET static FACT_INLINE void fact_g_unit(const fact *x, const float *dY, uint32_t un,
+                                                uint32_t c0, uint32_t eend, float *gl, const int nv)
 {
-    __m512 s1[8], s2[4], s3[2];
-#pragma GCC unroll 16
-    for (int q = 0; q < 8; q++) /* j + j+8: q in elements 0..7, q+8 in 8..15 */
-        s1[q] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[q], acc[q + 8], 0x44),
-                              _mm512_shuffle_f32x4(acc[q], acc[q + 8], 0xEE));
-    for (int q = 0; q < 4; q++) /* + j+4: 128-bit lanes q, q+8, q+4, q+12 */
-        s2[q] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[q], s1[q + 4], 0x88),
-                              _mm512_shuffle_f32x4(s1[q], s1[q + 4], 0xDD));
-    for (int q = 0; q < 2; q++) /* + j+2: pairs (q, q+2) in each 128-bit lane */
-        s3[q] = _mm512_add_ps(_mm512_shuffle_ps(s2[q], s2[q + 2], 0x44),
-                              _mm512_shuffle_ps(s2[q], s2[q + 2], 0xEE));
-    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), /* + j+1 */
-                             _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
-    /* r holds q = 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15: a permutation that is its own
-     * inverse. */
-    const __m512i back = _mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0);
-    return _mm512_permutexvar_ps(back, r);
-}
-
-/* fact_gblk_scalar for d 16 and gb 16 nv, units u0..u1. A block of dY's columns (1 MiB for
- * 128 columns of 2048 samples) stays in L2 while the units gather from it: whole rows of dY a
- * unit, which the units' entries take from anywhere, came from L3 (53 MB a step) and the FMAs
- * waited for them most of the time. */
-FACT_TARGET static FACT_INLINE void fact_gblk_units(const fact *x, const float *dY, uint32_t u0,
-                                                    uint32_t u1, uint32_t b, const int nv)
-{
-    const uint32_t H = x->H, c0 = b * x->gb, eend = x->unit_ptr[u1];
-    for (uint32_t un = u0; un < u1; un++) {
-        const uint32_t f = x->unit_field[un];
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int q = 0; q < 16; q++)
-            acc[q] = _mm512_setzero_ps();
-            /* 128 columns at a time: their G and the 16 sums fill the registers. */
+    const uint32_t H = x->H;
 #pragma GCC unroll 4
-        for (int c = 0; c < nv; c += 8) {
-            const int cv = nv - c < 8 ? nv - c : 8;
-            __m512 a[8];
+    for (int c = 0; c < nv; c += 8) {
+        const int cv = nv - c < 8 ? nv - c : 8;
+        __m512 a[8];
 #pragma GCC unroll 8
-            for (int v = 0; v < cv; v++)
-                a[v] = _mm512_setzero_ps();
-            for (uint32_t e = x->unit_ptr[un]; e < x->unit_ptr[un + 1]; e++) {
-                if (e + FACT_AHEAD < eend) { /* the units' entries follow each other */
-                    const float *n = dY + (size_t)x->ue_s[e + FACT_AHEAD] * H + c0 + 16 * c;
-#pragma GCC unroll 8
-                    for (int v = 0; v < cv; v++)
-                        _mm_prefetch((const char *)(n + 16 * v), _MM_HINT_T0);
-                }
-                __m512 ve = _mm512_set1_ps(x->ue_v[e]);
-                const float *g = dY + (size_t)x->ue_s[e] * H + c0 + 16 * c;
+        for (int v = 0; v < cv; v++)
+            a[v] = _mm512_setzero_ps();
+        for (uint32_t e = x->unit_ptr[un]; e < x->unit_ptr[un + 1]; e++) {
+            if (e + FACT_AHEAD < eend) {
+                const float *n = dY + (size_t)x->ue_s[e + FACT_AHEAD] * H + c0 + 16 * c;
 #pragma GCC unroll 8
                 for (int v = 0; v < cv; v++)
-                    a[v] = _mm512_fmadd_ps(ve, _mm512_loadu_ps(g + 16 * v), a[v]);
+                    _mm_prefetch((const char *)(n + 16 * v), _MM_HINT_T0);
             }
+            __m512 ve = _mm512_set1_ps(x->ue_v[e]);
+            const float *g = dY + (size_t)x->ue_s[e] * H + c0 + 16 * c;
 #pragma GCC unroll 8
-            for (int v = 0; v < cv; v++) {
-                uint32_t h = c0 + 16 * (uint32_t)(c + v);
-                _mm512_storeu_ps(x->pg + fact_g(x, un, h), a[v]);
-                const float *w =
-                    x->wt + ((size_t)(h / FACT_COLS) * x->in + f * 16) * FACT_COLS + h % FACT_COLS;
-#pragma GCC unroll 16
-                for (int q = 0; q < 16; q++)
-                    acc[q] = _mm512_fmadd_ps(a[v], _mm512_loadu_ps(w + q * FACT_COLS), acc[q]);
-            }
+            for (int v = 0; v < cv; v++)
+                a[v] = _mm512_fmadd_ps(ve, _mm512_loadu_ps(g + 16 * v), a[v]);
         }
-        _mm512_storeu_ps(x->dep + ((size_t)b * x->n_units + un) * 16, fact_sum16(acc));
+#pragma GCC unroll 8
+        for (int v = 0; v < cv; v++) {
+            _mm512_storeu_ps(x->pg + fact_g(x, un, c0 + 16 * (uint32_t)(c + v)), a[v]);
+            _mm512_store_ps(gl + 16 * (c + v), a[v]);
+        }
+    }
+}
+
+/* Units i..i+nu of field f: their G columns of block b, and the block's parts of their row
+ * gradients as a small GEMM, G (nu x gb, in L1) times W_f's rows (gb x 16): a row of W_f, one
+ * vector, serves the nu units' chains. */
+FACT_TARGET static FACT_INLINE void fact_gblk_units(const fact *x, const float *dY, uint32_t i,
+                                                    uint32_t f, uint32_t b, uint32_t eend,
+                                                    const int nu, const int nv)
+{
+    const uint32_t c0 = b * x->gb;
+    _Alignas(64) float gl[8][256];
+#pragma GCC unroll 8
+    for (int t = 0; t < nu; t++)
+        fact_g_unit(x, dY, i + (uint32_t)t, c0, eend, gl[t], nv);
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int t = 0; t < nu; t++)
+        acc[t] = _mm512_setzero_ps();
+    const float *w = x->wf + ((size_t)f * x->H + c0) * 16;
+    for (int h = 0; h < 16 * nv; h++) {
+        __m512 wh = _mm512_load_ps(w + (size_t)h * 16);
+#pragma GCC unroll 8
+        for (int t = 0; t < nu; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(gl[t][h]), wh, acc[t]);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < nu; t++)
+        _mm512_storeu_ps(x->dep + ((size_t)b * x->n_units + i + t) * 16, acc[t]);
+}
+
+/* fact_gblk_scalar for d 16, gb 16 nv (at most 256) and units u0..u1: eight units of a field
+ * at a time. */
+FACT_TARGET static FACT_INLINE void fact_gblk_run(const fact *x, const float *dY, uint32_t u0,
+                                                  uint32_t u1, uint32_t b, const int nv)
+{
+    const uint32_t eend = x->unit_ptr[u1];
+    for (uint32_t i = u0; i < u1;) {
+        const uint32_t f = x->unit_field[i];
+        const uint32_t end = x->field_ptr[f + 1] < u1 ? x->field_ptr[f + 1] : u1;
+        if (i + 8 <= end) {
+            fact_gblk_units(x, dY, i, f, b, eend, 8, nv);
+            i += 8;
+        } else {
+            fact_gblk_units(x, dY, i, f, b, eend, 1, nv);
+            i++;
+        }
     }
 }
 
@@ -1530,16 +1530,16 @@ FACT_TARGET static void fact_gblk_avx512(const fact *x, const float *dY, uint32_
 {
     switch (x->gb) { /* constant widths: the accumulators stay in registers */
     case 256:
-        fact_gblk_units(x, dY, u0, u1, b, 16);
+        fact_gblk_run(x, dY, u0, u1, b, 16);
         break;
     case 128:
-        fact_gblk_units(x, dY, u0, u1, b, 8);
+        fact_gblk_run(x, dY, u0, u1, b, 8);
         break;
     case 64:
-        fact_gblk_units(x, dY, u0, u1, b, 4);
+        fact_gblk_run(x, dY, u0, u1, b, 4);
         break;
     default:
-        fact_gblk_units(x, dY, u0, u1, b, FACT_NV);
+        fact_gblk_run(x, dY, u0, u1, b, FACT_NV);
         break;
     }
 }
@@ -1601,7 +1601,7 @@ static void fact_fwd_part(void *arg, int part, int nparts)
 }
 
 /* Backward tasks: each backward column block's units in FACT_G_SPLIT ranges. */
-#define FACT_G_SPLIT 4
+#define FACT_G_SPLIT 8
 
 /* The backward, first by column blocks: G and the blocks' row gradient parts. */
 static void fact_bwd_g_part(void *arg, int part, int nparts)
