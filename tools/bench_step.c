@@ -183,7 +183,8 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--keys") && v) U = (uint32_t)atoi(argv[++i]);
         else if (!strcmp(a, "--steps") && v) steps = atoi(argv[++i]);
         else if (!strcmp(a, "--bf16")) be_flags |= BACKEND_BF16;
-        else if (!strcmp(a, "--shared-keys")) shared_keys = 1;
+        else if (!strcmp(a, "--shared-keys"))
+            shared_keys = 1;
         else if (!strcmp(a, "--model") && v)
             only = argv[++i];
         else if (!strcmp(a, "--plain"))
@@ -215,10 +216,10 @@ int main(int argc, char **argv)
     printf("%-8s %7s %10s %10s %10s %10s %12s\n", "model", "threads", "step ms", "to hook",
            "after hook", "GFLOP/s", "samples/s");
     char json[4096];
-    int jn = snprintf(json, sizeof json,
-                      "{\"bench\":\"step\",\"bf16\":%s,\"batch\":%u,\"keys\":%u,\"shared_keys\":%s",
-                      be_flags & BACKEND_BF16 ? "true" : "false", B, U,
-                      shared_keys ? "true" : "false");
+    int jn =
+        snprintf(json, sizeof json,
+                 "{\"bench\":\"step\",\"bf16\":%s,\"batch\":%u,\"keys\":%u,\"shared_keys\":%s",
+                 be_flags & BACKEND_BF16 ? "true" : "false", B, U, shared_keys ? "true" : "false");
     for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++)
         for (uint32_t ti = 0; ti < nt; ti++) {
             if (only != NULL && strcmp(only, model_kind_name(kinds[k])) != 0) continue;
