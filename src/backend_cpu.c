@@ -1,7 +1,10 @@
 /*
  * The CPU backend: OpenBLAS sgemm for the dense layers, plain loops for the CSR pooling and
  * its transpose, the interactions and the loss. This is the reference the CUDA backend is
- * tested against, so it favours the obvious formulation over cleverness.
+ * tested against, so it favours the obvious formulation over cleverness, with one exception
+ * for speed: the mlp's and deepfm's first layer, which on batches whose keys repeat is
+ * computed per distinct (field, key) pair ("The factorized first layer" below; BACKEND_PLAIN
+ * keeps the obvious GEMM over pooled inputs, and the tests hold the two together).
  */
 #include <cblas.h>
 #include <pthread.h>
@@ -1068,8 +1071,10 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
  * K 16 or N 16 at a third of its speed, and a materialized P of 13 MB gathered from L3 cost
  * more than the GEMMs it saved): the forward runs by column blocks of FACT_COLS, a block's P
  * for all units computed and then gathered by every sample while it sits in L2; the backward
- * runs by key, forming each unit's G row and turning it into the key's row gradient while it
- * is in L1; dW_f reads G in the dense-gradient phase.
+ * runs by units, eight of a field at a time, gathering their G rows from dY (in L2) and
+ * multiplying them by W_f while they are in L1, then sums each key's units' parts; dW_f reads G
+ * in the dense-gradient phase (where the caller's row push overlaps it). A batch is indexed
+ * first (fact_index: its units, their entries, each key's units), serially.
  *
  * Each output element has one fixed summation order (below), so the results are the same bits
  * for any thread count; the AVX-512 kernels and the portable ones compute the same bits
@@ -1277,7 +1282,6 @@ static bool fact_plan(cpu *c, const model_batch *b)
 static void fact_wt_block(const fact *x, const float *W, uint32_t blk)
 {
     float *w = x->wt + (size_t)blk * x->in * x->wb;
-    const size_t fd = (size_t)x->F * x->d;
     for (uint32_t o = 0; o < x->wb; o++) {
         const uint32_t h = blk * x->wb + o;
         const float *row = W + (size_t)h * x->in;
@@ -1287,7 +1291,6 @@ static void fact_wt_block(const fact *x, const float *W, uint32_t blk)
             memcpy(x->wf + ((size_t)f * x->H + h) * x->d, row + (size_t)f * x->d,
                    x->d * sizeof(float));
     }
-    (void)fd;
 }
 
 /* A column block of P: P_b[unit][o] for the block's wb columns, w its block of W1^T. */
@@ -2025,7 +2028,8 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     }
     /* Every model with embeddings has a top MLP (model_layout_make); for mlp and deepfm its
      * input gradient din holds the pooled embeddings' gradient dxe in place (factorized, the
-     * first layer has no input gradient: its row gradients come from fact_bwd_part). */
+     * first layer has no input gradient: its row gradients come from fact_bwd_g_part and
+     * fact_bwd_e_part). */
     if (l->n_top > 0) {
         stack_bwd_dx(&c->pool, l->top, l->n_top, c->act, c->gact, P, g, fact ? NULL : c->din, B);
         if (m->kind == MODEL_DLRM) inter_run(c, INTER_DLRM_BWD, B, z0, NULL);
