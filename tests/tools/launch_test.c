@@ -118,6 +118,7 @@ static int check_nice(const char *run_dir, int ps_nice)
         if (p == NULL || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %d", &ni) != 1)
             continue;
         int want = strcmp(role, "worker") == 0 ? own : own + ps_nice;
+        if (want > 19) want = 19; /* the kernel's ceiling, when the test itself runs niced */
         CHECK_MSG(ni == want, "%s %d (pid %d) runs at niceness %d, expected %d", role, idx, pid, ni, want);
         n++;
     }
