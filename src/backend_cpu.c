@@ -157,14 +157,13 @@ static void pool_start(pool *p, part_fn fn, void *arg, bool shared, int nparts)
     pthread_mutex_unlock(&p->mu);
 }
 
-/* Runs fn over POOL_PARTS_PER_THREAD parts a thread (see the design note above). */
-static void pool_run(pool *p, part_fn fn, void *arg)
+/* Runs fn over nparts parts, taken as in pool_run. */
+static void pool_run_parts(pool *p, part_fn fn, void *arg, int nparts)
 {
-    if (p->n <= 1) {
+    if (p->n <= 1 || nparts <= 1) {
         fn(arg, 0, 1);
         return;
     }
-    int nparts = p->n * POOL_PARTS_PER_THREAD;
     pool_start(p, fn, arg, true, nparts);
     pool_take_parts(p, 0, fn, arg, nparts);
     /* Every part is taken, by this thread or by one that entered: once those have left, all
@@ -174,6 +173,12 @@ static void pool_run(pool *p, part_fn fn, void *arg)
     while (p->active > 0)
         pthread_cond_wait(&p->done, &p->mu);
     pthread_mutex_unlock(&p->mu);
+}
+
+/* Runs fn over POOL_PARTS_PER_THREAD parts a thread (see the design note above). */
+static void pool_run(pool *p, part_fn fn, void *arg)
+{
+    pool_run_parts(p, fn, arg, p->n * POOL_PARTS_PER_THREAD);
 }
 
 /* Runs fn(arg, i, n) once on each of the n threads (the caller is part 0). */
@@ -513,9 +518,9 @@ typedef struct fact {
     uint32_t *ue_s;      /* the units' entries [unit_ptr[i], unit_ptr[i + 1]): sample, in order */
     float *ue_v;         /* ... and value */
     uint32_t *key_units; /* key u's units [key_ptr[u], key_ptr[u + 1]), in field order */
-    /* cap_pg floats: P by column blocks of wb (forward), then G by column blocks of 16
-     * (backward: G[unit][h] at pg[(h / 16 * n_units + unit) * 16 + h % 16], so that dW_f's
-     * tasks, 16 rows of a field, read theirs in one run) */
+    /* cap_pg floats: P by column blocks of wb (forward), then, for the portable kernels, G
+     * by column blocks of 16 (backward: G[unit][h] at pg[(h / 16 * n_units + unit) * 16 +
+     * h % 16]) */
     float *pg;
     float *dep; /* in pg after G: each unit's row gradient part of each backward block */
     size_t cap_nnz, cap_pg;
@@ -1071,10 +1076,13 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
  * K 16 or N 16 at a third of its speed, and a materialized P of 13 MB gathered from L3 cost
  * more than the GEMMs it saved): the forward runs by column blocks of FACT_COLS, a block's P
  * for all units computed and then gathered by every sample while it sits in L2; the backward
- * runs by units, eight of a field at a time, gathering their G rows from dY (in L2) and
- * multiplying them by W_f while they are in L1, then sums each key's units' parts; dW_f reads G
- * in the dense-gradient phase (where the caller's row push overlaps it). A batch is indexed
- * first (fact_index: its units, their entries, each key's units), serially.
+ * runs by (column block, field) tasks, eight units of the field at a time, gathering their G
+ * rows from dY (in L2) and, while they are in L1, multiplying them by W_f (the row gradients'
+ * parts) and adding their terms to dW_f's rows of the block (in L1 too); then it sums each
+ * key's units' parts. G itself is never stored (the portable kernels keep it in pg). Summing
+ * dW_f there rather than in the dense-gradient phase moves ~1/8 of the layer's work before the
+ * emb_ready hook but saves G's 13 MB round trip through L3: whole ipc runs ~+18%. A batch is
+ * indexed first (fact_index: its units, their entries, each key's units), serially.
  *
  * Each output element has one fixed summation order (below), so the results are the same bits
  * for any thread count; the AVX-512 kernels and the portable ones compute the same bits
@@ -1098,8 +1106,6 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
  * while every sample gathers from them. */
 #define FACT_COLS 32
 #define FACT_NV (FACT_COLS / 16)
-/* Units of the dense-gradient phase the dW_f of all fields are dealt into. */
-#define FACT_DW_PARTS 16
 
 static void fact_free(fact *x)
 {
@@ -1332,10 +1338,12 @@ static inline size_t fact_g(const fact *x, uint32_t un, uint32_t h)
     return ((size_t)(h / 16) * x->n_units + un) * 16 + h % 16;
 }
 
-/* Backward column block b of unit un: its G columns, and the block's part of its row
- * gradient: dep[(b * n_units + un) * d + q] = an fma chain over the block's columns h of
- * G[h] W1[h][f d + q]. */
-static void fact_gblk_scalar(const fact *x, const float *dY, uint32_t un, uint32_t b)
+/* Backward column block b of unit un: its G columns, the block's part of its row gradient:
+ * dep[(b * n_units + un) * d + q] = an fma chain over the block's columns h of
+ * G[h] W1[h][f d + q], and its term of dW_f's rows of the block: W (dP's first layer weights)
+ * [h][f d + q] = fma(G[h], E[u][q], W[h][f d + q]). */
+static void fact_gblk_scalar(const fact *x, const float *dY, const float *E, float *W, uint32_t un,
+                             uint32_t b)
 {
     const uint32_t H = x->H, f = x->unit_field[un], c0 = b * x->gb, c1 = c0 + x->gb;
     for (uint32_t h = c0; h < c1; h++) {
@@ -1350,18 +1358,11 @@ static void fact_gblk_scalar(const fact *x, const float *dY, uint32_t un, uint32
             acc = fmaf(x->pg[fact_g(x, un, h)], x->wf[((size_t)f * H + h) * x->d + q], acc);
         x->dep[((size_t)b * x->n_units + un) * x->d + q] = acc;
     }
-}
-
-/* dW_f's rows h0..h0+16 (fewer at the end) into W (dP's first layer weights). */
-static void fact_dw_scalar(const fact *x, const float *E, float *W, uint32_t f, uint32_t h0)
-{
-    const uint32_t d = x->d, h1 = h0 + 16 < x->H ? h0 + 16 : x->H;
-    for (uint32_t h = h0; h < h1; h++)
-        for (uint32_t q = 0; q < d; q++) {
-            float acc = 0;
-            for (uint32_t i = x->field_ptr[f]; i < x->field_ptr[f + 1]; i++)
-                acc = fmaf(x->pg[fact_g(x, i, h)], E[(size_t)x->unit_key[i] * d + q], acc);
-            W[(size_t)h * x->in + (size_t)f * d + q] = acc;
+    const float *e = E + (size_t)x->unit_key[un] * x->d;
+    for (uint32_t h = c0; h < c1; h++)
+        for (uint32_t q = 0; q < x->d; q++) {
+            float *w = W + (size_t)h * x->in + (size_t)f * x->d + q;
+            *w = fmaf(x->pg[fact_g(x, un, h)], e[q], *w);
         }
 }
 
@@ -1449,10 +1450,10 @@ FACT_TARGET static void fact_y_avx512(const fact *x, const model_batch *b, const
     }
 }
 
-/* Unit un's G columns c0..c0+16 nv into pg and into gl (16 nv floats), 128 columns at a time
- * (their accumulators fill the registers). A block of dY's columns stays in L2 while the units
- * gather from it; its rows, which the units' entries take from anywhere, are asked for
- * FACT_AHEAD entries ahead (entries of consecutive units follow each other, to eend). */
+/* Unit un's G columns c0..c0+16 nv into gl (16 nv floats), 128 columns at a time (their
+ * accumulators fill the registers). A block of dY's columns stays in L2 while the units gather
+ * from it; its rows, which the units' entries take from anywhere, are asked for FACT_AHEAD
+ * entries ahead (entries of consecutive units follow each other, to eend). */
 FACT_TARGET static FACT_INLINE void fact_g_unit(const fact *x, const float *dY, uint32_t un,
                                                 uint32_t c0, uint32_t eend, float *gl, const int nv)
 {
@@ -1478,97 +1479,85 @@ FACT_TARGET static FACT_INLINE void fact_g_unit(const fact *x, const float *dY, 
                 a[v] = _mm512_fmadd_ps(ve, _mm512_loadu_ps(g + 16 * v), a[v]);
         }
 #pragma GCC unroll 8
-        for (int v = 0; v < cv; v++) {
-            _mm512_storeu_ps(x->pg + fact_g(x, un, c0 + 16 * (uint32_t)(c + v)), a[v]);
+        for (int v = 0; v < cv; v++)
             _mm512_store_ps(gl + 16 * (c + v), a[v]);
-        }
     }
 }
 
-/* Units i..i+nu of field f: their G columns of block b, and the block's parts of their row
- * gradients as a small GEMM, G (nu x gb, in L1) times W_f's rows (gb x 16): a row of W_f, one
- * vector, serves the nu units' chains. */
-FACT_TARGET static FACT_INLINE void fact_gblk_units(const fact *x, const float *dY, uint32_t i,
-                                                    uint32_t f, uint32_t b, uint32_t eend,
-                                                    const int nu, const int nv)
+/* Units i..i+nu of field f: their G columns of block b (in L1 only, never stored), the block's
+ * parts of their row gradients as a small GEMM, G (nu x gb) times W_f's rows (gb x 16): a row
+ * of W_f, one vector, serves the nu units' chains; and their terms of dW_f's block rows, dw
+ * (gb x 16, in L1), each row's chain taking the units in order. */
+FACT_TARGET static FACT_INLINE void fact_gblk_units(const fact *x, const float *dY, const float *E,
+                                                    float *dw, uint32_t i, uint32_t f, uint32_t b,
+                                                    uint32_t eend, const int nu, const int nv)
 {
     const uint32_t c0 = b * x->gb;
     _Alignas(64) float gl[8][256];
 #pragma GCC unroll 8
     for (int t = 0; t < nu; t++)
         fact_g_unit(x, dY, i + (uint32_t)t, c0, eend, gl[t], nv);
-    __m512 acc[8];
+    __m512 acc[8], e[8];
 #pragma GCC unroll 8
-    for (int t = 0; t < nu; t++)
+    for (int t = 0; t < nu; t++) {
         acc[t] = _mm512_setzero_ps();
+        e[t] = _mm512_loadu_ps(E + (size_t)x->unit_key[i + t] * 16);
+    }
     const float *w = x->wf + ((size_t)f * x->H + c0) * 16;
     for (int h = 0; h < 16 * nv; h++) {
         __m512 wh = _mm512_load_ps(w + (size_t)h * 16);
+        __m512 dh = _mm512_load_ps(dw + (size_t)h * 16);
 #pragma GCC unroll 8
-        for (int t = 0; t < nu; t++)
-            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(gl[t][h]), wh, acc[t]);
+        for (int t = 0; t < nu; t++) {
+            __m512 g = _mm512_set1_ps(gl[t][h]);
+            acc[t] = _mm512_fmadd_ps(g, wh, acc[t]);
+            dh = _mm512_fmadd_ps(g, e[t], dh);
+        }
+        _mm512_store_ps(dw + (size_t)h * 16, dh);
     }
 #pragma GCC unroll 8
     for (int t = 0; t < nu; t++)
         _mm512_storeu_ps(x->dep + ((size_t)b * x->n_units + i + t) * 16, acc[t]);
 }
 
-/* fact_gblk_scalar for d 16, gb 16 nv (at most 256) and units u0..u1: eight units of a field
- * at a time. */
-FACT_TARGET static FACT_INLINE void fact_gblk_run(const fact *x, const float *dY, uint32_t u0,
-                                                  uint32_t u1, uint32_t b, const int nv)
+/* fact_gblk_scalar for d 16, gb 16 nv (at most 256) and units u0..u1, all of field f: eight
+ * units at a time, dW_f's block rows summed in dw and then stored into W. */
+FACT_TARGET static FACT_INLINE void fact_gblk_run(const fact *x, const float *dY, const float *E,
+                                                  float *W, uint32_t f, uint32_t b, const int nv)
 {
-    const uint32_t eend = x->unit_ptr[u1];
-    for (uint32_t i = u0; i < u1;) {
-        const uint32_t f = x->unit_field[i];
-        const uint32_t end = x->field_ptr[f + 1] < u1 ? x->field_ptr[f + 1] : u1;
-        if (i + 8 <= end) {
-            fact_gblk_units(x, dY, i, f, b, eend, 8, nv);
-            i += 8;
-        } else {
-            fact_gblk_units(x, dY, i, f, b, eend, 1, nv);
-            i++;
-        }
-    }
+    const uint32_t u0 = x->field_ptr[f], u1 = x->field_ptr[f + 1], eend = x->unit_ptr[u1];
+    _Alignas(64) float dw[256 * 16];
+#pragma GCC unroll 4
+    for (int h = 0; h < 16 * nv; h++)
+        _mm512_store_ps(dw + h * 16, _mm512_setzero_ps());
+    uint32_t i = u0;
+    for (; i + 8 <= u1; i += 8)
+        fact_gblk_units(x, dY, E, dw, i, f, b, eend, 8, nv);
+    for (; i < u1; i++)
+        fact_gblk_units(x, dY, E, dw, i, f, b, eend, 1, nv);
+    float *o = W + (size_t)b * x->gb * x->in + (size_t)f * 16;
+#pragma GCC unroll 4
+    for (int h = 0; h < 16 * nv; h++)
+        _mm512_storeu_ps(o + (size_t)h * x->in, _mm512_load_ps(dw + h * 16));
 }
 
-FACT_TARGET static void fact_gblk_avx512(const fact *x, const float *dY, uint32_t u0, uint32_t u1,
-                                         uint32_t b)
+FACT_TARGET static void fact_gblk_avx512(const fact *x, const float *dY, const float *E, float *W,
+                                         uint32_t f, uint32_t b)
 {
     switch (x->gb) { /* constant widths: the accumulators stay in registers */
     case 256:
-        fact_gblk_run(x, dY, u0, u1, b, 16);
+        fact_gblk_run(x, dY, E, W, f, b, 16);
         break;
     case 128:
-        fact_gblk_run(x, dY, u0, u1, b, 8);
+        fact_gblk_run(x, dY, E, W, f, b, 8);
         break;
     case 64:
-        fact_gblk_run(x, dY, u0, u1, b, 4);
+        fact_gblk_run(x, dY, E, W, f, b, 4);
         break;
     default:
-        fact_gblk_run(x, dY, u0, u1, b, FACT_NV);
+        fact_gblk_run(x, dY, E, W, f, b, FACT_NV);
         break;
     }
-}
-
-/* fact_dw_scalar for d 16 and H a multiple of 16. */
-FACT_TARGET static void fact_dw_avx512(const fact *x, const float *E, float *W, uint32_t f,
-                                       uint32_t h0)
-{
-    __m512 a[16];
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; r++)
-        a[r] = _mm512_setzero_ps();
-    for (uint32_t i = x->field_ptr[f]; i < x->field_ptr[f + 1]; i++) {
-        __m512 e = _mm512_loadu_ps(E + (size_t)x->unit_key[i] * 16);
-        const float *g = x->pg + fact_g(x, i, h0);
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; r++)
-            a[r] = _mm512_fmadd_ps(_mm512_set1_ps(g[r]), e, a[r]);
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; r++)
-        _mm512_storeu_ps(W + (size_t)(h0 + r) * x->in + (size_t)f * 16, a[r]);
 }
 #endif
 
@@ -1577,6 +1566,7 @@ typedef struct fact_job {
     const float *P;
     const model_batch *b;
     float *demb; /* backward: the row gradients */
+    float *dP;   /* backward: the parameters' gradients (dW_f) */
     bool add;    /* backward: demb holds the FM term's part, to add to (deepfm) */
 } fact_job;
 
@@ -1607,29 +1597,30 @@ static void fact_fwd_part(void *arg, int part, int nparts)
     }
 }
 
-/* Backward tasks: each backward column block's units in FACT_G_SPLIT ranges. */
-#define FACT_G_SPLIT 8
-
-/* The backward, first by column blocks: G and the blocks' row gradient parts. */
+/* The backward, first by (column block, field) tasks, as many parts: G, the block's row
+ * gradient parts and dW_f's rows of the block (a field's units in one task, so that each dW_f
+ * row is one chain over them in unit order). */
 static void fact_bwd_g_part(void *arg, int part, int nparts)
 {
     const fact_job *j = arg;
     const cpu *c = j->c;
     const fact *x = &c->fx;
+    const float *E = j->b->emb[c->l.emb_table];
+    float *W = j->dP + c->l.top[0].w;
     size_t t0, t1;
-    part_range((size_t)x->ngb * FACT_G_SPLIT, part, nparts, &t0, &t1);
+    part_range((size_t)x->ngb * x->F, part, nparts, &t0, &t1);
     for (size_t t = t0; t < t1; t++) {
-        uint32_t b = (uint32_t)(t / FACT_G_SPLIT);
-        size_t u0, u1;
-        part_range(x->n_units, (int)(t % FACT_G_SPLIT), FACT_G_SPLIT, &u0, &u1);
+        const uint32_t b = (uint32_t)(t / x->F), f = (uint32_t)(t % x->F);
 #ifdef FACT_AVX512
         if (x->simd) {
-            fact_gblk_avx512(x, c->gact[0], (uint32_t)u0, (uint32_t)u1, b);
+            fact_gblk_avx512(x, c->gact[0], E, W, f, b);
             continue;
         }
 #endif
-        for (size_t un = u0; un < u1; un++)
-            fact_gblk_scalar(x, c->gact[0], (uint32_t)un, b);
+        for (uint32_t h = b * x->gb; h < (b + 1) * x->gb; h++)
+            memset(W + (size_t)h * x->in + (size_t)f * x->d, 0, x->d * sizeof(float));
+        for (uint32_t un = x->field_ptr[f]; un < x->field_ptr[f + 1]; un++)
+            fact_gblk_scalar(x, c->gact[0], E, W, un, b);
     }
 }
 
@@ -1655,24 +1646,6 @@ static void fact_bwd_e_part(void *arg, int part, int nparts)
                 row[q] += t;
             }
         }
-    }
-}
-
-/* dW_f for tasks [t0, t1) of (field, 16 rows), in the dense-gradient phase. */
-static void fact_dw_run(const cpu *c, const model_batch *b, float *dP, uint32_t t0, uint32_t t1)
-{
-    const fact *x = &c->fx;
-    const uint32_t nh = (x->H + 15) / 16;
-    const float *E = b->emb[c->l.emb_table];
-    float *W = dP + c->l.top[0].w;
-    for (uint32_t t = t0; t < t1; t++) {
-#ifdef FACT_AVX512
-        if (x->simd) {
-            fact_dw_avx512(x, E, W, t / nh, t % nh * 16);
-            continue;
-        }
-#endif
-        fact_dw_scalar(x, E, W, t / nh, t % nh * 16);
     }
 }
 
@@ -1704,7 +1677,7 @@ static gemm fact_dense_dw(const cpu *c, const model_batch *b, float *dP)
  * meanwhile on one core, so the phase starts on half the threads and the rest join when the
  * caller says that work is done (backend_ops.join); without one, all start at once.
  */
-#define DW_MAX_UNITS (MODEL_MAX_LAYERS * (GEMM_MAX_TILES * DW_MAX_CHUNKS + 1) + 1 + FACT_DW_PARTS)
+#define DW_MAX_UNITS (MODEL_MAX_LAYERS * (GEMM_MAX_TILES * DW_MAX_CHUNKS + 1) + 1)
 
 typedef struct dw_phase {
     cpu *c;
@@ -1714,14 +1687,10 @@ typedef struct dw_phase {
     gemm g[MODEL_MAX_LAYERS];
     int chunks[MODEL_MAX_LAYERS];      /* dw_chunks of g */
     struct dw_unit {
-        uint16_t layer; /* top layer, or n_top: the bottom MLP, or n_top + 1: dW_f (fact) */
+        uint16_t layer; /* top layer, or n_top: the bottom MLP */
         int16_t tile;   /* dW tile, or -1: the bias gradient; dW_f: its part */
         uint8_t chunk;  /* dW tile's inner chunk */
     } unit[DW_MAX_UNITS];
-    /* The factorized layer's dW_f: part p runs tasks [fact_t[p], fact_t[p + 1]) of
-     * fact_dw_run, fact_cost[p] multiply-adds. */
-    uint32_t fact_t[FACT_DW_PARTS + 1];
-    double fact_cost[FACT_DW_PARTS];
     int n_units, next, early;
     uint64_t gen;
 } dw_phase;
@@ -1733,9 +1702,7 @@ static void dw_unit_run(const dw_phase *ph, int u)
     const struct dw_unit *un = &ph->unit[u];
     uint32_t i = un->layer, B = ph->b->B;
     pool one = {.n = 1, .bf16 = c->pool.bf16};
-    if (i == l->n_top + 1) {
-        fact_dw_run(c, ph->b, ph->dP, ph->fact_t[un->tile], ph->fact_t[un->tile + 1]);
-    } else if (i == l->n_top) {
+    if (i == l->n_top) {
         stack_bwd_dx(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->P, c->dz0, NULL, B);
         stack_bwd_dw(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->b->dense, ph->dP, B);
     } else if (un->tile >= 0) {
@@ -1755,7 +1722,6 @@ static double dw_unit_cost(const dw_phase *ph, int u, uint32_t B)
 {
     const model_layout *l = &ph->c->l;
     uint32_t i = ph->unit[u].layer;
-    if (i == l->n_top + 1) return ph->fact_cost[ph->unit[u].tile];
     if (i == l->n_top) {
         double f = 0;
         for (uint32_t k = 0; k < l->n_bot; k++)
@@ -1862,34 +1828,6 @@ static void dw_sum_part(void *arg, int part, int nparts)
     }
 }
 
-/* The dW_f tasks of fact_dw_run (a field's 16 rows, costing its units) dealt into
- * FACT_DW_PARTS units of about equal cost. Each task computes the same bits whichever unit
- * holds it. */
-static void fact_dw_units(dw_phase *ph)
-{
-    const fact *x = &ph->c->fx;
-    const uint32_t nh = (x->H + 15) / 16, nt = x->F * nh;
-    const double per_task = 16.0 * x->d; /* multiply-adds a unit of the field */
-    double total = 0, sum = 0;
-    for (uint32_t f = 0; f < x->F; f++)
-        total += (x->field_ptr[f + 1] - x->field_ptr[f] + 1.0) * nh;
-    uint32_t t = 0;
-    ph->fact_t[0] = 0;
-    for (int p = 0; p < FACT_DW_PARTS; p++) {
-        double start = sum, goal = total * (p + 1) / FACT_DW_PARTS;
-        while (t < nt && (p == FACT_DW_PARTS - 1 || sum < goal)) {
-            uint32_t f = t / nh;
-            sum += x->field_ptr[f + 1] - x->field_ptr[f] + 1.0;
-            t++;
-        }
-        ph->fact_t[p + 1] = t;
-        ph->fact_cost[p] = (sum - start) * per_task;
-        if (t > ph->fact_t[p])
-            ph->unit[ph->n_units++] =
-                (struct dw_unit){(uint16_t)(ph->c->l.n_top + 1), (int16_t)p, 0};
-    }
-}
-
 static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP)
 {
     const model_layout *l = &c->l;
@@ -1911,7 +1849,6 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
             }
     }
     if (c->m.kind == MODEL_DLRM) ph.unit[ph.n_units++] = (struct dw_unit){(uint16_t)l->n_top, 0, 0};
-    if (c->fact_now) fact_dw_units(&ph);
     /* bf16: each dW's shared operand packed once for its tiles, where every chunk starts on a
      * 32-value step of the packed K (cm_gemm_bf16_pre); before any unit can run. */
     for (uint32_t k = 0; k < l->n_top; k++) {
@@ -1992,7 +1929,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
         }
         const float *out;
         if (fact) {
-            fact_job fj = {c, P, b, NULL, false};
+            fact_job fj = {c, P, b, NULL, NULL, false};
             pool_run(&c->pool, fact_fwd_part, &fj);
             out = stack_fwd(&c->pool, l->top + 1, l->n_top - 1, c->act + 1, P, c->act[0], B);
         } else {
@@ -2038,8 +1975,8 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     if (m->kind == MODEL_DEEPFM) inter_run(c, fact ? INTER_FM_BWD_SET : INTER_FM_BWD, B, NULL, g);
     if (pooled) spmm_t(&c->pool, b, c->dxe, d, c->ldxe, demb[l->emb_table]);
     if (fact) {
-        fact_job fj = {c, P, b, demb[l->emb_table], pooled};
-        pool_run(&c->pool, fact_bwd_g_part, &fj);
+        fact_job fj = {c, P, b, demb[l->emb_table], dP, pooled};
+        pool_run_parts(&c->pool, fact_bwd_g_part, &fj, (int)(c->fx.ngb * c->fx.F));
         pool_run(&c->pool, fact_bwd_e_part, &fj);
     }
     /* The dense gradients: nothing above reads them. */
