@@ -1568,23 +1568,27 @@ typedef struct fact_job {
     float *demb; /* backward: the row gradients */
     float *dP;   /* backward: the parameters' gradients (dW_f) */
     bool add;    /* backward: demb holds the FM term's part, to add to (deepfm) */
+    uint32_t next; /* forward: the next column block to take */
 } fact_job;
 
-/* The forward by column blocks: each block's W1^T, P and Y1 columns. */
+/* The forward by column blocks, taken in turn by the threads: each block's W1^T, P and Y1
+ * columns. A thread writes its blocks' P over one another (its own nth of pg), so that its
+ * stores find the lines in L2 rather than asking L3 for a fresh 1.6 MiB a block. */
 static void fact_fwd_part(void *arg, int part, int nparts)
 {
-    const fact_job *j = arg;
+    (void)nparts;
+    fact_job *j = arg;
     cpu *c = j->c;
     const fact *x = &c->fx;
     const model_layer *ly = &c->l.top[0];
     const float *E = j->b->emb[c->l.emb_table];
-    size_t k0, k1;
-    part_range(x->nblk, part, nparts, &k0, &k1);
-    for (size_t k = k0; k < k1; k++) {
-        uint32_t blk = (uint32_t)k;
+    if ((uint32_t)part >= x->nblk) return; /* pg holds nblk blocks */
+    float *Pb = x->pg + (size_t)part * x->n_units * x->wb;
+    for (;;) {
+        const uint32_t blk = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (blk >= x->nblk) break;
         fact_wt_block(x, j->P + ly->w, blk);
         const float *w = x->wt + (size_t)blk * x->in * x->wb;
-        float *Pb = x->pg + (size_t)blk * x->n_units * x->wb;
 #ifdef FACT_AVX512
         if (x->simd) {
             fact_p_avx512(x, E, w, Pb);
@@ -1929,8 +1933,8 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
         }
         const float *out;
         if (fact) {
-            fact_job fj = {c, P, b, NULL, NULL, false};
-            pool_run(&c->pool, fact_fwd_part, &fj);
+            fact_job fj = {c, P, b, NULL, NULL, false, 0};
+            pool_run_threads(&c->pool, fact_fwd_part, &fj);
             out = stack_fwd(&c->pool, l->top + 1, l->n_top - 1, c->act + 1, P, c->act[0], B);
         } else {
             out = stack_fwd(&c->pool, l->top, l->n_top, c->act, P, c->in, B);
@@ -1975,7 +1979,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     if (m->kind == MODEL_DEEPFM) inter_run(c, fact ? INTER_FM_BWD_SET : INTER_FM_BWD, B, NULL, g);
     if (pooled) spmm_t(&c->pool, b, c->dxe, d, c->ldxe, demb[l->emb_table]);
     if (fact) {
-        fact_job fj = {c, P, b, demb[l->emb_table], dP, pooled};
+        fact_job fj = {c, P, b, demb[l->emb_table], dP, pooled, 0};
         pool_run_parts(&c->pool, fact_bwd_g_part, &fj, (int)(c->fx.ngb * c->fx.F));
         pool_run(&c->pool, fact_bwd_e_part, &fj);
     }
