@@ -1082,7 +1082,8 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
  * key's units' parts. G itself is never stored (the portable kernels keep it in pg). Summing
  * dW_f there rather than in the dense-gradient phase moves ~1/8 of the layer's work before the
  * emb_ready hook but saves G's 13 MB round trip through L3: whole ipc runs ~+18%. A batch is
- * indexed first (fact_index: its units, their entries, each key's units), serially.
+ * indexed first (fact_index: its units, serially; their entries, field by field on the pool;
+ * each key's units).
  *
  * Each output element has one fixed summation order (below), so the results are the same bits
  * for any thread count; the AVX-512 kernels and the portable ones compute the same bits
@@ -1184,14 +1185,43 @@ static bool fact_reserve(fact *x, size_t nnz)
     return ok;
 }
 
+/* fact_index's second walk, a job of the pool. */
+typedef struct fact_fill {
+    fact *x;
+    const model_batch *b;
+} fact_fill;
+
+/* fact_index's entries by unit for a part of the fields: each field's units and entries are
+ * its own, and each unit's entries go in sample order whoever fills them. */
+static void fact_fill_part(void *arg, int part, int nparts)
+{
+    const fact_fill *a = arg;
+    fact *x = a->x;
+    const model_batch *b = a->b;
+    const uint32_t F = x->F;
+    uint32_t *cur = x->key_units; /* the fill cursor until its own turn */
+    size_t f0, f1;
+    part_range(F, part, nparts, &f0, &f1);
+    for (size_t f = f0; f < f1; f++)
+        for (uint32_t s = 0; s < b->B; s++) {
+            size_t r = (size_t)s * F + f;
+            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+                uint32_t e = cur[x->ent_unit[k]]++;
+                x->ue_s[e] = s;
+                x->ue_v[e] = b->val[k];
+            }
+        }
+}
+
 /*
  * The batch's units, numbered field by field, in each field in the order the samples first
  * use them; each unit's entries in sample order; each key's units in field order. A plain
- * pass over A's entries: depends on the batch only. False, and left unfinished, as soon as
- * there are more than max_units: the batch then takes the GEMM, and a batch where nearly
- * every slot is its own unit pays for a third of the walk, not for the index.
+ * pass over A's entries (serial), then one by field on the pool (fact_fill_part): depends on
+ * the batch only. False, and left unfinished, as soon as there are more than max_units: the
+ * batch then takes the GEMM, and a batch where nearly every slot is its own unit pays for a
+ * third of the first walk, not for the index.
  */
-static bool fact_index(fact *x, const model_batch *b, uint32_t max_units)
+static bool fact_index(pool *p, fact *x, const model_batch *b, uint32_t max_units)
 {
     const uint32_t F = x->F, B = b->B;
     if (x->gen > UINT32_MAX - F - 1) { /* a stamp could repeat: start the generations over */
@@ -1225,15 +1255,10 @@ static bool fact_index(fact *x, const model_batch *b, uint32_t max_units)
     x->unit_ptr[0] = 0;
     for (uint32_t i = 0; i < n; i++)
         x->unit_ptr[i + 1] += x->unit_ptr[i];
-    /* The entries by unit (key_units is the fill cursor until its own turn). */
-    uint32_t *cur = x->key_units;
-    memcpy(cur, x->unit_ptr, n * sizeof *cur);
-    for (uint32_t s = 0; s < B; s++)
-        for (uint32_t k = b->row_ptr[(size_t)s * F]; k < b->row_ptr[(size_t)(s + 1) * F]; k++) {
-            uint32_t e = cur[x->ent_unit[k]]++;
-            x->ue_s[e] = s;
-            x->ue_v[e] = b->val[k];
-        }
+    /* The entries by unit, on the pool (key_units is the fill cursor until its own turn). */
+    memcpy(x->key_units, x->unit_ptr, n * sizeof *x->key_units);
+    fact_fill ff = {x, b};
+    pool_run(p, fact_fill_part, &ff);
     /* Each key's units (uid is the fill cursor now). */
     memset(x->key_ptr, 0, ((size_t)b->U + 1) * sizeof *x->key_ptr);
     for (uint32_t i = 0; i < n; i++)
@@ -1268,7 +1293,7 @@ static bool fact_plan(cpu *c, const model_batch *b)
     size_t nnz = b->row_ptr[(size_t)b->B * x->F];
     if (!fact_reserve(x, nnz)) return false;
     double most = x->force ? (double)UINT32_MAX : FACT_MAX_UNITS * (double)b->B * x->F;
-    if (!fact_index(x, b, (uint32_t)most)) return false;
+    if (!fact_index(&c->pool, x, b, (uint32_t)most)) return false;
     /* G's blocks of 16 columns are whole even where H is not a multiple of 16. */
     const size_t hg = (x->H + 15) / 16 * 16;
     size_t need = (size_t)x->n_units * (hg + (size_t)x->ngb * x->d) + 16;
