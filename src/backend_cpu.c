@@ -571,7 +571,6 @@ typedef struct cpu {
     void *dw_pk[MODEL_MAX_LAYERS];
     size_t dw_pk_cap[MODEL_MAX_LAYERS];
     fact fx;
-    bool fact_now; /* this step computes the first layer factorized */
 } cpu;
 
 static int fact_init(cpu *c, uint32_t flags);
@@ -1717,7 +1716,7 @@ typedef struct dw_phase {
     int chunks[MODEL_MAX_LAYERS];      /* dw_chunks of g */
     struct dw_unit {
         uint16_t layer; /* top layer, or n_top: the bottom MLP */
-        int16_t tile;   /* dW tile, or -1: the bias gradient; dW_f: its part */
+        int16_t tile;   /* dW tile, or -1: the bias gradient */
         uint8_t chunk;  /* dW tile's inner chunk */
     } unit[DW_MAX_UNITS];
     int n_units, next, early;
@@ -1857,7 +1856,8 @@ static void dw_sum_part(void *arg, int part, int nparts)
     }
 }
 
-static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP)
+/* fact: this step computed the first layer factorized (its dW_f is done: only dWd is left). */
+static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP, bool fact)
 {
     const model_layout *l = &c->l;
     const uint32_t B = b->B;
@@ -1866,7 +1866,7 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
         const gemm *g = &ph.g[k];
         /* Factorized, the first layer's GEMM is left with the dense inputs' columns (dWd; one
          * chunk: dw_sum_part adds chunks as if dW were contiguous, which dWd is not). */
-        bool dense_only = k == 0 && c->fact_now;
+        bool dense_only = k == 0 && fact;
         ph.g[k] = dense_only ? fact_dense_dw(c, b, dP)
                              : dw_gemm(&l->top[k], k ? c->act[k - 1] : c->in, c->gact[k], dP, B);
         ph.g[k].bf16 = c->pool.bf16;
@@ -1923,7 +1923,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
                       "(F %u, D %u, at most %u rows, %u keys)",
                       B, b->F, b->D, b->U, F, D, c->max_b, c->max_u);
     const bool bwd = dP != NULL;
-    const bool fact = c->fact_now = fact_plan(c, b);
+    const bool fact = fact_plan(c, b);
     /* The mlp's factorized first layer reads the rows themselves, not their pooled sums. */
     const bool pooled = l->emb_table >= 0 && !(fact && m->kind == MODEL_MLP);
     /* Every layer overwrites its own dW and db; only the first-order terms accumulate. */
@@ -2009,7 +2009,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
         pool_run(&c->pool, fact_bwd_e_part, &fj);
     }
     /* The dense gradients: nothing above reads them. */
-    dw_phase_run(c, P, b, dP);
+    dw_phase_run(c, P, b, dP, fact);
     return CM_OK;
 }
 
