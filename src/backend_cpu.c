@@ -1528,16 +1528,26 @@ FACT_TARGET static FACT_INLINE void fact_gblk_units(const fact *x, const float *
         e[t] = _mm512_loadu_ps(E + (size_t)x->unit_key[i + t] * 16);
     }
     const float *w = x->wf + ((size_t)f * x->H + c0) * 16;
-    for (int h = 0; h < 16 * nv; h++) {
-        __m512 wh = _mm512_load_ps(w + (size_t)h * 16);
-        __m512 dh = _mm512_load_ps(dw + (size_t)h * 16);
-#pragma GCC unroll 8
-        for (int t = 0; t < nu; t++) {
-            __m512 g = _mm512_set1_ps(gl[t][h]);
-            acc[t] = _mm512_fmadd_ps(g, wh, acc[t]);
-            dh = _mm512_fmadd_ps(g, e[t], dh);
+    /* Four rows of dW_f at a time: each row's chain is nu FMAs long, and four of them side by
+     * side keep the FMA units fed where one waited on its chain. */
+    for (int h = 0; h < 16 * nv; h += 4) {
+        __m512 wh[4], dh[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            wh[r] = _mm512_load_ps(w + (size_t)(h + r) * 16);
+            dh[r] = _mm512_load_ps(dw + (size_t)(h + r) * 16);
         }
-        _mm512_store_ps(dw + (size_t)h * 16, dh);
+#pragma GCC unroll 8
+        for (int t = 0; t < nu; t++)
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                __m512 g = _mm512_set1_ps(gl[t][h + r]);
+                acc[t] = _mm512_fmadd_ps(g, wh[r], acc[t]);
+                dh[r] = _mm512_fmadd_ps(g, e[t], dh[r]);
+            }
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++)
+            _mm512_store_ps(dw + (size_t)(h + r) * 16, dh[r]);
     }
 #pragma GCC unroll 8
     for (int t = 0; t < nu; t++)
