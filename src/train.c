@@ -156,6 +156,9 @@ typedef struct setup {
     pthread_mutex_t abort_mu;
     bool pruned_foreign; /* worker 0: a fresh run's first checkpoint removed the older ones */
     double t_eval;       /* worker 0's seconds in evaluate(), left out of the samples/s it logs */
+    /* When worker 0's loop began (its setup, connection and first pull done) and t_eval then:
+     * the loop's own clock, the one a training-loop rate is measured on (loop_seconds). */
+    double t_loop0, t_eval_loop0;
     double last_auc;     /* worker 0's latest evaluation, NAN before the first */
 } setup;
 
@@ -1274,8 +1277,9 @@ static int evaluate_periodic(worker *W, ps_client *c, uint64_t step, char **errp
  * JSON line in metrics.jsonl. samples/s leaves out the time spent evaluating. */
 static void log_progress(const setup *S, uint64_t step, uint64_t samples, double loss, bool final)
 {
-    double el = cm_now() - S->t0, busy = el - S->t_eval,
-           rate = busy > 0 ? (double)samples / busy : 0;
+    double now = cm_now(), el = now - S->t0, busy = el - S->t_eval,
+           rate = busy > 0 ? (double)samples / busy : 0,
+           loop = now - S->t_loop0 - (S->t_eval - S->t_eval_loop0);
     /* rate is the job's (every worker's rows), and each worker has the steps left. */
     double eta = rate > 0 && S->max_steps > step
                      ? (double)(S->max_steps - step) * S->o->batch * S->o->workers / rate
@@ -1304,8 +1308,8 @@ static void log_progress(const setup *S, uint64_t step, uint64_t samples, double
     if (S->metrics) {
         fprintf(S->metrics,
                 "{\"step\":%" PRIu64 ",\"samples\":%" PRIu64
-                ",\"seconds\":%.3f,\"loss\":%.6f,\"samples_per_s\":%.1f}\n",
-                step, samples, el, loss, rate);
+                ",\"seconds\":%.3f,\"loss\":%.6f,\"samples_per_s\":%.1f,\"loop_seconds\":%.3f}\n",
+                step, samples, el, loss, rate, loop);
         fflush(S->metrics);
     }
 }
@@ -1338,6 +1342,10 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
     pf_started = true;
     uint32_t cap_u = 0;
     double loss_window = 0, last_log = cm_now();
+    if (w == 0) {
+        S->t_loop0 = last_log;
+        S->t_eval_loop0 = S->t_eval;
+    }
     uint64_t window_n = 0;
     while (rc == CM_OK && (o->max_steps == 0 || step < o->max_steps)) {
         int trc;

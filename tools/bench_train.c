@@ -12,8 +12,9 @@
  * runs with --threads 1 and --threads 2 and the faster is reported. Two rates are recorded:
  * ember's own samples_per_s (wall time from setup to the end, so it includes the final
  * checkpoint and the evaluation), and the training-loop rate from the last line of
- * metrics.jsonl (samples / seconds at the last step: reader, dedup, pulls, compute and pushes,
- * no eval). The loop rate is the one compared with PyTorch. The faster mlp then runs once more
+ * metrics.jsonl (samples / loop_seconds at the last step: reader, dedup, pulls, compute and
+ * pushes, no eval, timed from the loop's first step as PyTorch's loop is). The loop rate is the
+ * one compared with PyTorch. The faster mlp then runs once more
  * in the setting the speed goal names, an `ember ps` process and one worker process over
  * ipc:// (tools/launch), and so does ember in every further AUC pair (--pairs): each pair's
  * ipc loop rate over the PyTorch run beside it is one ratio, and the goal is judged on the

@@ -433,7 +433,11 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
     er->rows = (uint64_t)bench_json_num(line, "rows");
     er->eval_rows = (uint64_t)bench_json_num(line, "eval_rows");
     bench_last_line(mj, "\"samples_per_s\"", line, sizeof line); /* the loop's, not an eval's */
-    er->loop_seconds = bench_json_num(line, "seconds");
+    /* The loop's own clock, from its first step as PyTorch's timer starts at its loop (ember's
+     * setup, connection and first pull left out, as PyTorch's model and data loading are);
+     * "seconds" (from the process's setup) where a run directory predates it. */
+    er->loop_seconds = bench_json_num(line, "loop_seconds");
+    if (!isfinite(er->loop_seconds)) er->loop_seconds = bench_json_num(line, "seconds");
     double samples = bench_json_num(line, "samples");
     er->loop_samples_per_s = er->loop_seconds > 0 ? samples / er->loop_seconds : NAN;
     er->ok = isfinite(er->auc) && isfinite(er->loop_samples_per_s);

@@ -78,6 +78,11 @@ static void check_run(const char *model, const char *out, const char *json, doub
             CHECK_MSG(jnum(last, "step") == steps, "%s: last step %s", path, last);
             double loss = jnum(last, "loss");
             CHECK(loss > 0 && loss < 1);
+            /* The loop's clock holds every step and starts after the process's setup. */
+            double loop = jnum(last, "loop_seconds"), el = jnum(last, "seconds");
+            CHECK_MSG(loop * 1e3 >= step_ms * steps && loop <= el,
+                      "%s: loop_seconds %g, seconds %g, %g steps of %g ms", path, loop, el, steps,
+                      step_ms);
         }
         CHECK_MSG(eval != NULL && strstr(eval, "\"final\":true"), "%s: no final evaluation line",
                   path);
