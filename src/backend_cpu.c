@@ -2042,6 +2042,15 @@ static int cpu_prefetch(void *state, const float *params, const model_batch *b, 
     return CM_OK;
 }
 
+/* Only spmm_t reads A's columns, and the mlp's factorized first layer has no spmm_t (it indexes
+ * its (field, key) units itself, fact_index); a batch the cost model declines scans A instead
+ * (spmm_t_part: the same bits). */
+static bool cpu_columns(const void *state)
+{
+    const cpu *c = state;
+    return !(c->fx.on && c->m.kind == MODEL_MLP);
+}
+
 const backend_ops backend_cpu_ops = {
     .name = "cpu",
     .create = cpu_create,
@@ -2049,4 +2058,5 @@ const backend_ops backend_cpu_ops = {
     .prefetch = cpu_prefetch,
     .step = cpu_step,
     .join = cpu_join,
+    .columns = cpu_columns,
 };

@@ -1248,7 +1248,15 @@ static int cuda_step(void *state, const float *P, const model_batch *b, float *p
     return CM_OK;
 }
 
-static const backend_ops cuda_ops = {"cuda", cuda_create, cuda_destroy, cuda_prefetch, cuda_step,
-                                     NULL};
+/* pack builds its own A^T, canonical (repeats merged) as cuSPARSE needs it: the staging's
+ * columns would go unread. */
+static bool cuda_columns(const void *state)
+{
+    (void)state;
+    return false;
+}
+
+static const backend_ops cuda_ops = {"cuda",    cuda_create, cuda_destroy, cuda_prefetch,
+                                     cuda_step, NULL,        cuda_columns};
 
 extern "C" const backend_ops *const backend_cuda_module_ops = &cuda_ops;

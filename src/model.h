@@ -202,6 +202,10 @@ typedef struct backend_ops {
      * rest (the cpu backend runs the dense gradients on half of them until then). A call
      * after that step has returned does nothing. */
     void (*join)(void *state);
+    /* Optional (NULL: yes). Whether backward steps read A's columns (model_batch.t_ptr), so
+     * the trainer's staging builds them only for a backend that does; a step must take a batch
+     * without them all the same. Fixed for the life of the state. */
+    bool (*columns)(const void *state);
 } backend_ops;
 
 extern const backend_ops backend_cpu_ops;
