@@ -1398,45 +1398,55 @@ static void fact_gblk_scalar(const fact *x, const float *dY, const float *E, flo
  * measured slower). */
 #define FACT_AHEAD 4
 
-/* Units i..i+nu of field f's, 16 columns of P's block: W_f^T's 16 x 16 in registers (w), the
- * units' chains interleaved. From memory, W's operands made it bound by loads, and one unit's
- * 16 dependent FMAs at a time left the FMA units idle (2.5x the FMA bound). */
-FACT_TARGET static FACT_INLINE void fact_p_units(const fact *x, const float *E, const __m512 w[16],
+/* Units i..i+nu of field f's, all FACT_COLS columns of P's block: the units' chains
+ * interleaved (one unit's 16 dependent FMAs at a time left the FMA units idle), and each
+ * broadcast element of a unit's row serving all the block's columns. With one 16-column
+ * vector at a time, W_f's 16 x 16 in registers, every FMA had a broadcast of its own and the
+ * loads bound it; here W_f's rows come from L1, a load per 8 units (~30% less time alone). */
+FACT_TARGET static FACT_INLINE void fact_p_units(const fact *x, const float *E, const float *w,
                                                  float *Pb, uint32_t i, const int nu)
 {
     const float *e[8];
-    __m512 a[8];
+    __m512 a[8][FACT_NV];
 #pragma GCC unroll 16
     for (int t = 0; t < nu; t++) {
         e[t] = E + (size_t)x->unit_key[i + t] * 16;
-        a[t] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int v = 0; v < FACT_NV; v++)
+            a[t][v] = _mm512_setzero_ps();
     }
 #pragma GCC unroll 16
-    for (int q = 0; q < 16; q++)
+    for (int q = 0; q < 16; q++) {
+        __m512 wq[FACT_NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < FACT_NV; v++)
+            wq[v] = _mm512_loadu_ps(w + (size_t)q * FACT_COLS + 16 * v);
 #pragma GCC unroll 16
-        for (int t = 0; t < nu; t++)
-            a[t] = _mm512_fmadd_ps(_mm512_set1_ps(e[t][q]), w[q], a[t]);
+        for (int t = 0; t < nu; t++) {
+            __m512 eq = _mm512_set1_ps(e[t][q]);
+#pragma GCC unroll 4
+            for (int v = 0; v < FACT_NV; v++)
+                a[t][v] = _mm512_fmadd_ps(eq, wq[v], a[t][v]);
+        }
+    }
 #pragma GCC unroll 16
     for (int t = 0; t < nu; t++)
-        _mm512_storeu_ps(Pb + (size_t)(i + t) * FACT_COLS, a[t]);
+#pragma GCC unroll 4
+        for (int v = 0; v < FACT_NV; v++)
+            _mm512_storeu_ps(Pb + (size_t)(i + t) * FACT_COLS + 16 * v, a[t][v]);
 }
 
-/* fact_p_scalar for d 16 and wb FACT_COLS: field by field, 16 columns at a time. */
+/* fact_p_scalar for d 16 and wb FACT_COLS: field by field, eight units at a time. */
 FACT_TARGET static void fact_p_avx512(const fact *x, const float *E, const float *w, float *Pb)
 {
-    for (uint32_t f = 0; f < x->F; f++)
-#pragma GCC unroll 16
-        for (int v = 0; v < FACT_NV; v++) {
-            __m512 wr[16];
-#pragma GCC unroll 16
-            for (int q = 0; q < 16; q++)
-                wr[q] = _mm512_loadu_ps(w + ((size_t)f * 16 + q) * FACT_COLS + 16 * v);
-            uint32_t i = x->field_ptr[f];
-            for (; i + 8 <= x->field_ptr[f + 1]; i += 8)
-                fact_p_units(x, E, wr, Pb + 16 * v, i, 8);
-            for (; i < x->field_ptr[f + 1]; i++)
-                fact_p_units(x, E, wr, Pb + 16 * v, i, 1);
-        }
+    for (uint32_t f = 0; f < x->F; f++) {
+        const float *wf = w + (size_t)f * 16 * FACT_COLS;
+        uint32_t i = x->field_ptr[f];
+        for (; i + 8 <= x->field_ptr[f + 1]; i += 8)
+            fact_p_units(x, E, wf, Pb, i, 8);
+        for (; i < x->field_ptr[f + 1]; i++)
+            fact_p_units(x, E, wf, Pb, i, 1);
+    }
 }
 
 /* fact_y_scalar for d 16 and wb FACT_COLS. */
