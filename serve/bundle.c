@@ -306,6 +306,11 @@ static int table_check(const char *dir, const char *name, serve_table *t, uint64
                        char **errptr)
 {
     const uint8_t *p = t->map.p;
+    /* The manifest vouches for the size, not that it holds a header and trailer: check before
+     * reading either, or a short file is read past its end (and before its start). */
+    if (t->map.len < sizeof(tab_hdr) + 8)
+        return cm_err(errptr, CM_ECORRUPT, "%s/%s: %zu bytes, too short for a table", dir, name,
+                      t->map.len);
     tab_hdr h;
     memcpy(&h, p, sizeof h);
     uint64_t trailer;
@@ -333,6 +338,27 @@ static int table_check(const char *dir, const char *name, serve_table *t, uint64
         if (ix[i].row != EMPTY_ROW && ix[i].row >= h.rows)
             return cm_err(errptr, CM_ECORRUPT, "%s/%s: index entry %" PRIu64 " out of range", dir,
                           name, i);
+    return CM_OK;
+}
+
+/* Checks the mapped dense tower file (L->dense_map) and points L->dense at its values. */
+static int dense_check(const char *dir, const char *name, serve_layer *L, char **errptr)
+{
+    const uint8_t *p = L->dense_map.p;
+    const size_t len = L->dense_map.len;
+    /* As for tables: the header and trailer must be inside the file before they are read. */
+    if (len < sizeof(dns_hdr) + 8)
+        return cm_err(errptr, CM_ECORRUPT, "%s/%s: %zu bytes, too short for a dense tower", dir,
+                      name, len);
+    dns_hdr h;
+    memcpy(&h, p, sizeof h);
+    uint64_t tr;
+    memcpy(&tr, p + len - 8, 8);
+    if (memcmp(h.magic, DNS_MAGIC, 8) || h.version != BUNDLE_VERSION ||
+        len != sizeof h + h.n * 4 + 8 || cm_xxh3(p, len - 8) != tr)
+        return cm_err(errptr, CM_ECORRUPT, "%s/%s: bad dense header", dir, name);
+    L->dense = (const float *)(p + sizeof h);
+    L->n_dense = h.n;
     return CM_OK;
 }
 
@@ -399,16 +425,8 @@ static int layer_open(const char *dir, serve_layer *L, char **errptr)
                     unmap(&m);
                     if (L->model == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
                 } else {
-                    dns_hdr h;
-                    memcpy(&h, m.p, sizeof h);
-                    uint64_t tr;
-                    memcpy(&tr, (uint8_t *)m.p + m.len - 8, 8);
                     L->dense_map = m;
-                    if (memcmp(h.magic, DNS_MAGIC, 8) || h.version != BUNDLE_VERSION ||
-                        m.len != sizeof h + h.n * 4 + 8 || cm_xxh3(m.p, m.len - 8) != tr)
-                        rc = cm_err(errptr, CM_ECORRUPT, "%s/%s: bad dense header", dir, fname);
-                    L->dense = (const float *)((const uint8_t *)m.p + sizeof h);
-                    L->n_dense = h.n;
+                    rc = dense_check(dir, fname, L, errptr);
                 }
             } else if (!strncmp(fname, "table-", 6) && L->n_tables < SERVE_MAX_TABLES) {
                 serve_table *t = &L->tables[L->n_tables];

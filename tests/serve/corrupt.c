@@ -127,8 +127,9 @@ static void edit_manifest(const char *from, const char *to, int resign, const ch
     free(m);
 }
 
-/* Rewrites bad/<file> (already modified in buf) with a valid xxh3 trailer when trailer is set,
- * and re-signs the MANIFEST to match, so only the contents' own checks can refuse it. */
+/* Rewrites bad/<file> (already modified in buf, possibly to another length) with a valid xxh3
+ * trailer when trailer is set, and re-signs the MANIFEST to match (size and digest), so only
+ * the contents' own checks can refuse it. */
 static void rewrite_signed(const char *file, char *buf, size_t len, int trailer)
 {
     if (trailer) {
@@ -148,13 +149,18 @@ static void rewrite_signed(const char *file, char *buf, size_t len, int trailer)
         return;
     }
     /* "file NAME SIZE DIGEST\n": replace the digest (16 hex digits before the newline) */
+    /* "file NAME SIZE DIGEST\n": the line rebuilt with the new size and digest */
     char *nl = strchr(l, '\n');
-    char hex[17];
-    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)cm_xxh3(buf, len));
-    memcpy(nl - 16, hex, 16);
-    char *cl = strstr(m, "checksum ");
-    sprintf(cl, "checksum %016llx\n", (unsigned long long)cm_xxh3(m, (size_t)(cl - m)));
-    CHECK(write_file(su_path("bad/MANIFEST"), m, strlen(m)) == 0);
+    size_t at = (size_t)(l - m), mlen = strlen(m);
+    char *out = malloc(mlen + 64);
+    memcpy(out, m, at);
+    int k =
+        sprintf(out + at, "file %s %zu %016llx", file, len, (unsigned long long)cm_xxh3(buf, len));
+    strcpy(out + at + (size_t)k, nl);
+    char *cl = strstr(out, "checksum ");
+    sprintf(cl, "checksum %016llx\n", (unsigned long long)cm_xxh3(out, (size_t)(cl - out)));
+    CHECK(write_file(su_path("bad/MANIFEST"), out, strlen(out)) == 0);
+    free(out);
     free(m);
 }
 
@@ -400,6 +406,28 @@ int main(void)
         fprintf(stderr, "    dense count - 1\n");
         expect_refused("dense count - 1", "dense-tower.bin");
         free(b);
+        /* files shorter than their header and trailer, listed with their true size and digest:
+         * refused without reading outside the file */
+        const struct {
+            const char *file;
+            const char *src;
+            size_t len;
+        } tiny[] = {
+            {"table-emb.bin", tab, 1},    {"table-emb.bin", tab, 7},    {"table-emb.bin", tab, 40},
+            {"table-emb.bin", tab, 71},   {"dense-tower.bin", dns, 1},  {"dense-tower.bin", dns, 7},
+            {"dense-tower.bin", dns, 20}, {"dense-tower.bin", dns, 31},
+        };
+        for (size_t i = 0; i < sizeof tiny / sizeof *tiny; i++) {
+            b = malloc(tiny[i].len);
+            memcpy(b, tiny[i].src, tiny[i].len);
+            fresh_copy();
+            rewrite_signed(tiny[i].file, b, tiny[i].len, 0);
+            char what[128];
+            snprintf(what, sizeof what, "%s of %zu bytes (signed)", tiny[i].file, tiny[i].len);
+            fprintf(stderr, "    %s\n", what);
+            expect_refused(what, tiny[i].file);
+            free(b);
+        }
         /* a model whose tower does not fit the file */
         size_t ml = 0;
         char *model = su_slurp(su_path("good/model.txt"), &ml);
