@@ -405,6 +405,14 @@ int main(void)
         rewrite_signed("dense-tower.bin", b, dns_len, 1);
         fprintf(stderr, "    dense count - 1\n");
         expect_refused("dense count - 1", "dense-tower.bin");
+        /* a count whose size in bytes wraps to the file's (n * 4 mod 2^64): the tower's own
+         * check must refuse it, naming the file */
+        n += 1 + (1ull << 62);
+        memcpy(b + 16, &n, 8);
+        fresh_copy();
+        rewrite_signed("dense-tower.bin", b, dns_len, 1);
+        fprintf(stderr, "    dense count + 2^62\n");
+        expect_refused("dense count + 2^62", "dense-tower.bin");
         free(b);
         /* files shorter than their header and trailer, listed with their true size and digest:
          * refused without reading outside the file */
