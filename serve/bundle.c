@@ -382,6 +382,28 @@ static void layer_close(serve_layer *L)
     memset(L, 0, sizeof *L);
 }
 
+/* "table-NAME.bin" with a NAME that fits serve_table's name whole (so file_listed, which
+ * rebuilds the file name from it, recognises the file again). */
+static bool is_table_file(const char *fname)
+{
+    size_t n = strlen(fname);
+    return !strncmp(fname, "table-", 6) && n > 10 && n - 10 < sizeof(((serve_table *)0)->name) &&
+           !strcmp(fname + n - 4, ".bin");
+}
+
+/* Whether the manifest's file fname is already in L. */
+static bool file_listed(const serve_layer *L, const char *fname)
+{
+    if (!strcmp(fname, "model.txt")) return L->model != NULL;
+    if (!strcmp(fname, "dense-tower.bin")) return L->dense_map.p != NULL;
+    char tf[96];
+    for (int i = 0; i < L->n_tables; i++) {
+        snprintf(tf, sizeof tf, "table-%s.bin", L->tables[i].name);
+        if (!strcmp(tf, fname)) return true;
+    }
+    return false;
+}
+
 /* Reads one bundle directory into a layer: manifest, every file verified. */
 static int layer_open(const char *dir, serve_layer *L, char **errptr)
 {
@@ -418,7 +440,11 @@ static int layer_open(const char *dir, serve_layer *L, char **errptr)
         unsigned long long size, digest;
         unsigned dim;
         if (sscanf(p, "file %127s %llu %llx", fname, &size, &digest) == 3) {
-            if (!strcmp(fname, "model.txt") || !strcmp(fname, "dense-tower.bin")) {
+            if (file_listed(L, fname)) {
+                /* A second line would map the file again over the first (leaking it) or add
+                 * a second table of one name: a manifest lists each file once. */
+                rc = cm_err(errptr, CM_ECORRUPT, "%s: file %s listed twice", path, fname);
+            } else if (!strcmp(fname, "model.txt") || !strcmp(fname, "dense-tower.bin")) {
                 bool model = !strcmp(fname, "model.txt");
                 serve_map m = {0};
                 rc = map_file(dir, fname, size, digest, &m, errptr);
@@ -431,7 +457,7 @@ static int layer_open(const char *dir, serve_layer *L, char **errptr)
                     L->dense_map = m;
                     rc = dense_check(dir, fname, L, errptr);
                 }
-            } else if (!strncmp(fname, "table-", 6) && L->n_tables < SERVE_MAX_TABLES) {
+            } else if (is_table_file(fname) && L->n_tables < SERVE_MAX_TABLES) {
                 serve_table *t = &L->tables[L->n_tables];
                 rc = map_file(dir, fname, size, digest, &t->map, errptr);
                 if (rc == CM_OK) {

@@ -347,6 +347,21 @@ int main(void)
     edit_manifest("file dense-tower.bin", "file dense-towel.bin", 1, "dense-towel.bin");
     edit_manifest("ember-bundle 1", "ember-bundle 2", 1, "MANIFEST");
     {
+        /* a file listed twice (re-signed): refused, not mapped a second time over the first
+         * (which leaked: the model's copy, the tower's mapping) */
+        const char *names[] = {"file dense-tower.bin ", "file model.txt ", "file table-emb.bin "};
+        for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+            const char *l = strstr(good_manifest, names[i]);
+            const char *nl = l ? strchr(l, '\n') : NULL;
+            CHECK(nl != NULL);
+            if (nl == NULL) continue;
+            char line[256], twice[512];
+            snprintf(line, sizeof line, "%.*s", (int)(nl + 1 - l), l);
+            snprintf(twice, sizeof twice, "%s%s", line, line);
+            edit_manifest(line, twice, 1, "listed twice");
+        }
+    }
+    {
         /* the digest of table-emb.bin, re-signed */
         const char *l = strstr(good_manifest, "file table-emb.bin ");
         const char *nl = l ? strchr(l, '\n') : NULL;
