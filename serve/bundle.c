@@ -21,6 +21,7 @@
 #define DNS_MAGIC "EMBSDNS1"
 #define BUNDLE_VERSION 1u
 #define EMPTY_ROW UINT32_MAX
+#define MAX_DIM 65536u /* the widest row a table holds: the writer and the reader agree on it */
 
 typedef struct tab_hdr {
     char magic[8];
@@ -55,7 +56,9 @@ int ember_serve_precision_parse(const char *name, ember_serve_precision *out)
 
 static size_t row_bytes_of(ember_serve_precision p, uint32_t dim)
 {
-    return p == EMBER_SERVE_FP32 ? 4u * dim : p == EMBER_SERVE_FP16 ? 2u * dim : 4u + dim;
+    return p == EMBER_SERVE_FP32   ? 4 * (size_t)dim
+           : p == EMBER_SERVE_FP16 ? 2 * (size_t)dim
+                                   : 4 + (size_t)dim;
 }
 
 static inline uint64_t key_hash(uint64_t key)
@@ -196,7 +199,8 @@ int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t d
                              const uint64_t *keys, const float *rows, uint64_t n,
                              const uint64_t *deleted, uint64_t n_deleted, char **errptr)
 {
-    if (dim == 0 || n >= EMPTY_ROW || strlen(name) > 64)
+    /* What table_check would refuse is refused here, not written as a bundle no one opens. */
+    if (dim == 0 || dim > MAX_DIM || n >= EMPTY_ROW || strlen(name) > 64)
         return cm_err(errptr, CM_EINVAL, "table %s: dim %u or %" PRIu64 " rows out of range", name,
                       dim, n);
     uint64_t slots = 16;
@@ -317,7 +321,7 @@ static int table_check(const char *dir, const char *name, serve_table *t, uint64
     memcpy(&trailer, p + t->map.len - 8, 8);
     size_t rb = row_bytes_of((ember_serve_precision)h.precision, h.dim);
     if (memcmp(h.magic, TAB_MAGIC, 8) || h.version != BUNDLE_VERSION || h.precision > 2 ||
-        h.dim == 0 || h.dim > 65536 || h.row_bytes != rb || h.slots == 0 ||
+        h.dim == 0 || h.dim > MAX_DIM || h.row_bytes != rb || h.slots == 0 ||
         (h.slots & (h.slots - 1)) || h.rows >= h.slots || h.slots > (1ull << 40) ||
         h.deleted > (1ull << 40) || h.step != step ||
         t->map.len != sizeof h + h.slots * sizeof(slot_ent) + h.rows * rb + h.deleted * 8 + 8 ||
