@@ -189,6 +189,20 @@ static void encode_row(ember_serve_precision p, const float *x, uint32_t dim, ui
     }
 }
 
+/* The first value of x that p cannot hold (dim when all fit), rather than serve it changed:
+ * fp16 rounds a magnitude of 65520 or more to inf; int8 quantizes a NaN to -127 (served as
+ * -max), and an inf, or a max whose scale * 127 overflows, serves the row as NaN or inf. */
+static uint32_t row_unfit(ember_serve_precision p, const float *x, uint32_t dim)
+{
+    for (uint32_t j = 0; p != EMBER_SERVE_FP32 && j < dim; j++) {
+        float a = fabsf(x[j]);
+        if (p == EMBER_SERVE_FP16 ? isfinite(a) && a >= 65520.0f
+                                  : !isfinite(a) || !isfinite(127.0f * (a / 127.0f)))
+            return j;
+    }
+    return dim;
+}
+
 static int u64_cmp(const void *a, const void *b)
 {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -226,6 +240,14 @@ int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t d
                 goto out;
             }
             s = (s + 1) & (slots - 1);
+        }
+        uint32_t bad = row_unfit(w->prec, rows + i * dim, dim);
+        if (bad < dim) {
+            rc = cm_err(errptr, CM_EINVAL,
+                        "table %s key %" PRIu64 ": value %g (column %u) cannot be stored as %s; "
+                        "export it as fp32",
+                        name, keys[i], (double)rows[i * dim + bad], bad, prec_names[w->prec]);
+            goto out;
         }
         index[s] = (slot_ent){keys[i], (uint32_t)i, 0};
         encode_row(w->prec, rows + i * dim, dim, enc + i * rb);

@@ -3,10 +3,15 @@
  * accepts opens and serves what it was given, and what a bundle cannot hold is refused by the
  * writer with a message naming the table, never written as a bundle that ember_serve_open then
  * refuses (or serves wrongly).
- *   - a table dim past what the reader takes (65536).
+ *   - a table dim past what the reader takes (65536);
+ *   - values the precision cannot hold (fp16 past 65504, int8 NaN / inf / FLT_MAX), beside the
+ *     edge values it can (the largest half, a row of zeros, a subnormal or a 3e38 maximum).
  * Every bundle is a logistic regression ("kind lr", one "lin" table of dim 1, a tower of
  * dense + 1 values), so each case writes a few KB and runs in milliseconds.
  */
+#include <float.h>
+#include <math.h>
+
 #include "serve_util.h"
 
 static const char *model = "kind lr\nfields 2\ndense 1\ndim 1\n";
@@ -36,18 +41,19 @@ static int write_lr(const char *dir, ember_serve_precision prec, uint32_t extra_
     return rc;
 }
 
-/* What the writer refused: its message names needle, and no bundle (nor its temp) is left. */
+/* What the writer refused (rc < 0; rc >= 0 is accepted): its message names needle, and no
+ * bundle (nor its temp) is left. */
 static void expect_writer_refused(const char *what, const char *dir, int rc, char *err,
                                   const char *needle)
 {
-    CHECK_MSG(rc != 0, "%s: the writer accepted it", what);
-    CHECK_MSG(rc == 0 || (err && strstr(err, needle)), "%s: message '%s' does not name '%s'", what,
+    CHECK_MSG(rc < 0, "%s: the writer accepted it", what);
+    CHECK_MSG(rc >= 0 || (err && strstr(err, needle)), "%s: message '%s' does not name '%s'", what,
               err ? err : "(none)", needle);
     char tmp[8400];
     snprintf(tmp, sizeof tmp, "%s.tmp", dir);
     CHECK_MSG(access(dir, F_OK) != 0 && access(tmp, F_OK) != 0, "%s: %s left behind", what, dir);
-    if (rc != 0) fprintf(stderr, "    refused as expected (%s): %s\n", what, err ? err : "(none)");
-    if (rc == 0) {
+    if (rc < 0) fprintf(stderr, "    refused as expected (%s): %s\n", what, err ? err : "(none)");
+    if (rc >= 0) {
         /* what the reader says of the bundle the writer should not have written */
         ember_serve *h = NULL;
         char *e2 = NULL;
@@ -75,6 +81,77 @@ static void dim_too_large(void)
     free(row);
 }
 
+/* Writes one row of table x at prec; 0 when the writer took it and the bundle serves it back
+ * within tol (relative to the row's largest magnitude), 1 (reported) when it was written but
+ * serves something else, or the writer's (negative) code with its message in *err. */
+static int round_trip(const char *name, ember_serve_precision prec, const float *row, uint32_t dim,
+                      float tol, char **err)
+{
+    int rc = write_lr(su_path(name), prec, dim, row, 1, err);
+    if (rc != 0) return rc;
+    ember_serve *h = su_open(su_path(name), NULL);
+    int t = h ? ember_serve_table(h, "x") : -1;
+    const uint64_t key = 1;
+    float out[16];
+    uint8_t found = 0;
+    rc =
+        t >= 0 && dim <= 16 && ember_serve_lookup(h, t, &key, 1, out, &found) == 0 && found ? 0 : 1;
+    float amax = 0;
+    for (uint32_t j = 0; j < dim; j++)
+        amax = fabsf(row[j]) > amax ? fabsf(row[j]) : amax;
+    for (uint32_t j = 0; rc == 0 && j < dim; j++)
+        if (!(fabsf(out[j] - row[j]) <= tol * amax)) { /* a NaN or an inf fails too */
+            fprintf(stderr, "    %s: value %u is %g, written %g\n", name, j, (double)out[j],
+                    (double)row[j]);
+            rc = 1;
+        }
+    ember_serve_close(h);
+    return rc;
+}
+
+/* Values a precision cannot hold are refused, naming the table and key, not served changed:
+ * fp16 past 65504 (rounds to inf); int8 with a NaN (quantized to -127, served as -max) or an
+ * inf (scale inf, the whole row served as NaN), or a max so large the scale * 127 overflows. */
+static void unrepresentable(void)
+{
+    fprintf(stderr, "--- values a precision cannot hold\n");
+    const float big = 70000.0f, inf = INFINITY, nan = NAN, huge = FLT_MAX;
+    const struct {
+        ember_serve_precision prec;
+        float v;
+        int ok;
+        float tol;
+        const char *what;
+    } cases[] = {
+        {EMBER_SERVE_FP16, 65504.0f, 1, 0.0f, "fp16 65504 (the largest half)"},
+        {EMBER_SERVE_FP16, -65519.0f, 1, 1e-3f, "fp16 -65519 (rounds to -65504)"},
+        {EMBER_SERVE_FP16, big, 0, 0, "fp16 70000"},
+        {EMBER_SERVE_FP16, -big, 0, 0, "fp16 -70000"},
+        {EMBER_SERVE_INT8, 0.0f, 1, 0.0f, "int8 a row of zeros"},
+        {EMBER_SERVE_INT8, 3e38f, 1, 0.01f, "int8 3e38"},
+        {EMBER_SERVE_INT8, 1e-40f, 1, 0.01f, "int8 a subnormal max"},
+        {EMBER_SERVE_INT8, huge, 0, 0, "int8 FLT_MAX"},
+        {EMBER_SERVE_INT8, inf, 0, 0, "int8 inf"},
+        {EMBER_SERVE_INT8, nan, 0, 0, "int8 NaN"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        /* the value beside ordinary ones (zeros when the case is the zero row) */
+        float row[4] = {0.5f, cases[i].v, -0.25f, 0.125f};
+        if (cases[i].v == 0.0f) row[0] = row[2] = row[3] = 0.0f;
+        if (cases[i].v == 1e-40f) row[0] = row[2] = row[3] = 1e-41f;
+        char name[32];
+        snprintf(name, sizeof name, "val-%zu", i);
+        char *err = NULL;
+        int rc = round_trip(name, cases[i].prec, row, 4, cases[i].tol, &err);
+        if (cases[i].ok) {
+            CHECK_MSG(rc == 0, "%s: %s", cases[i].what, rc > 0 || !err ? "served changed" : err);
+            free(err);
+        } else {
+            expect_writer_refused(cases[i].what, su_path(name), rc, err, "table x key 1");
+        }
+    }
+}
+
 int main(void)
 {
     if (su_init("serve_writer") != 0) return check_done();
@@ -98,5 +175,6 @@ int main(void)
         ember_serve_close(h);
     }
     dim_too_large();
+    unrepresentable();
     return check_done();
 }
