@@ -82,8 +82,7 @@ struct ember_serve_writer {
     uint64_t step, base_step;
     char manifest[8192];
     size_t mlen;
-    char tables[1024];
-    size_t tlen;
+    int n_tables; /* at most SERVE_MAX_TABLES: what layer_open maps */
 };
 
 static void manifest_add(ember_serve_writer *w, const char *fmt, ...)
@@ -217,6 +216,9 @@ int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t d
     if (dim == 0 || dim > MAX_DIM || n >= EMPTY_ROW || strlen(name) > 64)
         return cm_err(errptr, CM_EINVAL, "table %s: dim %u or %" PRIu64 " rows out of range", name,
                       dim, n);
+    if (w->n_tables == SERVE_MAX_TABLES)
+        return cm_err(errptr, CM_EINVAL, "table %s: a bundle holds at most %d tables", name,
+                      SERVE_MAX_TABLES);
     uint64_t slots = 16;
     while (slots < n + n / 4 + 1)
         slots <<= 1; /* load factor at most 0.8 */
@@ -268,7 +270,10 @@ int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t d
     const void *parts[4] = {&h, index, enc, del};
     size_t lens[4] = {sizeof h, slots * sizeof *index, n * rb, n_deleted * sizeof *del};
     rc = write_parts(w, fname, parts, lens, 4, true, errptr);
-    if (rc == CM_OK) manifest_add(w, "table %s %u %" PRIu64 "\n", name, dim, n);
+    if (rc == CM_OK) {
+        manifest_add(w, "table %s %u %" PRIu64 "\n", name, dim, n);
+        w->n_tables++;
+    }
 out:
     free(index);
     free(enc);

@@ -5,7 +5,8 @@
  * refuses (or serves wrongly).
  *   - a table dim past what the reader takes (65536);
  *   - values the precision cannot hold (fp16 past 65504, int8 NaN / inf / FLT_MAX), beside the
- *     edge values it can (the largest half, a row of zeros, a subnormal or a 3e38 maximum).
+ *     edge values it can (the largest half, a row of zeros, a subnormal or a 3e38 maximum);
+ *   - a ninth table (a bundle maps at most 8).
  * Every bundle is a logistic regression ("kind lr", one "lin" table of dim 1, a tower of
  * dense + 1 values), so each case writes a few KB and runs in milliseconds.
  */
@@ -152,6 +153,33 @@ static void unrepresentable(void)
     }
 }
 
+/* A bundle holds at most 8 tables (what ember_serve_open maps): the writer refuses a ninth,
+ * naming it, rather than commit a bundle the reader refuses as a whole. */
+static void too_many_tables(void)
+{
+    fprintf(stderr, "--- more tables than a bundle holds\n");
+    const uint64_t key = 1;
+    const float one = 1.0f;
+    ember_serve_writer *w = NULL;
+    char *err = NULL;
+    const char *dir = su_path("tables-9");
+    int rc = ember_serve_writer_create(dir, EMBER_SERVE_FP32, 0, 7, 0, &w, &err);
+    if (rc == 0) rc = ember_serve_writer_model(w, model, &err);
+    if (rc == 0) rc = ember_serve_writer_dense(w, tower, 2, &err);
+    if (rc == 0) rc = ember_serve_writer_table(w, "lin", 1, &key, &one, 1, NULL, 0, &err);
+    for (int i = 0; rc == 0 && i < 8; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "t%d", i);
+        rc = ember_serve_writer_table(w, name, 1, &key, &one, 1, NULL, 0, &err);
+    }
+    if (rc == 0) {
+        rc = ember_serve_writer_commit(w, &err);
+        w = NULL;
+    }
+    ember_serve_writer_abort(w);
+    expect_writer_refused("a ninth table", dir, rc, err, "table t7");
+}
+
 int main(void)
 {
     if (su_init("serve_writer") != 0) return check_done();
@@ -176,5 +204,6 @@ int main(void)
     }
     dim_too_large();
     unrepresentable();
+    too_many_tables();
     return check_done();
 }
