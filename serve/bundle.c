@@ -83,6 +83,7 @@ struct ember_serve_writer {
     char manifest[8192];
     size_t mlen;
     int n_tables; /* at most SERVE_MAX_TABLES: what layer_open maps */
+    char table_names[SERVE_MAX_TABLES][65]; /* each once: layer_open refuses a file listed twice */
 };
 
 static void manifest_add(ember_serve_writer *w, const char *fmt, ...)
@@ -219,6 +220,9 @@ int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t d
     if (w->n_tables == SERVE_MAX_TABLES)
         return cm_err(errptr, CM_EINVAL, "table %s: a bundle holds at most %d tables", name,
                       SERVE_MAX_TABLES);
+    for (int i = 0; i < w->n_tables; i++)
+        if (!strcmp(w->table_names[i], name))
+            return cm_err(errptr, CM_EINVAL, "table %s: written twice", name);
     uint64_t slots = 16;
     while (slots < n + n / 4 + 1)
         slots <<= 1; /* load factor at most 0.8 */
@@ -272,7 +276,7 @@ int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t d
     rc = write_parts(w, fname, parts, lens, 4, true, errptr);
     if (rc == CM_OK) {
         manifest_add(w, "table %s %u %" PRIu64 "\n", name, dim, n);
-        w->n_tables++;
+        snprintf(w->table_names[w->n_tables++], sizeof w->table_names[0], "%s", name);
     }
 out:
     free(index);

@@ -6,7 +6,7 @@
  *   - a table dim past what the reader takes (65536);
  *   - values the precision cannot hold (fp16 past 65504, int8 NaN / inf / FLT_MAX), beside the
  *     edge values it can (the largest half, a row of zeros, a subnormal or a 3e38 maximum);
- *   - a ninth table (a bundle maps at most 8).
+ *   - a ninth table (a bundle maps at most 8), and one table name written twice.
  * Every bundle is a logistic regression ("kind lr", one "lin" table of dim 1, a tower of
  * dense + 1 values), so each case writes a few KB and runs in milliseconds.
  */
@@ -153,31 +153,45 @@ static void unrepresentable(void)
     }
 }
 
+/* Writes dir (fp32) with one 1-row table of dim 1 per name, in order. The writer's code; its
+ * message in *err. */
+static int write_named(const char *dir, const char *const *names, int n, char **err)
+{
+    const uint64_t key = 1;
+    const float one = 1.0f;
+    ember_serve_writer *w = NULL;
+    int rc = ember_serve_writer_create(dir, EMBER_SERVE_FP32, 0, 7, 0, &w, err);
+    if (rc == 0) rc = ember_serve_writer_model(w, model, err);
+    if (rc == 0) rc = ember_serve_writer_dense(w, tower, 2, err);
+    for (int i = 0; rc == 0 && i < n; i++)
+        rc = ember_serve_writer_table(w, names[i], 1, &key, &one, 1, NULL, 0, err);
+    if (rc == 0) {
+        rc = ember_serve_writer_commit(w, err);
+        w = NULL;
+    }
+    ember_serve_writer_abort(w);
+    return rc;
+}
+
 /* A bundle holds at most 8 tables (what ember_serve_open maps): the writer refuses a ninth,
  * naming it, rather than commit a bundle the reader refuses as a whole. */
 static void too_many_tables(void)
 {
     fprintf(stderr, "--- more tables than a bundle holds\n");
-    const uint64_t key = 1;
-    const float one = 1.0f;
-    ember_serve_writer *w = NULL;
+    const char *names[9] = {"lin", "t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7"};
     char *err = NULL;
-    const char *dir = su_path("tables-9");
-    int rc = ember_serve_writer_create(dir, EMBER_SERVE_FP32, 0, 7, 0, &w, &err);
-    if (rc == 0) rc = ember_serve_writer_model(w, model, &err);
-    if (rc == 0) rc = ember_serve_writer_dense(w, tower, 2, &err);
-    if (rc == 0) rc = ember_serve_writer_table(w, "lin", 1, &key, &one, 1, NULL, 0, &err);
-    for (int i = 0; rc == 0 && i < 8; i++) {
-        char name[16];
-        snprintf(name, sizeof name, "t%d", i);
-        rc = ember_serve_writer_table(w, name, 1, &key, &one, 1, NULL, 0, &err);
-    }
-    if (rc == 0) {
-        rc = ember_serve_writer_commit(w, &err);
-        w = NULL;
-    }
-    ember_serve_writer_abort(w);
-    expect_writer_refused("a ninth table", dir, rc, err, "table t7");
+    int rc = write_named(su_path("tables-9"), names, 9, &err);
+    expect_writer_refused("a ninth table", su_path("tables-9"), rc, err, "table t7");
+}
+
+/* A table written twice under one name would be listed twice, which the reader refuses. */
+static void same_table_twice(void)
+{
+    fprintf(stderr, "--- one table name twice\n");
+    const char *names[2] = {"lin", "lin"};
+    char *err = NULL;
+    int rc = write_named(su_path("lin-twice"), names, 2, &err);
+    expect_writer_refused("table lin twice", su_path("lin-twice"), rc, err, "table lin");
 }
 
 int main(void)
@@ -205,5 +219,6 @@ int main(void)
     dim_too_large();
     unrepresentable();
     too_many_tables();
+    same_table_twice();
     return check_done();
 }
