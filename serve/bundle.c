@@ -102,6 +102,13 @@ int ember_serve_writer_create(const char *dir, ember_serve_precision precision, 
                               char **errptr)
 {
     if ((unsigned)precision > EMBER_SERVE_INT8) return cm_err(errptr, CM_EINVAL, "bad precision");
+    /* A delta stacked on its base must move the handle forward (apply_delta refuses one that
+     * does not): --since a checkpoint that is not older is a mistake, caught here. */
+    if (delta && step <= base_step)
+        return cm_err(errptr, CM_EINVAL,
+                      "%s: a delta must be since an older step, not from step %" PRIu64
+                      " to step %" PRIu64,
+                      dir, base_step, step);
     ember_serve_writer *w = calloc(1, sizeof *w);
     if (w == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     size_t n = strlen(dir) + 16;
@@ -548,8 +555,10 @@ int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr)
     int rc = layer_open(delta, &L, errptr);
     if (rc != CM_OK) return rc;
     const serve_layer *top = &h->layers[h->n_layers - 1];
-    if (!L.delta || L.base_step != top->step || strcmp(L.model, top->model) != 0 ||
-        L.n_dense != top->n_dense || L.n_tables != h->layers[0].n_tables) {
+    /* step <= base_step: a delta that would take the handle back (or nowhere). */
+    if (!L.delta || L.step <= L.base_step || L.base_step != top->step ||
+        strcmp(L.model, top->model) != 0 || L.n_dense != top->n_dense ||
+        L.n_tables != h->layers[0].n_tables) {
         layer_close(&L);
         return cm_err(errptr, CM_EINVAL, "%s is not a delta on step %" PRIu64 " of this model",
                       delta, top->step);

@@ -6,7 +6,9 @@
  *   - a table dim past what the reader takes (65536);
  *   - values the precision cannot hold (fp16 past 65504, int8 NaN / inf / FLT_MAX), beside the
  *     edge values it can (the largest half, a row of zeros, a subnormal or a 3e38 maximum);
- *   - a ninth table (a bundle maps at most 8), and one table name written twice.
+ *   - a ninth table (a bundle maps at most 8), and one table name written twice;
+ *   - a delta that does not go forward (step <= base_step): refused by the writer and, edited
+ *     into a bundle, by ember_serve_apply_delta.
  * Every bundle is a logistic regression ("kind lr", one "lin" table of dim 1, a tower of
  * dense + 1 values), so each case writes a few KB and runs in milliseconds.
  */
@@ -194,6 +196,104 @@ static void same_table_twice(void)
     expect_writer_refused("table lin twice", su_path("lin-twice"), rc, err, "table lin");
 }
 
+/* Rewrites dir's table-NAME.bin with step in its header (valid trailer) and its MANIFEST with
+ * "step STEP" and the files' new digests, re-signed: a delta that claims another step. */
+static void restep(const char *dir, const char *const *tables, int n, uint64_t from, uint64_t to)
+{
+    char path[8400];
+    snprintf(path, sizeof path, "%s/MANIFEST", dir);
+    char *m = su_slurp(path, NULL);
+    CHECK(m != NULL);
+    if (m == NULL) return;
+    for (int i = 0; i < n; i++) {
+        char tp[8400];
+        snprintf(tp, sizeof tp, "%s/table-%s.bin", dir, tables[i]);
+        size_t len = 0;
+        char *b = su_slurp(tp, &len);
+        CHECK(b != NULL && len > 72);
+        if (b == NULL) continue;
+        memcpy(b + 48, &to, 8); /* tab_hdr.step */
+        uint64_t d = cm_xxh3(b, len - 8);
+        memcpy(b + len - 8, &d, 8);
+        FILE *f = fopen(tp, "wb");
+        CHECK(f && fwrite(b, 1, len, f) == len && fclose(f) == 0);
+        /* "file table-NAME.bin SIZE DIGEST\n": the digest is the 16 hex digits before '\n' */
+        char line[128];
+        snprintf(line, sizeof line, "file table-%s.bin ", tables[i]);
+        char *l = strstr(m, line), *nl = l ? strchr(l, '\n') : NULL;
+        CHECK(nl != NULL);
+        char hex[17];
+        snprintf(hex, sizeof hex, "%016llx", (unsigned long long)cm_xxh3(b, len));
+        if (nl) memcpy(nl - 16, hex, 16);
+        free(b);
+    }
+    char was[64], now[64];
+    snprintf(was, sizeof was, "\nstep %llu\n", (unsigned long long)from);
+    snprintf(now, sizeof now, "\nstep %llu\n", (unsigned long long)to);
+    char *at = strstr(m, was);
+    CHECK(at != NULL && strlen(was) == strlen(now));
+    if (at) memcpy(at, now, strlen(now));
+    char *cl = strstr(m, "checksum ");
+    sprintf(cl, "checksum %016llx\n", (unsigned long long)cm_xxh3(m, (size_t)(cl - m)));
+    FILE *f = fopen(path, "wb");
+    CHECK(f && fputs(m, f) >= 0 && fclose(f) == 0);
+    free(m);
+}
+
+/* A delta goes forward: step > base_step. The writer refuses one that does not (`ember export
+ * --checkpoint step-20 --since step-40` swapped, or --since the same checkpoint), and so does
+ * apply_delta (a bundle edited, or from an older writer), so a handle never steps back. */
+static void backward_delta(void)
+{
+    fprintf(stderr, "--- deltas that do not go forward\n");
+    const uint64_t steps[2][2] = {{5, 7}, {7, 7}}; /* {step, base_step} */
+    for (int i = 0; i < 2; i++) {
+        ember_serve_writer *w = NULL;
+        char *err = NULL, name[32], what[64];
+        snprintf(name, sizeof name, "back-%d", i);
+        snprintf(what, sizeof what, "a delta from step %llu to %llu",
+                 (unsigned long long)steps[i][1], (unsigned long long)steps[i][0]);
+        int rc = ember_serve_writer_create(su_path(name), EMBER_SERVE_FP32, 1, steps[i][0],
+                                           steps[i][1], &w, &err);
+        ember_serve_writer_abort(w);
+        expect_writer_refused(what, su_path(name), rc, err, "step");
+    }
+    /* the reader: a good delta 7 -> 8, edited to claim step 6 */
+    char *err = NULL;
+    const uint64_t key = 1;
+    const float v = 4.0f;
+    ember_serve_writer *w = NULL;
+    int rc = ember_serve_writer_create(su_path("d8"), EMBER_SERVE_FP32, 1, 8, 7, &w, &err);
+    if (rc == 0) rc = ember_serve_writer_model(w, model, &err);
+    if (rc == 0) rc = ember_serve_writer_dense(w, tower, 2, &err);
+    if (rc == 0) rc = ember_serve_writer_table(w, "lin", 1, &key, &v, 1, NULL, 0, &err);
+    if (rc == 0) {
+        rc = ember_serve_writer_commit(w, &err);
+        w = NULL;
+    }
+    ember_serve_writer_abort(w);
+    CHECK_OK(rc, err);
+    rc = write_lr(su_path("base7"), EMBER_SERVE_FP32, 0, NULL, 0, &err);
+    CHECK_OK(rc, err);
+    ember_serve *h = su_open(su_path("base7"), (const char *[]){su_path("d8"), NULL});
+    CHECK(h != NULL && ember_serve_step(h) == 8);
+    ember_serve_close(h);
+    const char *lin[1] = {"lin"};
+    restep(su_path("d8"), lin, 1, 8, 6);
+    h = su_open(su_path("base7"), NULL);
+    if (h) {
+        rc = ember_serve_apply_delta(h, su_path("d8"), &err);
+        CHECK_MSG(rc != 0, "a delta from step 7 to 6 was applied (step now %llu)",
+                  (unsigned long long)ember_serve_step(h));
+        CHECK_MSG(rc == 0 || (err && strstr(err, "d8")), "message '%s' does not name d8",
+                  err ? err : "(none)");
+        if (rc != 0) fprintf(stderr, "    refused as expected: %s\n", err ? err : "(none)");
+        CHECK(ember_serve_step(h) == 7);
+        free(err);
+    }
+    ember_serve_close(h);
+}
+
 int main(void)
 {
     if (su_init("serve_writer") != 0) return check_done();
@@ -220,5 +320,6 @@ int main(void)
     unrepresentable();
     too_many_tables();
     same_table_twice();
+    backward_delta();
     return check_done();
 }
