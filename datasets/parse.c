@@ -72,7 +72,8 @@ static inline int is_digit(unsigned char c)
 
 /* Numbers with at most 15 significant digits and no exponent are exact in a double and
  * (m / 10^k) is correctly rounded, so the fast path agrees with strtod; anything else goes to
- * strtod on a bounded copy. Only [0-9+-.eE] are accepted (no hex, inf, nan, spaces). */
+ * strtod on a bounded copy. Only [0-9+-.eE] are accepted (no hex, inf, nan, spaces), and only
+ * values that stay finite as a float. */
 static int parse_num(const char *s, size_t n, double *out)
 {
     const char *p = s, *e = s + n;
@@ -113,7 +114,9 @@ slow:;
     buf[n] = '\0';
     char *endp;
     double d = strtod(buf, &endp);
-    if (endp != buf + n || !isfinite(d)) return -1;
+    /* rows hold binary32: a value at or above FLT_MAX + half an ulp would round to inf there
+     * (the fast path's 15 digits never get near it) */
+    if (endp != buf + n || !(fabs(d) < 0x1.ffffffp+127)) return -1;
     *out = d;
     return 0;
 }

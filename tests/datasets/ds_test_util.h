@@ -19,6 +19,22 @@ static inline void write_text(const char *path, const void *data, size_t n)
     fclose(f);
 }
 
+/* A parser for fmt (schema text for csv; libffm with 4 fields); NULL, with a failed check,
+ * when it cannot be made. */
+static inline ds_parser *make_parser(ds_format fmt, const char *schema, int bucketize)
+{
+    ds_parser_opts o;
+    ds_parser_opts_init(&o);
+    o.format = fmt;
+    o.schema_text = schema;
+    o.bucketize = bucketize;
+    o.ffm_fields = 4;
+    ds_parser *p = NULL;
+    char *err = NULL;
+    CHECK_OK(ds_parser_create(&o, &p, &err), err);
+    return p;
+}
+
 /* 1 when both files can be read and hold the same bytes. */
 static inline int same_file(const char *a, const char *b)
 {

@@ -11,16 +11,7 @@ static uint64_t K(const char *s, uint32_t f)
 
 static ds_parser *make(ds_format fmt, const char *schema, int bucketize)
 {
-    ds_parser_opts o;
-    ds_parser_opts_init(&o);
-    o.format = fmt;
-    o.schema_text = schema;
-    o.bucketize = bucketize;
-    o.ffm_fields = 4;
-    ds_parser *p = NULL;
-    char *err = NULL;
-    CHECK_OK(ds_parser_create(&o, &p, &err), err);
-    return p;
+    return make_parser(fmt, schema, bucketize);
 }
 
 /* Parses text; returns rows accepted, fills rep and b. */
