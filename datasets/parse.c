@@ -288,7 +288,9 @@ static inline __attribute__((always_inline)) int put_col(ds_pctx *c, const ds_co
     double v;
     switch (col->role) {
     case COL_LABEL:
-        if (tl == 0 || parse_num_inline(tok, tl, readable, swar, &v) != 0)
+        /* a click label is a probability: the loss and metrics_logloss take [0, 1] only, so a
+         * "2" or "-1" is refused here rather than a run later, far from its line */
+        if (tl == 0 || parse_num_inline(tok, tl, readable, swar, &v) != 0 || !(v >= 0 && v <= 1))
             return reject(c, DS_REJ_LABEL, colno);
         *ro->label = (float)v;
         return 0;

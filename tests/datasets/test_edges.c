@@ -60,8 +60,50 @@ static void test_float_overflow(void)
     }
 }
 
+/* Labels of the delimited formats were any number: a Criteo "2" or "-1" became a row with that
+ * label, which the loss takes as is and metrics_logloss refuses only at the first eval. Click
+ * labels must be in [0, 1] ("1.0" is fine); libsvm/libffm keep mapping > 0 to 1. */
+static void test_label_range(const char *tmp)
+{
+    ds_parser *p = make(DS_FMT_CRITEO);
+    ds_batch b;
+    int reason;
+    if (p) {
+        const char *bad[] = {"2", "-1", "1.5", "-0.5", "100"};
+        for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+            CHECK_MSG(parse_one(p, criteo_line(bad[i], "1"), &b, &reason) == 0 &&
+                          reason == DS_REJ_LABEL,
+                      "label %s", bad[i]);
+        const char *good[] = {"0", "1", "1.0", "0.0", "-0", "0.25"};
+        const float want[] = {0, 1, 1, 0, 0, 0.25f};
+        for (size_t i = 0; i < sizeof good / sizeof good[0]; i++)
+            CHECK_MSG(parse_one(p, criteo_line(good[i], "1"), &b, &reason) == 1 &&
+                          b.labels[0] == want[i],
+                      "label %s", good[i]);
+        ds_parser_destroy(p);
+    }
+    p = make(DS_FMT_LIBSVM);
+    if (p) {
+        CHECK(parse_one(p, "-1 3:1", &b, &reason) == 1 && b.labels[0] == 0.0f);
+        CHECK(parse_one(p, "+1 3:1", &b, &reason) == 1 && b.labels[0] == 1.0f);
+        ds_parser_destroy(p);
+    }
+    /* through ember's ingest: Avazu's click column, counted and reported as label rejects */
+    char *in = join(tmp, "avazu.csv");
+    const char *text = "id,click,hour,C1\n1,0,14102100,a\n2,2,14102100,b\n3,1,14102100,c\n";
+    write_text(in, text, strlen(text));
+    const char *inputs[1] = {in};
+    ds_ingest_result r;
+    char *err = NULL;
+    CHECK_OK(ingest_files(DS_FMT_AVAZU, NULL, inputs, 1, join(tmp, "out_label"), 1, &r, &err), err);
+    CHECK(r.rows_in == 3 && r.rows_written == 2 && r.rows_rejected == 1 &&
+          r.rejected_by_reason[DS_REJ_LABEL] == 1 && r.clicks == 1);
+}
+
 int main(void)
 {
+    const char *tmp = check_tmpdir("ds_edges");
     test_float_overflow();
+    test_label_range(tmp);
     return check_done();
 }

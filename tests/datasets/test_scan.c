@@ -100,7 +100,12 @@ static size_t valid_line(ds_format fmt, char *buf)
             continue;
         }
         size_t len = next_rand() % (numeric ? 6 : 24);
-        if (c == 0 || (fmt == DS_FMT_CRITEO_CSV && c == 1)) len = 1 + len % 3;
+        int label = fmt == DS_FMT_CRITEO_CSV || fmt == DS_FMT_AVAZU ? c == 1 : c == 0;
+        if (label) { /* labels are 0 or 1 (others are rejects) */
+            buf[n++] = (char)('0' + next_rand() % 2);
+            continue;
+        }
+        if (c == 0) len = 1 + len % 3;
         for (size_t i = 0; i < len; i++)
             buf[n++] = numeric ? (char)('0' + next_rand() % 10) : tokc[next_rand() % 16];
         if (!numeric && fmt != DS_FMT_CRITEO && next_rand() % 4 == 0) { /* quoted field */
