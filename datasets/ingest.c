@@ -84,6 +84,14 @@ static chunk *slot_of(ingest *g, uint64_t seq)
 
 /* ---- reader thread ---- */
 
+/* Bytes of a UTF-8 byte order mark at the start of an input (0 or 3). Windows tools write one
+ * before CSV text; left in place it would stick to the first header name (Avazu's id column
+ * would become a field) or the first row's label. */
+static size_t bom_len(const uint8_t *p, size_t n)
+{
+    return n >= 3 && p[0] == 0xef && p[1] == 0xbb && p[2] == 0xbf ? 3 : 0;
+}
+
 /* Reads until buf holds want bytes or the input ends. */
 static int fill(ingest *g, ds_input *in, uint8_t *buf, size_t *len, size_t want, int *eof,
                 char **errptr)
@@ -186,16 +194,20 @@ static int read_mapped(ingest *g, uint32_t f, int fd, char **errptr)
     const char *path = g->o->inputs[f];
     int rc = CM_OK;
     g->file_plans[f] = g->base;
+    pos = bom_len(map, size);
+    __atomic_add_fetch(&g->bytes_in, pos, __ATOMIC_RELAXED);
     if (g->base->header) {
-        const uint8_t *nl = memchr(map, '\n', size < cb ? size : cb);
-        if (nl == NULL && size >= cb) {
+        const uint8_t *h = map + pos;
+        size_t left = size - pos;
+        const uint8_t *nl = memchr(h, '\n', left < cb ? left : cb);
+        if (nl == NULL && left >= cb) {
             rc = cm_err(errptr, CM_EINVAL, "%s: header line too long", path);
             goto out;
         }
-        size_t hl = nl ? (size_t)(nl - map) : size;
+        size_t hl = nl ? (size_t)(nl - h) : left;
         ds_plan *p = NULL;
         char *err = NULL;
-        rc = ds_plan_from_header(g->base, (const char *)map, hl, &p, &err);
+        rc = ds_plan_from_header(g->base, (const char *)h, hl, &p, &err);
         if (rc != CM_OK) {
             rc = cm_err(errptr, rc, "%s:1: %s", path, err);
             free(err);
@@ -210,8 +222,9 @@ static int read_mapped(ingest *g, uint32_t f, int fd, char **errptr)
                     goto out;
                 }
         }
-        pos = nl ? hl + 1 : hl;
-        __atomic_add_fetch(&g->bytes_in, pos, __ATOMIC_RELAXED);
+        size_t used = nl ? hl + 1 : hl;
+        pos += used;
+        __atomic_add_fetch(&g->bytes_in, used, __ATOMIC_RELAXED);
     }
     while (pos < size) {
         chunk *c = acquire_slot(g);
@@ -270,9 +283,12 @@ static int read_file(ingest *g, uint32_t f, uint8_t *carry, char **errptr)
         ds_input_close(in);
         return rc;
     }
-    rc = CM_OK;
     g->file_plans[f] = g->base;
-    if (g->base->header) rc = read_header(g, f, in, carry, &carry_len, &eof, errptr);
+    /* the first 3 bytes decide on a byte order mark; what is not one stays as carry, so the
+     * chunks are cut where read_mapped cuts them */
+    rc = fill(g, in, carry, &carry_len, 3, &eof, errptr);
+    if (rc == CM_OK && bom_len(carry, carry_len)) carry_len = 0;
+    if (rc == CM_OK && g->base->header) rc = read_header(g, f, in, carry, &carry_len, &eof, errptr);
     while (rc == CM_OK && (carry_len > 0 || !eof)) {
         chunk *c = acquire_slot(g);
         if (c == NULL) break;
