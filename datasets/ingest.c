@@ -533,6 +533,13 @@ static int open_outputs(ingest *g, outset *os, const ds_schema *schema, char **e
     return rc;
 }
 
+/* The plan of the first input: its header's where the format has one (the base plan's schema
+ * is empty until a header is read), which every later input had to match. */
+static const ds_plan *first_plan(const ingest *g)
+{
+    return g->file_plans[0] ? g->file_plans[0] : g->base;
+}
+
 static void report_rejects(ingest *g, const chunk *c, uint64_t line_base, uint64_t *reported,
                            FILE *log)
 {
@@ -622,8 +629,8 @@ static int run_writer(ingest *g, outset *os, ds_ingest_result *res, double t0, c
     if (o->progress) progress(g, res, t0, log, 1);
     if (rc == CM_OK && g->reader_rc != CM_OK)
         rc = cm_err(errptr, g->reader_rc, "%s", g->reader_err ? g->reader_err : "input failed");
-    if (rc == CM_OK && !os->opened)
-        rc = open_outputs(g, os, &g->base->schema, errptr); /* no rows at all: empty shards */
+    if (rc == CM_OK && !os->opened) /* no chunk at all: empty shards */
+        rc = open_outputs(g, os, &first_plan(g)->schema, errptr);
     if (res->rows_rejected && reported < res->rows_rejected) {
         fprintf(log, "ingest: %llu malformed lines in all (", (unsigned long long)res->rows_rejected);
         const char *sep = "";
@@ -822,7 +829,7 @@ int ds_ingest_run(const ds_ingest_opts *o, ds_ingest_result *res, char **errptr)
         if (g.workers[i].started) pthread_join(g.workers[i].tid, NULL);
     res->bytes_in = g.bytes_in;
     if (rc == CM_OK) {
-        const ds_plan *p0 = g.file_plans[0] ? g.file_plans[0] : g.base;
+        const ds_plan *p0 = first_plan(&g);
         if (ds_stats_init(&total, p0->n_dense, p0->n_fields) != CM_OK)
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         for (int i = 0; rc == CM_OK && i < g.n_workers; i++)

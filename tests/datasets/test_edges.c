@@ -179,11 +179,46 @@ static void test_bom(const char *tmp)
     CHECK(r.rows_written == 1 && r.rejected_by_reason[DS_REJ_LABEL] == 1);
 }
 
+/* An input of header formats with no data rows (a header line only) gave shards with the empty
+ * schema of the format before any header (no dense values, no fields, no label) while
+ * stats.json had the header's: the shards no longer said what the columns were, and a trainer
+ * pointed at them, or at them together with a later ingest's, was told nothing useful. */
+static void test_header_only(const char *tmp)
+{
+    ds_ingest_result r;
+    const char *f0;
+    for (int gz = 0; gz < 2; gz++) {
+        ingest_text(tmp, DS_FMT_CRITEO_CSV, "Id,Label,I1,C1,C2\r\n", gz, "hdr_ccsv", &r, &f0);
+        CHECK_MSG(r.rows_in == 0 && strcmp(f0, "C1") == 0, "criteo-csv gz=%d: first field '%s'", gz,
+                  f0);
+        ingest_text(tmp, DS_FMT_AVAZU, "id,click,hour,C1", gz, "hdr_avazu", &r, &f0);
+        CHECK_MSG(r.rows_in == 0 && strcmp(f0, "hour_of_day") == 0, "avazu gz=%d: first field '%s'",
+                  gz, f0);
+    }
+    const char *dir = join(tmp, "hdr_ccsv/train");
+    ds_reader_opts o;
+    ds_reader_opts_init(&o);
+    o.paths = &dir;
+    o.n_paths = 1;
+    ds_reader *rd = NULL;
+    char *err = NULL;
+    CHECK_OK(ds_reader_open(&o, &rd, &err), err);
+    if (rd) {
+        const ds_schema *s = ds_reader_schema(rd);
+        CHECK(s->n_dense == 1 && s->n_fields == 2 && s->has_label &&
+              strcmp(s->dense_names[0], "I1") == 0);
+        const ds_batch *b;
+        CHECK(ds_reader_next(rd, &b, &err) == 0);
+        ds_reader_destroy(rd);
+    }
+}
+
 int main(void)
 {
     const char *tmp = check_tmpdir("ds_edges");
     test_float_overflow();
     test_label_range(tmp);
     test_bom(tmp);
+    test_header_only(tmp);
     return check_done();
 }
