@@ -744,6 +744,44 @@ static int check_opts(const ds_ingest_opts *o, char **errptr)
     return CM_OK;
 }
 
+typedef struct file_id {
+    dev_t dev;
+    ino_t ino;
+    size_t input;
+} file_id;
+
+static int cmp_file_id(const void *a, const void *b)
+{
+    const file_id *x = a, *y = b;
+    if (x->dev != y->dev) return x->dev < y->dev ? -1 : 1;
+    if (x->ino != y->ino) return x->ino < y->ino ? -1 : 1;
+    return x->input < y->input ? -1 : x->input > y->input;
+}
+
+/* The same regular file given twice (a repeated glob, "x" and "./x") would have every row
+ * ingested twice without a word; it is refused, naming both. Files are told apart by device
+ * and inode, not by name, so a/part.tsv and b/part.tsv are two inputs. Paths that cannot be
+ * stat'ed are left to the reader, which names them when it opens them. */
+static int check_distinct_inputs(const ds_ingest_opts *o, char **errptr)
+{
+    int rc = CM_OK;
+    size_t n = 0;
+    file_id *ids = malloc(o->n_inputs * sizeof *ids);
+    if (ids == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    for (size_t i = 0; i < o->n_inputs; i++) {
+        struct stat st;
+        if (stat(o->inputs[i], &st) == 0 && S_ISREG(st.st_mode))
+            ids[n++] = (file_id){st.st_dev, st.st_ino, i};
+    }
+    qsort(ids, n, sizeof *ids, cmp_file_id);
+    for (size_t i = 1; i < n && rc == CM_OK; i++)
+        if (ids[i].dev == ids[i - 1].dev && ids[i].ino == ids[i - 1].ino)
+            rc = cm_err(errptr, CM_EINVAL, "input %s is %s again: a file given twice",
+                        o->inputs[ids[i].input], o->inputs[ids[i - 1].input]);
+    free(ids);
+    return rc;
+}
+
 static void finish_outputs(ingest *g, outset *os, int ok, ds_ingest_result *res, int *rc,
                            char **errptr)
 {
@@ -771,7 +809,8 @@ int ds_ingest_run(const ds_ingest_opts *o, ds_ingest_result *res, char **errptr)
     pthread_t reader;
     int reader_started = 0;
     memset(res, 0, sizeof *res);
-    if ((rc = check_opts(o, errptr)) != CM_OK) return rc;
+    if ((rc = check_opts(o, errptr)) != CM_OK || (rc = check_distinct_inputs(o, errptr)) != CM_OK)
+        return rc;
     g.o = o;
     g.chunk_bytes = o->chunk_bytes ? o->chunk_bytes : (size_t)4 << 20;
     g.block_rows = o->block_rows ? o->block_rows : DS_DEFAULT_BLOCK_ROWS;

@@ -213,6 +213,41 @@ static void test_header_only(const char *tmp)
     }
 }
 
+/* The same file given twice (a repeated glob, "x" and "./x") was read twice: every row doubled,
+ * with nothing said. It is now refused, naming both; two files that only share a base name
+ * (a/part.tsv, b/part.tsv) are two inputs. */
+static void test_same_input_twice(const char *tmp)
+{
+    char a[2048], b[2048], dot[4096];
+    snprintf(a, sizeof a, "%s/twice_a", tmp);
+    snprintf(b, sizeof b, "%s/twice_b", tmp);
+    char *err = NULL;
+    CHECK_OK(cm_mkdirs(a, &err), err);
+    CHECK_OK(cm_mkdirs(b, &err), err);
+    char text[2048];
+    snprintf(text, sizeof text, "%s\n", criteo_line("1", "3"));
+    char pa[4096], pb[4096];
+    snprintf(pa, sizeof pa, "%s/part.tsv", a);
+    snprintf(pb, sizeof pb, "%s/part.tsv", b);
+    write_text(pa, text, strlen(text));
+    write_text(pb, text, strlen(text));
+    snprintf(dot, sizeof dot, "%s/./part.tsv", a);
+    ds_ingest_result r;
+    const char *same[2] = {pa, pa}, *alias[3] = {pb, pa, dot}, *two[2] = {pa, pb};
+    CHECK(ingest_files(DS_FMT_CRITEO, NULL, same, 2, join(tmp, "twice1"), 1, &r, &err) ==
+          CM_EINVAL);
+    CHECK_MSG(err && strstr(err, pa) && strstr(err, "twice"), "%s", err ? err : "(none)");
+    free(err);
+    err = NULL;
+    CHECK(ingest_files(DS_FMT_CRITEO, NULL, alias, 3, join(tmp, "twice2"), 1, &r, &err) ==
+          CM_EINVAL);
+    CHECK_MSG(err && strstr(err, dot) && strstr(err, pa), "%s", err ? err : "(none)");
+    free(err);
+    err = NULL;
+    CHECK_OK(ingest_files(DS_FMT_CRITEO, NULL, two, 2, join(tmp, "twice3"), 1, &r, &err), err);
+    CHECK(r.rows_written == 2);
+}
+
 int main(void)
 {
     const char *tmp = check_tmpdir("ds_edges");
@@ -220,5 +255,6 @@ int main(void)
     test_label_range(tmp);
     test_bom(tmp);
     test_header_only(tmp);
+    test_same_input_twice(tmp);
     return check_done();
 }
