@@ -107,7 +107,8 @@ int cmd_ingest(int argc, char **argv)
         } else if (strcmp(a, "--eval-fraction") == 0) {
             char *end;
             o.eval_fraction = strtod(v, &end);
-            if (*end != '\0' || !(o.eval_fraction >= 0 && o.eval_fraction < 1)) {
+            /* end == v: an empty value, which strtod reads as 0 */
+            if (end == v || *end != '\0' || !(o.eval_fraction >= 0 && o.eval_fraction < 1)) {
                 fprintf(stderr, "ember ingest: --eval-fraction takes a number in [0, 1)\n");
                 goto usage;
             }

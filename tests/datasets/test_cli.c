@@ -81,6 +81,9 @@ int main(void)
     CHECK(run("ingest --format csv --out x y", NULL) == 2);
     CHECK(run("ingest --format criteo --out x --shards 0 y", NULL) == 2);
     CHECK(run("ingest --format criteo --out x --eval-fraction 1.5 y", NULL) == 2);
+    /* an empty value is not 0 (it was: no eval split, and no word about the option) */
+    CHECK(run("ingest --format criteo --out x --eval-fraction '' y", NULL) == 2);
+    CHECK(strstr(stderr_text(), "--eval-fraction") != NULL);
     CHECK(run("ingest --help", NULL) == 0);
 
     /* a file with 50 good lines and 3 bad ones at known lines */
