@@ -9,7 +9,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include "ps/ps.h"
@@ -126,39 +128,61 @@ static int load_table(const char *ckpt, const char *name, rows *t, char **errptr
     return rc;
 }
 
+/* s as the body of a JSON string: quotes, backslashes and control characters escaped (the
+ * model text has line breaks; a table name could hold anything its config file allowed). */
+static void json_str(FILE *f, const char *s)
+{
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            fprintf(f, "\\%c", *p);
+        else if (*p == '\n')
+            fputs("\\n", f);
+        else if (*p < 0x20)
+            fprintf(f, "\\u%04x", *p);
+        else
+            fputc(*p, f);
+    }
+}
+
 /* safetensors: u64 header length, JSON header, then the tensors' bytes. */
 static int write_safetensors(const char *out, const char *model, char (*names)[PS_NAME_MAX],
                              const rows *tabs, uint32_t n_tabs, const float *tower, uint64_t n_tower,
                              uint64_t step, char **errptr)
 {
-    size_t hcap = 65536;
-    char *hdr = malloc(hcap);
-    if (hdr == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    char *hdr = NULL;
     size_t len = 0;
+    FILE *h = open_memstream(&hdr, &len);
+    if (h == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     uint64_t off = 0;
-    len += (size_t)snprintf(hdr + len, hcap - len, "{");
+    fputc('{', h);
     for (uint32_t i = 0; i < n_tabs; i++) {
         uint64_t kb = tabs[i].n * 8, wb = tabs[i].n * tabs[i].dim * 4;
-        len += (size_t)snprintf(hdr + len, hcap - len,
-                                "\"%s.keys\":{\"dtype\":\"U64\",\"shape\":[%" PRIu64 "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]},"
-                                "\"%s.weights\":{\"dtype\":\"F32\",\"shape\":[%" PRIu64 ",%u],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]},",
-                                names[i], tabs[i].n, off, off + kb, names[i], tabs[i].n, tabs[i].dim,
-                                off + kb, off + kb + wb);
+        fputc('"', h);
+        json_str(h, names[i]);
+        fprintf(h,
+                ".keys\":{\"dtype\":\"U64\",\"shape\":[%" PRIu64 "],\"data_offsets\":[%" PRIu64
+                ",%" PRIu64 "]},\"",
+                tabs[i].n, off, off + kb);
+        json_str(h, names[i]);
+        fprintf(h,
+                ".weights\":{\"dtype\":\"F32\",\"shape\":[%" PRIu64
+                ",%u],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]},",
+                tabs[i].n, tabs[i].dim, off + kb, off + kb + wb);
         off += kb + wb;
     }
-    len += (size_t)snprintf(hdr + len, hcap - len,
-                            "\"tower\":{\"dtype\":\"F32\",\"shape\":[%" PRIu64 "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]},"
-                            "\"__metadata__\":{\"step\":\"%" PRIu64 "\",\"model\":\"",
-                            n_tower, off, off + n_tower * 4, step);
-    for (const char *p = model; *p && len + 4 < hcap; p++) {
-        if (*p == '\n') len += (size_t)snprintf(hdr + len, hcap - len, "\\n");
-        else hdr[len++] = *p;
-    }
-    len += (size_t)snprintf(hdr + len, hcap - len, "\"}}");
-    while (len % 8) hdr[len++] = ' '; /* the format pads the header with spaces */
-    if (len + 16 >= hcap) {
+    fprintf(h,
+            "\"tower\":{\"dtype\":\"F32\",\"shape\":[%" PRIu64 "],\"data_offsets\":[%" PRIu64
+            ",%" PRIu64 "]},\"__metadata__\":{\"step\":\"%" PRIu64 "\",\"model\":\"",
+            n_tower, off, off + n_tower * 4, step);
+    json_str(h, model);
+    fputs("\"}}", h);
+    while (ftell(h) % 8)
+        fputc(' ', h); /* the format pads the header with spaces */
+    bool ok = !ferror(h);
+    if (fclose(h) != 0) ok = false;
+    if (!ok) {
         free(hdr);
-        return cm_err(errptr, CM_ERR, "safetensors header too long");
+        return cm_err(errptr, CM_ENOMEM, "out of memory for the safetensors header");
     }
     cm_afile f;
     uint64_t hl = len;
@@ -177,16 +201,21 @@ static int write_safetensors(const char *out, const char *model, char (*names)[P
 }
 
 /* RocksDB: out/<table>/ maps the key (8 bytes big-endian) to a record {key, dim fp32};
- * out/model.txt and out/tower.f32 beside them. */
+ * out/model.txt and out/tower.f32 beside them. Built in a folder beside out and swapped in
+ * whole (cm_dir_swap), as a bundle is: a failed export leaves out as it was, and a table of an
+ * earlier export into out does not stay beside this one's. */
 static int write_rocksdb(const char *out, const char *model, char (*names)[PS_NAME_MAX],
                          const rows *tabs, uint32_t n_tabs, const float *tower, uint64_t n_tower,
                          char **errptr)
 {
-    char path[4200];
-    int rc = cm_mkdirs(out, errptr);
+    char tmp[4200], path[8400];
+    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp-%ld", out, (long)getpid()) >= sizeof tmp)
+        return cm_err(errptr, CM_EINVAL, "--out path too long");
+    int rc = cm_rmtree(tmp, errptr);
+    if (rc == CM_OK) rc = cm_mkdirs(tmp, errptr);
     for (uint32_t i = 0; rc == CM_OK && i < n_tabs; i++) {
         size_t rec = 8 + 4 * (size_t)tabs[i].dim;
-        snprintf(path, sizeof path, "%s/%s", out, names[i]);
+        snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
         emb_store *st = NULL;
         rc = emb_store_create("rocksdb", path, rec, &st, errptr);
         uint8_t *buf = rc == CM_OK ? malloc(4096 * rec) : NULL;
@@ -202,11 +231,46 @@ static int write_rocksdb(const char *out, const char *model, char (*names)[PS_NA
         free(buf);
         emb_store_destroy(st);
     }
-    snprintf(path, sizeof path, "%s/model.txt", out);
+    snprintf(path, sizeof path, "%s/model.txt", tmp);
     if (rc == CM_OK) rc = cm_write_file_atomic(path, model, strlen(model), errptr);
-    snprintf(path, sizeof path, "%s/tower.f32", out);
+    snprintf(path, sizeof path, "%s/tower.f32", tmp);
     if (rc == CM_OK) rc = cm_write_file_atomic(path, tower, n_tower * 4, errptr);
+    if (rc == CM_OK) rc = cm_dir_swap(tmp, out, errptr);
+    if (rc != CM_OK) (void)cm_rmtree(tmp, NULL);
     return rc;
+}
+
+/* Whether out may take this export: absent, an empty folder, or an earlier export of the same
+ * format (a bundle or a RocksDB export is swapped in as a whole folder, which deletes what was
+ * there: a folder of anything else, named by mistake, is refused instead). safetensors is one
+ * file, replaced by rename: a folder there is refused. */
+static int check_out(const char *out, bool dir_format, const char *marker, const char *marker2,
+                     char **errptr)
+{
+    struct stat st;
+    if (lstat(out, &st) != 0) return CM_OK;
+    if (!dir_format)
+        return S_ISDIR(st.st_mode) ? cm_err(errptr, CM_EINVAL, "--out %s is a folder", out) : CM_OK;
+    if (!S_ISDIR(st.st_mode))
+        return cm_err(errptr, CM_EINVAL, "--out %s exists and is not a folder", out);
+    char path[4300];
+    snprintf(path, sizeof path, "%s/%s", out, marker);
+    bool ours = access(path, F_OK) == 0;
+    snprintf(path, sizeof path, "%s/%s", out, marker2 ? marker2 : marker);
+    ours = ours && access(path, F_OK) == 0;
+    if (ours) return CM_OK;
+    DIR *d = opendir(out);
+    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot open --out %s", out);
+    bool empty = true;
+    struct dirent *e;
+    while (empty && (e = readdir(d)) != NULL)
+        empty = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
+    closedir(d);
+    return empty ? CM_OK
+                 : cm_err(errptr, CM_EINVAL,
+                          "--out %s is a folder that holds something other than an earlier export "
+                          "of this format (no %s): not replacing it",
+                          out, marker);
 }
 
 static void export_usage(FILE *to)
@@ -259,7 +323,9 @@ int cmd_export(int argc, char **argv)
     rows tabs[PS_MAX_TABLES];
     memset(tabs, 0, sizeof tabs);
     ember_serve_writer *w = NULL;
-    int rc = train_resolve_checkpoint(in, ckpt, sizeof ckpt, &step, &err);
+    int rc =
+        check_out(out, !st, bundle ? "MANIFEST" : "model.txt", bundle ? NULL : "tower.f32", &err);
+    if (rc == CM_OK) rc = train_resolve_checkpoint(in, ckpt, sizeof ckpt, &step, &err);
     if (rc == CM_OK && since) rc = train_resolve_checkpoint(since, old_ckpt, sizeof old_ckpt, &old_step, &err);
     if (rc == CM_OK) rc = ps_checkpoint_names(ckpt, tnames, &n_t, dnames, &n_d, &err);
     snprintf(path, sizeof path, "%s/model.txt", ckpt);

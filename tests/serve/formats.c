@@ -11,6 +11,7 @@
  * RocksDB half has passed.
  */
 #include <rocksdb/c.h>
+#include <sys/stat.h>
 
 #include "serve_util.h"
 
@@ -268,8 +269,25 @@ int main(void)
     CHECK(rc == 0);
     rc |= su_ember("export --checkpoint run-deepfm --out m.safetensors --format safetensors");
     CHECK(rc == 0);
+    /* An earlier export's extra table does not stay beside this one's (the folder is swapped
+     * in whole), and a folder holding something else is refused, left as it was. */
+    rc |= su_shell(10, "mkdir -p rdb/old mine && echo x > rdb/old/f && echo keep > mine/notes && "
+                       ": > rdb/model.txt && : > rdb/tower.f32");
     rc |= su_ember("export --checkpoint run-deepfm --out rdb --format rocksdb");
     CHECK(rc == 0);
+    struct stat sb;
+    CHECK_MSG(stat(su_path("rdb/old"), &sb) != 0, "rdb/old of an earlier export is still there");
+    int mine = su_ember("export --checkpoint run-deepfm --out mine --format rocksdb");
+    char *me = su_slurp(su_path("err.txt"), NULL);
+    int mineb = su_ember("export --checkpoint run-deepfm --out mine");
+    char *keep = su_slurp(su_path("mine/notes"), NULL);
+    CHECK_MSG(mine != 0 && mineb != 0 && keep && !strcmp(keep, "keep\n") &&
+                  stat(su_path("mine/tower.f32"), &sb) != 0 && me &&
+                  strstr(me, "holds something other than an earlier export"),
+              "export into a folder of other files: exit %d / %d, %s", mine, mineb,
+              me ? me : "(no message)");
+    free(keep);
+    free(me);
     if (rc != 0) return check_done();
     ember_serve *h = su_open(su_path("b"), NULL);
     uint64_t n_tower = 0;
