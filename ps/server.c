@@ -34,7 +34,7 @@
 #include "ps/net.h"
 #include "ps/replica.h"
 
-enum { ST_RECV, ST_SEND, ST_PARKED, ST_REPL };
+enum { ST_RECV, ST_SEND, ST_PARKED, ST_REPL, ST_DUP };
 enum { RS_SEND, RS_RECV };
 
 typedef struct srv_ctx {
@@ -43,13 +43,16 @@ typedef struct srv_ctx {
     nng_aio *aio;
     int state;
     uint64_t wait_for; /* parked: the clock or barrier generation awaited */
-    ps_hdr req;        /* parked: the request's header, for the reply */
+    ps_hdr req;        /* parked, ST_REPL: the request's header */
     struct srv_ctx *next;
     nng_ctx rctx; /* primary with a backup: this context's requests to the backup */
     nng_aio *raio;
     int rstate;
-    nng_msg *held;   /* ST_REPL: the client's reply, sent once the backup acknowledged */
+    nng_msg *held;   /* ST_REPL, ST_DUP: the client's reply, sent once the backup acknowledged */
     bool stop_after; /* ST_REPL: the update was a SHUTDOWN */
+    /* ST_REPL: resends of this update (ST_DUP, linked by next) whose replies wait for its
+     * acknowledgement; state, req and dups move under repl_mu. */
+    struct srv_ctx *dups;
 } srv_ctx;
 
 struct ps_server {
@@ -976,6 +979,21 @@ static nng_msg *forward_msg(const void *req, size_t len, uint64_t seq)
     return m;
 }
 
+/* Ends the wait of the resends parked on an update (dups, detached from it): their replies
+ * go out when `send`, else (the update was not acknowledged) are dropped. */
+static void dups_release(srv_ctx *dups, bool send)
+{
+    for (srv_ctx *d = dups, *next; d; d = next) {
+        next = d->next;
+        nng_msg *reply = d->held;
+        d->held = NULL;
+        if (send)
+            ctx_send(d, reply);
+        else
+            nng_msg_free(reply);
+    }
+}
+
 /* Completion of a context's REPLICATE: answer the client now. */
 static void repl_cb(void *arg)
 {
@@ -988,10 +1006,17 @@ static void repl_cb(void *arg)
         return;
     }
     __atomic_sub_fetch(&s->repl_inflight, 1, __ATOMIC_RELAXED); /* every path below ends it */
+    /* No resend parks on this update any more: from here it is settled one way or another. */
+    pthread_mutex_lock(&s->repl_mu);
+    srv_ctx *dups = c->dups;
+    c->dups = NULL;
+    c->state = ST_SEND;
+    pthread_mutex_unlock(&s->repl_mu);
     if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) {
         if (c->rstate == RS_SEND) nng_msg_free(ps_aio_msg_take(c->raio));
         nng_msg_free(c->held);
         c->held = NULL;
+        dups_release(dups, false);
         return;
     }
     if (c->rstate == RS_SEND) {
@@ -1013,6 +1038,7 @@ static void repl_cb(void *arg)
                         s->shard);
             nng_msg_free(c->held);
             c->held = NULL;
+            dups_release(dups, false);
             ps_server_stop(s);
             return;
         }
@@ -1025,6 +1051,21 @@ static void repl_cb(void *arg)
     c->held = NULL;
     if (c->stop_after) ps_server_stop(s);
     ctx_send(c, reply);
+    dups_release(dups, true);
+}
+
+/* Primary with a backup, repl_mu held: the context whose update h is a resend of, while that
+ * update waits for the backup's acknowledgement; NULL when none does (it was acknowledged, or
+ * the backup dropped). */
+static srv_ctx *repl_original(struct ps_server *s, const ps_hdr *h)
+{
+    for (uint32_t i = 0; i < s->n_ctx; i++) {
+        srv_ctx *o = &s->ctxs[i];
+        if (o->state == ST_REPL && o->req.op == h->op && o->req.worker == h->worker &&
+            o->req.req_id == h->req_id)
+            return o;
+    }
+    return NULL;
 }
 
 /* An update on a shard that may replicate it. Returns true when the reply waits for the
@@ -1035,8 +1076,21 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
     bool replicate = s->has_backup && !__atomic_load_n(&s->dropped, __ATOMIC_RELAXED), dup;
     const bool elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
     nng_msg *fwd = NULL, *with_keys = NULL;
+    srv_ctx *original = NULL;
     if (replicate) pthread_mutex_lock(&s->repl_mu);
     *reply = apply_update(s, h, body + PS_HDR_BYTES, &dup, replicate ? &with_keys : NULL);
+    if (replicate && *reply && dup && reply_status(*reply) == 0 &&
+        (original = repl_original(s, h)) != NULL) {
+        /* A resend (nng's, after its resend interval or a reconnect) of an update the backup
+         * has not acknowledged yet: acknowledged now, the client would take as safe an update
+         * that dies with this process if the forward does. Its reply waits for the first
+         * copy's acknowledgement (repl_cb). */
+        c->held = *reply;
+        *reply = NULL;
+        c->state = ST_DUP;
+        c->next = original->dups;
+        original->dups = c;
+    }
     if (replicate && *reply && !dup && reply_status(*reply) == 0) {
         /* An elided push goes to the backup with its keys (handle_rows re-encoded it). */
         if (!elided || with_keys != NULL)
@@ -1044,8 +1098,15 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
                             : forward_msg(body, len, ++s->seq);
         if (fwd == NULL) replica_lost(s, "out of memory");
     }
+    if (fwd != NULL) {
+        /* Marked under repl_mu, so a resend arriving from now on finds it (repl_original). */
+        c->req = *h;
+        c->dups = NULL;
+        c->state = ST_REPL;
+    }
     if (replicate) pthread_mutex_unlock(&s->repl_mu);
     if (with_keys) nng_msg_free(with_keys);
+    if (original != NULL) return true;
     if (fwd == NULL) {
         if (h->op == PS_OP_SHUTDOWN) ps_server_stop(s);
         return false;
@@ -1053,7 +1114,6 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
     c->held = *reply;
     c->stop_after = h->op == PS_OP_SHUTDOWN;
     *reply = NULL;
-    c->state = ST_REPL;
     c->rstate = RS_SEND;
     __atomic_add_fetch(&s->repl_inflight, 1, __ATOMIC_RELAXED);
     nng_aio_set_msg(c->raio, fwd);

@@ -1,0 +1,178 @@
+/*
+ * Replication against a scripted backup: an in-process primary whose replica URL is a raw
+ * rep0 socket driven by the test, and raw req0 clients, so the test decides exactly when the
+ * backup acknowledges. SGD with lr 1 and gradients of 1: a row's value is minus the pushes
+ * applied to it.
+ *   1. A push resent while its first copy is still being forwarded (nng resends a request
+ *      after its resend interval or a reconnect) must not be acknowledged before the backup
+ *      has acknowledged the first copy: the client would take a push the backup may never get
+ *      as safe. Its reply follows the backup's acknowledgement, and it is applied once.
+ */
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/rep.h>
+#include <nng/protocol/reqrep0/req.h>
+
+#include "ps/wire.h"
+#include "ps_test_util.h"
+
+#define DIM 4u
+
+static const char conf[] = "[cluster]\nshards = 1\nworkers = 1\nreplica_timeout = 20000\n"
+                           "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n";
+
+/* A sealed PUSH of one key with gradient 1 (fp32), from worker 0 under req_id. */
+static nng_msg *push_msg(uint64_t key, uint64_t req_id)
+{
+    uint8_t p[64];
+    uint32_t kb = (uint32_t)ps_keys_encode(&key, 1, p + 4);
+    memcpy(p, &kb, 4);
+    float g[DIM] = {1, 1, 1, 1};
+    memcpy(p + 4 + kb, g, sizeof g);
+    size_t plen = 4 + kb + sizeof g;
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = PS_OP_PUSH;
+    h.count = 1;
+    h.codec = PS_CODEC_F32;
+    h.req_id = req_id;
+    nng_msg *m;
+    if (nng_msg_alloc(&m, PS_HDR_BYTES + plen) != 0) pt_die("nng_msg_alloc", NULL);
+    memcpy(nng_msg_body(m), &h, sizeof h);
+    memcpy((uint8_t *)nng_msg_body(m) + PS_HDR_BYTES, p, plen);
+    ps_wire_seal(nng_msg_body(m), plen);
+    return m;
+}
+
+/* A raw client: resends off (a resend is the test's own doing), receives bounded. */
+static nng_socket raw_client(const char *url, int recv_ms)
+{
+    nng_socket s;
+    if (nng_req0_open(&s) != 0 || nng_dial(s, url, NULL, 0) != 0) pt_die("raw client", strdup(url));
+    nng_socket_set_ms(s, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE);
+    nng_socket_set_ms(s, NNG_OPT_RECVTIMEO, recv_ms);
+    return s;
+}
+
+/* Status of a reply to req_id (1: none, or not a reply to it). */
+static int reply_status(nng_msg *m, uint64_t req_id)
+{
+    ps_hdr h;
+    int st = 1;
+    if (ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, NULL) == CM_OK && h.req_id == req_id)
+        st = h.status;
+    nng_msg_free(m);
+    return st;
+}
+
+/* An aio's completion, seen by the test thread without waiting on it. */
+static void note_done(void *arg)
+{
+    __atomic_store_n((int *)arg, 1, __ATOMIC_RELEASE);
+}
+
+/* Whether flag is set within ms (polled every millisecond). */
+static bool done_within(const int *flag, int ms)
+{
+    for (int i = 0; i < ms && !__atomic_load_n(flag, __ATOMIC_ACQUIRE); i++)
+        psp_sleep_ms(1);
+    return __atomic_load_n(flag, __ATOMIC_ACQUIRE) != 0;
+}
+
+/* The scripted backup's side of one REPLICATE: receive it (bounded) on ctx. */
+static nng_msg *backup_recv(nng_ctx ctx, nng_aio *aio)
+{
+    nng_aio_set_timeout(aio, 10000);
+    nng_ctx_recv(ctx, aio);
+    nng_aio_wait(aio);
+    if (nng_aio_result(aio) != 0) return NULL;
+    return nng_aio_get_msg(aio);
+}
+
+/* Acknowledges the REPLICATE req (freed) on ctx. */
+static void backup_ack(nng_ctx ctx, nng_aio *aio, nng_msg *req)
+{
+    ps_hdr h;
+    memcpy(&h, nng_msg_body(req), sizeof h);
+    nng_msg_free(req);
+    h.payload_len = 0;
+    h.status = 0;
+    nng_msg *m;
+    if (nng_msg_alloc(&m, PS_HDR_BYTES) != 0) pt_die("nng_msg_alloc", NULL);
+    memcpy(nng_msg_body(m), &h, sizeof h);
+    ps_wire_seal(nng_msg_body(m), 0);
+    nng_aio_set_msg(aio, m);
+    nng_aio_set_timeout(aio, 10000);
+    nng_ctx_send(ctx, aio);
+    nng_aio_wait(aio);
+    if (nng_aio_result(aio) != 0) nng_msg_free(nng_aio_get_msg(aio));
+}
+
+/* 1. A resend during the first copy's forward. */
+static void resend_while_forwarding(const ps_config *cfg, const char *dir)
+{
+    const char *pu = pt_ipc(dir, "p1"), *bu = pt_ipc(dir, "b1");
+    nng_socket fb;
+    nng_ctx fctx;
+    nng_aio *faio;
+    if (nng_rep0_open(&fb) != 0 || nng_listen(fb, bu, NULL, 0) != 0 ||
+        nng_ctx_open(&fctx, fb) != 0 || nng_aio_alloc(&faio, NULL, NULL) != 0)
+        pt_die("scripted backup", NULL);
+    ps_server_opts o = {.cfg = cfg, .listen = pu, .shard = 0, .replica_url = bu};
+    ps_server *p = NULL;
+    char *err = NULL;
+    if (ps_server_create(&o, &p, &err) != CM_OK) pt_die("ps_server_create", err);
+    nng_socket r1 = raw_client(pu, 10000), r2 = raw_client(pu, 10000);
+    /* r2's reply is awaited on an aio, so the test can look whether it came without giving up
+     * on it (a req socket's receive that times out abandons the request). */
+    int r2_done = 0;
+    nng_aio *r2aio;
+    if (nng_aio_alloc(&r2aio, note_done, &r2_done) != 0) pt_die("nng_aio_alloc", NULL);
+    nng_aio_set_timeout(r2aio, 10000);
+    const uint64_t key = 7, req_id = 0x5150;
+
+    CHECK(nng_sendmsg(r1, push_msg(key, req_id), 0) == 0);
+    nng_msg *fwd = backup_recv(fctx, faio); /* the primary applied it and forwards it */
+    CHECK_MSG(fwd != NULL, "the primary forwarded nothing");
+    if (fwd != NULL) {
+        ps_hdr h;
+        memcpy(&h, nng_msg_body(fwd), sizeof h);
+        CHECK_MSG(h.op == PS_OP_REPLICATE, "forwarded op %u", h.op);
+    }
+    /* The same push again while the backup holds its first copy unacknowledged. */
+    CHECK(nng_sendmsg(r2, push_msg(key, req_id), 0) == 0);
+    nng_recv_aio(r2, r2aio);
+    /* A second is ample for a reply the server would give at once; the fixed server cannot
+     * give it at all before the acknowledgement below, so this never fails wrongly. */
+    CHECK_MSG(!done_within(&r2_done, 1000),
+              "the resent push was answered before the backup acknowledged its first copy");
+    if (fwd != NULL) backup_ack(fctx, faio, fwd);
+    nng_msg *m = NULL;
+    CHECK_MSG(nng_recvmsg(r1, &m, 0) == 0 && reply_status(m, req_id) == 0,
+              "the push was not acknowledged once the backup had it");
+    nng_aio_wait(r2aio);
+    int rv = nng_aio_result(r2aio);
+    CHECK_MSG(rv == 0 && reply_status(nng_aio_get_msg(r2aio), req_id) == 0,
+              "the resent push was not acknowledged once the backup had the first copy: %s",
+              nng_strerror(rv));
+    ps_server_stats st;
+    ps_server_stats_get(p, &st);
+    CHECK_MSG(st.rows_pushed == 1 && st.duplicates == 1,
+              "rows pushed %llu (want 1), duplicates %llu (want 1)",
+              (unsigned long long)st.rows_pushed, (unsigned long long)st.duplicates);
+    nng_close(r1);
+    nng_close(r2);
+    nng_aio_free(r2aio);
+    ps_server_destroy(p);
+    nng_aio_free(faio);
+    nng_close(fb);
+}
+
+int main(void)
+{
+    psp_watchdog(PT_WATCHDOG_S);
+    const char *dir = check_tmpdir("ps_replwire");
+    ps_config cfg;
+    pt_config(dir, "replwire.ini", conf, &cfg);
+    resend_while_forwarding(&cfg, dir);
+    return pt_finish(dir);
+}
