@@ -1164,9 +1164,6 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
         nng_msg_free(msg); /* no reply: the client fails over when this process is gone */
         return false;
     }
-    if (s->is_backup && h.op != PS_OP_REPLICATE && h.op != PS_OP_STATS &&
-        !__atomic_load_n(&s->promoted, __ATOMIC_RELAXED))
-        promote(s);
     if (h.worker < s->cfg.n_workers && h.op != PS_OP_REPLICATE)
         __atomic_store_n(&s->last_seen[h.worker], now_ms(), __ATOMIC_RELAXED);
     if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER || h.op == PS_OP_STATS ||
@@ -1193,6 +1190,11 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
                              "clocks and barriers are served by shard 0 for "
                              "known workers only");
     } else {
+        /* Only a request that passed the checks above is a client that failed over: one
+         * refused as malformed must not make a backup take over (and fence its primary). */
+        if (s->is_backup && h.op != PS_OP_REPLICATE && h.op != PS_OP_STATS &&
+            !__atomic_load_n(&s->promoted, __ATOMIC_RELAXED))
+            promote(s);
         switch ((ps_op)h.op) {
         case PS_OP_HELLO:
             *reply = handle_hello(s, &h, p);

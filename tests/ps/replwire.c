@@ -7,6 +7,10 @@
  *      after its resend interval or a reconnect) must not be acknowledged before the backup
  *      has acknowledged the first copy: the client would take a push the backup may never get
  *      as safe. Its reply follows the backup's acknowledgement, and it is applied once.
+ *   2. A request that a backup refuses as malformed (a worker index outside the cluster, a flag
+ *      its op does not define, a payload on an op that carries none) is not a client that
+ *      failed over: the backup must not take over for it, which would fence its healthy
+ *      primary (and make `ember ps` exit) on one bad message.
  */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
@@ -167,6 +171,65 @@ static void resend_while_forwarding(const ps_config *cfg, const char *dir)
     nng_close(fb);
 }
 
+/* A request to url whose error reply is awaited; returns its status (1: no reply). */
+static int raw_call(const char *url, uint16_t op, uint16_t worker, uint8_t flags, size_t plen)
+{
+    nng_socket r = raw_client(url, 10000);
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = op;
+    h.worker = worker;
+    h.flags = flags;
+    h.req_id = 99;
+    nng_msg *m, *rep = NULL;
+    if (nng_msg_alloc(&m, PS_HDR_BYTES + plen) != 0) pt_die("nng_msg_alloc", NULL);
+    memset(nng_msg_body(m), 0, PS_HDR_BYTES + plen);
+    memcpy(nng_msg_body(m), &h, sizeof h);
+    ps_wire_seal(nng_msg_body(m), plen);
+    int st = 1;
+    if (nng_sendmsg(r, m, 0) != 0)
+        nng_msg_free(m);
+    else if (nng_recvmsg(r, &rep, 0) == 0)
+        st = reply_status(rep, 99);
+    nng_close(r);
+    return st;
+}
+
+/* 2. Malformed requests to a backup. */
+static void malformed_to_backup(const ps_config *cfg, const char *dir)
+{
+    const char *pu = pt_ipc(dir, "p2"), *bu = pt_ipc(dir, "b2");
+    ps_server_opts bo = {.cfg = cfg, .listen = bu, .shard = 0, .backup = true};
+    ps_server_opts po = {.cfg = cfg, .listen = pu, .shard = 0, .replica_url = bu};
+    ps_server *b = NULL, *p = NULL;
+    char *err = NULL;
+    if (ps_server_create(&bo, &b, &err) != CM_OK) pt_die("ps_server_create", err);
+    if (ps_server_create(&po, &p, &err) != CM_OK) pt_die("ps_server_create", err);
+    CHECK_MSG(raw_call(bu, PS_OP_PULL_DENSE, 7, 0, 0) < 0, "worker 7 of 1 was not refused");
+    CHECK_MSG(raw_call(bu, PS_OP_PULL, 0, 0x80, 0) < 0, "an undefined flag was not refused");
+    CHECK_MSG(raw_call(bu, PS_OP_BARRIER, 0, 0, 16) < 0, "a barrier's payload was not refused");
+    ps_server_stats bs;
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(bs.promoted == 0, "the backup took over for a malformed request");
+    /* The primary still replicates: a push is acknowledged through the backup, unfenced. */
+    const char *urls[1] = {pu};
+    ps_client *c = pt_client(cfg, urls, 0, 10000);
+    uint64_t key = 11;
+    float g[DIM] = {1, 1, 1, 1};
+    CHECK_OK(ps_client_push(c, 0, &key, 1, g, &err), err);
+    CHECK_OK(ps_client_flush(c, &err), err);
+    free(err);
+    CHECK_MSG(!ps_server_fenced(p), "the primary was fenced by a malformed request to its backup");
+    ps_server_stats ps_st;
+    ps_server_stats_get(p, &ps_st);
+    CHECK_MSG(ps_st.replica_dropped == 0, "the primary dropped its backup");
+    CHECK_MSG(ps_st.replicated == 1, "the primary replicated %llu updates, want 1",
+              (unsigned long long)ps_st.replicated);
+    ps_client_destroy(c);
+    ps_server_destroy(p);
+    ps_server_destroy(b);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -174,5 +237,6 @@ int main(void)
     ps_config cfg;
     pt_config(dir, "replwire.ini", conf, &cfg);
     resend_while_forwarding(&cfg, dir);
+    malformed_to_backup(&cfg, dir);
     return pt_finish(dir);
 }
