@@ -836,6 +836,47 @@ bad:
     return reply_error(s, h, CM_EINVAL, "malformed HELLO");
 }
 
+/* ---- request checks ---- */
+
+/* The request flags each op may carry (wire.h). */
+static uint8_t op_flags(uint16_t op)
+{
+    switch (op) {
+    case PS_OP_PULL:
+        return PS_FLAG_LOOKUP;
+    case PS_OP_PUSH:
+        return PS_FLAG_ELIDED;
+    case PS_OP_PUSH_DENSE:
+        return PS_FLAG_READ_BACK | PS_FLAG_DIGEST;
+    case PS_OP_PULL_DENSE:
+        return PS_FLAG_STATE;
+    default:
+        return 0;
+    }
+}
+
+/* The checks of a request's header that every op shares (besides its framing): true, with
+ * text, when it is refused as malformed. A backup applies them to the requests its primary
+ * forwards too, which passed them there. */
+static bool header_refused(const struct ps_server *s, const ps_hdr *h, char *text, size_t n)
+{
+    if ((h->op == PS_OP_CLOCK || h->op == PS_OP_BARRIER || h->op == PS_OP_STATS ||
+         h->op == PS_OP_SHUTDOWN) &&
+        h->payload_len != 0)
+        snprintf(text, n, "this op carries no payload");
+    else if (h->flags & ~op_flags(h->op))
+        /* A flag this server does not define for the op: a feature it would silently ignore
+         * (a lookup applied as a creating pull, say) or garbage. */
+        snprintf(text, n, "flags 0x%02x are not defined for op %u", h->flags, h->op);
+    else if (h->worker >= s->cfg.n_workers && h->op != PS_OP_REPLICATE && h->op != PS_OP_STATS)
+        /* Its updates, clocks and de-duplication would be a worker the job does not have. */
+        snprintf(text, n, "worker %u is not one of the cluster's %u known workers", h->worker,
+                 s->cfg.n_workers);
+    else
+        return false;
+    return true;
+}
+
 /* ---- replication ---- */
 
 static bool is_update(uint16_t op)
@@ -931,6 +972,14 @@ static nng_msg *handle_replicate(struct ps_server *s, const ps_hdr *h, const uin
     if (ps_wire_open(p + 8, h->payload_len - 8, &ih, &err) != CM_OK || !is_update(ih.op) ||
         (ih.op == PS_OP_PUSH && (ih.flags & PS_FLAG_ELIDED)))
         goto bad;
+    /* Refused before it is acknowledged and takes its sequence number: the primary checked
+     * the request it forwards, so one failing here is not its, and the genuine update under
+     * that number must not be skipped as already held. */
+    char text[96];
+    if (header_refused(s, &ih, text, sizeof text)) {
+        cm_err(&err, CM_EINVAL, "forwarded update: %s", text);
+        goto bad;
+    }
     nng_msg *reply;
     pthread_mutex_lock(&s->repl_mu);
     if (s->promoted) {
@@ -1122,24 +1171,6 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
 }
 
 /* Handles one request; returns true when the context was parked. */
-
-/* The request flags each op may carry (wire.h). */
-static uint8_t op_flags(uint16_t op)
-{
-    switch (op) {
-    case PS_OP_PULL:
-        return PS_FLAG_LOOKUP;
-    case PS_OP_PUSH:
-        return PS_FLAG_ELIDED;
-    case PS_OP_PUSH_DENSE:
-        return PS_FLAG_READ_BACK | PS_FLAG_DIGEST;
-    case PS_OP_PULL_DENSE:
-        return PS_FLAG_STATE;
-    default:
-        return 0;
-    }
-}
-
 static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **reply)
 {
     ps_hdr h;
@@ -1166,24 +1197,9 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
     }
     if (h.worker < s->cfg.n_workers && h.op != PS_OP_REPLICATE)
         __atomic_store_n(&s->last_seen[h.worker], now_ms(), __ATOMIC_RELAXED);
-    if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER || h.op == PS_OP_STATS ||
-         h.op == PS_OP_SHUTDOWN) &&
-        h.payload_len != 0) {
+    char text[96];
+    if (header_refused(s, &h, text, sizeof text)) {
         STAT_ADD(s, bad_messages, 1);
-        *reply = reply_error(s, &h, CM_EINVAL, "this op carries no payload");
-    } else if (h.flags & ~op_flags(h.op)) {
-        /* A flag this server does not define for the op: a feature it would silently ignore
-         * (a lookup applied as a creating pull, say) or garbage. */
-        STAT_ADD(s, bad_messages, 1);
-        char text[96];
-        snprintf(text, sizeof text, "flags 0x%02x are not defined for op %u", h.flags, h.op);
-        *reply = reply_error(s, &h, CM_EINVAL, text);
-    } else if (h.worker >= s->cfg.n_workers && h.op != PS_OP_REPLICATE && h.op != PS_OP_STATS) {
-        /* Its updates, clocks and de-duplication would be a worker the job does not have. */
-        STAT_ADD(s, bad_messages, 1);
-        char text[96];
-        snprintf(text, sizeof text, "worker %u is not one of the cluster's %u known workers",
-                 h.worker, s->cfg.n_workers);
         *reply = reply_error(s, &h, CM_EINVAL, text);
     } else if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER) && s->shard != 0) {
         *reply = reply_error(s, &h, CM_EINVAL,

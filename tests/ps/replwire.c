@@ -11,6 +11,10 @@
  *      its op does not define, a payload on an op that carries none) is not a client that
  *      failed over: the backup must not take over for it, which would fence its healthy
  *      primary (and make `ember ps` exit) on one bad message.
+ *   3. A REPLICATE whose update fails the checks its primary would have made (an undefined
+ *      flag, a worker outside the cluster, a payload on a SHUTDOWN) is refused by the backup,
+ *      not acknowledged: it would take the sequence number of the genuine update, which the
+ *      backup would then skip as already held.
  */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
@@ -24,8 +28,8 @@
 static const char conf[] = "[cluster]\nshards = 1\nworkers = 1\nreplica_timeout = 20000\n"
                            "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n";
 
-/* A sealed PUSH of one key with gradient 1 (fp32), from worker 0 under req_id. */
-static nng_msg *push_msg(uint64_t key, uint64_t req_id)
+/* A sealed PUSH of one key with gradient 1 (fp32), from worker under req_id, with flags. */
+static nng_msg *push_msg_as(uint64_t key, uint64_t req_id, uint16_t worker, uint8_t flags)
 {
     uint8_t p[64];
     uint32_t kb = (uint32_t)ps_keys_encode(&key, 1, p + 4);
@@ -39,12 +43,20 @@ static nng_msg *push_msg(uint64_t key, uint64_t req_id)
     h.count = 1;
     h.codec = PS_CODEC_F32;
     h.req_id = req_id;
+    h.worker = worker;
+    h.flags = flags;
     nng_msg *m;
     if (nng_msg_alloc(&m, PS_HDR_BYTES + plen) != 0) pt_die("nng_msg_alloc", NULL);
     memcpy(nng_msg_body(m), &h, sizeof h);
     memcpy((uint8_t *)nng_msg_body(m) + PS_HDR_BYTES, p, plen);
     ps_wire_seal(nng_msg_body(m), plen);
     return m;
+}
+
+/* The same from worker 0, no flags. */
+static nng_msg *push_msg(uint64_t key, uint64_t req_id)
+{
+    return push_msg_as(key, req_id, 0, 0);
 }
 
 /* A raw client: resends off (a resend is the test's own doing), receives bounded. */
@@ -230,6 +242,83 @@ static void malformed_to_backup(const ps_config *cfg, const char *dir)
     ps_server_destroy(b);
 }
 
+/* A REPLICATE of update (freed) under seq to the backup at url; returns the reply's status. */
+static int replicate(const char *url, uint64_t seq, nng_msg *update)
+{
+    size_t ulen = nng_msg_len(update), plen = 8 + ulen;
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = PS_OP_REPLICATE;
+    h.req_id = seq;
+    nng_msg *m;
+    if (nng_msg_alloc(&m, PS_HDR_BYTES + plen) != 0) pt_die("nng_msg_alloc", NULL);
+    uint8_t *b = nng_msg_body(m);
+    memcpy(b, &h, sizeof h);
+    memcpy(b + PS_HDR_BYTES, &seq, 8);
+    memcpy(b + PS_HDR_BYTES + 8, nng_msg_body(update), ulen);
+    nng_msg_free(update);
+    ps_wire_seal(b, plen);
+    nng_socket r = raw_client(url, 10000);
+    nng_msg *rep = NULL;
+    int st = 1;
+    if (nng_sendmsg(r, m, 0) != 0)
+        nng_msg_free(m);
+    else if (nng_recvmsg(r, &rep, 0) == 0)
+        st = reply_status(rep, seq);
+    nng_close(r);
+    return st;
+}
+
+/* A sealed SHUTDOWN carrying junk. */
+static nng_msg *shutdown_with_junk(void)
+{
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = PS_OP_SHUTDOWN;
+    nng_msg *m;
+    if (nng_msg_alloc(&m, PS_HDR_BYTES + 16) != 0) pt_die("nng_msg_alloc", NULL);
+    memset(nng_msg_body(m), 0x5a, PS_HDR_BYTES + 16);
+    memcpy(nng_msg_body(m), &h, sizeof h);
+    ps_wire_seal(nng_msg_body(m), 16);
+    return m;
+}
+
+/* 3. Forwards that fail the primary's checks. */
+static void malformed_forwards(const ps_config *cfg, const char *dir)
+{
+    const char *bu = pt_ipc(dir, "b3");
+    ps_server_opts bo = {.cfg = cfg, .listen = bu, .shard = 0, .backup = true};
+    ps_server *b = NULL;
+    char *err = NULL;
+    if (ps_server_create(&bo, &b, &err) != CM_OK) pt_die("ps_server_create", err);
+    CHECK_MSG(replicate(bu, 1, push_msg_as(21, 1, 0, 0x80)) < 0,
+              "a forwarded push with an undefined flag was acknowledged");
+    CHECK_MSG(replicate(bu, 1, push_msg_as(22, 2, 7, 0)) < 0,
+              "a forwarded push from worker 7 of 1 was acknowledged");
+    CHECK_MSG(replicate(bu, 1, shutdown_with_junk()) < 0,
+              "a forwarded SHUTDOWN with a payload was acknowledged");
+    /* The genuine update 1 is applied, not skipped as held. */
+    CHECK_MSG(replicate(bu, 1, push_msg(23, 3)) == 0, "the genuine update 1 was refused");
+    ps_server_stats bs;
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(bs.bad_messages == 3, "bad messages %llu, want 3",
+              (unsigned long long)bs.bad_messages);
+    CHECK_MSG(bs.rows_pushed == 1 && bs.promoted == 0,
+              "backup: %llu rows pushed (want the genuine update's 1), promoted %llu",
+              (unsigned long long)bs.rows_pushed, (unsigned long long)bs.promoted);
+    /* Which one it applied: the genuine push's row, not the refused one's. */
+    const char *urls[1] = {bu};
+    ps_client *c = pt_client(cfg, urls, 0, 10000);
+    uint64_t keys[2] = {21, 23};
+    float rows[2 * DIM];
+    CHECK_OK(ps_client_pull(c, 0, keys, 2, rows, &err), err);
+    free(err);
+    CHECK_MSG(rows[0] == 0 && rows[DIM] == -1, "key 21 at %.0f (want 0), key 23 at %.0f (want -1)",
+              rows[0], rows[DIM]);
+    ps_client_destroy(c);
+    ps_server_destroy(b);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -238,5 +327,6 @@ int main(void)
     pt_config(dir, "replwire.ini", conf, &cfg);
     resend_while_forwarding(&cfg, dir);
     malformed_to_backup(&cfg, dir);
+    malformed_forwards(&cfg, dir);
     return pt_finish(dir);
 }
