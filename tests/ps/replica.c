@@ -69,6 +69,10 @@ typedef struct pusher {
     ps_client *c;
     bool pull_first;    /* pull the keys before each push, so the push is elided */
     int n_pushes, done; /* done: atomically, pushes issued */
+    /* After hold_at pushes (0: never) the loop waits for released (atomically): the primary
+     * dies with that push possibly still in flight, and the rest go to the backup whatever the
+     * timing (unheld, the loop could finish on the primary while it was being closed). */
+    int hold_at, released;
     int rc;
     char *err;
 } pusher;
@@ -82,6 +86,8 @@ static void *push_loop(void *arg)
         if (p->rc == CM_OK && i % 10 == 9) p->rc = ps_client_dense_push(p->c, 0, ones, &p->err);
         if (p->rc == CM_OK && i % 25 == 24) p->rc = ps_client_flush(p->c, &p->err);
         __atomic_store_n(&p->done, i + 1, __ATOMIC_RELAXED);
+        while (i + 1 == p->hold_at && !__atomic_load_n(&p->released, __ATOMIC_ACQUIRE))
+            usleep(1000);
     }
     if (p->rc == CM_OK) p->rc = ps_client_flush(p->c, &p->err);
     return NULL;
@@ -110,7 +116,7 @@ static void failover(const ps_config *cfg, const char *dir, const char *tag, boo
     ps_server *p, *b;
     const char *bu;
     ps_client *c = start_pair(cfg, dir, tag, &p, &b, &bu);
-    pusher pp = {.c = c, .n_pushes = PUSHES, .pull_first = pull_first};
+    pusher pp = {.c = c, .n_pushes = PUSHES, .pull_first = pull_first, .hold_at = PUSHES / 3};
     pthread_t th;
     if (pthread_create(&th, NULL, push_loop, &pp) != 0) pt_die("pthread_create", NULL);
     while (__atomic_load_n(&pp.done, __ATOMIC_RELAXED) < PUSHES / 3)
@@ -118,6 +124,7 @@ static void failover(const ps_config *cfg, const char *dir, const char *tag, boo
     ps_server_stats ps_st;
     ps_server_stats_get(p, &ps_st);
     ps_server_destroy(p); /* its sockets close, as when the process is killed */
+    __atomic_store_n(&pp.released, 1, __ATOMIC_RELEASE);
     pthread_join(th, NULL);
     CHECK_MSG(pp.rc == CM_OK, "pushes across the failover failed: %s", pp.err ? pp.err : "?");
     free(pp.err);
