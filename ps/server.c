@@ -988,6 +988,15 @@ static nng_msg *handle_replicate(struct ps_server *s, const ps_hdr *h, const uin
         if (reply) ((ps_hdr *)nng_msg_body(reply))->status = PS_STATUS_FENCED;
         return reply;
     }
+    /* A primary has at most its contexts' updates in flight, so a sequence number far past
+     * the next one is no primary's: holding it (until a gap that never fills) would let one
+     * sender grow the log without bound. */
+    const uint64_t ahead = 4 * (uint64_t)s->n_ctx > 4096 ? 4 * (uint64_t)s->n_ctx : 4096;
+    if (seq >= s->next_seq + ahead) {
+        pthread_mutex_unlock(&s->repl_mu);
+        STAT_ADD(s, bad_messages, 1);
+        return reply_error(s, h, CM_EINVAL, "forwarded update too far ahead of the next one");
+    }
     STAT_ADD(s, replicated, 1);
     bool ok = seq < s->next_seq || ps_replog_put(&s->log, seq, p + 8, h->payload_len - 8);
     ps_replog_entry *e;

@@ -15,6 +15,9 @@
  *      flag, a worker outside the cluster, a payload on a SHUTDOWN) is refused by the backup,
  *      not acknowledged: it would take the sequence number of the genuine update, which the
  *      backup would then skip as already held.
+ *   4. A REPLICATE numbered far past the next update (no primary has that many in flight) is
+ *      refused, not held: held, such forwards would grow the backup's log without bound. One
+ *      a little ahead is held until the gap fills, then both apply in order.
  */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
@@ -319,6 +322,36 @@ static void malformed_forwards(const ps_config *cfg, const char *dir)
     ps_server_destroy(b);
 }
 
+/* 4. Forwards past the window. */
+static void far_ahead(const ps_config *cfg, const char *dir)
+{
+    const char *bu = pt_ipc(dir, "b4");
+    ps_server_opts bo = {.cfg = cfg, .listen = bu, .shard = 0, .backup = true};
+    ps_server *b = NULL;
+    char *err = NULL;
+    if (ps_server_create(&bo, &b, &err) != CM_OK) pt_die("ps_server_create", err);
+    CHECK_MSG(replicate(bu, 1000000000, push_msg(31, 1)) < 0,
+              "a forward numbered 10^9 past the next one was acknowledged");
+    CHECK_MSG(replicate(bu, 3, push_msg(32, 2)) == 0, "forward 3 (a gap at 2) was refused");
+    CHECK_MSG(replicate(bu, 1, push_msg(32, 3)) == 0 && replicate(bu, 2, push_msg(33, 4)) == 0,
+              "forwards 1 and 2 were refused");
+    ps_server_stats bs;
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(bs.bad_messages == 1 && bs.rows_pushed == 3,
+              "bad messages %llu (want 1), rows pushed %llu (want 3)",
+              (unsigned long long)bs.bad_messages, (unsigned long long)bs.rows_pushed);
+    const char *urls[1] = {bu};
+    ps_client *c = pt_client(cfg, urls, 0, 10000);
+    uint64_t keys[3] = {31, 32, 33};
+    float rows[3 * DIM];
+    CHECK_OK(ps_client_pull(c, 0, keys, 3, rows, &err), err);
+    free(err);
+    CHECK_MSG(rows[0] == 0 && rows[DIM] == -2 && rows[2 * DIM] == -1,
+              "keys 31/32/33 at %.0f/%.0f/%.0f, want 0/-2/-1", rows[0], rows[DIM], rows[2 * DIM]);
+    ps_client_destroy(c);
+    ps_server_destroy(b);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -328,5 +361,6 @@ int main(void)
     resend_while_forwarding(&cfg, dir);
     malformed_to_backup(&cfg, dir);
     malformed_forwards(&cfg, dir);
+    far_ahead(&cfg, dir);
     return pt_finish(dir);
 }
