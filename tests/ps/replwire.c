@@ -286,14 +286,22 @@ static nng_msg *shutdown_with_junk(void)
     return m;
 }
 
+/* A backup shard listening on url, nothing in front of it. */
+static ps_server *backup_at(const ps_config *cfg, const char *url)
+{
+    ps_server_opts bo = {.cfg = cfg, .listen = url, .shard = 0, .backup = true};
+    ps_server *b = NULL;
+    char *err = NULL;
+    if (ps_server_create(&bo, &b, &err) != CM_OK) pt_die("ps_server_create", err);
+    return b;
+}
+
 /* 3. Forwards that fail the primary's checks. */
 static void malformed_forwards(const ps_config *cfg, const char *dir)
 {
     const char *bu = pt_ipc(dir, "b3");
-    ps_server_opts bo = {.cfg = cfg, .listen = bu, .shard = 0, .backup = true};
-    ps_server *b = NULL;
+    ps_server *b = backup_at(cfg, bu);
     char *err = NULL;
-    if (ps_server_create(&bo, &b, &err) != CM_OK) pt_die("ps_server_create", err);
     CHECK_MSG(replicate(bu, 1, push_msg_as(21, 1, 0, 0x80)) < 0,
               "a forwarded push with an undefined flag was acknowledged");
     CHECK_MSG(replicate(bu, 1, push_msg_as(22, 2, 7, 0)) < 0,
@@ -326,10 +334,8 @@ static void malformed_forwards(const ps_config *cfg, const char *dir)
 static void far_ahead(const ps_config *cfg, const char *dir)
 {
     const char *bu = pt_ipc(dir, "b4");
-    ps_server_opts bo = {.cfg = cfg, .listen = bu, .shard = 0, .backup = true};
-    ps_server *b = NULL;
+    ps_server *b = backup_at(cfg, bu);
     char *err = NULL;
-    if (ps_server_create(&bo, &b, &err) != CM_OK) pt_die("ps_server_create", err);
     CHECK_MSG(replicate(bu, 1000000000, push_msg(31, 1)) < 0,
               "a forward numbered 10^9 past the next one was acknowledged");
     CHECK_MSG(replicate(bu, 3, push_msg(32, 2)) == 0, "forward 3 (a gap at 2) was refused");
