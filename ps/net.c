@@ -59,25 +59,32 @@ static int is_tls(const char *url)
     return strncmp(url, "tls+", 4) == 0;
 }
 
+/* TLS for an endpoint, from cfg: set on the listener (l != NULL) or the dialer d. */
+static int endpoint_tls(const ps_config *cfg, const char *url, nng_listener *l, nng_dialer *d,
+                        char **errptr)
+{
+    if (l && !cfg->tls_cert[0])
+        return cm_err(errptr, CM_EINVAL, "%s needs tls_cert and tls_key in [cluster]", url);
+    nng_tls_config *tls;
+    int rc = tls_config(cfg, l ? NNG_TLS_MODE_SERVER : NNG_TLS_MODE_CLIENT, url, &tls, errptr);
+    if (rc != CM_OK) return rc;
+    int rv = l ? nng_listener_set_ptr(*l, NNG_OPT_TLS_CONFIG, tls)
+               : nng_dialer_set_ptr(*d, NNG_OPT_TLS_CONFIG, tls);
+    nng_tls_config_free(tls); /* the endpoint holds its own reference */
+    if (rv != 0) return cm_err(errptr, CM_EIO, "cannot set TLS on %s: %s", url, nng_strerror(rv));
+    return CM_OK;
+}
+
 int ps_net_listen(nng_socket sock, const char *url, const ps_config *cfg, char **errptr)
 {
     nng_listener l;
     int rv = nng_listener_create(&l, sock, url);
     if (rv != 0) return cm_err(errptr, CM_EIO, "cannot listen on %s: %s", url, nng_strerror(rv));
-    if (is_tls(url)) {
-        if (!cfg->tls_cert[0])
-            return cm_err(errptr, CM_EINVAL, "%s needs tls_cert and tls_key in [cluster]", url);
-        nng_tls_config *tls;
-        int rc = tls_config(cfg, NNG_TLS_MODE_SERVER, url, &tls, errptr);
-        if (rc != CM_OK) return rc;
-        rv = nng_listener_set_ptr(l, NNG_OPT_TLS_CONFIG, tls);
-        nng_tls_config_free(tls); /* the listener holds its own reference */
-        if (rv != 0)
-            return cm_err(errptr, CM_EIO, "cannot set TLS on %s: %s", url, nng_strerror(rv));
-    }
-    rv = nng_listener_start(l, 0);
-    if (rv != 0) return cm_err(errptr, CM_EIO, "cannot listen on %s: %s", url, nng_strerror(rv));
-    return CM_OK;
+    int rc = is_tls(url) ? endpoint_tls(cfg, url, &l, NULL, errptr) : CM_OK;
+    if (rc == CM_OK && (rv = nng_listener_start(l, 0)) != 0)
+        rc = cm_err(errptr, CM_EIO, "cannot listen on %s: %s", url, nng_strerror(rv));
+    if (rc != CM_OK) nng_listener_close(l); /* not left in the socket, half set up */
+    return rc;
 }
 
 int ps_net_dial(nng_socket sock, const char *url, const ps_config *cfg, nng_dialer *dialer,
@@ -86,21 +93,16 @@ int ps_net_dial(nng_socket sock, const char *url, const ps_config *cfg, nng_dial
     nng_dialer d;
     int rv = nng_dialer_create(&d, sock, url);
     if (rv != 0) return cm_err(errptr, CM_EIO, "cannot dial %s: %s", url, nng_strerror(rv));
-    if (is_tls(url)) {
-        nng_tls_config *tls;
-        int rc = tls_config(cfg, NNG_TLS_MODE_CLIENT, url, &tls, errptr);
-        if (rc != CM_OK) return rc;
-        rv = nng_dialer_set_ptr(d, NNG_OPT_TLS_CONFIG, tls);
-        nng_tls_config_free(tls);
-        if (rv != 0)
-            return cm_err(errptr, CM_EIO, "cannot set TLS on %s: %s", url, nng_strerror(rv));
-    }
+    int rc = is_tls(url) ? endpoint_tls(cfg, url, NULL, &d, errptr) : CM_OK;
     /* Non-blocking: the dialer keeps retrying in the background, so a PS that starts later
      * (or restarts) is picked up; requests time out on their own. */
-    rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK);
-    if (rv != 0) return cm_err(errptr, CM_EIO, "cannot dial %s: %s", url, nng_strerror(rv));
-    if (dialer) *dialer = d;
-    return CM_OK;
+    if (rc == CM_OK && (rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK)) != 0)
+        rc = cm_err(errptr, CM_EIO, "cannot dial %s: %s", url, nng_strerror(rv));
+    if (rc != CM_OK)
+        nng_dialer_close(d); /* a failover dials again: failed dialers would pile up */
+    else if (dialer)
+        *dialer = d;
+    return rc;
 }
 
 int ps_msg_new(const ps_hdr *h, size_t payload_len, nng_msg **out, uint8_t **payload)
