@@ -136,6 +136,15 @@ int ember_serve_writer_create(const char *dir, ember_serve_precision precision, 
     return CM_OK;
 }
 
+int ember_serve_writer_source(ember_serve_writer *w, uint64_t source, uint64_t base_source,
+                              char **errptr)
+{
+    (void)errptr;
+    manifest_add(w, "source %016" PRIx64 "\n", source);
+    if (w->delta) manifest_add(w, "base_source %016" PRIx64 "\n", base_source);
+    return CM_OK;
+}
+
 void ember_serve_writer_abort(ember_serve_writer *w)
 {
     if (w == NULL) return;
@@ -476,6 +485,16 @@ static int layer_open(const char *dir, serve_layer *L, char **errptr)
     L->delta = !strcmp(type, "delta");
     L->step = step;
     L->base_step = base;
+    unsigned long long src = 0, bsrc = 0;
+    const char *sv = mf_value(text, "source"), *bv = mf_value(text, "base_source");
+    L->has_source = sv != NULL;
+    if ((sv && sscanf(sv, "%llx", &src) != 1) || (L->has_source && L->delta && !bv) ||
+        (bv && sscanf(bv, "%llx", &bsrc) != 1)) {
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: a bad source line", path);
+        goto out;
+    }
+    L->source = src;
+    L->base_source = bsrc;
     /* Files, then tables (each table names a file listed before it). */
     for (char *p = text; rc == CM_OK && p < cl; p = strchr(p, '\n') + 1) {
         char fname[128];
@@ -562,6 +581,16 @@ int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr)
         layer_close(&L);
         return cm_err(errptr, CM_EINVAL, "%s is not a delta on step %" PRIu64 " of this model",
                       delta, top->step);
+    }
+    /* Same step and model, but taken against other content (another run, or a run resumed
+     * from elsewhere): its rows would silently mix with a base they do not belong to. */
+    if (L.has_source && top->has_source && L.base_source != top->source) {
+        const uint64_t against = L.base_source;
+        layer_close(&L);
+        return cm_err(errptr, CM_EINVAL,
+                      "%s was taken against checkpoint content %016" PRIx64
+                      ", but this handle serves %016" PRIx64 " (another run's step %" PRIu64 "?)",
+                      delta, against, top->source, top->step);
     }
     for (int i = 0; i < L.n_tables; i++)
         if (strcmp(L.tables[i].name, h->layers[0].tables[i].name) ||

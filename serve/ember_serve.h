@@ -4,9 +4,11 @@
  * Design
  * ------
  * A bundle is a directory written by `ember export`:
- *   MANIFEST          "name value" lines: type (full|delta), step, base_step, precision, one
- *                     "file NAME SIZE XXH3" per file, one "table NAME DIM ROWS" per table, and
- *                     last "checksum XXH3" over every byte before it.
+ *   MANIFEST          "name value" lines: type (full|delta), step, base_step, precision,
+ *                     source (and for a delta base_source: digests of the checkpoint contents
+ *                     it was taken from and against), one "file NAME SIZE XXH3" per file, one
+ *                     "table NAME DIM ROWS" per table, and last "checksum XXH3" over every
+ *                     byte before it.
  *   model.txt         the model's shape (kind, fields, dense, dim, hidden, bottom, seed, pool).
  *   dense-tower.bin   {magic "EMBSDNS1", u32 version, u32 0, u64 n} n floats, xxh3 trailer.
  *   table-NAME.bin    a 64-byte header {magic "EMBSTAB1", u32 version, dim, precision,
@@ -52,7 +54,8 @@ typedef struct ember_serve ember_serve;
 
 /* Maps and verifies a full bundle. *out is the caller's (ember_serve_close). */
 int ember_serve_open(const char *bundle, ember_serve **out, char **errptr);
-/* Stacks a delta bundle whose base_step equals the handle's current step. */
+/* Stacks a delta bundle whose base_step equals the handle's current step (and, where both
+ * carry one, whose base source equals the handle's current source). */
 int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr);
 /* Unmaps everything. NULL is fine. */
 void ember_serve_close(ember_serve *h);
@@ -103,6 +106,13 @@ typedef struct ember_serve_writer ember_serve_writer;
  * the step of the checkpoint it is relative to. */
 int ember_serve_writer_create(const char *dir, ember_serve_precision precision, int delta,
                               uint64_t step, uint64_t base_step, ember_serve_writer **out,
+                              char **errptr);
+/* What the bundle holds, as a digest of the checkpoint content it was taken from (source),
+ * and for a delta the digest of the base checkpoint it was taken against (base_source):
+ * apply_delta stacks a delta only on a handle that serves exactly that base. Without it a
+ * delta of another run at the same step (same model text) would stack on the wrong base.
+ * Optional: bundles without it are stacked by step and model alone. */
+int ember_serve_writer_source(ember_serve_writer *w, uint64_t source, uint64_t base_source,
                               char **errptr);
 int ember_serve_writer_model(ember_serve_writer *w, const char *model_text, char **errptr);
 int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_t n,

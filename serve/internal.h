@@ -3,6 +3,7 @@
 #define EMBER_SERVE_INTERNAL_H
 
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "serve/ember_serve.h"
@@ -31,6 +32,8 @@ typedef struct serve_table {
 typedef struct serve_layer {
     int delta, n_tables;
     uint64_t step, base_step;
+    bool has_source; /* the MANIFEST names its source (ember_serve_writer_source) */
+    uint64_t source, base_source;
     char *model;
     serve_map dense_map;
     const float *dense;

@@ -117,6 +117,25 @@ static int delta_rows(rows *cur, const rows *old, uint64_t **deleted, uint64_t *
     return rc;
 }
 
+/* A table's part of a checkpoint's identity: its name, dim, row count and the sum of its rows'
+ * hashes (free of order: a resharded checkpoint holds the same). */
+static uint64_t table_digest(const char *name, const rows *t)
+{
+    uint64_t sum = 0;
+    for (uint64_t i = 0; i < t->n; i++)
+        sum += XXH3_64bits_withSeed(t->w + i * t->dim, t->dim * sizeof(float), t->keys[i]);
+    uint64_t v[3] = {t->dim, t->n, sum};
+    return XXH3_64bits_withSeed(v, sizeof v, XXH3_64bits(name, strlen(name)));
+}
+
+/* A checkpoint's identity (ember_serve_writer_source): its tables' digests and its tower. */
+static uint64_t content_id(const uint64_t *digests, uint32_t n, const float *tower,
+                           uint64_t n_tower)
+{
+    return XXH3_64bits_withSeed(digests, n * sizeof *digests,
+                                XXH3_64bits(tower, n_tower * sizeof *tower));
+}
+
 static int load_table(const char *ckpt, const char *name, rows *t, char **errptr)
 {
     emb_table_config cfg;
@@ -331,7 +350,11 @@ int cmd_export(int argc, char **argv)
     snprintf(path, sizeof path, "%s/model.txt", ckpt);
     if (rc == CM_OK) rc = cm_read_sealed(path, &model, &mlen, &err);
     if (rc == CM_OK) rc = ps_checkpoint_dense(ckpt, "tower", &tower, &n_tower, &err);
-    for (uint32_t i = 0; rc == CM_OK && i < n_t; i++) rc = load_table(ckpt, tnames[i], &tabs[i], &err);
+    uint64_t dig[PS_MAX_TABLES], old_dig[PS_MAX_TABLES];
+    for (uint32_t i = 0; rc == CM_OK && i < n_t; i++) {
+        rc = load_table(ckpt, tnames[i], &tabs[i], &err);
+        dig[i] = rc == CM_OK ? table_digest(tnames[i], &tabs[i]) : 0;
+    }
     if (rc == CM_OK && bundle)
         rc = ember_serve_writer_create(out, prec, since != NULL, step, old_step, &w, &err);
     if (rc == CM_OK && bundle) rc = ember_serve_writer_model(w, model, &err);
@@ -342,6 +365,7 @@ int cmd_export(int argc, char **argv)
         if (since) {
             rows old = {0};
             rc = load_table(old_ckpt, tnames[i], &old, &err);
+            old_dig[i] = rc == CM_OK ? table_digest(tnames[i], &old) : 0;
             if (rc == CM_OK) rc = delta_rows(&tabs[i], &old, &deleted, &n_deleted, &err);
             rows_free(&old);
         }
@@ -351,6 +375,17 @@ int cmd_export(int argc, char **argv)
         total += tabs[i].n;
         total_deleted += n_deleted;
         free(deleted);
+    }
+    if (rc == CM_OK && bundle) {
+        /* The base's tower too: the delta's base is the whole checkpoint it was taken against. */
+        float *old_tower = NULL;
+        uint64_t n_old_tower = 0;
+        if (since) rc = ps_checkpoint_dense(old_ckpt, "tower", &old_tower, &n_old_tower, &err);
+        if (rc == CM_OK)
+            rc = ember_serve_writer_source(
+                w, content_id(dig, n_t, tower, n_tower),
+                since ? content_id(old_dig, n_t, old_tower, n_old_tower) : 0, &err);
+        free(old_tower);
     }
     if (rc == CM_OK && bundle) {
         rc = ember_serve_writer_commit(w, &err);

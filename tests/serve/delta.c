@@ -8,7 +8,8 @@
  *   - The C API: lookups of every key of the full export (and of the base's keys, and misses)
  *     on base + deltas equal lookups on the full bundle, value for value and found for found.
  *   - Refusals: a delta on the wrong base (or twice), a full bundle as a delta, a delta opened as
- *     a base, a delta of another model; the handle keeps serving as before after a refusal.
+ *     a base, a delta of another model, a delta of another run at the same steps (its base
+ *     source differs); the handle keeps serving as before after a refusal.
  *   - Deletions (TTL-like), built with ember_serve_writer_*: keys a delta deletes read as zeros
  *     with found = 0; a later delta can bring them back; deleting an absent key is harmless.
  */
@@ -408,5 +409,26 @@ int main(void)
         free(tower);
     }
     ember_serve_close(hf);
+
+    /* A delta of another run (same model text, same steps, other batches): taken against
+     * other content, it is refused on this run's step-20 base; and its own base takes it. */
+    rc = su_ember("train --train shards/train --eval shards/eval --model deepfm --out run2 "
+                  "--no-progress --max-steps 40 --checkpoint-every 20 --batch 256 --device cpu");
+    if (rc == 0)
+        rc =
+            su_ember("export --checkpoint run2/ckpt/step-40 --since run2/ckpt/step-20 --out r2d40");
+    if (rc == 0) rc = su_ember("export --checkpoint run2/ckpt/step-20 --out r2base20");
+    CHECK_MSG(rc == 0, "the second run and its exports: exit %d", rc);
+    ember_serve *h20 = su_open(su_path("base20-fp32"), NULL);
+    if (rc == 0 && h20) {
+        char *err = NULL;
+        expect_refused(ember_serve_apply_delta(h20, su_path("r2d40"), &err), &err,
+                       "another run's delta", "taken against checkpoint content");
+        CHECK(ember_serve_step(h20) == 20);
+        ember_serve *h2 = su_open(su_path("r2base20"), (const char *[]){su_path("r2d40"), NULL});
+        CHECK_MSG(h2 && ember_serve_step(h2) == 40, "the second run's delta on its own base");
+        ember_serve_close(h2);
+    }
+    ember_serve_close(h20);
     return check_done();
 }
