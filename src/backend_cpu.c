@@ -507,23 +507,19 @@ typedef struct fact {
     bool simd;  /* the AVX-512 kernels (d 16, H a multiple of FACT_COLS, the CPU has them) */
     uint32_t F, d, D, H, in, wb, nblk; /* wb: a forward column block's width; nblk = H / wb */
     uint32_t gb, ngb;                  /* the backward's column blocks: gb wide, ngb = H / gb */
-    uint32_t max_u;
-    uint32_t *stamp, *uid, *key_ptr, gen; /* per key (max_u, key_ptr max_u + 1) */
-    uint32_t *field_ptr; /* F + 1: field f's units are [field_ptr[f], field_ptr[f + 1]) */
     float *wt; /* W1^T in column blocks: W1[h][i] at wt[((h / wb) * in + i) * wb + h % wb] */
     float *wf; /* the fields' blocks of W1, row by row: W1[h][f d + q] at wf[(f H + h) d + q] */
-    /* Per batch (cap_nnz entries; units <= entries): */
-    uint32_t *ent_unit;                         /* each CSR entry's unit */
-    uint32_t *unit_key, *unit_field, *unit_ptr; /* a unit's key, field, entries */
-    uint32_t *ue_s;      /* the units' entries [unit_ptr[i], unit_ptr[i + 1]): sample, in order */
-    float *ue_v;         /* ... and value */
-    uint32_t *key_units; /* key u's units [key_ptr[u], key_ptr[u + 1]), in field order */
+    model_units own; /* a batch's units where it comes without (model_batch.units) */
+    /* The step's batch's units (model_units; its own, or fact.own): */
+    const uint32_t *field_ptr, *ent_unit, *unit_key, *unit_field, *unit_ptr, *ue_s, *key_ptr,
+        *key_units;
+    const float *ue_v;
     /* cap_pg floats: P by column blocks of wb (forward), then, for the portable kernels, G
      * by column blocks of 16 (backward: G[unit][h] at pg[(h / 16 * n_units + unit) * 16 +
      * h % 16]) */
     float *pg;
     float *dep; /* in pg after G: each unit's row gradient part of each backward block */
-    size_t cap_nnz, cap_pg;
+    size_t cap_pg;
     uint32_t n_units;
 } fact;
 
@@ -1080,9 +1076,10 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
  * parts) and adding their terms to dW_f's rows of the block (in L1 too); then it sums each
  * key's units' parts. G itself is never stored (the portable kernels keep it in pg). Summing
  * dW_f there rather than in the dense-gradient phase moves ~1/8 of the layer's work before the
- * emb_ready hook but saves G's 13 MB round trip through L3: whole ipc runs ~+18%. A batch is
- * indexed first (fact_index: its units, serially; their entries, field by field on the pool;
- * each key's units).
+ * emb_ready hook but saves G's 13 MB round trip through L3: whole ipc runs ~+18%. A batch
+ * steps on its units (model_units: its (field, key) pairs, their entries, each key's units),
+ * which the trainer builds on its builder thread (model_batch.units; ~1 ms a batch that the
+ * stepping thread walked alone while the pool waited); a batch without them is indexed here.
  *
  * Each output element has one fixed summation order (below), so the results are the same bits
  * for any thread count; the AVX-512 kernels and the portable ones compute the same bits
@@ -1109,20 +1106,10 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
 
 static void fact_free(fact *x)
 {
-    free(x->stamp);
-    free(x->uid);
-    free(x->key_ptr);
-    free(x->field_ptr);
     free(x->wt);
     free(x->wf);
-    free(x->ent_unit);
-    free(x->unit_key);
-    free(x->unit_field);
-    free(x->unit_ptr);
-    free(x->ue_s);
-    free(x->ue_v);
-    free(x->key_units);
     free(x->pg);
+    model_units_fini(&x->own);
     memset(x, 0, sizeof *x);
 }
 
@@ -1155,120 +1142,10 @@ static int fact_init(cpu *c, uint32_t flags)
     x->simd = !(flags & BACKEND_NO_SIMD) && __builtin_cpu_supports("avx512f") && x->d == 16 &&
               x->H % FACT_COLS == 0;
 #endif
-    size_t U = x->max_u = c->max_u;
-    x->stamp = calloc(U + 1, sizeof *x->stamp);
-    x->uid = malloc((U + 1) * sizeof *x->uid);
-    x->key_ptr = malloc((U + 2) * sizeof *x->key_ptr);
-    x->field_ptr = malloc((x->F + 1) * sizeof *x->field_ptr);
     x->wt = malloc((size_t)x->in * x->H * sizeof *x->wt);
     x->wf = aligned_alloc(64, ((size_t)x->F * x->H * x->d * sizeof *x->wf + 63) / 64 * 64);
-    if (!x->stamp || !x->uid || !x->key_ptr || !x->field_ptr || !x->wt || !x->wf) return CM_ENOMEM;
+    if (!x->wt || !x->wf) return CM_ENOMEM;
     return CM_OK;
-}
-
-/* Room for a batch of nnz entries; false (the batch then takes the GEMM) without memory. */
-static bool fact_reserve(fact *x, size_t nnz)
-{
-    if (nnz <= x->cap_nnz && x->ent_unit != NULL) return true;
-    size_t cap = nnz + nnz / 4 + 64;
-    uint32_t **u32[] = {&x->ent_unit, &x->unit_key, &x->unit_field,
-                        &x->unit_ptr, &x->ue_s,     &x->key_units};
-    bool ok = true;
-    for (size_t i = 0; i < sizeof u32 / sizeof *u32; i++) {
-        free(*u32[i]);
-        ok = (*u32[i] = malloc((cap + 1) * sizeof(uint32_t))) != NULL && ok;
-    }
-    free(x->ue_v);
-    ok = (x->ue_v = malloc(cap * sizeof(float))) != NULL && ok;
-    x->cap_nnz = ok ? cap : 0;
-    return ok;
-}
-
-/* fact_index's second walk, a job of the pool. */
-typedef struct fact_fill {
-    fact *x;
-    const model_batch *b;
-} fact_fill;
-
-/* fact_index's entries by unit for a part of the fields: each field's units and entries are
- * its own, and each unit's entries go in sample order whoever fills them. */
-static void fact_fill_part(void *arg, int part, int nparts)
-{
-    const fact_fill *a = arg;
-    fact *x = a->x;
-    const model_batch *b = a->b;
-    const uint32_t F = x->F;
-    uint32_t *cur = x->key_units; /* the fill cursor until its own turn */
-    size_t f0, f1;
-    part_range(F, part, nparts, &f0, &f1);
-    for (size_t f = f0; f < f1; f++)
-        for (uint32_t s = 0; s < b->B; s++) {
-            size_t r = (size_t)s * F + f;
-            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
-                uint32_t e = cur[x->ent_unit[k]]++;
-                x->ue_s[e] = s;
-                x->ue_v[e] = b->val[k];
-            }
-        }
-}
-
-/*
- * The batch's units, numbered field by field, in each field in the order the samples first
- * use them; each unit's entries in sample order; each key's units in field order. A plain
- * pass over A's entries (serial), then one by field on the pool (fact_fill_part): depends on
- * the batch only. False, and left unfinished, as soon as there are more than max_units: the
- * batch then takes the GEMM, and a batch where nearly every slot is its own unit pays for a
- * third of the first walk, not for the index.
- */
-static bool fact_index(pool *p, fact *x, const model_batch *b, uint32_t max_units)
-{
-    const uint32_t F = x->F, B = b->B;
-    if (x->gen > UINT32_MAX - F - 1) { /* a stamp could repeat: start the generations over */
-        memset(x->stamp, 0, ((size_t)x->max_u + 1) * sizeof *x->stamp);
-        x->gen = 0;
-    }
-    uint32_t n = 0;
-    for (uint32_t f = 0; f < F; f++) {
-        x->field_ptr[f] = n;
-        const uint32_t g = ++x->gen;
-        for (uint32_t s = 0; s < B; s++) {
-            size_t r = (size_t)s * F + f;
-            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
-                uint32_t u = b->col[k];
-                if (x->stamp[u] != g) {
-                    if (n == max_units) return false;
-                    x->stamp[u] = g;
-                    x->uid[u] = n;
-                    x->unit_key[n] = u;
-                    x->unit_field[n] = f;
-                    x->unit_ptr[n + 1] = 0;
-                    n++;
-                }
-                x->ent_unit[k] = x->uid[u];
-                x->unit_ptr[x->uid[u] + 1]++;
-            }
-        }
-    }
-    x->field_ptr[F] = n;
-    x->n_units = n;
-    x->unit_ptr[0] = 0;
-    for (uint32_t i = 0; i < n; i++)
-        x->unit_ptr[i + 1] += x->unit_ptr[i];
-    /* The entries by unit, on the pool (key_units is the fill cursor until its own turn). */
-    memcpy(x->key_units, x->unit_ptr, n * sizeof *x->key_units);
-    fact_fill ff = {x, b};
-    pool_run(p, fact_fill_part, &ff);
-    /* Each key's units (uid is the fill cursor now). */
-    memset(x->key_ptr, 0, ((size_t)b->U + 1) * sizeof *x->key_ptr);
-    for (uint32_t i = 0; i < n; i++)
-        x->key_ptr[x->unit_key[i] + 1]++;
-    for (uint32_t u = 0; u < b->U; u++) {
-        x->key_ptr[u + 1] += x->key_ptr[u];
-        x->uid[u] = x->key_ptr[u];
-    }
-    for (uint32_t i = 0; i < n; i++)
-        x->key_units[x->uid[x->unit_key[i]]++] = i;
-    return true;
 }
 
 /*
@@ -1283,16 +1160,39 @@ static bool fact_index(pool *p, fact *x, const model_batch *b, uint32_t max_unit
  */
 #define FACT_MAX_UNITS 0.35
 
-/* Whether this batch takes the factorized layer: indexes it, applies the cost model (the batch
- * alone decides, so a run is reproducible) and sizes its buffers. */
+/* The most units for which a batch of B rows of F fields takes the factorized layer (0:
+ * never), the cost model's bound: the batch alone decides, so a run is reproducible. */
+static uint32_t fact_max_units(const fact *x, uint32_t B, uint32_t F)
+{
+    if (!x->on) return 0;
+    if (x->force) return UINT32_MAX;
+    double most = FACT_MAX_UNITS * (double)B * F;
+    return most < 1 ? 0 : (uint32_t)most;
+}
+
+/* Whether this batch takes the factorized layer: takes or builds its units (model_units),
+ * applies the cost model and sizes its buffers. */
 static bool fact_plan(cpu *c, const model_batch *b)
 {
     fact *x = &c->fx;
-    if (!x->on || b->B == 0) return false;
-    size_t nnz = b->row_ptr[(size_t)b->B * x->F];
-    if (!fact_reserve(x, nnz)) return false;
-    double most = x->force ? (double)UINT32_MAX : FACT_MAX_UNITS * (double)b->B * x->F;
-    if (!fact_index(&c->pool, x, b, (uint32_t)most)) return false;
+    const uint32_t most = fact_max_units(x, b->B, x->F);
+    if (most == 0 || b->B == 0) return false;
+    const model_units *u = b->units;
+    if (u == NULL) {
+        if (model_units_build(&x->own, b, most, NULL) != CM_OK) return false;
+        u = &x->own;
+    }
+    if (u->over || u->n > most) return false;
+    x->field_ptr = u->field_ptr;
+    x->ent_unit = u->ent_unit;
+    x->unit_key = u->unit_key;
+    x->unit_field = u->unit_field;
+    x->unit_ptr = u->unit_ptr;
+    x->ue_s = u->ue_s;
+    x->ue_v = u->ue_v;
+    x->key_ptr = u->key_ptr;
+    x->key_units = u->key_units;
+    x->n_units = u->n;
     /* G's blocks of 16 columns are whole even where H is not a multiple of 16. */
     const size_t hg = (x->H + 15) / 16 * 16;
     size_t need = (size_t)x->n_units * (hg + (size_t)x->ngb * x->d) + 16;
@@ -2052,13 +1952,19 @@ static int cpu_prefetch(void *state, const float *params, const model_batch *b, 
     return CM_OK;
 }
 
-/* Only spmm_t reads A's columns, and the mlp's factorized first layer has no spmm_t (it indexes
- * its (field, key) units itself, fact_index); a batch the cost model declines scans A instead
+/* Only spmm_t reads A's columns, and the mlp's factorized first layer has no spmm_t (it steps
+ * on the batch's units, model_units); a batch the cost model declines scans A instead
  * (spmm_t_part: the same bits). */
 static bool cpu_columns(const void *state)
 {
     const cpu *c = state;
     return !(c->fx.on && c->m.kind == MODEL_MLP);
+}
+
+static uint32_t cpu_max_units(const void *state, uint32_t B, uint32_t F)
+{
+    const cpu *c = state;
+    return F == c->fx.F ? fact_max_units(&c->fx, B, F) : 0;
 }
 
 const backend_ops backend_cpu_ops = {
@@ -2069,4 +1975,5 @@ const backend_ops backend_cpu_ops = {
     .step = cpu_step,
     .join = cpu_join,
     .columns = cpu_columns,
+    .max_units = cpu_max_units,
 };

@@ -1257,6 +1257,6 @@ static bool cuda_columns(const void *state)
 }
 
 static const backend_ops cuda_ops = {"cuda",    cuda_create, cuda_destroy, cuda_prefetch,
-                                     cuda_step, NULL,        cuda_columns};
+                                     cuda_step, NULL,        cuda_columns, NULL};
 
 extern "C" const backend_ops *const backend_cuda_module_ops = &cuda_ops;

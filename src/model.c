@@ -256,6 +256,7 @@ void model_staging_fini(model_staging *s)
     free(s->t_ptr);
     free(s->t_row);
     free(s->t_val);
+    model_units_fini(&s->units);
     memset(s, 0, sizeof *s);
 }
 
@@ -338,6 +339,7 @@ int model_staging_build(model_staging *s, const model_cfg *m, const model_layout
     s->D = D;
     s->nnz = nnz;
     s->indexed = false;
+    s->has_units = false;
     if (b->labels) memcpy(s->labels, b->labels, s->B * sizeof(float));
     else memset(s->labels, 0, s->B * sizeof(float));
     for (size_t i = 0; i < (size_t)s->B * D; i++) s->dense[i] = squash(b->dense[i]);
@@ -417,6 +419,146 @@ int model_staging_index(model_staging *s, char **errptr)
     return CM_OK;
 }
 
+/* Room for a batch of U keys, F fields and nnz entries (units <= entries). */
+static int units_reserve(model_units *x, uint32_t U, uint32_t F, size_t nnz, char **errptr)
+{
+    if (U + 1 > x->cap_u) {
+        size_t cap = (size_t)U + U / 4 + 64;
+        uint32_t *st = calloc(cap + 1, sizeof *st), *uid = malloc((cap + 1) * sizeof *uid),
+                 *kp = malloc((cap + 2) * sizeof *kp);
+        if (!st || !uid || !kp) {
+            free(st);
+            free(uid);
+            free(kp);
+            return cm_err(errptr, CM_ENOMEM, "out of memory for the units of %u keys", U);
+        }
+        free(x->stamp);
+        free(x->uid);
+        free(x->key_ptr);
+        x->stamp = st, x->uid = uid, x->key_ptr = kp;
+        x->gen = 0; /* fresh stamps */
+        x->cap_u = cap;
+    }
+    if (F + 1 > x->cap_f) {
+        uint32_t *fp = malloc((F + 1) * sizeof *fp);
+        if (fp == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        free(x->field_ptr);
+        x->field_ptr = fp;
+        x->cap_f = F + 1;
+    }
+    if (nnz > x->cap_nnz || x->ent_unit == NULL) {
+        size_t cap = nnz + nnz / 4 + 64;
+        uint32_t **u32[] = {&x->ent_unit, &x->unit_key, &x->unit_field,
+                            &x->unit_ptr, &x->ue_s,     &x->key_units};
+        bool ok = true;
+        for (size_t i = 0; i < sizeof u32 / sizeof *u32; i++) {
+            free(*u32[i]);
+            ok = (*u32[i] = malloc((cap + 1) * sizeof(uint32_t))) != NULL && ok;
+        }
+        free(x->ue_v);
+        ok = (x->ue_v = malloc(cap * sizeof(float))) != NULL && ok;
+        x->cap_nnz = ok ? cap : 0;
+        if (!ok)
+            return cm_err(errptr, CM_ENOMEM, "out of memory for the units of %zu entries", nnz);
+    }
+    return CM_OK;
+}
+
+/* The units, field by field (a generation of stamps a field, so a key used by two fields is a
+ * unit of each); then each unit's entries, field by field too; then each key's units. The
+ * first walk stops at more than max_units: a batch where nearly every slot is its own unit
+ * then pays for a third of it, not for the index. */
+int model_units_build(model_units *x, const model_batch *b, uint32_t max_units, char **errptr)
+{
+    const uint32_t F = b->F, B = b->B;
+    const size_t nnz = b->row_ptr[(size_t)B * F];
+    int rc = units_reserve(x, b->U, F, nnz, errptr);
+    if (rc != CM_OK) return rc;
+    if (x->gen > UINT32_MAX - F - 1) { /* a stamp could repeat: start the generations over */
+        memset(x->stamp, 0, (x->cap_u + 1) * sizeof *x->stamp);
+        x->gen = 0;
+    }
+    x->over = false;
+    uint32_t n = 0;
+    for (uint32_t f = 0; f < F; f++) {
+        x->field_ptr[f] = n;
+        const uint32_t g = ++x->gen;
+        for (uint32_t s = 0; s < B; s++) {
+            size_t r = (size_t)s * F + f;
+            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+                uint32_t u = b->col[k];
+                if (x->stamp[u] != g) {
+                    if (n == max_units) {
+                        x->over = true;
+                        return CM_OK;
+                    }
+                    x->stamp[u] = g;
+                    x->uid[u] = n;
+                    x->unit_key[n] = u;
+                    x->unit_field[n] = f;
+                    x->unit_ptr[n + 1] = 0;
+                    n++;
+                }
+                x->ent_unit[k] = x->uid[u];
+                x->unit_ptr[x->uid[u] + 1]++;
+            }
+        }
+    }
+    x->field_ptr[F] = n;
+    x->n = n;
+    x->unit_ptr[0] = 0;
+    for (uint32_t i = 0; i < n; i++)
+        x->unit_ptr[i + 1] += x->unit_ptr[i];
+    /* The entries by unit (key_units is the fill cursor until its own turn). */
+    uint32_t *cur = x->key_units;
+    memcpy(cur, x->unit_ptr, n * sizeof *cur);
+    for (uint32_t f = 0; f < F; f++)
+        for (uint32_t s = 0; s < B; s++) {
+            size_t r = (size_t)s * F + f;
+            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+                uint32_t e = cur[x->ent_unit[k]]++;
+                x->ue_s[e] = s;
+                x->ue_v[e] = b->val[k];
+            }
+        }
+    /* Each key's units (uid is the fill cursor now). */
+    memset(x->key_ptr, 0, ((size_t)b->U + 1) * sizeof *x->key_ptr);
+    for (uint32_t i = 0; i < n; i++)
+        x->key_ptr[x->unit_key[i] + 1]++;
+    for (uint32_t u = 0; u < b->U; u++) {
+        x->key_ptr[u + 1] += x->key_ptr[u];
+        x->uid[u] = x->key_ptr[u];
+    }
+    for (uint32_t i = 0; i < n; i++)
+        x->key_units[x->uid[x->unit_key[i]]++] = i;
+    return CM_OK;
+}
+
+void model_units_fini(model_units *x)
+{
+    free(x->field_ptr);
+    free(x->ent_unit);
+    free(x->unit_key);
+    free(x->unit_field);
+    free(x->unit_ptr);
+    free(x->ue_s);
+    free(x->ue_v);
+    free(x->key_ptr);
+    free(x->key_units);
+    free(x->stamp);
+    free(x->uid);
+    memset(x, 0, sizeof *x);
+}
+
+int model_staging_units(model_staging *s, uint32_t max_units, char **errptr)
+{
+    model_batch mb;
+    model_staging_view(s, &mb);
+    int rc = model_units_build(&s->units, &mb, max_units, errptr);
+    s->has_units = rc == CM_OK;
+    return rc;
+}
+
 void model_staging_view(const model_staging *s, model_batch *mb)
 {
     memset(mb, 0, sizeof *mb);
@@ -435,5 +577,6 @@ void model_staging_view(const model_staging *s, model_batch *mb)
         mb->t_row = s->t_row;
         mb->t_val = s->t_val;
     }
+    if (s->has_units) mb->units = &s->units;
 }
 

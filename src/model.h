@@ -76,6 +76,36 @@ void model_init_params(const model_cfg *m, const model_layout *l, float *params)
 /* FLOPs of forward + backward per sample of the dense tower (GEMMs only): the roofline count. */
 double model_flops_per_sample(const model_layout *l);
 
+/*
+ * A batch's units: its distinct (field, key) pairs, numbered field by field, in each field in
+ * the order its samples first use them; each unit's entries in sample order; each key's units
+ * in field order. The cpu backend's factorized first layer steps on them (backend_cpu.c, "The
+ * factorized first layer"); the trainer builds them with the staging, on its builder thread,
+ * so that the stepping thread does not walk the batch (model_units_build). Zero-initialise
+ * before first use; the buffers grow and are reused.
+ */
+typedef struct model_units {
+    uint32_t n;          /* units */
+    bool over;           /* there were more than max_units: nothing else is valid */
+    uint32_t *field_ptr; /* F + 1: field f's units are [field_ptr[f], field_ptr[f + 1]) */
+    uint32_t *ent_unit;  /* each CSR entry's unit */
+    uint32_t *unit_key, *unit_field, *unit_ptr; /* a unit's key, field, entries (n + 1) */
+    uint32_t *ue_s;                /* the units' entries [unit_ptr[i], unit_ptr[i + 1]): sample */
+    float *ue_v;                   /* ... and value */
+    uint32_t *key_ptr, *key_units; /* key u's units [key_ptr[u], key_ptr[u + 1]), field order */
+    /* private to model_units_build */
+    uint32_t *stamp, *uid, gen;
+    size_t cap_u, cap_f, cap_nnz;
+} model_units;
+
+struct model_batch;
+/* Builds the units of b (its row_ptr, col and val; b->units is not read), or only sets over,
+ * walking no further, at more than max_units. The result depends on the batch alone. CM_OK,
+ * or CM_ENOMEM with the units left invalid. */
+int model_units_build(model_units *x, const struct model_batch *b, uint32_t max_units,
+                      char **errptr);
+void model_units_fini(model_units *x);
+
 /* A batch in the model's layout. Arrays are borrowed. */
 typedef struct model_batch {
     uint32_t B, F, D, U;
@@ -97,6 +127,9 @@ typedef struct model_batch {
      * t_val; NULL when the staging has not built them (model_staging_index). */
     const uint32_t *t_ptr, *t_row;
     const float *t_val;
+    /* Optional: the batch's units, built with the bound backend_ops.max_units gave for it;
+     * NULL where the staging has not built them (a backend that steps on units then does). */
+    const model_units *units;
 } model_batch;
 
 /* Raw rows as a reader or a serving caller has them (datasets' ds_batch layout). */
@@ -124,6 +157,8 @@ typedef struct model_staging {
     uint32_t *t_ptr, *t_row, cap_tu, cap_tn; /* model_staging_index; valid when indexed */
     float *t_val;
     bool indexed;
+    model_units units; /* model_staging_units; valid when has_units */
+    bool has_units;
 } model_staging;
 
 int model_staging_build(model_staging *s, const model_cfg *m, const model_layout *l, int mean_pool,
@@ -135,6 +170,9 @@ int model_staging_index(model_staging *s, char **errptr);
 /* seen[i] = 1 where keys[i] is one of the distinct keys s was last built with, else 0: the
  * lookup of its dedup table, which stays valid until the next build. */
 void model_staging_seen(const model_staging *s, const uint64_t *keys, uint32_t n, uint32_t *seen);
+/* Builds the batch's units (model_batch.units) as it now stands, with the bound max_units:
+ * call it after any reordering of ukeys and col. model_staging_build clears them. */
+int model_staging_units(model_staging *s, uint32_t max_units, char **errptr);
 /* The staged batch as the backends take it. */
 void model_staging_view(const model_staging *s, model_batch *mb);
 
@@ -206,6 +244,10 @@ typedef struct backend_ops {
      * the trainer's staging builds them only for a backend that does; a step must take a batch
      * without them all the same. Fixed for the life of the state. */
     bool (*columns)(const void *state);
+    /* Optional (NULL: none). The most units (model_units) for which a step of a batch of B
+     * rows and F fields steps on its units, 0 where it never does: the trainer's staging
+     * builds them, with this bound, only for a backend that takes them. */
+    uint32_t (*max_units)(const void *state, uint32_t B, uint32_t F);
 } backend_ops;
 
 extern const backend_ops backend_cpu_ops;

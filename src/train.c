@@ -287,10 +287,11 @@ static int stage_order(stage *s, const setup *S, const model_staging *prev, char
 }
 
 /* Copies a reader batch into the model layout and deduplicates its keys; prev: the batch
- * before it (stage_order), or NULL; columns: A's columns too, for a backward step on a backend
- * that reads them (backend_ops.columns). */
+ * before it (stage_order), or NULL. For the backend be steps on: A's columns, for a backward
+ * step (bwd) on a backend that reads them (backend_ops.columns), and the batch's units where
+ * it takes them (backend_ops.max_units), so its stepping thread need not walk the batch. */
 static int stage_build(stage *s, const setup *S, const ds_batch *b, const model_staging *prev,
-                       bool columns, char **errptr)
+                       void *be, bool bwd, char **errptr)
 {
     if (s->params == NULL && (s->params = malloc(S->l.n_params * sizeof(float) + 1)) == NULL)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
@@ -298,7 +299,11 @@ static int stage_build(stage *s, const setup *S, const ds_batch *b, const model_
                       b->dense,  b->offsets, b->keys,     b->weights};
     int rc = model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
     if (rc == CM_OK) rc = stage_order(s, S, prev, errptr);
-    return rc == CM_OK && columns ? model_staging_index(&s->ms, errptr) : rc;
+    const bool columns = bwd && (S->be->columns == NULL || S->be->columns(be));
+    if (rc == CM_OK && columns) rc = model_staging_index(&s->ms, errptr);
+    const uint32_t mu = S->be->max_units ? S->be->max_units(be, s->ms.B, s->ms.F) : 0;
+    if (rc == CM_OK && mu > 0) rc = model_staging_units(&s->ms, mu, errptr);
+    return rc;
 }
 
 /* Pulls the rows of the stage's keys [lo, hi); for evaluation read only (lookup), so unseen
@@ -397,7 +402,6 @@ typedef struct prefetch {
     ds_reader *r;
     ps_client *c;
     void *be; /* the worker's backend: the puller hands it each stage (stage_send) */
-    bool columns; /* its steps read A's columns: the builder stages them */
     stage st[N_STAGES];
     int state[N_STAGES];                  /* ST_* */
     int next_build, next_pull, next_take; /* ring positions */
@@ -463,7 +467,7 @@ static void *builder_main(void *arg)
         if (got == 1) p->left--;
         /* The stage before holds the batch before (built by this thread, rebuilt by no other). */
         const stage *prev = &p->st[(i + N_STAGES - 1) % N_STAGES];
-        if (got == 1) rc = stage_build(s, p->S, b, p->built ? &prev->ms : NULL, p->columns, &err);
+        if (got == 1) rc = stage_build(s, p->S, b, p->built ? &prev->ms : NULL, p->be, true, &err);
         p->built += got == 1 && rc == CM_OK;
         s->status = rc != CM_OK ? rc : got;
         pf_advance(p, i, ST_BUILT, &p->next_build, &err);
@@ -584,7 +588,6 @@ static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *
     p->r = r;
     p->c = c;
     p->be = be;
-    p->columns = S->be->columns == NULL || S->be->columns(be);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     /* Asynchronous fresh pulls take the tower from the dense push's reply (with a staleness
@@ -786,7 +789,7 @@ static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final,
             rc = cm_err(errptr, CM_ECORRUPT, "eval shards hold more rows than their index says");
             break;
         }
-        rc = stage_build(&s, S, b, NULL, false, errptr); /* forward only: no columns */
+        rc = stage_build(&s, S, b, NULL, be, false, errptr); /* forward only: no columns */
         if (rc == CM_OK) rc = stage_pull_rows(&s, S, c, true, errptr);
         if (rc == CM_OK && n == 0) rc = stage_pull_dense(&s, S, c, errptr); /* once */
         model_batch mb;

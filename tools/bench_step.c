@@ -87,6 +87,7 @@ static int run(model_kind kind, uint32_t threads, uint32_t B, uint32_t U, int st
     double *t0 = malloc(steps * sizeof(double)), *t1 = malloc(steps * sizeof(double)),
            *t2 = malloc(steps * sizeof(double));
     void *st = NULL;
+    model_units units = {0};
     int rc = -1;
     if (!params || !dparams || !dense || !labels || !val || !probs || !row_ptr || !col || !t0 ||
         !t1 || !t2)
@@ -120,6 +121,14 @@ static int run(model_kind kind, uint32_t threads, uint32_t B, uint32_t U, int st
         fprintf(stderr, "bench step: %s\n", err);
         goto out;
     }
+    /* The batch's units, built once outside the timed steps, as the trainer's builder thread
+     * builds each batch's beside its staging (model_batch.units). */
+    uint32_t mu = backend_cpu_ops.max_units ? backend_cpu_ops.max_units(st, B, FIELDS) : 0;
+    if (mu > 0 && model_units_build(&units, &mb, mu, &err) != CM_OK) {
+        fprintf(stderr, "bench step: %s\n", err);
+        goto out;
+    }
+    if (mu > 0) mb.units = &units;
     double loss;
     for (int pass = 0; pass < 2; pass++) {
         mb.emb_ready = pass ? hook : NULL;
@@ -146,6 +155,7 @@ static int run(model_kind kind, uint32_t threads, uint32_t B, uint32_t U, int st
     rc = 0;
 out:
     if (st) backend_cpu_ops.destroy(st);
+    model_units_fini(&units);
     free(err);
     free(params);
     free(dparams);

@@ -587,10 +587,13 @@ static void check_fact(model_kind kind)
     const char *name = model_kind_name(kind);
     batch t;
     memset(&t, 0, sizeof t);
-    outs ref, o, sc;
+    outs ref, o, sc, su;
     memset(&ref, 0, sizeof ref);
     memset(&o, 0, sizeof o);
     memset(&sc, 0, sizeof sc);
+    memset(&su, 0, sizeof su);
+    model_units units;
+    memset(&units, 0, sizeof units);
     void *st[4] = {NULL, NULL, NULL, NULL}; /* plain, factorized, portable, the backend's choice */
     const uint32_t flags[4] = {BACKEND_PLAIN, BACKEND_FACTORED, BACKEND_FACTORED | BACKEND_NO_SIMD,
                                0};
@@ -614,7 +617,8 @@ static void check_fact(model_kind kind)
                 }
                 be_flags = 0;
                 if (!st[0] || !st[1] || !st[2] || !st[3] || outs_alloc(&ref, &t) != 0 ||
-                    outs_alloc(&o, &t) != 0 || outs_alloc(&sc, &t) != 0) {
+                    outs_alloc(&o, &t) != 0 || outs_alloc(&sc, &t) != 0 ||
+                    outs_alloc(&su, &t) != 0) {
                     CHECK_MSG(0, "%s: cannot create the backends", name);
                     goto out;
                 }
@@ -665,6 +669,22 @@ static void check_fact(model_kind kind)
                          fact ? "factorized" : "plain");
                 outs_same(&t, fact ? &o : &ref, &sc, c2);
             }
+            /* The batch's units built outside the step, as the trainer's builder thread does
+             * (model_batch.units, with the bound backend_ops.max_units gives): the same bits as
+             * the step's own, forced and by the backend's choice. */
+            for (int i = 1; i < 4; i += 2) {
+                char *err = NULL;
+                batch tu = t;
+                uint32_t most = backend_cpu_ops.max_units(st[i], t.mb.B, FIELDS);
+                CHECK_MSG(most > 0, "%s: max_units 0 with the factorized layer on", ctx);
+                int rc2 = model_units_build(&units, &t.mb, most, &err);
+                CHECK_OK(rc2, err);
+                tu.mb.units = &units;
+                snprintf(c2, sizeof c2, "%s, units built outside the step (%s)", ctx,
+                         i == 1 ? "forced" : "the backend's choice");
+                if (rc2 == 0 && step(st[i], &t, &sc) == 0 && step(st[i], &tu, &su) == 0)
+                    outs_same(&t, &sc, &su, c2);
+            }
         }
 out:
     for (int i = 0; i < 4; i++)
@@ -672,6 +692,8 @@ out:
     outs_free(&ref);
     outs_free(&o);
     outs_free(&sc);
+    outs_free(&su);
+    model_units_fini(&units);
     batch_free(&t);
 }
 
