@@ -442,10 +442,15 @@ static int reserve_rows(sub *s, scratch *sc, const uint64_t *keys, const uint64_
  * A push to a table without a spill store. The one thing that can fail there is growing a
  * sub-shard for the rows the push creates, so a first pass reserves that room in every group
  * before the update pass, which then never has to grow and cannot fail: a push that fails has
- * changed nothing. Each pass locks one group at a time, as a pull does, so that concurrent pushes
- * overlap as before (holding every lock to the end would serialise them); the reservation keeps
- * other inserts out of the promised room in between. A row TTL expiry drops in between frees the
- * slot the update pass then re-creates it in (emb_table_expire).
+ * changed nothing. The reservation pass locks one group at a time, as a pull does, so that
+ * concurrent pushes overlap as before (holding every lock to the end would serialise them); the
+ * reservation keeps other inserts out of the promised room in between. A row TTL expiry drops in
+ * between frees the slot the update pass then re-creates it in (emb_table_expire).
+ * The update pass takes the step under its first group's lock and locks each next group before
+ * it releases the one before (in sub-shard order, as pause_all): a snapshot, which pauses the
+ * table in that order, then sees the push whole or not at all. Released one at a time, a snapshot
+ * could take the locks between the step and the first group, or between two groups, and record a
+ * step whose push it lacks, or half a push.
  */
 static int push_memory(emb_table *t, size_t n, const uint64_t *keys, const float *grads,
                        const uint64_t *hints, const uint64_t *h, const uint32_t *ord,
@@ -477,18 +482,24 @@ static int push_memory(emb_table *t, size_t n, const uint64_t *keys, const float
         scratch_fini(&sc);
         return push_failed(t, n, rc, why, errptr);
     }
-    uint64_t step = __atomic_add_fetch(&t->step, 1, __ATOMIC_RELAXED);
+    uint64_t step = 0;
+    sub *held = NULL;
     for (b = 0; b < t->n_sub; b++) {
         if (st[b] == st[b + 1]) continue;
         sub *s = &t->subs[b];
         pthread_mutex_lock(&s->mu);
+        if (held != NULL)
+            pthread_mutex_unlock(&held->mu);
+        else
+            step = __atomic_add_fetch(&t->step, 1, __ATOMIC_RELAXED);
+        held = s;
         sc.resv = &resv[b];
         int r = process_group(t, s, &sc, keys, h, ord + st[b], st[b + 1] - st[b], OP_PUSH, NULL,
                               grads, hints, NULL, step, &why);
         s->mem.reserved -= resv[b];
-        pthread_mutex_unlock(&s->mu);
         if (rc == CM_OK) rc = r; /* unreachable: the rows it inserts have their room */
     }
+    if (held != NULL) pthread_mutex_unlock(&held->mu);
     free(resv);
     scratch_fini(&sc);
     if (rc != CM_OK) cm_err(errptr, rc, "%s", why != NULL ? why : "push failed");
