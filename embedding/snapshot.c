@@ -5,7 +5,7 @@
  * u32 slots, u32 row_bytes, u64 rows}, the records, then the xxh3-64 of everything before it.
  * MANIFEST is text, one "name value" per line: the model config (floats in C99 hex, exact),
  * the step, the row count, "file rows.bin SIZE XXH3", and last "checksum XXH3" over every byte
- * before that line. Both are built in "<dir>.tmp.<pid>" and swapped into place with one
+ * before that line. Both are built in "<dir>.tmp.<pid>.<n>" and swapped into place with one
  * rename (RENAME_EXCHANGE when dir already exists), so a crash leaves the old snapshot or the
  * new one, never a mixture.
  */
@@ -135,7 +135,14 @@ int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
     char tmpdir[4096], mpath[4096], manifest[2048];
     size_t dlen = strlen(dir);
     while (dlen > 1 && dir[dlen - 1] == '/') dlen--;
-    snprintf(tmpdir, sizeof tmpdir, "%.*s.tmp.%ld", (int)dlen, dir, (long)getpid());
+    /* The temporary directory is this call's own: two threads snapshotting into one dir at
+     * once would otherwise remove and fill each other's files (the pid alone is shared). */
+    static unsigned snap_seq; /* atomic */
+    unsigned seq = __atomic_fetch_add(&snap_seq, 1, __ATOMIC_RELAXED);
+    int tlen =
+        snprintf(tmpdir, sizeof tmpdir, "%.*s.tmp.%ld.%u", (int)dlen, dir, (long)getpid(), seq);
+    if (tlen < 0 || (size_t)tlen >= sizeof tmpdir)
+        return cm_err(errptr, CM_EINVAL, "snapshot path too long: %s", dir);
     int rc = cm_rmtree(tmpdir, errptr);
     if (rc == CM_OK) rc = cm_mkdirs(tmpdir, errptr);
     if (rc != CM_OK) return rc;
