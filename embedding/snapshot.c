@@ -300,13 +300,23 @@ static int sink_chunk(const rows_sink *k, const uint8_t *buf, size_t nrows, size
     return CM_OK;
 }
 
-/* Reads rows.bin in chunks; with sink NULL it only verifies size, header and checksum. */
-static int rows_pass(const char *dir, const manifest *m, const rows_sink *sink, char **errptr)
+/* Opens dir's rows.bin (its path into path) for the passes of one restore or export. They all
+ * read this one descriptor, so the rows loaded are the bytes verified: opened by path per pass,
+ * a snapshot swapped into dir in between (RENAME_EXCHANGE by a writer) was loaded unverified,
+ * under the manifest of the one before. */
+static int rows_open(const char *dir, char *path, size_t n, int *fd, char **errptr)
 {
-    char path[4096];
-    if (path_join(path, sizeof path, dir, EMB_SNAP_ROWS, errptr) != CM_OK) return CM_EINVAL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return cm_err_errno(errptr, CM_ECORRUPT, "snapshot file %s", path);
+    if (path_join(path, n, dir, EMB_SNAP_ROWS, errptr) != CM_OK) return CM_EINVAL;
+    *fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (*fd < 0) return cm_err_errno(errptr, CM_ECORRUPT, "snapshot file %s", path);
+    return CM_OK;
+}
+
+/* Reads rows.bin (fd, from rows_open) in chunks; with sink NULL it only verifies size, header
+ * and checksum. */
+static int rows_pass(int fd, const char *path, const manifest *m, const rows_sink *sink,
+                     char **errptr)
+{
     int rc = CM_OK;
     uint8_t *buf = NULL;
     void *hs = NULL;
@@ -355,7 +365,6 @@ static int rows_pass(const char *dir, const manifest *m, const rows_sink *sink, 
 out:
     if (hs) XXH3_freeState(hs);
     free(buf);
-    close(fd);
     return rc;
 }
 
@@ -384,13 +393,15 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
     const char *bad = model_mismatch(&m.cfg, cfg);
     if (bad != NULL)
         return cm_err(errptr, CM_EINVAL, "snapshot %s: %s differs from the table config", dir, bad);
-    rc = rows_pass(dir, &m, NULL, errptr);
-    if (rc != CM_OK) return rc;
+    char path[4096];
+    int fd = -1;
     emb_table *t = NULL;
-    rc = emb_table_create(cfg, &t, errptr);
-    if (rc != CM_OK) return rc;
+    rc = rows_open(dir, path, sizeof path, &fd, errptr);
+    if (rc == CM_OK) rc = rows_pass(fd, path, &m, NULL, errptr);
+    if (rc == CM_OK) rc = emb_table_create(cfg, &t, errptr);
     rows_sink sink = {.t = t};
-    rc = rows_pass(dir, &m, &sink, errptr);
+    if (rc == CM_OK) rc = rows_pass(fd, path, &m, &sink, errptr);
+    if (fd >= 0) close(fd);
     if (rc != CM_OK) {
         emb_table_destroy(t);
         return rc;
@@ -403,10 +414,14 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
 int emb_snapshot_foreach(const char *dir, emb_row_cb cb, void *arg, char **errptr)
 {
     manifest m;
+    char path[4096];
+    int fd = -1;
     int rc = manifest_read(dir, &m, errptr);
-    if (rc == CM_OK) rc = rows_pass(dir, &m, NULL, errptr);
+    if (rc == CM_OK) rc = rows_open(dir, path, sizeof path, &fd, errptr);
+    if (rc == CM_OK) rc = rows_pass(fd, path, &m, NULL, errptr);
     rows_sink sink = {.cb = cb, .arg = arg, .cfg = &m.cfg};
-    if (rc == CM_OK) rc = rows_pass(dir, &m, &sink, errptr);
+    if (rc == CM_OK) rc = rows_pass(fd, path, &m, &sink, errptr);
+    if (fd >= 0) close(fd);
     return rc;
 }
 
