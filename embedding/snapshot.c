@@ -9,6 +9,7 @@
  * rename (RENAME_EXCHANGE when dir already exists), so a crash leaves the old snapshot or the
  * new one, never a mixture.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -130,6 +131,33 @@ static int manifest_format(const emb_table_config *c, uint64_t step, uint64_t ro
     return len + tail;
 }
 
+/* Whether dir may be replaced by a snapshot: absent, an empty directory, or one holding only
+ * what a snapshot holds. Replacing removes the old tree whole, so anything else (a mistyped
+ * path: a home or checkpoint root, a file) is refused instead of deleted. */
+static int check_replaceable(const char *dir, char **errptr)
+{
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return errno == ENOENT ? CM_OK : cm_err_errno(errptr, CM_EIO, "cannot stat %s", dir);
+    if (!S_ISDIR(st.st_mode))
+        return cm_err(errptr, CM_EINVAL, "snapshot path %s exists and is not a directory", dir);
+    DIR *d = opendir(dir);
+    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot open directory %s", dir);
+    int rc = CM_OK;
+    struct dirent *e;
+    while (rc == CM_OK && (e = readdir(d)) != NULL) {
+        const char *n = e->d_name;
+        if (strcmp(n, ".") != 0 && strcmp(n, "..") != 0 && strcmp(n, EMB_SNAP_MANIFEST) != 0 &&
+            strcmp(n, EMB_SNAP_ROWS) != 0)
+            rc = cm_err(errptr, CM_EINVAL,
+                        "refusing to replace %s with a snapshot: it holds %s, which no snapshot "
+                        "has",
+                        dir, n);
+    }
+    closedir(d);
+    return rc;
+}
+
 int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
 {
     char tmpdir[4096], mpath[4096], manifest[2048];
@@ -143,7 +171,10 @@ int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
         snprintf(tmpdir, sizeof tmpdir, "%.*s.tmp.%ld.%u", (int)dlen, dir, (long)getpid(), seq);
     if (tlen < 0 || (size_t)tlen >= sizeof tmpdir)
         return cm_err(errptr, CM_EINVAL, "snapshot path too long: %s", dir);
-    int rc = cm_rmtree(tmpdir, errptr);
+    char dcopy[4096];
+    snprintf(dcopy, sizeof dcopy, "%.*s", (int)dlen, dir);
+    int rc = check_replaceable(dcopy, errptr);
+    if (rc == CM_OK) rc = cm_rmtree(tmpdir, errptr);
     if (rc == CM_OK) rc = cm_mkdirs(tmpdir, errptr);
     if (rc != CM_OK) return rc;
     uint64_t size = 0, hash = 0, rows, step;
@@ -160,8 +191,6 @@ int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
             rc = len < 0 ? cm_err(errptr, CM_ERR, "manifest too long")
                      : cm_write_file_atomic(mpath, manifest, (size_t)len, errptr);
     }
-    char dcopy[4096];
-    snprintf(dcopy, sizeof dcopy, "%.*s", (int)dlen, dir);
     if (rc == CM_OK) rc = cm_fsync_dir(tmpdir, errptr);
     if (rc == CM_OK) rc = cm_dir_swap(tmpdir, dcopy, errptr);
     if (rc != CM_OK) cm_rmtree(tmpdir, NULL);

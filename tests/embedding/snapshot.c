@@ -266,6 +266,37 @@ int main(void)
     free(err);
     err = NULL;
 
+    /* a snapshot replaces only what a snapshot holds: an existing directory with anything else
+     * in it (a mistyped path) and a regular file are refused and left as they were, where the
+     * old tree used to be removed whole; an empty directory is fine */
+    char other[4200], keep[4400];
+    path_in(other, sizeof other, g_dir, "not_a_snapshot");
+    path_in(keep, sizeof keep, other, "keep.txt");
+    CHECK_OK(cm_mkdirs(other, &err), err);
+    CHECK_OK(cm_write_file_atomic(keep, "mine\n", 5, &err), err);
+    rc = emb_table_snapshot(orig, other, &err);
+    CHECK_MSG(rc < 0 && eu_has(err, other) && eu_has(err, "keep.txt"),
+              "snapshot into a directory of other files: rc=%d err=%s", rc, err ? err : "(none)");
+    free(err);
+    err = NULL;
+    CHECK_MSG(access(keep, R_OK) == 0, "a refused snapshot removed %s", keep);
+    rc = emb_table_snapshot(orig, keep, &err);
+    CHECK_MSG(rc < 0 && eu_has(err, keep), "snapshot onto a regular file: rc=%d err=%s", rc,
+              err ? err : "(none)");
+    free(err);
+    err = NULL;
+    void *kept = NULL;
+    size_t kept_len = 0;
+    CHECK_OK(cm_read_file(keep, &kept, &kept_len, &err), err);
+    CHECK(kept_len == 5 && kept != NULL && memcmp(kept, "mine\n", 5) == 0);
+    free(kept);
+    path_in(p, sizeof p, g_dir, "empty_dir");
+    CHECK_OK(cm_mkdirs(p, &err), err);
+    CHECK_OK(emb_table_snapshot(orig, p, &err), err);
+    t = restore_ok(p, &model);
+    CHECK(eu_diff_tables(orig, t, 1) == 0);
+    emb_table_destroy(t);
+
     /* an empty table round-trips too */
     emb_table *empty = eu_create(&model);
     path_in(p, sizeof p, g_dir, "snap_empty");
