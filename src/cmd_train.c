@@ -153,18 +153,23 @@ int cmd_train(int argc, char **argv)
     train_opts o;
     train_opts_init(&o);
     o.out_dir = "runs/train";
-    /* The config file first, so flags override it wherever they appear. */
-    for (int i = 1; i + 1 < argc; i++)
-        if (strcmp(argv[i], "--config") == 0) {
+    /* The config file first, so flags override it wherever they appear. getopt finds it, as
+     * it finds the flags below: --config=FILE and abbreviations (--conf FILE) are the same
+     * option and must not be skipped. Bad flags are reported by the second pass. */
+    int opt;
+    opterr = 0;
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", opts, NULL)) != -1)
+        if (opt == O_CONFIG) {
             char *err = NULL;
-            if (train_config_load(argv[i + 1], &o, &err) != CM_OK) {
+            if (train_config_load(optarg, &o, &err) != CM_OK) {
                 fprintf(stderr, "ember train: %s\n", err);
                 free(err);
                 return 2;
             }
         }
-    int opt;
-    optind = 1;
+    opterr = 1;
+    optind = 0; /* 0: glibc and musl start the scan afresh */
     while ((opt = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         uint64_t u = 0;
         int bad = 0;

@@ -6,7 +6,8 @@
  * gradients go non-finite (huge --dense-lr): it stops with a non-finite error and non-zero exit,
  * and the checkpoints an earlier run left in the same directory are untouched. A --resume with
  * other settings than the checkpoint's is refused, naming them. When one of two embedded
- * workers fails, the other stops at once and the failing one's error is reported.
+ * workers fails, the other stops at once and the failing one's error is reported. A config file
+ * given as --config=FILE or --conf FILE is read like --config FILE.
  */
 #include <sys/stat.h>
 #include <unistd.h>
@@ -136,6 +137,16 @@ int main(void)
     write_text("tf32-bad.ini", "[train]\ntf32 = 2\n");
     rc = run("train --train av/train --model lr --config tf32-bad.ini --out r3d --no-progress");
     CHECK_MSG(rc != 0 && err_has("bad value '2' for tf32"), "[train] tf32 = 2: exit %d", rc);
+    /* --config=FILE and an abbreviation getopt accepts (--conf FILE) name the same option as
+     * --config FILE: the file is read, not skipped for the defaults. */
+    rc = run("train --train av/train --model lr --config=tf32-bad.ini --batch 64 --max-steps 2 "
+             "--out r3d --no-progress");
+    CHECK_MSG(rc == 2 && err_has("bad value '2' for tf32"), "--config=FILE: exit %d, %s", rc,
+              err_text);
+    rc = run("train --train av/train --model lr --conf tf32-bad.ini --batch 64 --max-steps 2 "
+             "--out r3d --no-progress");
+    CHECK_MSG(rc == 2 && err_has("bad value '2' for tf32"), "--conf FILE: exit %d, %s", rc,
+              err_text);
 
     /* Unknown model, bad values. */
     rc = run("train --train ds/train --model bogus --out r4");
