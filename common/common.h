@@ -219,7 +219,8 @@ int cm_read_sealed(const char *path, char **text, size_t *len, char **errptr);
 /*
  * INI files: "[name]" or "[name arg]" section headers, "key = value" lines, '#' comments.
  * cb is called with key == NULL at each section header, then once per key; a non-zero return
- * stops the parse. Messages from cb are prefixed with "path:line: ".
+ * stops the parse. Messages from cb are prefixed with "path:line: ". A key given twice in
+ * the same section ([name arg]) is refused, naming both lines: cb never sees the second value.
  */
 typedef int (*cm_ini_cb)(void *arg, const char *section, const char *section_arg, const char *key,
                          const char *value, char **errptr);

@@ -54,6 +54,36 @@ int cm_parse_size(const char *v, uint64_t *out)
     return 0;
 }
 
+/* A key seen in a parse: "section\narg\nkey" and its line, for the duplicate check. */
+typedef struct ini_key {
+    char *id;
+    int line;
+} ini_key;
+
+/* Records key in section [name arg] at lineno; the line it was first seen on when it was seen
+ * before (a second value would silently win), 0 when new, -1 when out of memory. */
+static int ini_key_seen(ini_key **keys, size_t *n, const char *name, const char *arg,
+                        const char *key, int lineno)
+{
+    size_t len = strlen(name) + strlen(arg) + strlen(key) + 3;
+    char *id = malloc(len);
+    if (id == NULL) return -1;
+    snprintf(id, len, "%s\n%s\n%s", name, arg, key);
+    for (size_t i = 0; i < *n; i++)
+        if (strcmp((*keys)[i].id, id) == 0) {
+            free(id);
+            return (*keys)[i].line;
+        }
+    ini_key *k = realloc(*keys, (*n + 1) * sizeof *k);
+    if (k == NULL) {
+        free(id);
+        return -1;
+    }
+    *keys = k;
+    k[(*n)++] = (ini_key){id, lineno};
+    return 0;
+}
+
 int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
 {
     FILE *f = fopen(path, "r");
@@ -66,6 +96,8 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
     char line[4096], section[256] = "", sarg[256] = "";
     int rc = CM_OK, lineno = 0;
     char *err = NULL;
+    ini_key *keys = NULL;
+    size_t n_keys = 0;
     while (rc == CM_OK && fgets(line, sizeof line, f) != NULL) {
         lineno++;
         if (strchr(line, '\n') == NULL && !feof(f)) {
@@ -102,7 +134,16 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
                 break;
             }
             *eq = '\0';
-            rc = cb(arg, section, sarg, trim(s), trim(eq + 1), &err);
+            char *key = trim(s);
+            int first = ini_key_seen(&keys, &n_keys, section, sarg, key, lineno);
+            if (first != 0) {
+                rc = first < 0 ? cm_err(errptr, CM_ENOMEM, "out of memory")
+                               : cm_err(errptr, CM_EINVAL,
+                                        "%s:%d: duplicate key '%s' in [%s%s%s] (first on line %d)",
+                                        path, lineno, key, section, *sarg ? " " : "", sarg, first);
+                break;
+            }
+            rc = cb(arg, section, sarg, key, trim(eq + 1), &err);
         }
         if (rc != CM_OK)
             cm_err(errptr, rc < 0 ? rc : CM_EINVAL, "%s:%d: %s", path, lineno,
@@ -110,6 +151,9 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
         if (rc > 0) rc = CM_EINVAL;
     }
     free(err);
+    for (size_t i = 0; i < n_keys; i++)
+        free(keys[i].id);
+    free(keys);
     fclose(f);
     return rc;
 }

@@ -137,8 +137,8 @@ void ps_config_init(ps_config *cfg);
  *              pull_codec, reserve_rows (rows a shard's table is created for, K/M/G; see
  *              emb_table_config.reserve_rows)
  *   [dense NAME]  size, optimizer (adam|adagrad|sgd), lr, beta1, beta2, eps
- * '#' starts a comment. An unknown section or key, a bad value, or a missing required field is
- * an error naming the file and line. Tables and dense blocks get ids in file order.
+ * '#' starts a comment. An unknown section or key, a key given twice in a section, a bad
+ * value, or a missing required field is an error naming the file and line. Tables and dense blocks get ids in file order.
  */
 int ps_config_load(const char *path, ps_config *cfg, char **errptr);
 /* Validates a config (also run by ps_config_load). */

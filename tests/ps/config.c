@@ -128,6 +128,12 @@ static void test_errors(void)
     expect_error("[cluster\n", 1, "malformed section");
     expect_error("[cluster]\nshards\n", 2, "expected key = value");
     expect_error("[table t]\ndim = 4\n[table t]\ndim = 4\n", 3, "duplicate table 't'");
+    /* A key given twice is refused, not decided by its last value. */
+    expect_error("[cluster]\nshards = 2\nworkers = 1\nshards = 3\n", 4,
+                 "duplicate key 'shards' in [cluster] (first on line 2)");
+    expect_error("[table t]\ndim = 4\nlr = 0.1\n[cluster]\n[table u]\ndim = 4\n[table t]\n", 7,
+                 "duplicate table 't'");
+    expect_error("[dense d]\nsize = 4\nlr = 0.1\n  lr=0.2\n", 4, "duplicate key 'lr' in [dense d]");
     /* A table without dim: the error points at the table's section line. */
     expect_error("[cluster]\nshards = 2\n[table nodim]\nlr = 0.1\n[table ok]\ndim = 4\n", 3,
                  "nodim");

@@ -7,7 +7,8 @@
  * and the checkpoints an earlier run left in the same directory are untouched. A --resume with
  * other settings than the checkpoint's is refused, naming them. When one of two embedded
  * workers fails, the other stops at once and the failing one's error is reported. A config file
- * given as --config=FILE or --conf FILE is read like --config FILE.
+ * given as --config=FILE or --conf FILE is read like --config FILE; a key
+ * given twice in it, or in a cluster file, is refused.
  */
 #include <sys/stat.h>
 #include <unistd.h>
@@ -137,6 +138,11 @@ int main(void)
     write_text("tf32-bad.ini", "[train]\ntf32 = 2\n");
     rc = run("train --train av/train --model lr --config tf32-bad.ini --out r3d --no-progress");
     CHECK_MSG(rc != 0 && err_has("bad value '2' for tf32"), "[train] tf32 = 2: exit %d", rc);
+    /* A key given twice is refused with both lines, not decided by the last one. */
+    write_text("dup.ini", "[train]\nbatch = 64\n[model]\nkind = lr\n[train]\nbatch = 128\n");
+    rc = run("train --train av/train --config dup.ini --max-steps 2 --out r3d --no-progress");
+    CHECK_MSG(rc == 2 && err_has("dup.ini:6: duplicate key 'batch' in [train] (first on line 2)"),
+              "[train] batch twice: exit %d, %s", rc, err_text);
     /* --config=FILE and an abbreviation getopt accepts (--conf FILE) name the same option as
      * --config FILE: the file is read, not skipped for the defaults. */
     rc = run("train --train av/train --model lr --config=tf32-bad.ini --batch 64 --max-steps 2 "
@@ -198,6 +204,12 @@ int main(void)
              "--ps-timeout 1000 --out r4b --no-progress");
     CHECK_MSG(rc == 1 && err_has("127.0.0.1:1"), "unreachable PS: exit %d, stderr: %s", rc,
               err_text);
+    /* A cluster file's ps line given twice: refused, not read as more shards. */
+    write_text("twice.ini", "[cluster]\nps = tcp://127.0.0.1:1\nps = tcp://127.0.0.1:2\n");
+    rc = run_limit(20, "train --train ds/train --model lr --cluster twice.ini --role ps --index 1 "
+                       "--ps-timeout 1000 --out r4b --no-progress");
+    CHECK_MSG(rc != 0 && rc != 124 && err_has("twice.ini:3: duplicate key 'ps'"),
+              "ps given twice: exit %d, stderr: %s", rc, err_text);
     write_text("badurl.ini", "[cluster]\nps = foo://x\nworkers = 1\n");
     rc = run("train --train ds/train --model lr --cluster badurl.ini --role worker --index 0 "
              "--ps-timeout 1000 --out r4c --no-progress");
