@@ -1,4 +1,6 @@
 /* ember ps: serve one shard of every table in a cluster config, or print its memory plan. */
+#include <ctype.h>
+#include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <signal.h>
@@ -51,6 +53,26 @@ static int print_plan(const ps_config *cfg, uint64_t rows)
     return 0;
 }
 
+/* A whole decimal number for flag within lo..hi. An overflowing or out-of-range value is
+ * refused by name (strtol would clamp 99999999999999999999 to LONG_MAX, and a cast would make a
+ * shard of 2^32 shard 0), as is an empty one or one with junk after the digits. */
+static int ps_arg_num(const char *flag, const char *s, long long lo, long long hi, long long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end != '\0' || isspace((unsigned char)*s)) {
+        fprintf(stderr, "ember ps: bad number '%s' for %s\n", s, flag);
+        return -1;
+    }
+    if (errno == ERANGE || v < lo || v > hi) {
+        fprintf(stderr, "ember ps: %s %s out of range (%lld..%lld)\n", flag, s, lo, hi);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
 int cmd_ps(int argc, char **argv)
 {
     static const struct option opts[] = {{"config", required_argument, 0, 'c'},
@@ -66,56 +88,40 @@ int cmd_ps(int argc, char **argv)
                                          {0, 0, 0, 0}};
     const char *config = NULL, *listen = NULL, *replica = NULL, *ckroot = NULL;
     bool backup = false;
-    long shard = 0, shards = 0, contexts = 0;
-    long long plan = -1;
-    bool plan_given = false;
+    /* shards 0: the config's count; plan -1: serve. Given flags must be in range (--shards 0
+     * is not "no override"). */
+    long long shard = 0, shards = 0, contexts = 0, plan = -1;
     int o;
     optind = 1;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        char *end = NULL;
+        int bad = 0;
         switch (o) {
         case 'c': config = optarg; break;
         case 'l': listen = optarg; break;
         case 'C':
             ckroot = optarg;
             break;
-        case 's': shard = strtol(optarg, &end, 10); break;
-        case 'n': shards = strtol(optarg, &end, 10); break;
-        case 'k': contexts = strtol(optarg, &end, 10); break;
+        case 's':
+            bad = ps_arg_num("--shard", optarg, 0, PS_MAX_SHARDS - 1, &shard);
+            break;
+        case 'n':
+            bad = ps_arg_num("--shards", optarg, 1, PS_MAX_SHARDS, &shards);
+            break;
+        case 'k':
+            bad = ps_arg_num("--contexts", optarg, 0, 1024, &contexts);
+            break;
         case 'p':
-            plan = strtoll(optarg, &end, 10);
-            plan_given = true;
+            bad = ps_arg_num("--plan", optarg, 0, INT64_MAX, &plan);
             break;
         case 'r': replica = optarg; break;
         case 'b': backup = true; break;
         case 'h': ps_usage(stdout); return 0;
         default: ps_usage(stderr); return 2;
         }
-        if (end != NULL && (*end != '\0' || end == optarg)) {
-            fprintf(stderr, "ember ps: bad number '%s'\n", optarg);
-            return 2;
-        }
+        if (bad) return 2;
     }
     if (config == NULL || optind != argc || (backup && replica)) {
         ps_usage(stderr);
-        return 2;
-    }
-    /* Out-of-range numbers are refused by name rather than cast (a shard of 2^32 would serve
-     * as shard 0; a negative --plan would start a server instead of printing a plan). */
-    if (shard < 0 || shard >= PS_MAX_SHARDS) {
-        fprintf(stderr, "ember ps: --shard %ld out of range (0..%u)\n", shard, PS_MAX_SHARDS - 1);
-        return 2;
-    }
-    if (shards < 0 || shards > PS_MAX_SHARDS) {
-        fprintf(stderr, "ember ps: --shards %ld out of range (1..%u)\n", shards, PS_MAX_SHARDS);
-        return 2;
-    }
-    if (contexts < 0 || contexts > 1024) {
-        fprintf(stderr, "ember ps: --contexts %ld out of range (0..1024)\n", contexts);
-        return 2;
-    }
-    if (plan < -1 || (plan == -1 && plan_given)) {
-        fprintf(stderr, "ember ps: --plan %lld out of range (rows >= 0)\n", plan);
         return 2;
     }
     ps_config *cfg = malloc(sizeof *cfg);
@@ -135,7 +141,7 @@ int cmd_ps(int argc, char **argv)
     }
     char url[64];
     if (listen == NULL) {
-        snprintf(url, sizeof url, "tcp://127.0.0.1:%ld", 7400 + shard);
+        snprintf(url, sizeof url, "tcp://127.0.0.1:%lld", 7400 + shard);
         listen = url;
     }
     ps_server_opts so = {.cfg = cfg,
@@ -147,7 +153,7 @@ int cmd_ps(int argc, char **argv)
                          .checkpoint_root = ckroot};
     ps_server *s = NULL;
     if (ps_server_create(&so, &s, &err) != CM_OK) {
-        fprintf(stderr, "ember ps: shard %ld on %s: %s\n", shard, listen, err);
+        fprintf(stderr, "ember ps: shard %lld on %s: %s\n", shard, listen, err);
         free(err);
         free(cfg);
         return 1;
@@ -155,8 +161,11 @@ int cmd_ps(int argc, char **argv)
     running = s;
     signal(SIGINT, on_signal);
     signal(SIGTERM, on_signal);
-    fprintf(stderr, "ember ps: shard %ld of %u (%s) serving %u tables on %s\n", shard,
-            cfg->n_shards, backup ? "backup" : replica ? "primary, replicated" : "primary",
+    fprintf(stderr, "ember ps: shard %lld of %u (%s) serving %u tables on %s\n", shard,
+            cfg->n_shards,
+            backup    ? "backup"
+            : replica ? "primary, replicated"
+                      : "primary",
             cfg->n_tables, listen);
     ps_server_wait(s);
     running = NULL;
@@ -164,7 +173,7 @@ int cmd_ps(int argc, char **argv)
     ps_server_stats st;
     ps_server_stats_get(s, &st);
     fprintf(stderr,
-            "ember ps: shard %ld stopping: %" PRIu64 " requests, %" PRIu64 " errors, %" PRIu64
+            "ember ps: shard %lld stopping: %" PRIu64 " requests, %" PRIu64 " errors, %" PRIu64
             " bad messages\n",
             shard, st.requests, st.errors, st.bad_messages);
     ps_server_destroy(s);
