@@ -121,6 +121,10 @@ int cmd_ps(int argc, char **argv)
         if (bad) return 2;
     }
     if (config == NULL || optind != argc || (backup && replica)) {
+        fprintf(stderr, "ember ps: %s\n",
+                config == NULL   ? "--config is required"
+                : optind != argc ? "unexpected argument"
+                                 : "--backup and --replica exclude each other");
         ps_usage(stderr);
         return 2;
     }

@@ -228,6 +228,23 @@ static void test_plan_cli(void)
                   "'%s': %s", bad_args[i], msg ? msg : "(no message)");
         free(msg);
     }
+    /* A missing --config and conflicting flags are named, not left to the usage text. */
+    const char *usage_errors[][2] = {
+        {"--plan 10", "--config is required"},
+        {"--config plan.conf --backup --replica ipc:///nowhere --plan 1",
+         "--backup and --replica exclude each other"},
+        {"--config plan.conf --plan 1 stray", "unexpected argument"}};
+    for (size_t i = 0; i < sizeof usage_errors / sizeof usage_errors[0]; i++) {
+        snprintf(cmd, sizeof cmd, "cd '%s' && timeout 10 '%s' ps %s 2>'%s'", dir, bin,
+                 usage_errors[i][0], pt_path(dir, "usage.err"));
+        st = system(cmd);
+        char *msg = NULL;
+        size_t len = 0;
+        CHECK(cm_read_file(pt_path(dir, "usage.err"), (void **)&msg, &len, NULL) == CM_OK);
+        CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 2 && msg && strstr(msg, usage_errors[i][1]),
+                  "'%s': status %d, %s", usage_errors[i][0], st, msg ? msg : "(no message)");
+        free(msg);
+    }
 }
 
 int main(void)
