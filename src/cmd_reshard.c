@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "ps/ps.h"
 #include "src/cli.h"
@@ -15,7 +16,7 @@ static void reshard_usage(FILE *to)
     fprintf(to, "usage: ember reshard --from RUNDIR|CKPT --shards N --out RUNDIR\n"
                 "  writes RUNDIR/ckpt/step-S (rows identical, spread over N shards) and points\n"
                 "  RUNDIR/ckpt/LATEST at it; continue with ember train --out RUNDIR --shards N\n"
-                "  --resume\n");
+                "  --resume. RUNDIR must not be the run directory of --from.\n");
 }
 
 /* Copies the trainer's files that sit beside the shards (model.txt, worker-<i>.pos, and
@@ -97,6 +98,18 @@ int cmd_reshard(int argc, char **argv)
     snprintf(name, sizeof name, "step-%" PRIu64, step);
     snprintf(dst, sizeof dst, "%s/ckpt/%s", out, name);
     snprintf(latest, sizeof latest, "%s/ckpt/LATEST", out);
+    /* The new checkpoint replaces dst whole, and the side files are read from ckpt after that:
+     * when they are one directory (--out is --from's run directory, however spelt), the
+     * checkpoint would be replaced by one without model.txt, run.txt or positions. */
+    struct stat a, b;
+    if (rc == CM_OK && stat(ckpt, &a) == 0 && stat(dst, &b) == 0 && a.st_dev == b.st_dev &&
+        a.st_ino == b.st_ino) {
+        fprintf(stderr,
+                "ember reshard: --out %s would write over the checkpoint it reads (%s): give "
+                "another run directory\n",
+                out, ckpt);
+        return 2;
+    }
     if (rc == CM_OK) {
         char parent[4400];
         snprintf(parent, sizeof parent, "%s/ckpt", out);

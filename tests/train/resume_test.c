@@ -340,7 +340,8 @@ static long ckpt_rows(const char *ckpt, unsigned shards, const char *table)
 /* ember reshard: a 2-shard checkpoint spread over 3 shards keeps every row, carries model.txt,
  * the positions and run.txt (its shard count made 3, so a resume still checks the rest), and
  * resumes on 3 shards to the same AUC and logloss as the 2-shard run resumed (each row's
- * updates do not depend on which shard holds it). Damaged side files are refused, not copied. */
+ * updates do not depend on which shard holds it). Damaged side files are refused, not copied,
+ * and so is an --out that is --from's own run directory. */
 static void reshard_case(void)
 {
     const char *common = "--train ds/train --eval ds/eval --model mlp --batch 512 --no-progress "
@@ -358,6 +359,17 @@ static void reshard_case(void)
     free(latest);
     free(run2);
     free(run3);
+    /* --out naming --from's own run directory (however spelt) would replace the checkpoint
+     * being read by one without model.txt, run.txt or positions: refused, nothing touched. */
+    const char *same[] = {"--from S2 --out S2", "--from S2/ckpt/step-8 --out ./S2/"};
+    for (int i = 0; i < 2; i++) {
+        int rs = run("reshard %s --shards 3", same[i]);
+        CHECK_MSG(rs == 2 && err_has("--out") && err_has("write over the checkpoint"),
+                  "reshard %s: exit %d, %s", same[i], rs, err_text);
+    }
+    CHECK_MSG(exists("S2/ckpt/step-8/model.txt") && exists("S2/ckpt/step-8/run.txt") &&
+                  exists("S2/ckpt/step-8/worker-0.pos") && !exists("S2/ckpt/step-8/shard-2"),
+              "a refused reshard into S2 changed S2/ckpt/step-8");
     CHECK(run("train %s --shards 3 --max-steps 12 --resume --out S3", common) == 0);
     char *a3 = strdup(last_line());
     CHECK(run("train %s --shards 2 --max-steps 12 --resume --out S2", common) == 0);
