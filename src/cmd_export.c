@@ -294,9 +294,11 @@ static int check_out(const char *out, bool dir_format, const char *marker, const
 
 static void export_usage(FILE *to)
 {
-    fprintf(to, "usage: ember export --checkpoint DIR --out PATH [--precision fp32|fp16|int8]\n"
-                "                    [--since OLD_CHECKPOINT] [--format bundle|safetensors|rocksdb]\n"
-                "  DIR is a checkpoint (ckpt/step-N) or a run directory (its ckpt/LATEST)\n");
+    fprintf(to,
+            "usage: ember export --checkpoint DIR --out PATH [--precision fp32|fp16|int8]\n"
+            "                    [--since OLD_CHECKPOINT] [--format bundle|safetensors|rocksdb]\n"
+            "  DIR is a checkpoint (ckpt/step-N) or a run directory (its ckpt/LATEST)\n"
+            "  --precision and --since are for bundles (safetensors and RocksDB hold fp32)\n");
 }
 
 int cmd_export(int argc, char **argv)
@@ -305,7 +307,7 @@ int cmd_export(int argc, char **argv)
                                          {"precision", 1, 0, 'p'},  {"since", 1, 0, 's'},
                                          {"format", 1, 0, 'f'},     {"help", 0, 0, 'h'},
                                          {0, 0, 0, 0}};
-    const char *in = NULL, *out = NULL, *since = NULL, *format = "bundle";
+    const char *in = NULL, *out = NULL, *since = NULL, *format = "bundle", *prec_name = NULL;
     ember_serve_precision prec = EMBER_SERVE_FP32;
     int o;
     optind = 1;
@@ -320,6 +322,7 @@ int cmd_export(int argc, char **argv)
                 fprintf(stderr, "ember export: unknown precision '%s'\n", optarg);
                 return 2;
             }
+            prec_name = optarg;
             break;
         case 'h': export_usage(stdout); return 0;
         default: export_usage(stderr); return 2;
@@ -327,8 +330,22 @@ int cmd_export(int argc, char **argv)
     }
     bool bundle = !strcmp(format, "bundle"), st = !strcmp(format, "safetensors"),
          rdb = !strcmp(format, "rocksdb");
-    if (in == NULL || out == NULL || optind != argc || !(bundle || st || rdb) || (since && !bundle)) {
-        fprintf(stderr, "ember export: %s\n", since && !bundle ? "--since needs --format bundle" : "bad arguments");
+    /* Each mistake named; safetensors and RocksDB store fp32 only, so another precision would
+     * be silently ignored. */
+    char why[256] = "";
+    if (in == NULL || out == NULL)
+        snprintf(why, sizeof why, "%s is required", in == NULL ? "--checkpoint" : "--out");
+    else if (optind != argc)
+        snprintf(why, sizeof why, "unexpected argument '%s'", argv[optind]);
+    else if (!(bundle || st || rdb))
+        snprintf(why, sizeof why, "unknown --format '%s' (bundle, safetensors, rocksdb)", format);
+    else if (since && !bundle)
+        snprintf(why, sizeof why, "--since needs --format bundle");
+    else if (prec != EMBER_SERVE_FP32 && !bundle)
+        snprintf(why, sizeof why, "--precision %s needs --format bundle (%s stores fp32)",
+                 prec_name, format);
+    if (why[0] != '\0') {
+        fprintf(stderr, "ember export: %s\n", why);
         export_usage(stderr);
         return 2;
     }

@@ -7,6 +7,7 @@
  *   - safetensors: /usr/bin/python3 with numpy parses the file (header, dtypes, shapes, offsets),
  *     dumps row counts, sampled keys with their rows (%.9g, exact for fp32), the model text and
  *     the tower; the C side compares them with ember_serve_lookup and the bundle.
+ *   - a --precision other than fp32 with either format, and an unknown --format, are refused.
  * Without numpy the safetensors half cannot run: the test then exits 77 (ctest: skipped) once the
  * RocksDB half has passed.
  */
@@ -289,6 +290,22 @@ int main(void)
     free(keep);
     free(me);
     if (rc != 0) return check_done();
+    /* A precision safetensors or RocksDB cannot store is refused, not ignored (the file said
+     * fp32 and exit 0), and an unknown format is named: exit 2, nothing written. */
+    const char *refused[][2] = {
+        {"--out x.safetensors --format safetensors --precision int8",
+         "--precision int8 needs --format bundle"},
+        {"--out xr --format rocksdb --precision fp16", "--precision fp16 needs --format bundle"},
+        {"--out xf --format onnx", "unknown --format 'onnx'"}};
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        int r = su_ember("export --checkpoint run-deepfm %s", refused[i][0]);
+        char *err = su_slurp(su_path("err.txt"), NULL);
+        CHECK_MSG(r == 2 && err && strstr(err, refused[i][1]), "export %s: exit %d, %s",
+                  refused[i][0], r, err ? err : "(no message)");
+        free(err);
+    }
+    CHECK(access(su_path("x.safetensors"), F_OK) != 0 && access(su_path("xr"), F_OK) != 0 &&
+          access(su_path("xf"), F_OK) != 0);
     ember_serve *h = su_open(su_path("b"), NULL);
     uint64_t n_tower = 0;
     float *tower = bundle_tower(&n_tower);
