@@ -12,8 +12,12 @@
 
 static void predict_usage(FILE *to)
 {
-    fprintf(to, "usage: ember predict --bundle DIR [--delta DIR]... --data SHARDS --out FILE\n"
-                "  writes one probability per row (in shard order) to FILE\n");
+    fprintf(
+        to,
+        "usage: ember predict --bundle DIR [--delta DIR]... --data SHARDS --out FILE [--batch N]\n"
+        "  writes one probability per row (in shard order) to FILE\n"
+        "  --delta DIR  a delta bundle (ember export --since) applied on top, in order (<= 64)\n"
+        "  --batch N    rows scored per call (default 4096, at most 1000000)\n");
 }
 
 int cmd_predict(int argc, char **argv)

@@ -485,6 +485,14 @@ int main(void)
         CHECK(access(su_path("p.txt"), F_OK) != 0);
         free(err);
     }
+    /* Every option predict takes is in its --help. */
+    rc = su_ember("predict --help");
+    char *help = su_slurp(su_path("out.txt"), NULL);
+    const char *opts[] = {"--bundle", "--delta", "--data", "--out", "--batch"};
+    for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++)
+        CHECK_MSG(rc == 0 && help && strstr(help, opts[i]), "predict --help lacks %s: %s", opts[i],
+                  help ? help : "(none)");
+    free(help);
     absent_keys(tab, tab_len);
     free(tab);
     free(dns);
