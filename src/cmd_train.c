@@ -27,7 +27,7 @@ static void train_usage(FILE *to)
         "                       [train] (batch, epochs, emb_lr, dense_lr, emb_optimizer,\n"
         "                       push_codec, memory, shuffle, staleness, checkpoint_every,\n"
         "                       eval_every, tf32, bf16, expected_rows, dense_mirror,\n"
-        "                       dense_optimizer)\n"
+        "                       dense_optimizer, worker_timeout, keep_checkpoints)\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
         "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
         "                       fp32; EMBER_CUDA_TF32=1 too); cpu: ignored\n"

@@ -143,6 +143,35 @@ int main(void)
     rc = run("train --train av/train --config dup.ini --max-steps 2 --out r3d --no-progress");
     CHECK_MSG(rc == 2 && err_has("dup.ini:6: duplicate key 'batch' in [train] (first on line 2)"),
               "[train] batch twice: exit %d, %s", rc, err_text);
+    /* Every key the config file takes is listed in --help. */
+    rc = run("train --help");
+    const char *keys[] = {"kind",
+                          "dim",
+                          "hidden",
+                          "bottom",
+                          "seed",
+                          "pool",
+                          "batch",
+                          "epochs",
+                          "emb_lr",
+                          "dense_lr",
+                          "emb_optimizer",
+                          "dense_optimizer",
+                          "push_codec",
+                          "memory",
+                          "shuffle",
+                          "staleness",
+                          "checkpoint_every",
+                          "eval_every",
+                          "worker_timeout",
+                          "keep_checkpoints",
+                          "tf32",
+                          "bf16",
+                          "dense_mirror",
+                          "expected_rows"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        CHECK_MSG(rc == 0 && strstr(out_text, keys[i]), "train --help lacks config key %s",
+                  keys[i]);
     /* --config=FILE and an abbreviation getopt accepts (--conf FILE) name the same option as
      * --config FILE: the file is read, not skipped for the defaults. */
     rc = run("train --train av/train --model lr --config=tf32-bad.ini --batch 64 --max-steps 2 "
