@@ -239,6 +239,14 @@ int main(void)
                        "--ps-timeout 1000 --out r4b --no-progress");
     CHECK_MSG(rc != 0 && rc != 124 && err_has("twice.ini:3: duplicate key 'ps'"),
               "ps given twice: exit %d, stderr: %s", rc, err_text);
+    /* A tcp URL without a port (nng listens on one of the kernel's choosing, which no worker
+     * dials): refused naming the file, line and URL, not served until killed. */
+    write_text("noport.ini",
+               "[cluster]\nworkers = 1\nps = tcp://127.0.0.1:7400, tcp://127.0.0.1\n");
+    rc = run_limit(20, "train --train ds/train --model lr --cluster noport.ini --role ps --index 1 "
+                       "--ps-timeout 1000 --out r4b --no-progress");
+    CHECK_MSG(rc == 1 && err_has("noport.ini:3: bad URL 'tcp://127.0.0.1'"),
+              "tcp URL without a port: exit %d, stderr: %s", rc, err_text);
     write_text("badurl.ini", "[cluster]\nps = foo://x\nworkers = 1\n");
     rc = run("train --train ds/train --model lr --cluster badurl.ini --role worker --index 0 "
              "--ps-timeout 1000 --out r4c --no-progress");
