@@ -53,7 +53,8 @@ static void train_usage(FILE *to)
         "  --worker-timeout MS  a worker silent this long no longer holds back clocks and\n"
         "                       barriers (default 0: wait for it)\n"
         "  --progress | --no-progress\n"
-        "  --cluster FILE --role ps|backup|worker --index I   one role of a multi-process job\n");
+        "  --cluster FILE --role ps|backup|worker --index I   one role of a multi-process job\n"
+        "                       (the three together)\n");
 }
 
 static int parse_uint(const char *s, uint64_t max, uint64_t *out)
@@ -333,6 +334,12 @@ int cmd_train(int argc, char **argv)
     if (o.cluster_path == NULL && (o.role != NULL || index_set)) {
         fprintf(stderr, "ember train: --role and --index are for one role of a cluster job: "
                         "give --cluster FILE too (without it the whole job runs here)\n");
+        return 2;
+    }
+    /* No default index: two processes started without one would both be shard or worker 0. */
+    if (o.cluster_path != NULL && !index_set) {
+        fprintf(stderr, "ember train: --cluster needs --index (which %s this process is)\n",
+                o.role);
         return 2;
     }
     if (o.eval_every && o.eval_path == NULL) {

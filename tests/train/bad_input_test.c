@@ -239,6 +239,12 @@ int main(void)
                        "--ps-timeout 1000 --out r4b --no-progress");
     CHECK_MSG(rc != 0 && rc != 124 && err_has("twice.ini:3: duplicate key 'ps'"),
               "ps given twice: exit %d, stderr: %s", rc, err_text);
+    /* A role without --index is refused, not made index 0 (a second such process would be
+     * another worker 0). */
+    rc = run_limit(20, "train --train ds/train --model lr --cluster dead.ini --role worker "
+                       "--ps-timeout 1000 --out r4b --no-progress");
+    CHECK_MSG(rc == 2 && err_has("--cluster needs --index"), "--role without --index: exit %d, %s",
+              rc, err_text);
     /* A tcp URL without a port (nng listens on one of the kernel's choosing, which no worker
      * dials): refused naming the file, line and URL, not served until killed. */
     write_text("noport.ini",
