@@ -65,6 +65,16 @@ static int parse_uint(const char *s, uint64_t max, uint64_t *out)
     return 0;
 }
 
+/* Cuts path back to its parent directory ("a/b/c" -> "a/b"); false when it has none to cut to
+ * ("a", "/a"). */
+static bool train_path_parent(char *path)
+{
+    char *slash = strrchr(path, '/');
+    if (slash == NULL || slash == path) return false;
+    *slash = '\0';
+    return true;
+}
+
 int cmd_train(int argc, char **argv)
 {
     int index_set = 0;
@@ -353,27 +363,29 @@ int cmd_train(int argc, char **argv)
     }
     char *err = NULL;
     struct stat st;
-    bool existed = stat(o.out_dir, &st) == 0;
-    if (cm_mkdirs(o.out_dir, &err) != CM_OK) {
-        fprintf(stderr, "ember train: %s\n", err);
-        free(err);
-        return 1;
-    }
+    /* The shallowest directory of --out that does not exist yet ("" when --out does): what a
+     * failed run removes again, parents that cm_mkdirs made for it included. */
+    char made[4200] = "", path[4200];
+    snprintf(path, sizeof path, "%s", o.out_dir);
+    for (bool up = true; up && stat(path, &st) != 0; up = train_path_parent(path))
+        snprintf(made, sizeof made, "%s", path);
     train_result r;
-    int rc = train_run(&o, &r, &err);
+    int rc = cm_mkdirs(o.out_dir, &err);
+    if (rc == CM_OK) rc = train_run(&o, &r, &err);
     if (rc != CM_OK) {
         fprintf(stderr, "ember train: %s\n", err ? err : "failed");
         free(err);
-        if (!existed) {
+        if (made[0] != '\0') {
             /* A run that failed before writing anything leaves no run directory behind (only
              * empty directories go: rmdir refuses the others). */
-            char path[4200];
             const char *sub[] = {"ckpt", "logs"};
             for (int i = 0; i < 2; i++) {
                 snprintf(path, sizeof path, "%s/%s", o.out_dir, sub[i]);
                 rmdir(path);
             }
-            rmdir(o.out_dir);
+            snprintf(path, sizeof path, "%s", o.out_dir);
+            for (bool up = true; up && strlen(path) >= strlen(made); up = train_path_parent(path))
+                rmdir(path);
         }
         return 1;
     }

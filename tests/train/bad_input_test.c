@@ -97,6 +97,12 @@ int main(void)
     /* A run that failed before writing anything leaves no run directory behind. */
     rc = run("train --train no/such/dir --out never-made --no-progress");
     CHECK_MSG(rc != 0 && !exists("never-made"), "a failed run left never-made/ (exit %d)", rc);
+    /* ... nor the parents made for it, and only those. */
+    rc = run("train --train no/such/dir --out never/made/here/ --no-progress");
+    CHECK_MSG(rc != 0 && !exists("never"), "a failed run left never/ (exit %d)", rc);
+    CHECK(mkdir(strcat(strcpy((char[8300]){0}, dir), "/kept"), 0755) == 0);
+    rc = run("train --train no/such/dir --out kept/made/here --no-progress");
+    CHECK_MSG(rc != 0 && exists("kept") && !exists("kept/made"), "kept/: exit %d", rc);
     rc = run("train --train ds/train --eval-every 5 --no-progress --out bad-ee");
     CHECK_MSG(rc != 0 && err_has("--eval-every needs --eval"),
               "--eval-every without --eval: exit %d", rc);
