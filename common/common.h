@@ -226,7 +226,8 @@ typedef int (*cm_ini_cb)(void *arg, const char *section, const char *section_arg
                          const char *value, char **errptr);
 int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr);
 
-/* Parses an unsigned decimal with an optional K/M/G/T (binary) suffix. 0 or -1. */
+/* Parses an unsigned decimal with an optional K/M/G/T (binary) suffix: digits from the first
+ * character (no blanks, no sign), nothing after the suffix, no overflow. 0 or -1. */
 int cm_parse_size(const char *v, uint64_t *out);
 
 #ifdef __cplusplus

@@ -21,7 +21,9 @@ int cm_parse_size(const char *v, uint64_t *out)
 {
     char *end;
     errno = 0;
-    if (*v == '-' || *v == '\0') return -1;
+    /* Digits first: strtoull skips leading blanks and takes a sign, so " -1" would read as
+     * 2^64 - 1 (an unlimited --max-steps) and " 5" or "+5" as 5. */
+    if (*v < '0' || *v > '9') return -1;
     unsigned long long x = strtoull(v, &end, 10);
     if (errno || end == v) return -1;
     uint64_t mult = 1;

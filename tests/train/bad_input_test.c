@@ -225,6 +225,13 @@ int main(void)
         {"--staleness", "4294967295"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) bad_flag(bad[i][0], bad[i][1]);
+    /* A blank before a sign is not skipped: ' -1' is not 2^64 - 1 (unlimited steps). */
+    const char *blank[] = {"--max-steps", "--checkpoint-every", "--seed", "--memory", "--batch"};
+    for (size_t i = 0; i < sizeof blank / sizeof blank[0]; i++) {
+        rc = run("train --train ds/train --model lr --out bad --no-progress %s ' -1'", blank[i]);
+        CHECK_MSG(rc == 2 && err_has(blank[i]) && err_has("' -1'"), "%s ' -1': exit %d", blank[i],
+                  rc);
+    }
     rc = run("train --train ds/train --frobnicate --out r4");
     CHECK_MSG(rc == 2, "unknown flag: exit %d", rc);
     rc = run("train --train ds/train stray-argument --out r4");
