@@ -31,7 +31,9 @@ static int parse_float(const char *v, float *out)
 {
     char *end;
     double x = strtod(v, &end);
-    if (end == v || *end != '\0' || !isfinite(x)) return -1;
+    /* Finite as a float too: 1e39 is a finite double but an infinite float, which a dense
+     * block's lr would then be. */
+    if (end == v || *end != '\0' || !isfinite(x) || !isfinite((float)x)) return -1;
     *out = (float)x;
     return 0;
 }

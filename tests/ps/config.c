@@ -120,6 +120,9 @@ static void test_errors(void)
     expect_error("\n[table t]\ndim = 4\noptimizer = rmsprop\n", 4, "bad value 'rmsprop'");
     expect_error("[table t]\ndim = 4\nlr = fast\n", 3, "bad value 'fast' for lr");
     expect_error("[table t]\ndim = 4\nlr = inf\n", 3, "bad value");
+    /* Finite as a double, infinite as the float it is stored in. */
+    expect_error("[dense d]\nsize = 4\nlr = 1e39\n", 3, "bad value '1e39' for lr");
+    expect_error("[table t]\ndim = 4\nbeta2 = -1e39\n", 3, "bad value '-1e39' for beta2");
     expect_error("[table t]\ndim = 4\npush_codec = fp8\n", 3, "bad value 'fp8'");
     expect_error("[dense d]\nsize = 4\noptimizer = adamw\n", 3, "bad value 'adamw'");
     expect_error("[cluster]\n[clusters]\n", 2, "unknown section [clusters]");
