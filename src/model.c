@@ -100,7 +100,10 @@ int model_parse_widths(const char *v, uint32_t *w, uint32_t *k)
     for (const char *p = v; *p;) {
         char *end;
         unsigned long x = strtoul(p, &end, 10);
-        if (end == p || x == 0 || x > 65536 || *k >= MODEL_MAX_LAYERS) return -1;
+        /* a trailing comma names a layer that is not there: "64," is not "64" */
+        if (end == p || x == 0 || x > 65536 || *k >= MODEL_MAX_LAYERS ||
+            (*end == ',' && end[1] == '\0'))
+            return -1;
         w[(*k)++] = (uint32_t)x;
         p = *end == ',' ? end + 1 : end;
         if (end == p && *p) return -1;

@@ -141,6 +141,10 @@ int main(void)
     rc = run("train --train ds/train --model lr --dim 8 --out r3e --no-progress");
     CHECK_MSG(rc == 1 && err_has("does not apply to lr"), "lr with --dim: exit %d, %s", rc,
               err_text);
+    write_text("comma.ini", "[model]\nkind = mlp\nhidden = 64,\n");
+    rc = run("train --train ds/train --config comma.ini --max-steps 1 --out r3e --no-progress");
+    CHECK_MSG(rc == 2 && err_has("comma.ini:3: bad value '64,' for hidden"),
+              "hidden with a trailing comma: exit %d, %s", rc, err_text);
     write_text("tf32-bad.ini", "[train]\ntf32 = 2\n");
     rc = run("train --train av/train --model lr --config tf32-bad.ini --out r3d --no-progress");
     CHECK_MSG(rc != 0 && err_has("bad value '2' for tf32"), "[train] tf32 = 2: exit %d", rc);
