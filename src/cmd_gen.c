@@ -2,9 +2,11 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/common.h"
@@ -40,6 +42,31 @@ static int parse_u64(const char *s, uint64_t *out)
     if (errno != 0 || *end != '\0') return -1;
     *out = v;
     return 0;
+}
+
+/* Whether paths a and b name one file however spelt ("x.tsv", "./x.tsv", "d/../x.tsv", a
+ * link): the same file once both exist, else the same name in the same directory. */
+static bool gen_same_file(const char *a, const char *b)
+{
+    struct stat sa, sb;
+    if (stat(a, &sa) == 0 && stat(b, &sb) == 0)
+        return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+    char *res[2] = {NULL, NULL};
+    const char *path[2] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        const char *slash = strrchr(path[i], '/');
+        char *d = slash ? strndup(path[i], (size_t)(slash - path[i]) + 1) : strdup(".");
+        char *real = d ? realpath(d, NULL) : NULL;
+        const char *base = slash ? slash + 1 : path[i];
+        if (real && (res[i] = malloc(strlen(real) + strlen(base) + 2)) != NULL)
+            sprintf(res[i], "%s/%s", real, base);
+        free(real);
+        free(d);
+    }
+    bool same = res[0] && res[1] ? strcmp(res[0], res[1]) == 0 : strcmp(a, b) == 0;
+    free(res[0]);
+    free(res[1]);
+    return same;
 }
 
 /* Truth AUC / log loss over the first rows of the stream, regenerated in memory. */
@@ -146,7 +173,7 @@ int cmd_gen(int argc, char **argv)
         gen_usage(stderr);
         return 2;
     }
-    if (truth && (*truth == '\0' || strcmp(truth, out) == 0)) {
+    if (truth && (*truth == '\0' || gen_same_file(truth, out))) {
         fprintf(stderr, "ember gen: --truth must be a path other than --out\n");
         return 2;
     }

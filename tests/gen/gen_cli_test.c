@@ -118,6 +118,26 @@ int main(void)
         CHECK_MSG(rc == 2, "'%s' exited %d", usage[i], rc);
     }
     CHECK(run("gen --help") == 0 && output_has("--rows"));
+    /* --truth naming --out's file by another spelling: refused, and an existing --out is
+     * left as it was (the two writers used to interleave into it). */
+    char path0[8192];
+    snprintf(path0, sizeof path0, "%s/same.tsv", dir);
+    FILE *f0 = fopen(path0, "w");
+    if (f0) fputs("keep\n", f0), fclose(f0);
+    const char *same[] = {"--out '%s/same.tsv' --truth '%s/./same.tsv'",
+                          "--out '%s/new.tsv' --truth '%s/../%s/new.tsv'"};
+    for (int i = 0; i < 2; i++) {
+        char fmt[512];
+        snprintf(fmt, sizeof fmt, "gen --rows 10 %s", same[i]);
+        const char *base = strrchr(dir, '/') ? strrchr(dir, '/') + 1 : dir;
+        snprintf(args, sizeof args, fmt, dir, dir, base);
+        CHECK_MSG(run(args) == 2 && output_has("--truth must be a path other than --out"), "'%s'",
+                  args);
+    }
+    size_t kept_len = 0;
+    char *kept = slurp("same.tsv", &kept_len);
+    CHECK_MSG(kept_len == 5 && memcmp(kept, "keep\n", 5) == 0, "same.tsv changed: %.40s", kept);
+    free(kept);
 
     /* I/O failure: exit 1 naming the path; nothing written. */
     snprintf(args, sizeof args, "gen --rows 10 --out '%s/missing/dir/x.tsv'", dir);
