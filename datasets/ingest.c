@@ -648,7 +648,12 @@ static int run_writer(ingest *g, outset *os, ds_ingest_result *res, double t0, c
 
 /* ---- libffm field count ---- */
 
-/* libffm files do not declare their fields; one extra pass finds the largest field id. */
+/* libffm files do not declare their fields; one extra pass finds the largest field id below
+ * FFM_AUTO_FIELDS. Above it, an id is far more likely a damaged line than a field (real FFM
+ * data has tens of fields): counted, one such line would give every row of the dataset a
+ * million fields of offsets; uncounted, its line is a `feature` reject, and --ffm-fields takes
+ * any count up to 2^20 where the data really has that many. */
+#define FFM_AUTO_FIELDS 4096u
 static int ffm_scan_fields(const ds_ingest_opts *o, uint32_t *n_fields, char **errptr)
 {
     uint32_t max = 0;
@@ -672,7 +677,7 @@ static int ffm_scan_fields(const ds_ingest_opts *o, uint32_t *n_fields, char **e
                 else if (state == 2 && ch >= '0' && ch <= '9')
                     field = field < (1u << 20) ? field * 10 + (ch - '0') : field;
                 else if (state == 2) {
-                    if (ch == ':' && field < (1u << 20)) {
+                    if (ch == ':' && field < FFM_AUTO_FIELDS) {
                         any = 1;
                         if (field > max) max = field;
                     }

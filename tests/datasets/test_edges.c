@@ -248,6 +248,36 @@ static void test_same_input_twice(const char *tmp)
     CHECK(r.rows_written == 2);
 }
 
+/* One libffm line with field id 999999 made the detected field count a million: every row of
+ * the dataset then carried a million fields' offsets. Ids from 4096 up are not counted; their
+ * line is a feature reject. */
+static void test_ffm_huge_field(const char *tmp)
+{
+    const char *text = "1 0:5:1 1:7:1\n0 999999:1:1 0:2:1\n1 2:3:1\n";
+    char *in = join(tmp, "huge.ffm");
+    write_text(in, text, strlen(text));
+    const char *inputs[1] = {in};
+    ds_ingest_result r;
+    char *err = NULL;
+    int rc = ingest_files(DS_FMT_LIBFFM, NULL, inputs, 1, join(tmp, "out_ffm"), 1, &r, &err);
+    CHECK_OK(rc, err);
+    if (rc != CM_OK) return;
+    const char *dir = join(join(tmp, "out_ffm"), "train");
+    ds_reader_opts o;
+    ds_reader_opts_init(&o);
+    o.paths = &dir;
+    o.n_paths = 1;
+    ds_reader *rd = NULL;
+    CHECK_OK(ds_reader_open(&o, &rd, &err), err);
+    uint32_t nf = rd ? ds_reader_schema(rd)->n_fields : 0;
+    CHECK_MSG(nf == 3 && r.rows_written == 2 && r.rejected_by_reason[DS_REJ_FEATURE] == 1,
+              "libffm with a field id 999999: %u fields (want 3), %llu rows written, %llu feature "
+              "rejects",
+              nf, (unsigned long long)r.rows_written,
+              (unsigned long long)r.rejected_by_reason[DS_REJ_FEATURE]);
+    ds_reader_destroy(rd);
+}
+
 int main(void)
 {
     const char *tmp = check_tmpdir("ds_edges");
@@ -256,5 +286,6 @@ int main(void)
     test_bom(tmp);
     test_header_only(tmp);
     test_same_input_twice(tmp);
+    test_ffm_huge_field(tmp);
     return check_done();
 }
