@@ -102,6 +102,20 @@ static void test_label_range(const char *tmp)
           r.rejected_by_reason[DS_REJ_LABEL] == 1 && r.clicks == 1);
 }
 
+/* A reader of tmp/out/train (the caller destroys it), or NULL, failing the check. */
+static ds_reader *open_train(const char *tmp, const char *out)
+{
+    const char *dir = join(join(tmp, out), "train");
+    ds_reader_opts o;
+    ds_reader_opts_init(&o);
+    o.paths = &dir;
+    o.n_paths = 1;
+    ds_reader *rd = NULL;
+    char *err = NULL;
+    CHECK_OK(ds_reader_open(&o, &rd, &err), err);
+    return rd;
+}
+
 /* Ingests text (written plain, or gzip-compressed when gz) as fmt into tmp/out; fills r and
  * *first_field, the name of the shard's first field (a static copy). */
 static int ingest_text(const char *tmp, ds_format fmt, const char *text, int gz, const char *out,
@@ -122,13 +136,7 @@ static int ingest_text(const char *tmp, ds_format fmt, const char *text, int gz,
     CHECK_OK(rc, err);
     name[0] = '\0';
     if (rc == CM_OK) {
-        const char *dir = join(join(tmp, out), "train");
-        ds_reader_opts o;
-        ds_reader_opts_init(&o);
-        o.paths = &dir;
-        o.n_paths = 1;
-        ds_reader *rd = NULL;
-        CHECK_OK(ds_reader_open(&o, &rd, &err), err);
+        ds_reader *rd = open_train(tmp, out);
         if (rd && ds_reader_schema(rd)->n_fields)
             snprintf(name, sizeof name, "%s", ds_reader_schema(rd)->field_names[0]);
         ds_reader_destroy(rd);
@@ -195,14 +203,8 @@ static void test_header_only(const char *tmp)
         CHECK_MSG(r.rows_in == 0 && strcmp(f0, "hour_of_day") == 0, "avazu gz=%d: first field '%s'",
                   gz, f0);
     }
-    const char *dir = join(tmp, "hdr_ccsv/train");
-    ds_reader_opts o;
-    ds_reader_opts_init(&o);
-    o.paths = &dir;
-    o.n_paths = 1;
-    ds_reader *rd = NULL;
+    ds_reader *rd = open_train(tmp, "hdr_ccsv");
     char *err = NULL;
-    CHECK_OK(ds_reader_open(&o, &rd, &err), err);
     if (rd) {
         const ds_schema *s = ds_reader_schema(rd);
         CHECK(s->n_dense == 1 && s->n_fields == 2 && s->has_label &&
@@ -262,13 +264,7 @@ static void test_ffm_huge_field(const char *tmp)
     int rc = ingest_files(DS_FMT_LIBFFM, NULL, inputs, 1, join(tmp, "out_ffm"), 1, &r, &err);
     CHECK_OK(rc, err);
     if (rc != CM_OK) return;
-    const char *dir = join(join(tmp, "out_ffm"), "train");
-    ds_reader_opts o;
-    ds_reader_opts_init(&o);
-    o.paths = &dir;
-    o.n_paths = 1;
-    ds_reader *rd = NULL;
-    CHECK_OK(ds_reader_open(&o, &rd, &err), err);
+    ds_reader *rd = open_train(tmp, "out_ffm");
     uint32_t nf = rd ? ds_reader_schema(rd)->n_fields : 0;
     CHECK_MSG(nf == 3 && r.rows_written == 2 && r.rejected_by_reason[DS_REJ_FEATURE] == 1,
               "libffm with a field id 999999: %u fields (want 3), %llu rows written, %llu feature "
