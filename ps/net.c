@@ -75,12 +75,36 @@ static int endpoint_tls(const ps_config *cfg, const char *url, nng_listener *l, 
     return CM_OK;
 }
 
+int ps_url_check(const char *url, size_t len, char **errptr)
+{
+    static const char *const tcp[] = {"tcp://",     "tcp4://",     "tcp6://",
+                                      "tls+tcp://", "tls+tcp4://", "tls+tcp6://"};
+    size_t at = 0;
+    for (size_t i = 0; at == 0 && i < sizeof tcp / sizeof tcp[0]; i++)
+        if (len >= strlen(tcp[i]) && strncmp(url, tcp[i], strlen(tcp[i])) == 0) at = strlen(tcp[i]);
+    if (at == 0) return CM_OK;
+    size_t colon = len;
+    while (colon > at && url[colon - 1] != ':' && url[colon - 1] != ']')
+        colon--;
+    unsigned long port = 0;
+    size_t digits = 0;
+    for (size_t i = colon; i < len && digits < 6 && url[i] >= '0' && url[i] <= '9'; i++, digits++)
+        port = port * 10 + (unsigned long)(url[i] - '0');
+    if (colon <= at + 1 || url[colon - 1] != ':' || colon + digits != len || digits == 0 ||
+        port == 0 || port > 65535)
+        return cm_err(errptr, CM_EINVAL, "bad URL '%.*s': want %.*sHOST:PORT (port 1..65535)",
+                      (int)len, url, (int)at, url);
+    return CM_OK;
+}
+
 int ps_net_listen(nng_socket sock, const char *url, const ps_config *cfg, char **errptr)
 {
     nng_listener l;
+    int rc = ps_url_check(url, strlen(url), errptr);
+    if (rc != CM_OK) return rc;
     int rv = nng_listener_create(&l, sock, url);
     if (rv != 0) return cm_err(errptr, CM_EIO, "cannot listen on %s: %s", url, nng_strerror(rv));
-    int rc = is_tls(url) ? endpoint_tls(cfg, url, &l, NULL, errptr) : CM_OK;
+    rc = is_tls(url) ? endpoint_tls(cfg, url, &l, NULL, errptr) : CM_OK;
     if (rc == CM_OK && (rv = nng_listener_start(l, 0)) != 0)
         rc = cm_err(errptr, CM_EIO, "cannot listen on %s: %s", url, nng_strerror(rv));
     if (rc != CM_OK) nng_listener_close(l); /* not left in the socket, half set up */
@@ -91,9 +115,11 @@ int ps_net_dial(nng_socket sock, const char *url, const ps_config *cfg, nng_dial
                 char **errptr)
 {
     nng_dialer d;
+    int rc = ps_url_check(url, strlen(url), errptr);
+    if (rc != CM_OK) return rc;
     int rv = nng_dialer_create(&d, sock, url);
     if (rv != 0) return cm_err(errptr, CM_EIO, "cannot dial %s: %s", url, nng_strerror(rv));
-    int rc = is_tls(url) ? endpoint_tls(cfg, url, NULL, &d, errptr) : CM_OK;
+    rc = is_tls(url) ? endpoint_tls(cfg, url, NULL, &d, errptr) : CM_OK;
     /* Non-blocking: the dialer keeps retrying in the background, so a PS that starts later
      * (or restarts) is picked up; requests time out on their own. */
     if (rc == CM_OK && (rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK)) != 0)

@@ -75,6 +75,11 @@ const char *ps_codec_name(ps_codec c);
 /* Bytes one row of dim values takes in a codec. */
 size_t ps_codec_row_bytes(ps_codec c, uint32_t dim);
 
+/* Whether url (len bytes) can be served and found: a tcp:// or tls+tcp:// URL (4 and 6 too)
+ * must name a host and a port 1..65535 (nng listens on a random port for a URL without one,
+ * which no client can find); other schemes pass. CM_OK or CM_EINVAL naming the URL. */
+int ps_url_check(const char *url, size_t len, char **errptr);
+
 /* The shard a key belongs to among n (jump consistent hash of xxh3(key)). */
 uint32_t ps_key_shard(uint64_t key, uint32_t n_shards);
 /* The order in which pull and push send n distinct keys to n_shards shards: grouped by shard

@@ -2020,32 +2020,6 @@ out:
 
 /* ---- cluster file: [cluster] ps = url, ...  backups = url, ...  workers = N ---- */
 
-/* A tcp URL (tcp://, tls+tcp://, with or without 4/6) of len bytes at url must end in
- * HOST:PORT with a port in 1..65535: nng reads "tcp://host" as port 0, so a PS would listen on
- * a port of the kernel's choosing that no worker dials, and every role would wait out its
- * timeouts instead of the file being refused. Other schemes are left to nng. */
-static int url_check(const char *url, size_t len, char **errptr)
-{
-    static const char *const tcp[] = {"tcp://",     "tcp4://",     "tcp6://",
-                                      "tls+tcp://", "tls+tcp4://", "tls+tcp6://"};
-    size_t at = 0;
-    for (size_t i = 0; at == 0 && i < sizeof tcp / sizeof tcp[0]; i++)
-        if (len >= strlen(tcp[i]) && strncmp(url, tcp[i], strlen(tcp[i])) == 0) at = strlen(tcp[i]);
-    if (at == 0) return CM_OK;
-    size_t colon = len;
-    while (colon > at && url[colon - 1] != ':' && url[colon - 1] != ']')
-        colon--;
-    unsigned long port = 0;
-    size_t digits = 0;
-    for (size_t i = colon; i < len && digits < 6 && url[i] >= '0' && url[i] <= '9'; i++, digits++)
-        port = port * 10 + (unsigned long)(url[i] - '0');
-    if (colon <= at + 1 || url[colon - 1] != ':' || colon + digits != len || digits == 0 ||
-        port == 0 || port > 65535)
-        return cm_err(errptr, CM_EINVAL, "bad URL '%.*s': want %.*sHOST:PORT (port 1..65535)",
-                      (int)len, url, (int)at, url);
-    return CM_OK;
-}
-
 /* Appends the comma- or space-separated URLs of v to *list. */
 static int url_list(const char *v, char ***list, uint32_t *n, char **errptr)
 {
@@ -2055,7 +2029,7 @@ static int url_list(const char *v, char ***list, uint32_t *n, char **errptr)
         size_t len = strcspn(p, " ,");
         if (len == 0) break;
         if (*n >= PS_MAX_SHARDS) return cm_err(errptr, CM_EINVAL, "too many URLs");
-        int rc = url_check(p, len, errptr);
+        int rc = ps_url_check(p, len, errptr);
         if (rc != CM_OK) return rc;
         char **l = realloc(*list, (*n + 1) * sizeof *l);
         if (l == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");

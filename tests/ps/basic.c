@@ -316,6 +316,26 @@ static int save_at(ps_client *c, const char *dir, bool load)
     return rc;
 }
 
+/* A tcp URL without a port: nng would listen on a random port no client can find (and dial
+ * port 0). Refused, naming it, before anything listens. */
+static void test_url_without_port(const char *dir)
+{
+    ps_config cfg;
+    pt_config(dir, "port.conf", "[cluster]\nshards = 1\nworkers = 1\n[table t]\ndim = 4\n", &cfg);
+    const char *bad[] = {"tcp://127.0.0.1", "tcp://127.0.0.1:", "tcp://127.0.0.1:0",
+                         "tcp://127.0.0.1:70000", "tls+tcp://localhost"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        ps_server_opts o = {.cfg = &cfg, .listen = bad[i], .shard = 0};
+        ps_server *s = NULL;
+        char *err = NULL;
+        int rc = ps_server_create(&o, &s, &err);
+        CHECK_MSG(rc != CM_OK && err && strstr(err, bad[i]), "listen on %s: rc %d, %s", bad[i], rc,
+                  err ? err : "(no message)");
+        if (rc == CM_OK) ps_server_destroy(s);
+        free(err);
+    }
+}
+
 static void test_checkpoint_root(const char *dir)
 {
     ps_config cfg;
@@ -377,5 +397,6 @@ int main(void)
     ps_server_destroy(s0);
     ps_server_destroy(s1);
     test_checkpoint_root(dir);
+    test_url_without_port(dir);
     return pt_finish(dir);
 }
