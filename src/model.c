@@ -482,46 +482,54 @@ int model_units_build(model_units *x, const model_batch *b, uint32_t max_units, 
         x->gen = 0;
     }
     x->over = false;
+    /* Locals, not x's fields: the stores below are all uint32_t, and the compiler reloaded
+     * x's pointers around them. */
+    const uint32_t *rp = b->row_ptr, *col = b->col;
+    uint32_t *stamp = x->stamp, *uid = x->uid, *ent = x->ent_unit, *ukey = x->unit_key,
+             *ufield = x->unit_field, *uptr = x->unit_ptr;
     uint32_t n = 0;
     for (uint32_t f = 0; f < F; f++) {
         x->field_ptr[f] = n;
         const uint32_t g = ++x->gen;
         for (uint32_t s = 0; s < B; s++) {
             size_t r = (size_t)s * F + f;
-            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
-                uint32_t u = b->col[k];
-                if (x->stamp[u] != g) {
+            for (uint32_t k = rp[r]; k < rp[r + 1]; k++) {
+                const uint32_t u = col[k];
+                if (stamp[u] != g) {
                     if (n == max_units) {
                         x->over = true;
                         return CM_OK;
                     }
-                    x->stamp[u] = g;
-                    x->uid[u] = n;
-                    x->unit_key[n] = u;
-                    x->unit_field[n] = f;
-                    x->unit_ptr[n + 1] = 0;
+                    stamp[u] = g;
+                    uid[u] = n;
+                    ukey[n] = u;
+                    ufield[n] = f;
+                    uptr[n + 1] = 0;
                     n++;
                 }
-                x->ent_unit[k] = x->uid[u];
-                x->unit_ptr[x->uid[u] + 1]++;
+                const uint32_t i = uid[u];
+                ent[k] = i;
+                uptr[i + 1]++;
             }
         }
     }
     x->field_ptr[F] = n;
     x->n = n;
-    x->unit_ptr[0] = 0;
+    uptr[0] = 0;
     for (uint32_t i = 0; i < n; i++)
-        x->unit_ptr[i + 1] += x->unit_ptr[i];
+        uptr[i + 1] += uptr[i];
     /* The entries by unit (key_units is the fill cursor until its own turn). */
-    uint32_t *cur = x->key_units;
-    memcpy(cur, x->unit_ptr, n * sizeof *cur);
+    uint32_t *cur = x->key_units, *ue_s = x->ue_s;
+    float *ue_v = x->ue_v;
+    const float *val = b->val;
+    memcpy(cur, uptr, n * sizeof *cur);
     for (uint32_t f = 0; f < F; f++)
         for (uint32_t s = 0; s < B; s++) {
             size_t r = (size_t)s * F + f;
-            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
-                uint32_t e = cur[x->ent_unit[k]]++;
-                x->ue_s[e] = s;
-                x->ue_v[e] = b->val[k];
+            for (uint32_t k = rp[r]; k < rp[r + 1]; k++) {
+                uint32_t e = cur[ent[k]]++;
+                ue_s[e] = s;
+                ue_v[e] = val[k];
             }
         }
     /* Each key's units (uid is the fill cursor now). */
