@@ -39,8 +39,9 @@
  * behind the table step, in memory and on disk. The table step advances by one per push call.
  *
  * Snapshots: emb_table_snapshot pauses the table (all sub-shard locks, in order), writes every
- * row (in memory and spilled) to <dir>/rows.bin and a MANIFEST naming the config, step, row
- * count and xxh3 of each file, into a temporary directory that is fsync'd and renamed to dir.
+ * row (in memory and spilled) to <dir>/rows.bin, the admission sketch's counts (with admission
+ * on) to <dir>/sketch.bin, and a MANIFEST naming the config, step, row count and xxh3 of each
+ * file, into a temporary directory that is fsync'd and renamed to dir.
  * emb_table_restore verifies every checksum and size before it builds anything, so a corrupted
  * or truncated snapshot is refused with an error naming the file and never half-loaded.
  *

@@ -241,9 +241,16 @@ uint64_t emb_table_rows_locked(emb_table *t);
 int emb_table_foreach_record_locked(emb_table *t, emb_record_cb cb, void *arg, char **errptr);
 /* Inserts whole records into a fresh table (restore); a key already in memory is corrupt. */
 int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **errptr);
+/* The admission sketch's counters and their count, or NULL without admission (read it paused:
+ * pulls count under the sub-shard locks). */
+const uint16_t *emb_table_sketch(const emb_table *t, size_t *n);
+/* Replaces the sketch's counters with n of c (restore, before the table is used); false, with
+ * nothing changed, where the table has no sketch or another size. */
+bool emb_table_set_sketch(emb_table *t, const uint16_t *c, size_t n);
 
 /* ---- snapshot files (snapshot.c) ---- */
 #define EMB_SNAP_ROWS "rows.bin"
+#define EMB_SNAP_SKETCH "sketch.bin"
 #define EMB_SNAP_MANIFEST "MANIFEST"
 
 #endif

@@ -3,11 +3,14 @@
  *
  * rows.bin (little-endian): a 32-byte header {magic "EMBROWS1", u32 version, u32 dim,
  * u32 slots, u32 row_bytes, u64 rows}, the records, then the xxh3-64 of everything before it.
+ * sketch.bin (a table with admission): the count-min sketch's u16 counters as they were at the
+ * cut, so that a restored table admits a key at the sighting the uninterrupted one would have
+ * (counted afresh, a resumed run would train other rows).
  * MANIFEST is text, one "name value" per line: the model config (floats in C99 hex, exact),
- * the step, the row count, "file rows.bin SIZE XXH3", and last "checksum XXH3" over every byte
- * before that line. Both are built in "<dir>.tmp.<pid>.<n>" and swapped into place with one
- * rename (RENAME_EXCHANGE when dir already exists), so a crash leaves the old snapshot or the
- * new one, never a mixture.
+ * the step, the row count, "file rows.bin SIZE XXH3", "sketch sketch.bin SIZE XXH3" where there
+ * is one, and last "checksum XXH3" over every byte before that line. Both are built in
+ * "<dir>.tmp.<pid>.<n>" and swapped into place with one rename (RENAME_EXCHANGE when dir already
+ * exists), so a crash leaves the old snapshot or the new one, never a mixture.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -110,8 +113,8 @@ static int write_rows(emb_table *t, const char *tmpdir, uint64_t rows, uint64_t 
     return rc;
 }
 
-static int manifest_format(const emb_table_config *c, uint64_t step, uint64_t rows,
-                           uint64_t size, uint64_t hash, char *out, size_t n)
+static int manifest_format(const emb_table_config *c, uint64_t step, uint64_t rows, uint64_t size,
+                           uint64_t hash, uint64_t sk_size, uint64_t sk_hash, char *out, size_t n)
 {
     int len = snprintf(out, n,
                        MANIFEST_TAG "\n"
@@ -125,6 +128,13 @@ static int manifest_format(const emb_table_config *c, uint64_t step, uint64_t ro
                        (double)c->adagrad_init, (double)c->ftrl_beta, (double)c->ftrl_l1,
                        (double)c->init_scale, c->seed, emb_row_bytes(c), step, rows, size, hash);
     if (len < 0 || (size_t)len >= n) return -1;
+    if (sk_size > 0) {
+        int k =
+            snprintf(out + len, n - (size_t)len,
+                     "sketch " EMB_SNAP_SKETCH " %" PRIu64 " %016" PRIx64 "\n", sk_size, sk_hash);
+        if (k < 0 || (size_t)(len + k) >= n) return -1;
+        len += k;
+    }
     int tail = snprintf(out + len, n - (size_t)len, "checksum %016" PRIx64 "\n",
                         cm_xxh3(out, (size_t)len));
     if (tail < 0 || (size_t)(len + tail) >= n) return -1;
@@ -148,7 +158,7 @@ static int check_replaceable(const char *dir, char **errptr)
     while (rc == CM_OK && (e = readdir(d)) != NULL) {
         const char *n = e->d_name;
         if (strcmp(n, ".") != 0 && strcmp(n, "..") != 0 && strcmp(n, EMB_SNAP_MANIFEST) != 0 &&
-            strcmp(n, EMB_SNAP_ROWS) != 0)
+            strcmp(n, EMB_SNAP_ROWS) != 0 && strcmp(n, EMB_SNAP_SKETCH) != 0)
             rc = cm_err(errptr, CM_EINVAL,
                         "refusing to replace %s with a snapshot: it holds %s, which no snapshot "
                         "has",
@@ -177,15 +187,23 @@ int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
     if (rc == CM_OK) rc = cm_rmtree(tmpdir, errptr);
     if (rc == CM_OK) rc = cm_mkdirs(tmpdir, errptr);
     if (rc != CM_OK) return rc;
-    uint64_t size = 0, hash = 0, rows, step;
+    uint64_t size = 0, hash = 0, sk_size = 0, sk_hash = 0, rows, step;
     emb_table_pause(t);
     rows = emb_table_rows_locked(t);
     step = emb_table_step(t);
     rc = write_rows(t, tmpdir, rows, &size, &hash, errptr);
+    size_t nc = 0;
+    const uint16_t *sk = emb_table_sketch(t, &nc);
+    if (rc == CM_OK && sk != NULL) {
+        sk_size = nc * sizeof *sk;
+        sk_hash = cm_xxh3(sk, sk_size);
+        rc = path_join(mpath, sizeof mpath, tmpdir, EMB_SNAP_SKETCH, errptr);
+        if (rc == CM_OK) rc = cm_write_file_atomic(mpath, sk, sk_size, errptr);
+    }
     emb_table_resume(t);
     if (rc == CM_OK) {
-        int len = manifest_format(emb_table_get_config(t), step, rows, size, hash, manifest,
-                                  sizeof manifest);
+        int len = manifest_format(emb_table_get_config(t), step, rows, size, hash, sk_size, sk_hash,
+                                  manifest, sizeof manifest);
         rc = path_join(mpath, sizeof mpath, tmpdir, EMB_SNAP_MANIFEST, errptr);
         if (rc == CM_OK)
             rc = len < 0 ? cm_err(errptr, CM_ERR, "manifest too long")
@@ -202,6 +220,7 @@ int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
 typedef struct manifest {
     emb_table_config cfg;
     uint64_t step, rows, size, hash, row_bytes;
+    uint64_t sk_size, sk_hash; /* sk_size 0: no sketch.bin */
 } manifest;
 
 /* Finds "name " at a line start and returns the value text after it, or NULL. */
@@ -291,6 +310,14 @@ static int manifest_read(const char *dir, manifest *m, char **errptr)
     }
     m->size = fsize;
     m->hash = fhash;
+    const char *sv = mf_field(text, "sketch");
+    if (sv != NULL && (sscanf(sv, "%63s %llu %llx", fname, &fsize, &fhash) != 3 ||
+                       strcmp(fname, EMB_SNAP_SKETCH) != 0 || fsize == 0)) {
+        cm_err(errptr, rc, "%s: bad sketch entry", path);
+        goto out;
+    }
+    m->sk_size = sv ? fsize : 0;
+    m->sk_hash = sv ? fhash : 0;
     rc = CM_OK;
 out:
     free(text);
@@ -425,9 +452,29 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
     char path[4096];
     int fd = -1;
     emb_table *t = NULL;
+    void *sk = NULL;
+    size_t sk_len = 0;
     rc = rows_open(dir, path, sizeof path, &fd, errptr);
     if (rc == CM_OK) rc = rows_pass(fd, path, &m, NULL, errptr);
+    /* The sketch, verified like the rows before anything is built. A table without admission
+     * has no use for it; one with admission from a snapshot without a sketch (written before
+     * there was one) starts counting afresh. */
+    if (rc == CM_OK && m.sk_size > 0) {
+        char sp[4096];
+        rc = path_join(sp, sizeof sp, dir, EMB_SNAP_SKETCH, errptr);
+        if (rc == CM_OK) rc = cm_read_file(sp, &sk, &sk_len, errptr);
+        if (rc == CM_ENOTFOUND) rc = cm_err(errptr, CM_ECORRUPT, "%s: missing", sp);
+        if (rc == CM_OK && (sk_len != m.sk_size || cm_xxh3(sk, sk_len) != m.sk_hash))
+            rc =
+                cm_err(errptr, CM_ECORRUPT, "%s: size or checksum does not match the manifest", sp);
+    }
     if (rc == CM_OK) rc = emb_table_create(cfg, &t, errptr);
+    size_t nc = 0;
+    if (rc == CM_OK && sk != NULL && emb_table_sketch(t, &nc) != NULL &&
+        !emb_table_set_sketch(t, sk, sk_len / sizeof(uint16_t)))
+        rc = cm_err(errptr, CM_ECORRUPT, "snapshot %s: a sketch of %zu counters, the table has %zu",
+                    dir, sk_len / sizeof(uint16_t), nc);
+    free(sk);
     rows_sink sink = {.t = t};
     if (rc == CM_OK) rc = rows_pass(fd, path, &m, &sink, errptr);
     if (fd >= 0) close(fd);

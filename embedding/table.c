@@ -1238,6 +1238,19 @@ uint64_t emb_table_rows_locked(emb_table *t)
     return n;
 }
 
+const uint16_t *emb_table_sketch(const emb_table *t, size_t *n)
+{
+    *n = t->cms ? (size_t)CMS_DEPTH << CMS_BITS : 0;
+    return t->cms;
+}
+
+bool emb_table_set_sketch(emb_table *t, const uint16_t *c, size_t n)
+{
+    if (t->cms == NULL || n != (size_t)CMS_DEPTH << CMS_BITS) return false;
+    memcpy(t->cms, c, n * sizeof *c);
+    return true;
+}
+
 void emb_table_set_step(emb_table *t, uint64_t step)
 {
     __atomic_store_n(&t->step, step, __ATOMIC_RELAXED);
