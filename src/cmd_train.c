@@ -346,6 +346,11 @@ int cmd_train(int argc, char **argv)
                         "give --cluster FILE too (without it the whole job runs here)\n");
         return 2;
     }
+    /* Named before anything is read (the cluster file, the shards), as a usage error. */
+    if (o.role && strcmp(o.role, "ps") && strcmp(o.role, "backup") && strcmp(o.role, "worker")) {
+        fprintf(stderr, "ember train: --role %s: want ps, backup or worker\n", o.role);
+        return 2;
+    }
     /* No default index: two processes started without one would both be shard or worker 0. */
     if (o.cluster_path != NULL && !index_set) {
         fprintf(stderr, "ember train: --cluster needs --index (which %s this process is)\n",

@@ -258,6 +258,11 @@ int main(void)
               "ps given twice: exit %d, stderr: %s", rc, err_text);
     /* A role without --index is refused, not made index 0 (a second such process would be
      * another worker 0). */
+    rc =
+        run_limit(20, "train --train ds/train --model lr --cluster dead.ini --role bogus --index 0 "
+                      "--out r-role --no-progress");
+    CHECK_MSG(rc == 2 && err_has("--role bogus: want ps, backup or worker"),
+              "--role bogus: exit %d", rc);
     rc = run_limit(20, "train --train ds/train --model lr --cluster dead.ini --role worker "
                        "--ps-timeout 1000 --out r4b --no-progress");
     CHECK_MSG(rc == 2 && err_has("--cluster needs --index"), "--role without --index: exit %d, %s",
