@@ -6,6 +6,7 @@
 #include <aio.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,11 +79,18 @@ int cm_rmtree(const char *path, char **errptr)
 
 int cm_dir_swap(const char *tmpdir, const char *dir, char **errptr)
 {
-    struct stat st;
-    if (stat(dir, &st) != 0) {
-        if (rename(tmpdir, dir) != 0)
-            return cm_err_errno(errptr, CM_EIO, "cannot rename %s to %s", tmpdir, dir);
-    } else {
+    /* Put in place if dir is absent, else exchanged: decided by the kernel in one call each,
+     * not by a stat before them, so two swaps racing into an absent dir both succeed (the
+     * second exchanges), where the second's plain rename failed on the first's new dir. A
+     * filesystem without RENAME_NOREPLACE (EINVAL) takes the stat. */
+    bool placed = renameat2(AT_FDCWD, tmpdir, AT_FDCWD, dir, RENAME_NOREPLACE) == 0;
+    if (!placed && errno == EINVAL) {
+        struct stat st;
+        placed = stat(dir, &st) != 0 && rename(tmpdir, dir) == 0;
+    }
+    if (!placed && errno != EEXIST && errno != ENOTEMPTY && errno != EINVAL)
+        return cm_err_errno(errptr, CM_EIO, "cannot rename %s to %s", tmpdir, dir);
+    if (!placed) {
         if (renameat2(AT_FDCWD, tmpdir, AT_FDCWD, dir, RENAME_EXCHANGE) != 0)
             return cm_err_errno(errptr, CM_EIO, "cannot swap %s into %s", tmpdir, dir);
         int rc = cm_rmtree(tmpdir, errptr); /* now the previous tree */

@@ -13,6 +13,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <xxhash.h>
 
@@ -215,9 +216,75 @@ static void sealed_text(const char *dir)
     free(err);
 }
 
+/* cm_dir_swap from two threads at once into a directory that does not exist yet: both must
+ * succeed and one's tree must be there whole (the second's plain rename failed on the first's
+ * new directory while it decided by a stat before renaming). */
+typedef struct swapper {
+    const char *dir;
+    int who, rounds, fails;
+    pthread_barrier_t *bar;
+} swapper;
+
+static void *swap_loop(void *arg)
+{
+    swapper *w = arg;
+    for (int i = 0; i < w->rounds; i++) {
+        char tmp[1200], target[1200], f[1300];
+        snprintf(tmp, sizeof tmp, "%s/sw-%d.tmp-%d", w->dir, i, w->who);
+        snprintf(target, sizeof target, "%s/sw-%d", w->dir, i);
+        snprintf(f, sizeof f, "%s/who", tmp);
+        char *err = NULL;
+        int rc = cm_mkdirs(tmp, &err);
+        if (rc == 0) rc = cm_write_file_atomic(f, &w->who, sizeof w->who, &err);
+        pthread_barrier_wait(w->bar);
+        if (rc == 0) rc = cm_dir_swap(tmp, target, &err);
+        if (rc != 0) {
+            if (w->fails++ == 0) fprintf(stderr, "swap %d, thread %d: %s\n", i, w->who, err);
+        }
+        free(err);
+    }
+    return NULL;
+}
+
+static void dir_swap_race(const char *dir)
+{
+    enum { ROUNDS = 300 };
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, 2);
+    swapper w[2] = {{dir, 1, ROUNDS, 0, &bar}, {dir, 2, ROUNDS, 0, &bar}};
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++)
+        pthread_create(&th[i], NULL, swap_loop, &w[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&bar);
+    int whole = 0, left = 0;
+    for (int i = 0; i < ROUNDS; i++) {
+        char p[1200];
+        snprintf(p, sizeof p, "%s/sw-%d/who", dir, i);
+        void *b = NULL;
+        size_t n = 0;
+        char *err = NULL;
+        if (cm_read_file(p, &b, &n, &err) == 0 && n == sizeof(int) &&
+            (*(int *)b == 1 || *(int *)b == 2))
+            whole++;
+        free(b);
+        free(err);
+        for (int t = 1; t <= 2; t++) {
+            struct stat st;
+            snprintf(p, sizeof p, "%s/sw-%d.tmp-%d", dir, i, t);
+            left += stat(p, &st) == 0;
+        }
+    }
+    CHECK_MSG(w[0].fails == 0 && w[1].fails == 0 && whole == ROUNDS && left == 0,
+              "racing swaps: %d and %d failed, %d of %d targets whole, %d temporaries left",
+              w[0].fails, w[1].fails, whole, ROUNDS, left);
+}
+
 int main(void)
 {
     const char *dir = check_tmpdir("common_afile");
+    dir_swap_race(dir);
     direct_equals_buffered(dir);
     abort_in_flight(dir);
     special_target(dir);
