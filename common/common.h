@@ -144,6 +144,11 @@ int cm_rmtree(const char *path, char **errptr);
  * exchange (renameat2 RENAME_EXCHANGE) followed by removal of the old tree. Either way a
  * reader sees the old dir or the new one, never a mixture. fsyncs dir's parent. */
 int cm_dir_swap(const char *tmpdir, const char *dir, char **errptr);
+/* Whether cm_dir_swap may replace dir, which deletes what was there: dir absent, an empty
+ * directory, or one holding every name of markers (NULL-terminated: an earlier output of the
+ * same kind, such as an earlier export). Anything else, named by mistake (a home, a run directory),
+ * is refused with CM_EINVAL naming dir and the first missing marker. */
+int cm_dir_replaceable(const char *dir, const char *const *markers, char **errptr);
 
 /* Writes all n bytes to fd, retrying on EINTR and short writes. 0 or CM_EIO (errno set). */
 int cm_write_full(int fd, const void *buf, size_t n);

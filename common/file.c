@@ -108,6 +108,35 @@ int cm_dir_swap(const char *tmpdir, const char *dir, char **errptr)
     return rc;
 }
 
+int cm_dir_replaceable(const char *dir, const char *const *markers, char **errptr)
+{
+    struct stat st;
+    if (lstat(dir, &st) != 0) return CM_OK;
+    if (!S_ISDIR(st.st_mode))
+        return cm_err(errptr, CM_EINVAL, "%s exists and is not a folder", dir);
+    const char *missing = NULL;
+    for (size_t i = 0; markers[i] != NULL && missing == NULL; i++) {
+        char *path = malloc(strlen(dir) + strlen(markers[i]) + 2);
+        if (path == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        sprintf(path, "%s/%s", dir, markers[i]);
+        if (access(path, F_OK) != 0) missing = markers[i];
+        free(path);
+    }
+    if (missing == NULL) return CM_OK;
+    DIR *d = opendir(dir);
+    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot open %s", dir);
+    bool empty = true;
+    struct dirent *e;
+    while (empty && (e = readdir(d)) != NULL)
+        empty = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
+    closedir(d);
+    return empty ? CM_OK
+                 : cm_err(errptr, CM_EINVAL,
+                          "%s is a folder that holds something other than an earlier export of "
+                          "this kind (no %s): not replacing it",
+                          dir, missing);
+}
+
 int cm_write_full(int fd, const void *buf, size_t n)
 {
     const char *p = buf;

@@ -109,6 +109,10 @@ int ember_serve_writer_create(const char *dir, ember_serve_precision precision, 
                       "%s: a delta must be since an older step, not from step %" PRIu64
                       " to step %" PRIu64,
                       dir, base_step, step);
+    /* commit swaps the bundle in as a whole folder: never over a folder of anything else. */
+    static const char *const ours[] = {"MANIFEST", NULL};
+    int rc = cm_dir_replaceable(dir, ours, errptr);
+    if (rc != CM_OK) return rc;
     ember_serve_writer *w = calloc(1, sizeof *w);
     if (w == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     size_t n = strlen(dir) + 16;
@@ -123,7 +127,7 @@ int ember_serve_writer_create(const char *dir, ember_serve_precision precision, 
     w->delta = delta;
     w->step = step;
     w->base_step = base_step;
-    int rc = cm_rmtree(w->tmp, errptr);
+    rc = cm_rmtree(w->tmp, errptr);
     if (rc == CM_OK) rc = cm_mkdirs(w->tmp, errptr);
     if (rc != CM_OK) {
         ember_serve_writer_abort(w);

@@ -9,7 +9,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -259,39 +258,6 @@ static int write_rocksdb(const char *out, const char *model, char (*names)[PS_NA
     return rc;
 }
 
-/* Whether out may take this export: absent, an empty folder, or an earlier export of the same
- * format (a bundle or a RocksDB export is swapped in as a whole folder, which deletes what was
- * there: a folder of anything else, named by mistake, is refused instead). safetensors is one
- * file, replaced by rename: a folder there is refused. */
-static int check_out(const char *out, bool dir_format, const char *marker, const char *marker2,
-                     char **errptr)
-{
-    struct stat st;
-    if (lstat(out, &st) != 0) return CM_OK;
-    if (!dir_format)
-        return S_ISDIR(st.st_mode) ? cm_err(errptr, CM_EINVAL, "--out %s is a folder", out) : CM_OK;
-    if (!S_ISDIR(st.st_mode))
-        return cm_err(errptr, CM_EINVAL, "--out %s exists and is not a folder", out);
-    char path[4300];
-    snprintf(path, sizeof path, "%s/%s", out, marker);
-    bool ours = access(path, F_OK) == 0;
-    snprintf(path, sizeof path, "%s/%s", out, marker2 ? marker2 : marker);
-    ours = ours && access(path, F_OK) == 0;
-    if (ours) return CM_OK;
-    DIR *d = opendir(out);
-    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot open --out %s", out);
-    bool empty = true;
-    struct dirent *e;
-    while (empty && (e = readdir(d)) != NULL)
-        empty = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
-    closedir(d);
-    return empty ? CM_OK
-                 : cm_err(errptr, CM_EINVAL,
-                          "--out %s is a folder that holds something other than an earlier export "
-                          "of this format (no %s): not replacing it",
-                          out, marker);
-}
-
 static void export_usage(FILE *to)
 {
     fprintf(to,
@@ -359,10 +325,19 @@ int cmd_export(int argc, char **argv)
     rows tabs[PS_MAX_TABLES];
     memset(tabs, 0, sizeof tabs);
     ember_serve_writer *w = NULL;
-    int rc =
-        check_out(out, !st, bundle ? "MANIFEST" : "model.txt", bundle ? NULL : "tower.f32", &err);
+    /* --out is checked before the checkpoint is read: a RocksDB export is swapped in as a
+     * whole folder (the bundle writer, created here, checks its own), safetensors is one file
+     * replaced by rename. */
+    static const char *const rdb_ours[] = {"model.txt", "tower.f32", NULL};
+    struct stat ost;
+    int rc = rdb ? cm_dir_replaceable(out, rdb_ours, &err)
+             : st && lstat(out, &ost) == 0 && S_ISDIR(ost.st_mode)
+                 ? cm_err(&err, CM_EINVAL, "--out %s is a folder", out)
+                 : CM_OK;
     if (rc == CM_OK) rc = train_resolve_checkpoint(in, ckpt, sizeof ckpt, &step, &err);
     if (rc == CM_OK && since) rc = train_resolve_checkpoint(since, old_ckpt, sizeof old_ckpt, &old_step, &err);
+    if (rc == CM_OK && bundle)
+        rc = ember_serve_writer_create(out, prec, since != NULL, step, old_step, &w, &err);
     if (rc == CM_OK) rc = ps_checkpoint_names(ckpt, tnames, &n_t, dnames, &n_d, &err);
     snprintf(path, sizeof path, "%s/model.txt", ckpt);
     if (rc == CM_OK) rc = cm_read_sealed(path, &model, &mlen, &err);
@@ -372,8 +347,6 @@ int cmd_export(int argc, char **argv)
         rc = load_table(ckpt, tnames[i], &tabs[i], &err);
         dig[i] = rc == CM_OK ? table_digest(tnames[i], &tabs[i]) : 0;
     }
-    if (rc == CM_OK && bundle)
-        rc = ember_serve_writer_create(out, prec, since != NULL, step, old_step, &w, &err);
     if (rc == CM_OK && bundle) rc = ember_serve_writer_model(w, model, &err);
     if (rc == CM_OK && bundle) rc = ember_serve_writer_dense(w, tower, n_tower, &err);
     uint64_t total = 0, total_deleted = 0;

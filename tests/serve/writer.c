@@ -294,6 +294,31 @@ static void backward_delta(void)
     ember_serve_close(h);
 }
 
+/* The writer swaps a bundle in as a whole folder: over a folder of other files it is refused
+ * and the files stay; over an earlier bundle it replaces it. */
+static void foreign_folder(void)
+{
+    ember_serve_writer *w = NULL;
+    char *err = NULL;
+    int rc = su_shell(10, "mkdir -p mine");
+    FILE *f = fopen(su_path("mine/notes"), "w");
+    CHECK(rc == 0 && f != NULL);
+    if (f) {
+        fputs("keep\n", f);
+        fclose(f);
+    }
+    rc = ember_serve_writer_create(su_path("mine"), EMBER_SERVE_FP32, 0, 10, 0, &w, &err);
+    char *keep = su_slurp(su_path("mine/notes"), NULL);
+    CHECK_MSG(rc != 0 && err && strstr(err, "not replacing it") && keep && !strcmp(keep, "keep\n"),
+              "a bundle over a folder of other files: rc %d, %s", rc, err ? err : "(none)");
+    free(keep);
+    free(err);
+    ember_serve_writer_abort(w);
+    const float x[2] = {1.0f, 2.0f};
+    err = NULL;
+    CHECK_OK(write_lr(su_path("ok"), EMBER_SERVE_FP32, 2, x, 1, &err), err);
+}
+
 int main(void)
 {
     if (su_init("serve_writer") != 0) return check_done();
@@ -321,5 +346,6 @@ int main(void)
     too_many_tables();
     same_table_twice();
     backward_delta();
+    foreign_folder();
     return check_done();
 }
