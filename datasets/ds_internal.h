@@ -225,7 +225,9 @@ int ds_schema_equal(const ds_schema *a, const ds_schema *b);
 /* ---- decompressing input ---- */
 typedef struct ds_input ds_input;
 int ds_input_open(const char *path, ds_input **out, char **errptr);
-/* Reads up to n bytes; *got == 0 at end of file. */
+/* Reads up to n bytes; *got == 0 at end of file. A gzip / zstd file must consist of whole
+ * members / frames: anything else (trailing bytes, a damaged or cut one) is CM_ECORRUPT naming
+ * the file and the byte offset where that member / frame starts. */
 int ds_input_read(ds_input *in, void *buf, size_t n, size_t *got, char **errptr);
 void ds_input_close(ds_input *in);
 /* The file descriptor of an uncompressed input (which ds_ingest_run maps instead of reading),
