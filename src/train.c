@@ -838,6 +838,9 @@ static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final,
 
 static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **errptr);
 
+/* The suffix of the directory a checkpoint is assembled in before it becomes step-<n>. */
+#define CKPT_STAGING ".tmp"
+
 static int ckpt_dir(const setup *S, uint64_t step, char *out, size_t n)
 {
     int len = snprintf(out, n, "%s/step-%" PRIu64, S->ckpt_root, step);
@@ -944,8 +947,9 @@ static int resume_check(const setup *S, char **errptr)
                   : CM_OK;
 }
 
-/* A checkpoint directory may hold an earlier run's, saved at the same step with more shards or
- * workers: their entries would make this one unreadable (two copies of a row). */
+/* A checkpoint's staging directory may hold what an earlier run's save at the same step left
+ * (one that failed or was killed), with more shards or workers: their entries would make this
+ * one unreadable (two copies of a row). */
 static int drop_foreign(const setup *S, const char *dir, char **errptr)
 {
     DIR *d = opendir(dir);
@@ -969,13 +973,20 @@ static int drop_foreign(const setup *S, const char *dir, char **errptr)
 
 /* Collective: PS snapshot named by tag (the same for every worker), each worker's own data
  * position (batches consumed, the kernels that computed them, and the rows and summed loss of
- * this run so far: job_totals), then LATEST (worker 0). */
+ * this run so far: job_totals), then LATEST (worker 0).
+ *
+ * Everybody writes into step-<tag>.tmp, which worker 0 swaps into step-<tag> whole once every
+ * file is there: a fresh run's checkpoint may have the step of the one LATEST names (an earlier
+ * run's, in the same directory), and a save that failed on one shard, or was killed, after
+ * another shard had replaced its part there left LATEST naming a mixture of two runs. A
+ * step-<n> directory only ever holds a complete checkpoint. */
 static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t own,
                       uint64_t samples, double loss_sum, char **errptr)
 {
-    char dir[2200], path[2400], text[256];
-    if (ckpt_dir(S, tag, dir, sizeof dir) != CM_OK)
+    char final[2200], dir[2300], path[2400], text[256];
+    if (ckpt_dir(S, tag, final, sizeof final) != CM_OK)
         return cm_err(errptr, CM_EINVAL, "path too long");
+    snprintf(dir, sizeof dir, "%s" CKPT_STAGING, final);
     ps_client_barrier_seek(c, barrier_base(tag) + 1);
     int rc = ps_client_save(c, dir, errptr);
     if (rc != CM_OK) return rc;
@@ -999,6 +1010,7 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
         if (rc == CM_OK) rc = cm_write_sealed(path, model, (size_t)len, errptr);
     }
     if (rc == CM_OK && w == 0) rc = drop_foreign(S, dir, errptr);
+    if (rc == CM_OK && w == 0) rc = cm_dir_swap(dir, final, errptr);
     if (rc == CM_OK && w == 0) {
         snprintf(path, sizeof path, "%s/LATEST", S->ckpt_root);
         len = snprintf(text, sizeof text, "step-%" PRIu64 "\n", tag);
@@ -1016,8 +1028,9 @@ static int u64_cmp(const void *a, const void *b)
 
 /* Runs once step-<latest> is complete and LATEST names it, so the checkpoint a resume would use
  * is never touched and a crash midway leaves only extra checkpoints. No checkpoint newer than it
- * survives (an earlier, longer run's in the same directory, or a save that never completed; left
- * there, a later prune would delete this run's checkpoints before them), and of the rest only the
+ * survives (an earlier, longer run's in the same directory; left there, a later prune would
+ * delete this run's checkpoints before them), nor what a save that never completed assembled
+ * (step-<n>.tmp), and of the rest only the
  * newest `keep` (0: all). A fresh run's first checkpoint also removes every older one: they are
  * an earlier run's (kept until now, so a fresh run that fails first leaves them as they were). */
 static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **errptr)
@@ -1032,15 +1045,23 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
     uint64_t steps[4096];
     size_t n = 0;
     struct dirent *e;
-    while ((e = readdir(d)) != NULL && n < 4096) {
+    int rc = CM_OK;
+    char dir[2200];
+    while (rc == CM_OK && (e = readdir(d)) != NULL && n < 4096) {
         unsigned long long v;
         char tail;
-        if (sscanf(e->d_name, "step-%llu%c", &v, &tail) == 1) steps[n++] = v;
+        int got = sscanf(e->d_name, "step-%llu%c", &v, &tail);
+        if (got == 1) steps[n++] = v;
+        /* What a save that failed or was killed was assembling (checkpoint): no checkpoint is
+         * being assembled now, this one is in place. */
+        size_t len = strlen(e->d_name), sl = strlen(CKPT_STAGING);
+        if (got == 2 && len > sl && strcmp(e->d_name + len - sl, CKPT_STAGING) == 0) {
+            snprintf(dir, sizeof dir, "%s/%s", S->ckpt_root, e->d_name);
+            rc = cm_rmtree(dir, errptr);
+        }
     }
     closedir(d);
     qsort(steps, n, sizeof steps[0], u64_cmp);
-    int rc = CM_OK;
-    char dir[2200];
     while (rc == CM_OK && n > 0 && steps[n - 1] > latest) {
         if (ckpt_dir(S, steps[--n], dir, sizeof dir) != CM_OK) continue;
         fprintf(stderr,
