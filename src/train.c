@@ -909,8 +909,10 @@ static void diff_settings(const char *then, const char *now, const char *prefix,
     }
 }
 
-/* --resume: the checkpoint's model.txt and run.txt must describe this run (a checkpoint from
- * before run.txt existed is checked for its model only). Every difference is named. */
+/* --resume: the checkpoint's model.txt and run.txt must describe this run. Every difference is
+ * named. Both must be there: every checkpoint a resume can read (text files with a checksum
+ * line) was written with a run.txt, so one without has lost it, and resuming without its checks
+ * would replay or skip rows under another batch size or worker count. */
 static int resume_check(const setup *S, char **errptr)
 {
     char dir[2200], path[2400], now[1024], msg[2048] = "";
@@ -923,10 +925,6 @@ static int resume_check(const setup *S, char **errptr)
         size_t len;
         char *err = NULL;
         int rc = cm_read_sealed(path, &then, &len, &err);
-        if (rc == CM_ENOTFOUND && i == 1) {
-            free(err);
-            continue;
-        }
         if (rc != CM_OK) {
             rc = cm_err(errptr, rc, "--resume: %s", err ? err : path);
             free(err);

@@ -5,6 +5,8 @@
  *   run with an error naming the shard and the path, and the checkpoint LATEST names keeps every
  *   byte: also when the failing run is a fresh one whose checkpoint has LATEST's step (it wrote
  *   the other shard into LATEST's directory, leaving a mixture of two runs to resume from).
+ * - A checkpoint without its run.txt is refused by --resume, the file named (it was resumed
+ *   without the batch, shard and worker checks run.txt carries).
  */
 #include <sys/stat.h>
 
@@ -82,11 +84,26 @@ static void failed_save(void)
               rc, err_text);
 }
 
+static void missing_run_txt(void)
+{
+    const char *c = "--train ds/train --model mlp --no-progress --device cpu --max-steps 10";
+    int rc = run("train %s --batch 256 --out r2", c);
+    CHECK_MSG(rc == 0, "r2: exit %d", rc);
+    char path[8192];
+    snprintf(path, sizeof path, "%s/r2/ckpt/step-10/run.txt", dir);
+    CHECK(unlink(path) == 0);
+    /* Another batch size: run.txt would have named it. */
+    rc = run("train %s --batch 128 --max-steps 20 --resume --out r2", c);
+    CHECK_MSG(rc == 1 && err_has("step-10/run.txt"), "resume without run.txt: exit %d, %s", rc,
+              err_text);
+}
+
 int main(void)
 {
     if (cli_init("train_ckpt_safety") != 0) return 1;
     if (make_criteo("ds", 12000, 4, 0.2) != 0) return check_done();
     failed_save();
+    missing_run_txt();
     free(out_text);
     free(err_text);
     return check_done();
