@@ -286,8 +286,16 @@ static int stage_order(stage *s, const setup *S, const model_staging *prev, char
     return CM_OK;
 }
 
-/* Copies a reader batch into the model layout and deduplicates its keys; prev: the batch
- * before it (stage_order), or NULL. For the backend be steps on: A's columns, for a backward
+/* Copies a reader batch into the model layout and deduplicates its keys. */
+static int stage_keys(stage *s, const setup *S, const ds_batch *b, char **errptr)
+{
+    model_input in = {b->n_rows, b->n_dense, b->n_fields, b->labels,
+                      b->dense,  b->offsets, b->keys,     b->weights};
+    return model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
+}
+
+/* stage_keys, then the order its keys are pulled and pushed in; prev: the batch before it
+ * (stage_order), or NULL. For the backend be steps on: A's columns, for a backward
  * step (bwd) on a backend that reads them (backend_ops.columns), and the batch's units where
  * it takes them (backend_ops.max_units), so its stepping thread need not walk the batch. */
 static int stage_build(stage *s, const setup *S, const ds_batch *b, const model_staging *prev,
@@ -295,9 +303,7 @@ static int stage_build(stage *s, const setup *S, const ds_batch *b, const model_
 {
     if (s->params == NULL && (s->params = malloc(S->l.n_params * sizeof(float) + 1)) == NULL)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
-    model_input in = {b->n_rows, b->n_dense, b->n_fields, b->labels,
-                      b->dense,  b->offsets, b->keys,     b->weights};
-    int rc = model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
+    int rc = stage_keys(s, S, b, errptr);
     if (rc == CM_OK) rc = stage_order(s, S, prev, errptr);
     const bool columns = bwd && (S->be->columns == NULL || S->be->columns(be));
     if (rc == CM_OK && columns) rc = model_staging_index(&s->ms, errptr);
@@ -408,6 +414,7 @@ typedef struct prefetch {
     bool stop;
     uint64_t left;  /* batches still to build: nothing is read past the schedule */
     uint64_t built; /* batches built (builder only) */
+    bool prev_ok;   /* the stage before next_build holds the batch before it (builder only) */
     uint64_t first; /* the worker's step of the first batch */
     uint32_t worker;
     uint64_t pulled, granted; /* batches pulled; batches allowed to pull rows (fresh pulls) */
@@ -467,8 +474,10 @@ static void *builder_main(void *arg)
         if (got == 1) p->left--;
         /* The stage before holds the batch before (built by this thread, rebuilt by no other). */
         const stage *prev = &p->st[(i + N_STAGES - 1) % N_STAGES];
-        if (got == 1) rc = stage_build(s, p->S, b, p->built ? &prev->ms : NULL, p->be, true, &err);
+        if (got == 1)
+            rc = stage_build(s, p->S, b, p->prev_ok ? &prev->ms : NULL, p->be, true, &err);
         p->built += got == 1 && rc == CM_OK;
+        p->prev_ok = got == 1 && rc == CM_OK;
         s->status = rc != CM_OK ? rc : got;
         pf_advance(p, i, ST_BUILT, &p->next_build, &err);
         free(err);
@@ -576,8 +585,10 @@ static void *puller_main(void *arg)
 
 static void prefetch_stop(prefetch *p);
 
+/* before: the batch before `first` (a resumed or rejoined worker's last skipped one), or NULL. */
 static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *c, void *be,
-                          uint32_t worker, uint64_t first, uint64_t left, char **errptr)
+                          uint32_t worker, uint64_t first, uint64_t left, const ds_batch *before,
+                          char **errptr)
 {
     memset(p, 0, sizeof *p);
     p->first = first;
@@ -590,6 +601,18 @@ static int prefetch_start(prefetch *p, const setup *S, ds_reader *r, ps_client *
     p->be = be;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
+    /* The first batch's keys are split against the batch before it, as they were in a run that
+     * did not stop there: each part is its own push, and every push advances the tables' step
+     * (the rows' last_step), so without that a resumed run's tables were one step behind the
+     * straight run's for every restart. */
+    if (before != NULL) {
+        int rc = stage_keys(&p->st[N_STAGES - 1], S, before, errptr);
+        if (rc != CM_OK) {
+            prefetch_stop(p);
+            return rc;
+        }
+        p->prev_ok = true;
+    }
     /* Asynchronous fresh pulls take the tower from the dense push's reply (with a staleness
      * bound the next batch must see the clock's updates, so it pulls). */
     if (!S->o->stale_pull && S->o->staleness < 0 && S->l.n_params > 0 &&
@@ -1353,16 +1376,18 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
     /* Every worker skips the batches it consumed before the checkpoint. */
     rc = reader_open(S, o->train_path, w, o->workers, o->epochs, o->shuffle_rows, &r, errptr);
     if (rc != CM_OK) goto out;
+    const ds_batch *before = NULL;
     for (uint64_t i = 0; i < step && rc == CM_OK; i++) {
         const ds_batch *b;
         int got = ds_reader_next(r, &b, errptr);
         if (got < 0) rc = got;
+        before = got == 1 ? b : NULL;
     }
     probs = malloc(o->batch * sizeof(float));
     dparams = malloc(S->l.n_params * sizeof(float) + 1);
     if (probs == NULL || dparams == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     if (rc != CM_OK) goto out;
-    rc = prefetch_start(&pf, S, r, c, be, w, step, total > step ? total - step : 0, errptr);
+    rc = prefetch_start(&pf, S, r, c, be, w, step, total > step ? total - step : 0, before, errptr);
     if (rc != CM_OK) goto out;
     pf_started = true;
     uint32_t cap_u = 0;
