@@ -9,6 +9,9 @@
  * the primary goes away, a thread closes the primary's dialer and dials the backup on the same
  * socket; nng then resends every request that was in flight to the new connection, so callers
  * see a pause, not an error. A shard fails over once; its backup has no backup of its own.
+ * A request has one deadline, the call's timeout, whatever happens on the way: a primary that
+ * stays connected but silent is given up early enough for the backup's attempt to fit, and a
+ * request that neither answers fails naming both URLs.
  *
  * Key elision: the client remembers the key lists of its recent pulls per (shard, table); a
  * push of exactly one of them names the pull instead of carrying the keys. Its slot keeps the
@@ -44,6 +47,8 @@ enum { SL_FREE, SL_SEND, SL_RECV, SL_DONE };
 /* K_MIRROR: a mirrored block's push; its slot frees itself and leaves the reply's digest in
  * the mirror (dense_mirror.done), so it never holds a window slot until someone reaps it. */
 enum { K_SYNC, K_ASYNC, K_MIRROR };
+/* The most of a request's timeout kept for its shard's backup (slot_send). */
+#define FAILOVER_RESERVE_MS 5000
 
 typedef struct slot {
     struct ps_client *c;
@@ -53,7 +58,11 @@ typedef struct slot {
     int state, kind;
     uint16_t op;
     uint64_t req_id;
-    nng_duration timeout;
+    nng_duration timeout; /* the call's, for its error message */
+    /* cm_now() seconds: when the call must have its answer (deadline), and when the current
+     * attempt is given up (attempt_end: before the deadline while the backup is still to be
+     * tried, so that the backup's attempt fits in the same timeout). */
+    double deadline, attempt_end;
     nng_msg *copy; /* while the shard may still fail over: the request, to send again */
     struct dense_mirror *mirror; /* K_MIRROR: where the reply goes */
     /* An elided push in flight: its header, keys and encoded rows, to send it again with the
@@ -127,6 +136,8 @@ typedef struct dense_mirror {
 /* ---- slots ---- */
 
 static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout);
+static void slot_transmit(slot *s, nng_msg *m, bool idempotent, double deadline);
+static nng_duration ms_until(double t);
 static void mirror_drop(ps_client *c, uint32_t block);
 static int mirrors_reap(ps_client *c, char **errptr);
 
@@ -160,7 +171,8 @@ static bool slot_send_with_keys(slot *s)
     s->copy = NULL;
     __atomic_add_fetch(&s->c->st.push_fallbacks, 1, __ATOMIC_RELAXED);
     slot_set_state(s, SL_SEND);
-    slot_send(s, m, true, s->timeout);
+    /* The same call: what is left of its time, not a fresh timeout. */
+    slot_transmit(s, m, true, s->deadline);
     return true;
 }
 
@@ -256,6 +268,24 @@ static void want_failover(struct ps_client *c, shard_conn *sc)
     pthread_mutex_unlock(&c->mu);
 }
 
+/* Fails a slot whose transport gave up (rv), naming the shard and every URL the request may
+ * have gone to: with a backup the operator must know that both were tried. */
+static void slot_fail_io(slot *s, int rv, const char *what)
+{
+    const shard_conn *sc = &s->c->shards[s->shard];
+    char *err = NULL, within[48] = "";
+    bool to = rv == NNG_ETIMEDOUT;
+    if (to) snprintf(within, sizeof within, " within %d ms", (int)s->timeout);
+    if (sc->backup_url)
+        cm_err(&err, CM_EIO, "%s shard %u (primary %s, backup %s)%s: %s%s", what, s->shard, sc->url,
+               sc->backup_url, within, nng_strerror(rv),
+               to ? " (are they running and reachable?)" : "");
+    else
+        cm_err(&err, CM_EIO, "%s shard %u (%s)%s: %s%s", what, s->shard, sc->url, within,
+               nng_strerror(rv), to ? " (is the PS running and reachable?)" : "");
+    slot_finish(s, CM_EIO, err);
+}
+
 static void slot_cb(void *arg)
 {
     slot *s = arg;
@@ -277,7 +307,8 @@ static void slot_cb(void *arg)
         nng_msg *m = s->copy;
         s->copy = NULL;
         slot_set_state(s, SL_SEND);
-        nng_aio_set_timeout(s->aio, s->timeout);
+        s->attempt_end = s->deadline;
+        nng_aio_set_timeout(s->aio, ms_until(s->deadline));
         nng_aio_set_msg(s->aio, m);
         nng_ctx_send(s->ctx, s->aio);
         abort_recheck(s);
@@ -286,20 +317,19 @@ static void slot_cb(void *arg)
     if (s->state == SL_SEND) {
         if (rv != 0) {
             nng_msg_free(ps_aio_msg_take(s->aio));
-            cm_err(&err, CM_EIO, "cannot send to shard %u: %s%s", s->shard, nng_strerror(rv),
-                   rv == NNG_ETIMEDOUT ? " (is the PS running and reachable?)" : "");
-            slot_finish(s, CM_EIO, err);
+            slot_fail_io(s, rv, "cannot send to");
             return;
         }
         slot_set_state(s, SL_RECV);
+        /* nng times each operation from its start: the receive gets what is left of the
+         * attempt, not a timeout of its own after a send that waited for a connection. */
+        nng_aio_set_timeout(s->aio, ms_until(s->attempt_end));
         nng_ctx_recv(s->ctx, s->aio);
         abort_recheck(s);
         return;
     }
     if (rv != 0) {
-        cm_err(&err, CM_EIO, "no reply from shard %u: %s%s", s->shard, nng_strerror(rv),
-               rv == NNG_ETIMEDOUT ? " (is the PS running and reachable?)" : "");
-        slot_finish(s, CM_EIO, err);
+        slot_fail_io(s, rv, "no reply from");
         return;
     }
     nng_msg *m = ps_aio_msg_take(s->aio);
@@ -312,6 +342,13 @@ static void slot_cb(void *arg)
     }
     s->reply = m;
     slot_finish(s, rc, err);
+}
+
+/* Milliseconds from now to t (cm_now() seconds), at least 1: nng reads 0 as "do not wait". */
+static nng_duration ms_until(double t)
+{
+    double ms = (t - cm_now()) * 1000.0;
+    return ms < 1 ? 1 : ms > INT32_MAX ? INT32_MAX : (nng_duration)ms;
 }
 
 /* Waits for a free slot of a shard and claims it. */
@@ -334,8 +371,16 @@ static slot *slot_acquire(struct ps_client *c, uint32_t shard, int kind)
 }
 
 /* Sends a message built with ps_msg_new: fills the request id, seals, sends. Idempotent
- * requests may be resent by nng after a reconnect; long-waiting ones get a long timeout. */
+ * requests may be resent by nng after a reconnect; long-waiting ones get a long timeout: the
+ * whole call's, failover included. */
 static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout)
+{
+    s->timeout = timeout;
+    slot_transmit(s, m, idempotent, cm_now() + timeout / 1000.0);
+}
+
+/* slot_send's work, for a call that must be answered by deadline (cm_now() seconds). */
+static void slot_transmit(slot *s, nng_msg *m, bool idempotent, double deadline)
 {
     struct ps_client *c = s->c;
     ps_hdr h;
@@ -369,13 +414,20 @@ static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout
     if (h.op == PS_OP_PUSH) __atomic_add_fetch(&c->st.push_bytes, nng_msg_len(m), __ATOMIC_RELAXED);
     nng_ctx_set_ms(s->ctx, NNG_OPT_REQ_RESENDTIME,
                    idempotent ? (nng_duration)(c->timeout_ms / 4 + 1) : NNG_DURATION_INFINITE);
-    nng_aio_set_timeout(s->aio, timeout);
-    s->timeout = timeout;
+    s->deadline = deadline;
     shard_conn *sc = &c->shards[s->shard];
     pthread_mutex_lock(&c->mu);
     bool may_fail_over = sc->backup_url && !sc->failed_over;
     pthread_mutex_unlock(&c->mu);
     if (may_fail_over && nng_msg_dup(&s->copy, m) != 0) s->copy = NULL;
+    /* A primary that went silent (connected, not answering) is given up with part of the
+     * timeout left for its backup, which answers within milliseconds of being dialled when
+     * it is up: both together stay within the call's timeout. A primary whose connection
+     * drops fails over at once (pipe_removed) and needs none of this. */
+    double reserve = (deadline - cm_now()) / 2;
+    if (reserve > FAILOVER_RESERVE_MS / 1000.0) reserve = FAILOVER_RESERVE_MS / 1000.0;
+    s->attempt_end = s->copy && reserve > 0 ? deadline - reserve : deadline;
+    nng_aio_set_timeout(s->aio, ms_until(s->attempt_end));
     nng_aio_set_msg(s->aio, m);
     nng_ctx_send(s->ctx, s->aio);
     abort_recheck(s);
@@ -1028,6 +1080,9 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
         while (sp.start[s + 1] > sp.start[s] && c->shards[s].pushing > 0)
             pthread_cond_wait(&c->cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
+    /* A push that failed cannot be read back, and its shard has just had the whole timeout to
+     * answer it: reported now, not after the pull's own request has waited as long again. */
+    if (rc == CM_OK) rc = take_async_error(c, errptr);
     for (uint32_t s = 0; s < ns && rc == CM_OK; s++) {
         size_t cnt = sp.start[s + 1] - sp.start[s];
         if (cnt == 0) continue;

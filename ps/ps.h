@@ -216,7 +216,14 @@ typedef struct ps_client_opts {
     const char *const *urls;        /* cfg->n_shards URLs, shard order */
     uint32_t worker;                /* this worker's index < cfg->n_workers */
     uint32_t window;                /* in-flight requests per shard; 0 = 8 */
-    uint32_t timeout_ms;            /* per request; 0 = 30000 */
+    /* A call's bound on each shard, failover included (0 = 30000): a shard that cannot
+     * answer (its primary and backup both gone or hung) fails the call within about this
+     * long, with an error naming the shard and its URLs. A primary silent for this less
+     * min(half of it, 5 s) is given up for its backup, which gets the rest. Clock, barrier,
+     * save, load and shutdown wait 20 times as long (they wait for other workers). A call
+     * that must first wait for a free slot of the shard's window, or for earlier requests
+     * (a pull for this client's pushes), waits for those too. */
+    uint32_t timeout_ms;
     const char *const *backup_urls; /* NULL, or cfg->n_shards URLs of the shards' backups
                                        (an entry may be NULL: that shard has none) */
     bool explicit_keys; /* every push carries its keys, none names a pull (key elision off:
@@ -237,7 +244,8 @@ void ps_client_destroy(ps_client *c);
 void ps_client_abort(ps_client *c);
 
 /* Pulls n keys of a table into out (n * dim floats, caller's order). Duplicates are fetched
- * once. Waits for this client's earlier pushes to the same shards to be applied first. */
+ * once. Waits for this client's earlier pushes to the same shards to be applied first; an
+ * earlier push that failed is then reported instead (nothing is pulled). */
 int ps_client_pull(ps_client *c, uint32_t table, const uint64_t *keys, size_t n, float *out,
                    char **errptr);
 /* Like pull, but read only: no row is created or marked touched, and keys the PS does not

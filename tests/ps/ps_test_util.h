@@ -83,14 +83,29 @@ static inline void pt_spawn_cluster(const char *config, uint32_t n, const char *
             pt_die("ember ps did not come up", strdup(urls[i]));
 }
 
+/* An in-process server with these options, or the test dies. */
+static inline ps_server *pt_server_with(const ps_server_opts *o)
+{
+    ps_server *s = NULL;
+    char *err = NULL;
+    if (ps_server_create(o, &s, &err) != CM_OK) pt_die("ps_server_create", err);
+    return s;
+}
+
 /* An in-process server for shard s. */
 static inline ps_server *pt_server(const ps_config *cfg, const char *url, uint32_t shard)
 {
     ps_server_opts o = {.cfg = cfg, .listen = url, .shard = shard};
-    ps_server *s = NULL;
-    char *err = NULL;
-    if (ps_server_create(&o, &s, &err) != CM_OK) pt_die("ps_server_create", err);
-    return s;
+    return pt_server_with(&o);
+}
+
+/* Shard 0 of a replicated pair: a primary whose backup listens on replica, or the backup. */
+static inline ps_server *pt_server_repl(const ps_config *cfg, const char *url, const char *replica,
+                                        bool backup)
+{
+    ps_server_opts o = {
+        .cfg = cfg, .listen = url, .shard = 0, .replica_url = replica, .backup = backup};
+    return pt_server_with(&o);
 }
 
 /* A client with these options, or the test dies. */

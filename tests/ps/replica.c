@@ -27,16 +27,6 @@
 
 enum { N_KEYS = 2000, DIM = 4, PUSHES = 120 };
 
-static ps_server *server(const ps_config *cfg, const char *url, const char *replica, bool backup)
-{
-    ps_server_opts o = {
-        .cfg = cfg, .listen = url, .shard = 0, .replica_url = replica, .backup = backup};
-    ps_server *s = NULL;
-    char *err = NULL;
-    if (ps_server_create(&o, &s, &err) != CM_OK) pt_die("ps_server_create", err);
-    return s;
-}
-
 static ps_client *client(const ps_config *cfg, const char *url, const char *backup)
 {
     const char *urls[1] = {url}, *backups[1] = {backup};
@@ -57,8 +47,8 @@ static ps_client *start_pair(const ps_config *cfg, const char *dir, const char *
     snprintf(bn, sizeof bn, "b%s", tag);
     const char *pu = pt_ipc(dir, pn);
     *bu = pt_ipc(dir, bn);
-    *b = server(cfg, *bu, NULL, true);
-    *p = server(cfg, pu, *bu, false);
+    *b = pt_server_repl(cfg, *bu, NULL, true);
+    *p = pt_server_repl(cfg, pu, *bu, false);
     return client(cfg, pu, *bu);
 }
 

@@ -1,0 +1,206 @@
+/*
+ * A shard that cannot answer fails a call within about the client's timeout (T), failover
+ * included, with an error naming the shard and every URL it was tried at. In-process servers
+ * and raw nng sockets over ipc://; a "silent" server is a rep socket that accepts connections
+ * and never answers (a hung process), a dead one is nothing listening.
+ *   1. Silent primary, dead backup: the primary's attempt and the backup's share T (each used
+ *      to get a full T, so the call took 2T).
+ *   2. Primary and backup both dead when the client starts: HELLO fails within T.
+ *   3. Both die after the client has worked with them: a pull fails within T naming both URLs.
+ *   4. Silent primary, live backup: the call still fails over and succeeds within T.
+ *   5. No backup, the shard's listener comes back (silent) late in the call: sending waited for
+ *      a connection and then the reply got a fresh T of its own; now the call keeps one T.
+ *   6. A pull behind a push to a dead shard: it waited for the push (T), then sent its own
+ *      request (another T); now it reports the push's failure once the wait is over.
+ * Bounds are 1.5 T against 2 T or more before, with T = 2 s: wide enough for a loaded machine.
+ */
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/rep.h>
+#include <pthread.h>
+
+#include "ps_test_util.h"
+
+#define T_MS 2000u
+#define BOUND_S (1.5 * T_MS / 1000.0)
+
+static const char conf[] = "[cluster]\nshards = 1\nworkers = 1\nreplica_timeout = 20000\n"
+                           "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n";
+
+/* A rep socket listening on url that never answers. */
+static nng_socket silent_at(const char *url)
+{
+    nng_socket s;
+    if (nng_rep0_open(&s) != 0 || nng_listen(s, url, NULL, 0) != 0)
+        pt_die("silent listener", strdup(url));
+    return s;
+}
+
+static int client_at(const ps_config *cfg, const char *url, const char *backup, ps_client **c,
+                     char **err)
+{
+    const char *urls[1] = {url}, *backups[1] = {backup};
+    ps_client_opts o = {
+        .cfg = cfg, .urls = urls, .timeout_ms = T_MS, .backup_urls = backup ? backups : NULL};
+    *c = NULL;
+    return ps_client_create(&o, c, err);
+}
+
+/* A failed call took at most BOUND_S and its error names shard 0 and the URLs given. */
+static void check_failed(const char *what, int rc, double took, const char *err, const char *u1,
+                         const char *u2)
+{
+    CHECK_MSG(rc != CM_OK, "%s: succeeded", what);
+    CHECK_MSG(took < BOUND_S, "%s: failed after %.2f s, want under %.1f s (timeout %.1f s)", what,
+              took, BOUND_S, T_MS / 1000.0);
+    const char *e = err ? err : "";
+    CHECK_MSG(strstr(e, "shard 0") && strstr(e, u1) && (!u2 || strstr(e, u2)),
+              "%s: error does not name shard 0 and %s%s%s: %s", what, u1, u2 ? " and " : "",
+              u2 ? u2 : "", e);
+    fprintf(stderr, "%s: %.2f s: %s\n", what, took, e);
+}
+
+static void silent_primary_dead_backup(const ps_config *cfg, const char *dir)
+{
+    const char *pu = pt_ipc(dir, "p1"), *bu = pt_ipc(dir, "b1");
+    nng_socket p = silent_at(pu);
+    ps_client *c;
+    char *err = NULL;
+    double t0 = cm_now();
+    int rc = client_at(cfg, pu, bu, &c, &err);
+    check_failed("silent primary, dead backup", rc, cm_now() - t0, err, pu, bu);
+    free(err);
+    ps_client_destroy(c);
+    nng_close(p);
+}
+
+static void both_dead_at_start(const ps_config *cfg, const char *dir)
+{
+    const char *pu = pt_ipc(dir, "p2"), *bu = pt_ipc(dir, "b2");
+    ps_client *c;
+    char *err = NULL;
+    double t0 = cm_now();
+    int rc = client_at(cfg, pu, bu, &c, &err);
+    check_failed("both dead at start", rc, cm_now() - t0, err, pu, bu);
+    free(err);
+    ps_client_destroy(c);
+}
+
+static void both_die(const ps_config *cfg, const char *dir)
+{
+    const char *pu = pt_ipc(dir, "p3"), *bu = pt_ipc(dir, "b3");
+    ps_server *b = pt_server_repl(cfg, bu, NULL, true), *p = pt_server_repl(cfg, pu, bu, false);
+    ps_client *c;
+    char *err = NULL;
+    if (client_at(cfg, pu, bu, &c, &err) != CM_OK) pt_die("client", err);
+    uint64_t key = 5;
+    float g[4] = {1, 1, 1, 1}, row[4];
+    CHECK_OK(ps_client_push(c, 0, &key, 1, g, &err), err);
+    CHECK_OK(ps_client_pull(c, 0, &key, 1, row, &err), err);
+    ps_server_destroy(p);
+    ps_server_destroy(b);
+    double t0 = cm_now();
+    int rc = ps_client_pull(c, 0, &key, 1, row, &err);
+    check_failed("both die", rc, cm_now() - t0, err, pu, bu);
+    free(err);
+    ps_client_destroy(c);
+}
+
+static void silent_primary_live_backup(const ps_config *cfg, const char *dir)
+{
+    const char *pu = pt_ipc(dir, "p4"), *bu = pt_ipc(dir, "b4");
+    nng_socket p = silent_at(pu);
+    ps_server *b = pt_server_repl(cfg, bu, NULL, true);
+    ps_client *c;
+    char *err = NULL;
+    double t0 = cm_now();
+    int rc = client_at(cfg, pu, bu, &c, &err);
+    double took = cm_now() - t0;
+    CHECK_MSG(rc == CM_OK, "silent primary, live backup: %s", err ? err : "?");
+    CHECK_MSG(took < BOUND_S, "silent primary, live backup: HELLO took %.2f s", took);
+    free(err);
+    err = NULL;
+    if (rc == CM_OK) {
+        uint64_t key = 9;
+        float row[4];
+        CHECK_OK(ps_client_pull(c, 0, &key, 1, row, &err), err);
+        ps_client_stats st;
+        CHECK_OK(ps_client_stats_get(c, &st, &err), err);
+        CHECK_MSG(st.failovers == 1, "failovers %llu, want 1", (unsigned long long)st.failovers);
+    }
+    ps_client_destroy(c);
+    ps_server_destroy(b);
+    nng_close(p);
+}
+
+/* A client of a shard without backup at url that has just gone away. */
+static ps_client *client_of_gone(const ps_config *cfg, const char *url)
+{
+    ps_server *s = pt_server_repl(cfg, url, NULL, false);
+    ps_client *c;
+    char *err = NULL;
+    if (client_at(cfg, url, NULL, &c, &err) != CM_OK) pt_die("client", err);
+    ps_server_destroy(s);
+    return c;
+}
+
+typedef struct late {
+    const char *url;
+    nng_socket sock;
+} late;
+
+static void *listen_late(void *arg)
+{
+    late *l = arg;
+    psp_sleep_ms(T_MS * 9 / 10);
+    l->sock = silent_at(l->url);
+    return NULL;
+}
+
+static void late_listener(const ps_config *cfg, const char *dir)
+{
+    const char *u = pt_ipc(dir, "s5");
+    ps_client *c = client_of_gone(cfg, u);
+    char *err = NULL;
+    late l = {.url = u};
+    pthread_t th;
+    if (pthread_create(&th, NULL, listen_late, &l) != 0) pt_die("pthread_create", NULL);
+    uint64_t key = 5;
+    float row[4];
+    double t0 = cm_now();
+    int rc = ps_client_pull(c, 0, &key, 1, row, &err);
+    check_failed("listener back late", rc, cm_now() - t0, err, u, NULL);
+    free(err);
+    pthread_join(th, NULL);
+    ps_client_destroy(c);
+    nng_close(l.sock);
+}
+
+static void pull_behind_push(const ps_config *cfg, const char *dir)
+{
+    const char *u = pt_ipc(dir, "s6");
+    ps_client *c = client_of_gone(cfg, u);
+    char *err = NULL;
+    uint64_t key = 5;
+    float g[4] = {1, 1, 1, 1}, row[4];
+    double t0 = cm_now();
+    CHECK_OK(ps_client_push(c, 0, &key, 1, g, &err), err); /* queued: fails later */
+    int rc = ps_client_pull(c, 0, &key, 1, row, &err);
+    check_failed("pull behind a push", rc, cm_now() - t0, err, u, NULL);
+    free(err);
+    ps_client_destroy(c);
+}
+
+int main(void)
+{
+    psp_watchdog(PT_WATCHDOG_S);
+    const char *dir = check_tmpdir("ps_failtime");
+    ps_config cfg;
+    pt_config(dir, "failtime.ini", conf, &cfg);
+    silent_primary_dead_backup(&cfg, dir);
+    both_dead_at_start(&cfg, dir);
+    both_die(&cfg, dir);
+    silent_primary_live_backup(&cfg, dir);
+    late_listener(&cfg, dir);
+    pull_behind_push(&cfg, dir);
+    return pt_finish(dir);
+}
