@@ -1658,6 +1658,8 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
         t->replicated += ss.replicated;
         t->replica_dropped += ss.replica_dropped;
         t->promoted += ss.promoted;
+        t->replica_held += ss.replica_held;
+        t->replica_held_bytes += ss.replica_held_bytes;
         if (s == 0) { /* clocks and barriers are shard 0's alone */
             t->clocks_min = ss.clocks_min;
             t->clocks_max = ss.clocks_max;

@@ -200,6 +200,9 @@ typedef struct ps_server_stats {
                                         backup: updates received from the primary */
     uint64_t replica_dropped;        /* primary: 1 once it dropped an unreachable backup */
     uint64_t promoted;               /* backup: 1 once it took over as primary */
+    uint64_t replica_held;           /* backup: updates received ahead of a gap in the sequence,
+                                        held until it fills (all applied at a takeover) */
+    uint64_t replica_held_bytes;     /* ... the bytes of those requests */
     uint64_t elided;                 /* pushes applied with the keys of a pull they named */
     uint64_t elided_misses;          /* ... answered PS_STATUS_NO_KEYS (list not held) */
     uint64_t keylist_bytes;          /* memory the recent pulls' key lists (and, on the server,

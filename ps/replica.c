@@ -77,6 +77,7 @@ bool ps_replog_put(ps_replog *l, uint64_t seq, const void *msg, size_t len)
     e->next = *pp;
     *pp = e;
     l->n++;
+    l->bytes += len;
     return true;
 }
 
@@ -93,6 +94,7 @@ ps_replog_entry *ps_replog_pop(ps_replog *l)
     if (e) {
         l->head = e->next;
         l->n--;
+        l->bytes -= e->len;
     }
     return e;
 }

@@ -40,7 +40,7 @@ typedef struct ps_replog_entry {
 
 typedef struct ps_replog {
     ps_replog_entry *head; /* ascending seq */
-    size_t n;
+    size_t n, bytes;       /* entries, and the bytes of their messages */
 } ps_replog;
 
 /* Keeps a copy of msg under seq; false when out of memory. A seq already held is ignored

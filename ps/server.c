@@ -919,6 +919,13 @@ static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t
     return r;
 }
 
+/* Backup: publishes what the log holds to STATS (read without repl_mu); s->repl_mu held. */
+static void log_note(struct ps_server *s)
+{
+    __atomic_store_n(&s->st.replica_held, (uint64_t)s->log.n, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->st.replica_held_bytes, (uint64_t)s->log.bytes, __ATOMIC_RELAXED);
+}
+
 /* Backup: applies a logged update (validated when it arrived); s->repl_mu held. */
 static void apply_logged(struct ps_server *s, ps_replog_entry *e)
 {
@@ -946,6 +953,7 @@ static void promote(struct ps_server *s)
             apply_logged(s, e);
             free(e);
         }
+        log_note(s);
         __atomic_store_n(&s->promoted, true, __ATOMIC_RELAXED);
         s->st.promoted = 1;
         fprintf(stderr,
@@ -1005,6 +1013,7 @@ static nng_msg *handle_replicate(struct ps_server *s, const ps_hdr *h, const uin
         free(e);
         s->next_seq++;
     }
+    log_note(s);
     pthread_mutex_unlock(&s->repl_mu);
     return ok ? reply_ok(h, 0, NULL) : reply_error(s, h, CM_ENOMEM, "backup out of memory");
 bad:

@@ -18,6 +18,9 @@
  *   4. A REPLICATE numbered far past the next update (no primary has that many in flight) is
  *      refused, not held: held, such forwards would grow the backup's log without bound. One
  *      a little ahead is held until the gap fills, then both apply in order.
+ *   5. STATS shows what a backup holds ahead of a gap (count and bytes), in process and over
+ *      the wire, and nothing once the gap fills: an operator sees a primary whose forwards
+ *      arrive out of order, and what a takeover would apply at once.
  */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
@@ -358,6 +361,61 @@ static void far_ahead(const ps_config *cfg, const char *dir)
     ps_server_destroy(b);
 }
 
+/* A STATS request to url by a raw client (a ps_client's HELLO would make a backup take over). */
+static void raw_stats(const char *url, ps_server_stats *out)
+{
+    nng_socket r = raw_client(url, 10000);
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = PS_OP_STATS;
+    h.req_id = 77;
+    nng_msg *m, *rep = NULL;
+    if (nng_msg_alloc(&m, PS_HDR_BYTES) != 0) pt_die("nng_msg_alloc", NULL);
+    memcpy(nng_msg_body(m), &h, sizeof h);
+    ps_wire_seal(nng_msg_body(m), 0);
+    memset(out, 0xff, sizeof *out);
+    if (nng_sendmsg(r, m, 0) != 0) {
+        nng_msg_free(m);
+    } else if (nng_recvmsg(r, &rep, 0) == 0) {
+        if (nng_msg_len(rep) >= PS_HDR_BYTES + sizeof *out)
+            memcpy(out, (uint8_t *)nng_msg_body(rep) + PS_HDR_BYTES, sizeof *out);
+        nng_msg_free(rep);
+    }
+    nng_close(r);
+}
+
+/* 5. Held forwards in STATS. */
+static void held_in_stats(const ps_config *cfg, const char *dir)
+{
+    const char *bu = pt_ipc(dir, "b5");
+    ps_server *b = backup_at(cfg, bu);
+    nng_msg *u3 = push_msg(41, 3), *u4 = push_msg(42, 4);
+    const uint64_t bytes = nng_msg_len(u3) + nng_msg_len(u4);
+    CHECK_MSG(replicate(bu, 3, u3) == 0 && replicate(bu, 4, u4) == 0,
+              "forwards 3 and 4 (a gap at 1 and 2) were refused");
+    ps_server_stats bs, ws;
+    ps_server_stats_get(b, &bs);
+    raw_stats(bu, &ws);
+    CHECK_MSG(bs.replica_held == 2 && bs.replica_held_bytes == bytes,
+              "held %llu updates of %llu bytes, want 2 of %llu",
+              (unsigned long long)bs.replica_held, (unsigned long long)bs.replica_held_bytes,
+              (unsigned long long)bytes);
+    CHECK_MSG(ws.replica_held == 2 && ws.replica_held_bytes == bytes,
+              "STATS over the wire: held %llu updates of %llu bytes, want 2 of %llu",
+              (unsigned long long)ws.replica_held, (unsigned long long)ws.replica_held_bytes,
+              (unsigned long long)bytes);
+    CHECK_MSG(ws.promoted == 0, "STATS made the backup take over");
+    CHECK_MSG(replicate(bu, 1, push_msg(43, 5)) == 0 && replicate(bu, 2, push_msg(44, 6)) == 0,
+              "forwards 1 and 2 were refused");
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(bs.replica_held == 0 && bs.replica_held_bytes == 0 && bs.rows_pushed == 4,
+              "after the gap filled: held %llu updates of %llu bytes (want none), %llu rows "
+              "pushed (want 4)",
+              (unsigned long long)bs.replica_held, (unsigned long long)bs.replica_held_bytes,
+              (unsigned long long)bs.rows_pushed);
+    ps_server_destroy(b);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -368,5 +426,6 @@ int main(void)
     malformed_to_backup(&cfg, dir);
     malformed_forwards(&cfg, dir);
     far_ahead(&cfg, dir);
+    held_in_stats(&cfg, dir);
     return pt_finish(dir);
 }
