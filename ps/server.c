@@ -64,6 +64,9 @@ struct ps_server {
     srv_ctx *ctxs;
     pthread_rwlock_t tables_lock;
     emb_table *tables[PS_MAX_TABLES];
+    /* Per table with a TTL: the last period of table steps it was expired in (ttl_after_push);
+     * atomics. */
+    uint64_t ttl_epoch[PS_MAX_TABLES];
     ps_dense *dense[PS_MAX_DENSE]; /* NULL for blocks other shards own */
     pthread_mutex_t mu;            /* clocks, barrier, stop */
     pthread_cond_t stop_cv;
@@ -350,6 +353,36 @@ static nng_msg *elided_keys(struct ps_server *s, const ps_hdr *h, const uint8_t 
     return reply_error(s, h, CM_ECORRUPT, msg);
 }
 
+/* A table's TTL (emb_table_config.ttl_steps) takes effect here: rows untouched for more than
+ * ttl steps are dropped (emb_table_expire) once every ttl_period table steps, by the push that
+ * brings the step into a new period, before it is acknowledged. A deterministic point of the
+ * push sequence, so that a run, its resume and a backup applying the same pushes drop the same
+ * rows at the same step; a walk of the whole table (spilled rows too), so not after every
+ * push: a row goes between ttl and ttl + ttl_period steps after its last pull or push. */
+static uint64_t ttl_period(uint64_t ttl)
+{
+    return ttl / 8 > 0 ? ttl / 8 : 1;
+}
+
+static void ttl_after_push(struct ps_server *s, uint32_t i, emb_table *t)
+{
+    const uint64_t ttl = emb_table_get_config(t)->ttl_steps;
+    if (ttl == 0) return;
+    uint64_t epoch = emb_table_step(t) / ttl_period(ttl);
+    uint64_t seen = __atomic_load_n(&s->ttl_epoch[i], __ATOMIC_RELAXED);
+    if (epoch <= seen || !__atomic_compare_exchange_n(&s->ttl_epoch[i], &seen, epoch, false,
+                                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        return;
+    char *err = NULL;
+    if (emb_table_expire(t, NULL, &err) != CM_OK) {
+        /* The push itself is applied; the rows stay until the next period tries again. */
+        STAT_ADD(s, errors, 1);
+        fprintf(stderr, "ember ps: shard %u: TTL expiry of table '%s' failed: %s\n", s->shard,
+                s->cfg.tables[i].name, err ? err : "?");
+        free(err);
+    }
+}
+
 /* PULL payload: keys. Reply: rows in the requested codec. PUSH payload: u32 key bytes, keys,
  * rows; or, with PS_FLAG_ELIDED, u64 pull request id, u64 key checksum, rows. Everything is
  * validated before the table is touched. A successful pull's keys are kept for the pushes that
@@ -457,6 +490,7 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
     } else {
         rc = hints ? emb_table_push_hinted(t, keys, n, grads, hints, &err)
                    : emb_table_push(t, keys, n, grads, &err);
+        if (rc == CM_OK) ttl_after_push(s, h->table, t);
         if (rc == CM_OK) reply = reply_ok(h, 0, NULL);
         if (rc == CM_OK) STAT_ADD(s, rows_pushed, n);
         /* Not applied (or not acknowledged): a resend must be tried again. */
@@ -687,6 +721,12 @@ static int load_shard(struct ps_server *s, const char *dir, char **errptr)
             emb_table *old = s->tables[i];
             s->tables[i] = tables[i];
             tables[i] = old;
+            /* The restored step's period counts as expired: the next push into a new one
+             * expires, as in the run that saved it. */
+            uint64_t ttl = emb_table_get_config(s->tables[i])->ttl_steps;
+            if (ttl > 0)
+                __atomic_store_n(&s->ttl_epoch[i], emb_table_step(s->tables[i]) / ttl_period(ttl),
+                                 __ATOMIC_RELAXED);
         }
         for (uint32_t i = 0; i < s->cfg.n_dense; i++) {
             if (dense[i] == NULL) continue;
