@@ -3,6 +3,7 @@
  * <ckpt>/shard-<i>/{MANIFEST, table-<name>/ (an embedding snapshot), dense-<name>.bin}.
  */
 #include <inttypes.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,13 +64,32 @@ int ps_checkpoint_dense(const char *ckpt, const char *name, float **values, uint
     return cm_err(errptr, CM_ENOTFOUND, "%s: no dense block '%s' in any shard", ckpt, name);
 }
 
-/* Shard 0's manifest text (caller frees): the list of tables and dense blocks. */
+/* Shard 0's manifest text (caller frees): the list of tables and dense blocks, its checksum line
+ * (ps_shard_manifest_text) verified: a damaged name would otherwise send export and reshard
+ * after a table that is not there, or drop one. */
 static int read_manifest0(const char *ckpt, char **text, char **errptr)
 {
     char path[4200];
-    size_t len;
+    size_t len = 0;
     snprintf(path, sizeof path, "%s/shard-0/MANIFEST", ckpt);
-    return cm_read_file(path, (void **)text, &len, errptr);
+    int rc = cm_read_file(path, (void **)text, &len, errptr);
+    if (rc != CM_OK) return rc;
+    /* The last line is "checksum <16 hex digits>", over every byte before it. */
+    const size_t tail = strlen("checksum ") + 16 + 1;
+    bool ok = len >= tail && memchr(*text, '\0', len) == NULL;
+    const char *line = ok ? *text + len - tail : *text;
+    ok = ok && (line == *text || line[-1] == '\n') && !strncmp(line, "checksum ", 9) &&
+         line[tail - 1] == '\n';
+    char *end = NULL;
+    uint64_t want = ok ? strtoull(line + 9, &end, 16) : 0;
+    ok = ok && end == line + tail - 1 && want == cm_xxh3(*text, (size_t)(line - *text));
+    if (!ok) {
+        free(*text);
+        *text = NULL;
+        return cm_err(errptr, CM_ECORRUPT,
+                      "%s: checksum mismatch or damaged (not a shard manifest)", path);
+    }
+    return CM_OK;
 }
 
 int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t *n_tables,
