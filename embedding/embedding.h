@@ -265,6 +265,19 @@ int emb_snapshot_step(const char *dir, uint64_t *step, char **errptr);
  * the rows file are verified in full before the first call. */
 int emb_snapshot_foreach(const char *dir, emb_row_cb cb, void *arg, char **errptr);
 
+/* Admission sketches across snapshots (resharding: one table's rows from several shards).
+ * Count-min sketches of one width, depth and hashing are additive: the sum of the shards'
+ * sketches counts every key at least as often as its own shard's did (the count-min
+ * contract: estimates never fall short), so keys keep the sightings they had.
+ * emb_snapshot_sketch_add adds dir's sketch.bin (verified against its MANIFEST) into *acc,
+ * counter by counter, saturating; the first sketch allocates *acc (n counters into *n, the
+ * caller frees *acc). A snapshot without a sketch adds nothing. A sketch of another size than
+ * *acc's is refused (CM_EINVAL naming the file and both sizes). */
+int emb_snapshot_sketch_add(const char *dir, uint16_t **acc, size_t *n, char **errptr);
+/* Replaces a table's admission sketch with n counters (before the table is used). CM_EINVAL,
+ * nothing changed, when the table has no sketch (admission off) or one of another size. */
+int emb_table_set_sketch(emb_table *t, const uint16_t *counts, size_t n, char **errptr);
+
 /* Builds a new table from a snapshot: the model part of cfg must equal the snapshot's (else
  * CM_EINVAL naming the field); the storage part (budget, spill path, admission, ttl, n_sub) is
  * taken from cfg. Every file is verified before any row is loaded (CM_ECORRUPT naming the file).

@@ -244,9 +244,8 @@ int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **e
 /* The admission sketch's counters and their count, or NULL without admission (read it paused:
  * pulls count under the sub-shard locks). */
 const uint16_t *emb_table_sketch(const emb_table *t, size_t *n);
-/* Replaces the sketch's counters with n of c (restore, before the table is used); false, with
- * nothing changed, where the table has no sketch or another size. */
-bool emb_table_set_sketch(emb_table *t, const uint16_t *c, size_t n);
+/* acc[i] += c[i] for n counters, saturating at UINT16_MAX (summing shards' sketches). */
+void emb_sketch_add(uint16_t *acc, const uint16_t *c, size_t n);
 
 /* ---- snapshot files (snapshot.c) ---- */
 #define EMB_SNAP_ROWS "rows.bin"

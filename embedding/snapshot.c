@@ -440,6 +440,27 @@ static const char *model_mismatch(const emb_table_config *a, const emb_table_con
     return NULL;
 }
 
+/* Reads dir's sketch.bin into *sk (caller frees; NULL with *len 0 when m names none), verified
+ * against the manifest's size and checksum. */
+static int sketch_read(const char *dir, const manifest *m, void **sk, size_t *len, char **errptr)
+{
+    *sk = NULL;
+    *len = 0;
+    if (m->sk_size == 0) return CM_OK;
+    char sp[4096];
+    int rc = path_join(sp, sizeof sp, dir, EMB_SNAP_SKETCH, errptr);
+    if (rc == CM_OK) rc = cm_read_file(sp, sk, len, errptr);
+    if (rc == CM_ENOTFOUND) rc = cm_err(errptr, CM_ECORRUPT, "%s: missing", sp);
+    if (rc == CM_OK && (*len != m->sk_size || cm_xxh3(*sk, *len) != m->sk_hash))
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: size or checksum does not match the manifest", sp);
+    if (rc != CM_OK) {
+        free(*sk);
+        *sk = NULL;
+        *len = 0;
+    }
+    return rc;
+}
+
 int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **out,
                       char **errptr)
 {
@@ -459,19 +480,11 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
     /* The sketch, verified like the rows before anything is built. A table without admission
      * has no use for it; one with admission from a snapshot without a sketch (written before
      * there was one) starts counting afresh. */
-    if (rc == CM_OK && m.sk_size > 0) {
-        char sp[4096];
-        rc = path_join(sp, sizeof sp, dir, EMB_SNAP_SKETCH, errptr);
-        if (rc == CM_OK) rc = cm_read_file(sp, &sk, &sk_len, errptr);
-        if (rc == CM_ENOTFOUND) rc = cm_err(errptr, CM_ECORRUPT, "%s: missing", sp);
-        if (rc == CM_OK && (sk_len != m.sk_size || cm_xxh3(sk, sk_len) != m.sk_hash))
-            rc =
-                cm_err(errptr, CM_ECORRUPT, "%s: size or checksum does not match the manifest", sp);
-    }
+    if (rc == CM_OK) rc = sketch_read(dir, &m, &sk, &sk_len, errptr);
     if (rc == CM_OK) rc = emb_table_create(cfg, &t, errptr);
     size_t nc = 0;
     if (rc == CM_OK && sk != NULL && emb_table_sketch(t, &nc) != NULL &&
-        !emb_table_set_sketch(t, sk, sk_len / sizeof(uint16_t)))
+        emb_table_set_sketch(t, sk, sk_len / sizeof(uint16_t), NULL) != CM_OK)
         rc = cm_err(errptr, CM_ECORRUPT, "snapshot %s: a sketch of %zu counters, the table has %zu",
                     dir, sk_len / sizeof(uint16_t), nc);
     free(sk);
@@ -506,5 +519,32 @@ int emb_snapshot_step(const char *dir, uint64_t *step, char **errptr)
     manifest m;
     int rc = manifest_read(dir, &m, errptr);
     if (rc == CM_OK) *step = m.step;
+    return rc;
+}
+
+int emb_snapshot_sketch_add(const char *dir, uint16_t **acc, size_t *n, char **errptr)
+{
+    manifest m;
+    void *sk = NULL;
+    size_t len = 0;
+    int rc = manifest_read(dir, &m, errptr);
+    if (rc == CM_OK) rc = sketch_read(dir, &m, &sk, &len, errptr);
+    if (rc != CM_OK || sk == NULL) return rc;
+    size_t nc = len / sizeof(uint16_t);
+    if (len % sizeof(uint16_t) != 0)
+        rc = cm_err(errptr, CM_ECORRUPT, "%s/" EMB_SNAP_SKETCH ": %zu bytes, not whole counters",
+                    dir, len);
+    else if (*acc != NULL && nc != *n)
+        rc = cm_err(errptr, CM_EINVAL,
+                    "%s/" EMB_SNAP_SKETCH ": an admission sketch of %zu counters, the others have "
+                    "%zu: count-min sketches of other dimensions cannot be added",
+                    dir, nc, *n);
+    else if (*acc == NULL && (*acc = calloc(nc, sizeof **acc)) == NULL)
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory for an admission sketch");
+    if (rc == CM_OK) {
+        *n = nc;
+        emb_sketch_add(*acc, (const uint16_t *)sk, nc);
+    }
+    free(sk);
     return rc;
 }

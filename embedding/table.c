@@ -1244,11 +1244,28 @@ const uint16_t *emb_table_sketch(const emb_table *t, size_t *n)
     return t->cms;
 }
 
-bool emb_table_set_sketch(emb_table *t, const uint16_t *c, size_t n)
+int emb_table_set_sketch(emb_table *t, const uint16_t *c, size_t n, char **errptr)
 {
-    if (t->cms == NULL || n != (size_t)CMS_DEPTH << CMS_BITS) return false;
+    size_t have = t->cms ? (size_t)CMS_DEPTH << CMS_BITS : 0;
+    if (t->cms == NULL)
+        return cm_err(errptr, CM_EINVAL, "the table has no admission sketch (admission is off)");
+    if (n != have)
+        return cm_err(errptr, CM_EINVAL,
+                      "an admission sketch of %zu counters, the table's has %zu: count-min "
+                      "sketches of other dimensions do not fit",
+                      n, have);
     memcpy(t->cms, c, n * sizeof *c);
-    return true;
+    return CM_OK;
+}
+
+void emb_sketch_add(uint16_t *acc, const uint16_t *c, size_t n)
+{
+    /* Saturating, as cms_add counts: a sum past the counter's range stays at its top, which
+     * still over-counts no key less than its true count. */
+    for (size_t i = 0; i < n; i++) {
+        uint32_t v = (uint32_t)acc[i] + c[i];
+        acc[i] = v > UINT16_MAX ? UINT16_MAX : (uint16_t)v;
+    }
 }
 
 void emb_table_set_step(emb_table *t, uint64_t step)

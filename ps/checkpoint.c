@@ -188,19 +188,31 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char
     for (uint32_t t = 0; rc == CM_OK && t < n_t; t++) {
         emb_table_config cfg;
         uint64_t step = 0;
+        uint16_t *sketch = NULL;
+        size_t sketch_n = 0;
         rc = ps_checkpoint_table_config(from, tables[t], &cfg, errptr);
+        /* The admission sketch is not split by key like the rows: every new shard gets the sum
+         * of the old shards' (see emb_snapshot_sketch_add), so a key seen N-1 times is still
+         * admitted at its next sighting wherever it now lives. */
         for (uint32_t i = 0; rc == CM_OK && i < n_old; i++) {
             uint64_t s = 0;
             snprintf(path, sizeof path, "%s/shard-%u/table-%s", from, i, tables[t]);
             rc = emb_snapshot_step(path, &s, errptr);
+            if (rc == CM_OK) rc = emb_snapshot_sketch_add(path, &sketch, &sketch_n, errptr);
             if (s > step) step = s;
         }
+        /* The threshold is the running cluster's (a storage setting, not in the snapshot): any
+         * above 1 gives the new tables a sketch, which is all a snapshot of them keeps. */
+        if (sketch != NULL) cfg.admit_threshold = 2;
         emb_table **nt = calloc(n_new, sizeof *nt);
         if (rc == CM_OK && nt == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         for (uint32_t i = 0; rc == CM_OK && i < n_new; i++) {
             rc = emb_table_create(&cfg, &nt[i], errptr);
             if (rc == CM_OK) emb_table_set_step(nt[i], step);
+            if (rc == CM_OK && sketch != NULL)
+                rc = emb_table_set_sketch(nt[i], sketch, sketch_n, errptr);
         }
+        free(sketch);
         reshard_arg ra = {nt, n_new, errptr};
         if (rc == CM_OK) rc = ps_checkpoint_foreach_row(from, tables[t], reshard_row, &ra, errptr);
         for (uint32_t i = 0; rc == CM_OK && i < n_new; i++) {

@@ -354,7 +354,9 @@ int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb
 /* Writes checkpoint `from` redistributed over n_new shards into `to` (built beside it and
  * swapped into place): every row to the shard its key hashes to (jump consistent hash moves
  * only ~1/n of them when growing by one), dense blocks to their new owners, manifests
- * rewritten. Rows are identical; tables are rebuilt in memory one at a time. */
+ * rewritten. Rows are identical; tables are rebuilt in memory one at a time. A table with
+ * admission gives every new shard the sum of its old shards' sketches (no key counted less
+ * than before); sketches of other sizes are refused (CM_EINVAL) and nothing is written. */
 int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char **errptr);
 /* The values of a dense block (caller frees *values). */
 int ps_checkpoint_dense(const char *ckpt, const char *name, float **values, uint64_t *n,
