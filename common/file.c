@@ -132,7 +132,7 @@ int cm_dir_replaceable(const char *dir, const char *const *markers, char **errpt
     closedir(d);
     return empty ? CM_OK
                  : cm_err(errptr, CM_EINVAL,
-                          "%s is a folder that holds something other than an earlier export of "
+                          "%s is a folder that holds something other than an earlier output of "
                           "this kind (no %s): not replacing it",
                           dir, missing);
 }

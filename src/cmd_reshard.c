@@ -2,6 +2,7 @@
 #include <dirent.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,7 +17,8 @@ static void reshard_usage(FILE *to)
     fprintf(to, "usage: ember reshard --from RUNDIR|CKPT --shards N --out RUNDIR\n"
                 "  writes RUNDIR/ckpt/step-S (rows identical, spread over N shards) and points\n"
                 "  RUNDIR/ckpt/LATEST at it; continue with ember train --out RUNDIR --shards N\n"
-                "  --resume. RUNDIR must not be the run directory of --from.\n");
+                "  --resume. RUNDIR must be absent, empty, or an earlier reshard of the same\n"
+                "  checkpoint (replaced): never --from's or another run's directory.\n");
 }
 
 /* Copies the trainer's files that sit beside the shards (model.txt, worker-<i>.pos, and
@@ -60,6 +62,77 @@ static int copy_side_files(const char *from, const char *to, uint32_t shards, ch
         free(text);
     }
     closedir(d);
+    return rc;
+}
+
+/* What a reshard writes into --out besides the checkpoint: which checkpoint it came from, so a
+ * later reshard can tell its own earlier output (replaceable) from another run's. Written
+ * before the checkpoint, so an interrupted reshard is recognised too. */
+#define RESHARD_MARK "reshard.txt"
+
+/* Refuses (CM_EINVAL) an entry of dir whose name is not in names (NULL-terminated). */
+static int holds_only(const char *dir, const char *const *names, const char *out, const char *from,
+                      char **errptr)
+{
+    DIR *d = opendir(dir);
+    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", dir);
+    int rc = CM_OK;
+    struct dirent *e;
+    while (rc == CM_OK && (e = readdir(d)) != NULL) {
+        bool ok = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
+        for (const char *const *n = names; !ok && *n; n++)
+            ok = !strcmp(e->d_name, *n);
+        if (!ok)
+            rc = cm_err(errptr, CM_EINVAL,
+                        "--out %s holds %s/%s, which no reshard of %s wrote: not writing into it "
+                        "(give an absent or empty directory)",
+                        out, dir, e->d_name, from);
+    }
+    closedir(d);
+    return rc;
+}
+
+/* Whether this reshard may write into out: out absent or empty, or the earlier output of a
+ * reshard of the same checkpoint (mark: the RESHARD_MARK text this one writes) holding nothing
+ * but what this one replaces. Writing replaces ckpt/<name> whole and repoints ckpt/LATEST, so
+ * another run's directory (a checkpoint of the same step, or a later one LATEST would stop
+ * naming) is refused instead. from names the checkpoint in messages. */
+static int check_out(const char *out, const char *mark, const char *from, const char *name,
+                     char **errptr)
+{
+    static const char *const ours[] = {RESHARD_MARK, NULL};
+    char path[4400], tmp[128], *why = NULL;
+    int rc = cm_dir_replaceable(out, ours, &why);
+    if (rc != CM_OK) {
+        rc = cm_err(errptr, rc,
+                    "--out %s (give an absent or empty directory, or an earlier reshard of the "
+                    "same checkpoint)",
+                    why ? why : out);
+        free(why);
+        return rc;
+    }
+    snprintf(path, sizeof path, "%s/" RESHARD_MARK, out);
+    char *text = NULL;
+    size_t len;
+    rc = cm_read_sealed(path, &text, &len, &why);
+    if (rc == CM_ENOTFOUND)
+        rc = CM_OK; /* absent or empty */
+    else if (rc != CM_OK)
+        rc = cm_err(errptr, rc, "%s", why);
+    free(why);
+    if (rc != CM_OK || text == NULL) return rc;
+    if (strcmp(text, mark) != 0)
+        rc = cm_err(errptr, CM_EINVAL,
+                    "--out %s holds a reshard of another checkpoint (%s: %.*s), not of %s: not "
+                    "replacing it (give another directory)",
+                    out, RESHARD_MARK, (int)strcspn(text, "\n"), text, from);
+    free(text);
+    const char *top[] = {RESHARD_MARK, "ckpt", NULL}, *ck[] = {"LATEST", name, tmp, NULL};
+    snprintf(tmp, sizeof tmp, "%s.tmp", name); /* left by an interrupted reshard */
+    if (rc == CM_OK) rc = holds_only(out, top, out, from, errptr);
+    snprintf(path, sizeof path, "%s/ckpt", out);
+    struct stat st;
+    if (rc == CM_OK && stat(path, &st) == 0) rc = holds_only(path, ck, out, from, errptr);
     return rc;
 }
 
@@ -110,11 +183,23 @@ int cmd_reshard(int argc, char **argv)
                 out, ckpt);
         return 2;
     }
+    /* The checkpoint's real path names it in --out's RESHARD_MARK, however --from is spelt. */
+    char real[PATH_MAX] = "", mark[PATH_MAX + 8], mark_path[4400];
+    if (rc == CM_OK && realpath(ckpt, real) == NULL)
+        rc = cm_err_errno(&err, CM_EIO, "cannot resolve %s", ckpt);
+    snprintf(mark, sizeof mark, "from %s\n", real);
+    if (rc == CM_OK && (rc = check_out(out, mark, ckpt, name, &err)) == CM_EINVAL) {
+        fprintf(stderr, "ember reshard: %s\n", err);
+        free(err);
+        return 2;
+    }
     if (rc == CM_OK) {
         char parent[4400];
         snprintf(parent, sizeof parent, "%s/ckpt", out);
         rc = cm_mkdirs(parent, &err);
     }
+    snprintf(mark_path, sizeof mark_path, "%s/" RESHARD_MARK, out);
+    if (rc == CM_OK) rc = cm_write_sealed(mark_path, mark, strlen(mark), &err);
     if (rc == CM_OK) rc = ps_checkpoint_reshard(ckpt, dst, (uint32_t)shards, &err);
     if (rc == CM_OK) rc = copy_side_files(ckpt, dst, (uint32_t)shards, &err);
     strcat(name, "\n");

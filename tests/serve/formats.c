@@ -284,7 +284,7 @@ int main(void)
     char *keep = su_slurp(su_path("mine/notes"), NULL);
     CHECK_MSG(mine != 0 && mineb != 0 && keep && !strcmp(keep, "keep\n") &&
                   stat(su_path("mine/tower.f32"), &sb) != 0 && me &&
-                  strstr(me, "holds something other than an earlier export"),
+                  strstr(me, "holds something other than an earlier output"),
               "export into a folder of other files: exit %d / %d, %s", mine, mineb,
               me ? me : "(no message)");
     free(keep);

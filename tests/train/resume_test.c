@@ -13,6 +13,8 @@
  * Likewise a run with the tower mirrored in the worker (the default for one worker) and one
  * without (--no-dense-mirror), and one evaluating every few steps (--eval-every).
  */
+#include <sys/stat.h>
+
 #include "cli_util.h"
 
 static void check_latest(const char *run, const char *want)
@@ -337,6 +339,54 @@ static long ckpt_rows(const char *ckpt, unsigned shards, const char *table)
     return total;
 }
 
+/* Whether run/ckpt/step-8 is spread over exactly n shards. */
+static int shards_of_step8(const char *run, unsigned n)
+{
+    char a[256], b[256];
+    snprintf(a, sizeof a, "%s/ckpt/step-8/shard-%u", run, n - 1);
+    snprintf(b, sizeof b, "%s/ckpt/step-8/shard-%u", run, n);
+    return exists(a) && !exists(b);
+}
+
+/* reshard --out (S3 holds `reshard --from S2 --shards 3`): a directory holding another run's
+ * checkpoints (T: its own step-8, which the reshard would replace whole, and a LATEST it would
+ * repoint) or a reshard of another checkpoint is refused, naming it, and left as it was; an
+ * empty directory is written, and so is the same reshard's earlier output (again, with another
+ * shard count and back). */
+static void reshard_out_case(const char *common)
+{
+    CHECK(run("train %s --shards 1 --max-steps 8 --out T", common) == 0);
+    char *t_pos = slurp("T/ckpt/step-8/worker-0.pos");
+    int rc = run("reshard --from S2 --shards 3 --out T");
+    CHECK_MSG(rc == 2 && err_has("T is a folder that holds") && err_has("not replacing it"),
+              "reshard into another run's directory: exit %d", rc);
+    char *latest = slurp_sealed("T/ckpt/LATEST"), *pos = slurp("T/ckpt/step-8/worker-0.pos");
+    CHECK_MSG(shards_of_step8("T", 1) && latest && !strcmp(latest, "step-8\n") && t_pos && pos &&
+                  !strcmp(t_pos, pos) && exists("T/ckpt/step-4"),
+              "a refused reshard changed T's checkpoints");
+    free(latest);
+    free(pos);
+    free(t_pos);
+    rc = run("reshard --from T --shards 2 --out S3");
+    CHECK_MSG(rc == 2 && err_has("--out S3 holds a reshard of another checkpoint"),
+              "reshard of T into S2's reshard: exit %d", rc);
+    CHECK_MSG(shards_of_step8("S3", 3), "a refused reshard replaced S3/ckpt/step-8");
+    char p[8300];
+    snprintf(p, sizeof p, "%s/E", dir);
+    CHECK(mkdir(p, 0755) == 0);
+    CHECK_MSG(run("reshard --from S2 --shards 2 --out E") == 0, "into an empty directory: %s",
+              err_text);
+    CHECK(shards_of_step8("E", 2) && exists("E/ckpt/step-8/model.txt"));
+    CHECK_MSG(run("reshard --from ./S2/ckpt/step-8 --shards 4 --out S3") == 0,
+              "the same reshard again (4 shards): %s", err_text);
+    CHECK(shards_of_step8("S3", 4));
+    CHECK_MSG(run("reshard --from S2 --shards 3 --out S3/") == 0,
+              "the same reshard again (3 shards): %s", err_text);
+    CHECK(shards_of_step8("S3", 3));
+    long r2 = ckpt_rows("S2/ckpt/step-8", 2, "emb"), r3 = ckpt_rows("S3/ckpt/step-8", 3, "emb");
+    CHECK_MSG(r2 > 0 && r2 == r3, "rows after resharding again: %ld on 2 shards, %ld on 3", r2, r3);
+}
+
 /* ember reshard: a 2-shard checkpoint spread over 3 shards keeps every row, carries model.txt,
  * the positions and run.txt (its shard count made 3, so a resume still checks the rest), and
  * resumes on 3 shards to the same AUC and logloss as the 2-shard run resumed (each row's
@@ -370,6 +420,7 @@ static void reshard_case(void)
     CHECK_MSG(exists("S2/ckpt/step-8/model.txt") && exists("S2/ckpt/step-8/run.txt") &&
                   exists("S2/ckpt/step-8/worker-0.pos") && !exists("S2/ckpt/step-8/shard-2"),
               "a refused reshard into S2 changed S2/ckpt/step-8");
+    reshard_out_case(common);
     CHECK(run("train %s --shards 3 --max-steps 12 --resume --out S3", common) == 0);
     char *a3 = strdup(last_line());
     CHECK(run("train %s --shards 2 --max-steps 12 --resume --out S2", common) == 0);
@@ -383,6 +434,14 @@ static void reshard_case(void)
               rc);
     rc = run("train %s --shards 2 --max-steps 16 --resume --out S3", common);
     CHECK_MSG(rc == 1 && err_has("shards 2 (checkpoint 3)"), "resharded resume, 2 shards: %d", rc);
+    /* S3 is a run now (step-12, metrics.jsonl): no longer an earlier reshard to replace. */
+    rc = run("reshard --from S2/ckpt/step-8 --shards 3 --out S3");
+    CHECK_MSG(rc == 2 && err_has("--out S3 holds") && err_has("not writing into it"),
+              "reshard into a resumed run: exit %d", rc);
+    latest = slurp_sealed("S3/ckpt/LATEST");
+    CHECK_MSG(latest && !strcmp(latest, "step-12\n"), "a refused reshard repointed S3's LATEST: %s",
+              latest ? latest : "(missing)");
+    free(latest);
     char *pos = slurp("S2/ckpt/step-12/worker-0.pos");
     if (pos && pos[5] >= '0' && pos[5] <= '9') {
         pos[5] = pos[5] == '1' ? '2' : '1';
