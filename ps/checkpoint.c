@@ -166,19 +166,23 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char
 {
     char tables[PS_MAX_TABLES][PS_NAME_MAX], dense[PS_MAX_DENSE][PS_NAME_MAX];
     uint32_t n_old = 0, n_t = 0, n_d = 0;
-    char tmp[4200], path[4400], src[4400], body[16000], text[16400];
+    char path[4400], src[4400], body[16000], text[16400];
     if (n_new == 0 || n_new > PS_MAX_SHARDS)
         return cm_err(errptr, CM_EINVAL, "shard count %u out of range 1..%u", n_new, PS_MAX_SHARDS);
     int rc = ps_checkpoint_shards(from, &n_old, errptr);
     if (rc == CM_OK) rc = ps_checkpoint_names(from, tables, &n_t, dense, &n_d, errptr);
     if (rc == CM_OK) rc = manifest_body(from, body, sizeof body, errptr);
-    snprintf(tmp, sizeof tmp, "%s.tmp", to);
-    if (rc == CM_OK) rc = cm_rmtree(tmp, errptr);
+    /* `to` is this call's to fill (and to remove on failure): the caller places it, after
+     * adding what else a checkpoint holds, so a directory in place is never half written. */
+    struct stat st;
+    if (rc == CM_OK && lstat(to, &st) == 0)
+        rc = cm_err(errptr, CM_EINVAL, "reshard output %s exists (it must be a new directory)", to);
+    bool made = rc == CM_OK;
     for (uint32_t i = 0; rc == CM_OK && i < n_new; i++) {
-        snprintf(path, sizeof path, "%s/shard-%u", tmp, i);
+        snprintf(path, sizeof path, "%s/shard-%u", to, i);
         rc = cm_mkdirs(path, errptr);
         int len = ps_shard_manifest_text(i, n_new, body, text, sizeof text);
-        snprintf(path, sizeof path, "%s/shard-%u/MANIFEST", tmp, i);
+        snprintf(path, sizeof path, "%s/shard-%u/MANIFEST", to, i);
         if (rc == CM_OK)
             rc = len < 0 ? cm_err(errptr, CM_ERR, "manifest too long")
                          : cm_write_file_atomic(path, text, (size_t)len, errptr);
@@ -216,7 +220,7 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char
         reshard_arg ra = {nt, n_new, errptr};
         if (rc == CM_OK) rc = ps_checkpoint_foreach_row(from, tables[t], reshard_row, &ra, errptr);
         for (uint32_t i = 0; rc == CM_OK && i < n_new; i++) {
-            snprintf(path, sizeof path, "%s/shard-%u/table-%s", tmp, i, tables[t]);
+            snprintf(path, sizeof path, "%s/shard-%u/table-%s", to, i, tables[t]);
             rc = emb_table_snapshot(nt[i], path, errptr);
         }
         for (uint32_t i = 0; nt && i < n_new; i++)
@@ -226,10 +230,9 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char
     /* Dense block b lives on shard b % shards. */
     for (uint32_t b = 0; rc == CM_OK && b < n_d; b++) {
         snprintf(src, sizeof src, "%s/shard-%u/dense-%s.bin", from, b % n_old, dense[b]);
-        snprintf(path, sizeof path, "%s/shard-%u/dense-%s.bin", tmp, b % n_new, dense[b]);
+        snprintf(path, sizeof path, "%s/shard-%u/dense-%s.bin", to, b % n_new, dense[b]);
         rc = copy_file(src, path, errptr);
     }
-    if (rc == CM_OK) rc = cm_dir_swap(tmp, to, errptr);
-    if (rc != CM_OK) cm_rmtree(tmp, NULL);
+    if (rc != CM_OK && made) cm_rmtree(to, NULL);
     return rc;
 }

@@ -351,8 +351,10 @@ int ps_checkpoint_table_config(const char *ckpt, const char *table, emb_table_co
 /* Calls cb for every row of a table across all shards (each shard verified first). */
 int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb, void *arg,
                               char **errptr);
-/* Writes checkpoint `from` redistributed over n_new shards into `to` (built beside it and
- * swapped into place): every row to the shard its key hashes to (jump consistent hash moves
+/* Writes checkpoint `from` redistributed over n_new shards into `to`, a directory that must not
+ * exist yet (CM_EINVAL; on failure nothing is left there): the caller adds the trainer's files
+ * and swaps it into place (ember reshard), so no checkpoint in place is ever half written. Every
+ * row to the shard its key hashes to (jump consistent hash moves
  * only ~1/n of them when growing by one), dense blocks to their new owners, manifests
  * rewritten. Rows are identical; tables are rebuilt in memory one at a time. A table with
  * admission gives every new shard the sum of its old shards' sketches (no key counted less

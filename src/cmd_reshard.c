@@ -200,8 +200,17 @@ int cmd_reshard(int argc, char **argv)
     }
     snprintf(mark_path, sizeof mark_path, "%s/" RESHARD_MARK, out);
     if (rc == CM_OK) rc = cm_write_sealed(mark_path, mark, strlen(mark), &err);
-    if (rc == CM_OK) rc = ps_checkpoint_reshard(ckpt, dst, (uint32_t)shards, &err);
-    if (rc == CM_OK) rc = copy_side_files(ckpt, dst, (uint32_t)shards, &err);
+    /* The whole checkpoint, side files too, is assembled beside dst and swapped in: written in
+     * place, a crash between the shards and the side files left a step-S without model.txt,
+     * run.txt or positions, which LATEST could already name. */
+    char tmp[4500];
+    snprintf(tmp, sizeof tmp, "%s.tmp", dst);
+    if (rc == CM_OK) rc = cm_rmtree(tmp, &err);
+    if (rc == CM_OK) rc = ps_checkpoint_reshard(ckpt, tmp, (uint32_t)shards, &err);
+    if (rc == CM_OK) rc = copy_side_files(ckpt, tmp, (uint32_t)shards, &err);
+    if (rc == CM_OK) rc = cm_fsync_dir(tmp, &err);
+    if (rc == CM_OK) rc = cm_dir_swap(tmp, dst, &err);
+    if (rc != CM_OK) cm_rmtree(tmp, NULL);
     strcat(name, "\n");
     if (rc == CM_OK) rc = cm_write_sealed(latest, name, strlen(name), &err);
     if (rc != CM_OK) {

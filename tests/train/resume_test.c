@@ -385,6 +385,24 @@ static void reshard_out_case(const char *common)
     CHECK(shards_of_step8("S3", 3));
     long r2 = ckpt_rows("S2/ckpt/step-8", 2, "emb"), r3 = ckpt_rows("S3/ckpt/step-8", 3, "emb");
     CHECK_MSG(r2 > 0 && r2 == r3, "rows after resharding again: %ld on 2 shards, %ld on 3", r2, r3);
+    /* A reshard that fails after its shards are written (here: the source's model.txt is
+     * damaged, found when the side files are copied) leaves the checkpoint in place whole: the
+     * new one is assembled aside. Before, its shards had already replaced S3's step-8, which
+     * LATEST names, leaving it without model.txt, run.txt or positions. */
+    char *model = slurp("S2/ckpt/step-8/model.txt");
+    snprintf(p, sizeof p, "%s/S2/ckpt/step-8/model.txt", dir);
+    FILE *f = model ? fopen(p, "w") : NULL;
+    CHECK(f && fprintf(f, "X%s", model + 1) > 0 && fclose(f) == 0);
+    rc = run("reshard --from S2 --shards 4 --out S3");
+    CHECK_MSG(rc == 1 && err_has("model.txt"), "reshard with a damaged model.txt: exit %d, %s", rc,
+              err_text);
+    CHECK_MSG(shards_of_step8("S3", 3) && exists("S3/ckpt/step-8/model.txt") &&
+                  exists("S3/ckpt/step-8/run.txt") && exists("S3/ckpt/step-8/worker-0.pos") &&
+                  !exists("S3/ckpt/step-8.tmp"),
+              "a failed reshard left S3/ckpt/step-8 changed or incomplete");
+    f = model ? fopen(p, "w") : NULL;
+    CHECK(f && fputs(model, f) >= 0 && fclose(f) == 0);
+    free(model);
 }
 
 /* ember reshard: a 2-shard checkpoint spread over 3 shards keeps every row, carries model.txt,
