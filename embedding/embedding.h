@@ -22,7 +22,9 @@
  * which keys arrive or how they are sharded.
  *
  * Memory budget and spill: with mem_budget_bytes > 0 each sub-shard may hold at most
- * budget / n_sub bytes of hash table (capacity x row bytes, exactly what is allocated). When a
+ * budget / n_sub bytes of hash table (capacity x (row bytes + 1 ctrl byte), exactly what is
+ * allocated). RocksDB's own memory (memtables, index and filter blocks) is outside the budget
+ * and reported apart (emb_table_stats.bytes_spill_mem). When a
  * sub-shard is full, a CLOCK sweep picks rows not touched since the last sweep and moves them
  * (whole records, bit for bit) into a RocksDB database at spill_path, then drops them from
  * memory. A pull of a spilled key reads it back with one batched MultiGet; a push reads it too,
@@ -144,8 +146,23 @@ size_t emb_row_bytes(const emb_table_config *cfg);
 uint64_t emb_table_initial_bytes(const emb_table_config *cfg);
 
 /* Bytes of memory per resident row including the hash table's empty slots at its maximum
- * load factor: what a budget buys, row for row. */
+ * load factor: what a budget buys, row for row. A table that grew by doubling has more empty
+ * slots than that (down to half the load): emb_table_plan gives what it really allocates. */
 double emb_row_mem_bytes(const emb_table_config *cfg);
+
+/* What a new table of this config holds once `rows` distinct keys have arrived (none expired):
+ * where its rows are, and the memory its hash table has then allocated. */
+typedef struct emb_table_plan {
+    uint64_t rows_mem;     /* rows in memory, at most (a sub-shard at its budget evicts in
+                              batches of 1/32 of its rows, so it holds up to that much less) */
+    uint64_t rows_spilled; /* rows - rows_mem */
+    /* Bytes the hash tables have allocated: each sub-shard's capacity is the reservation's or
+     * has doubled from it until its share of the rows fits under the load factor, within the
+     * budget. Keys spread over the sub-shards binomially, and this is the expectation over that
+     * spread: emb_table_stats.bytes_mem will read within a few percent of it. */
+    double bytes_mem;
+} emb_table_plan;
+void emb_table_plan_rows(const emb_table_config *cfg, uint64_t rows, emb_table_plan *out);
 
 /* One row, as seen by emb_table_get_row and emb_table_foreach. weights and state point into
  * storage that is valid only for the duration of the call or callback. */
@@ -245,6 +262,8 @@ typedef struct emb_table_stats {
     uint64_t spill_evictions; /* rows moved memory -> RocksDB */
     uint64_t spill_loads;     /* rows moved RocksDB -> memory */
     uint64_t ttl_evictions;   /* rows dropped by TTL */
+    uint64_t bytes_spill_mem; /* memory the spill store holds beside the budget
+                                 (emb_store_mem_bytes); 0 without a budget */
 } emb_table_stats;
 
 void emb_table_stats_get(emb_table *t, emb_table_stats *out);
@@ -308,6 +327,10 @@ int emb_store_put(emb_store *s, const void *recs, size_t n, char **errptr);
 int emb_store_del(emb_store *s, const uint64_t *keys, size_t n, char **errptr);
 /* Number of records held. */
 uint64_t emb_store_count(const emb_store *s);
+/* Bytes of memory the store holds: "memory" its hash table; "rocksdb" its memtables and the
+ * index and filter blocks of its open tables, by RocksDB's own estimates (its data blocks are
+ * read through mmap, as page cache, and are not counted). */
+uint64_t emb_store_mem_bytes(const emb_store *s);
 /* Calls cb(record, arg) for every record, in no particular order; non-zero stops and returns. */
 typedef int (*emb_record_cb)(const void *record, void *arg);
 int emb_store_foreach(emb_store *s, emb_record_cb cb, void *arg, char **errptr);

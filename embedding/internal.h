@@ -76,8 +76,9 @@ int emb_mem_init(emb_mem *m, size_t rec, uint64_t initial_cap, uint64_t max_cap,
 void emb_mem_fini(emb_mem *m);
 /* Slot holding key, or -1. */
 int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h);
-/* Rows the table may hold before it must grow, or, at max_cap, evict. */
+/* Rows the table may hold before it must grow, or, at max_cap, evict; of a capacity cap. */
 uint64_t emb_mem_limit(const emb_mem *m);
+uint64_t emb_mem_limit_of(uint64_t cap);
 /* True when one more row needs eviction first (at max_cap and at the load limit). */
 bool emb_mem_full(const emb_mem *m);
 /* Doubles the capacity (up to max_cap): CM_OK, or CM_ENOMEM (also at max_cap) with m unchanged. */
@@ -220,6 +221,7 @@ struct emb_store_ops {
     int (*put)(void *impl, const void *recs, size_t n, char **errptr);
     int (*del)(void *impl, const uint64_t *keys, size_t n, char **errptr);
     uint64_t (*count)(const void *impl);
+    uint64_t (*mem_bytes)(const void *impl);
     int (*foreach)(void *impl, emb_record_cb cb, void *arg, char **errptr);
 };
 extern const struct emb_store_ops emb_store_mem_ops;

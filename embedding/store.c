@@ -67,6 +67,11 @@ uint64_t emb_store_count(const emb_store *s)
     return s->ops->count(s->impl);
 }
 
+uint64_t emb_store_mem_bytes(const emb_store *s)
+{
+    return s->ops->mem_bytes(s->impl);
+}
+
 int emb_store_foreach(emb_store *s, emb_record_cb cb, void *arg, char **errptr)
 {
     return s->ops->foreach(s->impl, cb, arg, errptr);

@@ -7,7 +7,7 @@
 /* Transparent huge page size on x86-64 and most arm64 kernels. */
 #define HUGE_PAGE (2u << 20)
 
-static uint64_t limit_of(uint64_t cap)
+uint64_t emb_mem_limit_of(uint64_t cap)
 {
     if (cap < 2) return 0;
     uint64_t lim = cap / EMB_LOAD_DEN * EMB_LOAD_NUM + cap % EMB_LOAD_DEN * EMB_LOAD_NUM / EMB_LOAD_DEN;
@@ -101,12 +101,12 @@ int64_t emb_mem_find(const emb_mem *m, uint64_t key, uint64_t h)
 
 uint64_t emb_mem_limit(const emb_mem *m)
 {
-    return limit_of(m->cap);
+    return emb_mem_limit_of(m->cap);
 }
 
 bool emb_mem_full(const emb_mem *m)
 {
-    return m->cap >= m->max_cap && m->count + m->reserved >= limit_of(m->cap);
+    return m->cap >= m->max_cap && m->count + m->reserved >= emb_mem_limit_of(m->cap);
 }
 
 /* Places a record whose key is absent into the first free slot of its probe sequence. */
@@ -144,7 +144,7 @@ int emb_mem_grow(emb_mem *m)
 
 int64_t emb_mem_insert(emb_mem *m, uint64_t key, uint64_t h)
 {
-    if (m->count + m->reserved >= limit_of(m->cap)) {
+    if (m->count + m->reserved >= emb_mem_limit_of(m->cap)) {
         if (m->cap >= m->max_cap || emb_mem_grow(m) != CM_OK) return -1;
     }
     uint64_t i = place(m->ctrl, m->cap, h);
@@ -261,6 +261,11 @@ static uint64_t mem_count(const void *impl)
     return ((const emb_mem *)impl)->count;
 }
 
+static uint64_t mem_mem_bytes(const void *impl)
+{
+    return emb_mem_bytes(impl);
+}
+
 static int mem_foreach(void *impl, emb_record_cb cb, void *arg, char **errptr)
 {
     (void)errptr;
@@ -281,5 +286,6 @@ const struct emb_store_ops emb_store_mem_ops = {
     .put = mem_put,
     .del = mem_del,
     .count = mem_count,
+    .mem_bytes = mem_mem_bytes,
     .foreach = mem_foreach,
 };

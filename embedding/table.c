@@ -905,6 +905,40 @@ uint64_t emb_table_initial_bytes(const emb_table_config *cfg)
     return bytes >= 1.8e19 ? UINT64_MAX : (uint64_t)bytes;
 }
 
+/* P(X > x) for a sub-shard's share X of the rows, Binomial(rows, 1/n_sub), by the normal
+ * approximation with continuity correction: exact enough where the share is large enough to
+ * matter for memory. */
+static double share_above(double mean, double sd, uint64_t x)
+{
+    if (sd == 0) return mean > (double)x ? 1.0 : 0.0;
+    return 0.5 * erfc(((double)x + 0.5 - mean) / (sd * sqrt(2.0)));
+}
+
+void emb_table_plan_rows(const emb_table_config *cfg, uint64_t rows, emb_table_plan *out)
+{
+    uint32_t n_sub = cfg->n_sub ? cfg->n_sub : EMB_DEFAULT_SUBS;
+    uint64_t cap = start_cap(cfg, n_sub), max_cap = budget_cap(cfg, n_sub);
+    double mean = (double)rows / n_sub, sd = sqrt(mean * (1.0 - 1.0 / n_sub));
+    /* A sub-shard doubles (emb_mem_grow) when a row arrives with its capacity's limit already
+     * used, so it ends at the first capacity of its sequence whose limit holds its share. */
+    double slots = (double)cap;
+    while (cap < max_cap && cap <= UINT64_MAX / 2) {
+        double p = share_above(mean, sd, emb_mem_limit_of(cap));
+        if (p < 1e-12) break;
+        uint64_t next = cap * 2 < max_cap ? cap * 2 : max_cap;
+        slots += p * (double)(next - cap);
+        cap = next;
+    }
+    memset(out, 0, sizeof *out);
+    out->bytes_mem = slots * (double)(emb_row_bytes(cfg) + 1) * n_sub;
+    out->rows_mem = rows;
+    if (max_cap != UINT64_MAX) {
+        double fit = (double)emb_mem_limit_of(max_cap) * n_sub;
+        if (fit < (double)rows) out->rows_mem = (uint64_t)fit;
+    }
+    out->rows_spilled = rows - out->rows_mem;
+}
+
 int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr)
 {
     int rc = emb_table_config_check(cfg, errptr);
@@ -1214,6 +1248,7 @@ void emb_table_stats_get(emb_table *t, emb_table_stats *out)
         pthread_mutex_unlock(&s->mu);
     }
     out->bytes_budget = t->cfg.mem_budget_bytes;
+    if (t->spill != NULL) out->bytes_spill_mem = emb_store_mem_bytes(t->spill);
     out->row_bytes = t->rec;
     out->step = emb_table_step(t);
 }

@@ -305,14 +305,11 @@ void ps_plan(const ps_config *cfg, uint32_t table, uint64_t rows, ps_plan_row *o
     memset(out, 0, sizeof *out);
     out->row_bytes = emb_row_bytes(c);
     out->mem_bytes_per_row = emb_row_mem_bytes(c);
-    uint64_t fit = rows;
-    if (c->mem_budget_bytes > 0) {
-        uint64_t cap = (uint64_t)((double)c->mem_budget_bytes / out->mem_bytes_per_row);
-        if (cap < fit) fit = cap;
-    }
-    out->rows_in_memory = fit;
-    out->rows_spilled = rows - fit;
-    out->mem_bytes = (double)fit * out->mem_bytes_per_row;
+    emb_table_plan p;
+    emb_table_plan_rows(c, rows, &p);
+    out->rows_in_memory = p.rows_mem;
+    out->rows_spilled = p.rows_spilled;
+    out->mem_bytes = p.bytes_mem;
     /* RocksDB stores each spilled record uncompressed with an 8-byte key and ~20 bytes of
      * per-entry overhead in its SST format. */
     out->disk_bytes = (double)out->rows_spilled * (double)(out->row_bytes + 8 + 20);
