@@ -25,7 +25,7 @@
 #define BATCH 4096u
 #define MIB (1024.0 * 1024.0)
 /* RocksDB's structures beyond its reported memtables and readers, allocator slack and the
- * calls' scratch: measured 10-36 MiB at 1-8M rows (docs/BENCHMARKS.md), allowed 48. */
+ * calls' scratch: measured 13-31 MiB at 1-8M rows (docs/BENCHMARKS.md), allowed 48. */
 #define SPILL_SLACK (48.0 * MIB)
 
 /* The process's resident anonymous memory in bytes, or -1. */
