@@ -188,7 +188,9 @@ int ds_shard_verify(const char *path, uint64_t *rows, char **errptr);
 typedef struct ds_reader_opts {
     const char *const *paths; /* shard files or directories (their *.shard files); borrowed */
     size_t n_paths;
-    uint32_t batch_size;   /* rows per batch (default 1024); the last batch may be smaller */
+    uint32_t batch_size;   /* rows per batch (default 1024); each epoch's last batch may be
+                            * smaller: a batch never spans two epochs and no row is dropped, so
+                            * a worker reads ceil(ds_reader_rows / batch_size) batches an epoch */
     uint32_t worker;       /* this worker's index, < n_workers */
     uint32_t n_workers;    /* default 1 */
     uint64_t shuffle_rows; /* shuffle window in rows; 0 = file order */
