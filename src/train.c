@@ -163,11 +163,15 @@ typedef struct setup {
 } setup;
 
 /* Whether the worker loop checkpoints once `steps` batches are done: every --checkpoint-every
- * steps short of the end (the end always checkpoints after the loop). */
+ * steps short of the end (the end always checkpoints after the loop), and only at steps every
+ * worker passes in this run: after the resumed checkpoint's step. Workers of unequal step
+ * counts start a run resumed from a final checkpoint at different positions (each at its own
+ * count, all at most the checkpoint's step), and a checkpoint is collective. */
 static bool ckpt_after(const setup *S, uint64_t steps)
 {
     uint64_t every = S->o->ckpt_every;
-    return every && steps % every == 0 && steps < S->min_steps;
+    uint64_t floor = S->o->resume ? S->resume_step : 0;
+    return every && steps % every == 0 && steps > floor && steps < S->min_steps;
 }
 
 /* The log's descriptor for interrupt_note (-1: none): a signal handler may only write(2). */

@@ -22,8 +22,11 @@
  * same code runs as one role (ps or worker) of a multi-process job.
  *
  * Schedule: every worker computes every worker's step count from the shard indexes, so all
- * agree on when to checkpoint (only at steps every worker reaches) and, in synchronous mode,
- * a worker that runs out of data keeps clocking until the slowest is done.
+ * agree on when to checkpoint (only at steps every worker passes: below the smallest count and,
+ * in a resumed run, after the checkpoint's step, since a final checkpoint holds workers of
+ * unequal counts at unequal positions) and, in synchronous mode, a worker that runs out of data
+ * keeps clocking until the slowest is done. Step counts differ where the workers' blocks hold
+ * different row counts; each epoch's last batch may be partial, and no row is dropped.
  *
  * Determinism: a one-worker run is bit-for-bit repeatable, and `--resume` reproduces the
  * uninterrupted run bit for bit. (With --stale-pull the pushes of batch t wait until t+1 is

@@ -475,9 +475,43 @@ static void reshard_case(void)
     free(pos);
 }
 
+/* A worker's position in a checkpoint (worker-<w>.pos), or -1. */
+static long pos_of(const char *ckpt, unsigned w)
+{
+    char path[256];
+    snprintf(path, sizeof path, "%s/worker-%u.pos", ckpt, w);
+    char *s = slurp_sealed(path);
+    unsigned long v = 0;
+    long step = s && sscanf(s, "step %lu", &v) == 1 ? (long)v : -1;
+    free(s);
+    return step;
+}
+
+/* Workers of unequal step counts (3 blocks of 100 rows, batch 50: worker 0 reads 4 batches an
+ * epoch, worker 1 2) end a run at different positions: the final checkpoint step-4 holds 4 and
+ * 2. Resuming from it with more epochs and --checkpoint-every 3 must checkpoint only at steps
+ * every worker passes (after 4): before, worker 1 checkpointed alone at step 3, which worker 0
+ * (starting at 4) never reached, and the run failed ("cannot create .../step-3.tmp/..."). */
+static void uneven_final_resume(void)
+{
+    CHECK(run("gen --rows 300 --seed 5 --out uneven.tsv") == 0);
+    CHECK(run("ingest --format criteo --block-rows 100 --out uneven uneven.tsv") == 0);
+    const char *common =
+        "train --train uneven/train --model lr --batch 50 --workers 2 --no-progress";
+    int rc = run("%s --epochs 1 --out U", common);
+    CHECK_MSG(rc == 0, "first run: exit %d: %s", rc, err_text);
+    CHECK(pos_of("U/ckpt/step-4", 0) == 4 && pos_of("U/ckpt/step-4", 1) == 2);
+    rc = run("%s --epochs 5 --checkpoint-every 3 --resume --out U", common);
+    CHECK_MSG(rc == 0, "resume with more epochs: exit %d: %s", rc, err_text);
+    CHECK_MSG(!exists("U/ckpt/step-3"), "a checkpoint at step 3, before worker 0's start");
+    CHECK(pos_of("U/ckpt/step-9", 0) == 9 && pos_of("U/ckpt/step-9", 1) == 9);
+    CHECK(pos_of("U/ckpt/step-20", 0) == 20 && pos_of("U/ckpt/step-20", 1) == 10);
+}
+
 int main(void)
 {
     if (cli_init("train_resume") != 0) return 1;
+    uneven_final_resume();
     if (make_criteo("ds", 40000, 11, 0.2) != 0) return check_done();
     resume_case("mlp", 512, 1, 20, 40);
     resume_case("deepfm", 512, 1, 20, 40);
