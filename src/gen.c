@@ -15,7 +15,11 @@
 #ifndef GEN_HEAD_MAX_INT
 #define GEN_HEAD_MAX_INT 4096u
 #endif
-#define GEN_CHUNK_ROWS 8192u    /* rows a worker formats at a time */
+/* Rows a worker formats at a time. Overridable so the ring test can wrap its slots hundreds
+ * of times in a second; the output bytes do not depend on it. */
+#ifndef GEN_CHUNK_ROWS
+#define GEN_CHUNK_ROWS 8192u
+#endif
 #define GEN_STAGE_BYTES (4u << 20) /* direct-I/O stage per output file */
 #define GEN_CAL_ROWS 32768u     /* rows of the bias-calibration stream */
 #define GEN_INT_CAP 100000000.0 /* integer tails stop here (Criteo's largest are ~2e7) */
