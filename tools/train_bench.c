@@ -339,7 +339,7 @@ void bench_train_data(const bench_train_opts *o, bench_dataset *ds)
     fprintf(stderr, "%s: generating %s rows (seed %s) into %s\n", bench_self()->name, rows_s,
             seed_s, ds->tsv);
     double t0 = cm_now();
-    /* --threads 1: see bench_ingest.c (ember gen's threaded writer can deadlock under load). */
+    /* --threads 1: see bench_ingest.c (the other core stays with the rest of the machine). */
     char *gen[] = {(char *)o->ember, "gen", "--rows", rows_s,  "--seed", seed_s,
                    "--threads",      "1",   "--out",  ds->tsv, NULL};
     if (bench_run_cmd(gen, "/dev/null", NULL) != 0) bench_die("ember gen failed", NULL);
