@@ -179,7 +179,8 @@ typedef struct cm_afile {
 } cm_afile;
 
 /* Opens "<path>.tmp.<pid>" for writing. On error nothing is left on disk. A path that exists
- * and is not a regular file (/dev/null, a pipe) is written in place, with no rename. */
+ * and is not a regular file (/dev/null, a pipe) is written in place, with no rename; a symbolic
+ * link is followed (the file it names is replaced, the link kept; a dangling one: CM_EIO). */
 int cm_afile_open(cm_afile *f, const char *path, char **errptr);
 /* cm_afile_open, but the file is written with O_DIRECT through two aligned stages of `stage`
  * bytes each (rounded down to CM_DIRECT_ALIGN; the caller's writes are copied into one while

@@ -204,8 +204,21 @@ int cm_afile_open(cm_afile *f, const char *path, char **errptr)
 {
     memset(f, 0, sizeof *f);
     f->fd = -1;
-    size_t n = strlen(path) + 32;
-    f->path = strdup(path);
+    /* A target that exists and is no regular file (/dev/null, a pipe, a terminal) is written
+     * in place: renaming a temporary over it would replace the device with a plain file. A
+     * symbolic link to a file is followed: the file it names is replaced, the link stays
+     * (renamed over, the link itself became a plain file: `--out /dev/stdout` with stdout on
+     * a file replaced the system's /dev/stdout link when run as root). */
+    struct stat st, lst;
+    const bool in_place = stat(path, &st) == 0 && !S_ISREG(st.st_mode);
+    const bool link = !in_place && lstat(path, &lst) == 0 && S_ISLNK(lst.st_mode);
+    f->path = link ? realpath(path, NULL) : strdup(path);
+    if (link && f->path == NULL) {
+        int rc = cm_err_errno(errptr, CM_EIO, "cannot follow the symbolic link %s", path);
+        cm_afile_abort(f);
+        return rc;
+    }
+    size_t n = (f->path ? strlen(f->path) : 0) + 32;
     f->tmp = malloc(n);
     f->hash = XXH3_createState();
     if (f->path == NULL || f->tmp == NULL || f->hash == NULL) {
@@ -213,15 +226,12 @@ int cm_afile_open(cm_afile *f, const char *path, char **errptr)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     }
     XXH3_64bits_reset(f->hash);
-    /* A target that exists and is no regular file (/dev/null, a pipe, a terminal) is written
-     * in place: renaming a temporary over it would replace the device with a plain file. */
-    struct stat st;
-    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+    if (in_place) {
         f->in_place = 1;
-        snprintf(f->tmp, n, "%s", path);
-        f->fd = open(path, O_WRONLY | O_CLOEXEC);
+        snprintf(f->tmp, n, "%s", f->path);
+        f->fd = open(f->path, O_WRONLY | O_CLOEXEC);
     } else {
-        snprintf(f->tmp, n, "%s.tmp.%ld", path, (long)getpid());
+        snprintf(f->tmp, n, "%s.tmp.%ld", f->path, (long)getpid());
         f->fd = open(f->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     }
     if (f->fd < 0) {

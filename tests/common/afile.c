@@ -7,6 +7,9 @@
  *   - an abort with stage writes in flight leaves neither the target nor the temporary;
  *   - a target that is no regular file (a FIFO here, as /dev/null would be) is written in
  *     place and is still a FIFO after the commit, not replaced by a plain file;
+ *   - a symbolic link to a file (as /dev/stdout is, with stdout on a file) stays a link and
+ *     the file it names gets the bytes, also through a chain of two links; a dangling link is
+ *     refused and left as it was;
  *   - sealed text (cm_write_sealed) reads back as written, and every damage is refused by
  *     cm_read_sealed with the path named: any one byte flipped, any cut, a missing or extra
  *     last line, an empty file; a missing file is CM_ENOTFOUND.
@@ -281,6 +284,47 @@ static void dir_swap_race(const char *dir)
               w[0].fails, w[1].fails, whole, ROUNDS, left);
 }
 
+/* Writes text to path with cm_write_file_atomic; the call's return code. */
+static int write_atomic(const char *path, const char *text, char **err)
+{
+    return cm_write_file_atomic(path, text, strlen(text), err);
+}
+
+static void link_target(const char *dir)
+{
+    char file[4200], link1[4200], link2[4200], dangling[4200], got[64] = {0};
+    snprintf(file, sizeof file, "%s/target.txt", dir);
+    snprintf(link1, sizeof link1, "%s/link1", dir);
+    snprintf(link2, sizeof link2, "%s/link2", dir);
+    snprintf(dangling, sizeof dangling, "%s/dangling", dir);
+    char *err = NULL;
+    CHECK_OK(write_atomic(file, "old\n", &err), err);
+    CHECK(symlink("target.txt", link1) == 0 && symlink(link1, link2) == 0);
+    CHECK(symlink("nowhere/none.txt", dangling) == 0);
+    const char *via[2] = {link1, link2};
+    for (int i = 0; i < 2; i++) {
+        char text[32];
+        snprintf(text, sizeof text, "new %d\n", i);
+        CHECK_OK(write_atomic(via[i], text, &err), err);
+        struct stat st;
+        CHECK_MSG(lstat(link1, &st) == 0 && S_ISLNK(st.st_mode) && lstat(link2, &st) == 0 &&
+                      S_ISLNK(st.st_mode),
+                  "writing through %s replaced a link with a plain file", via[i]);
+        int fd = open(file, O_RDONLY);
+        ssize_t k = fd >= 0 ? read(fd, got, sizeof got - 1) : -1;
+        if (fd >= 0) close(fd);
+        got[k > 0 ? k : 0] = '\0';
+        CHECK_MSG(strcmp(got, text) == 0, "the link's file holds '%s' after writing through %s",
+                  got, via[i]);
+    }
+    int rc = write_atomic(dangling, "x\n", &err);
+    CHECK_MSG(rc == CM_EIO && err && strstr(err, "dangling"), "a dangling link: rc %d, %s", rc,
+              err ? err : "(none)");
+    free(err);
+    struct stat st;
+    CHECK_MSG(lstat(dangling, &st) == 0 && S_ISLNK(st.st_mode), "the dangling link was replaced");
+}
+
 int main(void)
 {
     const char *dir = check_tmpdir("common_afile");
@@ -288,6 +332,7 @@ int main(void)
     direct_equals_buffered(dir);
     abort_in_flight(dir);
     special_target(dir);
+    link_target(dir);
     sealed_text(dir);
     return check_done();
 }
