@@ -1527,12 +1527,22 @@ int ps_client_dense_init(ps_client *c, uint32_t block, const float *values, int 
 
 /* ---- coordination ---- */
 
-/* Waits on shard 0; a slow peer is not an error until the (long) barrier timeout. */
+/* Waits on shard 0; a slow peer is not an error until the (long) barrier timeout. A wait that
+ * fails says what it waited for: shard 0 is usually up, and the worker it waited for is the one
+ * that died (a PS's death stops the others first), which the bare transport error hides. */
 static int coord(ps_client *c, uint16_t op, uint32_t value, char **errptr)
 {
     nng_msg *m = msg_simple(op, 0, value, NULL, 0);
     if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-    return request(c, 0, m, false, (nng_duration)c->timeout_ms * 20, NULL, errptr);
+    char *err = NULL;
+    int rc = request(c, 0, m, false, (nng_duration)c->timeout_ms * 20, NULL, &err);
+    if (rc == CM_ECANCELED) /* aborted: the error that aborted it is the one reported */
+        cm_err(errptr, rc, "%s", err ? err : "?");
+    else if (rc != CM_OK)
+        cm_err(errptr, rc, "%s %u (it waits for every worker at shard 0: did another fail?): %s",
+               op == PS_OP_CLOCK ? "clock" : "barrier", (unsigned)value, err ? err : "?");
+    free(err);
+    return rc;
 }
 
 int ps_client_clock(ps_client *c, uint64_t *clock, char **errptr)
@@ -1601,8 +1611,12 @@ static int checkpoint(ps_client *c, uint16_t op, const char *dir, char **errptr)
         return cm_err(errptr, CM_EINVAL, "checkpoint path must be 1..1024 bytes");
     int rc = ps_client_flush(c, errptr);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
-    if (rc == CM_OK && c->worker == 0) rc = broadcast(c, op, dir, len, false, errptr);
-    /* The second barrier holds every worker until worker 0's snapshot is complete. */
+    /* A worker that did not pass the first barrier cannot meet the others at the second (they
+     * cannot all have passed the first): it would only wait out another whole barrier timeout. */
+    if (rc != CM_OK) return rc;
+    if (c->worker == 0) rc = broadcast(c, op, dir, len, false, errptr);
+    /* The second barrier holds every worker until worker 0's snapshot is complete; worker 0
+     * enters it even when the snapshot failed, which releases the others. */
     int rc2 = ps_client_barrier(c, rc == CM_OK ? errptr : NULL);
     return rc != CM_OK ? rc : rc2;
 }

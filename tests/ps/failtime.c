@@ -12,6 +12,11 @@
  *      a connection and then the reply got a fresh T of its own; now the call keeps one T.
  *   6. A pull behind a push to a dead shard: it waited for the push (T), then sent its own
  *      request (another T); now it reports the push's failure once the wait is over.
+ *   7. A checkpoint whose first barrier times out (another worker never comes, as when it died
+ *      with a PS): the worker then waited at the second barrier for the whole barrier timeout
+ *      (20 T) again, so a job with one PS killed or stopped held its workers 2 x 20 T; now the
+ *      call fails after one barrier timeout, and says that the barrier waits for every worker
+ *      (it read as if shard 0 were not running). T = 200 ms here (4 s a barrier).
  * Bounds are 1.5 T against 2 T or more before, with T = 2 s: wide enough for a loaded machine.
  */
 #include <nng/nng.h>
@@ -190,6 +195,39 @@ static void pull_behind_push(const ps_config *cfg, const char *dir)
     ps_client_destroy(c);
 }
 
+/* Worker 1 of 2 checkpoints alone on a live shard 0: its first barrier times out. */
+static void checkpoint_alone(const char *dir)
+{
+    const uint32_t t_ms = 200;
+    const double barrier_s = 20 * t_ms / 1000.0;
+    ps_config cfg;
+    pt_config(dir, "failtime2.ini",
+              "[cluster]\nshards = 1\nworkers = 2\n"
+              "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n",
+              &cfg);
+    const char *u = pt_ipc(dir, "s7"), *urls[1] = {u};
+    ps_server *srv = pt_server(&cfg, u, 0);
+    ps_client *c = pt_client(&cfg, urls, 1, t_ms);
+    char *err = NULL;
+    double t0 = cm_now();
+    int rc = ps_client_save(c, pt_path(dir, "ckpt7"), &err);
+    double s = cm_now() - t0;
+    CHECK_MSG(rc != CM_OK, "checkpoint without worker 0: succeeded");
+    CHECK_MSG(s < 1.5 * barrier_s,
+              "checkpoint without worker 0: failed after %.2f s, want under %.1f s (one "
+              "barrier timeout is %.1f s)",
+              s, 1.5 * barrier_s, barrier_s);
+    CHECK_MSG(err && strstr(err, "shard 0") && strstr(err, u),
+              "error does not name shard 0 and %s: %s", u, err ? err : "");
+    /* Shard 0 is up: the error must say that the barrier waits for the other workers. */
+    CHECK_MSG(err && strstr(err, "barrier") && strstr(err, "every worker"),
+              "error does not say that the barrier waits for every worker: %s", err ? err : "");
+    fprintf(stderr, "checkpoint without worker 0: %.2f s: %s\n", s, err ? err : "");
+    free(err);
+    ps_client_destroy(c);
+    ps_server_destroy(srv);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -202,5 +240,6 @@ int main(void)
     silent_primary_live_backup(&cfg, dir);
     late_listener(&cfg, dir);
     pull_behind_push(&cfg, dir);
+    checkpoint_alone(dir);
     return pt_finish(dir);
 }
