@@ -238,6 +238,18 @@ static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *k
 
 enum { OP_PULL, OP_PUSH };
 
+/* Marks a row touched at step; true when last_step moved. Only forward: a call's step can be
+ * older than one a concurrent call already wrote (a pull reads the step before it locks its
+ * groups; an in-memory push takes its step under its first group's lock, and another push with a
+ * later step can reach a shared group first). Set back, last_step would let expiry drop a row up
+ * to that many steps before its TTL from the push that really touched it last. */
+static inline bool touch(emb_rec_hdr *hdr, uint64_t step)
+{
+    if (hdr->last_step >= step) return false;
+    hdr->last_step = step;
+    return true;
+}
+
 /* Brings an absent key into memory: from the spill store, as a new row, or not at all (held
  * back by admission: *slot = -1). */
 static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h, int op,
@@ -332,10 +344,7 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
             emb_opt_apply(&t->cfg, rec, grads + k * dim);
             ctrl &= (uint8_t)~EMB_CTRL_CLEAN;
         }
-        if (hdr->last_step != step) {
-            hdr->last_step = step;
-            ctrl &= (uint8_t)~EMB_CTRL_CLEAN;
-        }
+        if (touch(hdr, step)) ctrl &= (uint8_t)~EMB_CTRL_CLEAN;
         s->mem.ctrl[slot] = ctrl;
     }
     if (op == OP_PULL)
@@ -643,7 +652,7 @@ static int stage_commit(emb_table *t, spush *p, const uint32_t *ord, size_t n, c
         if (p->fate[j] != FATE_STAGE) continue;
         uint8_t *rec = p->recs + j * t->rec;
         emb_opt_apply(&t->cfg, rec, grads + (size_t)k * t->dim);
-        ((emb_rec_hdr *)rec)->last_step = step;
+        touch((emb_rec_hdr *)rec, step);
     }
     p->stage = malloc(n_stage * t->rec);
     if (p->stage == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
@@ -686,7 +695,7 @@ static void apply_group(emb_table *t, sub *s, spush *p, uint32_t b, const uint64
         }
         uint8_t *rec = emb_mem_rec(mem, slot);
         emb_opt_apply(&t->cfg, rec, grads + (size_t)k * t->dim);
-        ((emb_rec_hdr *)rec)->last_step = step;
+        touch((emb_rec_hdr *)rec, step);
         mem->ctrl[slot] = (uint8_t)((mem->ctrl[slot] | EMB_CTRL_REF) & ~EMB_CTRL_CLEAN);
     }
     for (size_t j = p->first[b]; j < p->first[b + 1]; j++) {
