@@ -35,6 +35,16 @@ enum {
 /* Formats a message into *errptr (if errptr is non-NULL) and returns code. */
 int cm_err(char **errptr, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
+/* An AVX2 copy of a function besides the baseline one, picked at load time. Not under
+ * ThreadSanitizer: it instruments the picking function (an ifunc resolver), which the dynamic
+ * loader runs while relocating, before the TSan runtime is set up, and every program then
+ * crashes at startup. */
+#if defined(__SANITIZE_THREAD__)
+#define CM_CLONES_AVX2
+#else
+#define CM_CLONES_AVX2 __attribute__((target_clones("avx2", "default")))
+#endif
+
 /* Like cm_err, appending ": strerror(errno)" (errno read at entry). */
 int cm_err_errno(char **errptr, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

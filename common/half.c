@@ -168,7 +168,7 @@ float cm_absmax(const float *x, uint32_t dim)
 #if defined(__clang__) /* clang 14 emits the clones of an external function but no resolver */
 #define QUANTIZE_CLONES
 #else
-#define QUANTIZE_CLONES __attribute__((target_clones("avx2", "default")))
+#define QUANTIZE_CLONES CM_CLONES_AVX2
 #endif
 QUANTIZE_CLONES void cm_int8_quantize(const float *x, uint32_t dim, float scale, float inv,
                                       uint8_t *q, float *back)

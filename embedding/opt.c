@@ -159,9 +159,9 @@ void emb_opt_init_row(const emb_table_config *cfg, uint8_t *rec, uint64_t key)
  * AVX2 alone brings no FMA, so nothing is contracted and every coordinate rounds the same in
  * both copies (and as the SSE2 intrinsics this replaced).
  */
-__attribute__((target_clones("avx2", "default"))) static void
-adagrad_row(float *restrict w, float *restrict s, const float *restrict g, uint32_t dim, double lr,
-            double l2, double eps)
+CM_CLONES_AVX2 static void adagrad_row(float *restrict w, float *restrict s,
+                                       const float *restrict g, uint32_t dim, double lr, double l2,
+                                       double eps)
 {
     for (uint32_t j = 0; j < dim; j++) {
         double gj = g[j] + l2 * w[j], a = s[j] + gj * gj;
