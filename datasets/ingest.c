@@ -112,8 +112,10 @@ static chunk *acquire_slot(ingest *g)
     pthread_mutex_lock(&g->mu);
     chunk *c = slot_of(g, g->published);
     while (!g->stop && c->state != SLOT_EMPTY) pthread_cond_wait(&g->cv, &g->mu);
+    /* stop is read under the lock: the writer sets it under the lock while this thread runs. */
+    if (g->stop) c = NULL;
     pthread_mutex_unlock(&g->mu);
-    return g->stop ? NULL : c;
+    return c;
 }
 
 static void publish(ingest *g, chunk *c, uint32_t file)
