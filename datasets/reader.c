@@ -207,7 +207,10 @@ static void *prefetch_main(void *arg)
     blk_ref *order = malloc((r->n_mine + 1) * sizeof *order);
     ZSTD_DCtx *dctx = ZSTD_createDCtx();
     if (order == NULL || dctx == NULL) rc = cm_err(&err, CM_ENOMEM, "out of memory");
-    for (uint32_t e = 0; rc == CM_OK && e < r->o.n_epochs && !r->stop; e++)
+    /* stop is read here without the lock (ds_reader_destroy sets it under the lock, atomically
+     * for this read): only to skip the remaining epochs, produce_slot answers it under the lock. */
+    for (uint32_t e = 0;
+         rc == CM_OK && e < r->o.n_epochs && !__atomic_load_n(&r->stop, __ATOMIC_RELAXED); e++)
         rc = run_epoch(r, r->o.first_epoch + e, order, &pool, &perm, &perm_cap, dctx, &cbuf, &raw,
                        &err);
     ZSTD_freeDCtx(dctx);
@@ -347,7 +350,8 @@ void ds_reader_destroy(ds_reader *r)
     if (r == NULL) return;
     if (r->started) {
         pthread_mutex_lock(&r->mu);
-        r->stop = 1;
+        /* Atomic: prefetch_main's epoch loop reads it without the lock. */
+        __atomic_store_n(&r->stop, 1, __ATOMIC_RELAXED);
         pthread_cond_broadcast(&r->cv);
         pthread_mutex_unlock(&r->mu);
         pthread_join(r->tid, NULL);
