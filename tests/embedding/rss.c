@@ -6,15 +6,15 @@
  * what its spill store reports (bytes_spill_mem) plus a fixed allowance for RocksDB's own
  * structures and the calls' scratch (docs/PROTOCOL.md, "Memory"). Bounds are generous (other
  * allocations move RSS by a few MiB) but each would fail by far if the table held twice what it
- * reports or ignored its budget. Under AddressSanitizer, whose shadow memory and quarantine
- * change RSS, the RSS checks are skipped (the fills still run).
+ * reports or ignored its budget. Under AddressSanitizer or ThreadSanitizer, whose shadow memory
+ * (and ASan's quarantine) change RSS, the RSS checks are skipped (the fills still run).
  */
 #include "emb_util.h"
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define RSS_CHECKS 0
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
 #define RSS_CHECKS 0
 #endif
 #endif
@@ -115,7 +115,7 @@ static void test_budget_holds(const char *dir)
 
 int main(void)
 {
-    if (!RSS_CHECKS) printf("emb_rss: AddressSanitizer build: RSS checks skipped\n");
+    if (!RSS_CHECKS) printf("emb_rss: sanitizer build: RSS checks skipped\n");
     const char *dir = check_tmpdir("emb_rss");
     test_tracks_bytes_mem(300000, 300000);
     test_tracks_bytes_mem(0, 300000);
