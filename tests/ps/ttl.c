@@ -45,6 +45,8 @@ static uint64_t ttl_evictions(ps_client *c, uint32_t t)
 {
     ps_client_stats st;
     char *err = NULL;
+    /* Pushes are asynchronous: the expiry they bring is counted once they are applied. */
+    CHECK_OK(ps_client_flush(c, &err), err);
     CHECK_OK(ps_client_stats_get(c, &st, &err), err);
     return st.table_total[t].ttl_evictions;
 }
