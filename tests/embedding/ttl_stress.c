@@ -165,7 +165,7 @@ static int u64_cmp(const void *a, const void *b)
 /* Rows the walk found; fails on a key seen twice. */
 static uint64_t walk_end(walk *wk)
 {
-    qsort(wk->keys, wk->n, sizeof *wk->keys, u64_cmp);
+    if (wk->n > 1) qsort(wk->keys, wk->n, sizeof *wk->keys, u64_cmp); /* keys NULL when empty */
     for (size_t i = 1; i < wk->n; i++)
         if (wk->keys[i] == wk->keys[i - 1])
             TFAIL("%s: key %016" PRIx64 " found twice", wk->where, wk->keys[i]);
