@@ -1,7 +1,8 @@
 /*
  * tools/launch: a 2 PS x 2 worker job on ~20K generated rows must print worker 0's JSON with
  * auc > 0.55 and leave no process behind; a job whose workers fail, and one stopped with
- * SIGTERM, must exit non-zero and leave no process behind either. The PS processes run at
+ * SIGTERM (one of its PS processes stopped by SIGSTOP, as a hung one), must exit non-zero and
+ * leave no process behind either, the latter within 4.5 s. The PS processes run at
  * niceness 5 (--ps-nice), the workers at the caller's; a bad --ps-nice is refused.
  *
  * argv[1] is tools/launch; $EMBER_BIN the ember binary (set by ember_add_test). Every child runs
@@ -95,6 +96,21 @@ static int alive_from(const char *run_dir, int *listed)
     }
     fclose(f);
     return alive;
+}
+
+/* The pid of the job's PS process `index` (RUNDIR/pids), or -1. */
+static pid_t ps_pid(const char *run_dir, int index)
+{
+    char path[4400], role[32];
+    snprintf(path, sizeof path, "%s/pids", run_dir);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) return -1;
+    int idx, pid;
+    pid_t found = -1;
+    while (found < 0 && fscanf(f, "%31s %d %d", role, &idx, &pid) == 3)
+        if (!strcmp(role, "ps") && idx == index) found = pid;
+    fclose(f);
+    return found;
 }
 
 /* Checks the niceness of every listed process that runs: ps and backup at `ps_nice`, workers
@@ -231,9 +247,17 @@ int main(int argc, char **argv)
     CHECK_MSG(before > 0, "no process of the job running before SIGTERM (%d listed)", listed);
     /* The PS processes share the cores with the workers at niceness 5 (--ps-nice's default). */
     CHECK_MSG(check_nice(run_term, 5) > 0, "no niceness read");
+    /* A stopped (hung) PS is stopped as promptly as the rest: a stopped process keeps a TERM
+     * pending until it is continued, and launch then waited its full 5 s for the KILL. */
+    pid_t stopped = ps_pid(run_term, 1);
+    CHECK_MSG(stopped > 0 && kill(stopped, SIGSTOP) == 0, "cannot stop ps 1 (pid %d)", stopped);
+    usleep(200000);
+    double t_term = now_s();
     kill(pid, SIGTERM);
     rc = wait_bounded(pid, 30);
+    double took = now_s() - t_term;
     CHECK_MSG(rc != 0 && rc != -1, "launch exited %d after SIGTERM", rc);
+    CHECK_MSG(took < 4.5, "launch took %.1f s to stop a job with a stopped PS", took);
     CHECK(alive_from(run_term, &listed) == 0);
     CHECK(listed == 4);
     return check_done();
