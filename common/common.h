@@ -159,6 +159,11 @@ int cm_dir_swap(const char *tmpdir, const char *dir, char **errptr);
  * same kind, such as an earlier export). Anything else, named by mistake (a home, a run directory),
  * is refused with CM_EINVAL naming dir and the first missing marker. */
 int cm_dir_replaceable(const char *dir, const char *const *markers, char **errptr);
+/* The stricter test, by what dir holds rather than what it lacks: *other (heap, the caller
+ * frees) gets the name of the first entry of dir ("." and ".." aside) that is not in names
+ * (NULL-terminated), or NULL when dir holds nothing else. CM_EIO naming dir when it cannot be
+ * read. */
+int cm_dir_other_entry(const char *dir, const char *const *names, char **other, char **errptr);
 
 /* Writes all n bytes to fd, retrying on EINTR and short writes. 0 or CM_EIO (errno set). */
 int cm_write_full(int fd, const void *buf, size_t n);
@@ -231,6 +236,12 @@ int cm_write_sealed(const char *path, const char *text, size_t n, char **errptr)
  * or not written by ember) or whose checksum does not match is refused with CM_ECORRUPT naming
  * the path; a missing file is CM_ENOTFOUND. */
 int cm_read_sealed(const char *path, char **text, size_t *len, char **errptr);
+/* The check behind cm_read_sealed, for any such trailer: whether buf[0, n) ends in the line
+ * "<tag> <16 hex digits>\n" (tag "xxh3" for sealed text, "checksum" for the snapshot and shard
+ * manifests) holding the xxh3 of every byte before it. CM_OK with *body the length before that
+ * line; CM_ENOTFOUND when the last line is no such line; CM_ECORRUPT when its checksum does not
+ * match. Text only: a buffer holding a NUL byte is CM_ENOTFOUND too. */
+int cm_seal_check(const char *buf, size_t n, const char *tag, size_t *body);
 
 /*
  * INI files: "[name]" or "[name arg]" section headers, "key = value" lines, '#' comments.

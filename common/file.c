@@ -137,6 +137,24 @@ int cm_dir_replaceable(const char *dir, const char *const *markers, char **errpt
                           dir, missing);
 }
 
+int cm_dir_other_entry(const char *dir, const char *const *names, char **other, char **errptr)
+{
+    *other = NULL;
+    DIR *d = opendir(dir);
+    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", dir);
+    int rc = CM_OK;
+    struct dirent *e;
+    while (rc == CM_OK && *other == NULL && (e = readdir(d)) != NULL) {
+        bool ours = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
+        for (const char *const *n = names; !ours && *n != NULL; n++)
+            ours = !strcmp(e->d_name, *n);
+        if (!ours && (*other = strdup(e->d_name)) == NULL)
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    }
+    closedir(d);
+    return rc;
+}
+
 int cm_write_full(int fd, const void *buf, size_t n)
 {
     const char *p = buf;
@@ -490,29 +508,48 @@ int cm_write_sealed(const char *path, const char *text, size_t n, char **errptr)
     return cm_afile_commit(&f, errptr);
 }
 
+int cm_seal_check(const char *buf, size_t n, const char *tag, size_t *body)
+{
+    const size_t tl = strlen(tag), line = tl + 1 + 16 + 1;
+    /* Text: a NUL byte would end the readers' parsing early, whatever the checksum says. */
+    if (n < line || memchr(buf, '\0', n) != NULL) return CM_ENOTFOUND;
+    const char *l = buf + n - line;
+    if ((l > buf && l[-1] != '\n') || memcmp(l, tag, tl) != 0 || l[tl] != ' ' ||
+        l[line - 1] != '\n')
+        return CM_ENOTFOUND;
+    uint64_t want = 0;
+    for (size_t i = tl + 1; i < line - 1; i++) {
+        const char c = l[i];
+        const int d = c >= '0' && c <= '9'   ? c - '0'
+                      : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                      : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                             : -1;
+        if (d < 0) return CM_ENOTFOUND;
+        want = want << 4 | (uint64_t)d;
+    }
+    if (cm_xxh3(buf, n - line) != want) return CM_ECORRUPT;
+    *body = n - line;
+    return CM_OK;
+}
+
 int cm_read_sealed(const char *path, char **text, size_t *len, char **errptr)
 {
     char *buf = NULL;
     size_t n = 0;
     int rc = cm_read_file(path, (void **)&buf, &n, errptr);
     if (rc != CM_OK) return rc;
-    const char *line = n >= CM_SEAL_LINE ? buf + n - CM_SEAL_LINE : NULL;
-    uint64_t want = 0;
-    int used = 0;
-    if (line == NULL || (line > buf && line[-1] != '\n') ||
-        sscanf(line, "xxh3 %16" SCNx64 "%n", &want, &used) != 1 || used != CM_SEAL_LINE - 1 ||
-        line[used] != '\n')
+    rc = cm_seal_check(buf, n, "xxh3", &n);
+    if (rc == CM_ENOTFOUND)
         rc = cm_err(errptr, CM_ECORRUPT,
                     "%s: no checksum line at its end (cut short, or from an ember before "
                     "checksummed text files)",
                     path);
-    else if (cm_xxh3(buf, n - CM_SEAL_LINE) != want)
+    else if (rc != CM_OK)
         rc = cm_err(errptr, CM_ECORRUPT, "%s: checksum mismatch: the file is damaged", path);
     if (rc != CM_OK) {
         free(buf);
         return rc;
     }
-    n -= CM_SEAL_LINE;
     buf[n] = '\0';
     *text = buf;
     *len = n;

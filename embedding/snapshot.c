@@ -12,7 +12,6 @@
  * "<dir>.tmp.<pid>.<n>" and swapped into place with one rename (RENAME_EXCHANGE when dir already
  * exists), so a crash leaves the old snapshot or the new one, never a mixture.
  */
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -151,20 +150,14 @@ static int check_replaceable(const char *dir, char **errptr)
         return errno == ENOENT ? CM_OK : cm_err_errno(errptr, CM_EIO, "cannot stat %s", dir);
     if (!S_ISDIR(st.st_mode))
         return cm_err(errptr, CM_EINVAL, "snapshot path %s exists and is not a directory", dir);
-    DIR *d = opendir(dir);
-    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot open directory %s", dir);
-    int rc = CM_OK;
-    struct dirent *e;
-    while (rc == CM_OK && (e = readdir(d)) != NULL) {
-        const char *n = e->d_name;
-        if (strcmp(n, ".") != 0 && strcmp(n, "..") != 0 && strcmp(n, EMB_SNAP_MANIFEST) != 0 &&
-            strcmp(n, EMB_SNAP_ROWS) != 0 && strcmp(n, EMB_SNAP_SKETCH) != 0)
-            rc = cm_err(errptr, CM_EINVAL,
-                        "refusing to replace %s with a snapshot: it holds %s, which no snapshot "
-                        "has",
-                        dir, n);
-    }
-    closedir(d);
+    static const char *const ours[] = {EMB_SNAP_MANIFEST, EMB_SNAP_ROWS, EMB_SNAP_SKETCH, NULL};
+    char *other = NULL;
+    int rc = cm_dir_other_entry(dir, ours, &other, errptr);
+    if (rc == CM_OK && other != NULL)
+        rc = cm_err(errptr, CM_EINVAL,
+                    "refusing to replace %s with a snapshot: it holds %s, which no snapshot has",
+                    dir, other);
+    free(other);
     return rc;
 }
 
@@ -268,20 +261,16 @@ static int manifest_read(const char *dir, manifest *m, char **errptr)
     emb_table_config_init(&m->cfg);
     /* The checksum line is last and covers everything before it. The writer ends the file
      * with that line's '\n', so nothing at all (not even a NUL byte) may follow it. */
-    char *cl = NULL;
-    for (char *p = text; (p = strstr(p, "checksum ")) != NULL; p++)
-        if (p == text || p[-1] == '\n') cl = p;
-    const char *cl_end = cl ? strchr(cl, '\n') : NULL;
-    uint64_t want, dim64 = 0, seed = 0;
+    size_t body = 0;
+    uint64_t dim64 = 0, seed = 0;
     char optname[32] = {0};
     const char *ov;
-    if (cl_end != NULL && (size_t)(cl_end + 1 - text) != len) {
-        cm_err(errptr, rc, "%s: unexpected data after the checksum line", path);
-        goto out;
-    }
-    if (strncmp(text, MANIFEST_TAG "\n", strlen(MANIFEST_TAG) + 1) != 0 || cl == NULL ||
-        mf_u64(cl, "checksum", 16, &want) != 0 || cm_xxh3(text, (size_t)(cl - text)) != want) {
-        cm_err(errptr, rc, "%s: not an ember embedding manifest or checksum mismatch", path);
+    if (strncmp(text, MANIFEST_TAG "\n", strlen(MANIFEST_TAG) + 1) != 0 ||
+        cm_seal_check(text, len, "checksum", &body) != CM_OK) {
+        cm_err(errptr, rc,
+               "%s: not an ember embedding manifest, data after its checksum line, or checksum "
+               "mismatch",
+               path);
         goto out;
     }
     if (mf_u64(text, "dim", 10, &dim64) || mf_u64(text, "seed", 10, &seed) ||

@@ -75,15 +75,8 @@ static int read_manifest0(const char *ckpt, char **text, char **errptr)
     int rc = cm_read_file(path, (void **)text, &len, errptr);
     if (rc != CM_OK) return rc;
     /* The last line is "checksum <16 hex digits>", over every byte before it. */
-    const size_t tail = strlen("checksum ") + 16 + 1;
-    bool ok = len >= tail && memchr(*text, '\0', len) == NULL;
-    const char *line = ok ? *text + len - tail : *text;
-    ok = ok && (line == *text || line[-1] == '\n') && !strncmp(line, "checksum ", 9) &&
-         line[tail - 1] == '\n';
-    char *end = NULL;
-    uint64_t want = ok ? strtoull(line + 9, &end, 16) : 0;
-    ok = ok && end == line + tail - 1 && want == cm_xxh3(*text, (size_t)(line - *text));
-    if (!ok) {
+    size_t body = 0;
+    if (cm_seal_check(*text, len, "checksum", &body) != CM_OK) {
         free(*text);
         *text = NULL;
         return cm_err(errptr, CM_ECORRUPT,

@@ -74,21 +74,14 @@ static int copy_side_files(const char *from, const char *to, uint32_t shards, ch
 static int holds_only(const char *dir, const char *const *names, const char *out, const char *from,
                       char **errptr)
 {
-    DIR *d = opendir(dir);
-    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", dir);
-    int rc = CM_OK;
-    struct dirent *e;
-    while (rc == CM_OK && (e = readdir(d)) != NULL) {
-        bool ok = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
-        for (const char *const *n = names; !ok && *n; n++)
-            ok = !strcmp(e->d_name, *n);
-        if (!ok)
-            rc = cm_err(errptr, CM_EINVAL,
-                        "--out %s holds %s/%s, which no reshard of %s wrote: not writing into it "
-                        "(give an absent or empty directory)",
-                        out, dir, e->d_name, from);
-    }
-    closedir(d);
+    char *other = NULL;
+    int rc = cm_dir_other_entry(dir, names, &other, errptr);
+    if (rc == CM_OK && other != NULL)
+        rc = cm_err(errptr, CM_EINVAL,
+                    "--out %s holds %s/%s, which no reshard of %s wrote: not writing into it "
+                    "(give an absent or empty directory)",
+                    out, dir, other, from);
+    free(other);
     return rc;
 }
 
@@ -128,7 +121,7 @@ static int check_out(const char *out, const char *mark, const char *from, const 
                     out, RESHARD_MARK, (int)strcspn(text, "\n"), text, from);
     free(text);
     const char *top[] = {RESHARD_MARK, "ckpt", NULL}, *ck[] = {"LATEST", name, tmp, NULL};
-    snprintf(tmp, sizeof tmp, "%s.tmp", name); /* left by an interrupted reshard */
+    snprintf(tmp, sizeof tmp, "%s" TRAIN_CKPT_STAGING, name); /* left by an interrupted reshard */
     if (rc == CM_OK) rc = holds_only(out, top, out, from, errptr);
     snprintf(path, sizeof path, "%s/ckpt", out);
     struct stat st;
@@ -204,7 +197,7 @@ int cmd_reshard(int argc, char **argv)
      * place, a crash between the shards and the side files left a step-S without model.txt,
      * run.txt or positions, which LATEST could already name. */
     char tmp[4500];
-    snprintf(tmp, sizeof tmp, "%s.tmp", dst);
+    snprintf(tmp, sizeof tmp, "%s" TRAIN_CKPT_STAGING, dst);
     if (rc == CM_OK) rc = cm_rmtree(tmp, &err);
     if (rc == CM_OK) rc = ps_checkpoint_reshard(ckpt, tmp, (uint32_t)shards, &err);
     if (rc == CM_OK) rc = copy_side_files(ckpt, tmp, (uint32_t)shards, &err);

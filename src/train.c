@@ -865,9 +865,6 @@ static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final,
 
 static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **errptr);
 
-/* The suffix of the directory a checkpoint is assembled in before it becomes step-<n>. */
-#define CKPT_STAGING ".tmp"
-
 static int ckpt_dir(const setup *S, uint64_t step, char *out, size_t n)
 {
     int len = snprintf(out, n, "%s/step-%" PRIu64, S->ckpt_root, step);
@@ -1011,7 +1008,7 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
     char final[2200], dir[2300], path[2400], text[256];
     if (ckpt_dir(S, tag, final, sizeof final) != CM_OK)
         return cm_err(errptr, CM_EINVAL, "path too long");
-    snprintf(dir, sizeof dir, "%s" CKPT_STAGING, final);
+    snprintf(dir, sizeof dir, "%s" TRAIN_CKPT_STAGING, final);
     ps_client_barrier_seek(c, barrier_base(tag) + 1);
     int rc = ps_client_save(c, dir, errptr);
     if (rc != CM_OK) return rc;
@@ -1079,8 +1076,8 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
         if (got == 1) steps[n++] = v;
         /* What a save that failed or was killed was assembling (checkpoint): no checkpoint is
          * being assembled now, this one is in place. */
-        size_t len = strlen(e->d_name), sl = strlen(CKPT_STAGING);
-        if (got == 2 && len > sl && strcmp(e->d_name + len - sl, CKPT_STAGING) == 0) {
+        size_t len = strlen(e->d_name), sl = strlen(TRAIN_CKPT_STAGING);
+        if (got == 2 && len > sl && strcmp(e->d_name + len - sl, TRAIN_CKPT_STAGING) == 0) {
             snprintf(dir, sizeof dir, "%s/%s", S->ckpt_root, e->d_name);
             rc = cm_rmtree(dir, errptr);
         }

@@ -127,6 +127,11 @@ typedef struct train_result {
     const char *device;       /* the backend that ran the dense math ("cpu", "cuda"); static */
 } train_result;
 
+/* The suffix of the directory a checkpoint is assembled in before it is swapped into place as
+ * ckpt/step-<n> (by the trainer, or ember reshard); the trainer's pruning after each checkpoint
+ * removes those an interrupted save left. */
+#define TRAIN_CKPT_STAGING ".tmp"
+
 /* A checkpoint directory from `in`: in itself when it holds shard-0/, else the run directory's
  * ckpt/LATEST. *step is parsed from the "step-N" name (0 if none). */
 int train_resolve_checkpoint(const char *in, char *out, size_t n, uint64_t *step, char **errptr);
