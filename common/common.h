@@ -242,6 +242,9 @@ int cm_read_sealed(const char *path, char **text, size_t *len, char **errptr);
  * line; CM_ENOTFOUND when the last line is no such line; CM_ECORRUPT when its checksum does not
  * match. Text only: a buffer holding a NUL byte is CM_ENOTFOUND too. */
 int cm_seal_check(const char *buf, size_t n, const char *tag, size_t *body);
+/* Appends that line to the len bytes of text at out (cap bytes of room): the new length, or -1
+ * when it does not fit. */
+int cm_seal_append(char *out, size_t len, size_t cap, const char *tag);
 
 /*
  * INI files: "[name]" or "[name arg]" section headers, "key = value" lines, '#' comments.

@@ -532,6 +532,13 @@ int cm_seal_check(const char *buf, size_t n, const char *tag, size_t *body)
     return CM_OK;
 }
 
+int cm_seal_append(char *out, size_t len, size_t cap, const char *tag)
+{
+    if (len >= cap) return -1;
+    int t = snprintf(out + len, cap - len, "%s %016" PRIx64 "\n", tag, cm_xxh3(out, len));
+    return t < 0 || len + (size_t)t >= cap ? -1 : (int)(len + (size_t)t);
+}
+
 int cm_read_sealed(const char *path, char **text, size_t *len, char **errptr)
 {
     char *buf = NULL;

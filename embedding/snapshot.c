@@ -134,10 +134,7 @@ static int manifest_format(const emb_table_config *c, uint64_t step, uint64_t ro
         if (k < 0 || (size_t)(len + k) >= n) return -1;
         len += k;
     }
-    int tail = snprintf(out + len, n - (size_t)len, "checksum %016" PRIx64 "\n",
-                        cm_xxh3(out, (size_t)len));
-    if (tail < 0 || (size_t)(len + tail) >= n) return -1;
-    return len + tail;
+    return cm_seal_append(out, (size_t)len, n, "checksum");
 }
 
 /* Whether dir may be replaced by a snapshot: absent, an empty directory, or one holding only

@@ -107,9 +107,7 @@ int ps_shard_manifest_text(uint32_t shard, uint32_t shards, const char *body, ch
 {
     int len = snprintf(out, n, "ember-ps-shard 1\nshard %u\nshards %u\n%s", shard, shards, body);
     if (len < 0 || (size_t)len >= n) return -1;
-    int t = snprintf(out + len, n - (size_t)len, "checksum %016" PRIx64 "\n",
-                     cm_xxh3(out, (size_t)len));
-    return (t < 0 || (size_t)(len + t) >= n) ? -1 : len + t;
+    return cm_seal_append(out, (size_t)len, n, "checksum");
 }
 
 /* The table/dense fingerprint lines of a shard manifest (what does not depend on the layout). */
