@@ -96,6 +96,18 @@ void cm_gemm_bf16_pack(int b, int trans, int rows, int K, const float *X, int ld
 int cm_gemm_bf16_pre(int ta, int tb, int M, int N, int K, const float *A, int lda, const void *pa,
                      const float *B, int ldb, const void *pb, int K0, int k0, float *C, int ldc);
 
+/* C (M x N, leading dimension ldc) = op(A) op(B) in fp32, arguments as cm_gemm_bf16's. Each
+ * element of C is its K products summed in order by fused multiply-adds from 0
+ * (c = fmaf(a_k, b_k, c)), so the result depends on the values only: not on a cut of the GEMM
+ * into tiles, nor on the thread, nor on the path. simd 1 takes the AVX-512 path where
+ * cm_gemm_f32_simd_available(), else (and with simd 0) the portable loops, which give the same
+ * bits (tests hold them equal) and are only slower. Packing scratch is the calling thread's
+ * own, as cm_gemm_bf16's. Returns 0, or CM_ENOMEM (C untouched). */
+int cm_gemm_f32(int simd, int ta, int tb, int M, int N, int K, const float *A, int lda,
+                const float *B, int ldb, float *C, int ldc);
+/* 1 when this build and CPU run cm_gemm_f32's AVX-512 path. */
+int cm_gemm_f32_simd_available(void);
+
 /* int8 quantisation, shared by serving bundles (fp32 scale) and the PS wire (bf16 scale).
  * cm_int8_quantize: q[j] = x[j] * inv rounded to nearest and clamped to +-127, where inv is the
  * caller's 1/scale (when it is not finite, as for a subnormal scale, x[j] / scale instead);

@@ -20,12 +20,49 @@
  * Packing moves ~6 bytes a value through memory and is bound by it: AVX512-BF16's conversion
  * instruction instead of the integer rounding measured no faster.
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/common.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CM_HAVE_F32_SIMD 1
+#include <immintrin.h>
+#define AVX512_TARGET __attribute__((target("avx512f")))
+
+/* Transposes 16 rows of 16 32-bit lanes in registers (r[i] lane j becomes r[j] lane i):
+ * pairs of lanes, then pairs of pairs, then 128-bit quarters twice. */
+AVX512_TARGET static inline void transpose16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* u[4g + c], lane quarter L: rows 4g..4g+3 at column 4L + c. */
+    __m512i u[16];
+    for (int g = 0; g < 4; g++) {
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+        __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+        __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        r[4 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && __GNUC__ >= 11
 #define CM_HAVE_AMX 1
@@ -34,35 +71,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-
-#ifdef CM_HAVE_AMX
-
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-static int amx_state; /* 1 usable, -1 not; set once */
-static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
-
-static void amx_probe(void)
-{
-    unsigned a, b, c, d;
-    amx_state = -1;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
-    bool tile = d & (1u << 24), bf16 = d & (1u << 22), avx512bw = b & (1u << 30),
-         avx512f = b & (1u << 16);
-    if (!tile || !bf16 || !avx512f || !avx512bw) return;
-    /* The OS must hand this process the tile data state (Linux 5.16+). */
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return;
-    amx_state = 1;
-}
-
-typedef struct tilecfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg;
 
 /* The calling thread's packing scratch (released at thread exit). */
 typedef struct scratch {
@@ -97,7 +105,7 @@ static int grow(void **p, size_t *have, size_t need)
     return 0;
 }
 
-static scratch *scratch_get(size_t na, size_t nb)
+__attribute__((unused)) static scratch *scratch_get(size_t na, size_t nb)
 {
     pthread_once(&scratch_once, scratch_key_make);
     scratch *s = pthread_getspecific(scratch_key);
@@ -111,6 +119,35 @@ static scratch *scratch_get(size_t na, size_t nb)
     if (grow(&s->a, &s->na, na) || grow(&s->b, &s->nb, nb)) return NULL;
     return s;
 }
+
+#ifdef CM_HAVE_AMX
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_state; /* 1 usable, -1 not; set once */
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_probe(void)
+{
+    unsigned a, b, c, d;
+    amx_state = -1;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
+    bool tile = d & (1u << 24), bf16 = d & (1u << 22), avx512bw = b & (1u << 30),
+         avx512f = b & (1u << 16);
+    if (!tile || !bf16 || !avx512f || !avx512bw) return;
+    /* The OS must hand this process the tile data state (Linux 5.16+). */
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return;
+    amx_state = 1;
+}
+
+typedef struct tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
 
 /* 16 floats rounded to bf16 (cm_f32_to_bf16, lane by lane), each in its lane's low half. */
 AMX_TARGET static inline __m512i bf16_round(__m512 x)
@@ -146,35 +183,6 @@ AMX_TARGET static inline __m512i pack32(const float *p, int n)
     /* Even values to the low halves: bf16 of value 2j and 2j+1 into lane j. */
     __m256i l = _mm512_cvtepi32_epi16(lo), h = _mm512_cvtepi32_epi16(hi);
     return _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
-}
-
-/* Transposes 16 rows of 16 32-bit lanes in registers (r[i] lane j becomes r[j] lane i):
- * pairs of lanes, then pairs of pairs, then 128-bit quarters twice. */
-AMX_TARGET static inline void transpose16(__m512i r[16])
-{
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    /* u[4g + c], lane quarter L: rows 4g..4g+3 at column 4L + c. */
-    __m512i u[16];
-    for (int g = 0; g < 4; g++) {
-        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
-        __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
-        __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-        __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
-        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        r[8 + c] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-        r[4 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-    }
 }
 
 /*
@@ -368,3 +376,223 @@ int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, c
 }
 
 #endif
+
+/*
+ * fp32 GEMM (cm_gemm_f32, contract in common.h).
+ *
+ * Every element of C is its K products summed in order by fused multiply-adds from 0, so the
+ * AVX-512 path and the portable one agree bit for bit, and no cut of the GEMM into tiles or K
+ * blocks changes a bit: a K block after the first starts its accumulators from C's partial
+ * sums. The AVX-512 path is the classic packed one: op(B) in panels of F32_NR columns (each
+ * inner index's 32 values in two cache lines), op(A) in panels of F32_MR rows, and an 8 x 32
+ * register block (16 accumulators) that reads one B panel row and 8 broadcasts of A a step for
+ * 16 FMAs. A B panel (KC x 32 floats, 32 KiB) stays in L1 while the A panels of an MC block (in
+ * L2) stream past it. On an AMD EPYC (AVX-512) it runs at 0.87-1.07x OpenBLAS 0.3.21's
+ * Cooperlake kernel and 1.4-1.8x its Haswell one on the mlp's shapes (docs/BENCHMARKS.md);
+ * 12- and 14-row blocks measured no faster.
+ */
+#define F32_MR 8
+#define F32_NR 32
+#define F32_KC 256
+#define F32_MC 256 /* a multiple of F32_MR */
+
+static inline float f32_op(const float *X, int ld, int trans, int r, int k)
+{
+    return trans ? X[(size_t)k * ld + r] : X[(size_t)r * ld + k];
+}
+
+static void f32_portable(int ta, int tb, int M, int N, int K, const float *A, int lda,
+                         const float *B, int ldb, float *C, int ldc)
+{
+    for (int i = 0; i < M; i++) {
+        float *c = C + (size_t)i * ldc;
+        for (int j = 0; j < N; j++)
+            c[j] = 0.0f;
+        for (int k = 0; k < K; k++) {
+            float a = f32_op(A, lda, ta, i, k);
+            for (int j = 0; j < N; j++)
+                c[j] = fmaf(a, f32_op(B, ldb, !tb, j, k), c[j]);
+        }
+    }
+}
+
+#ifdef CM_HAVE_F32_SIMD
+
+/* 8 rows of 8 floats transposed in registers (r[i] lane j becomes r[j] lane i). */
+AVX512_TARGET static inline void transpose8(__m256 r[8])
+{
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 8; g += 4) {
+        u[g] = _mm256_shuffle_ps(t[g], t[g + 2], 0x44);
+        u[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], 0xee);
+        u[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+        u[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+}
+
+/* Rows [i0, i0 + mc) of op(A) over inner indexes [k0, k0 + kc), in panels of F32_MR (8) rows
+ * (rows past M zero): panel p's inner index k at out + (p * kc + k) * 8. Whole panels are
+ * copied 8 values at a time (ta: a row of A holds a panel's 8 values of one k) or transposed
+ * 8 x 8 in registers; the edges value by value. */
+AVX512_TARGET static void f32_pack_a(int ta, int M, const float *A, int lda, int i0, int mc, int k0,
+                                     int kc, float *out)
+{
+    for (int p = 0; p * F32_MR < mc; p++) {
+        float *o = out + (size_t)p * kc * F32_MR;
+        int r0 = i0 + p * F32_MR, n = M - r0 < F32_MR ? M - r0 : F32_MR, k = 0;
+        if (n == F32_MR && ta) {
+            for (; k < kc; k++)
+                _mm256_store_ps(o + (size_t)k * F32_MR,
+                                _mm256_loadu_ps(A + (size_t)(k0 + k) * lda + r0));
+        } else if (n == F32_MR) {
+            for (; k + 8 <= kc; k += 8) {
+                __m256 v[8];
+                for (int r = 0; r < 8; r++)
+                    v[r] = _mm256_loadu_ps(A + (size_t)(r0 + r) * lda + k0 + k);
+                transpose8(v);
+                for (int q = 0; q < 8; q++)
+                    _mm256_store_ps(o + (size_t)(k + q) * F32_MR, v[q]);
+            }
+        }
+        for (; k < kc; k++)
+            for (int r = 0; r < F32_MR; r++)
+                o[(size_t)k * F32_MR + r] = r < n ? f32_op(A, lda, ta, r0 + r, k0 + k) : 0.0f;
+    }
+}
+
+/* op(B) over inner indexes [k0, k0 + kc), all N columns, in panels of F32_NR (32) columns
+ * (columns past N zero): panel q's inner index k at out + (q * kc + k) * 32. B's rows are
+ * copied with masks; tb (a column of op(B) is a row of B) whole halves of a panel are
+ * transposed 16 x 16 in registers, the edges value by value. */
+AVX512_TARGET static void f32_pack_b(int tb, int N, const float *B, int ldb, int k0, int kc,
+                                     float *out)
+{
+    for (int q = 0; q * F32_NR < N; q++) {
+        float *o = out + (size_t)q * kc * F32_NR;
+        int j0 = q * F32_NR, n = N - j0 < F32_NR ? N - j0 : F32_NR;
+        if (!tb) {
+            __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
+            __mmask16 m1 = n >= 32 ? 0xffff : n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0;
+            for (int k = 0; k < kc; k++) {
+                const float *b = B + (size_t)(k0 + k) * ldb + j0;
+                _mm512_store_ps(o + (size_t)k * F32_NR, _mm512_maskz_loadu_ps(m0, b));
+                _mm512_store_ps(o + (size_t)k * F32_NR + 16, _mm512_maskz_loadu_ps(m1, b + 16));
+            }
+            continue;
+        }
+        for (int h = 0; h < F32_NR; h += 16) {
+            int k = 0;
+            if (n >= h + 16)
+                for (; k + 16 <= kc; k += 16) {
+                    __m512i v[16];
+                    for (int j = 0; j < 16; j++)
+                        v[j] = _mm512_castps_si512(
+                            _mm512_loadu_ps(B + (size_t)(j0 + h + j) * ldb + k0 + k));
+                    transpose16(v);
+                    for (int t = 0; t < 16; t++)
+                        _mm512_store_si512(o + (size_t)(k + t) * F32_NR + h, v[t]);
+                }
+            for (; k < kc; k++)
+                for (int j = h; j < h + 16; j++)
+                    o[(size_t)k * F32_NR + j] = j < n ? B[(size_t)(j0 + j) * ldb + k0 + k] : 0.0f;
+        }
+    }
+}
+
+/* C's mr x nr block (mr <= F32_MR, nr <= F32_NR) = (load ? itself : 0) + a panel x b panel
+ * over kc inner indexes, in order. */
+AVX512_TARGET static void f32_kernel(int kc, const float *restrict a, const float *restrict b,
+                                     float *C, int ldc, int mr, int nr, int load)
+{
+    __m512 c0[F32_MR], c1[F32_MR];
+    __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1u);
+    __mmask16 m1 = nr >= 32 ? 0xffff : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1u) : 0;
+#pragma GCC unroll 8
+    for (int r = 0; r < F32_MR; r++) {
+        bool in = load && r < mr;
+        c0[r] = in ? _mm512_maskz_loadu_ps(m0, C + (size_t)r * ldc) : _mm512_setzero_ps();
+        c1[r] = in ? _mm512_maskz_loadu_ps(m1, C + (size_t)r * ldc + 16) : _mm512_setzero_ps();
+    }
+    for (int k = 0; k < kc; k++) {
+        __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < F32_MR; r++) {
+            __m512 x = _mm512_set1_ps(a[r]);
+            c0[r] = _mm512_fmadd_ps(x, b0, c0[r]);
+            c1[r] = _mm512_fmadd_ps(x, b1, c1[r]);
+        }
+        a += F32_MR;
+        b += F32_NR;
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < F32_MR; r++)
+        if (r < mr) {
+            _mm512_mask_storeu_ps(C + (size_t)r * ldc, m0, c0[r]);
+            _mm512_mask_storeu_ps(C + (size_t)r * ldc + 16, m1, c1[r]);
+        }
+}
+
+AVX512_TARGET static int f32_simd(int ta, int tb, int M, int N, int K, const float *A, int lda,
+                                  const float *B, int ldb, float *C, int ldc)
+{
+    int NP = (N + F32_NR - 1) / F32_NR, kcmax = K < F32_KC ? K : F32_KC;
+    int mcmax = M < F32_MC ? (M + F32_MR - 1) / F32_MR * F32_MR : F32_MC;
+    scratch *s = scratch_get((size_t)mcmax * kcmax * sizeof(float),
+                             (size_t)NP * F32_NR * kcmax * sizeof(float));
+    if (s == NULL) return CM_ENOMEM;
+    float *ap = s->a, *bp = s->b;
+    for (int k0 = 0; k0 < K; k0 += F32_KC) {
+        int kc = K - k0 < F32_KC ? K - k0 : F32_KC;
+        f32_pack_b(tb, N, B, ldb, k0, kc, bp);
+        for (int i0 = 0; i0 < M; i0 += F32_MC) {
+            int mc = M - i0 < F32_MC ? M - i0 : F32_MC;
+            f32_pack_a(ta, M, A, lda, i0, mc, k0, kc, ap);
+            for (int q = 0; q < NP; q++) {
+                int j0 = q * F32_NR, nr = N - j0 < F32_NR ? N - j0 : F32_NR;
+                for (int p = 0; p * F32_MR < mc; p++) {
+                    int r0 = p * F32_MR, mr = mc - r0 < F32_MR ? mc - r0 : F32_MR;
+                    f32_kernel(kc, ap + (size_t)p * kc * F32_MR, bp + (size_t)q * kc * F32_NR,
+                               C + (size_t)(i0 + r0) * ldc + j0, ldc, mr, nr, k0 > 0);
+                }
+            }
+        }
+    }
+    return CM_OK;
+}
+#endif
+
+int cm_gemm_f32_simd_available(void)
+{
+#ifdef CM_HAVE_F32_SIMD
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
+int cm_gemm_f32(int simd, int ta, int tb, int M, int N, int K, const float *A, int lda,
+                const float *B, int ldb, float *C, int ldc)
+{
+    if (M <= 0 || N <= 0) return CM_OK;
+    if (K <= 0) {
+        for (int i = 0; i < M; i++)
+            memset(C + (size_t)i * ldc, 0, (size_t)N * sizeof(float));
+        return CM_OK;
+    }
+#ifdef CM_HAVE_F32_SIMD
+    if (simd && cm_gemm_f32_simd_available())
+        return f32_simd(ta != 0, tb != 0, M, N, K, A, lda, B, ldb, C, ldc);
+#endif
+    (void)simd;
+    f32_portable(ta != 0, tb != 0, M, N, K, A, lda, B, ldb, C, ldc);
+    return CM_OK;
+}

@@ -47,6 +47,15 @@ typedef struct pool_block {
     char pad[56];
 } pool_block;
 
+/*
+ * Which code computes a GEMM's tiles. ember's own fp32 GEMM (cm_gemm_f32) where the CPU has
+ * AVX-512: 1.4-1.8x the OpenBLAS kernels a user's OPENBLAS_CORETYPE=Haswell or an AVX2 build
+ * gives, ~0.9-1.05x OpenBLAS's own AVX-512 ones, and its sums do not depend on the tile sizes.
+ * Elsewhere OpenBLAS, whose kernels for AVX2 and older CPUs ember does not try to beat.
+ * GEMM_OWN_PORTABLE gives GEMM_OWN's bits with plain loops (BACKEND_NO_SIMD, tests).
+ */
+typedef enum gemm_kind { GEMM_BLAS, GEMM_OWN, GEMM_OWN_PORTABLE, GEMM_BF16 } gemm_kind;
+
 typedef struct pool {
     int n;
     pthread_t *th;
@@ -62,7 +71,7 @@ typedef struct pool {
     part_fn fn;
     void *arg;
     bool stop;
-    bool bf16; /* the GEMMs run for this pool are cm_gemm_bf16 (BACKEND_BF16) */
+    gemm_kind kind; /* how the GEMMs run for this pool are computed */
     /* bf16: where gemm_run packs the operand every tile of a GEMM shares (NULL: each tile
      * packs its own), bf16_pk_cap bytes */
     void *bf16_pk;
@@ -312,7 +321,7 @@ typedef struct gemm {
     float *C;
     const rows_op *epi;
     int tiles, by_cols;
-    bool bf16; /* cm_gemm_bf16 instead of cblas_sgemm */
+    gemm_kind kind;
     /* bf16: the operand all tiles share (A when by_cols, else B), packed over the whole K by
      * gemm_share; NULL: each call packs both */
     const void *pk;
@@ -364,11 +373,17 @@ static void gemm_tile_part(const gemm *g, int t, int k0, int k1, float *C)
         C += (size_t)i0 * g->ldc;
         M = i1 - i0;
     }
-    /* cm_gemm_bf16 fails only for its packing scratch (a few hundred KiB a thread, kept): then
-     * this tile is summed in fp32 instead, as correct and only not the same bits. */
+    /* cm_gemm_bf16 and cm_gemm_f32 fail only for their packing scratch (a few hundred KiB a
+     * thread, kept): then OpenBLAS sums this tile, as correct and only not the same bits. */
     const void *pa = g->pk && g->by_cols ? g->pk : NULL, *pb = g->pk && !g->by_cols ? g->pk : NULL;
-    if (!g->bf16 || cm_gemm_bf16_pre(g->ta == CblasTrans, g->tb == CblasTrans, M, N, k1 - k0, A,
-                                     g->lda, pa, B, g->ldb, pb, g->K, k0, C, g->ldc) != CM_OK)
+    int ta = g->ta == CblasTrans, tb = g->tb == CblasTrans, rc = CM_EINVAL;
+    if (g->kind == GEMM_BF16)
+        rc = cm_gemm_bf16_pre(ta, tb, M, N, k1 - k0, A, g->lda, pa, B, g->ldb, pb, g->K, k0, C,
+                              g->ldc);
+    else if (g->kind != GEMM_BLAS)
+        rc = cm_gemm_f32(g->kind == GEMM_OWN, ta, tb, M, N, k1 - k0, A, g->lda, B, g->ldb, C,
+                         g->ldc);
+    if (rc != CM_OK)
         cblas_sgemm(CblasRowMajor, g->ta, g->tb, M, N, k1 - k0, 1.0f, A, g->lda, B, g->ldb, 0.0f, C,
                     g->ldc);
     if (g->epi != NULL && !g->by_cols && k0 == 0 && k1 == g->K)
@@ -425,7 +440,7 @@ static void share_part(void *arg, int part, int nparts)
 static void gemm_share(pool *p, gemm *g, void *out, size_t cap)
 {
     g->pk = NULL;
-    if (!g->bf16 || g->tiles < 2 || out == NULL) return;
+    if (g->kind != GEMM_BF16 || g->tiles < 2 || out == NULL) return;
     int b, trans, rows, ld;
     const float *X;
     share_rows(g, &b, &trans, &rows, &X, &ld);
@@ -452,7 +467,7 @@ static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int
                   const float *A, int lda, const float *B, int ldb, float *C, int ldc,
                   const rows_op *epi)
 {
-    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, epi, 1, 0, p->bf16, NULL};
+    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, epi, 1, 0, p->kind, NULL};
     gemm_tiles(&g);
     gemm_run(p, &g);
 }
@@ -614,9 +629,14 @@ static void cpu_destroy(void *state)
 
 char *openblas_get_corename(void);
 
-const char *backend_cpu_kernels(void)
+const char *backend_cpu_blas_core(void)
 {
     return openblas_get_corename();
+}
+
+const char *backend_cpu_kernels(void)
+{
+    return cm_gemm_f32_simd_available() ? "ember-avx512" : openblas_get_corename();
 }
 
 static void *gap_main(void *arg);
@@ -638,7 +658,11 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
         cpu_destroy(c);
         return cm_err(errptr, CM_ERR, "cannot start %u compute threads", threads);
     }
-    c->pool.bf16 = (flags & BACKEND_BF16) != 0;
+    bool own = cm_gemm_f32_simd_available() && !(flags & BACKEND_OPENBLAS);
+    c->pool.kind = (flags & BACKEND_BF16)             ? GEMM_BF16
+                   : own && (flags & BACKEND_NO_SIMD) ? GEMM_OWN_PORTABLE
+                   : own                              ? GEMM_OWN
+                                                      : GEMM_BLAS;
     c->m = *m;
     c->l = *l;
     c->max_b = max_b;
@@ -676,7 +700,7 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
     }
 #undef ALLOC
     ok = ok && fact_init(c, flags) == CM_OK;
-    if (ok && c->pool.bf16) {
+    if (ok && c->pool.kind == GEMM_BF16) {
         /* Shared operands (gemm_share): a layer's weights, or its input or output gradient for
          * batches too small to cut by rows; a dW GEMM's output gradient (or input). */
         const model_layer *ls[2] = {l->top, l->bot};
@@ -910,7 +934,7 @@ static void layer_bwd_dw(pool *pl, const model_layer *ly, const float *X, const 
                          float *dP, uint32_t B)
 {
     gemm g = dw_gemm(ly, X, dY, dP, B);
-    g.bf16 = pl->bf16;
+    g.kind = pl->kind;
     gemm_run(pl, &g);
     colsum_job j = {dY, dP + ly->b, B, ly->out};
     if (ly->out < 64)
@@ -1649,7 +1673,7 @@ static void dw_unit_run(const dw_phase *ph, int u)
     const model_layout *l = &c->l;
     const struct dw_unit *un = &ph->unit[u];
     uint32_t i = un->layer, B = ph->b->B;
-    pool one = {.n = 1, .bf16 = c->pool.bf16};
+    pool one = {.n = 1, .kind = c->pool.kind};
     if (i == l->n_top) {
         stack_bwd_dx(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->P, c->dz0, NULL, B);
         stack_bwd_dw(&one, l->bot, l->n_bot, c->bact, c->gbact, ph->b->dense, ph->dP, B);
@@ -1789,7 +1813,7 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
         bool dense_only = k == 0 && fact;
         ph.g[k] = dense_only ? fact_dense_dw(c, b, dP)
                              : dw_gemm(&l->top[k], k ? c->act[k - 1] : c->in, c->gact[k], dP, B);
-        ph.g[k].bf16 = c->pool.bf16;
+        ph.g[k].kind = c->pool.kind;
         ph.chunks[k] = dense_only ? 1 : dw_chunks(g);
         for (int t = 0; t <= g->tiles; t++) /* the tiles' chunks, then the bias gradient */
             for (int j = 0; j < (t < g->tiles ? ph.chunks[k] : 1); j++) {

@@ -11,7 +11,8 @@ static int cmd_version(int argc, char **argv)
     (void)argc;
     (void)argv;
     const char *forced = getenv("OPENBLAS_CORETYPE");
-    printf("ember %s (OpenBLAS kernels: %s%s)\n", EMBER_VERSION, backend_cpu_kernels(),
+    printf("ember %s (GEMM kernels: %s; OpenBLAS kernels: %s%s)\n", EMBER_VERSION,
+           backend_cpu_kernels(), backend_cpu_blas_core(),
            forced != NULL ? ", set by OPENBLAS_CORETYPE" : "");
     return 0;
 }
@@ -43,7 +44,7 @@ int main(int argc, char **argv)
 {
     /* OpenBLAS chose its kernels as it loaded; where it fell back to pre-AVX2 ones, ember runs
      * again with the right ones (ember version says which it uses). */
-    cm_blas_core_reexec(backend_cpu_kernels(), argv);
+    cm_blas_core_reexec(backend_cpu_blas_core(), argv);
     cm_malloc_tune();
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "help") == 0) {
         usage(argc < 2 ? stderr : stdout);

@@ -194,6 +194,9 @@ void model_staging_view(const model_staging *s, model_batch *mb);
 /* cpu: the factorized layer's portable kernels even where its AVX-512 ones run (tests: they
  * must give the same bits). */
 #define BACKEND_NO_SIMD 16u
+/* cpu: OpenBLAS's sgemm for the GEMMs even where ember's own AVX-512 GEMM runs (measurements:
+ * tools/bench step --openblas). */
+#define BACKEND_OPENBLAS 32u
 
 /* A compute backend: a static ops table per variant (cpu, cuda). */
 typedef struct backend backend;
@@ -252,9 +255,12 @@ typedef struct backend_ops {
 
 extern const backend_ops backend_cpu_ops;
 
-/* The OpenBLAS kernels the cpu backend runs ("SkylakeX", "Haswell"...): results are the same
- * bits for the same kernels, another core sums in another order. Static storage. */
+/* The kernels the cpu backend's fp32 GEMMs run by default: "ember-avx512" (cm_gemm_f32) where
+ * the CPU has AVX-512, else OpenBLAS's core ("Haswell"...). Results are the same bits for the
+ * same kernels; another OpenBLAS core sums in another order. Static storage. */
 const char *backend_cpu_kernels(void);
+/* The core OpenBLAS detected or was given (OPENBLAS_CORETYPE). Static storage. */
+const char *backend_cpu_blas_core(void);
 
 /* Whether this build has the cuda backend (nvcc was found). */
 bool backend_cuda_built(void);

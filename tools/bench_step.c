@@ -16,10 +16,12 @@
  *
  * With --bf16 the backend runs its GEMMs on AMX tiles (BACKEND_BF16, `ember train --bf16`).
  * --plain and --factored fix the mlp's and deepfm's first layer to one formulation
- * (BACKEND_PLAIN, BACKEND_FACTORED) instead of the backend's choice per batch.
+ * (BACKEND_PLAIN, BACKEND_FACTORED) instead of the backend's choice per batch. --openblas runs
+ * the fp32 GEMMs on OpenBLAS even where ember's own AVX-512 GEMM would (BACKEND_OPENBLAS), for
+ * the two side by side.
  *
  * Usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2] [--bf16]
- *                         [--shared-keys] [--plain | --factored] [--model NAME]
+ *                         [--shared-keys] [--plain | --factored] [--openblas] [--model NAME]
  * Prints a table, then one JSON object as the last line.
  */
 #include <math.h>
@@ -179,7 +181,7 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2] "
-            "[--bf16] [--shared-keys] [--plain | --factored] [--model NAME]\n");
+            "[--bf16] [--shared-keys] [--plain | --factored] [--openblas] [--model NAME]\n");
 }
 
 int main(int argc, char **argv)
@@ -201,6 +203,8 @@ int main(int argc, char **argv)
             be_flags |= BACKEND_PLAIN;
         else if (!strcmp(a, "--factored"))
             be_flags |= BACKEND_FACTORED;
+        else if (!strcmp(a, "--openblas"))
+            be_flags |= BACKEND_OPENBLAS;
         else if (!strcmp(a, "--threads-list") && v) {
             char *s = argv[++i], *end;
             while (*s && nt < MAX_THREADS) {
@@ -220,16 +224,19 @@ int main(int argc, char **argv)
         return 2;
     }
     const model_kind kinds[] = {MODEL_LR, MODEL_MLP, MODEL_DLRM, MODEL_DEEPFM};
-    printf("bench step: cpu backend%s, batch %u, %u keys (%s), %d timed steps (medians)\n",
-           be_flags & BACKEND_BF16 ? " (bf16 GEMMs on AMX)" : "", B, U,
-           shared_keys ? "shared by the fields" : "U/F a field", steps);
+    const char *gemms = be_flags & BACKEND_BF16       ? "bf16 on AMX"
+                        : be_flags & BACKEND_OPENBLAS ? backend_cpu_blas_core()
+                                                      : backend_cpu_kernels();
+    printf("bench step: cpu backend, GEMMs %s, batch %u, %u keys (%s), %d timed steps (medians)\n",
+           gemms, B, U, shared_keys ? "shared by the fields" : "U/F a field", steps);
     printf("%-8s %7s %10s %10s %10s %10s %12s\n", "model", "threads", "step ms", "to hook",
            "after hook", "GFLOP/s", "samples/s");
     char json[4096];
-    int jn =
-        snprintf(json, sizeof json,
-                 "{\"bench\":\"step\",\"bf16\":%s,\"batch\":%u,\"keys\":%u,\"shared_keys\":%s",
-                 be_flags & BACKEND_BF16 ? "true" : "false", B, U, shared_keys ? "true" : "false");
+    int jn = snprintf(json, sizeof json,
+                      "{\"bench\":\"step\",\"bf16\":%s,\"gemm\":\"%s\",\"batch\":%u,\"keys\":%u,"
+                      "\"shared_keys\":%s",
+                      be_flags & BACKEND_BF16 ? "true" : "false", gemms, B, U,
+                      shared_keys ? "true" : "false");
     for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++)
         for (uint32_t ti = 0; ti < nt; ti++) {
             if (only != NULL && strcmp(only, model_kind_name(kinds[k])) != 0) continue;

@@ -1,5 +1,7 @@
 /*
- * cm_gemm_bf16 (bf16 GEMM on AMX tiles) against a double reference of the bf16-rounded operands:
+ * cm_gemm_bf16 (bf16 GEMM on AMX tiles) and cm_gemm_f32 (fp32, its AVX-512 and portable paths)
+ * against a double reference of the (bf16-rounded) operands, and cm_gemm_f32 bit for bit against
+ * its contract, the K products of each output summed in order by fmaf from 0:
  * all four transpose combinations over shapes that cross every 16 / 32 padding edge of M, N and
  * K, with leading-dimension slack (holding NaNs the kernel must never read) and C's padding
  * columns and tail left untouched; the training shapes (sampled); magnitudes over six decades; a
@@ -8,7 +10,8 @@
  * and growth; packing in row ranges (in any order) writing every byte as one call does; and
  * cm_gemm_bf16_pre over inner sub-ranges with A, B or both packed (the float operand then
  * poisoned) giving cm_gemm_bf16's bits on the sub-matrices. Where AMX is missing, only the
- * refusal is checked.
+ * bf16 refusal is checked; where AVX-512 is, cm_gemm_f32's two paths give the same bits on the
+ * training shapes (the portable one is run on the small shapes and NaNs only: it is slow).
  */
 #include <math.h>
 #include <pthread.h>
@@ -29,10 +32,17 @@ static const int V[10] = {1, 15, 16, 17, 31, 32, 33, 63, 64, 65};
 
 static double worst_ratio; /* max |C - ref| / bound over every output compared */
 static long n_compared;
+static long n_unfused; /* cm_gemm_f32 outputs not the bits of the in-order fmaf sum */
 
+/* Which GEMM is under test. */
+enum { MODE_BF16, MODE_F32_SIMD, MODE_F32_PORTABLE };
+static int mode;
+static const char *const mode_name[] = {"bf16", "f32 avx512", "f32 portable"};
+
+/* An operand value as the GEMM under test multiplies it. */
 static double bf(float x)
 {
-    return (double)cm_bf16_to_f32(cm_f32_to_bf16(x));
+    return mode == MODE_BF16 ? (double)cm_bf16_to_f32(cm_f32_to_bf16(x)) : (double)x;
 }
 
 /* One product's operands: op(A) M x K, op(B) K x N, C M x ldc (+ GUARD). */
@@ -93,8 +103,8 @@ static void case_init(gcase *g, int ta, int tb, int M, int N, int K, int xa, int
     for (int k = 0; k < K; k++)
         for (int j = 0; j < N; j++)
             *b_at(g, k, j) = value(spread);
-    snprintf(g->desc, sizeof g->desc, "ta=%d tb=%d M=%d N=%d K=%d lda=%d ldb=%d ldc=%d%s", ta, tb,
-             M, N, K, g->lda, g->ldb, g->ldc, spread ? " spread" : "");
+    snprintf(g->desc, sizeof g->desc, "%s ta=%d tb=%d M=%d N=%d K=%d lda=%d ldb=%d ldc=%d%s",
+             mode_name[mode], ta, tb, M, N, K, g->lda, g->ldb, g->ldc, spread ? " spread" : "");
 }
 
 static void case_free(gcase *g)
@@ -165,6 +175,16 @@ static void check_values(const gcase *g, const float *C, int skip_row, int skip_
             i = (int)rndu((uint32_t)g->M), j = (int)rndu((uint32_t)g->N);
         }
         if (i == skip_row || j == skip_col) continue;
+        if (mode != MODE_BF16) { /* the contract's own sum, to the bit */
+            float c = 0.0f;
+            for (int k = 0; k < g->K; k++)
+                c = fmaf(*a_at(g, i, k), *b_at(g, k, j), c);
+            float have = C[(size_t)i * g->ldc + j];
+            if (check_u32_of(have) != check_u32_of(c) && !(isnan(have) && isnan(c)) &&
+                n_unfused++ == 0)
+                fprintf(stderr, "%s: (%d, %d) is %.9g, the in-order fmaf sum %.9g\n", g->desc, i, j,
+                        have, c);
+        }
         double bound, ref = ref_at(g, i, j, &bound), got = C[(size_t)i * g->ldc + j];
         double err = fabs(got - ref);
         n_compared++;
@@ -180,9 +200,16 @@ static void check_values(const gcase *g, const float *C, int skip_row, int skip_
               bad, n, bi, bj, bgot, bref, bbound);
 }
 
+static int gemm_raw(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B,
+                    int ldb, float *C, int ldc)
+{
+    if (mode == MODE_BF16) return cm_gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+    return cm_gemm_f32(mode == MODE_F32_SIMD, ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+}
+
 static int gemm(const gcase *g, float *C)
 {
-    return cm_gemm_bf16(g->ta, g->tb, g->M, g->N, g->K, g->A, g->lda, g->B, g->ldb, C, g->ldc);
+    return gemm_raw(g->ta, g->tb, g->M, g->N, g->K, g->A, g->lda, g->B, g->ldb, C, g->ldc);
 }
 
 /* Runs g, checks the return, C's outside, the values (row / column skips as check_values) and a
@@ -203,7 +230,7 @@ static float *run_checked(const gcase *g, int skip_row, int skip_col)
 }
 
 /* Without AMX: the call refuses and leaves C alone. */
-static int check_unavailable(void)
+static void check_unavailable(void)
 {
     gcase g;
     case_init(&g, 0, 1, 17, 15, 33, 3, 0, 2, 0);
@@ -217,7 +244,6 @@ static int check_unavailable(void)
     free(C);
     case_free(&g);
     fprintf(stderr, "common_gemm: SKIP the AMX comparisons: this CPU/OS has no AMX-BF16\n");
-    return check_done();
 }
 
 /* K = 0 gives zeros in the block; M = 0 or N = 0 returns 0 and writes nothing. */
@@ -247,8 +273,8 @@ static void check_degenerate(void)
         for (int x = 0; x < 64; x++)
             A[x] = B[x] = 1.0f, C[x] = check_f32_of(SENTINEL);
         for (int t = 0; t < 4; t++) {
-            int rc = cm_gemm_bf16(t >> 1, t & 1, empty[s][0], empty[s][1], empty[s][2], A, 8, B, 8,
-                                  C, 8);
+            int rc =
+                gemm_raw(t >> 1, t & 1, empty[s][0], empty[s][1], empty[s][2], A, 8, B, 8, C, 8);
             size_t changed = 0;
             for (int x = 0; x < 64; x++)
                 changed += check_u32_of(C[x]) != SENTINEL;
@@ -593,13 +619,13 @@ static void check_pre(void)
                     check_pre_shape(t >> 1, t & 1, Ms[mx], Ns[nx], K0s[kx]);
 }
 
-int main(void)
+/* Everything but the bf16 packing for the GEMM under `mode`. */
+static void check_mode(void)
 {
-    rng_state = 0x6e6d6d5f62663136ull;
-    if (!cm_gemm_bf16_available()) return check_unavailable();
-
     check_degenerate();
     check_small();
+    check_nan();
+    if (mode == MODE_F32_PORTABLE) return;
 
     /* The training products (minimum leading dimensions, as the trainer calls them). */
     static const int train_shape[5][5] = {{2048, 256, 429, 0, 1},
@@ -616,6 +642,16 @@ int main(void)
         train_p[s] = &train[s];
         train_c[s] = run_checked(&train[s], -1, -1);
     }
+    if (mode == MODE_F32_SIMD) /* the portable path's bits on every output */
+        for (int s = 0; s < 5; s++) {
+            mode = MODE_F32_PORTABLE;
+            float *C = c_new(train[s].nc);
+            int rc = gemm(&train[s], C);
+            mode = MODE_F32_SIMD;
+            CHECK_MSG(rc == 0 && memcmp(C, train_c[s], train[s].nc * sizeof(float)) == 0,
+                      "%s: the portable path gives other bits (rc=%d)", train[s].desc, rc);
+            free(C);
+        }
 
     /* Magnitudes over six decades: each combination on two shapes, and a training shape. */
     for (int t = 0; t < 4; t++) {
@@ -634,16 +670,34 @@ int main(void)
         case_free(&g);
     }
 
-    check_nan();
     check_threads(train_p, train_c);
-    check_packed_size();
-    check_pack_ranges();
-    check_pre();
-
     for (int s = 0; s < 5; s++) {
         free(train_c[s]);
         case_free(&train[s]);
     }
+}
+
+int main(void)
+{
+    rng_state = 0x6e6d6d5f62663136ull;
+    mode = MODE_BF16;
+    if (cm_gemm_bf16_available()) {
+        check_mode();
+        check_packed_size();
+        check_pack_ranges();
+        check_pre();
+    } else {
+        check_unavailable();
+    }
+    mode = MODE_F32_PORTABLE;
+    check_mode();
+    mode = MODE_F32_SIMD;
+    if (cm_gemm_f32_simd_available())
+        check_mode();
+    else
+        fprintf(stderr, "common_gemm: SKIP cm_gemm_f32's AVX-512 path: this CPU has no AVX-512\n");
+    CHECK_MSG(n_unfused == 0, "cm_gemm_f32: %ld outputs not the in-order fmaf sum's bits",
+              n_unfused);
     fprintf(stderr, "common_gemm: %ld outputs compared, worst |C - ref| / bound = %.4g\n",
             n_compared, worst_ratio);
     return check_done();
