@@ -307,12 +307,11 @@ out:
 
 int ember_serve_writer_commit(ember_serve_writer *w, char **errptr)
 {
-    manifest_add(w, "checksum %016" PRIx64 "\n", cm_xxh3(w->manifest, w->mlen));
+    int sealed = cm_seal_append(w->manifest, w->mlen, sizeof w->manifest, "checksum");
     char path[4200];
     snprintf(path, sizeof path, "%s/MANIFEST", w->tmp);
-    int rc = w->mlen + 64 >= sizeof w->manifest
-                 ? cm_err(errptr, CM_ERR, "manifest too long")
-                 : cm_write_file_atomic(path, w->manifest, w->mlen, errptr);
+    int rc = sealed < 0 ? cm_err(errptr, CM_ERR, "manifest too long")
+                        : cm_write_file_atomic(path, w->manifest, (size_t)sealed, errptr);
     if (rc == CM_OK) rc = cm_fsync_dir(w->tmp, errptr);
     if (rc == CM_OK) rc = cm_dir_swap(w->tmp, w->dir, errptr);
     ember_serve_writer_abort(w);
@@ -472,16 +471,16 @@ static int layer_open(const char *dir, serve_layer *L, char **errptr)
         return rc == CM_ENOTFOUND
                    ? cm_err(errptr, CM_ECORRUPT, "%s: no MANIFEST (not a bundle?)", dir)
                    : rc;
-    char *cl = NULL;
-    for (char *p = text; (p = strstr(p, "checksum ")) != NULL; p++)
-        if (p == text || p[-1] == '\n') cl = p;
-    unsigned long long want = 0, step = 0, base = 0;
+    /* The checksum line must be the last: bytes after it are damage, not a bundle's. */
+    size_t body = 0;
+    bool sealed = cm_seal_check(text, len, "checksum", &body) == CM_OK;
+    if (sealed) text[body] = '\0';
+    unsigned long long step = 0, base = 0;
     char type[16] = "";
-    if (strncmp(text, "ember-bundle 1\n", 15) || cl == NULL ||
-        sscanf(cl, "checksum %llx", &want) != 1 || cm_xxh3(text, (size_t)(cl - text)) != want ||
-        !mf_value(text, "type") || sscanf(mf_value(text, "type"), "%15s", type) != 1 ||
-        !mf_value(text, "step") || sscanf(mf_value(text, "step"), "%llu", &step) != 1 ||
-        !mf_value(text, "base_step") || sscanf(mf_value(text, "base_step"), "%llu", &base) != 1) {
+    if (!sealed || strncmp(text, "ember-bundle 1\n", 15) || !mf_value(text, "type") ||
+        sscanf(mf_value(text, "type"), "%15s", type) != 1 || !mf_value(text, "step") ||
+        sscanf(mf_value(text, "step"), "%llu", &step) != 1 || !mf_value(text, "base_step") ||
+        sscanf(mf_value(text, "base_step"), "%llu", &base) != 1) {
         rc = cm_err(errptr, CM_ECORRUPT,
                     "%s: not a bundle manifest, or its checksum does not match", path);
         goto out;
@@ -500,7 +499,7 @@ static int layer_open(const char *dir, serve_layer *L, char **errptr)
     L->source = src;
     L->base_source = bsrc;
     /* Files, then tables (each table names a file listed before it). */
-    for (char *p = text; rc == CM_OK && p < cl; p = strchr(p, '\n') + 1) {
+    for (char *p = text; rc == CM_OK && p < text + body; p = strchr(p, '\n') + 1) {
         char fname[128];
         unsigned long long size, digest;
         unsigned dim;

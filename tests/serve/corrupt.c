@@ -3,7 +3,8 @@
  * never served and never a crash (this test also runs under ASan + UBSan, which also checks that
  * the failure paths leak nothing).
  *   - flipped bytes in table-emb.bin (header, index, rows, trailer) and dense-tower.bin;
- *   - every byte of the MANIFEST up to its checksum flipped, one at a time;
+ *   - every byte of the MANIFEST up to its checksum flipped, one at a time; bytes after its
+ *     checksum line (which must be the last);
  *   - truncated and empty files, missing files, a missing bundle;
  *   - edited MANIFEST values, with the old checksum and with a recomputed one (a consistent
  *     manifest that lies about sizes, digests, rows or tables);
@@ -297,6 +298,25 @@ int main(void)
         flip("MANIFEST", (long)i, 0x40, "MANIFEST");
     }
     quiet = 0;
+    /* Bytes after the checksum line are damage too: a stray byte, and lines that would lie about
+     * the bundle were they read (the checksum line must be the last). */
+    {
+        static const char *const tails[] = {"x", "\n", "type delta\n",
+                                            "table ghost 16 3\nchecksum 0000000000000000\n"};
+        for (size_t i = 0; i < sizeof tails / sizeof *tails; i++) {
+            fresh_copy();
+            char *m = malloc(good_manifest_len + strlen(tails[i]) + 1);
+            memcpy(m, good_manifest, good_manifest_len);
+            memcpy(m + good_manifest_len, tails[i], strlen(tails[i]) + 1);
+            CHECK(write_file(su_path("bad/MANIFEST"), m, strlen(m)) == 0);
+            char what[128];
+            snprintf(what, sizeof what, "MANIFEST with %zu bytes after its checksum line",
+                     strlen(tails[i]));
+            fprintf(stderr, "    %s\n", what);
+            expect_refused(what, "MANIFEST");
+            free(m);
+        }
+    }
 
     fprintf(stderr, "--- truncated, empty and missing files\n");
     truncate_to("table-emb.bin", -1, "table-emb.bin");
