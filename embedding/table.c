@@ -1007,8 +1007,13 @@ static void table_free(emb_table *t, uint32_t n_subs)
         emb_mem_fini(&t->subs[i].mem);
         pthread_mutex_destroy(&t->subs[i].mu);
     }
-    emb_store_destroy(t->spill);
-    if (t->spill_path) cm_rmtree(t->spill_path, NULL);
+    /* Only a spill database this table opened is its own to remove: when the open failed,
+     * the path may hold another live table's database (RocksDB refused its lock), whose files
+     * a removal here would delete from under it. */
+    if (t->spill != NULL) {
+        emb_store_destroy(t->spill);
+        cm_rmtree(t->spill_path, NULL);
+    }
     free(t->spill_path);
     free(t->subs);
     free(t->cms);

@@ -1,0 +1,86 @@
+/*
+ * emb_spillpath: a table's spill directory is its own only once it has opened the database
+ * there. A second table given the path of a live table's spill (two shards or processes
+ * configured alike) must fail to create and leave the live database alone: the live table
+ * keeps every row and keeps spilling. Nor may a failed create remove a file it was pointed at.
+ */
+#include <sys/stat.h>
+
+#include "emb_util.h"
+
+static void test_in_use(const char *dir)
+{
+    /* Enough rows through a one-sub-shard budget that the spill's memtables flush after the
+     * failed create: a flush into a directory emptied under RocksDB fails every later write. */
+    enum { D = 8, N = 60000 };
+    char spill[4200], cur[4300];
+    snprintf(spill, sizeof spill, "%s/spill", dir);
+    snprintf(cur, sizeof cur, "%s/CURRENT", spill);
+    emb_table_config c = eu_config(EMB_OPT_ADAGRAD, D);
+    c.n_sub = 1;
+    c.mem_budget_bytes = 64 * (emb_row_bytes(&c) + 1);
+    c.spill_path = spill;
+    emb_table *a = eu_create(&c);
+    uint64_t *keys = eu_xmalloc(N * sizeof *keys);
+    float *g = eu_xcalloc((size_t)N * D, sizeof *g);
+    for (size_t i = 0; i < N; i++)
+        keys[i] = eu_key(i);
+    for (size_t i = 0; i < (size_t)N * D; i++)
+        g[i] = 0.25f;
+    eu_push(a, keys, N, g);
+
+    emb_table *b = NULL;
+    char *err = NULL;
+    int rc = emb_table_create(&c, &b, &err);
+    CHECK_MSG(rc == CM_EIO && b == NULL && err != NULL && eu_has(err, spill),
+              "second table on a live spill path: rc=%d err=%s", rc, err ? err : "(none)");
+    free(err);
+    emb_table_destroy(b);
+
+    struct stat st;
+    CHECK_MSG(stat(cur, &st) == 0, "the live table's spill database %s lost its CURRENT", spill);
+    eu_push(a, keys, N, g);
+    eu_push(a, keys, N, g);
+    CHECK(eu_count_rows(a) == N);
+    eu_row *r = eu_xmalloc(sizeof *r);
+    for (size_t i = 0; i < N; i += 997)
+        CHECK_MSG(eu_get(a, keys[i], r) && r->updates == 3, "row %zu after the failed create", i);
+    free(r);
+    emb_table_destroy(a);
+    free(keys);
+    free(g);
+}
+
+/* A spill path naming an existing regular file cannot hold a database: the create fails and the
+ * file, which was never the table's, is left as it was (it used to be removed). */
+static void test_file(const char *dir)
+{
+    char file[4200];
+    snprintf(file, sizeof file, "%s/precious.txt", dir);
+    char *err = NULL;
+    CHECK_OK(cm_write_file_atomic(file, "keep me\n", 8, &err), err);
+    emb_table_config c = eu_config(EMB_OPT_SGD, 4);
+    c.mem_budget_bytes = 1 << 20;
+    c.spill_path = file;
+    emb_table *t = NULL;
+    int rc = emb_table_create(&c, &t, &err);
+    CHECK_MSG(rc == CM_EIO && t == NULL && err != NULL && eu_has(err, file),
+              "spill path on a regular file: rc=%d err=%s", rc, err ? err : "(none)");
+    free(err);
+    err = NULL;
+    emb_table_destroy(t);
+    void *data = NULL;
+    size_t len = 0;
+    CHECK_OK(cm_read_file(file, &data, &len, &err), err);
+    CHECK_MSG(len == 8 && data != NULL && memcmp(data, "keep me\n", 8) == 0,
+              "a failed create changed %s", file);
+    free(data);
+}
+
+int main(void)
+{
+    const char *dir = check_tmpdir("emb_spillpath");
+    test_in_use(dir);
+    test_file(dir);
+    return check_done();
+}
