@@ -270,7 +270,8 @@ void emb_table_stats_get(emb_table *t, emb_table_stats *out);
 
 /* Writes a consistent snapshot of the table into dir (created; an existing snapshot there is
  * replaced atomically). The table is paused for the duration. A dir that exists and is neither
- * empty nor a snapshot is refused (CM_EINVAL) and left alone. */
+ * empty nor a snapshot is refused (CM_EINVAL) and left alone. A dir that is a symbolic link is
+ * followed: the snapshot replaces the directory it names, and the link stays. */
 int emb_table_snapshot(emb_table *t, const char *dir, char **errptr);
 
 /* Reads the model config stored in a snapshot's MANIFEST into *cfg (storage fields set to

@@ -160,19 +160,31 @@ static int check_replaceable(const char *dir, char **errptr)
 
 int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
 {
-    char tmpdir[4096], mpath[4096], manifest[2048];
+    char tmpdir[4096], mpath[4096], manifest[2048], dcopy[4096];
     size_t dlen = strlen(dir);
     while (dlen > 1 && dir[dlen - 1] == '/') dlen--;
+    if (dlen >= sizeof dcopy) return cm_err(errptr, CM_EINVAL, "snapshot path too long: %s", dir);
+    snprintf(dcopy, sizeof dcopy, "%.*s", (int)dlen, dir);
+    /* A symbolic link to a directory (a snapshot area on another disk) is followed, as
+     * cm_afile_open follows one to a file: swapped in at the link's own path, the snapshot
+     * replaced the link with a directory on the link's disk and left the target stale. */
+    struct stat lst;
+    if (lstat(dcopy, &lst) == 0 && S_ISLNK(lst.st_mode)) {
+        char *real = realpath(dcopy, NULL);
+        if (real == NULL)
+            return cm_err_errno(errptr, CM_EIO, "cannot follow the symbolic link %s", dcopy);
+        int n = snprintf(dcopy, sizeof dcopy, "%s", real);
+        free(real);
+        if (n < 0 || (size_t)n >= sizeof dcopy)
+            return cm_err(errptr, CM_EINVAL, "snapshot path too long: %s", dir);
+    }
     /* The temporary directory is this call's own: two threads snapshotting into one dir at
      * once would otherwise remove and fill each other's files (the pid alone is shared). */
     static unsigned snap_seq; /* atomic */
     unsigned seq = __atomic_fetch_add(&snap_seq, 1, __ATOMIC_RELAXED);
-    int tlen =
-        snprintf(tmpdir, sizeof tmpdir, "%.*s.tmp.%ld.%u", (int)dlen, dir, (long)getpid(), seq);
+    int tlen = snprintf(tmpdir, sizeof tmpdir, "%s.tmp.%ld.%u", dcopy, (long)getpid(), seq);
     if (tlen < 0 || (size_t)tlen >= sizeof tmpdir)
         return cm_err(errptr, CM_EINVAL, "snapshot path too long: %s", dir);
-    char dcopy[4096];
-    snprintf(dcopy, sizeof dcopy, "%.*s", (int)dlen, dir);
     int rc = check_replaceable(dcopy, errptr);
     if (rc == CM_OK) rc = cm_rmtree(tmpdir, errptr);
     if (rc == CM_OK) rc = cm_mkdirs(tmpdir, errptr);

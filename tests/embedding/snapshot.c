@@ -8,6 +8,7 @@
  *    file, or anything after the MANIFEST checksum line) is refused with an error naming the
  *    file, and no table is returned.
  *  - a model-config mismatch is refused naming the field.
+ *  - a snapshot path that is a symbolic link is followed and stays a link.
  */
 #include <dirent.h>
 #include <sys/stat.h>
@@ -296,6 +297,26 @@ int main(void)
     t = restore_ok(p, &model);
     CHECK(eu_diff_tables(orig, t, 1) == 0);
     emb_table_destroy(t);
+
+    /* a snapshot path that is a symbolic link to a directory (a snapshot area on another disk)
+     * is followed: the snapshot goes into the directory it names, built beside that directory,
+     * and the link stays a link, also when a second snapshot replaces the first */
+    char real[4200], link[4200], mf[4400];
+    path_in(real, sizeof real, g_dir, "snap_real");
+    path_in(link, sizeof link, g_dir, "snap_link");
+    path_in(mf, sizeof mf, real, "MANIFEST");
+    CHECK_OK(cm_mkdirs(real, &err), err);
+    CHECK(symlink("snap_real", link) == 0);
+    for (int round = 0; round < 2; round++) {
+        CHECK_OK(emb_table_snapshot(orig, link, &err), err);
+        struct stat lst;
+        CHECK_MSG(lstat(link, &lst) == 0 && S_ISLNK(lst.st_mode),
+                  "snapshot %d into a symbolic link replaced the link", round);
+        CHECK_MSG(access(mf, R_OK) == 0, "snapshot %d did not land in the link's target", round);
+        t = restore_ok(link, &model);
+        CHECK(eu_diff_tables(orig, t, 1) == 0);
+        emb_table_destroy(t);
+    }
 
     /* an empty table round-trips too */
     emb_table *empty = eu_create(&model);
