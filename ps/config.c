@@ -56,9 +56,13 @@ static int parse_u32(const char *v, uint32_t *out)
     return 0;
 }
 
+/* An empty value is refused: every string here is a path or a name, and an empty path names
+ * nothing. Taken as given, spill_dir = "" put each table's spill database at the root,
+ * /shard-<s>/<name> (an absent spill_dir means /tmp/ember-spill), and an empty tls_ca asked for
+ * no peer verification where the key's presence says one was meant. */
 static int copy_str(char *dst, size_t n, const char *v)
 {
-    if (strlen(v) >= n) return -1;
+    if (v[0] == '\0' || strlen(v) >= n) return -1;
     memcpy(dst, v, strlen(v) + 1);
     return 0;
 }

@@ -117,6 +117,11 @@ static void test_errors(void)
     expect_error("[cluster]\nworkers = 5000000000\n", 2, "bad value");
     expect_error("[cluster]\nmax_message = 10Q\n", 2, "bad value");
     expect_error("[cluster]\nstaleness = 1.5\n", 2, "bad value");
+    /* An empty path is no path: spill_dir = "" spilled to /shard-<s>/<name> at the root (and
+     * removed it when the server stopped), where an absent spill_dir means /tmp/ember-spill. */
+    expect_error("[cluster]\nspill_dir =\n", 2, "bad value '' for spill_dir");
+    expect_error("[cluster]\nspill_dir = # where?\n", 2, "bad value '' for spill_dir");
+    expect_error("[cluster]\ntls_ca = \n", 2, "bad value '' for tls_ca");
     expect_error("\n[table t]\ndim = 4\noptimizer = rmsprop\n", 4, "bad value 'rmsprop'");
     expect_error("[table t]\ndim = 4\nlr = fast\n", 3, "bad value 'fast' for lr");
     expect_error("[table t]\ndim = 4\nlr = inf\n", 3, "bad value");
