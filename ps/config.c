@@ -188,11 +188,12 @@ static int config_entry(void *arg, const char *section, const char *sarg, const 
     return CM_OK;
 }
 
-/* The line of the "[table NAME]" header in path, 0 if not found. Only for error messages:
- * cm_ini_parse's callback does not see line numbers, and a missing key is only known once the
- * section has ended. */
-static int table_line(const char *path, const char *name)
+/* The line of the "[KIND NAME]" header in path (kind "table" or "dense"), 0 if not found. Only
+ * for error messages: cm_ini_parse's callback does not see line numbers, and a missing key is
+ * only known once the section has ended. */
+static int section_line(const char *path, const char *kind, const char *name)
 {
+    const size_t kn = strlen(kind);
     FILE *f = fopen(path, "r");
     char line[4096];
     int lineno = 0, found = 0;
@@ -204,8 +205,8 @@ static int table_line(const char *path, const char *name)
         if (*s++ != '[') continue;
         while (isspace((unsigned char)*s))
             s++;
-        if (strncmp(s, "table", 5) != 0 || !isspace((unsigned char)s[5])) continue;
-        s += 5;
+        if (strncmp(s, kind, kn) != 0 || !isspace((unsigned char)s[kn])) continue;
+        s += kn;
         while (isspace((unsigned char)*s))
             s++;
         size_t n = strlen(name);
@@ -223,12 +224,17 @@ int ps_config_load(const char *path, ps_config *cfg, char **errptr)
 {
     ps_config_init(cfg);
     int rc = cm_ini_parse(path, config_entry, cfg, errptr);
-    /* dim is required: name the section that lacks it (before the range checks below, which
-     * would only say "dim 0 out of range"). */
+    /* A table's dim and a dense block's size are required: name the section that lacks one
+     * (before the range checks below, which would only say "dim 0" or "size 0 out of range",
+     * naming no line). */
     for (uint32_t i = 0; rc == CM_OK && i < cfg->n_tables; i++)
         if (cfg->tables[i].cfg.dim == 0)
             rc = cm_err(errptr, CM_EINVAL, "%s:%d: table '%s' has no dim", path,
-                        table_line(path, cfg->tables[i].name), cfg->tables[i].name);
+                        section_line(path, "table", cfg->tables[i].name), cfg->tables[i].name);
+    for (uint32_t i = 0; rc == CM_OK && i < cfg->n_dense; i++)
+        if (cfg->dense[i].size == 0)
+            rc = cm_err(errptr, CM_EINVAL, "%s:%d: dense '%s' has no size", path,
+                        section_line(path, "dense", cfg->dense[i].name), cfg->dense[i].name);
     if (rc == CM_OK) {
         char *err = NULL;
         rc = ps_config_check(cfg, &err);
