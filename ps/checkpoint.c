@@ -13,19 +13,80 @@
 #include "ps/dense.h"
 #include "ps/ps.h"
 
+/* Shard i's manifest text (caller frees), its checksum line (ps_shard_manifest_text) verified;
+ * *body gets the length before that line. Shard 0's lists the tables and dense blocks: a
+ * damaged name would otherwise send export and reshard after a table that is not there, or drop
+ * one. */
+static int read_manifest(const char *ckpt, uint32_t i, char **text, size_t *body, char **errptr)
+{
+    char path[4200];
+    size_t len = 0;
+    snprintf(path, sizeof path, "%s/shard-%u/MANIFEST", ckpt, i);
+    int rc = cm_read_file(path, (void **)text, &len, errptr);
+    if (rc != CM_OK) return rc;
+    if (cm_seal_check(*text, len, "checksum", body) != CM_OK) {
+        free(*text);
+        *text = NULL;
+        return cm_err(errptr, CM_ECORRUPT,
+                      "%s: checksum mismatch or damaged (not a shard manifest)", path);
+    }
+    return CM_OK;
+}
+
+/* The shard count comes from shard-0's MANIFEST ("shards N"), and every shard below it must be
+ * there and say so: counted by the directories present, a checkpoint missing shard-1 of 2 (a
+ * partial copy) was exported and resharded as half its rows, silently. Each shard's manifest
+ * must be the one the server writes for its index among N with shard-0's tables and blocks, so
+ * a shard directory copied from another index is refused too (its rows would be read twice). */
 int ps_checkpoint_shards(const char *ckpt, uint32_t *n, char **errptr)
 {
     char path[4200];
     struct stat st;
-    uint32_t i = 0;
-    for (; i < PS_MAX_SHARDS; i++) {
-        snprintf(path, sizeof path, "%s/shard-%u/MANIFEST", ckpt, i);
-        if (stat(path, &st) != 0) break;
-    }
-    if (i == 0)
+    snprintf(path, sizeof path, "%s/shard-0/MANIFEST", ckpt);
+    if (stat(path, &st) != 0)
         return cm_err(errptr, CM_ENOTFOUND, "%s is not a checkpoint (no shard-0/MANIFEST)", ckpt);
-    *n = i;
-    return CM_OK;
+    char *text0 = NULL, *text = NULL, *want = NULL;
+    size_t body0 = 0, body = 0;
+    unsigned shards = 0;
+    int rc = read_manifest(ckpt, 0, &text0, &body0, errptr);
+    const char *at = rc == CM_OK ? strstr(text0, "\nshards ") : NULL;
+    if (rc == CM_OK && (at == NULL || sscanf(at, "\nshards %u", &shards) != 1 || shards == 0 ||
+                        shards > PS_MAX_SHARDS))
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: no shard count in 1..%u", path, PS_MAX_SHARDS);
+    const char *rest = rc == CM_OK ? strchr(at + 1, '\n') : NULL;
+    if (rc == CM_OK && rest == NULL)
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: no shard count in 1..%u", path, PS_MAX_SHARDS);
+    /* The tables and blocks: what follows the shard count, up to the checksum line. */
+    char *tail = NULL;
+    if (rc == CM_OK) {
+        tail = strndup(rest + 1, body0 - (size_t)(rest + 1 - text0));
+        want = malloc(body0 + 64);
+        if (tail == NULL || want == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    }
+    for (uint32_t i = 0; rc == CM_OK && i < shards; i++) {
+        snprintf(path, sizeof path, "%s/shard-%u/MANIFEST", ckpt, i);
+        if (stat(path, &st) != 0) {
+            rc = cm_err(errptr, CM_ECORRUPT,
+                        "%s: shard-%u/MANIFEST is missing (shard-0's says %u shards): an "
+                        "incomplete checkpoint",
+                        ckpt, i, shards);
+            break;
+        }
+        rc = read_manifest(ckpt, i, &text, &body, errptr);
+        int len = rc == CM_OK ? ps_shard_manifest_text(i, shards, tail, want, body0 + 64) : 0;
+        if (rc == CM_OK && (len < 0 || strcmp(text, want) != 0))
+            rc = cm_err(errptr, CM_ECORRUPT,
+                        "%s: not shard %u of %u with shard-0's tables (a shard of another "
+                        "index or checkpoint)",
+                        path, i, shards);
+        free(text);
+        text = NULL;
+    }
+    free(tail);
+    free(want);
+    free(text0);
+    if (rc == CM_OK) *n = shards;
+    return rc;
 }
 
 int ps_checkpoint_table_config(const char *ckpt, const char *table, emb_table_config *cfg,
@@ -64,32 +125,12 @@ int ps_checkpoint_dense(const char *ckpt, const char *name, float **values, uint
     return cm_err(errptr, CM_ENOTFOUND, "%s: no dense block '%s' in any shard", ckpt, name);
 }
 
-/* Shard 0's manifest text (caller frees): the list of tables and dense blocks, its checksum line
- * (ps_shard_manifest_text) verified: a damaged name would otherwise send export and reshard
- * after a table that is not there, or drop one. */
-static int read_manifest0(const char *ckpt, char **text, char **errptr)
-{
-    char path[4200];
-    size_t len = 0;
-    snprintf(path, sizeof path, "%s/shard-0/MANIFEST", ckpt);
-    int rc = cm_read_file(path, (void **)text, &len, errptr);
-    if (rc != CM_OK) return rc;
-    /* The last line is "checksum <16 hex digits>", over every byte before it. */
-    size_t body = 0;
-    if (cm_seal_check(*text, len, "checksum", &body) != CM_OK) {
-        free(*text);
-        *text = NULL;
-        return cm_err(errptr, CM_ECORRUPT,
-                      "%s: checksum mismatch or damaged (not a shard manifest)", path);
-    }
-    return CM_OK;
-}
-
 int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t *n_tables,
                         char (*dense)[PS_NAME_MAX], uint32_t *n_dense, char **errptr)
 {
     char *text = NULL;
-    int rc = read_manifest0(ckpt, &text, errptr);
+    size_t body_len = 0;
+    int rc = read_manifest(ckpt, 0, &text, &body_len, errptr);
     if (rc != CM_OK) return rc;
     *n_tables = *n_dense = 0;
     for (char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
@@ -114,7 +155,8 @@ int ps_shard_manifest_text(uint32_t shard, uint32_t shards, const char *body, ch
 static int manifest_body(const char *ckpt, char *body, size_t n, char **errptr)
 {
     char *text = NULL;
-    int rc = read_manifest0(ckpt, &text, errptr);
+    size_t body_len = 0;
+    int rc = read_manifest(ckpt, 0, &text, &body_len, errptr);
     if (rc != CM_OK) return rc;
     size_t out = 0;
     body[0] = '\0';

@@ -340,7 +340,9 @@ int ps_client_shutdown(ps_client *c, char **errptr);
 
 /* ---------------- reading a checkpoint offline ---------------- */
 
-/* Number of shards in a checkpoint directory (shard-0 .. shard-(n-1)). */
+/* Number of shards in a checkpoint directory (shard-0 .. shard-(n-1)), as shard-0's MANIFEST
+ * says: a shard below it that is missing, or whose MANIFEST is not that index's of the same
+ * count and tables, is refused (CM_ECORRUPT, naming it). */
 int ps_checkpoint_shards(const char *ckpt, uint32_t *n, char **errptr);
 /* The table and dense block names of a checkpoint (arrays of PS_MAX_TABLES / PS_MAX_DENSE). */
 int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t *n_tables,

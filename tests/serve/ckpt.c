@@ -1,0 +1,48 @@
+/*
+ * serve_ckpt: what `ember export` and `ember reshard` take from the checkpoint they are given.
+ *   - a checkpoint of 2 shards with shard-1 gone (a partial copy) is refused, naming shard-1,
+ *     not exported or resharded as half its rows; so is one whose shard-1 is another shard's
+ *     copy (its MANIFEST names shard 0).
+ */
+#include "serve_util.h"
+
+static int err_names(const char *needle)
+{
+    char *err = su_slurp(su_path("err.txt"), NULL);
+    int ok = err && strstr(err, needle);
+    if (!ok) fprintf(stderr, "stderr '%s' does not name '%s'\n", err ? err : "", needle);
+    free(err);
+    return ok;
+}
+
+int main(void)
+{
+    if (su_init("serve_ckpt") != 0) return check_done();
+    if (su_make_data(30000, 5) != 0) return check_done();
+    int rc = su_ember("train --train shards/train --eval shards/eval --model lr --out run "
+                      "--no-progress --max-steps 40 --checkpoint-every 20 --batch 512 "
+                      "--device cpu --shards 2");
+    CHECK_MSG(rc == 0, "train: exit %d", rc);
+    if (rc != 0) return check_done();
+
+    fprintf(stderr, "--- a shard missing\n");
+    rc = su_shell(30, "cp -r run/ckpt/step-40 half && rm -rf half/shard-1");
+    CHECK(rc == 0);
+    rc = su_ember("export --checkpoint half --out b-half");
+    CHECK_MSG(rc == 1 && err_names("shard-1"), "export of a checkpoint without shard-1: exit %d",
+              rc);
+    CHECK_MSG(access(su_path("b-half"), F_OK) != 0, "b-half written");
+    rc = su_ember("reshard --from half --shards 3 --out rs-half");
+    CHECK_MSG(rc != 0 && err_names("shard-1"), "reshard of a checkpoint without shard-1: exit %d",
+              rc);
+    CHECK_MSG(access(su_path("rs-half/ckpt/LATEST"), F_OK) != 0, "rs-half/ckpt/LATEST written");
+
+    fprintf(stderr, "--- a shard that is another's copy\n");
+    rc = su_shell(30, "cp -r run/ckpt/step-40 dup && rm -rf dup/shard-1 && "
+                      "cp -r dup/shard-0 dup/shard-1");
+    CHECK(rc == 0);
+    rc = su_ember("export --checkpoint dup --out b-dup");
+    CHECK_MSG(rc == 1 && err_names("shard-1"), "export of shard-0 twice: exit %d", rc);
+
+    return check_done();
+}
