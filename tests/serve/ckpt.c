@@ -2,9 +2,21 @@
  * serve_ckpt: what `ember export` and `ember reshard` take from the checkpoint they are given.
  *   - a checkpoint of 2 shards with shard-1 gone (a partial copy) is refused, naming shard-1,
  *     not exported or resharded as half its rows; so is one whose shard-1 is another shard's
- *     copy (its MANIFEST names shard 0).
+ *     copy (its MANIFEST names shard 0);
+ *   - a checkpoint named with a trailing slash (shell completion: run/ckpt/step-32/) exports at
+ *     its step, not at step 0, and reshards to ckpt/step-32.
  */
 #include "serve_util.h"
+
+/* The "step" of `ember export`'s JSON line in su_dir/out.txt, or -1. */
+static long long export_step(void)
+{
+    char *out = su_slurp(su_path("out.txt"), NULL);
+    const char *s = out ? strstr(out, "\"step\":") : NULL;
+    long long v = s ? atoll(s + 7) : -1;
+    free(out);
+    return v;
+}
 
 static int err_names(const char *needle)
 {
@@ -44,5 +56,26 @@ int main(void)
     rc = su_ember("export --checkpoint dup --out b-dup");
     CHECK_MSG(rc == 1 && err_names("shard-1"), "export of shard-0 twice: exit %d", rc);
 
+    fprintf(stderr, "--- a trailing slash\n");
+    rc = su_ember("export --checkpoint run/ckpt/step-40/ --out b40");
+    CHECK_MSG(rc == 0 && export_step() == 40, "export of step-40/: exit %d, step %lld", rc,
+              export_step());
+    rc = su_ember("export --checkpoint run/ckpt/step-20// --out b20");
+    CHECK_MSG(rc == 0 && export_step() == 20, "export of step-20//: exit %d, step %lld", rc,
+              export_step());
+    rc = su_ember("export --checkpoint run/ckpt/step-40/ --since run/ckpt/step-20/ --out d40");
+    CHECK_MSG(rc == 0 && export_step() == 40, "delta step-40/ since step-20/: exit %d", rc);
+    ember_serve *h = rc == 0 ? su_open(su_path("b20"), (const char *[]){su_path("d40"), NULL})
+                             : NULL;
+    CHECK_MSG(h && ember_serve_step(h) == 40, "b20 + d40 serves step %llu",
+              h ? (unsigned long long)ember_serve_step(h) : 0ull);
+    ember_serve_close(h);
+    rc = su_ember("reshard --from run/ckpt/step-40/ --shards 1 --out rs");
+    CHECK_MSG(rc == 0, "reshard of step-40/: exit %d", rc);
+    char *latest = su_slurp(su_path("rs/ckpt/LATEST"), NULL);
+    CHECK_MSG(latest && !strncmp(latest, "step-40\n", 8) &&
+                  access(su_path("rs/ckpt/step-40/shard-0/MANIFEST"), F_OK) == 0,
+              "reshard of step-40/ wrote LATEST '%s'", latest ? latest : "(none)");
+    free(latest);
     return check_done();
 }
