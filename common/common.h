@@ -162,6 +162,11 @@ int cm_fsync_dir(const char *dir, char **errptr);
 /* Removes a directory tree (like rm -rf); a missing path is fine. */
 int cm_rmtree(const char *path, char **errptr);
 
+/* Drops a path's trailing slashes in place ("/" stays): "out/" (as shell completion gives a
+ * folder) names the folder out, but a name made by appending to it ("out/" ".tmp") lies inside
+ * it instead of beside it, and what follows its last slash is empty. */
+void cm_path_trim(char *path);
+
 /* Puts directory tmpdir at dir: a plain rename when dir does not exist, else an atomic
  * exchange (renameat2 RENAME_EXCHANGE) followed by removal of the old tree. Either way a
  * reader sees the old dir or the new one, never a mixture. fsyncs dir's parent. */

@@ -77,6 +77,12 @@ int cm_rmtree(const char *path, char **errptr)
     return CM_OK;
 }
 
+void cm_path_trim(char *path)
+{
+    for (size_t len = strlen(path); len > 1 && path[len - 1] == '/'; len--)
+        path[len - 1] = '\0';
+}
+
 int cm_dir_swap(const char *tmpdir, const char *dir, char **errptr)
 {
     /* Put in place if dir is absent, else exchanged: decided by the kernel in one call each,

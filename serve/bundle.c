@@ -122,7 +122,10 @@ int ember_serve_writer_create(const char *dir, ember_serve_precision precision, 
         ember_serve_writer_abort(w);
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     }
-    snprintf(w->tmp, n, "%s.tmp", dir);
+    /* Beside the bundle, not in it: "out/" + ".tmp" is out/.tmp, which cannot be swapped
+     * with its own parent (EINVAL), so an --out of "out/" was never written. */
+    cm_path_trim(w->dir);
+    snprintf(w->tmp, n, "%s.tmp", w->dir);
     w->prec = precision;
     w->delta = delta;
     w->step = step;

@@ -226,8 +226,12 @@ static int write_rocksdb(const char *out, const char *model, char (*names)[PS_NA
                          const rows *tabs, uint32_t n_tabs, const float *tower, uint64_t n_tower,
                          char **errptr)
 {
-    char tmp[4200], path[8400];
-    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp-%ld", out, (long)getpid()) >= sizeof tmp)
+    char dir[4200], tmp[4200], path[8400];
+    /* The folder beside out, not in it ("rdb/" + ".tmp-<pid>" cannot be swapped with rdb). */
+    if ((size_t)snprintf(dir, sizeof dir, "%s", out) >= sizeof dir)
+        return cm_err(errptr, CM_EINVAL, "--out path too long");
+    cm_path_trim(dir);
+    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp-%ld", dir, (long)getpid()) >= sizeof tmp)
         return cm_err(errptr, CM_EINVAL, "--out path too long");
     int rc = cm_rmtree(tmp, errptr);
     if (rc == CM_OK) rc = cm_mkdirs(tmp, errptr);
@@ -253,7 +257,7 @@ static int write_rocksdb(const char *out, const char *model, char (*names)[PS_NA
     if (rc == CM_OK) rc = cm_write_file_atomic(path, model, strlen(model), errptr);
     snprintf(path, sizeof path, "%s/tower.f32", tmp);
     if (rc == CM_OK) rc = cm_write_file_atomic(path, tower, n_tower * 4, errptr);
-    if (rc == CM_OK) rc = cm_dir_swap(tmp, out, errptr);
+    if (rc == CM_OK) rc = cm_dir_swap(tmp, dir, errptr);
     if (rc != CM_OK) (void)cm_rmtree(tmp, NULL);
     return rc;
 }

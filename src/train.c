@@ -1228,8 +1228,7 @@ int train_resolve_checkpoint(const char *in, char *out, size_t n, uint64_t *step
     /* The step is read from the directory's name: "run/ckpt/step-40/" (as shell completion
      * gives it) named the empty string after its last slash, step 0, and export wrote a bundle
      * of step 0 (a delta since one refused), reshard a step-0 checkpoint no resume could use. */
-    for (size_t len = strlen(out); len > 1 && out[len - 1] == '/'; len--)
-        out[len - 1] = '\0';
+    cm_path_trim(out);
     const char *base = strrchr(out, '/');
     unsigned long long s = 0;
     *step = sscanf(base ? base + 1 : out, "step-%llu", &s) == 1 ? s : 0;

@@ -4,7 +4,9 @@
  *     not exported or resharded as half its rows; so is one whose shard-1 is another shard's
  *     copy (its MANIFEST names shard 0);
  *   - a checkpoint named with a trailing slash (shell completion: run/ckpt/step-32/) exports at
- *     its step, not at step 0, and reshards to ckpt/step-32.
+ *     its step, not at step 0, and reshards to ckpt/step-32;
+ *   - an --out with a trailing slash (bs/) is written (bundle and RocksDB), fresh and over an
+ *     earlier export.
  */
 #include "serve_util.h"
 
@@ -65,8 +67,8 @@ int main(void)
               export_step());
     rc = su_ember("export --checkpoint run/ckpt/step-40/ --since run/ckpt/step-20/ --out d40");
     CHECK_MSG(rc == 0 && export_step() == 40, "delta step-40/ since step-20/: exit %d", rc);
-    ember_serve *h = rc == 0 ? su_open(su_path("b20"), (const char *[]){su_path("d40"), NULL})
-                             : NULL;
+    ember_serve *h =
+        rc == 0 ? su_open(su_path("b20"), (const char *[]){su_path("d40"), NULL}) : NULL;
     CHECK_MSG(h && ember_serve_step(h) == 40, "b20 + d40 serves step %llu",
               h ? (unsigned long long)ember_serve_step(h) : 0ull);
     ember_serve_close(h);
@@ -77,5 +79,16 @@ int main(void)
                   access(su_path("rs/ckpt/step-40/shard-0/MANIFEST"), F_OK) == 0,
               "reshard of step-40/ wrote LATEST '%s'", latest ? latest : "(none)");
     free(latest);
+
+    fprintf(stderr, "--- --out with a trailing slash\n");
+    for (int round = 0; round < 2; round++) {
+        rc = su_ember("export --checkpoint run --out bs/");
+        CHECK_MSG(rc == 0 && access(su_path("bs/MANIFEST"), F_OK) == 0 &&
+                      access(su_path("bs/.tmp"), F_OK) != 0,
+                  "round %d: export --out bs/: exit %d", round, rc);
+        rc = su_ember("export --checkpoint run --out rdb/ --format rocksdb");
+        CHECK_MSG(rc == 0 && access(su_path("rdb/model.txt"), F_OK) == 0,
+                  "round %d: export --out rdb/ --format rocksdb: exit %d", round, rc);
+    }
     return check_done();
 }

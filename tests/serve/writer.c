@@ -319,6 +319,25 @@ static void foreign_folder(void)
     CHECK_OK(write_lr(su_path("ok"), EMBER_SERVE_FP32, 2, x, 1, &err), err);
 }
 
+/* A bundle path with a trailing slash ("out/", as shell completion gives a folder) names the
+ * folder: written fresh and over an earlier bundle, with nothing left inside it. */
+static void trailing_slash(void)
+{
+    const float x[2] = {1.0f, 2.0f};
+    for (int round = 0; round < 2; round++) {
+        char *err = NULL;
+        char dir[8400];
+        snprintf(dir, sizeof dir, "%s/", su_path("slash"));
+        int rc = write_lr(dir, EMBER_SERVE_FP32, 2, x, 1, &err);
+        CHECK_MSG(rc == 0, "round %d: writing %s: %s", round, dir, err ? err : "?");
+        free(err);
+        ember_serve *h = rc == 0 ? su_open(su_path("slash"), NULL) : NULL;
+        CHECK_MSG(h && ember_serve_table(h, "x") >= 0, "round %d: slash/ does not open", round);
+        ember_serve_close(h);
+        CHECK_MSG(access(su_path("slash/.tmp"), F_OK) != 0, "round %d: slash/.tmp left", round);
+    }
+}
+
 int main(void)
 {
     if (su_init("serve_writer") != 0) return check_done();
@@ -347,5 +366,6 @@ int main(void)
     same_table_twice();
     backward_delta();
     foreign_folder();
+    trailing_slash();
     return check_done();
 }
