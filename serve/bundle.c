@@ -462,7 +462,7 @@ static bool file_listed(const serve_layer *L, const char *fname)
 }
 
 /* Reads one bundle directory into a layer: manifest, every file verified. */
-static int layer_open(const char *dir, serve_layer *L, char **errptr)
+static int layer_read(const char *dir, serve_layer *L, char **errptr)
 {
     memset(L, 0, sizeof *L);
     char path[4200];
@@ -551,6 +551,39 @@ out:
     free(text);
     if (rc != CM_OK) layer_close(L);
     return rc;
+}
+
+/* Whether two stats are of one directory, untouched: a rename changes its ctime. */
+static bool same_dir(const struct stat *a, const struct stat *b)
+{
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino &&
+           a->st_ctim.tv_sec == b->st_ctim.tv_sec && a->st_ctim.tv_nsec == b->st_ctim.tv_nsec;
+}
+
+/* layer_read, again when the folder at dir was replaced meanwhile. An export puts a new bundle
+ * in place by exchanging folders and then removing the old one (cm_dir_swap): an open that
+ * read one's MANIFEST and the other's files, or found them removed, refused a good bundle as
+ * damaged ("checksum mismatch"). A failure with the same folder still at dir stands. */
+static int layer_open(const char *dir, serve_layer *L, char **errptr)
+{
+    enum { TRIES = 8 }; /* each retry follows a replacement: only a storm of exports runs out */
+    for (int i = 0;; i++) {
+        struct stat before, after;
+        char *err = NULL;
+        bool had = stat(dir, &before) == 0;
+        int rc = layer_read(dir, L, &err);
+        if (rc == CM_OK || i + 1 == TRIES || !had || stat(dir, &after) != 0 ||
+            same_dir(&before, &after)) {
+            if (err != NULL && errptr != NULL) {
+                free(*errptr); /* as cm_err does */
+                *errptr = err;
+            } else {
+                free(err);
+            }
+            return rc;
+        }
+        free(err);
+    }
 }
 
 int ember_serve_open(const char *bundle, ember_serve **out, char **errptr)

@@ -30,7 +30,8 @@
  *
  * Concurrency: after open (and any apply_delta), lookup and predict may be called from any
  * number of threads at once; they only read the mappings. apply_delta and close must not run
- * concurrently with anything else on the handle.
+ * concurrently with anything else on the handle. Opening a bundle (or applying a delta) that an
+ * export is replacing meanwhile gets the old one or the new one, whole.
  *
  * Speed: predict's tower runs on OpenBLAS, whose kernels are chosen when the library loads. A
  * DYNAMIC_ARCH OpenBLAS that does not know the CPU falls back to SSE3 kernels (Debian 12's

@@ -3,6 +3,8 @@
  * that look up keys (every key of both tables plus misses, in chunks of varying sizes) and
  * predict every eval row, all at once, several rounds each: every result equals, bit for bit,
  * what one thread got alone beforehand.
+ * And a bundle opened while exports replace it (one thread writes it again and again, two
+ * versions in turn, while another opens it): every open succeeds and serves one version whole.
  */
 #include <pthread.h>
 
@@ -75,9 +77,87 @@ static void *run_worker(void *arg)
     return NULL;
 }
 
+/* ---- opening a bundle while an export replaces it ---- */
+
+#define SWAP_ROWS 20000u
+#define SWAP_WRITES 60
+static volatile int swaps_done;
+
+/* Bundle "live" at version v (1 or 2): an lr model whose tower and every lin row hold v. */
+static int write_version(float v, char **err)
+{
+    static uint64_t keys[SWAP_ROWS];
+    static float rows[SWAP_ROWS];
+    for (uint32_t i = 0; i < SWAP_ROWS; i++) {
+        keys[i] = i + 1;
+        rows[i] = v;
+    }
+    const float tower[2] = {v, v};
+    ember_serve_writer *w = NULL;
+    int rc =
+        ember_serve_writer_create(su_path("live"), EMBER_SERVE_FP32, 0, (uint64_t)v, 0, &w, err);
+    if (rc == 0) rc = ember_serve_writer_model(w, "kind lr\nfields 2\ndense 1\ndim 1\n", err);
+    if (rc == 0) rc = ember_serve_writer_dense(w, tower, 2, err);
+    if (rc == 0) rc = ember_serve_writer_table(w, "lin", 1, keys, rows, SWAP_ROWS, NULL, 0, err);
+    if (rc == 0) {
+        rc = ember_serve_writer_commit(w, err);
+        w = NULL;
+    }
+    ember_serve_writer_abort(w);
+    return rc;
+}
+
+static void *swap_writer(void *arg)
+{
+    size_t *failed = arg;
+    for (int i = 0; i < SWAP_WRITES; i++) {
+        char *err = NULL;
+        if (write_version((float)(1 + i % 2), &err) != 0) {
+            if (*failed == 0) fprintf(stderr, "    export %d failed: %s\n", i, err ? err : "?");
+            (*failed)++;
+        }
+        free(err);
+    }
+    __atomic_store_n(&swaps_done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+static void open_during_export(void)
+{
+    char *err = NULL;
+    CHECK_OK(write_version(1, &err), err);
+    size_t write_failed = 0, opens = 0, failed = 0, mixed = 0;
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, swap_writer, &write_failed) == 0);
+    while (!__atomic_load_n(&swaps_done, __ATOMIC_ACQUIRE)) {
+        ember_serve *hl = NULL;
+        int rc = ember_serve_open(su_path("live"), &hl, &err);
+        opens++;
+        if (rc != 0) {
+            if (failed++ == 0) fprintf(stderr, "    open failed: %s\n", err ? err : "?");
+        } else {
+            /* one version whole: its step, its rows */
+            const uint64_t keys[2] = {1, SWAP_ROWS};
+            float out[2];
+            float v = (float)ember_serve_step(hl);
+            if (ember_serve_lookup(hl, ember_serve_table(hl, "lin"), keys, 2, out, NULL) != 0 ||
+                out[0] != v || out[1] != v)
+                mixed++;
+        }
+        free(err);
+        err = NULL;
+        ember_serve_close(hl);
+    }
+    pthread_join(th, NULL);
+    fprintf(stderr, "    %zu opens during %d exports: %zu failed, %zu mixed; %zu exports failed\n",
+            opens, SWAP_WRITES, failed, mixed, write_failed);
+    CHECK(opens > 0 && failed == 0 && mixed == 0 && write_failed == 0);
+}
+
 int main(void)
 {
     if (su_init("serve_concurrent") != 0) return check_done();
+    open_during_export();
     if (su_make_data(20000, 13) != 0 || su_train("deepfm") != 0) return check_done();
     int rc = su_ember("export --checkpoint run-deepfm/ckpt/step-20 --out base");
     if (rc == 0) rc = su_ember("export --checkpoint run-deepfm --since run-deepfm/ckpt/step-20 --out delta");
