@@ -115,7 +115,7 @@ int ember_serve_writer_create(const char *dir, ember_serve_precision precision, 
     if (rc != CM_OK) return rc;
     ember_serve_writer *w = calloc(1, sizeof *w);
     if (w == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-    size_t n = strlen(dir) + 16;
+    size_t n = strlen(dir) + 48;
     w->dir = strdup(dir);
     w->tmp = malloc(n);
     if (w->dir == NULL || w->tmp == NULL) {
@@ -123,9 +123,15 @@ int ember_serve_writer_create(const char *dir, ember_serve_precision precision, 
         return cm_err(errptr, CM_ENOMEM, "out of memory");
     }
     /* Beside the bundle, not in it: "out/" + ".tmp" is out/.tmp, which cannot be swapped
-     * with its own parent (EINVAL), so an --out of "out/" was never written. */
+     * with its own parent (EINVAL), so an --out of "out/" was never written. And this writer's
+     * own: with one "<dir>.tmp" for all, a second export into dir removed the first's folder
+     * while it wrote, and the first then swapped in a MANIFEST over the second's files (a
+     * bundle that does not open, in place of a good one, the first exiting 0). Two at once now
+     * both finish, and the bundle is whichever swapped in last. */
+    static unsigned seq;
     cm_path_trim(w->dir);
-    snprintf(w->tmp, n, "%s.tmp", w->dir);
+    snprintf(w->tmp, n, "%s.tmp-%ld-%u", w->dir, (long)getpid(),
+             __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
     w->prec = precision;
     w->delta = delta;
     w->step = step;

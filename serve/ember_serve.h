@@ -103,8 +103,9 @@ int ember_serve_precision_parse(const char *name, ember_serve_precision *out);
 
 typedef struct ember_serve_writer ember_serve_writer;
 
-/* Starts a bundle at dir (built in "<dir>.tmp", swapped into place by commit). A delta names
- * the step of the checkpoint it is relative to. */
+/* Starts a bundle at dir (built in "<dir>.tmp-<pid>-<n>", swapped into place by commit: exports
+ * into one dir at once each finish, the last to commit in place; one killed leaves its folder
+ * behind). A delta names the step of the checkpoint it is relative to. */
 int ember_serve_writer_create(const char *dir, ember_serve_precision precision, int delta,
                               uint64_t step, uint64_t base_step, ember_serve_writer **out,
                               char **errptr);

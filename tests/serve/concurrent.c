@@ -4,7 +4,8 @@
  * predict every eval row, all at once, several rounds each: every result equals, bit for bit,
  * what one thread got alone beforehand.
  * And a bundle opened while exports replace it (one thread writes it again and again, two
- * versions in turn, while another opens it): every open succeeds and serves one version whole.
+ * versions in turn, while another opens it): every open succeeds and serves one version whole;
+ * and two exports into one bundle at once both succeed, leaving one of them whole in place.
  */
 #include <pthread.h>
 
@@ -154,10 +155,45 @@ static void open_during_export(void)
     CHECK(opens > 0 && failed == 0 && mixed == 0 && write_failed == 0);
 }
 
+/* Two writers exporting into "live" at once, each its own version, several times. */
+static void *version_writer(void *arg)
+{
+    size_t *failed = arg; /* [0]: the version, [1]: failures */
+    for (int i = 0; i < 10; i++) {
+        char *err = NULL;
+        if (write_version((float)failed[0], &err) != 0) {
+            if (failed[1] == 0) fprintf(stderr, "    export failed: %s\n", err ? err : "?");
+            failed[1]++;
+        }
+        free(err);
+    }
+    return NULL;
+}
+
+static void two_exports(void)
+{
+    size_t st[2][2] = {{1, 0}, {2, 0}};
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++)
+        CHECK(pthread_create(&th[i], NULL, version_writer, st[i]) == 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    ember_serve *hl = su_open(su_path("live"), NULL);
+    const uint64_t keys[2] = {1, SWAP_ROWS};
+    float out[2] = {0, 0}, v = hl ? (float)ember_serve_step(hl) : 0;
+    CHECK_MSG(st[0][1] == 0 && st[1][1] == 0 && hl &&
+                  ember_serve_lookup(hl, ember_serve_table(hl, "lin"), keys, 2, out, NULL) == 0 &&
+                  (v == 1 || v == 2) && out[0] == v && out[1] == v,
+              "two exports at once: %zu and %zu failed; the bundle %s", st[0][1], st[1][1],
+              hl ? "is not one version whole" : "does not open");
+    ember_serve_close(hl);
+}
+
 int main(void)
 {
     if (su_init("serve_concurrent") != 0) return check_done();
     open_during_export();
+    two_exports();
     if (su_make_data(20000, 13) != 0 || su_train("deepfm") != 0) return check_done();
     int rc = su_ember("export --checkpoint run-deepfm/ckpt/step-20 --out base");
     if (rc == 0) rc = su_ember("export --checkpoint run-deepfm --since run-deepfm/ckpt/step-20 --out delta");
