@@ -15,6 +15,7 @@
 #define EMBER_COMMON_H
 
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -187,6 +188,10 @@ int cm_write_full(int fd, const void *buf, size_t n);
 
 /* The running program's own binary (readlink of /proc/self/exe) into buf, NUL-terminated. */
 int cm_self_exe(char *buf, size_t n, char **errptr);
+
+/* Writes s to f as the body of a JSON string (no quotes around it): quotes, backslashes and
+ * control characters escaped. Paths, names and model text in ember's JSON can hold any. */
+void cm_json_escape(FILE *f, const char *s);
 
 /* Reads a whole file into a heap buffer (*buf, owned by the caller, free()), length in *len.
  * A NUL byte follows the data (not counted in *len), so a text file reads as a C string. */

@@ -568,3 +568,17 @@ int cm_read_sealed(const char *path, char **text, size_t *len, char **errptr)
     *len = n;
     return CM_OK;
 }
+
+void cm_json_escape(FILE *f, const char *s)
+{
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            fprintf(f, "\\%c", *p);
+        else if (*p == '\n')
+            fputs("\\n", f);
+        else if (*p < 0x20)
+            fprintf(f, "\\u%04x", *p);
+        else
+            fputc(*p, f);
+    }
+}

@@ -81,15 +81,11 @@ double ds_stats_distinct(const ds_stats *s, uint32_t field)
     return e;
 }
 
+/* s as a JSON string, quotes included. */
 static void json_str(FILE *f, const char *s)
 {
     fputc('"', f);
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-        else if (c < 0x20) fprintf(f, "\\u%04x", c);
-        else fputc(c, f);
-    }
+    cm_json_escape(f, s);
     fputc('"', f);
 }
 

@@ -146,22 +146,6 @@ static int load_table(const char *ckpt, const char *name, rows *t, char **errptr
     return rc;
 }
 
-/* s as the body of a JSON string: quotes, backslashes and control characters escaped (the
- * model text has line breaks; a table name could hold anything its config file allowed). */
-static void json_str(FILE *f, const char *s)
-{
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        if (*p == '"' || *p == '\\')
-            fprintf(f, "\\%c", *p);
-        else if (*p == '\n')
-            fputs("\\n", f);
-        else if (*p < 0x20)
-            fprintf(f, "\\u%04x", *p);
-        else
-            fputc(*p, f);
-    }
-}
-
 /* safetensors: u64 header length, JSON header, then the tensors' bytes. */
 static int write_safetensors(const char *out, const char *model, char (*names)[PS_NAME_MAX],
                              const rows *tabs, uint32_t n_tabs, const float *tower, uint64_t n_tower,
@@ -176,12 +160,12 @@ static int write_safetensors(const char *out, const char *model, char (*names)[P
     for (uint32_t i = 0; i < n_tabs; i++) {
         uint64_t kb = tabs[i].n * 8, wb = tabs[i].n * tabs[i].dim * 4;
         fputc('"', h);
-        json_str(h, names[i]);
+        cm_json_escape(h, names[i]);
         fprintf(h,
                 ".keys\":{\"dtype\":\"U64\",\"shape\":[%" PRIu64 "],\"data_offsets\":[%" PRIu64
                 ",%" PRIu64 "]},\"",
                 tabs[i].n, off, off + kb);
-        json_str(h, names[i]);
+        cm_json_escape(h, names[i]);
         fprintf(h,
                 ".weights\":{\"dtype\":\"F32\",\"shape\":[%" PRIu64
                 ",%u],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]},",
@@ -192,7 +176,7 @@ static int write_safetensors(const char *out, const char *model, char (*names)[P
             "\"tower\":{\"dtype\":\"F32\",\"shape\":[%" PRIu64 "],\"data_offsets\":[%" PRIu64
             ",%" PRIu64 "]},\"__metadata__\":{\"step\":\"%" PRIu64 "\",\"model\":\"",
             n_tower, off, off + n_tower * 4, step);
-    json_str(h, model);
+    cm_json_escape(h, model);
     fputs("\"}}", h);
     while (ftell(h) % 8)
         fputc(' ', h); /* the format pads the header with spaces */
@@ -397,9 +381,11 @@ int cmd_export(int argc, char **argv)
         free(err);
         return 1;
     }
-    printf("{\"out\":\"%s\",\"format\":\"%s\",\"precision\":\"%s\",\"step\":%" PRIu64
-           ",\"rows\":%" PRIu64 ",\"deleted\":%" PRIu64 ",\"delta\":%s}\n",
-           out, format, bundle ? (const char *[]){"fp32", "fp16", "int8"}[prec] : "fp32", step,
-           total, total_deleted, since ? "true" : "false");
+    fputs("{\"out\":\"", stdout);
+    cm_json_escape(stdout, out);
+    printf("\",\"format\":\"%s\",\"precision\":\"%s\",\"step\":%" PRIu64 ",\"rows\":%" PRIu64
+           ",\"deleted\":%" PRIu64 ",\"delta\":%s}\n",
+           format, bundle ? (const char *[]){"fp32", "fp16", "int8"}[prec] : "fp32", step, total,
+           total_deleted, since ? "true" : "false");
     return 0;
 }

@@ -104,7 +104,9 @@ int cmd_predict(int argc, char **argv)
         return 1;
     }
     double secs = cm_now() - t0;
-    printf("{\"rows\":%" PRIu64 ",\"seconds\":%.3f,\"rows_per_s\":%.1f,\"out\":\"%s\"}\n", n, secs,
-           secs > 0 ? (double)n / secs : 0.0, out);
+    printf("{\"rows\":%" PRIu64 ",\"seconds\":%.3f,\"rows_per_s\":%.1f,\"out\":\"", n, secs,
+           secs > 0 ? (double)n / secs : 0.0);
+    cm_json_escape(stdout, out);
+    fputs("\"}\n", stdout);
     return 0;
 }

@@ -211,7 +211,10 @@ int cmd_reshard(int argc, char **argv)
         free(err);
         return 1;
     }
-    printf("{\"from\":\"%s\",\"to\":\"%s\",\"shards\":%" PRIu64 ",\"seconds\":%.3f}\n", ckpt, dst,
-           shards, cm_now() - t0);
+    fputs("{\"from\":\"", stdout);
+    cm_json_escape(stdout, ckpt);
+    fputs("\",\"to\":\"", stdout);
+    cm_json_escape(stdout, dst);
+    printf("\",\"shards\":%" PRIu64 ",\"seconds\":%.3f}\n", shards, cm_now() - t0);
     return 0;
 }

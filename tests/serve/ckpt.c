@@ -6,7 +6,8 @@
  *   - a checkpoint named with a trailing slash (shell completion: run/ckpt/step-32/) exports at
  *     its step, not at step 0, and reshards to ckpt/step-32;
  *   - an --out with a trailing slash (bs/) is written (bundle and RocksDB), fresh and over an
- *     earlier export.
+ *     earlier export;
+ *   - export, reshard and predict name paths holding a quote and a backslash as JSON strings.
  */
 #include "serve_util.h"
 
@@ -18,6 +19,39 @@ static long long export_step(void)
     long long v = s ? atoll(s + 7) : -1;
     free(out);
     return v;
+}
+
+/* The JSON string value of "key" in out.txt's JSON line, unescaped into v; -1 when missing or
+ * not a well-formed JSON string (a raw quote ends it early, a raw control character or a stray
+ * backslash is refused). */
+static int json_string(const char *key, char *v, size_t cap)
+{
+    char *out = su_slurp(su_path("out.txt"), NULL), pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":\"", key);
+    const char *p = out ? strstr(out, pat) : NULL;
+    int rc = -1;
+    size_t n = 0;
+    for (p = p ? p + strlen(pat) : NULL; p && *p && n + 1 < cap; p++) {
+        if (*p == '"') {
+            rc = p[1] == ',' || p[1] == '}' ? 0 : -1; /* the value must end the member */
+            break;
+        }
+        if ((unsigned char)*p < 0x20) break;
+        if (*p == '\\') {
+            p++;
+            if (*p == '"' || *p == '\\' || *p == '/')
+                v[n++] = *p;
+            else if (*p == 'n')
+                v[n++] = '\n';
+            else
+                break;
+        } else {
+            v[n++] = *p;
+        }
+    }
+    v[n] = '\0';
+    free(out);
+    return rc;
 }
 
 static int err_names(const char *needle)
@@ -90,5 +124,20 @@ int main(void)
         CHECK_MSG(rc == 0 && access(su_path("rdb/model.txt"), F_OK) == 0,
                   "round %d: export --out rdb/ --format rocksdb: exit %d", round, rc);
     }
+
+    /* The JSON lines name paths as JSON strings: a quote or a backslash in one is escaped. */
+    fprintf(stderr, "--- paths with a quote and a backslash in the JSON lines\n");
+    static const char odd[] = "q\"b\\s";
+    char v[256];
+    rc = su_ember("export --checkpoint run --out 'q\"b\\s'");
+    CHECK_MSG(rc == 0 && json_string("out", v, sizeof v) == 0 && !strcmp(v, odd),
+              "export --out %s: exit %d, out '%s'", odd, rc, v);
+    rc = su_ember("reshard --from run --shards 1 --out 'r\"e\\s'");
+    CHECK_MSG(rc == 0 && json_string("to", v, sizeof v) == 0 &&
+                  !strncmp(v, "r\"e\\s/", 6), /* its checkpoint's step folder */
+              "reshard --out r\"e\\s: exit %d, to '%s'", rc, v);
+    rc = su_ember("predict --bundle 'q\"b\\s' --data shards/eval --out 'p\"r\\d'");
+    CHECK_MSG(rc == 0 && json_string("out", v, sizeof v) == 0 && !strcmp(v, "p\"r\\d"),
+              "predict --out p\"r\\d: exit %d, out '%s'", rc, v);
     return check_done();
 }
