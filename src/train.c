@@ -1225,13 +1225,38 @@ int train_resolve_checkpoint(const char *in, char *out, size_t n, uint64_t *step
         if (rc != CM_OK) return rc;
         snprintf(out, n, "%s/ckpt/step-%" PRIu64, in, latest);
     }
-    /* The step is read from the directory's name: "run/ckpt/step-40/" (as shell completion
-     * gives it) named the empty string after its last slash, step 0, and export wrote a bundle
-     * of step 0 (a delta since one refused), reshard a step-0 checkpoint no resume could use. */
+    /* "run/ckpt/step-40/" (as shell completion gives it) named the empty string after its
+     * last slash: step 0 (export wrote a bundle of step 0, reshard a step-0 checkpoint). */
     cm_path_trim(out);
     const char *base = strrchr(out, '/');
-    unsigned long long s = 0;
-    *step = sscanf(base ? base + 1 : out, "step-%llu", &s) == 1 ? s : 0;
+    base = base ? base + 1 : out;
+    size_t bl = strlen(base), sl = strlen(TRAIN_CKPT_STAGING);
+    if (bl > sl && !strcmp(base + bl - sl, TRAIN_CKPT_STAGING))
+        return cm_err(errptr, CM_EINVAL,
+                      "%s is a checkpoint being assembled, or one an interrupted save left: give "
+                      "the checkpoint it would have become, once its save has finished",
+                      out);
+    /* The step is the name's: the trainer names a checkpoint by its schedule's step, which
+     * the workers' own positions need not equal (a final checkpoint of workers that ran out of
+     * data unevenly). A copy under another name (run/best) was taken as step 0, which stacks
+     * no delta: it goes by worker 0's position instead, and without one (a PS SAVE of its own)
+     * is step 0. */
+    unsigned long long named = 0;
+    if (sscanf(base, "step-%llu", &named) == 1) {
+        *step = named;
+        return CM_OK;
+    }
+    uint64_t own = 0;
+    char *err = NULL;
+    snprintf(path, sizeof path, "%s/worker-0.pos", out);
+    int rc = read_tagged(path, "step %llu", &own, NULL, &err);
+    if (rc != CM_OK && rc != CM_ENOTFOUND) {
+        cm_err(errptr, rc, "%s", err);
+        free(err);
+        return rc;
+    }
+    free(err);
+    *step = rc == CM_OK ? own : 0;
     return CM_OK;
 }
 

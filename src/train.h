@@ -133,7 +133,8 @@ typedef struct train_result {
 #define TRAIN_CKPT_STAGING ".tmp"
 
 /* A checkpoint directory from `in`: in itself when it holds shard-0/, else the run directory's
- * ckpt/LATEST. *step is parsed from the "step-N" name (0 if none). */
+ * ckpt/LATEST. *step is parsed from the "step-N" name; under another name it is worker 0's
+ * position (worker-0.pos), else 0. A staging folder ("...<n>.tmp") is refused. */
 int train_resolve_checkpoint(const char *in, char *out, size_t n, uint64_t *step, char **errptr);
 
 /* Writes one probability per line ("%.9g"), atomically. */

@@ -7,6 +7,8 @@
  *     its step, not at step 0, and reshards to ckpt/step-32;
  *   - an --out with a trailing slash (bs/) is written (bundle and RocksDB), fresh and over an
  *     earlier export;
+ *   - a checkpoint copied under another name exports at worker 0's step, not 0; a staging
+ *     folder (step-N.tmp, an interrupted save's) is refused by export and reshard;
  *   - export, reshard and predict name paths holding a quote and a backslash as JSON strings.
  */
 #include "serve_util.h"
@@ -124,6 +126,25 @@ int main(void)
         CHECK_MSG(rc == 0 && access(su_path("rdb/model.txt"), F_OK) == 0,
                   "round %d: export --out rdb/ --format rocksdb: exit %d", round, rc);
     }
+
+    /* A copy under another name goes by worker 0's position (step 40 here, one worker), not
+     * step 0; a staging folder (an interrupted save's) is refused, not exported as a step. */
+    fprintf(stderr, "--- a checkpoint copied under another name, and a staging folder\n");
+    {
+        char cmd[4300];
+        snprintf(cmd, sizeof cmd,
+                 "cd '%s' && cp -r run/ckpt/step-40 best && cp -r run/ckpt/step-40 "
+                 "run/ckpt/step-48.tmp",
+                 su_dir);
+        CHECK(system(cmd) == 0);
+    }
+    rc = su_ember("export --checkpoint best --out b-best");
+    CHECK_MSG(rc == 0 && export_step() == 40, "export of a copy named best: exit %d, step %lld", rc,
+              export_step());
+    rc = su_ember("export --checkpoint run/ckpt/step-48.tmp --out b-tmp");
+    CHECK_MSG(rc != 0 && err_names("being assembled"), "export of a staging folder: exit %d", rc);
+    rc = su_ember("reshard --from run/ckpt/step-48.tmp --shards 1 --out r-tmp");
+    CHECK_MSG(rc != 0 && err_names("being assembled"), "reshard of a staging folder: exit %d", rc);
 
     /* The JSON lines name paths as JSON strings: a quote or a backslash in one is escaped. */
     fprintf(stderr, "--- paths with a quote and a backslash in the JSON lines\n");
