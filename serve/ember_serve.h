@@ -86,7 +86,8 @@ typedef struct ember_serve_batch {
     const float *weights; /* per key, or NULL */
 } ember_serve_batch;
 
-/* Click probabilities for every row into out (n_rows floats, caller's). */
+/* Click probabilities for every row into out (n_rows floats, caller's). Offsets that do not
+ * start at 0 or that go back are refused (CM_EINVAL, naming the row and field). */
 int ember_serve_predict(const ember_serve *h, const ember_serve_batch *b, float *out,
                         char **errptr);
 

@@ -12,6 +12,7 @@
  *     source differs); the handle keeps serving as before after a refusal.
  *   - Deletions (TTL-like), built with ember_serve_writer_*: keys a delta deletes read as zeros
  *     with found = 0; a later delta can bring them back; deleting an absent key is harmless.
+ *   - ember_serve_predict refuses offsets that do not start at 0 or that go back.
  */
 #include "serve_util.h"
 
@@ -242,6 +243,24 @@ static void deletions(const char *model, const float *tower, uint64_t n_tower)
     CHECK_MSG(rc == 0 && p >= 0 && p <= 1, "predict over deleted keys: rc %d p %g %s", rc, (double)p,
               err ? err : "");
     free(err);
+    /* Offsets that do not start at 0 or that go back are the caller's mistake, refused: taken as
+     * given they name key ranges outside the batch's keys. */
+    {
+        uint32_t bad[2][27];
+        for (int v = 0; v < 2; v++)
+            memcpy(bad[v], offs, sizeof offs);
+        bad[0][0] = 3;  /* does not start at 0 */
+        bad[1][6] = 40; /* row 0 field 5 ends past field 6's end: goes back after it */
+        for (int v = 0; v < 2; v++) {
+            ember_serve_batch bb = {1, 13, 26, dense, bad[v], pk, NULL};
+            err = NULL;
+            float q = -1;
+            rc = ember_serve_predict(h, &bb, &q, &err);
+            CHECK_MSG(rc == CM_EINVAL && err && strstr(err, "offsets"),
+                      "predict with bad offsets (%d): rc %d, %s", v, rc, err ? err : "(none)");
+            free(err);
+        }
+    }
     /* wrong bases */
     ember_serve *hb = su_open(su_path("w-base"), NULL);
     if (hb) {
