@@ -182,7 +182,9 @@ typedef struct emb_table emb_table;
  * be created. The spill database is private scratch: an existing one at spill_path is wiped. */
 int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr);
 
-/* Frees the table and removes its spill database. NULL is fine. */
+/* Frees the table and removes its spill database (emb_store_drop): the spill directory goes
+ * too when nothing else is in it, while files the table did not write stay where they are (a
+ * spill_path may name a directory that holds other things). NULL is fine. */
 void emb_table_destroy(emb_table *t);
 
 /* The table's config (owned by the table). */
@@ -316,7 +318,14 @@ typedef struct emb_store emb_store;
  * record_bytes >= 8 (the first 8 bytes of a record are its key). */
 int emb_store_create(const char *kind, const char *path, size_t record_bytes, emb_store **out,
                      char **errptr);
+/* Frees the store and keeps what it wrote: a "rocksdb" store's database stays at its path (an
+ * export writes one this way). NULL is fine. */
 void emb_store_destroy(emb_store *s);
+/* Frees the store and removes what it wrote: for "rocksdb", RocksDB's own files at its path,
+ * then the directory when that leaves it empty. Other files there are not the store's and
+ * stay, and so does the directory holding them. The store is freed even when the removal
+ * fails (CM_EIO naming the path). NULL is fine. */
+int emb_store_drop(emb_store *s, char **errptr);
 const char *emb_store_kind(const emb_store *s);
 /* For each of n keys copies its record into recs + i*record_bytes and sets found[i] to 1, or
  * sets found[i] to 0 and leaves that record untouched. */

@@ -216,6 +216,9 @@ struct emb_store_ops {
     const char *kind;
     int (*open)(const char *path, size_t rec, void **impl, char **errptr);
     void (*close)(void *impl);
+    /* Closes, then removes what the store keeps outside the process; NULL where that is
+     * nothing (memory), and emb_store_drop only closes. */
+    int (*drop)(void *impl, char **errptr);
     int (*get)(void *impl, const uint64_t *keys, size_t n, void *recs, uint8_t *found,
                char **errptr);
     int (*put)(void *impl, const void *recs, size_t n, char **errptr);

@@ -41,6 +41,18 @@ void emb_store_destroy(emb_store *s)
     free(s);
 }
 
+int emb_store_drop(emb_store *s, char **errptr)
+{
+    if (s == NULL) return CM_OK;
+    int rc = CM_OK;
+    if (s->ops->drop != NULL)
+        rc = s->ops->drop(s->impl, errptr);
+    else
+        s->ops->close(s->impl);
+    free(s);
+    return rc;
+}
+
 const char *emb_store_kind(const emb_store *s)
 {
     return s->ops->kind;

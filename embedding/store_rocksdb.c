@@ -39,6 +39,32 @@ static void rdb_close(void *impl)
     free(r);
 }
 
+/* Removes the database at path the way RocksDB does (rocksdb_destroy_db): every file named as
+ * RocksDB names its own, then the directory when that leaves it empty. Anything else there
+ * stays, so a path shared with other files keeps them. A file it cannot remove is an error. */
+static int rdb_remove(const rocksdb_options_t *opts, const char *path, char **errptr)
+{
+    char *err = NULL;
+    rocksdb_destroy_db(opts, path, &err);
+    if (err == NULL) return CM_OK;
+    int rc = cm_err(errptr, CM_EIO, "cannot remove the RocksDB database at %s: %s", path, err);
+    free(err);
+    return rc;
+}
+
+/* Closes the database first: RocksDB removes one only while it can take its lock. */
+static int rdb_drop(void *impl, char **errptr)
+{
+    rdb *r = impl;
+    if (r->cf) rocksdb_column_family_handle_destroy(r->cf);
+    if (r->db) rocksdb_close(r->db);
+    r->cf = NULL;
+    r->db = NULL;
+    int rc = rdb_remove(r->opts, r->path, errptr);
+    rdb_close(r);
+    return rc;
+}
+
 static int rdb_open(const char *path, size_t rec, void **impl, char **errptr)
 {
     if (path == NULL || path[0] == '\0')
@@ -270,6 +296,7 @@ const struct emb_store_ops emb_store_rocksdb_ops = {
     .kind = "rocksdb",
     .open = rdb_open,
     .close = rdb_close,
+    .drop = rdb_drop,
     .get = rdb_get,
     .put = rdb_put,
     .del = rdb_del,

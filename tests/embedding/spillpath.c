@@ -3,6 +3,8 @@
  * there. A second table given the path of a live table's spill (two shards or processes
  * configured alike) must fail to create and leave the live database alone: the live table
  * keeps every row and keeps spilling. Nor may a failed create remove a file it was pointed at.
+ * A spill path that already holds other files is shared, not the table's: destroying the table
+ * removes its database and leaves those files.
  */
 #include <sys/stat.h>
 
@@ -77,10 +79,70 @@ static void test_file(const char *dir)
     free(data);
 }
 
+/* Creates a table spilling to spill, with rows pushed through a small budget so that some
+ * live in its database. */
+static emb_table *spilling_table(const char *spill, emb_table_config *c)
+{
+    enum { N = 20000 };
+    *c = eu_config(EMB_OPT_SGD, 4);
+    c->n_sub = 1;
+    c->mem_budget_bytes = 64 * (emb_row_bytes(c) + 1);
+    c->spill_path = spill;
+    emb_table *t = eu_create(c);
+    uint64_t *keys = eu_xmalloc(N * sizeof *keys);
+    float *g = eu_xcalloc((size_t)N * 4, sizeof *g);
+    for (size_t i = 0; i < N; i++)
+        keys[i] = eu_key(i);
+    eu_push(t, keys, N, g);
+    free(keys);
+    free(g);
+    CHECK(eu_stats(t).rows_spilled > 0);
+    return t;
+}
+
+static int exists(const char *dir, const char *name)
+{
+    char p[4400];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    struct stat st;
+    return lstat(p, &st) == 0;
+}
+
+/* A spill path pointed at a directory that holds other files (RocksDB opens there fine):
+ * destroying the table used to remove the whole directory, the other files with it. */
+static void test_shared_dir(const char *dir)
+{
+    char shared[4200], sub[4300], file[4300], nested[4400];
+    snprintf(shared, sizeof shared, "%s/shared", dir);
+    snprintf(sub, sizeof sub, "%s/keep", shared);
+    snprintf(file, sizeof file, "%s/notes.txt", shared);
+    snprintf(nested, sizeof nested, "%s/nested.txt", sub);
+    char *err = NULL;
+    CHECK_OK(cm_mkdirs(sub, &err), err);
+    CHECK_OK(cm_write_file_atomic(file, "notes\n", 6, &err), err);
+    CHECK_OK(cm_write_file_atomic(nested, "nested\n", 7, &err), err);
+    emb_table_config c;
+    emb_table_destroy(spilling_table(shared, &c));
+    CHECK_MSG(exists(shared, "notes.txt") && exists(shared, "keep/nested.txt"),
+              "destroying a table removed files in %s that were not its own", shared);
+    /* Its own files are gone: nothing of the database is left behind. */
+    CHECK_MSG(!exists(shared, "CURRENT") && !exists(shared, "LOCK") && !exists(shared, "LOG") &&
+                  !exists(shared, "IDENTITY"),
+              "destroying a table left its spill database in %s", shared);
+
+    /* A path that did not exist is the table's own, and goes whole (ps and the trainer point
+     * each table at a directory of its own and rely on this). */
+    char own[4200];
+    snprintf(own, sizeof own, "%s/own/spill", dir);
+    emb_table_destroy(spilling_table(own, &c));
+    CHECK_MSG(access(own, F_OK) != 0, "destroy left the spill directory %s", own);
+}
+
 int main(void)
 {
     const char *dir = check_tmpdir("emb_spillpath");
     test_in_use(dir);
     test_file(dir);
+    test_shared_dir(dir);
     return check_done();
 }
