@@ -179,7 +179,9 @@ typedef struct emb_table emb_table;
 /* Creates a table. On success *out is owned by the caller (emb_table_destroy). Fails with
  * CM_EINVAL on a bad config (dim 0 or > EMB_MAX_DIM, unknown optimizer, a budget smaller than
  * one row per sub-shard, no spill_path with a budget) and CM_EIO when the spill database cannot
- * be created. The spill database is private scratch: an existing one at spill_path is wiped. */
+ * be created. The spill database is private scratch: an existing one at spill_path is wiped, and
+ * one that cannot be wiped whole (a file RocksDB cannot remove, a database in use) is CM_EIO
+ * naming the path. */
 int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr);
 
 /* Frees the table and removes its spill database (emb_store_drop): the spill directory goes
@@ -314,7 +316,8 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
  */
 typedef struct emb_store emb_store;
 
-/* kind: "memory" or "rocksdb"; path is used by rocksdb only (created, wiped if present).
+/* kind: "memory" or "rocksdb"; path is used by rocksdb only (created, wiped if present; a
+ * failed wipe is CM_EIO naming the path).
  * record_bytes >= 8 (the first 8 bytes of a record are its key). */
 int emb_store_create(const char *kind, const char *path, size_t record_bytes, emb_store **out,
                      char **errptr);

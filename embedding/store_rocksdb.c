@@ -42,12 +42,13 @@ static void rdb_close(void *impl)
 /* Removes the database at path the way RocksDB does (rocksdb_destroy_db): every file named as
  * RocksDB names its own, then the directory when that leaves it empty. Anything else there
  * stays, so a path shared with other files keeps them. A file it cannot remove is an error. */
-static int rdb_remove(const rocksdb_options_t *opts, const char *path, char **errptr)
+static int rdb_remove(const rocksdb_options_t *opts, const char *path, const char *what,
+                      char **errptr)
 {
     char *err = NULL;
     rocksdb_destroy_db(opts, path, &err);
     if (err == NULL) return CM_OK;
-    int rc = cm_err(errptr, CM_EIO, "cannot remove the RocksDB database at %s: %s", path, err);
+    int rc = cm_err(errptr, CM_EIO, "cannot remove %s at %s: %s", what, path, err);
     free(err);
     return rc;
 }
@@ -60,7 +61,7 @@ static int rdb_drop(void *impl, char **errptr)
     if (r->db) rocksdb_close(r->db);
     r->cf = NULL;
     r->db = NULL;
-    int rc = rdb_remove(r->opts, r->path, errptr);
+    int rc = rdb_remove(r->opts, r->path, "the RocksDB database", errptr);
     rdb_close(r);
     return rc;
 }
@@ -122,10 +123,11 @@ static int rdb_open(const char *path, size_t rec, void **impl, char **errptr)
         rc = cm_err(errptr, CM_EIO, "cannot create spill directory %s: %s", path, err);
         goto fail;
     }
-    /* Scratch from an earlier run is stale: start empty. */
-    rocksdb_destroy_db(r->opts, path, &err);
-    free(err);
-    err = NULL;
+    /* Scratch from an earlier run is stale: start empty. A wipe that failed part way leaves
+     * some of that run's files, which an open there could take up (a table of the same record
+     * size would serve its records as rows), so it fails the open instead. */
+    rc = rdb_remove(r->opts, path, "the earlier RocksDB database (to start empty)", errptr);
+    if (rc != CM_OK) goto fail;
     const char *cf_names[1] = {"default"};
     const rocksdb_options_t *cf_opts[1] = {r->opts};
     r->db = rocksdb_open_column_families(r->opts, path, 1, cf_names, cf_opts, &r->cf, &err);
@@ -133,6 +135,21 @@ static int rdb_open(const char *path, size_t rec, void **impl, char **errptr)
         rc = cm_err(errptr, CM_EIO, "cannot open RocksDB spill database at %s: %s", path, err);
         r->db = NULL;
         r->cf = NULL;
+        goto fail;
+    }
+    /* The wipe reports a file it could not remove, but takes a directory it could not list for
+     * a missing one and removes nothing: a record here would be the earlier run's. */
+    rocksdb_iterator_t *it = rocksdb_create_iterator_cf(r->db, r->ropts, r->cf);
+    if (it == NULL) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto fail;
+    }
+    rocksdb_iter_seek_to_first(it);
+    bool stale = rocksdb_iter_valid(it);
+    rocksdb_iter_destroy(it);
+    if (stale) {
+        rc = cm_err(errptr, CM_EIO,
+                    "RocksDB spill database at %s still holds records after the wipe", path);
         goto fail;
     }
     *impl = r;

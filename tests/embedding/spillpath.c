@@ -4,8 +4,10 @@
  * configured alike) must fail to create and leave the live database alone: the live table
  * keeps every row and keeps spilling. Nor may a failed create remove a file it was pointed at.
  * A spill path that already holds other files is shared, not the table's: destroying the table
- * removes its database and leaves those files.
+ * removes its database and leaves those files. An earlier database there that cannot be wiped
+ * fails the create rather than being half reused.
  */
+#include <errno.h>
 #include <sys/stat.h>
 
 #include "emb_util.h"
@@ -138,11 +140,43 @@ static void test_shared_dir(const char *dir)
     CHECK_MSG(access(own, F_OK) != 0, "destroy left the spill directory %s", own);
 }
 
+/* An earlier database at the spill path (same record size) that the create cannot wipe: an
+ * entry under a RocksDB file name that unlink refuses, even for root (a directory). The create
+ * used to ignore the failed wipe and open there anyway; it must fail naming the path. */
+static void test_unwipeable(const char *dir)
+{
+    char stale[4200], blocker[4300];
+    snprintf(stale, sizeof stale, "%s/stale", dir);
+    snprintf(blocker, sizeof blocker, "%s/000999.log", stale);
+    emb_table_config c = eu_config(EMB_OPT_SGD, 4);
+    char *err = NULL;
+    emb_store *s = NULL;
+    CHECK_OK(emb_store_create("rocksdb", stale, emb_row_bytes(&c), &s, &err), err);
+    if (s == NULL) return;
+    uint64_t rec[64] = {0};
+    rec[0] = 42;
+    CHECK_OK(emb_store_put(s, rec, 1, &err), err);
+    emb_store_destroy(s);
+    CHECK_MSG(mkdir(blocker, 0755) == 0, "mkdir %s: %s", blocker, strerror(errno));
+
+    c.mem_budget_bytes = 1 << 20;
+    c.spill_path = stale;
+    emb_table *t = NULL;
+    int rc = emb_table_create(&c, &t, &err);
+    CHECK_MSG(rc == CM_EIO && t == NULL && err != NULL && eu_has(err, stale),
+              "spill path with an unwipeable earlier database: rc=%d err=%s", rc,
+              err ? err : "(none)");
+    free(err);
+    emb_table_destroy(t);
+    CHECK_MSG(exists(stale, "000999.log"), "a failed create removed %s", blocker);
+}
+
 int main(void)
 {
     const char *dir = check_tmpdir("emb_spillpath");
     test_in_use(dir);
     test_file(dir);
     test_shared_dir(dir);
+    test_unwipeable(dir);
     return check_done();
 }
