@@ -2094,9 +2094,12 @@ out:
 
 /* ---- cluster file: [cluster] ps = url, ...  backups = url, ...  workers = N ---- */
 
-/* Appends the comma- or space-separated URLs of v to *list. */
-static int url_list(const char *v, char ***list, uint32_t *n, char **errptr)
+/* Appends the comma- or space-separated URLs of v, key k's value, to *list. */
+static int url_list(const char *k, const char *v, char ***list, uint32_t *n, char **errptr)
 {
+    /* A value without a URL is a mistake, not a list of none: "backups =" would run the job
+     * without the backups the key asks for. */
+    if (v[strspn(v, " ,")] == '\0') return cm_err(errptr, CM_EINVAL, "%s: no URL in the value", k);
     for (const char *p = v; *p;) {
         while (*p == ' ' || *p == ',')
             p++;
@@ -2129,13 +2132,16 @@ static int cluster_entry(void *arg, const char *section, const char *sarg, const
         S->ps.n_workers = (uint32_t)n;
         return CM_OK;
     }
-    if (!strcmp(k, "backups")) return url_list(v, &S->backups, &S->n_backups, errptr);
+    if (!strcmp(k, "backups")) return url_list(k, v, &S->backups, &S->n_backups, errptr);
     /* PEM files for tls+tcp:// URLs, as in ember ps's [cluster] (the three are the same size). */
     char *tls = !strcmp(k, "tls_cert")  ? S->ps.tls_cert
                 : !strcmp(k, "tls_key") ? S->ps.tls_key
                 : !strcmp(k, "tls_ca")  ? S->ps.tls_ca
                                         : NULL;
     if (tls != NULL) {
+        /* An empty path names nothing, and an empty tls_ca would turn off the peer checks its
+         * key asks for (ember ps's config refuses it too). */
+        if (v[0] == '\0') return cm_err(errptr, CM_EINVAL, "%s: empty path", k);
         if (strlen(v) >= sizeof S->ps.tls_cert)
             return cm_err(errptr, CM_EINVAL, "%s: path too long", k);
         snprintf(tls, sizeof S->ps.tls_cert, "%s", v);
@@ -2144,7 +2150,7 @@ static int cluster_entry(void *arg, const char *section, const char *sarg, const
     if (strcmp(k, "ps"))
         return cm_err(errptr, CM_EINVAL,
                       "unknown key '%s' (ps, backups, workers, tls_cert, tls_key, tls_ca)", k);
-    return url_list(v, &S->urls, &S->ps.n_shards, errptr);
+    return url_list(k, v, &S->urls, &S->ps.n_shards, errptr);
 }
 
 static int cluster_urls(setup *S, const char *path, char **errptr)

@@ -279,6 +279,25 @@ int main(void)
     rc = run("train --train ds/train --model lr --cluster badurl.ini --role worker --index 0 "
              "--ps-timeout 1000 --out r4c --no-progress");
     CHECK_MSG(rc == 1 && err_has("foo://x"), "bad PS URL: exit %d, stderr: %s", rc, err_text);
+    /* An empty value is a mistake, not a default: an empty tls_ca turned off the peer checks
+     * its key asks for, "backups =" ran the job without backups, and "ps =" was named without
+     * its line. Each is refused naming the file and line. */
+    static const char *const blank_ini[][3] = {
+        {"emptyca.ini", "[cluster]\nps = tls+tcp://127.0.0.1:1\nworkers = 1\ntls_ca =\n",
+         "emptyca.ini:4: tls_ca: empty path"},
+        {"emptybk.ini", "[cluster]\nps = tcp://127.0.0.1:1\nbackups = ,\nworkers = 1\n",
+         "emptybk.ini:3: backups: no URL"},
+        {"emptyps.ini", "[cluster]\nworkers = 1\nps =\n", "emptyps.ini:3: ps: no URL"},
+    };
+    for (size_t i = 0; i < sizeof blank_ini / sizeof blank_ini[0]; i++) {
+        write_text(blank_ini[i][0], blank_ini[i][1]);
+        rc = run_limit(20,
+                       "train --train ds/train --model lr --cluster %s --role worker --index 0 "
+                       "--ps-timeout 1000 --out r4d --no-progress",
+                       blank_ini[i][0]);
+        CHECK_MSG(rc == 1 && err_has(blank_ini[i][2]), "%s: exit %d, stderr: %s", blank_ini[i][0],
+                  rc, err_text);
+    }
 
     /* --resume with nothing to resume from. */
     rc = run("train --train ds/train --model lr --resume --out r5 --no-progress");
