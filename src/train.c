@@ -2094,8 +2094,40 @@ out:
 
 /* ---- cluster file: [cluster] ps = url, ...  backups = url, ...  workers = N ---- */
 
+/* Whether url (len bytes) can join a cluster: every role is a process of its own, so only a
+ * transport between processes serves (inproc:// is one process's; nng refused any other
+ * scheme, or none, only when it listened or dialed, with no file or line), and no other shard
+ * or backup may have it (the second could not listen beside the first, and workers would send
+ * one shard's keys to another's PS). */
+static int cluster_url_check(const setup *S, const char *url, size_t len, char **errptr)
+{
+    static const char *const schemes[] = {"tcp://",      "tcp4://",     "tcp6://", "tls+tcp://",
+                                          "tls+tcp4://", "tls+tcp6://", "ipc://"};
+    bool known = false;
+    for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++)
+        known |= len > strlen(schemes[i]) && !strncmp(url, schemes[i], strlen(schemes[i]));
+    if (!known)
+        return cm_err(errptr, CM_EINVAL,
+                      "bad URL '%.*s': want tcp://HOST:PORT, tls+tcp://HOST:PORT or ipc://PATH",
+                      (int)len, url);
+    int rc = ps_url_check(url, len, errptr);
+    if (rc != CM_OK) return rc;
+    char *const *lists[2] = {S->urls, S->backups};
+    const uint32_t counts[2] = {S->ps.n_shards, S->n_backups};
+    static const char *const keys[2] = {"ps", "backups"};
+    for (int l = 0; l < 2; l++)
+        for (uint32_t i = 0; i < counts[l]; i++)
+            if (strlen(lists[l][i]) == len && !strncmp(lists[l][i], url, len))
+                return cm_err(errptr, CM_EINVAL,
+                              "URL '%.*s' given twice (already %s URL %u): every shard and "
+                              "backup needs its own",
+                              (int)len, url, keys[l], i);
+    return CM_OK;
+}
+
 /* Appends the comma- or space-separated URLs of v, key k's value, to *list. */
-static int url_list(const char *k, const char *v, char ***list, uint32_t *n, char **errptr)
+static int url_list(const setup *S, const char *k, const char *v, char ***list, uint32_t *n,
+                    char **errptr)
 {
     /* A value without a URL is a mistake, not a list of none: "backups =" would run the job
      * without the backups the key asks for. */
@@ -2106,7 +2138,7 @@ static int url_list(const char *k, const char *v, char ***list, uint32_t *n, cha
         size_t len = strcspn(p, " ,");
         if (len == 0) break;
         if (*n >= PS_MAX_SHARDS) return cm_err(errptr, CM_EINVAL, "too many URLs");
-        int rc = ps_url_check(p, len, errptr);
+        int rc = cluster_url_check(S, p, len, errptr);
         if (rc != CM_OK) return rc;
         char **l = realloc(*list, (*n + 1) * sizeof *l);
         if (l == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
@@ -2132,7 +2164,7 @@ static int cluster_entry(void *arg, const char *section, const char *sarg, const
         S->ps.n_workers = (uint32_t)n;
         return CM_OK;
     }
-    if (!strcmp(k, "backups")) return url_list(k, v, &S->backups, &S->n_backups, errptr);
+    if (!strcmp(k, "backups")) return url_list(S, k, v, &S->backups, &S->n_backups, errptr);
     /* PEM files for tls+tcp:// URLs, as in ember ps's [cluster] (the three are the same size). */
     char *tls = !strcmp(k, "tls_cert")  ? S->ps.tls_cert
                 : !strcmp(k, "tls_key") ? S->ps.tls_key
@@ -2150,7 +2182,7 @@ static int cluster_entry(void *arg, const char *section, const char *sarg, const
     if (strcmp(k, "ps"))
         return cm_err(errptr, CM_EINVAL,
                       "unknown key '%s' (ps, backups, workers, tls_cert, tls_key, tls_ca)", k);
-    return url_list(k, v, &S->urls, &S->ps.n_shards, errptr);
+    return url_list(S, k, v, &S->urls, &S->ps.n_shards, errptr);
 }
 
 static int cluster_urls(setup *S, const char *path, char **errptr)

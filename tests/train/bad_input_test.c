@@ -281,13 +281,24 @@ int main(void)
     CHECK_MSG(rc == 1 && err_has("foo://x"), "bad PS URL: exit %d, stderr: %s", rc, err_text);
     /* An empty value is a mistake, not a default: an empty tls_ca turned off the peer checks
      * its key asks for, "backups =" ran the job without backups, and "ps =" was named without
-     * its line. Each is refused naming the file and line. */
+     * its line. Each is refused naming the file and line, as are the URLs below. */
     static const char *const blank_ini[][3] = {
         {"emptyca.ini", "[cluster]\nps = tls+tcp://127.0.0.1:1\nworkers = 1\ntls_ca =\n",
          "emptyca.ini:4: tls_ca: empty path"},
         {"emptybk.ini", "[cluster]\nps = tcp://127.0.0.1:1\nbackups = ,\nworkers = 1\n",
          "emptybk.ini:3: backups: no URL"},
         {"emptyps.ini", "[cluster]\nworkers = 1\nps =\n", "emptyps.ini:3: ps: no URL"},
+        /* One URL for two roles: the second PS cannot listen, or workers reach the wrong one. */
+        {"twinps.ini", "[cluster]\nps = tcp://127.0.0.1:1, tcp://127.0.0.1:1\nworkers = 1\n",
+         "twinps.ini:2: URL 'tcp://127.0.0.1:1' given twice (already ps URL 0)"},
+        {"twinbk.ini", "[cluster]\nps = ipc:///nowhere/a\nbackups = ipc:///nowhere/a\n",
+         "twinbk.ini:3: URL 'ipc:///nowhere/a' given twice (already ps URL 0)"},
+        /* Not a transport between processes: inproc:// served nobody (a PS waited forever), a
+         * URL without a scheme failed only at listen or dial, without file or line. */
+        {"inproc.ini", "[cluster]\nps = inproc://ps0\nworkers = 1\n",
+         "inproc.ini:2: bad URL 'inproc://ps0'"},
+        {"noscheme.ini", "[cluster]\nworkers = 1\nps = 127.0.0.1:1\n",
+         "noscheme.ini:3: bad URL '127.0.0.1:1'"},
     };
     for (size_t i = 0; i < sizeof blank_ini / sizeof blank_ini[0]; i++) {
         write_text(blank_ini[i][0], blank_ini[i][1]);
