@@ -1068,7 +1068,7 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
     size_t n = 0;
     struct dirent *e;
     int rc = CM_OK;
-    char dir[2200];
+    char dir[2400]; /* ckpt_root, a slash and a directory entry's name */
     while (rc == CM_OK && (e = readdir(d)) != NULL && n < 4096) {
         unsigned long long v;
         char tail;
