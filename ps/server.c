@@ -1339,6 +1339,12 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
 {
     int rc = ps_config_check(o->cfg, errptr);
     if (rc != CM_OK) return rc;
+    /* Cut to fit, an ipc:// path could name another socket: refused instead. */
+    if (o->replica_url != NULL &&
+        strlen(o->replica_url) >= sizeof((struct ps_server *)0)->replica_url)
+        return cm_err(errptr, CM_EINVAL, "backup URL too long (%zu bytes, at most %zu): %.64s...",
+                      strlen(o->replica_url), sizeof((struct ps_server *)0)->replica_url - 1,
+                      o->replica_url);
     if (o->shard >= o->cfg->n_shards)
         return cm_err(errptr, CM_EINVAL, "shard %u out of range (the cluster has %u)", o->shard,
                       o->cfg->n_shards);

@@ -336,6 +336,26 @@ static void test_url_without_port(const char *dir)
     }
 }
 
+/* A backup URL too long for the server to keep: refused naming the length, where cut short it
+ * could name another socket (an ipc:// path's prefix). */
+static void test_long_backup_url(const char *dir)
+{
+    ps_config cfg;
+    pt_config(dir, "long.conf", "[cluster]\nshards = 1\nworkers = 1\n[table t]\ndim = 4\n", &cfg);
+    char url[1200];
+    int n = snprintf(url, sizeof url, "ipc://%s/", dir);
+    memset(url + n, 'b', sizeof url - (size_t)n - 1);
+    url[sizeof url - 1] = '\0';
+    ps_server_opts o = {.cfg = &cfg, .listen = pt_ipc(dir, "long"), .shard = 0, .replica_url = url};
+    ps_server *s = NULL;
+    char *err = NULL;
+    int rc = ps_server_create(&o, &s, &err);
+    CHECK_MSG(rc == CM_EINVAL && err && strstr(err, "backup URL too long"),
+              "a %zu-byte backup URL: rc %d, %s", strlen(url), rc, err ? err : "(no message)");
+    if (rc == CM_OK) ps_server_destroy(s);
+    free(err);
+}
+
 static void test_checkpoint_root(const char *dir)
 {
     ps_config cfg;
@@ -398,5 +418,6 @@ int main(void)
     ps_server_destroy(s1);
     test_checkpoint_root(dir);
     test_url_without_port(dir);
+    test_long_backup_url(dir);
     return pt_finish(dir);
 }
