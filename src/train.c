@@ -1946,7 +1946,9 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             goto out;
         }
         if (o->index >= (run_ps ? oc.shards : oc.workers)) {
-            rc = cm_err(errptr, CM_EINVAL, "--index %u out of range", o->index);
+            rc = cm_err(errptr, CM_EINVAL, "--index %u out of range: %s lists %u %s (0 to %u)",
+                        o->index, o->cluster_path, run_ps ? oc.shards : oc.workers,
+                        run_ps ? "ps URLs" : "workers", (run_ps ? oc.shards : oc.workers) - 1);
             goto out;
         }
         first_w = first_s = o->index;
