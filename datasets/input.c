@@ -67,8 +67,12 @@ int ds_input_open(const char *path, ds_input **out, char **errptr)
             goto out;
         }
         in->zs_live = 1;
-    } else if (m == 4 && magic[0] == 0x28 && magic[1] == 0xb5 && magic[2] == 0x2f &&
-               magic[3] == 0xfd) {
+    } else if (m == 4 &&
+               ((magic[0] == 0x28 && magic[1] == 0xb5 && magic[2] == 0x2f && magic[3] == 0xfd) ||
+                /* a skippable frame (0x184D2A5?): pzstd starts every file with one;
+                 * the frame decoder skips it like any other zstd reader */
+                ((magic[0] & 0xf0) == 0x50 && magic[1] == 0x2a && magic[2] == 0x4d &&
+                 magic[3] == 0x18))) {
         in->kind = IN_ZSTD;
         if ((in->zd = ZSTD_createDCtx()) == NULL) {
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");

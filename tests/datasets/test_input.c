@@ -186,6 +186,45 @@ static void test_codec(const codec *c)
     free(f.p);
 }
 
+/* Appends a zstd skippable frame (magic 0x184D2A5n) carrying n bytes of data, as pzstd writes
+ * before every frame. */
+static void zstd_skippable(bytes *b, uint8_t nibble, const void *data, uint32_t n)
+{
+    uint8_t hdr[8] = {(uint8_t)(0x50 | nibble), 0x2a, 0x4d, 0x18};
+    memcpy(hdr + 4, &n, 4);
+    put(b, hdr, sizeof hdr);
+    put(b, data, n);
+}
+
+/* A zstd file that starts with a skippable frame (what pzstd writes: one before every frame)
+ * was taken for plain text, since only the frame magic 28 b5 2f fd told zstd apart: its bytes
+ * were parsed as lines, every row rejected, exit status 0. It is read as zstd, skipping the
+ * skippable frames wherever they are. */
+static void test_zstd_skippable(void)
+{
+    size_t na, nb;
+    char *ta = libsvm_rows(3, &na), *tb = libsvm_rows(40000, &nb);
+    bytes f = {0};
+    uint32_t size = (uint32_t)na;
+    zstd_skippable(&f, 0, &size, 4);
+    zstd_unit(&f, ta, na);
+    zstd_skippable(&f, 0xf, "pzstd", 5);
+    zstd_unit(&f, tb, nb);
+    ds_ingest_result r;
+    char *err = NULL;
+    CHECK_OK(ingest_bytes("zstd_skippable", &f, &r, &err), err);
+    CHECK_MSG(r.rows_in == 40003 && r.rows_rejected == 0 && r.bytes_in == na + nb,
+              "zstd after a skippable frame: rows_in %llu, rejected %llu, bytes_in %llu",
+              (unsigned long long)r.rows_in, (unsigned long long)r.rows_rejected,
+              (unsigned long long)r.bytes_in);
+    /* a skippable frame cut short is a cut frame, not text */
+    f.n = 6;
+    expect_refused(&(codec){"zstd", "frame", zstd_unit}, "zstd_skippable_cut", &f, 0);
+    free(ta);
+    free(tb);
+    free(f.p);
+}
+
 int main(void)
 {
     rng_state = 0x1f8b28b5;
@@ -193,5 +232,6 @@ int main(void)
     static const codec gz = {"gzip", "member", gz_unit}, zst = {"zstd", "frame", zstd_unit};
     test_codec(&gz);
     test_codec(&zst);
+    test_zstd_skippable();
     return check_done();
 }
