@@ -278,6 +278,13 @@ static int day_of_week(int y, int m, int d)
     return (y + y / 4 - y / 100 + y / 400 + t[m - 1] + d) % 7;
 }
 
+static int days_in_month(int y, int m)
+{
+    static const int days[] = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+    int leap = y % 4 == 0 && (y % 100 != 0 || y % 400 == 0);
+    return days[m - 1] + (m == 2 && leap);
+}
+
 /* One column's token into the row; 0, 1 (rejected) or CM_ENOMEM. Always inlined into the
  * column loop: on Criteo a call per column cost more than its work (parsing ~5% faster). */
 static inline __attribute__((always_inline)) int put_col(ds_pctx *c, const ds_col *col,
@@ -324,7 +331,11 @@ static inline __attribute__((always_inline)) int put_col(ds_pctx *c, const ds_co
         int y = 2000 + (tok[0] - '0') * 10 + (tok[1] - '0');
         int mo = (tok[2] - '0') * 10 + (tok[3] - '0');
         int d = (tok[4] - '0') * 10 + (tok[5] - '0');
-        if (mo < 1 || mo > 12 || d < 1 || d > 31) return reject(c, DS_REJ_NUMBER, colno);
+        int hh = (tok[6] - '0') * 10 + (tok[7] - '0');
+        /* a date that does not exist (Feb 30, Apr 31) or hour 24..99 is damage: its weekday
+         * and hour-of-day keys would look like real ones */
+        if (mo < 1 || mo > 12 || d < 1 || d > days_in_month(y, mo) || hh > 23)
+            return reject(c, DS_REJ_NUMBER, colno);
         char wd = (char)('0' + day_of_week(y, mo, d));
         close_fields(ro, col->slot);
         row_key(ro, tok_key(tok + 6, 2, col->slot));

@@ -274,6 +274,41 @@ static void test_ffm_huge_field(const char *tmp)
     ds_reader_destroy(rd);
 }
 
+/* An Avazu hour that is no real time was taken: 14023100 (Feb 31) got the weekday of Mar 3
+ * and 14102199 the hour-of-day key "99", rows that look like real ones. Only the month and a
+ * day up to 31 were checked. Such an hour is now a number reject; Feb 29 of a leap year and
+ * hour 23 stay rows. */
+static void test_avazu_hour(void)
+{
+    ds_parser *p = make(DS_FMT_AVAZU);
+    if (p == NULL) return;
+    const char *hdr = "id,click,hour,C1";
+    char *err = NULL;
+    CHECK_OK(ds_parser_header(p, hdr, strlen(hdr), &err), err);
+    ds_batch b;
+    int reason;
+    const char *bad[] = {"14023100", "14022900", "15022900", "14043112", "14113000x",
+                         "14102124", "14102199", "14100000", "14130100"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char line[64];
+        snprintf(line, sizeof line, "1,0,%s,a", bad[i]);
+        CHECK_MSG(parse_one(p, line, &b, &reason) == 0 && reason == DS_REJ_NUMBER, "hour %s",
+                  bad[i]);
+    }
+    /* 2016-02-29 was a Monday, 2014-10-21 23h a Tuesday */
+    const char *good[] = {"16022900", "14102123", "14113000", "14123123"};
+    const char wday[] = {'1', '2', '0', '3'};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        char line[64];
+        snprintf(line, sizeof line, "1,0,%s,a", good[i]);
+        int ok = parse_one(p, line, &b, &reason);
+        CHECK_MSG(ok && b.offsets[1] == 1 && b.keys[0] == ds_key(good[i] + 6, 2, 0) &&
+                      b.keys[1] == ds_key(&wday[i], 1, 1),
+                  "hour %s", good[i]);
+    }
+    ds_parser_destroy(p);
+}
+
 int main(void)
 {
     const char *tmp = check_tmpdir("ds_edges");
@@ -283,5 +318,6 @@ int main(void)
     test_header_only(tmp);
     test_same_input_twice(tmp);
     test_ffm_huge_field(tmp);
+    test_avazu_hour();
     return check_done();
 }
