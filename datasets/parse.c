@@ -610,6 +610,10 @@ static int parse_sparse(ds_pctx *c, const char *s, size_t len, ds_rows *r)
         double v;
         if (!all_digits(idx, (size_t)(c1 - idx)) || parse_num(c1 + 1, (size_t)(te - c1 - 1), &v))
             return reject(c, DS_REJ_FEATURE, feat);
+        /* the index is a number: 007 is feature 7 (as the field id already was), not a key
+         * of its own */
+        while (c1 - idx > 1 && *idx == '0')
+            idx++;
         if (kv_push(c, field, tok_key(idx, (size_t)(c1 - idx), field), (float)v)) return CM_ENOMEM;
     }
     /* group by field (stable), since libffm fields come in any order */

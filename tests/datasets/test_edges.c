@@ -309,6 +309,30 @@ static void test_avazu_hour(void)
     ds_parser_destroy(p);
 }
 
+/* A libsvm/libffm index is a number, but its text was hashed: "1 007:1" and "1 7:1" gave two
+ * different keys for feature 7 (while a libffm field id "01" already counted as field 1), so
+ * zero-padded indices trained embeddings of their own. Leading zeros are now dropped ("0" and
+ * "000" are feature 0). */
+static void test_sparse_index_zeros(void)
+{
+    ds_batch b;
+    int reason;
+    ds_parser *p = make(DS_FMT_LIBSVM);
+    if (p) {
+        CHECK(parse_one(p, "1 007:0.5 0:1 000:2 10:3", &b, &reason) == 1 && b.n_keys == 4 &&
+              b.keys[0] == ds_key("7", 1, 0) && b.weights[0] == 0.5f &&
+              b.keys[1] == ds_key("0", 1, 0) && b.keys[2] == ds_key("0", 1, 0) &&
+              b.keys[3] == ds_key("10", 2, 0));
+        ds_parser_destroy(p);
+    }
+    p = make(DS_FMT_LIBFFM);
+    if (p) {
+        CHECK(parse_one(p, "1 01:0042:1 2:42:1", &b, &reason) == 1 && b.n_keys == 2 &&
+              b.keys[0] == ds_key("42", 2, 1) && b.keys[1] == ds_key("42", 2, 2));
+        ds_parser_destroy(p);
+    }
+}
+
 int main(void)
 {
     const char *tmp = check_tmpdir("ds_edges");
@@ -319,5 +343,6 @@ int main(void)
     test_same_input_twice(tmp);
     test_ffm_huge_field(tmp);
     test_avazu_hour();
+    test_sparse_index_zeros();
     return check_done();
 }
