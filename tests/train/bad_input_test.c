@@ -267,6 +267,11 @@ int main(void)
                        "--ps-timeout 1000 --out r4b --no-progress");
     CHECK_MSG(rc == 2 && err_has("--cluster needs --index"), "--role without --index: exit %d, %s",
               rc, err_text);
+    /* An --index past the cluster file's entries names the file and how many it lists. */
+    rc = run_limit(20, "train --train ds/train --model lr --cluster dead.ini --role worker "
+                       "--index 3 --ps-timeout 1000 --out r4b --no-progress");
+    CHECK_MSG(rc != 0 && err_has("--index 3 out of range: dead.ini lists 1 workers"),
+              "--index 3 of 1 worker: exit %d, %s", rc, err_text);
     /* A tcp URL without a port (nng listens on one of the kernel's choosing, which no worker
      * dials): refused naming the file, line and URL, not served until killed. */
     write_text("noport.ini",
