@@ -81,6 +81,7 @@ typedef struct shard_conn {
     uint32_t index;
     nng_socket sock;
     nng_dialer dialer;
+    int primary_dialer; /* nng id of the primary's dialer: which server sent a reply */
     char *url, *backup_url;
     bool fail_pending, failed_over; /* under the client's mu */
     bool open;
@@ -140,6 +141,8 @@ static void slot_transmit(slot *s, nng_msg *m, bool idempotent, double deadline)
 static nng_duration ms_until(double t);
 static void mirror_drop(ps_client *c, uint32_t block);
 static int mirrors_reap(ps_client *c, char **errptr);
+static const char *reply_from(const struct ps_client *c, uint32_t shard, nng_msg *m, char *buf,
+                              size_t cap);
 
 /* A slot's state moves under c->mu, which its waiters (slot_wait, slot_acquire) read it under;
  * only its own aio callback moves it between SEND and RECV, but they must see each move. */
@@ -194,9 +197,11 @@ static void slot_finish(slot *s, int rc, char *err)
             memcpy(&mi->got_step, (uint8_t *)nng_msg_body(s->reply) + PS_HDR_BYTES, 8);
             memcpy(&mi->got, (uint8_t *)nng_msg_body(s->reply) + PS_HDR_BYTES + 8, 8);
         } else if (rc == CM_OK) {
-            mi->rc =
-                cm_err(&mi->err, CM_ECORRUPT, "a digest reply of %" PRIu64 " bytes, expected %u",
-                       h.payload_len, PS_DIGEST_BYTES);
+            char from[1024];
+            mi->rc = cm_err(&mi->err, CM_ECORRUPT,
+                            "%s: a digest reply of %" PRIu64 " bytes, expected %u",
+                            reply_from(c, s->shard, s->reply, from, sizeof from), h.payload_len,
+                            PS_DIGEST_BYTES);
         }
         if (s->reply) nng_msg_free(s->reply);
         s->reply = NULL;
@@ -227,6 +232,21 @@ static void slot_finish(slot *s, int rc, char *err)
     free(err);
 }
 
+/* "shard S (URL)" for an error about a reply, into buf: with a backup, the shard's index alone
+ * does not say whether its primary or its backup sent the bytes, and the operator must know
+ * which process to look at. A reply arrives on a pipe of the primary's dialer or, after a
+ * failover, of the backup's. */
+static const char *reply_from(const struct ps_client *c, uint32_t shard, nng_msg *m, char *buf,
+                              size_t cap)
+{
+    const shard_conn *sc = &c->shards[shard];
+    const char *url = sc->url;
+    if (sc->backup_url && nng_dialer_id(nng_pipe_dialer(nng_msg_get_pipe(m))) != sc->primary_dialer)
+        url = sc->backup_url;
+    snprintf(buf, cap, "shard %u (%s)", shard, url);
+    return buf;
+}
+
 /* An operation started after ps_client_abort's sweep of the slots is cancelled here: the flag
  * is set before the sweep, so every operation is either swept or sees it. */
 static void abort_recheck(slot *s)
@@ -237,21 +257,21 @@ static void abort_recheck(slot *s)
 static int reply_check(slot *s, nng_msg *m, char **errptr)
 {
     ps_hdr h;
-    char *err = NULL;
-    const char *url_shard = "shard";
+    char *err = NULL, from[1024];
+    reply_from(s->c, s->shard, m, from, sizeof from);
     int rc = ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, &err);
     if (rc != CM_OK) {
-        rc = cm_err(errptr, rc, "%s %u sent a bad reply: %s", url_shard, s->shard, err);
+        rc = cm_err(errptr, rc, "%s sent a bad reply: %s", from, err);
         free(err);
         return rc;
     }
     if (h.req_id != s->req_id || h.op != s->op)
         return cm_err(errptr, CM_ECORRUPT,
-                      "shard %u replied to request %" PRIu64 " op %u, expected %" PRIu64 " op %u",
-                      s->shard, h.req_id, h.op, s->req_id, s->op);
+                      "%s replied to request %" PRIu64 " op %u, expected %" PRIu64 " op %u", from,
+                      h.req_id, h.op, s->req_id, s->op);
     if (h.status < 0) {
         const char *p = (const char *)nng_msg_body(m) + PS_HDR_BYTES;
-        return cm_err(errptr, h.status, "shard %u: %.*s", s->shard, (int)h.payload_len, p);
+        return cm_err(errptr, h.status, "%s: %.*s", from, (int)h.payload_len, p);
     }
     return CM_OK;
 }
@@ -647,6 +667,7 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
                 rc = cm_err(errptr, CM_EIO, "cannot set up contexts: %s", nng_strerror(rv));
         }
         if (rc == CM_OK) rc = ps_net_dial(sc->sock, o->urls[i], &c->cfg, &sc->dialer, errptr);
+        if (rc == CM_OK) sc->primary_dialer = nng_dialer_id(sc->dialer);
     }
     /* Watch the primaries before the HELLOs: a restarted worker whose primary is gone finds
      * the backup through the same failover as a running one. */
@@ -664,11 +685,9 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
     }
     for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
         char *err = NULL;
-        shard_conn *sc = &c->shards[i];
         rc = hello(c, i, &err);
-        if (rc != CM_OK)
-            cm_err(errptr, rc, "HELLO to %s failed: %s", sc->failed_over ? sc->backup_url : sc->url,
-                   err);
+        /* Every error names the shard and the URL that failed (or both, with a backup). */
+        if (rc != CM_OK) cm_err(errptr, rc, "HELLO failed: %s", err);
         free(err);
     }
     if (rc != CM_OK) goto fail;
@@ -875,6 +894,20 @@ static bool in_split_order(uint32_t ns, const uint64_t *keys, size_t n, uint32_t
         prev = s;
     }
     return true;
+}
+
+/* The shard whose range of a split holds position p. */
+static uint32_t split_shard(const split *sp, uint32_t ns, uint32_t p)
+{
+    uint32_t lo = 0, hi = ns - 1;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi + 1) / 2;
+        if (sp->start[mid] <= p)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
 }
 
 static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n, split *sp,
@@ -1103,12 +1136,16 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
         char *err = NULL;
         int r = slot_wait(c, slots[s], &reply, &err);
         size_t cnt = sp.start[s + 1] - sp.start[s];
+        char from[1024];
+        if (r == CM_OK) reply_from(c, s, reply, from, sizeof from);
         if (r == CM_OK && nng_msg_len(reply) != PS_HDR_BYTES + cnt * rb)
-            r = cm_err(&err, CM_ECORRUPT, "shard %u returned %zu bytes for %zu rows", s,
-                       nng_msg_len(reply) - PS_HDR_BYTES, cnt);
-        if (r == CM_OK && !direct)
-            r = ps_codec_decode(codec, (const uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, cnt,
-                                dim, rows + (size_t)sp.start[s] * dim, &err);
+            r = cm_err(&err, CM_ECORRUPT, "%s returned %zu bytes for %zu rows of table %u", from,
+                       nng_msg_len(reply) - PS_HDR_BYTES, cnt, table);
+        if (r == CM_OK && !direct &&
+            (r = ps_codec_decode(codec, (const uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, cnt,
+                                 dim, rows + (size_t)sp.start[s] * dim, &err)) != CM_OK)
+            cm_err(&err, r, "%s: pull of table %u: %s (the shard's order)", from, table,
+                   err ? err : "?");
         if (r == CM_OK) remember_pull(c, s, table, req_ids[s], sp.skeys + sp.start[s], cnt, flags);
         if (r != CM_OK && rc == CM_OK) {
             rc = r;
@@ -1122,26 +1159,19 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
     }
     if (rc == CM_OK && direct) {
         for (size_t i = 0; i < n; i++) {
-            uint32_t p = sp.inv[i], s = 0;
-            if (ns > 1) { /* the shard whose range holds position p */
-                uint32_t lo = 0, hi = ns - 1;
-                while (lo < hi) {
-                    uint32_t mid = (lo + hi + 1) / 2;
-                    if (sp.start[mid] <= p)
-                        lo = mid;
-                    else
-                        hi = mid - 1;
-                }
-                s = lo;
-            }
+            uint32_t p = sp.inv[i], s = split_shard(&sp, ns, p);
             const uint8_t *src = (const uint8_t *)nng_msg_body(replies[s]) + PS_HDR_BYTES +
                                  (size_t)(p - sp.start[s]) * dim * sizeof(float);
             memcpy(out + i * dim, src, dim * sizeof(float));
         }
-        char *err = NULL;
-        if (ps_f32_check(out, n * dim, dim, &err) != CM_OK)
-            rc = cm_err(errptr, CM_ECORRUPT, "pull of table %u: %s (caller's order)", table, err);
-        free(err);
+        size_t bad = cm_f32_first_nonfinite(out, n * dim);
+        if (bad < n * dim) {
+            char from[1024];
+            uint32_t s = split_shard(&sp, ns, sp.inv[bad / dim]);
+            rc = cm_err(errptr, CM_ECORRUPT,
+                        "%s: pull of table %u: non-finite value in the row of key %" PRIu64,
+                        reply_from(c, s, replies[s], from, sizeof from), table, keys[bad / dim]);
+        }
     } else if (rc == CM_OK) {
         for (size_t i = 0; i < n && !sp.identity; i++)
             memcpy(out + i * dim, rows + (size_t)sp.inv[i] * dim, dim * sizeof(float));
@@ -1312,9 +1342,11 @@ static int dense_call(ps_client *c, uint16_t op, uint8_t flags, uint32_t block, 
     ps_hdr h;
     memcpy(&h, nng_msg_body(reply), sizeof h);
     if (out != NULL) {
+        char from[1024];
         if (h.payload_len != bytes)
-            rc = cm_err(errptr, CM_ECORRUPT, "dense block %u: %" PRIu64 " bytes, expected %zu",
-                        block, h.payload_len, bytes);
+            rc = cm_err(errptr, CM_ECORRUPT, "%s: dense block %u: %" PRIu64 " bytes, expected %zu",
+                        reply_from(c, block % c->cfg.n_shards, reply, from, sizeof from), block,
+                        h.payload_len, bytes);
         else
             memcpy(out, (uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, bytes);
     }
@@ -1465,8 +1497,14 @@ int ps_client_dense_mirror(ps_client *c, uint32_t block, char **errptr)
     if (rc == CM_OK) {
         ps_hdr h;
         memcpy(&h, nng_msg_body(reply), sizeof h);
+        char *err = NULL, from[1024];
         rc = ps_dense_state_set(mi->d, (uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES,
-                                (size_t)h.payload_len, errptr);
+                                (size_t)h.payload_len, &err);
+        if (rc != CM_OK)
+            cm_err(errptr, rc, "%s: dense block %u's state: %s",
+                   reply_from(c, block % c->cfg.n_shards, reply, from, sizeof from), block,
+                   err ? err : "?");
+        free(err);
     }
     if (rc == CM_OK) {
         mi->block = block;
@@ -1651,8 +1689,13 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
         if (rc != CM_OK) return rc;
         size_t want = sizeof(ps_server_stats) + c->cfg.n_tables * sizeof(emb_table_stats);
         if (nng_msg_len(reply) != PS_HDR_BYTES + want) {
+            char from[1024];
+            rc = cm_err(errptr, CM_ECORRUPT,
+                        "%s: STATS reply of %zu bytes, expected %zu (%u tables; another build?)",
+                        reply_from(c, s, reply, from, sizeof from),
+                        nng_msg_len(reply) - PS_HDR_BYTES, want, c->cfg.n_tables);
             nng_msg_free(reply);
-            return cm_err(errptr, CM_ECORRUPT, "shard %u: STATS reply of unexpected size", s);
+            return rc;
         }
         const uint8_t *p = (const uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES;
         ps_server_stats ss;

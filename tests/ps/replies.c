@@ -1,0 +1,160 @@
+/*
+ * The client against hostile replies from a fake shard: a rep0 socket in this process that
+ * answers HELLO as a shard does and every other request as a scripted mode says, with bytes
+ * crafted after docs/PROTOCOL.md. Each bad reply (a wrong checksum, another request's id, an
+ * error status, a NaN row, a row short) must fail the call with an error naming what was wrong
+ * and the URL of the server that sent it, after a failover the backup's; the client goes on
+ * serving the next call.
+ */
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/rep.h>
+#include <pthread.h>
+
+#include "ps/wire.h"
+#include "ps_test_util.h"
+
+#define DIM 8u
+
+static const char conf[] = "[cluster]\nshards = 1\nworkers = 1\n"
+                           "[table f32]\ndim = 8\noptimizer = sgd\nlr = 1\n"
+                           "[table f16]\ndim = 8\noptimizer = sgd\nlr = 1\npull_codec = fp16\n";
+
+enum {
+    GOOD,     /* what a shard answers: rows of 0.5 in the requested codec */
+    CHECKSUM, /* one payload byte changed after sealing */
+    STALE,    /* the answer to this client's previous request (its request id) */
+    ERR,      /* status CM_EINVAL with a short message */
+    NAN_ROW,  /* the last row's last value NaN (fp16: 0x7e01) */
+    SHORT,    /* one row short */
+};
+
+typedef struct fake {
+    nng_socket sock;
+    pthread_t thread;
+    volatile int mode;
+} fake;
+
+static nng_msg *craft(const fake *f, const ps_hdr *req)
+{
+    ps_hdr h = *req;
+    h.status = 0;
+    size_t payload = 0;
+    int mode = f->mode;
+    if (req->op == PS_OP_HELLO) {
+        payload = 8;
+    } else if (mode == ERR) {
+        h.status = CM_EINVAL;
+        payload = 20;
+    } else if (req->op == PS_OP_PULL) {
+        payload = (size_t)req->count * ps_codec_row_bytes((ps_codec)req->codec, DIM);
+        if (mode == STALE) h.req_id--;
+        if (mode == SHORT) payload -= ps_codec_row_bytes((ps_codec)req->codec, DIM);
+    }
+    nng_msg *m;
+    if (nng_msg_alloc(&m, PS_HDR_BYTES + payload) != 0) return NULL;
+    uint8_t *b = nng_msg_body(m), *p = b + PS_HDR_BYTES;
+    memset(p, 0, payload);
+    if (req->op == PS_OP_HELLO && payload == 8) {
+        uint64_t gen = 1;
+        memcpy(p, &gen, 8);
+    } else if (h.status != 0) {
+        memcpy(p, "no such table, sorry", payload);
+    } else if (req->op == PS_OP_PULL) {
+        const float half = 0.5f;
+        const size_t vb = req->codec == PS_CODEC_F16 ? 2 : 4;
+        for (size_t i = 0; i < payload / vb; i++)
+            ps_codec_encode((ps_codec)req->codec, &half, 1, 1, p + i * vb, NULL);
+        if (mode == NAN_ROW && vb == 2) memcpy(p + payload - 2, "\x01\x7e", 2);
+        if (mode == NAN_ROW && vb == 4) memcpy(p + payload - 4, "\x01\x00\xc0\x7f", 4);
+    }
+    memcpy(b, &h, sizeof h);
+    ps_wire_seal(b, payload);
+    if (mode == CHECKSUM && payload > 0) p[payload - 1] ^= 1;
+    return m;
+}
+
+static void *fake_main(void *arg)
+{
+    fake *f = arg;
+    for (;;) {
+        nng_msg *req;
+        if (nng_recvmsg(f->sock, &req, 0) != 0) return NULL;
+        ps_hdr h;
+        char *err = NULL;
+        nng_msg *m = NULL;
+        if (ps_wire_open(nng_msg_body(req), nng_msg_len(req), &h, &err) == CM_OK) m = craft(f, &h);
+        free(err);
+        nng_msg_free(req);
+        if (m != NULL && nng_sendmsg(f->sock, m, 0) != 0) nng_msg_free(m);
+    }
+}
+
+static void fake_start(fake *f, const char *url)
+{
+    memset(f, 0, sizeof *f);
+    if (nng_rep0_open(&f->sock) != 0 || nng_listen(f->sock, url, NULL, 0) != 0)
+        pt_die("fake shard socket", strdup(url));
+    if (pthread_create(&f->thread, NULL, fake_main, f) != 0) pt_die("fake shard thread", NULL);
+}
+
+static void fake_stop(fake *f)
+{
+    nng_close(f->sock);
+    pthread_join(f->thread, NULL);
+}
+
+int main(void)
+{
+    psp_watchdog(PT_WATCHDOG_S);
+    const char *dir = check_tmpdir("ps_replies");
+    ps_config cfg;
+    pt_config(dir, "ps.conf", conf, &cfg);
+    const char *url = pt_ipc(dir, "fake0");
+    fake f;
+    fake_start(&f, url);
+    ps_client *c = pt_client(&cfg, &url, 0, 5000);
+
+    enum { K = 50 };
+    uint64_t keys[K];
+    for (int i = 0; i < K; i++)
+        keys[i] = 1000 + 7 * (uint64_t)i;
+    float got[K * DIM];
+    char *err = NULL;
+    CHECK_OK(ps_client_pull(c, 1, keys, K, got, &err), err);
+    CHECK(got[0] == 0.5f && got[K * DIM - 1] == 0.5f);
+
+    static const struct {
+        int mode;
+        uint32_t table;
+        const char *what;
+    } bad[] = {
+        {CHECKSUM, 0, "checksum"},  {STALE, 0, "request"},      {ERR, 0, "no such table"},
+        {NAN_ROW, 0, "non-finite"}, {NAN_ROW, 1, "non-finite"}, {SHORT, 0, "bytes"},
+        {SHORT, 1, "bytes"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        f.mode = bad[i].mode;
+        int rc = ps_client_pull(c, bad[i].table, keys, K, got, &err);
+        CHECK_MSG(rc != CM_OK && err && strstr(err, bad[i].what) && strstr(err, url),
+                  "mode %d: rc %d, %.300s", bad[i].mode, rc, err ? err : "(no message)");
+        free(err), err = NULL;
+    }
+    f.mode = GOOD;
+    CHECK_OK(ps_client_pull(c, 1, keys, K, got, &err), err);
+    ps_client_destroy(c);
+
+    /* After a failover the backup sent the reply, and the error says so: a primary that never
+     * came up, the fake as its backup. */
+    const char *nobody = pt_ipc(dir, "nobody");
+    ps_client_opts o = {
+        .cfg = &cfg, .urls = &nobody, .backup_urls = &url, .worker = 0, .timeout_ms = 2000};
+    c = pt_client_with(&o);
+    f.mode = ERR;
+    int rc = ps_client_pull(c, 0, keys, K, got, &err);
+    CHECK_MSG(rc != CM_OK && err && strstr(err, url) && !strstr(err, nobody), "rc %d, %s", rc,
+              err ? err : "(no message)");
+    free(err), err = NULL;
+    ps_client_destroy(c);
+    fake_stop(&f);
+    return pt_finish(dir);
+}
