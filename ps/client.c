@@ -57,6 +57,10 @@ typedef struct slot {
     nng_aio *aio;
     int state, kind;
     uint16_t op;
+    /* The request's table, count and codec, which a shard's reply repeats: rows of another
+     * table or codec, or of another count, are not the rows asked for. */
+    uint32_t table, count;
+    uint8_t codec;
     uint64_t req_id;
     nng_duration timeout; /* the call's, for its error message */
     /* cm_now() seconds: when the call must have its answer (deadline), and when the current
@@ -273,6 +277,15 @@ static int reply_check(slot *s, nng_msg *m, char **errptr)
         const char *p = (const char *)nng_msg_body(m) + PS_HDR_BYTES;
         return cm_err(errptr, h.status, "%s: %.*s", from, (int)h.payload_len, p);
     }
+    /* A pull's rows are decoded in the request's codec and given to its keys: a reply for
+     * another table, count or codec (a fp16 and a bf16 row are the same size) would be taken
+     * as the rows asked for, wrong values and all. */
+    if (h.table != s->table || h.count != s->count || h.codec != s->codec)
+        return cm_err(errptr, CM_ECORRUPT,
+                      "%s answered table %u, count %u, codec %s to a request (op %u) for table "
+                      "%u, count %u, codec %s",
+                      from, h.table, h.count, ps_codec_name((ps_codec)h.codec), h.op, s->table,
+                      s->count, ps_codec_name((ps_codec)s->codec));
     return CM_OK;
 }
 
@@ -408,6 +421,9 @@ static void slot_transmit(slot *s, nng_msg *m, bool idempotent, double deadline)
     h.req_id = s->req_id;
     h.worker = (uint16_t)c->worker;
     s->op = h.op;
+    s->table = h.table;
+    s->count = h.count;
+    s->codec = h.codec;
     memcpy(nng_msg_body(m), &h, sizeof h);
     ps_msg_seal(m);
     if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE)) {

@@ -2,7 +2,8 @@
  * The client against hostile replies from a fake shard: a rep0 socket in this process that
  * answers HELLO as a shard does and every other request as a scripted mode says, with bytes
  * crafted after docs/PROTOCOL.md. Each bad reply (a wrong checksum, another request's id, an
- * error status, a NaN row, a row short) must fail the call with an error naming what was wrong
+ * error status, a NaN row, a row short, rows of another codec, table or count than the
+ * request's) must fail the call with an error naming what was wrong
  * and the URL of the server that sent it, after a failover the backup's; the client goes on
  * serving the next call.
  */
@@ -26,6 +27,9 @@ enum {
     ERR,      /* status CM_EINVAL with a short message */
     NAN_ROW,  /* the last row's last value NaN (fp16: 0x7e01) */
     SHORT,    /* one row short */
+    CODEC,    /* rows of another codec of the same size (bf16 for fp16), the header naming it */
+    TABLE,    /* the header names another table */
+    COUNT,    /* the header's count one less than the request's, every row there */
 };
 
 typedef struct fake {
@@ -49,6 +53,9 @@ static nng_msg *craft(const fake *f, const ps_hdr *req)
         payload = (size_t)req->count * ps_codec_row_bytes((ps_codec)req->codec, DIM);
         if (mode == STALE) h.req_id--;
         if (mode == SHORT) payload -= ps_codec_row_bytes((ps_codec)req->codec, DIM);
+        if (mode == CODEC) h.codec = PS_CODEC_BF16;
+        if (mode == TABLE) h.table = req->table ^ 1u;
+        if (mode == COUNT) h.count = req->count - 1;
     }
     nng_msg *m;
     if (nng_msg_alloc(&m, PS_HDR_BYTES + payload) != 0) return NULL;
@@ -61,9 +68,9 @@ static nng_msg *craft(const fake *f, const ps_hdr *req)
         memcpy(p, "no such table, sorry", payload);
     } else if (req->op == PS_OP_PULL) {
         const float half = 0.5f;
-        const size_t vb = req->codec == PS_CODEC_F16 ? 2 : 4;
+        const size_t vb = h.codec == PS_CODEC_F32 ? 4 : 2;
         for (size_t i = 0; i < payload / vb; i++)
-            ps_codec_encode((ps_codec)req->codec, &half, 1, 1, p + i * vb, NULL);
+            ps_codec_encode((ps_codec)h.codec, &half, 1, 1, p + i * vb, NULL);
         if (mode == NAN_ROW && vb == 2) memcpy(p + payload - 2, "\x01\x7e", 2);
         if (mode == NAN_ROW && vb == 4) memcpy(p + payload - 4, "\x01\x00\xc0\x7f", 4);
     }
@@ -130,13 +137,17 @@ int main(void)
     } bad[] = {
         {CHECKSUM, 0, "checksum"},  {STALE, 0, "request"},      {ERR, 0, "no such table"},
         {NAN_ROW, 0, "non-finite"}, {NAN_ROW, 1, "non-finite"}, {SHORT, 0, "bytes"},
-        {SHORT, 1, "bytes"},
+        {SHORT, 1, "bytes"},        {CODEC, 1, "codec"},        {TABLE, 0, "table"},
+        {COUNT, 0, "count"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         f.mode = bad[i].mode;
         int rc = ps_client_pull(c, bad[i].table, keys, K, got, &err);
         CHECK_MSG(rc != CM_OK && err && strstr(err, bad[i].what) && strstr(err, url),
                   "mode %d: rc %d, %.300s", bad[i].mode, rc, err ? err : "(no message)");
+        /* (A reply of another codec, taken, decodes to other values than the server's.) */
+        CHECK_MSG(rc != CM_OK || got[0] == 0.5f, "mode %d: row value %g", bad[i].mode,
+                  (double)got[0]);
         free(err), err = NULL;
     }
     f.mode = GOOD;
