@@ -606,8 +606,16 @@ static int hello(struct ps_client *c, uint32_t shard, char **errptr)
     nng_msg *m = msg_simple(PS_OP_HELLO, 0, 0, buf, len), *reply = NULL;
     if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     int rc = request(c, shard, m, true, (nng_duration)c->timeout_ms, &reply, errptr);
-    /* Shard 0 says which barrier generation the cluster is in (a restarted worker joins it). */
-    if (rc == CM_OK && shard == 0 && nng_msg_len(reply) == PS_HDR_BYTES + 8)
+    /* Shard 0 says which barrier generation the cluster is in (a restarted worker joins it).
+     * Every shard sends it: a reply without it is not a shard's, and a client left at
+     * generation 0 would pass its first barrier at once (shard 0 takes 0 as long completed). */
+    char from[1024];
+    if (rc == CM_OK && nng_msg_len(reply) != PS_HDR_BYTES + 8)
+        rc = cm_err(errptr, CM_ECORRUPT,
+                    "%s: a HELLO reply of %zu bytes, expected 8 (the barrier generation)",
+                    reply_from(c, shard, reply, from, sizeof from),
+                    nng_msg_len(reply) - PS_HDR_BYTES);
+    if (rc == CM_OK && shard == 0)
         memcpy(&c->barrier_gen, (uint8_t *)nng_msg_body(reply) + PS_HDR_BYTES, 8);
     if (reply) nng_msg_free(reply);
     return rc;

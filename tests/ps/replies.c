@@ -3,9 +3,9 @@
  * answers HELLO as a shard does and every other request as a scripted mode says, with bytes
  * crafted after docs/PROTOCOL.md. Each bad reply (a wrong checksum, another request's id, an
  * error status, a NaN row, a row short, rows of another codec, table or count than the
- * request's) must fail the call with an error naming what was wrong
- * and the URL of the server that sent it, after a failover the backup's; the client goes on
- * serving the next call.
+ * request's, a HELLO without the barrier generation) must fail the call with an error naming what
+ * was wrong and the URL of the server that sent it, after a failover the backup's; the client goes
+ * on serving the next call.
  */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
@@ -21,15 +21,16 @@ static const char conf[] = "[cluster]\nshards = 1\nworkers = 1\n"
                            "[table f16]\ndim = 8\noptimizer = sgd\nlr = 1\npull_codec = fp16\n";
 
 enum {
-    GOOD,     /* what a shard answers: rows of 0.5 in the requested codec */
-    CHECKSUM, /* one payload byte changed after sealing */
-    STALE,    /* the answer to this client's previous request (its request id) */
-    ERR,      /* status CM_EINVAL with a short message */
-    NAN_ROW,  /* the last row's last value NaN (fp16: 0x7e01) */
-    SHORT,    /* one row short */
-    CODEC,    /* rows of another codec of the same size (bf16 for fp16), the header naming it */
-    TABLE,    /* the header names another table */
-    COUNT,    /* the header's count one less than the request's, every row there */
+    GOOD,        /* what a shard answers: rows of 0.5 in the requested codec */
+    CHECKSUM,    /* one payload byte changed after sealing */
+    STALE,       /* the answer to this client's previous request (its request id) */
+    ERR,         /* status CM_EINVAL with a short message */
+    NAN_ROW,     /* the last row's last value NaN (fp16: 0x7e01) */
+    SHORT,       /* one row short */
+    CODEC,       /* rows of another codec of the same size (bf16 for fp16), the header naming it */
+    TABLE,       /* the header names another table */
+    COUNT,       /* the header's count one less than the request's, every row there */
+    HELLO_EMPTY, /* HELLO answered OK without the barrier generation */
 };
 
 typedef struct fake {
@@ -45,7 +46,7 @@ static nng_msg *craft(const fake *f, const ps_hdr *req)
     size_t payload = 0;
     int mode = f->mode;
     if (req->op == PS_OP_HELLO) {
-        payload = 8;
+        payload = mode == HELLO_EMPTY ? 0 : 8;
     } else if (mode == ERR) {
         h.status = CM_EINVAL;
         payload = 20;
@@ -166,6 +167,19 @@ int main(void)
               err ? err : "(no message)");
     free(err), err = NULL;
     ps_client_destroy(c);
+
+    /* A HELLO reply without the barrier generation: taken, the client would enter barrier 0,
+     * which shard 0 answers at once as long completed, so a checkpoint's barrier would not
+     * wait for the other workers. Refused, naming the URL. */
+    f.mode = HELLO_EMPTY;
+    o.urls = &url;
+    o.backup_urls = NULL;
+    c = NULL;
+    rc = ps_client_create(&o, &c, &err);
+    CHECK_MSG(rc != CM_OK && err && strstr(err, "HELLO") && strstr(err, url), "rc %d, %s", rc,
+              err ? err : "(no message)");
+    free(err), err = NULL;
+    if (rc == CM_OK) ps_client_destroy(c);
     fake_stop(&f);
     return pt_finish(dir);
 }
