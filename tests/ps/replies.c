@@ -3,7 +3,8 @@
  * answers HELLO as a shard does and every other request as a scripted mode says, with bytes
  * crafted after docs/PROTOCOL.md. Each bad reply (a wrong checksum, another request's id, an
  * error status, a NaN row, a row short, rows of another codec, table or count than the
- * request's, a HELLO without the barrier generation) must fail the call with an error naming what
+ * request's, a HELLO without the barrier generation, an error text of 1 MiB of control
+ * characters) must fail the call with an error naming what
  * was wrong and the URL of the server that sent it, after a failover the backup's; the client goes
  * on serving the next call.
  */
@@ -31,6 +32,7 @@ enum {
     TABLE,       /* the header names another table */
     COUNT,       /* the header's count one less than the request's, every row there */
     HELLO_EMPTY, /* HELLO answered OK without the barrier generation */
+    ERR_CTRL,    /* an error whose 1 MiB text holds terminal escapes and newlines, no NUL */
 };
 
 typedef struct fake {
@@ -47,9 +49,9 @@ static nng_msg *craft(const fake *f, const ps_hdr *req)
     int mode = f->mode;
     if (req->op == PS_OP_HELLO) {
         payload = mode == HELLO_EMPTY ? 0 : 8;
-    } else if (mode == ERR) {
+    } else if (mode == ERR || mode == ERR_CTRL) {
         h.status = CM_EINVAL;
-        payload = 20;
+        payload = mode == ERR ? 20 : 1u << 20;
     } else if (req->op == PS_OP_PULL) {
         payload = (size_t)req->count * ps_codec_row_bytes((ps_codec)req->codec, DIM);
         if (mode == STALE) h.req_id--;
@@ -66,7 +68,11 @@ static nng_msg *craft(const fake *f, const ps_hdr *req)
         uint64_t gen = 1;
         memcpy(p, &gen, 8);
     } else if (h.status != 0) {
-        memcpy(p, "no such table, sorry", payload);
+        for (size_t i = 0; i < payload; i++)
+            p[i] = mode == ERR  ? "no such table, sorry"[i]
+                   : i % 8 == 0 ? 0x1b
+                   : i % 8 == 1 ? '\n'
+                                : 'x';
     } else if (req->op == PS_OP_PULL) {
         const float half = 0.5f;
         const size_t vb = h.codec == PS_CODEC_F32 ? 4 : 2;
@@ -153,6 +159,20 @@ int main(void)
     }
     f.mode = GOOD;
     CHECK_OK(ps_client_pull(c, 1, keys, K, got, &err), err);
+
+    /* A server's error text is the operator's to read: no terminal escapes or line breaks of
+     * the server's choosing reach it, and a long one is cut. */
+    f.mode = ERR_CTRL;
+    int rc = ps_client_pull(c, 0, keys, K, got, &err);
+    size_t ctrl = 0;
+    for (const char *e = err; e && *e; e++)
+        ctrl += (unsigned char)*e < 0x20 || *e == 0x7f;
+    CHECK_MSG(rc != CM_OK && err && strstr(err, url) && ctrl == 0 && strlen(err) < 1024,
+              "rc %d, %zu control characters in %zu bytes: %.100s", rc, ctrl, err ? strlen(err) : 0,
+              err ? err : "(no message)");
+    free(err), err = NULL;
+    f.mode = GOOD;
+    CHECK_OK(ps_client_pull(c, 1, keys, K, got, &err), err);
     ps_client_destroy(c);
 
     /* After a failover the backup sent the reply, and the error says so: a primary that never
@@ -162,7 +182,7 @@ int main(void)
         .cfg = &cfg, .urls = &nobody, .backup_urls = &url, .worker = 0, .timeout_ms = 2000};
     c = pt_client_with(&o);
     f.mode = ERR;
-    int rc = ps_client_pull(c, 0, keys, K, got, &err);
+    rc = ps_client_pull(c, 0, keys, K, got, &err);
     CHECK_MSG(rc != CM_OK && err && strstr(err, url) && !strstr(err, nobody), "rc %d, %s", rc,
               err ? err : "(no message)");
     free(err), err = NULL;
