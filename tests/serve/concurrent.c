@@ -87,8 +87,16 @@ static volatile int swaps_done;
 /* Bundle "live" at version v (1 or 2): an lr model whose tower and every lin row hold v. */
 static int write_version(float v, char **err)
 {
-    static uint64_t keys[SWAP_ROWS];
-    static float rows[SWAP_ROWS];
+    /* The caller's own rows: two_exports runs this on two threads at once (static arrays were
+     * filled by both, and a bundle of step 1 could hold version 2's rows). */
+    uint64_t *keys = malloc(SWAP_ROWS * sizeof *keys);
+    float *rows = malloc(SWAP_ROWS * sizeof *rows);
+    if (keys == NULL || rows == NULL) {
+        free(keys);
+        free(rows);
+        *err = strdup("out of memory");
+        return -1;
+    }
     for (uint32_t i = 0; i < SWAP_ROWS; i++) {
         keys[i] = i + 1;
         rows[i] = v;
@@ -105,6 +113,8 @@ static int write_version(float v, char **err)
         w = NULL;
     }
     ember_serve_writer_abort(w);
+    free(keys);
+    free(rows);
     return rc;
 }
 
