@@ -2135,8 +2135,13 @@ static int url_list(const setup *S, const char *k, const char *v, char ***list, 
      * without the backups the key asks for. */
     if (v[strspn(v, " ,")] == '\0') return cm_err(errptr, CM_EINVAL, "%s: no URL in the value", k);
     for (const char *p = v; *p;) {
+        /* "a,,b" or a comma at either end: an entry left out (a shard's URL forgotten), not a
+         * shorter list. */
+        int commas = 0;
         while (*p == ' ' || *p == ',')
-            p++;
+            commas += *p++ == ',';
+        if (commas > 1 || (commas == 1 && (p == v + strspn(v, " ,") || *p == '\0')))
+            return cm_err(errptr, CM_EINVAL, "%s: an empty entry in the list '%s'", k, v);
         size_t len = strcspn(p, " ,");
         if (len == 0) break;
         if (*n >= PS_MAX_SHARDS) return cm_err(errptr, CM_EINVAL, "too many URLs");

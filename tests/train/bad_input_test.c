@@ -280,6 +280,19 @@ int main(void)
                        "--ps-timeout 1000 --out r4b --no-progress");
     CHECK_MSG(rc == 1 && err_has("noport.ini:3: bad URL 'tcp://127.0.0.1'"),
               "tcp URL without a port: exit %d, stderr: %s", rc, err_text);
+    /* An empty entry in a URL list (a shard's URL left out) is refused naming the line, not
+     * read as a shorter list. */
+    static const char *const gap[] = {"ipc:///tmp/ember-a,,ipc:///tmp/ember-b",
+                                      ", ipc:///tmp/ember-a", "ipc:///tmp/ember-a ,"};
+    for (size_t i = 0; i < sizeof gap / sizeof *gap; i++) {
+        char ini[256];
+        snprintf(ini, sizeof ini, "[cluster]\nworkers = 1\nps = %s\n", gap[i]);
+        write_text("gap.ini", ini);
+        rc = run_limit(20, "train --train ds/train --model lr --cluster gap.ini --role worker "
+                           "--index 0 --ps-timeout 1000 --out r4g --no-progress");
+        CHECK_MSG(rc != 0 && rc != 124 && err_has("gap.ini:3") && err_has("empty entry"),
+                  "ps = %s: exit %d, stderr: %s", gap[i], rc, err_text);
+    }
     write_text("badurl.ini", "[cluster]\nps = foo://x\nworkers = 1\n");
     rc = run("train --train ds/train --model lr --cluster badurl.ini --role worker --index 0 "
              "--ps-timeout 1000 --out r4c --no-progress");
