@@ -260,5 +260,42 @@ int main(int argc, char **argv)
     CHECK_MSG(took < 4.5, "launch took %.1f s to stop a job with a stopped PS", took);
     CHECK(alive_from(run_term, &listed) == 0);
     CHECK(listed == 4);
+
+    /* 4. SIGTERM while launch stops a failed job: worker 0 fails, the others ignore TERM (as
+     * one busy writing a checkpoint may). The signal must KILL them at once; launch used to
+     * return from its cleanup (already under way) and exit, leaving them running. */
+    char fake_dir[4300], fake[4400], run_stop[4300];
+    snprintf(fake_dir, sizeof fake_dir, "%s/fake", dir);
+    snprintf(fake, sizeof fake, "%s/ember", fake_dir); /* comm "ember", as alive_from wants */
+    snprintf(run_stop, sizeof run_stop, "%s/run-stop", dir);
+    mkdir(fake_dir, 0755);
+    f = fopen(fake, "w");
+    CHECK(f != NULL);
+    if (f) {
+        fputs("#!/bin/sh\n"
+              "case \"$*\" in *'--role worker --index 0'*) sleep 0.3; echo failed >&2; exit 3;; "
+              "esac\n"
+              "trap '' TERM\n"
+              "while :; do sleep 0.1; done\n",
+              f);
+        fclose(f);
+        chmod(fake, 0755);
+    }
+    char *stop[] = {(char *)launch, "--ps",  "1",      "--workers", "2",   "--ember",
+                    fake,           "--out", run_stop, "--",        "--x", NULL};
+    pid = spawn(stop, "/dev/null");
+    usleep(1500000); /* worker 0 has failed; launch waits up to 5 s for the TERMs */
+    quiet = 1;
+    CHECK_MSG(alive_from(run_stop, &listed) == 2, "the fake ps and worker 1 are not running");
+    quiet = 0;
+    t_term = now_s();
+    kill(pid, SIGTERM);
+    rc = wait_bounded(pid, 30);
+    took = now_s() - t_term;
+    CHECK_MSG(rc != 0 && rc != -1, "launch exited %d after SIGTERM while stopping", rc);
+    CHECK_MSG(took < 2, "launch took %.1f s to stop after a SIGTERM while stopping", took);
+    usleep(200000);
+    CHECK(alive_from(run_stop, &listed) == 0);
+    CHECK(listed == 3);
     return check_done();
 }
