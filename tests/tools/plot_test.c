@@ -50,6 +50,36 @@ int main(int argc, char **argv)
         fclose(f);
     }
     CHECK(memcmp(sig, "\x89PNG\r\n\x1a\n", 8) == 0);
+    /* A loss that is no number ("nan") is a gap at its step, drawn as a line without the key:
+     * it was read as an empty field, which moved samples/s into the loss column. Both runs are
+     * named "run" (the title), so their PNGs must be the same bytes. */
+    const char *kinds[2] = {"\"loss\":nan,\"samples_per_s\":640.0}",
+                            "\"samples_per_s\":640.0,\"x\":\"loss\"}"};
+    char pngs[2][4300];
+    for (int k = 0; k < 2; k++) {
+        snprintf(path, sizeof path, "%s/%c", dir, 'a' + k);
+        mkdir(path, 0755);
+        snprintf(path, sizeof path, "%s/%c/run", dir, 'a' + k);
+        mkdir(path, 0755);
+        snprintf(path, sizeof path, "%s/%c/run/metrics.jsonl", dir, 'a' + k);
+        f = fopen(path, "w");
+        CHECK(f != NULL);
+        if (f == NULL) return check_done();
+        for (int s = 10; s <= 40; s += 10) {
+            fprintf(f, "{\"step\":%d,\"samples\":%d,\"seconds\":%d.0,", s, s * 64, s / 10);
+            if (s == 30)
+                fprintf(f, "%s\n", kinds[k]);
+            else
+                fprintf(f, "\"loss\":0.%d,\"samples_per_s\":640.0}\n", 60 - s);
+        }
+        fclose(f);
+        snprintf(pngs[k], sizeof pngs[k], "%s/%c/out.png", dir, 'a' + k);
+        snprintf(cmd, sizeof cmd, "EMBER_PLOT_NO_INSTALL=1 '%s' '%s/%c/run' '%s' >/dev/null",
+                 argv[1], dir, 'a' + k, pngs[k]);
+        CHECK(system(cmd) == 0);
+    }
+    snprintf(cmd, sizeof cmd, "cmp -s '%s' '%s'", pngs[0], pngs[1]);
+    CHECK_MSG(system(cmd) == 0, "a \"loss\":nan line drew other curves than a line without loss");
     /* No metrics: an error, not a PNG. */
     snprintf(cmd, sizeof cmd, "EMBER_PLOT_NO_INSTALL=1 '%s' '%s/nothing-here' 2>/dev/null", argv[1], dir);
     st = system(cmd);
