@@ -1878,7 +1878,9 @@ static int metrics_trim(const char *path, uint64_t step, char **errptr)
         while (end < len && text[end] != '\n')
             end++;
         unsigned long long st;
-        bool keep = sscanf(text + at, "{\"step\":%llu", &st) != 1 || st <= step;
+        /* A last line without its newline is half a line a killed run left: kept, it read as
+         * the step it began with and stayed for good (no strict JSONL reader takes it). */
+        bool keep = end < len && (sscanf(text + at, "{\"step\":%llu", &st) != 1 || st <= step);
         if (keep && end > at) {
             memcpy(out + n, text + at, end - at);
             n += end - at;
