@@ -106,6 +106,9 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
             rc = cm_err(errptr, CM_EINVAL, "%s:%d: line too long", path, lineno);
             break;
         }
+        /* A UTF-8 byte order mark (some editors start every file with one) is not text. */
+        if (lineno == 1 && !strncmp(line, "\xef\xbb\xbf", 3))
+            memmove(line, line + 3, strlen(line) - 2);
         char *hash = strchr(line, '#');
         if (hash) *hash = '\0';
         char *s = trim(line);

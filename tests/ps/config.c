@@ -49,6 +49,12 @@ static const char good[] = "# a comment line\n"
 static void test_good(void)
 {
     ps_config c;
+    /* A UTF-8 byte order mark (Windows editors write one) is no part of the first line: read
+     * as text it made "[cluster]" line 1's "expected key = value". */
+    char bom[sizeof good + 3] = "\xef\xbb\xbf";
+    memcpy(bom + 3, good, sizeof good);
+    pt_config(dir, "bom.conf", bom, &c);
+    CHECK(c.n_shards == 3 && c.n_tables == 2 && c.n_dense == 1);
     pt_config(dir, "good.conf", good, &c);
     CHECK(c.n_shards == 3 && c.n_workers == 4 && c.staleness == 2);
     CHECK(c.max_msg_bytes == 64ull << 20);
