@@ -62,7 +62,21 @@ AVX512_TARGET static inline void transpose16(__m512i r[16])
     }
 }
 
+/* The first n of 16 lanes (none for n <= 0, all for n >= 16): a row's tail for masked loads
+ * and stores. */
+static inline __mmask16 lanes16(int n)
+{
+    return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u);
+}
+
 #endif
+
+/* C's M x N block set to zero: every GEMM's product over K = 0. */
+static void zero_block(int M, int N, float *C, int ldc)
+{
+    for (int i = 0; i < M; i++)
+        memset(C + (size_t)i * ldc, 0, (size_t)N * sizeof(float));
+}
 
 #if defined(__x86_64__) && defined(__GNUC__) && __GNUC__ >= 11
 #define CM_HAVE_AMX 1
@@ -314,8 +328,7 @@ int cm_gemm_bf16_pre(int ta, int tb, int M, int N, int K, const float *A, int ld
     if (M <= 0 || N <= 0) return CM_OK;
     if (!cm_gemm_bf16_available()) return CM_EINVAL;
     if (K <= 0) {
-        for (int i = 0; i < M; i++)
-            memset(C + (size_t)i * ldc, 0, (size_t)N * sizeof(float));
+        zero_block(M, N, C, ldc);
         return CM_OK;
     }
     int RA = (M + 31) / 32 * 2, RB = (N + 31) / 32 * 2, KK = (K + 31) / 32;
@@ -479,8 +492,7 @@ AVX512_TARGET static void f32_pack_b(int tb, int N, const float *B, int ldb, int
         float *o = out + (size_t)q * kc * F32_NR;
         int j0 = q * F32_NR, n = N - j0 < F32_NR ? N - j0 : F32_NR;
         if (!tb) {
-            __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
-            __mmask16 m1 = n >= 32 ? 0xffff : n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0;
+            const __mmask16 m0 = lanes16(n), m1 = lanes16(n - 16);
             for (int k = 0; k < kc; k++) {
                 const float *b = B + (size_t)(k0 + k) * ldb + j0;
                 _mm512_store_ps(o + (size_t)k * F32_NR, _mm512_maskz_loadu_ps(m0, b));
@@ -513,8 +525,7 @@ AVX512_TARGET static void f32_kernel(int kc, const float *restrict a, const floa
                                      float *C, int ldc, int mr, int nr, int load)
 {
     __m512 c0[F32_MR], c1[F32_MR];
-    __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1u);
-    __mmask16 m1 = nr >= 32 ? 0xffff : nr > 16 ? (__mmask16)((1u << (nr - 16)) - 1u) : 0;
+    const __mmask16 m0 = lanes16(nr), m1 = lanes16(nr - 16);
 #pragma GCC unroll 8
     for (int r = 0; r < F32_MR; r++) {
         bool in = load && r < mr;
@@ -584,8 +595,7 @@ int cm_gemm_f32(int simd, int ta, int tb, int M, int N, int K, const float *A, i
 {
     if (M <= 0 || N <= 0) return CM_OK;
     if (K <= 0) {
-        for (int i = 0; i < M; i++)
-            memset(C + (size_t)i * ldc, 0, (size_t)N * sizeof(float));
+        zero_block(M, N, C, ldc);
         return CM_OK;
     }
 #ifdef CM_HAVE_F32_SIMD

@@ -28,6 +28,17 @@ int ember_serve_predict(const ember_serve *h, const ember_serve_batch *b, float 
                         char **errptr)
 {
     if (b->n_rows == 0) return CM_OK;
+    /* The caller's offsets, checked here, at the library's edge: ranges that do not start at 0
+     * or that go back name keys outside the batch (a crash in the pooling). Batches the
+     * trainer stages come from the shard reader, which builds offsets from counts. */
+    const size_t slots = (size_t)b->n_rows * b->n_fields;
+    if (b->offsets[0] != 0)
+        return cm_err(errptr, CM_EINVAL, "batch offsets start at %u, not 0", b->offsets[0]);
+    for (size_t r = 0; r < slots; r++)
+        if (b->offsets[r + 1] < b->offsets[r])
+            return cm_err(errptr, CM_EINVAL,
+                          "batch offsets go back at row %zu field %zu (%u after %u)",
+                          r / b->n_fields, r % b->n_fields, b->offsets[r + 1], b->offsets[r]);
     model_staging ms;
     memset(&ms, 0, sizeof ms);
     model_input in = {b->n_rows, b->n_dense, b->n_fields, NULL, b->dense, b->offsets, b->keys,

@@ -331,17 +331,10 @@ int model_staging_build(model_staging *s, const model_cfg *m, const model_layout
 {
     const uint32_t F = m->n_fields, D = m->n_dense;
     if (b->n_fields != F || b->n_dense != D)
-        return cm_err(errptr, CM_EINVAL, "batch has %u fields and %u dense values; the model expects "
-                      "%u and %u", b->n_fields, b->n_dense, F, D);
-    /* Offsets come from a caller (ember_serve_predict's is any program): ranges that do not
-     * start at 0 or that go back name keys outside the batch (a crash in the pooling). */
-    if (b->offsets[0] != 0)
-        return cm_err(errptr, CM_EINVAL, "batch offsets start at %u, not 0", b->offsets[0]);
-    for (size_t r = 0; r < (size_t)b->n_rows * F; r++)
-        if (b->offsets[r + 1] < b->offsets[r])
-            return cm_err(errptr, CM_EINVAL,
-                          "batch offsets go back at row %zu field %zu (%u after %u)", r / F, r % F,
-                          b->offsets[r + 1], b->offsets[r]);
+        return cm_err(errptr, CM_EINVAL,
+                      "batch has %u fields and %u dense values; the model expects "
+                      "%u and %u",
+                      b->n_fields, b->n_dense, F, D);
     uint32_t nnz = b->offsets[(size_t)b->n_rows * F];
     pthread_once(&squash_once, squash_init);
     int rc = staging_reserve(s, l, b->n_rows, F, D, nnz, errptr);

@@ -993,6 +993,13 @@ static int drop_foreign(const setup *S, const char *dir, char **errptr)
     return rc;
 }
 
+/* Whether a directory name is a checkpoint's staging one ("step-N" TRAIN_CKPT_STAGING). */
+static bool is_staging(const char *name)
+{
+    size_t len = strlen(name), sl = strlen(TRAIN_CKPT_STAGING);
+    return len > sl && strcmp(name + len - sl, TRAIN_CKPT_STAGING) == 0;
+}
+
 /* Collective: PS snapshot named by tag (the same for every worker), each worker's own data
  * position (batches consumed, the kernels that computed them, and the rows and summed loss of
  * this run so far: job_totals), then LATEST (worker 0).
@@ -1076,8 +1083,7 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
         if (got == 1) steps[n++] = v;
         /* What a save that failed or was killed was assembling (checkpoint): no checkpoint is
          * being assembled now, this one is in place. */
-        size_t len = strlen(e->d_name), sl = strlen(TRAIN_CKPT_STAGING);
-        if (got == 2 && len > sl && strcmp(e->d_name + len - sl, TRAIN_CKPT_STAGING) == 0) {
+        if (got == 2 && is_staging(e->d_name)) {
             snprintf(dir, sizeof dir, "%s/%s", S->ckpt_root, e->d_name);
             rc = cm_rmtree(dir, errptr);
         }
@@ -1230,8 +1236,7 @@ int train_resolve_checkpoint(const char *in, char *out, size_t n, uint64_t *step
     cm_path_trim(out);
     const char *base = strrchr(out, '/');
     base = base ? base + 1 : out;
-    size_t bl = strlen(base), sl = strlen(TRAIN_CKPT_STAGING);
-    if (bl > sl && !strcmp(base + bl - sl, TRAIN_CKPT_STAGING))
+    if (is_staging(base))
         return cm_err(errptr, CM_EINVAL,
                       "%s is a checkpoint being assembled, or one an interrupted save left: give "
                       "the checkpoint it would have become, once its save has finished",
