@@ -400,9 +400,9 @@ int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, c
  * inner index's 32 values in two cache lines), op(A) in panels of F32_MR rows, and an 8 x 32
  * register block (16 accumulators) that reads one B panel row and 8 broadcasts of A a step for
  * 16 FMAs. A B panel (KC x 32 floats, 32 KiB) stays in L1 while the A panels of an MC block (in
- * L2) stream past it. On an AMD EPYC (AVX-512) it runs at 0.87-1.07x OpenBLAS 0.3.21's
- * Cooperlake kernel and 1.4-1.8x its Haswell one on the mlp's shapes (docs/BENCHMARKS.md);
- * 12- and 14-row blocks measured no faster.
+ * L2) stream past it. On an AMD EPYC (AVX-512) it runs at 0.96-1.07x OpenBLAS 0.3.21's
+ * Cooperlake kernel and 1.5-2.0x its Haswell one on the mlp's shapes (docs/BENCHMARKS.md,
+ * stop 26); 12- and 14-row blocks measured no faster.
  */
 #define F32_MR 8
 #define F32_NR 32

@@ -49,8 +49,9 @@ typedef struct pool_block {
 
 /*
  * Which code computes a GEMM's tiles. ember's own fp32 GEMM (cm_gemm_f32) where the CPU has
- * AVX-512: 1.4-1.8x the OpenBLAS kernels a user's OPENBLAS_CORETYPE=Haswell or an AVX2 build
- * gives, ~0.9-1.05x OpenBLAS's own AVX-512 ones, and its sums do not depend on the tile sizes.
+ * AVX-512: 1.5-2.0x the OpenBLAS kernels a user's OPENBLAS_CORETYPE=Haswell or an AVX2 build
+ * gives, 0.96-1.07x OpenBLAS's own AVX-512 ones (docs/BENCHMARKS.md, stop 26), and its sums do
+ * not depend on the tile sizes.
  * Elsewhere OpenBLAS, whose kernels for AVX2 and older CPUs ember does not try to beat.
  * GEMM_OWN_PORTABLE gives GEMM_OWN's bits with plain loops (BACKEND_NO_SIMD, tests).
  */
