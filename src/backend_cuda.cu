@@ -19,14 +19,21 @@
  *   at creation, so A and A^T (whose nnz changes with every batch) are re-created once a step,
  *   not once an SpMM: host-side structs only, never device memory.
  *
- * - cuSPARSE assumes canonical CSR (no repeated (row, column) pair; sorted columns) while a
- *   staged batch may repeat a key inside a field. The host therefore builds the transpose A^T
- *   by a stable counting sort (which puts repeats side by side, so they merge), and A back
- *   from A^T the same way: two linear passes, no comparisons, and both matrices come out
- *   canonical. Having A^T explicitly also lets the backward pass be a non-transposed SpMM:
- *   cuSPARSE's transposed SpMM is documented as run-to-run nondeterministic (atomics), and the
- *   CPU backend's promise that results do not depend on timing is worth keeping on the GPU.
- *   A^T's rows list samples in increasing order, the order the CPU accumulates dE in.
+ * - Pooling (X = A E) and its backward product (dE = A^T dX) run in k_pool, one thread per
+ *   output adding its row in stored order, not in cusparseSpMM. On an H200 (2026-11-27) every
+ *   cuSPARSE 13.0 SpMM algorithm (CSR_ALG1, CSR_ALG2, CSR_ALG3, ALG_DEFAULT) gave other bits
+ *   in 28-29 of 29 repeats of one backward product at dim 16 (A^T of a Zipf batch: hot keys'
+ *   rows hundreds of entries long, split and recombined in whatever order the blocks finish),
+ *   so a training run could not be repeated bit for bit, and the CPU's promise that results
+ *   do not depend on timing is worth keeping. k_pool sums in the CPU loops' order: A as
+ *   staged, and A^T by a stable counting sort over columns, whose rows list samples in
+ *   increasing order, the order the CPU accumulates dE in; so the bits depend neither on the
+ *   run nor on the key order (the shard count). The batch is launch-bound at these sizes
+ *   either way. EMBER_CUDA_SPMM_ALG=csr_alg1|csr_alg2|csr_alg3|alg_default pools with
+ *   cusparseSpMM instead (tools/bench gpu measures it): cuSPARSE assumes canonical CSR (no
+ *   repeated (row, column) pair) while a staged batch may repeat a key inside a field, so
+ *   then the counting sort merges repeats and A is rebuilt from A^T the same way (two linear
+ *   passes, both canonical), and the backward product is still a non-transposed SpMM.
  *
  * - Row-major everywhere, as the CPU backend: a row-major M x N matrix is a column-major
  *   N x M one, so every GEMM is issued transposed (Y = X W^T is Y^T = W X^T for cuBLAS) and
@@ -113,6 +120,23 @@ static unsigned grid_for(size_t n)
                                idx += (size_t)gridDim.x * blockDim.x)
 
 /* ---- kernels (each mirrors a loop of backend_cpu.c; see there for the math) ---- */
+
+/* Y = M Z for a CSR M (rows x k, repeats allowed) and a row-major Z (k x d): one thread owns
+ * Y[r, j] and adds M's row r in its stored order, as the CPU's pooling loops do, so the bits do
+ * not depend on scheduling (cuSPARSE's SpMM gives other bits from run to run on the backward
+ * product's long rows: see the note at the top). */
+__global__ void k_pool(size_t n, uint32_t d, const int32_t *rp, const int32_t *ci, const float *v,
+                       const float *Z, float *Y)
+{
+    GRID_LOOP(idx, n)
+    {
+        const size_t r = idx / d, j = idx - r * d;
+        float acc = 0.0f;
+        for (int32_t p = rp[r]; p < rp[r + 1]; p++)
+            acc += v[p] * Z[(size_t)ci[p] * d + j];
+        Y[idx] = acc;
+    }
+}
 
 /* Y[i, j] = act(Y[i, j] + bias[j]), Y is rows x out. */
 __global__ void k_bias_act(size_t n, float *Y, const float *bias, uint32_t out, int relu)
@@ -365,6 +389,7 @@ typedef struct cu {
     cublasHandle_t blas;
     cusparseHandle_t sparse;
     cusparseSpMMAlg_t alg;
+    bool cusparse_pool; /* pooling by cusparseSpMM (EMBER_CUDA_SPMM_ALG), else by k_pool */
     /* Work buffers, one device allocation sized by max_b at create. */
     char *work;
     void *blas_ws;
@@ -637,7 +662,7 @@ static int spmm_presize(cu *c, const plan *pl, char **errptr)
                   (const int32_t *)(up + pl->colt),
                   (const float *)(up + pl->valt)};
     size_t need = 0, n;
-    if (BF == 0 || U == 0) return CM_OK;
+    if (BF == 0 || U == 0 || !c->cusparse_pool) return CM_OK;
     if (l->emb_table >= 0) {
         const int64_t d = c->m.dim;
         TRY(spmm_bind(c, &c->a, &A, SP_FWD_EMB, (const float *)(up + pl->emb[l->emb_table]), d,
@@ -692,7 +717,30 @@ static int create_impl(cu *c, const model_cfg *m, const model_layout *l, uint32_
     c->l = *l;
     c->max_b = max_b;
     c->max_u = max_u;
-    c->alg = CUSPARSE_SPMM_CSR_ALG2; /* deterministic, tuned for row-major dense operands */
+    /* EMBER_CUDA_SPMM_ALG=csr_alg1|csr_alg2|csr_alg3|alg_default pools with cusparseSpMM and
+     * that algorithm (not bit-reproducible: the note at the top); unset or "ember", k_pool. */
+    c->alg = CUSPARSE_SPMM_CSR_ALG2;
+    c->cusparse_pool = false;
+    const char *alg = getenv("EMBER_CUDA_SPMM_ALG");
+    if (alg != NULL && *alg != '\0' && strcmp(alg, "ember") != 0) {
+        static const struct {
+            const char *name;
+            cusparseSpMMAlg_t alg;
+        } algs[] = {{"csr_alg1", CUSPARSE_SPMM_CSR_ALG1},
+                    {"csr_alg2", CUSPARSE_SPMM_CSR_ALG2},
+                    {"csr_alg3", CUSPARSE_SPMM_CSR_ALG3},
+                    {"alg_default", CUSPARSE_SPMM_ALG_DEFAULT}};
+        size_t i = 0;
+        while (i < sizeof algs / sizeof algs[0] && strcmp(alg, algs[i].name) != 0)
+            i++;
+        if (i == sizeof algs / sizeof algs[0])
+            return cm_err(errptr, CM_EINVAL,
+                          "cuda: EMBER_CUDA_SPMM_ALG '%s' is not ember, csr_alg1, csr_alg2, "
+                          "csr_alg3 or alg_default",
+                          alg);
+        c->alg = algs[i].alg;
+        c->cusparse_pool = true;
+    }
     CUDA_TRY(cudaStreamCreateWithFlags(&c->st, cudaStreamNonBlocking));
     CUDA_TRY(cudaStreamCreateWithFlags(&c->cp, cudaStreamNonBlocking));
     for (int i = 0; i < 2; i++) {
@@ -878,6 +926,10 @@ static int spmm(cu *c, sp_desc *A, const csr_ref *m, int site, const float *E, i
         CUDA_TRY(cudaMemsetAsync(X, 0, (size_t)m->rows * d * sizeof(float), c->st));
         return CM_OK;
     }
+    if (!c->cusparse_pool) {
+        LAUNCH(k_pool, (size_t)m->rows * d, (uint32_t)d, m->rp, m->ci, m->v, E, X);
+        return CM_OK;
+    }
     const float one = 1.0f, zero = 0.0f;
     int rc = spmm_bind(c, A, m, site, E, d, X, errptr);
     cusparseConstDnMatDescr_t Ed = c->dn[site][0].d;
@@ -925,13 +977,14 @@ static int spmm(cu *c, sp_desc *A, const csr_ref *m, int site, const float *E, i
 
 /*
  * Packs the batch into a slot's pinned upload arena h: params, dense, labels, pulled rows, and
- * the pooling matrix twice in canonical CSR (see the note at the top): A^T by a stable
- * counting sort over columns with repeated (row, column) pairs merged, then A from A^T the
- * same way. Returns the canonical nnz through *nnz_out.
+ * the pooling matrix twice (see the note at the top): A^T by a stable counting sort over
+ * columns; for k_pool A as staged, for cuSPARSE repeated (row, column) pairs merged and A
+ * rebuilt from A^T the same way. Returns the entry count through *nnz_out.
  */
 static int pack(cu *c, const plan *pl, char *h, const float *P, const model_batch *b,
                 uint32_t *nnz_out, char **errptr)
 {
+    const bool canonical = c->cusparse_pool;
     const uint32_t BF = b->B * b->F, U = b->U;
     memcpy(h + pl->params, P, c->l.n_params * sizeof(float));
     if (b->D) memcpy(h + pl->dense, b->dense, (size_t)b->B * b->D * sizeof(float));
@@ -952,6 +1005,19 @@ static int pack(cu *c, const plan *pl, char *h, const float *P, const model_batc
             colt[pos] = r;
             valt[pos] = b->val[k];
         }
+    if (!canonical) {
+        const uint32_t base = b->row_ptr[0], raw = b->row_ptr[BF] - base;
+        for (uint32_t u = U; u > 0; u--)
+            rpt[u] = rpt[u - 1]; /* back to the starts */
+        rpt[0] = 0;
+        for (uint32_t r = 0; r <= BF; r++)
+            rp[r] = b->row_ptr[r] - base;
+        memcpy(col, b->col + base, (size_t)raw * sizeof *col);
+        memcpy(val, b->val + base, (size_t)raw * sizeof *val);
+        *nnz_out = raw;
+        (void)errptr;
+        return CM_OK;
+    }
     /* rpt[u] is now the end of column u; merge repeats (adjacent) while compacting. */
     uint32_t out = 0, start = 0;
     for (uint32_t u = 0; u < U; u++) {

@@ -8,9 +8,10 @@
  *   (metrics.jsonl's last line), as in bench train.
  * - PyTorch: tools/bench_train.py --device cuda, the same mlp (nn.Embedding + Linear) with its
  *   embeddings on the GPU, from ember's initial weights, on the same rows.
- * - the pooling SpMM (cusparseSpMM, CSR, as src/backend_cuda.cu issues it) on a real batch of
- *   the data (model_staging_build: the first 2048 training rows) against the device's measured
- *   copy bandwidth (device-to-device cudaMemcpy, counted as bytes read + bytes written, as
+ * - the pooling SpMM (cusparseSpMM, CSR_ALG2, as src/backend_cuda.cu issues it under
+ *   EMBER_CUDA_SPMM_ALG=csr_alg2; by default it pools with its own bit-reproducible k_pool) on a
+ * real batch of the data (model_staging_build: the first 2048 training rows) against the device's
+ * measured copy bandwidth (device-to-device cudaMemcpy, counted as bytes read + bytes written, as
  *   NVIDIA's bandwidthTest does). The SpMM's effective bytes are each operand once: A's CSR
  *   arrays, the pulled rows E (U x dim), the pooled X (B*F x dim). At dim 16 a batch's operands
  *   fit in the L2 cache, so that figure can pass the copy bandwidth; larger dims show the DRAM

@@ -10,9 +10,14 @@
  * concurrently with the step: the path issue #6's overlap takes. And --tf32 must still learn
  * (TF32 is outside gpu_parity's 1e-5, so a looser 0.005 AUC budget).
  *
+ * A second cuda run with the same flags must give the same bits as the first (the checkpoint's
+ * rows, optimizer state and tower; the eval predictions), as the CPU path does: no summation
+ * on the device may depend on scheduling.
+ *
  * Without a usable device it prints "SKIPPED: ..." and exits 77 (ctest: skipped).
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "src/model.h"
 #include "train/cli_util.h"
@@ -30,6 +35,46 @@ static double train_auc(const char *device, const char *extra, const char *tag)
     return rc == 0 ? jnum(last_line(), "auc") : NAN;
 }
 
+/* Whether run-a and run-b hold the same bytes in `file`, a path below their final checkpoint
+ * when ckpt is set (ckpt/LATEST names it), else below the run directory. */
+static bool same_bytes(const char *a, const char *b, const char *file, bool ckpt)
+{
+    char pa[8192], pb[8192], *steps[2] = {NULL, NULL};
+    const char *runs[2] = {a, b};
+    void *data[2] = {NULL, NULL};
+    size_t len[2] = {0, 0};
+    bool same = true;
+    for (int i = 0; i < 2 && same; i++) {
+        char latest[256], *err = NULL;
+        const char *step = "";
+        if (ckpt) {
+            snprintf(latest, sizeof latest, "%s/ckpt/LATEST", runs[i]);
+            steps[i] = slurp_sealed(latest);
+            if (steps[i] == NULL) {
+                same = false;
+                break;
+            }
+            steps[i][strcspn(steps[i], "\n")] = '\0';
+            step = steps[i];
+        }
+        snprintf(i ? pb : pa, sizeof pa, "%s/%s%s%s/%s", dir, runs[i], ckpt ? "/ckpt/" : "", step,
+                 file);
+        if (cm_read_file(i ? pb : pa, &data[i], &len[i], &err) != 0) {
+            fprintf(stderr, "%s\n", err ? err : "read failed");
+            same = false;
+        }
+        free(err);
+    }
+    if (same) same = len[0] == len[1] && memcmp(data[0], data[1], len[0]) == 0;
+    CHECK_MSG(same, "cuda runs %s and %s differ in %s%s (%zu and %zu bytes)", a, b,
+              ckpt ? "the checkpoint's " : "", file, len[0], len[1]);
+    for (int i = 0; i < 2; i++) {
+        free(steps[i]);
+        free(data[i]);
+    }
+    return same;
+}
+
 int main(void)
 {
     char *err = NULL;
@@ -45,6 +90,11 @@ int main(void)
     CHECK_MSG(gpu >= cpu - AUC_GAP, "cuda AUC %.5f is more than %.3f below the CPU's %.5f", gpu,
               AUC_GAP, cpu);
     CHECK_MSG(gpu > 0.6, "cuda AUC %.5f: the model did not learn", gpu);
+    double again = train_auc("cuda", "", "cuda-again");
+    fprintf(stderr, "mlp AUC: cuda again %.5f (%+.5f)\n", again, again - gpu);
+    same_bytes("run-cuda", "run-cuda-again", "shard-0/table-emb/rows.bin", true);
+    same_bytes("run-cuda", "run-cuda-again", "shard-0/dense-tower.bin", true);
+    same_bytes("run-cuda", "run-cuda-again", "eval_predictions.txt", false);
     double cpu_s = train_auc("cpu", "--stale-pull", "cpu-stale");
     double gpu_s = train_auc("cuda", "--stale-pull", "cuda-stale");
     fprintf(stderr, "mlp AUC --stale-pull: cpu %.5f, cuda %.5f (%+.5f)\n", cpu_s, gpu_s,
