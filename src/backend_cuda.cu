@@ -693,6 +693,23 @@ static int spmm_presize(cu *c, const plan *pl, char **errptr)
     return CM_OK;
 }
 
+/* cuSPARSE's SpMM algorithms by their EMBER_CUDA_SPMM_ALG names. */
+static const struct {
+    const char *name;
+    cusparseSpMMAlg_t alg;
+} spmm_algs[] = {{"csr_alg1", CUSPARSE_SPMM_CSR_ALG1},
+                 {"csr_alg2", CUSPARSE_SPMM_CSR_ALG2},
+                 {"csr_alg3", CUSPARSE_SPMM_CSR_ALG3},
+                 {"alg_default", CUSPARSE_SPMM_ALG_DEFAULT}};
+#define N_SPMM_ALGS (sizeof spmm_algs / sizeof spmm_algs[0])
+
+static const char *spmm_alg_name(cusparseSpMMAlg_t alg)
+{
+    for (size_t i = 0; i < N_SPMM_ALGS; i++)
+        if (spmm_algs[i].alg == alg) return spmm_algs[i].name;
+    return "?";
+}
+
 static int create_impl(cu *c, const model_cfg *m, const model_layout *l, uint32_t max_b,
                        uint32_t max_u, uint32_t flags, char **errptr)
 {
@@ -723,22 +740,15 @@ static int create_impl(cu *c, const model_cfg *m, const model_layout *l, uint32_
     c->cusparse_pool = false;
     const char *alg = getenv("EMBER_CUDA_SPMM_ALG");
     if (alg != NULL && *alg != '\0' && strcmp(alg, "ember") != 0) {
-        static const struct {
-            const char *name;
-            cusparseSpMMAlg_t alg;
-        } algs[] = {{"csr_alg1", CUSPARSE_SPMM_CSR_ALG1},
-                    {"csr_alg2", CUSPARSE_SPMM_CSR_ALG2},
-                    {"csr_alg3", CUSPARSE_SPMM_CSR_ALG3},
-                    {"alg_default", CUSPARSE_SPMM_ALG_DEFAULT}};
         size_t i = 0;
-        while (i < sizeof algs / sizeof algs[0] && strcmp(alg, algs[i].name) != 0)
+        while (i < N_SPMM_ALGS && strcmp(alg, spmm_algs[i].name) != 0)
             i++;
-        if (i == sizeof algs / sizeof algs[0])
+        if (i == N_SPMM_ALGS)
             return cm_err(errptr, CM_EINVAL,
                           "cuda: EMBER_CUDA_SPMM_ALG '%s' is not ember, csr_alg1, csr_alg2, "
                           "csr_alg3 or alg_default",
                           alg);
-        c->alg = algs[i].alg;
+        c->alg = spmm_algs[i].alg;
         c->cusparse_pool = true;
     }
     CUDA_TRY(cudaStreamCreateWithFlags(&c->st, cudaStreamNonBlocking));
@@ -967,9 +977,8 @@ static int spmm(cu *c, sp_desc *A, const csr_ref *m, int site, const float *E, i
         if (s != CUSPARSE_STATUS_SUCCESS)
             rc = cm_err(errptr, s == CUSPARSE_STATUS_ALLOC_FAILED ? CM_ENOMEM : CM_ERR,
                         "cuda: %s (%s, %lld x %lld, %lld entries, dim %lld): %s", call,
-                        c->alg == CUSPARSE_SPMM_CSR_ALG2 ? "CSR_ALG2" : "ALG_DEFAULT",
-                        (long long)m->rows, (long long)m->cols, (long long)m->nnz, (long long)d,
-                        cusparseGetErrorString(s));
+                        spmm_alg_name(c->alg), (long long)m->rows, (long long)m->cols,
+                        (long long)m->nnz, (long long)d, cusparseGetErrorString(s));
         break;
     }
     return rc;
