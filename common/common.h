@@ -154,6 +154,27 @@ void cm_blas_core_reexec(const char *detected, char **argv);
  * priority needs no privilege, and failing changes nothing but timing. */
 void cm_thread_background(void);
 
+/*
+ * A team of threads that runs the parts of a job beside the caller: the embedding table's
+ * fan-out of one large pull or push over its sub-shards. Several callers may run jobs on one
+ * team at once; each caller runs parts of its own job too, so a job finishes even when every
+ * team thread is busy elsewhere (the team only adds help), and cm_team_run returns once every
+ * part has run and every team thread that entered the job has left it. Parts must not wait for
+ * one another. What a part computes must not depend on which thread runs it; the team only
+ * changes when.
+ */
+typedef struct cm_team cm_team;
+typedef void (*cm_team_fn)(void *arg, uint32_t part);
+/* Starts `threads` team threads (1..256; the caller of each job is one more). */
+int cm_team_create(uint32_t threads, cm_team **out, char **errptr);
+/* Stops and joins the threads; no job may be running. NULL is fine. */
+void cm_team_destroy(cm_team *t);
+/* Threads a job can use: the team's plus its caller (1 for a NULL team). */
+uint32_t cm_team_size(const cm_team *t);
+/* Runs fn(arg, i) for every i < n_parts, each once, the caller taking part; a NULL team or a
+ * single part runs them all on the caller, in order. */
+void cm_team_run(cm_team *t, uint32_t n_parts, cm_team_fn fn, void *arg);
+
 /* Creates dir and its parents (mode 0755); an existing directory is fine. */
 int cm_mkdirs(const char *dir, char **errptr);
 

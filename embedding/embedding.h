@@ -236,6 +236,16 @@ int emb_table_get_row(emb_table *t, uint64_t key, emb_row *row, float *weights, 
  * any row the key had: for moving rows between tables (resharding) and for tests. */
 int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr);
 
+/* Lends the table a team of threads (borrowed: it must outlive the table, or be unset with
+ * NULL first; common.h's cm_team): a pull or a push of an in-memory table with at least 4096
+ * keys is then cut into parts of whole sub-shards run on the team beside the caller, which on
+ * a many-core PS does a large batch several times sooner. The rows, the output and the stats
+ * are the same bits as without the team. A fanned push holds every lock it needs from start to
+ * end (snapshots still see it whole or not at all), so it does not overlap other calls on the
+ * table; a push to a table with a spill store is never fanned out. Not thread-safe: call it
+ * before the table is shared, or while no other call is running on it. */
+void emb_table_set_team(emb_table *t, cm_team *team);
+
 /* Sets the table step (a resharded table continues from its old shards' step). */
 void emb_table_set_step(emb_table *t, uint64_t step);
 

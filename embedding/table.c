@@ -44,6 +44,7 @@ struct emb_table {
     emb_store *spill;
     uint64_t step; /* atomic */
     uint16_t *cms; /* admission sketch, CMS_DEPTH x 2^CMS_BITS, atomic saturating counters */
+    cm_team *team; /* borrowed (emb_table_set_team), or NULL */
 };
 
 /* Per-call scratch for the groups of one batched call; grown, never shrunk. */
@@ -447,6 +448,119 @@ static int reserve_rows(sub *s, scratch *sc, const uint64_t *keys, const uint64_
     return CM_OK;
 }
 
+/* ---- fanning a batch out over the team ---- */
+
+/* Batches of at least this many keys fan out over the table's team (emb_table_set_team):
+ * below it, waking the team costs more than the groups' work. */
+#define FAN_MIN_KEYS 4096u
+/* Parts a team thread gets, so that uneven groups even out. */
+#define FAN_PARTS_PER_THREAD 4u
+
+enum { FAN_PROCESS, FAN_RESERVE };
+
+/* One batched call's groups, cut into parts of consecutive sub-shards. A part runs its groups
+ * in sub-shard order with its own scratch, each group under its lock unless the caller holds
+ * them all (`locked`: a fanned push); its first failure ends the part. A group's work is the
+ * same whichever part, thread or order runs it, so a fanned call gives the same rows, the same
+ * output and the same stats as the same call run in one part. */
+typedef struct fan {
+    emb_table *t;
+    const uint64_t *keys, *h, *hints;
+    const uint32_t *ord, *st;
+    int op, phase;
+    bool locked;
+    float *out;
+    const float *grads;
+    uint64_t *hints_out, *resv; /* resv: a push's rows reserved by group */
+    uint64_t step;
+    uint32_t parts;
+    int *rc;    /* by part */
+    char **why; /* by part: the message of its failure (fan_run frees all but the first) */
+    int rc1;    /* (rc and why of a call in one part) */
+    char *why1;
+} fan;
+
+static void fan_part(void *arg, uint32_t i)
+{
+    fan *f = arg;
+    emb_table *t = f->t;
+    scratch sc = {0};
+    int rc = CM_OK;
+    char *why = NULL;
+    const uint32_t b1 = (uint32_t)((uint64_t)(i + 1) * t->n_sub / f->parts);
+    for (uint32_t b = (uint32_t)((uint64_t)i * t->n_sub / f->parts); b < b1 && rc == CM_OK; b++) {
+        const uint32_t *idx = f->ord + f->st[b];
+        const size_t m = f->st[b + 1] - f->st[b];
+        if (m == 0) continue;
+        sub *s = &t->subs[b];
+        if (!f->locked) pthread_mutex_lock(&s->mu);
+        if (f->phase == FAN_RESERVE) {
+            rc = reserve_rows(s, &sc, f->keys, f->h, idx, m, &f->resv[b], &why);
+        } else {
+            sc.resv = f->resv != NULL ? &f->resv[b] : NULL;
+            rc = process_group(t, s, &sc, f->keys, f->h, idx, m, f->op, f->out, f->grads, f->hints,
+                               f->hints_out, f->step, &why);
+            if (f->resv != NULL) s->mem.reserved -= f->resv[b];
+        }
+        if (!f->locked) pthread_mutex_unlock(&s->mu);
+    }
+    scratch_fini(&sc);
+    f->rc[i] = rc;
+    f->why[i] = why;
+}
+
+/* Parts for a batch of n keys: 1 (the caller alone) without a team or below FAN_MIN_KEYS. */
+static uint32_t fan_parts(const emb_table *t, size_t n)
+{
+    uint32_t threads = cm_team_size(t->team);
+    if (threads < 2 || n < FAN_MIN_KEYS) return 1;
+    uint32_t p = threads * FAN_PARTS_PER_THREAD;
+    return p < t->n_sub ? p : t->n_sub;
+}
+
+/* Sets f up for a call's groups in `parts` parts (its other fields are the caller's to set). */
+static int fan_init(fan *f, emb_table *t, const uint64_t *keys, const uint64_t *h,
+                    const uint32_t *ord, const uint32_t *st, uint32_t parts)
+{
+    *f = (fan){.t = t, .keys = keys, .h = h, .ord = ord, .st = st, .parts = parts};
+    f->rc = parts > 1 ? malloc(parts * sizeof *f->rc) : &f->rc1;
+    f->why = parts > 1 ? malloc(parts * sizeof *f->why) : &f->why1;
+    if (f->rc != NULL && f->why != NULL) return CM_OK;
+    if (f->rc != &f->rc1) {
+        free(f->rc);
+        free(f->why);
+    }
+    return CM_ENOMEM;
+}
+
+static void fan_fini(fan *f)
+{
+    if (f->rc == &f->rc1) return;
+    free(f->rc);
+    free(f->why);
+}
+
+/* Runs every part of f (phase set) and returns the first failing part's code, its message in
+ * *why (the caller's) and the others' freed. */
+static int fan_run(fan *f, char **why)
+{
+    for (uint32_t i = 0; i < f->parts; i++) {
+        f->rc[i] = CM_OK;
+        f->why[i] = NULL;
+    }
+    cm_team_run(f->parts > 1 ? f->t->team : NULL, f->parts, fan_part, f);
+    int rc = CM_OK;
+    for (uint32_t i = 0; i < f->parts; i++) {
+        if (rc == CM_OK && f->rc[i] != CM_OK) {
+            rc = f->rc[i];
+            *why = f->why[i];
+        } else {
+            free(f->why[i]);
+        }
+    }
+    return rc;
+}
+
 /*
  * A push to a table without a spill store. The one thing that can fail there is growing a
  * sub-shard for the rows the push creates, so a first pass reserves that room in every group
@@ -514,6 +628,51 @@ static int push_memory(emb_table *t, size_t n, const uint64_t *keys, const float
     if (rc != CM_OK) cm_err(errptr, rc, "%s", why != NULL ? why : "push failed");
     free(why);
     return rc;
+}
+
+/*
+ * push_memory fanned out over the team (a large batch). The caller takes every touched group's
+ * lock in sub-shard order (as pause_all) and holds them all to the end, so the team's parts
+ * work on the groups without locking and a snapshot sees the push whole or not at all; then
+ * the parts reserve the rows each group may create, and, once every group has its room, the
+ * step is taken and the parts apply the push, which cannot fail. Holding every lock means a
+ * fanned push does not overlap other calls on this table; it is over sooner instead.
+ */
+static int push_fanned(emb_table *t, size_t n, const uint64_t *keys, const float *grads,
+                       const uint64_t *hints, const uint64_t *h, const uint32_t *ord,
+                       const uint32_t *st, uint32_t parts, char **errptr)
+{
+    char *why = NULL;
+    fan f;
+    uint64_t *resv = calloc(t->n_sub, sizeof *resv);
+    if (resv == NULL || fan_init(&f, t, keys, h, ord, st, parts) != CM_OK) {
+        free(resv);
+        return push_failed(t, n, cm_err(&why, CM_ENOMEM, "out of memory"), why, errptr);
+    }
+    f.hints = hints;
+    f.op = OP_PUSH;
+    f.locked = true;
+    f.grads = grads;
+    f.resv = resv;
+    for (uint32_t b = 0; b < t->n_sub; b++)
+        if (st[b] != st[b + 1]) pthread_mutex_lock(&t->subs[b].mu);
+    /* With admission a push creates no row (a key not yet admitted is dropped). */
+    f.phase = FAN_RESERVE;
+    int rc = t->cms == NULL ? fan_run(&f, &why) : CM_OK;
+    if (rc == CM_OK) {
+        f.step = __atomic_add_fetch(&t->step, 1, __ATOMIC_RELAXED);
+        f.phase = FAN_PROCESS;
+        rc = fan_run(&f, &why); /* unreachable failure: the rows it inserts have their room */
+    } else {
+        for (uint32_t b = 0; b < t->n_sub; b++)
+            t->subs[b].mem.reserved -= f.resv[b];
+    }
+    for (uint32_t b = 0; b < t->n_sub; b++)
+        if (st[b] != st[b + 1]) pthread_mutex_unlock(&t->subs[b].mu);
+    free(resv);
+    fan_fini(&f);
+    if (rc != CM_OK) return push_failed(t, n, rc, why, errptr);
+    return CM_OK;
 }
 
 enum { FATE_DROP, FATE_MEM, FATE_STAGE };
@@ -777,21 +936,26 @@ static int table_batch(emb_table *t, const uint64_t *keys, size_t n, int op, flo
     uint32_t *ord = NULL, *st = NULL;
     int rc = group_keys(t, keys, n, &h, &ord, &st, errptr);
     if (rc != CM_OK) return rc;
-    if (op == OP_PUSH) {
-        rc = t->spill != NULL ? push_spill(t, n, keys, grads, hints, h, ord, st, errptr)
-                              : push_memory(t, n, keys, grads, hints, h, ord, st, errptr);
+    const uint32_t parts = fan_parts(t, n);
+    if (op == OP_PUSH && t->spill != NULL) {
+        rc = push_spill(t, n, keys, grads, hints, h, ord, st, errptr);
+    } else if (op == OP_PUSH) {
+        rc = parts > 1 ? push_fanned(t, n, keys, grads, hints, h, ord, st, parts, errptr)
+                       : push_memory(t, n, keys, grads, hints, h, ord, st, errptr);
     } else {
-        uint64_t step = __atomic_load_n(&t->step, __ATOMIC_RELAXED);
-        scratch sc = {0};
-        for (uint32_t b = 0; b < t->n_sub && rc == CM_OK; b++) {
-            if (st[b] == st[b + 1]) continue;
-            sub *s = &t->subs[b];
-            pthread_mutex_lock(&s->mu);
-            rc = process_group(t, s, &sc, keys, h, ord + st[b], st[b + 1] - st[b], op, out, NULL,
-                               NULL, hints_out, step, errptr);
-            pthread_mutex_unlock(&s->mu);
-        }
-        scratch_fini(&sc);
+        char *why = NULL;
+        fan f;
+        if (fan_init(&f, t, keys, h, ord, st, parts) != CM_OK)
+            fan_init(&f, t, keys, h, ord, st, 1); /* (out of memory: one part, the same result) */
+        f.op = op;
+        f.phase = FAN_PROCESS;
+        f.out = out;
+        f.hints_out = hints_out;
+        f.step = __atomic_load_n(&t->step, __ATOMIC_RELAXED);
+        rc = fan_run(&f, &why);
+        fan_fini(&f);
+        if (rc != CM_OK) cm_err(errptr, rc, "%s", why != NULL ? why : "pull failed");
+        free(why);
     }
     free(h);
     free(ord);
@@ -1314,6 +1478,11 @@ void emb_sketch_add(uint16_t *acc, const uint16_t *c, size_t n)
         uint32_t v = (uint32_t)acc[i] + c[i];
         acc[i] = v > UINT16_MAX ? UINT16_MAX : (uint16_t)v;
     }
+}
+
+void emb_table_set_team(emb_table *t, cm_team *team)
+{
+    t->team = team;
 }
 
 void emb_table_set_step(emb_table *t, uint64_t step)

@@ -176,6 +176,10 @@ typedef struct ps_server_opts {
      * outside it, by ".." or through a symbolic link, is refused. NULL: any path the process
      * may use (docs/PROTOCOL.md, "Trust"). ember train sets its run directory's ckpt/. */
     const char *checkpoint_root;
+    /* Threads that apply one large pull or push (emb_table_set_team), the thread serving the
+     * request among them: 0 or 1 = that thread alone. The same rows and replies whatever the
+     * count; more make a large batch sooner on a many-core host. */
+    uint32_t apply_threads;
 } ps_server_opts;
 
 /* Creates the shard's tables and starts listening. *out is the caller's (ps_server_destroy). */

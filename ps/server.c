@@ -64,6 +64,7 @@ struct ps_server {
     srv_ctx *ctxs;
     pthread_rwlock_t tables_lock;
     emb_table *tables[PS_MAX_TABLES];
+    cm_team *team; /* applies large batches (ps_server_opts.apply_threads), or NULL */
     /* Per table with a TTL: the last period of table steps it was expired in (ttl_after_push);
      * atomics. */
     uint64_t ttl_epoch[PS_MAX_TABLES];
@@ -709,6 +710,7 @@ static int load_shard(struct ps_server *s, const char *dir, char **errptr)
             cfg.spill_path = spill;
         }
         rc = emb_table_restore(path, &cfg, &tables[i], errptr);
+        if (rc == CM_OK) emb_table_set_team(tables[i], s->team);
     }
     for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_dense; i++) {
         if (s->dense[i] == NULL) continue;
@@ -1380,6 +1382,13 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
             rc = cm_err_errno(errptr, CM_EIO, "checkpoint root %s", o->checkpoint_root);
         if (rc != CM_OK) goto fail;
     }
+    if (o->apply_threads > 256) {
+        rc = cm_err(errptr, CM_EINVAL, "apply_threads %u out of range (1..256)", o->apply_threads);
+        goto fail;
+    }
+    if (o->apply_threads > 1 &&
+        (rc = cm_team_create(o->apply_threads - 1, &s->team, errptr)) != CM_OK)
+        goto fail;
     for (uint32_t i = 0; rc == CM_OK && i < s->cfg.n_tables; i++) {
         emb_table_config cfg = s->cfg.tables[i].cfg;
         char spill[2200];
@@ -1389,6 +1398,7 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
         cfg.spill_path = cfg.mem_budget_bytes > 0 ? spill : NULL;
         char *err = NULL;
         rc = emb_table_create(&cfg, &s->tables[i], &err);
+        if (rc == CM_OK) emb_table_set_team(s->tables[i], s->team);
         if (rc != CM_OK) cm_err(errptr, rc, "table '%s': %s", s->cfg.tables[i].name, err);
         free(err);
     }
@@ -1534,6 +1544,7 @@ void ps_server_destroy(ps_server *s)
     pthread_mutex_destroy(&s->repl_mu);
     for (uint32_t i = 0; i < PS_MAX_TABLES; i++)
         emb_table_destroy(s->tables[i]);
+    cm_team_destroy(s->team);
     for (uint32_t i = 0; i < PS_MAX_DENSE; i++)
         ps_dense_destroy(s->dense[i]);
     free(s->ctxs);

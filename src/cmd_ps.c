@@ -30,6 +30,7 @@ static void ps_usage(FILE *to)
             "  --shard I      which shard this process serves (default 0)\n"
             "  --shards N     override the config's shard count\n"
             "  --contexts K   requests served concurrently (default 64 + 2 x workers)\n"
+            "  --apply-threads N  threads one large pull or push is applied on (default 1)\n"
             "  --replica URL  ship every applied update to this shard's backup at URL\n"
             "  --backup       serve as the backup of shard I (takes over when clients come)\n"
             "  --checkpoint-root DIR  SAVE and LOAD only within DIR (default: any path this\n"
@@ -75,22 +76,18 @@ static int ps_arg_num(const char *flag, const char *s, long long lo, long long h
 
 int cmd_ps(int argc, char **argv)
 {
-    static const struct option opts[] = {{"config", required_argument, 0, 'c'},
-                                         {"listen", required_argument, 0, 'l'},
-                                         {"shard", required_argument, 0, 's'},
-                                         {"shards", required_argument, 0, 'n'},
-                                         {"contexts", required_argument, 0, 'k'},
-                                         {"plan", required_argument, 0, 'p'},
-                                         {"replica", required_argument, 0, 'r'},
-                                         {"backup", no_argument, 0, 'b'},
-                                         {"checkpoint-root", required_argument, 0, 'C'},
-                                         {"help", no_argument, 0, 'h'},
-                                         {0, 0, 0, 0}};
+    static const struct option opts[] = {
+        {"config", required_argument, 0, 'c'},   {"listen", required_argument, 0, 'l'},
+        {"shard", required_argument, 0, 's'},    {"shards", required_argument, 0, 'n'},
+        {"contexts", required_argument, 0, 'k'}, {"apply-threads", required_argument, 0, 'a'},
+        {"plan", required_argument, 0, 'p'},     {"replica", required_argument, 0, 'r'},
+        {"backup", no_argument, 0, 'b'},         {"checkpoint-root", required_argument, 0, 'C'},
+        {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
     const char *config = NULL, *listen = NULL, *replica = NULL, *ckroot = NULL;
     bool backup = false;
     /* shards 0: the config's count; plan -1: serve. Given flags must be in range (--shards 0
      * is not "no override"). */
-    long long shard = 0, shards = 0, contexts = 0, plan = -1;
+    long long shard = 0, shards = 0, contexts = 0, apply = 1, plan = -1;
     int o;
     optind = 1;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -109,6 +106,9 @@ int cmd_ps(int argc, char **argv)
             break;
         case 'k':
             bad = ps_arg_num("--contexts", optarg, 0, 1024, &contexts);
+            break;
+        case 'a':
+            bad = ps_arg_num("--apply-threads", optarg, 1, 256, &apply);
             break;
         case 'p':
             bad = ps_arg_num("--plan", optarg, 0, INT64_MAX, &plan);
@@ -152,6 +152,7 @@ int cmd_ps(int argc, char **argv)
                          .listen = listen,
                          .shard = (uint32_t)shard,
                          .n_contexts = (uint32_t)contexts,
+                         .apply_threads = (uint32_t)apply,
                          .replica_url = replica,
                          .backup = backup,
                          .checkpoint_root = ckroot};

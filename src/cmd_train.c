@@ -48,6 +48,8 @@ static void train_usage(FILE *to)
         "  --dim D --shuffle ROWS --threads T (compute threads per worker, default: cores, at most "
         "8)\n"
         "  --stale-pull         pull batch t+1 before batch t's push (faster, one step stale)\n"
+        "  --apply-threads N    threads each PS shard of this process applies a large pull or\n"
+        "                       push on (same results; default 1)\n"
         "  --no-dense-mirror    a lone worker waits for the PS's tower update instead of\n"
         "                       applying the same update to its own copy (same results)\n"
         "  --worker-timeout MS  a worker silent this long no longer holds back clocks and\n"
@@ -110,6 +112,7 @@ int cmd_train(int argc, char **argv)
         O_INDEX,
         O_THREADS,
         O_STALEPULL,
+        O_APPLY,
         O_KEEP,
         O_WTIMEOUT,
         O_REJOIN,
@@ -151,6 +154,7 @@ int cmd_train(int argc, char **argv)
                                          {"index", 1, 0, O_INDEX},
                                          {"threads", 1, 0, O_THREADS},
                                          {"stale-pull", 0, 0, O_STALEPULL},
+                                         {"apply-threads", 1, 0, O_APPLY},
                                          {"keep-checkpoints", 1, 0, O_KEEP},
                                          {"worker-timeout", 1, 0, O_WTIMEOUT},
                                          {"rejoin", 0, 0, O_REJOIN},
@@ -215,6 +219,10 @@ int cmd_train(int argc, char **argv)
         case O_WORKERS:
             bad = parse_uint(optarg, PS_MAX_WORKERS, &u) || !u;
             o.workers = (uint32_t)u;
+            break;
+        case O_APPLY:
+            bad = parse_uint(optarg, 256, &u) || !u;
+            o.apply_threads = (uint32_t)u;
             break;
         case O_SHARDS:
             bad = parse_uint(optarg, PS_MAX_SHARDS, &u) || !u;

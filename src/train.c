@@ -1972,8 +1972,11 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         servers = calloc(oc.shards, sizeof *servers);
         for (uint32_t i = first_s; rc == CM_OK && i < first_s + n_s; i++) {
             /* A PS serves SAVE and LOAD for this run's checkpoints only. */
-            ps_server_opts so = {
-                .cfg = &S.ps, .listen = S.urls[i], .shard = i, .checkpoint_root = S.ckpt_root};
+            ps_server_opts so = {.cfg = &S.ps,
+                                 .listen = S.urls[i],
+                                 .shard = i,
+                                 .checkpoint_root = S.ckpt_root,
+                                 .apply_threads = o->apply_threads};
             if (S.backups && is_backup) {
                 so.listen = S.backups[i];
                 so.backup = true;

@@ -98,6 +98,7 @@ typedef struct train_opts {
     int mean_pool, resume, progress; /* progress: -1 auto (terminal) */
     int rejoin;                      /* cluster worker restarted into a running job */
     uint32_t ps_timeout_ms;          /* per PS request (0: the client's default, 30 s) */
+    uint32_t apply_threads; /* per PS shard this process runs (ps_server_opts.apply_threads) */
     int stale_pull;   /* pull batch t+1 before batch t's push (more overlap, one step stale) */
     int tf32;         /* cuda: TF32 tensor-core GEMMs (BACKEND_TF32); the cpu ignores it */
     int bf16;         /* cpu: bf16 GEMMs on AMX tiles (BACKEND_BF16); cuda refuses it */
