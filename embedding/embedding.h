@@ -237,7 +237,7 @@ int emb_table_get_row(emb_table *t, uint64_t key, emb_row *row, float *weights, 
 int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr);
 
 /* Lends the table a team of threads (borrowed: it must outlive the table, or be unset with
- * NULL first; common.h's cm_team): a pull or a push of an in-memory table with at least 4096
+ * NULL first; common.h's cm_team): a pull or a push of an in-memory table with at least 2048
  * keys is then cut into parts of whole sub-shards run on the team beside the caller, which on
  * a many-core PS does a large batch several times sooner. The rows, the output and the stats
  * are the same bits as without the team. A fanned push holds every lock it needs from start to

@@ -452,7 +452,7 @@ static int reserve_rows(sub *s, scratch *sc, const uint64_t *keys, const uint64_
 
 /* Batches of at least this many keys fan out over the table's team (emb_table_set_team):
  * below it, waking the team costs more than the groups' work. */
-#define FAN_MIN_KEYS 4096u
+#define FAN_MIN_KEYS 2048u
 /* Parts a team thread gets, so that uneven groups even out. */
 #define FAN_PARTS_PER_THREAD 4u
 
