@@ -355,44 +355,75 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
     return rc;
 }
 
-/* Hashes the keys and groups their indices by sub-shard; *order and *starts are the
- * caller's (free()). */
+static uint32_t fan_parts(const emb_table *t, size_t n);
+
+/* Grouping a batch, cut into parts of consecutive keys for the team: each part hashes its keys
+ * and counts them by sub-shard; once every part has counted, each places its keys after the
+ * earlier parts' keys of the same sub-shard, so every group lists its keys in the caller's
+ * order, whatever the parts. */
+typedef struct grouping {
+    const emb_table *t;
+    const uint64_t *keys;
+    size_t n;
+    uint32_t parts;
+    bool place;       /* second pass */
+    uint64_t *h;      /* by key */
+    uint32_t *sub_id; /* by key */
+    uint32_t *ord;
+    uint32_t *at; /* parts x n_sub: the part's count of each sub-shard, then its next slot */
+} grouping;
+
+static void group_part(void *arg, uint32_t p)
+{
+    grouping *g = arg;
+    const size_t i1 = (size_t)((p + 1) * (uint64_t)g->n / g->parts);
+    uint32_t *at = g->at + (size_t)p * g->t->n_sub;
+    for (size_t i = (size_t)(p * (uint64_t)g->n / g->parts); i < i1; i++) {
+        if (g->place) {
+            g->ord[at[g->sub_id[i]]++] = (uint32_t)i;
+            continue;
+        }
+        g->h[i] = emb_key_hash(g->keys[i]);
+        g->sub_id[i] = sub_of(g->t, g->h[i]);
+        at[g->sub_id[i]]++;
+    }
+}
+
+/* Hashes the keys and groups their indices by sub-shard (on the team for a large batch);
+ * *hash, *order and *starts are the caller's (free()). */
 static int group_keys(const emb_table *t, const uint64_t *keys, size_t n, uint64_t **hash,
                       uint32_t **order, uint32_t **starts, char **errptr)
 {
-    uint64_t *h = malloc(n * sizeof *h + 1);
-    uint32_t *sub_id = malloc(n * sizeof *sub_id + 1);
-    uint32_t *ord = malloc(n * sizeof *ord + 1);
+    grouping g = {.t = t, .keys = keys, .n = n, .parts = fan_parts(t, n)};
+    g.h = malloc(n * sizeof *g.h + 1);
+    g.sub_id = malloc(n * sizeof *g.sub_id + 1);
+    g.ord = malloc(n * sizeof *g.ord + 1);
+    g.at = calloc((size_t)g.parts * t->n_sub, sizeof *g.at);
     uint32_t *st = calloc(t->n_sub + 1, sizeof *st);
-    if (!h || !sub_id || !ord || !st) {
-        free(h);
-        free(sub_id);
-        free(ord);
+    if (!g.h || !g.sub_id || !g.ord || !g.at || !st) {
+        free(g.h);
+        free(g.sub_id);
+        free(g.ord);
+        free(g.at);
         free(st);
         return cm_err(errptr, CM_ENOMEM, "out of memory for a batch of %zu keys", n);
     }
-    for (size_t i = 0; i < n; i++) {
-        h[i] = emb_key_hash(keys[i]);
-        sub_id[i] = sub_of(t, h[i]);
-        st[sub_id[i] + 1]++;
+    cm_team_run(g.parts > 1 ? t->team : NULL, g.parts, group_part, &g);
+    uint32_t next = 0;
+    for (uint32_t b = 0; b < t->n_sub; b++) {
+        for (uint32_t p = 0; p < g.parts; p++) {
+            uint32_t *at = &g.at[(size_t)p * t->n_sub + b], c = *at;
+            *at = next;
+            next += c;
+        }
+        st[b + 1] = next;
     }
-    for (uint32_t b = 0; b < t->n_sub; b++)
-        st[b + 1] += st[b];
-    uint32_t *fill = malloc((t->n_sub + 1) * sizeof *fill);
-    if (fill == NULL) {
-        free(h);
-        free(sub_id);
-        free(ord);
-        free(st);
-        return cm_err(errptr, CM_ENOMEM, "out of memory");
-    }
-    memcpy(fill, st, (t->n_sub + 1) * sizeof *fill);
-    for (size_t i = 0; i < n; i++)
-        ord[fill[sub_id[i]]++] = (uint32_t)i;
-    free(fill);
-    free(sub_id);
-    *hash = h;
-    *order = ord;
+    g.place = true;
+    cm_team_run(g.parts > 1 ? t->team : NULL, g.parts, group_part, &g);
+    free(g.sub_id);
+    free(g.at);
+    *hash = g.h;
+    *order = g.ord;
     *starts = st;
     return CM_OK;
 }
