@@ -1397,17 +1397,16 @@ static void log_progress(const setup *S, uint64_t step, uint64_t samples, double
     }
 }
 
-/* A step's tower update, once its loss and gradient are known to be finite: pushed to the PS,
- * or, with `fresh` (fresh pulls), pushed with the tower after it read back into fresh. */
-static int dense_update(const setup *S, ps_client *c, uint32_t w, uint64_t step, double loss,
-                        const float *dparams, float *fresh, char **errptr)
+/* Threads each of the n PS shards this process runs applies a large batch on: --apply-threads,
+ * else, beside a GPU, half the cores up to 8 shared among the shards (the host's cores are the
+ * PS's then), and 1 beside the cpu backend, whose compute keeps every core busy. */
+static uint32_t apply_threads(const train_opts *o, const setup *S, uint32_t n)
 {
-    if (!isfinite(loss) || cm_f32_first_nonfinite(dparams, S->l.n_params) < S->l.n_params)
-        return cm_err(errptr, CM_EINVAL,
-                      "non-finite loss or gradient at step %" PRIu64 " (worker %u)", step, w);
-    if (S->l.n_params == 0) return CM_OK;
-    return fresh != NULL ? ps_client_dense_push_pull(c, DENSE_BLOCK, dparams, fresh, errptr)
-                         : ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
+    if (o->apply_threads > 0) return o->apply_threads;
+    if (S->be == &backend_cpu_ops || n == 0) return 1;
+    long half = sysconf(_SC_NPROCESSORS_ONLN) / 2;
+    uint32_t all = half < 1 ? 1 : half > 8 ? 8 : (uint32_t)half;
+    return all / n > 1 ? all / n : 1;
 }
 
 static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
@@ -1481,36 +1480,29 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         if (rc == CM_OK) rc = S->be->step(be, s->params, &mb, probs, &loss, dparams, demb, errptr);
         t1 = cm_now();
         W->t_step += t1 - t0;
-        /* On a GPU, with fresh pulls, the tower's update goes out first, while the row push
-         * handed over during the step is still being applied: the two change different state,
-         * and the next batch's pull waits for both. Not with the cpu backend: its step keeps
-         * the cores busy until the push is handed over, and the PS's tower update would then
-         * compete with the row push for them (on 2 cores the loop was 8-13% slower). Stale
-         * pulls keep the order below: their next batch is pulled while this one's updates are
-         * on their way. */
-        const bool dense_first = pf.fresh != NULL && S->be != &backend_cpu_ops;
-        if (rc == CM_OK && dense_first)
-            rc = dense_update(S, c, w, step, loss, dparams, pf.fresh, errptr);
-        t0 = cm_now();
-        W->t_dense += t0 - t1;
         /* Whatever the step's outcome, a handed-over push must be finished before this stage
          * and demb can change. */
         bool handed = false, pushed = false;
         char *jerr = NULL;
         int jrc = prefetch_job_wait(&pf, &handed, &pushed, &jerr);
-        t1 = cm_now();
-        W->t_wait_push += t1 - t0;
+        t0 = cm_now();
+        W->t_wait_push += t0 - t1;
         if (rc == CM_OK && jrc != CM_OK) rc = cm_err(errptr, jrc, "%s", jerr);
         free(jerr);
+        if (rc == CM_OK &&
+            (!isfinite(loss) || cm_f32_first_nonfinite(dparams, S->l.n_params) < S->l.n_params))
+            rc = cm_err(errptr, CM_EINVAL,
+                        "non-finite loss or gradient at step %" PRIu64 " (worker %u)", step, w);
         /* Stale pulls: push only once batch t+1 is pulled, so t+1 always sees the updates up
          * to t-1 and never t's, whatever the thread timing: a one-worker run stays
          * deterministic. (Fresh pulls wait for this push instead.) */
         if (o->stale_pull) prefetch_wait_next(&pf);
         if (rc == CM_OK && !pushed) rc = push_rows(S, c, s, demb, errptr);
         bool read_back = pf.fresh != NULL; /* prefetch_start decided */
-        if (rc == CM_OK && !dense_first)
-            rc = dense_update(S, c, w, step, loss, dparams, pf.fresh, errptr);
-        W->t_dense += cm_now() - t1;
+        if (rc == CM_OK && S->l.n_params > 0)
+            rc = read_back ? ps_client_dense_push_pull(c, DENSE_BLOCK, dparams, pf.fresh, errptr)
+                           : ps_client_dense_push(c, DENSE_BLOCK, dparams, errptr);
+        W->t_dense += cm_now() - t0;
         uint32_t B = s->ms.B;
         if (rc == CM_OK && o->staleness >= 0) rc = ps_client_clock(c, NULL, errptr);
         if (rc != CM_OK) {
@@ -1996,7 +1988,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
                                  .listen = S.urls[i],
                                  .shard = i,
                                  .checkpoint_root = S.ckpt_root,
-                                 .apply_threads = o->apply_threads};
+                                 .apply_threads = apply_threads(o, &S, n_s)};
             if (S.backups && is_backup) {
                 so.listen = S.backups[i];
                 so.backup = true;
