@@ -242,8 +242,10 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr);
  * a many-core PS does a large batch several times sooner. The rows, the output and the stats
  * are the same bits as without the team. A fanned push holds every lock it needs from start to
  * end (snapshots still see it whole or not at all), so it does not overlap other calls on the
- * table; a push to a table with a spill store is never fanned out. Not thread-safe: call it
- * before the table is shared, or while no other call is running on it. */
+ * table; a push to a table with a spill store is never fanned out, nor is a pull of a table with
+ * admission (its sketch is shared by the sub-shards, so the order of their groups decides which
+ * keys are admitted). Not thread-safe: call it before the table is shared, or while no other
+ * call is running on it. */
 void emb_table_set_team(emb_table *t, cm_team *team);
 
 /* Sets the table step (a resharded table continues from its old shards' step). */
