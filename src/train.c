@@ -434,6 +434,9 @@ typedef struct prefetch {
     int job_rc;
     char *job_err;
     bool exited; /* the puller has returned: it takes no more jobs */
+    /* The puller's seconds: pulling new keys early, running handed-over pushes, pulling the
+     * rest (and the tower), handing stages to the backend (train_result's puller_*_ms). */
+    double t_early, t_push, t_late, t_send;
     char *err;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -516,10 +519,12 @@ static bool early_pull_ok(const prefetch *p)
 static int pull_stage(prefetch *p, stage *s, bool *stopped, char **err)
 {
     int rc = CM_OK;
+    double t0 = cm_now();
     if (early_pull_ok(p)) {
         rc = stage_pull_part(s, p->S, p->c, false, 0, s->n_new, err);
         s->new_pulled = rc == CM_OK;
     }
+    p->t_early += cm_now() - t0;
     pthread_mutex_lock(&p->mu);
     bool go = PF_WAIT(p, p->pulled < p->granted);
     bool job = go && p->job == JOB_HANDED;
@@ -528,7 +533,9 @@ static int pull_stage(prefetch *p, stage *s, bool *stopped, char **err)
     if ((*stopped = !go)) return CM_OK;
     if (job) {
         char *jerr = NULL;
+        t0 = cm_now();
         int jrc = push_rows(p->S, p->c, p->job_stage, p->job_demb, &jerr);
+        p->t_push += cm_now() - t0;
         if (jrc != CM_OK) rc = cm_err(err, jrc, "%s", jerr ? jerr : "push failed");
         pthread_mutex_lock(&p->mu);
         p->job = JOB_DONE;
@@ -537,7 +544,9 @@ static int pull_stage(prefetch *p, stage *s, bool *stopped, char **err)
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
     }
+    t0 = cm_now();
     if (rc == CM_OK) rc = stage_pull_rows(s, p->S, p->c, false, err);
+    p->t_late += cm_now() - t0;
     /* The step computing the dense gradients meanwhile may take this core back. */
     if (job && p->S->be->join) p->S->be->join(p->be);
     pthread_mutex_lock(&p->mu);
@@ -551,11 +560,16 @@ static int pull_stage(prefetch *p, stage *s, bool *stopped, char **err)
     }
     pthread_mutex_unlock(&p->mu);
     if ((*stopped = !go)) return rc;
+    t0 = cm_now();
     if (rc == CM_OK && !fresh) rc = stage_pull_dense(s, p->S, p->c, err);
+    p->t_late += cm_now() - t0;
     p->pulled++;
     /* The puller is the only caller until the stepping thread takes the stage, and at most
      * one other stage is pending: the prefetch contract. */
-    return rc == CM_OK ? stage_send(s, p->S, p->be, err) : rc;
+    t0 = cm_now();
+    if (rc == CM_OK) rc = stage_send(s, p->S, p->be, err);
+    p->t_send += cm_now() - t0;
+    return rc;
 }
 
 static void *puller_main(void *arg)
@@ -1276,6 +1290,7 @@ typedef struct worker {
     int progress_fd;                /* cluster: progress/worker-<i>, else -1 */
     double loss_sum;
     double t_step, t_wait_batch, t_wait_push, t_dense; /* seconds (train_result's *_ms) */
+    double t_pf[4]; /* its puller's t_early, t_push, t_late, t_send */
     train_result res;                                  /* worker 0: eval */
     void *eval_be;   /* worker 0 with --eval-every: the backend state evaluations step on */
     ps_client *live; /* its client while it may be waiting (S->abort_mu): job_abort's to stop */
@@ -1539,7 +1554,13 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
     for (uint64_t s = step; rc == CM_OK && o->staleness >= 0 && s < S->max_steps; s++)
         rc = ps_client_clock(c, NULL, errptr);
 out:
-    if (pf_started) prefetch_stop(&pf);
+    if (pf_started) {
+        prefetch_stop(&pf);
+        W->t_pf[0] += pf.t_early;
+        W->t_pf[1] += pf.t_push;
+        W->t_pf[2] += pf.t_late;
+        W->t_pf[3] += pf.t_send;
+    }
     ds_reader_destroy(r);
     free(probs);
     free(dparams);
@@ -2080,6 +2101,10 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             res->wait_batch_ms = w0->t_wait_batch * per;
             res->wait_push_ms = w0->t_wait_push * per;
             res->dense_ms = w0->t_dense * per;
+            res->puller_early_ms = w0->t_pf[0] * per;
+            res->puller_push_ms = w0->t_pf[1] * per;
+            res->puller_late_ms = w0->t_pf[2] * per;
+            res->puller_send_ms = w0->t_pf[3] * per;
         }
         if (o->cluster_path && first_w == 0 && rc == CM_OK) {
             /* The job is done: worker 0 takes the cluster down. */

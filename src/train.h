@@ -123,6 +123,11 @@ typedef struct train_result {
      * dense push after it (with the tower's read-back, or the mirror's update). Where a step's
      * time goes besides the compute, without a profiler. */
     double step_ms, wait_batch_ms, wait_push_ms, dense_ms;
+    /* Its puller thread, ms per step: pulling the next batch's new keys before this batch's
+     * push, running the row push handed over, pulling the rest of the next batch (and the
+     * tower, where it is pulled), handing the batch to the backend (a GPU: the copy to pinned
+     * memory and the device). */
+    double puller_early_ms, puller_push_ms, puller_late_ms, puller_send_ms;
     uint64_t rows, eval_rows, steps;
     uint32_t workers, shards; /* of the whole job (a cluster file may set them) */
     const char *device;       /* the backend that ran the dense math ("cpu", "cuda"); static */
