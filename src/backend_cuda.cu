@@ -1003,22 +1003,34 @@ static int pack(cu *c, const plan *pl, char *h, const float *P, const model_batc
     uint32_t *rp = (uint32_t *)(h + pl->rp), *col = (uint32_t *)(h + pl->col);
     uint32_t *rpt = (uint32_t *)(h + pl->rpt), *colt = (uint32_t *)(h + pl->colt);
     float *val = (float *)(h + pl->val), *valt = (float *)(h + pl->valt);
-    /* A^T: count per column, then place entries in row order (stable). */
-    memset(rpt, 0, ((size_t)U + 1) * sizeof(uint32_t));
-    for (uint32_t r = 0; r < BF; r++)
-        for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) rpt[b->col[k] + 1]++;
-    for (uint32_t u = 0; u < U; u++) rpt[u + 1] += rpt[u];
-    for (uint32_t r = 0; r < BF; r++)
-        for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
-            uint32_t pos = rpt[b->col[k]]++;
-            colt[pos] = r;
-            valt[pos] = b->val[k];
+    const uint32_t base = b->row_ptr[0], raw = b->row_ptr[BF] - base;
+    if (!canonical && b->t_ptr != NULL) {
+        /* A^T as the staging built it (the same order: columns, then rows ascending), on the
+         * trainer's builder thread, off the path from a batch's pull to its step. */
+        memcpy(rpt, b->t_ptr, ((size_t)U + 1) * sizeof *rpt);
+        memcpy(colt, b->t_row, (size_t)raw * sizeof *colt);
+        memcpy(valt, b->t_val, (size_t)raw * sizeof *valt);
+    } else {
+        /* A^T: count per column, then place entries in row order (stable). */
+        memset(rpt, 0, ((size_t)U + 1) * sizeof(uint32_t));
+        for (uint32_t r = 0; r < BF; r++)
+            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++)
+                rpt[b->col[k] + 1]++;
+        for (uint32_t u = 0; u < U; u++)
+            rpt[u + 1] += rpt[u];
+        for (uint32_t r = 0; r < BF; r++)
+            for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+                uint32_t pos = rpt[b->col[k]]++;
+                colt[pos] = r;
+                valt[pos] = b->val[k];
+            }
+        if (!canonical) {
+            for (uint32_t u = U; u > 0; u--)
+                rpt[u] = rpt[u - 1]; /* back to the starts */
+            rpt[0] = 0;
         }
+    }
     if (!canonical) {
-        const uint32_t base = b->row_ptr[0], raw = b->row_ptr[BF] - base;
-        for (uint32_t u = U; u > 0; u--)
-            rpt[u] = rpt[u - 1]; /* back to the starts */
-        rpt[0] = 0;
         for (uint32_t r = 0; r <= BF; r++)
             rp[r] = b->row_ptr[r] - base;
         memcpy(col, b->col + base, (size_t)raw * sizeof *col);
@@ -1323,12 +1335,12 @@ static int cuda_step(void *state, const float *P, const model_batch *b, float *p
     return CM_OK;
 }
 
-/* pack builds its own A^T, canonical (repeats merged) as cuSPARSE needs it: the staging's
- * columns would go unread. */
+/* k_pool's A^T is the staging's columns, which pack copies instead of building them on the
+ * path from a batch's pull to its step; cuSPARSE's must be canonical (repeats merged), which
+ * pack builds itself, so then the staging's would go unread. */
 static bool cuda_columns(const void *state)
 {
-    (void)state;
-    return false;
+    return !((const cu *)state)->cusparse_pool;
 }
 
 static const backend_ops cuda_ops = {"cuda",    cuda_create, cuda_destroy, cuda_prefetch,

@@ -164,6 +164,30 @@ static int same_bits(const float *a, const float *b, size_t n)
     return n == 0 || memcmp(a, b, n * sizeof(float)) == 0;
 }
 
+/* A's columns for mb->t_ptr/t_row/t_val, built as the trainer's staging builds them
+ * (model_staging_index): per key, its entries' CSR rows ascending. The caller frees the three. */
+static void batch_columns(const batch *b, model_batch *mb)
+{
+    const size_t rows = (size_t)b->B * b->F, nnz = b->row_ptr[rows];
+    uint32_t *ptr = calloc((size_t)b->U + 1, sizeof *ptr), *row = malloc(nnz * sizeof *row + 4);
+    float *val = malloc(nnz * sizeof *val + 4);
+    for (size_t k = 0; k < nnz; k++)
+        ptr[b->col[k] + 1]++;
+    for (uint32_t u = 0; u < b->U; u++)
+        ptr[u + 1] += ptr[u];
+    uint32_t *at = malloc(((size_t)b->U + 1) * sizeof *at);
+    memcpy(at, ptr, ((size_t)b->U + 1) * sizeof *at);
+    for (size_t r = 0; r < rows; r++)
+        for (uint32_t k = b->row_ptr[r]; k < b->row_ptr[r + 1]; k++) {
+            row[at[b->col[k]]] = (uint32_t)r;
+            val[at[b->col[k]]++] = b->val[k];
+        }
+    free(at);
+    mb->t_ptr = ptr;
+    mb->t_row = row;
+    mb->t_val = val;
+}
+
 /* Runs both backends on one batch and compares everything; with_bwd 0 is forward only. */
 static void compare_step(const char *name, const model_layout *l, void *gpu, void *cpu,
                          const float *params, const batch *b, int with_bwd)
@@ -175,10 +199,33 @@ static void compare_step(const char *name, const model_layout *l, void *gpu, voi
     int rc = backend_cpu_ops.step(cpu, params, &b->mb, c.probs, &c.loss, with_bwd ? c.dparams : NULL,
                                   with_bwd ? c.demb : NULL, &err);
     CHECK_OK(rc, err);
+    /* First (so that the slot holds another batch's inputs), a training step given A's
+     * columns as the trainer stages them, which pack then copies instead of building. */
+    outs gc;
+    outs_alloc(&gc, l, b->B, b->U);
+    model_batch mc = b->mb;
+    if (with_bwd) {
+        batch_columns(b, &mc);
+        outs_poison(&gc, l, b->B, b->U);
+        rc = cuda->step(gpu, params, &mc, gc.probs, &gc.loss, gc.dparams, gc.demb, &err);
+        CHECK_OK(rc, err);
+    }
     outs_poison(&g, l, b->B, b->U);
     rc = cuda->step(gpu, params, &b->mb, g.probs, &g.loss, with_bwd ? g.dparams : NULL,
                                 with_bwd ? g.demb : NULL, &err);
     CHECK_OK(rc, err);
+    if (with_bwd) {
+        int same = same_bits(g.probs, gc.probs, b->B) &&
+                   same_bits(g.dparams, gc.dparams, l->n_params) &&
+                   memcmp(&g.loss, &gc.loss, sizeof g.loss) == 0;
+        for (uint32_t t = 0; t < l->n_tables; t++)
+            same = same && same_bits(g.demb[t], gc.demb[t], (size_t)b->U * l->table_dim[t]);
+        CHECK_MSG(same, "%s: a step given A's columns is not bit-identical", name);
+        free((void *)mc.t_ptr);
+        free((void *)mc.t_row);
+        free((void *)mc.t_val);
+    }
+    outs_free(&gc);
     fprintf(stderr, "%s B %u U %u %s:\n", name, b->B, b->U, with_bwd ? "train" : "forward");
     CHECK_MSG(close_arrays("probs", g.probs, c.probs, b->B), "%s probs", name);
     double ldiff = fabs(g.loss - c.loss);
