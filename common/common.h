@@ -70,6 +70,10 @@ void cm_f16_to_f32_n_scalar(const void *src, float *dst, size_t n);
 /* Index of the first non-finite of n floats, n when all are finite; vectorised for the common
  * case (all finite): gradients are checked on every push. */
 size_t cm_f32_first_nonfinite(const float *x, size_t n);
+/* Copies n floats from src to dst (not overlapping) and returns the index of the first
+ * non-finite, n when all are finite: one pass over the data where a copy and a check would make
+ * two (a pulled batch is ~1 MB, past the caches). */
+size_t cm_f32_copy_first_nonfinite(float *dst, const void *src, size_t n);
 
 /* C (M x N, leading dimension ldc) = op(A) op(B), op(X) = X or X^T by ta / tb, row-major like
  * cblas_sgemm with alpha 1 and beta 0: A is M x K (K x M when ta), B is K x N (N x K when tb).

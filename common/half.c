@@ -204,6 +204,22 @@ void cm_int8_row_decode(const uint8_t *in, uint32_t dim, float *out)
     cm_int8_dequantize(in + 4, dim, scale, out);
 }
 
+size_t cm_f32_copy_first_nonfinite(float *dst, const void *src, size_t n)
+{
+    /* A block at a time: each block is checked where it was just written, still in L1. */
+    enum { BLOCK = 1024 };
+    size_t bad = n;
+    for (size_t b = 0; b < n; b += BLOCK) {
+        size_t m = n - b < BLOCK ? n - b : BLOCK;
+        memcpy(dst + b, (const char *)src + b * sizeof *dst, m * sizeof *dst);
+        if (bad == n) {
+            size_t i = cm_f32_first_nonfinite(dst + b, m);
+            if (i < m) bad = b + i;
+        }
+    }
+    return bad;
+}
+
 size_t cm_f32_first_nonfinite(const float *x, size_t n)
 {
     /* A block at a time with no early exit, so the compiler can vectorise the common case (all

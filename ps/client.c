@@ -1192,13 +1192,19 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
             nng_msg_free(reply);
     }
     if (rc == CM_OK && direct) {
+        /* Each block of rows is checked where it was just written, still in cache. */
+        enum { CHECK_ROWS = 64 };
+        size_t bad = n * dim;
         for (size_t i = 0; i < n; i++) {
             uint32_t p = sp.inv[i], s = split_shard(&sp, ns, p);
             const uint8_t *src = (const uint8_t *)nng_msg_body(replies[s]) + PS_HDR_BYTES +
                                  (size_t)(p - sp.start[s]) * dim * sizeof(float);
             memcpy(out + i * dim, src, dim * sizeof(float));
+            if ((i + 1) % CHECK_ROWS != 0 && i + 1 != n) continue;
+            size_t i0 = i / CHECK_ROWS * CHECK_ROWS, m = (i + 1 - i0) * dim;
+            size_t j = bad == n * dim ? cm_f32_first_nonfinite(out + i0 * dim, m) : m;
+            if (j < m) bad = i0 * dim + j;
         }
-        size_t bad = cm_f32_first_nonfinite(out, n * dim);
         if (bad < n * dim) {
             char from[1024];
             uint32_t s = split_shard(&sp, ns, sp.inv[bad / dim]);

@@ -237,11 +237,16 @@ void ps_codec_encode(ps_codec c, const float *src, size_t rows, uint32_t dim, ui
     }
 }
 
-int ps_f32_check(const float *x, size_t n, uint32_t dim, char **errptr)
+/* The error of a first non-finite value at index i of n (none when i == n). */
+static int f32_bad(size_t i, size_t n, uint32_t dim, char **errptr)
 {
-    size_t i = cm_f32_first_nonfinite(x, n);
     if (i < n) return cm_err(errptr, CM_ECORRUPT, "row %zu: non-finite value", i / dim);
     return CM_OK;
+}
+
+int ps_f32_check(const float *x, size_t n, uint32_t dim, char **errptr)
+{
+    return f32_bad(cm_f32_first_nonfinite(x, n), n, dim, errptr);
 }
 
 int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, float *dst,
@@ -249,9 +254,8 @@ int ps_codec_decode(ps_codec c, const uint8_t *src, size_t rows, uint32_t dim, f
 {
     size_t n = rows * dim;
     switch (c) {
-    case PS_CODEC_F32:
-        memcpy(dst, src, n * 4);
-        break;
+    case PS_CODEC_F32: /* copied and checked in one pass */
+        return f32_bad(cm_f32_copy_first_nonfinite(dst, src, n), n, dim, errptr);
     case PS_CODEC_F16:
         cm_f16_to_f32_n(src, dst, n);
         break;

@@ -4,7 +4,8 @@
  * between neighbouring halves and a float either side of each, a sweep of all exponents, the
  * subnormal and overflow edges, infinities and NaNs with payloads, at odd byte offsets and with
  * tails shorter than a vector. Plus a few conversions known by hand, so the scalar reference is
- * itself held to IEEE rounding.
+ * itself held to IEEE rounding. And the copy that checks for non-finite values as it goes
+ * (cm_f32_copy_first_nonfinite) against a copy and a check.
  */
 #include <math.h>
 
@@ -29,8 +30,47 @@ static void check_encode(const float *src, size_t n, size_t off)
     free(b);
 }
 
+/* cm_f32_copy_first_nonfinite against memcpy plus cm_f32_first_nonfinite: the copy whole, and
+ * the first bad index, for bad values (NaN, +-Inf) at block edges and elsewhere, one or two,
+ * from an odd source offset, and none. */
+static void check_copy_nonfinite(void)
+{
+    enum { N = 5000 };
+    const size_t at[] = {0, 1, 1023, 1024, 1025, 2047, 2048, 4095, N - 1};
+    const float bad[] = {NAN, INFINITY, -INFINITY};
+    uint8_t *raw = malloc(N * sizeof(float) + 8);
+    float *src = malloc(N * sizeof *src), *got = malloc(N * sizeof *got);
+    CHECK(raw && src && got);
+    if (!raw || !src || !got) return;
+    for (size_t off = 0; off < 2; off++)
+        for (size_t n = 0; n <= N; n += n < 8 ? 1 : 997) {
+            for (size_t a = 0; a <= sizeof at / sizeof at[0]; a++) {
+                for (size_t i = 0; i < N; i++)
+                    src[i] = (float)i * 0.5f - 7.0f;
+                size_t want = n;
+                if (a < sizeof at / sizeof at[0] && at[a] < n) {
+                    src[at[a]] = bad[a % 3];
+                    if (at[a] + 3 < n) src[at[a] + 3] = bad[(a + 1) % 3]; /* a second one */
+                    want = at[a];
+                }
+                memcpy(raw + off, src, n * sizeof *src);
+                for (size_t i = 0; i < N; i++)
+                    got[i] = 12345.0f;
+                size_t i = cm_f32_copy_first_nonfinite(got, raw + off, n);
+                CHECK_MSG(i == want && i == cm_f32_first_nonfinite(src, n),
+                          "n %zu offset %zu: first non-finite at %zu, want %zu", n, off, i, want);
+                CHECK_MSG(memcmp(got, src, n * sizeof *src) == 0 && (n == N || got[n] == 12345.0f),
+                          "n %zu offset %zu: copy differs or overran", n, off);
+            }
+        }
+    free(raw);
+    free(src);
+    free(got);
+}
+
 int main(void)
 {
+    check_copy_nonfinite();
     /* hand-checked scalar anchors */
     CHECK(cm_f32_to_f16(1.0f) == 0x3c00);
     CHECK(cm_f32_to_f16(65504.0f) == 0x7bff);
