@@ -122,6 +122,8 @@ typedef struct ds_parser_opts {
     const char *schema_text; /* DS_FMT_CSV: schema text instead of a file (wins over path) */
     int bucketize;           /* add a log2-bucket categorical field per dense field */
     uint32_t ffm_fields;     /* DS_FMT_LIBFFM: number of fields (field ids must be below) */
+    int no_label;            /* DS_FMT_CRITEO: rows are I1..I13, C1..C26 without the label
+                              * (Criteo's test.txt); labels are 0 and has_label false */
     int scalar_scan;         /* 1: find separators byte by byte instead of 64 bytes at a time
                               * (SSE2); same results, slower. For tests and comparisons. */
 } ds_parser_opts;

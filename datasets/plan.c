@@ -164,17 +164,19 @@ static int plan_sparse(ds_plan *p, uint32_t n_fields, char **errptr)
     return fix_schema(p);
 }
 
-static int plan_criteo_tsv(builder *b, char **errptr)
+/* Criteo's TSV; without the label column (no_label) for its unlabelled test file, whose rows
+ * would otherwise pass for labelled rows one column short, shifted: I1 read as the label. */
+static int plan_criteo_tsv(builder *b, int no_label, char **errptr)
 {
     char name[16];
-    int rc = b_add(b, COL_LABEL, "label", 5, 0);
+    int rc = no_label ? CM_OK : b_add(b, COL_LABEL, "label", 5, 0);
     for (int i = 1; rc == CM_OK && i <= 13; i++)
         rc = b_add(b, COL_DENSE, name, (size_t)snprintf(name, sizeof name, "I%d", i), 0);
     for (int i = 1; rc == CM_OK && i <= 26; i++)
         rc = b_add(b, COL_CAT, name, (size_t)snprintf(name, sizeof name, "C%d", i), 0);
     if (rc != CM_OK) return cm_err(errptr, rc, "out of memory");
     b->p->sep = '\t';
-    b->p->min_cols = 14; /* label and the 13 integer columns must be there */
+    b->p->min_cols = no_label ? 13 : 14; /* (the label and) the 13 integer columns */
     return b_finish(b, errptr);
 }
 
@@ -287,9 +289,15 @@ int ds_plan_create(const ds_parser_opts *o, ds_plan **out, char **errptr)
     ds_plan *p = plan_new(o);
     if (p == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     b.p = p;
+    if (o->no_label && o->format != DS_FMT_CRITEO) {
+        ds_plan_destroy(p);
+        return cm_err(errptr, CM_EINVAL,
+                      "no label column is an option of the criteo TSV format only (criteo-csv and "
+                      "csv find theirs by name; avazu, libsvm and libffm rows always have one)");
+    }
     switch (o->format) {
     case DS_FMT_CRITEO:
-        rc = plan_criteo_tsv(&b, errptr);
+        rc = plan_criteo_tsv(&b, o->no_label, errptr);
         break;
     case DS_FMT_CRITEO_CSV:
     case DS_FMT_AVAZU:

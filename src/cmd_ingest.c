@@ -16,10 +16,11 @@ static void ingest_usage(FILE *to)
         "usage: ember ingest --format criteo|criteo-csv|avazu|libsvm|libffm|csv [--schema FILE]\n"
         "                    --out DIR [--shards N] [--eval-fraction F] [--split-seed S]\n"
         "                    [--strict] [--bucketize] [--threads N] [--block-rows N]\n"
-        "                    [--ffm-fields N] [--buffered] FILE...\n"
+        "                    [--ffm-fields N] [--buffered] [--no-label] FILE...\n"
         "Converts click logs (plain, .gz or .zst) into checksummed shards in DIR/train and\n"
         "DIR/eval, writes DIR/stats.json, and prints one JSON line of counts on stdout.\n"
         "Malformed lines are reported on stderr and skipped (--strict: stop, exit 1).\n"
+        "--no-label: criteo TSV rows without the label column (Criteo's test.txt).\n"
         "Shards are written with O_DIRECT where the file system allows it (--buffered: through\n"
         "the page cache, so a trainer started right after reads them from memory).\n"
         "See docs/INGEST.md.\n");
@@ -78,6 +79,9 @@ int cmd_ingest(int argc, char **argv)
             continue;
         } else if (strcmp(a, "--bucketize") == 0) {
             o.parser.bucketize = 1;
+            continue;
+        } else if (strcmp(a, "--no-label") == 0) {
+            o.parser.no_label = 1;
             continue;
         } else if (strncmp(a, "--", 2) != 0 || strcmp(a, "--") == 0) {
             inputs[n_inputs++] = a;
@@ -146,6 +150,15 @@ int cmd_ingest(int argc, char **argv)
     } else {
         rc = 0;
     }
+    /* Criteo's unlabelled test file reads as labelled rows one column short: I1 taken for the
+     * label, and rows whose I1 is not 0 or 1 rejected. */
+    if (o.parser.format == DS_FMT_CRITEO && !o.parser.no_label &&
+        res.rejected_by_reason[DS_REJ_LABEL] > 0 &&
+        res.rows_padded + res.rows_rejected == res.rows_in)
+        fprintf(stderr,
+                "ember ingest: no row had all 40 columns, and %llu were rejected for their label "
+                "(column 1): an unlabelled file (Criteo's test.txt)? Ingest it with --no-label\n",
+                (unsigned long long)res.rejected_by_reason[DS_REJ_LABEL]);
     goto out;
 usage:
     ingest_usage(stderr);

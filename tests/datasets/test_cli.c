@@ -140,6 +140,40 @@ int main(void)
     CHECK(run(args, NULL) == 1);
     CHECK(strstr(stderr_text(), "none.tsv") != NULL);
 
+    /* Criteo's unlabelled test file (39 columns, I1 first): without --no-label, rows whose I1
+     * is not 0 or 1 are rejected and the run says what the file probably is; with it, every
+     * row is kept and the shards say there is no label. */
+    {
+        char *t39 = malloc(1 << 14);
+        size_t m = 0;
+        for (int i = 0; i < 30; i++)
+            m += (size_t)snprintf(t39 + m, (1 << 14) - m,
+                                  "%d\t1\t2\t3\t4\t5\t6\t7\t8\t9\t10\t11\t12"
+                                  "\ta%d\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\tz\n",
+                                  i % 7, i);
+        char *tin = join(tmp, "test.txt");
+        write_text(tin, t39, m);
+        char tdir[4200];
+        snprintf(tdir, sizeof tdir, "%s/out-test", tmp);
+        snprintf(args, sizeof args, "ingest --format criteo --out %s %s", tdir, tin);
+        CHECK(run(args, &out) == 0 && json_num(out, "rows_written") < 30);
+        CHECK_MSG(strstr(stderr_text(), "--no-label") != NULL, "stderr: %s", stderr_text());
+        snprintf(args, sizeof args,
+                 "ingest --format criteo --no-label --eval-fraction 0 --out %s %s", tdir, tin);
+        CHECK(run(args, &out) == 0 && json_num(out, "rows_written") == 30 &&
+              json_num(out, "rows_padded") == 0);
+        CHECK(strstr(stderr_text(), "--no-label") == NULL);
+        char *stats = join(tdir, "stats.json"), *js = NULL;
+        size_t jn = 0;
+        CHECK(cm_read_file(stats, (void **)&js, &jn, NULL) == CM_OK && js &&
+              strstr(js, "\"has_label\": false") != NULL);
+        free(js);
+        /* A labelled format has no such option. */
+        snprintf(args, sizeof args, "ingest --format avazu --no-label --out %s %s", tdir, tin);
+        CHECK(run(args, NULL) != 0 && strstr(stderr_text(), "criteo TSV") != NULL);
+        free(t39);
+    }
+
     /* gzip and zstd inputs give the same rows */
     char *gzp = join(tmp, "in.tsv.gz");
     gzFile gz = gzopen(gzp, "wb");

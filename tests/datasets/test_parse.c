@@ -160,6 +160,58 @@ static void test_criteo_tsv(void)
     ds_parser_destroy(p);
 }
 
+/* Criteo's unlabelled TSV (--no-label): 39 columns are I1..I13 and C1..C26, shifted by none;
+ * 13 to 39 columns are rows (short ones padded), 12 or 40 are not; only criteo takes it. */
+static void test_criteo_no_label(void)
+{
+    ds_parser_opts o;
+    ds_parser_opts_init(&o);
+    o.format = DS_FMT_CRITEO;
+    o.no_label = 1;
+    ds_parser *p = NULL;
+    char *err = NULL;
+    CHECK_OK(ds_parser_create(&o, &p, &err), err);
+    if (!p) return;
+    const ds_schema *s = ds_parser_schema(p);
+    CHECK(!s->has_label && s->n_dense == 13 && s->n_fields == 26);
+    ds_batch b;
+    ds_parse_report rep;
+    /* I1 = 3 (a labelled parse would reject it as a label), I13 = 0.5, C1 = a, C26 = z */
+    const char *row = "3\t-3\t\t0\t1\t1\t1\t1\t1\t1\t1\t1\t0.5\ta\t\tc\t\t\t\t\t\t\t\t\t\t\t\t\t\t"
+                      "\t\t\t\t\t\t\t\t\tz\n";
+    parse(p, row, &b, &rep);
+    CHECK(rep.rows == 1 && rep.padded == 0 && rep.rejected == 0);
+    if (b.n_rows == 1) {
+        CHECK(b.dense[0] == 3.0f && b.dense[1] == -3.0f && b.dense[12] == 0.5f);
+        CHECK(b.labels == NULL || b.labels[0] == 0.0f);
+        const uint32_t *off = b.offsets;
+        CHECK(off[1] - off[0] == 1 && b.keys[off[0]] == K("a", 0));
+        CHECK(off[26] - off[25] == 1 && b.keys[off[25]] == K("z", 25) && b.n_keys == 3);
+    }
+    /* 13 columns: the dense part alone, padded; 12 and 40 columns: rejected */
+    parse(p, "1\t2\t3\t4\t5\t6\t7\t8\t9\t10\t11\t12\t13\n", &b, &rep);
+    CHECK(rep.rows == 1 && rep.padded == 1);
+    parse(p, "1\t2\t3\t4\t5\t6\t7\t8\t9\t10\t11\t12\n", &b, &rep);
+    CHECK(rep.rejected == 1 && rep.first_reason == DS_REJ_COLUMNS);
+    parse(p,
+          "1\t1\t1\t1\t1\t1\t1\t1\t1\t1\t1\t1\t1\ta\tb\tc\td\te\tf\tg\th\ti\tj\tk\tl\tm\tn\to\tp"
+          "\tq\tr\ts\tt\tu\tv\tw\tx\ty\tz\textra\n",
+          &b, &rep);
+    CHECK(rep.rejected == 1 && rep.first_reason == DS_REJ_COLUMNS && rep.first_column == 40);
+    ds_parser_destroy(p);
+    /* Formats that name or always have their label refuse it. */
+    const ds_format others[] = {DS_FMT_CRITEO_CSV, DS_FMT_AVAZU, DS_FMT_LIBSVM, DS_FMT_CSV};
+    for (size_t i = 0; i < sizeof others / sizeof others[0]; i++) {
+        o.format = others[i];
+        o.schema_text = SCHEMA;
+        p = NULL;
+        CHECK(ds_parser_create(&o, &p, &err) == CM_EINVAL && p == NULL && err &&
+              strstr(err, "criteo TSV"));
+        free(err);
+        err = NULL;
+    }
+}
+
 static uint64_t rng = 88172645463325252ull;
 static uint64_t next_rand(void)
 {
@@ -347,6 +399,7 @@ int main(void)
     const char *tmp = check_tmpdir("ds_parse");
     test_csv_quoting_multi();
     test_criteo_tsv();
+    test_criteo_no_label();
     test_junk();
     test_sparse();
     test_ingest_split(tmp);
