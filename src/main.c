@@ -1,6 +1,9 @@
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <unistd.h>
 
 #include "common/common.h"
 #include "src/cli.h"
@@ -40,12 +43,29 @@ static void usage(FILE *to)
         fprintf(to, "  %-10s %s\n", commands[i].name, commands[i].help);
 }
 
+/* A process tools/launch started (EMBER_LAUNCH_PID: the launcher's pid, its parent) ends with
+ * the launcher, also when that is killed outright: SIGKILL runs none of its traps, and the job's
+ * processes would otherwise run on. The variable is dropped, so nothing this process starts
+ * takes it for its own parent. */
+static void follow_launcher(void)
+{
+    const char *v = getenv("EMBER_LAUNCH_PID");
+    if (v == NULL) return;
+    char *end;
+    long pid = strtol(v, &end, 10);
+    if (*end == '\0' && end != v && pid > 1 && prctl(PR_SET_PDEATHSIG, SIGTERM) == 0 &&
+        getppid() != (pid_t)pid)
+        raise(SIGTERM); /* it was gone before the prctl */
+    unsetenv("EMBER_LAUNCH_PID");
+}
+
 int main(int argc, char **argv)
 {
     /* OpenBLAS chose its kernels as it loaded; where it fell back to pre-AVX2 ones, ember runs
      * again with the right ones (ember version says which it uses). */
     cm_blas_core_reexec(backend_cpu_blas_core(), argv);
     cm_malloc_tune();
+    follow_launcher();
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "help") == 0) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;

@@ -2,7 +2,8 @@
  * tools/launch: a 2 PS x 2 worker job on ~20K generated rows must print worker 0's JSON with
  * auc > 0.55 and leave no process behind; a job whose workers fail, and one stopped with
  * SIGTERM (one of its PS processes stopped by SIGSTOP, as a hung one), must exit non-zero and
- * leave no process behind either, the latter within 4.5 s. The PS processes run at
+ * leave no process behind either, the latter within 4.5 s; nor may a job whose launch is killed
+ * with SIGKILL (within 5 s). The PS processes run at
  * niceness 5 (--ps-nice), the workers at the caller's; a bad --ps-nice is refused.
  *
  * argv[1] is tools/launch; $EMBER_BIN the ember binary (set by ember_add_test). Every child runs
@@ -96,6 +97,39 @@ static int alive_from(const char *run_dir, int *listed)
     }
     fclose(f);
     return alive;
+}
+
+/* Waits (up to 10 s) until the job's n processes are listed, and so started, then half a second
+ * more; returns how many run (alive_from). */
+static int wait_listed(const char *run_dir, int n, int *listed)
+{
+    quiet = 1;
+    for (int i = 0; i < 200; i++) {
+        int got = 0;
+        if (alive_from(run_dir, &got) >= 0 && got == n) break;
+        usleep(50000);
+    }
+    usleep(500000);
+    int alive = alive_from(run_dir, listed);
+    quiet = 0;
+    return alive;
+}
+
+/* SIGKILLs every listed process still running ember (a failed check leaves none behind). */
+static void kill_listed(const char *run_dir)
+{
+    char path[4400], proc[64], role[32], comm[64];
+    snprintf(path, sizeof path, "%s/pids", run_dir);
+    FILE *f = fopen(path, "r");
+    int idx, pid;
+    while (f != NULL && fscanf(f, "%31s %d %d", role, &idx, &pid) == 3) {
+        snprintf(proc, sizeof proc, "/proc/%d/comm", pid);
+        FILE *c = fopen(proc, "r");
+        if (c != NULL && fgets(comm, sizeof comm, c) && strncmp(comm, "ember", 5) == 0)
+            kill(pid, SIGKILL);
+        if (c != NULL) fclose(c);
+    }
+    if (f != NULL) fclose(f);
 }
 
 /* The pid of the job's PS process `index` (RUNDIR/pids), or -1. */
@@ -232,18 +266,7 @@ int main(int argc, char **argv)
                     "--model", "mlp", "--batch", "64", "--epochs", "1000", "--device", "cpu",
                     "--no-progress", NULL};
     pid_t pid = spawn(term, "/dev/null");
-    /* Wait until all four processes are listed (and so started), then a little more. */
-    char pids[4400];
-    snprintf(pids, sizeof pids, "%s/pids", run_term);
-    quiet = 1;
-    for (int i = 0; i < 200; i++) {
-        int n = 0;
-        if (alive_from(run_term, &n) >= 0 && n == 4) break;
-        usleep(50000);
-    }
-    usleep(500000);
-    int before = alive_from(run_term, &listed);
-    quiet = 0;
+    int before = wait_listed(run_term, 4, &listed);
     CHECK_MSG(before > 0, "no process of the job running before SIGTERM (%d listed)", listed);
     /* The PS processes share the cores with the workers at niceness 5 (--ps-nice's default). */
     CHECK_MSG(check_nice(run_term, 5) > 0, "no niceness read");
@@ -260,6 +283,29 @@ int main(int argc, char **argv)
     CHECK_MSG(took < 4.5, "launch took %.1f s to stop a job with a stopped PS", took);
     CHECK(alive_from(run_term, &listed) == 0);
     CHECK(listed == 4);
+
+    /* 3b. launch killed outright (SIGKILL: no trap runs): its processes must not run on. */
+    char run_kill[4300];
+    snprintf(run_kill, sizeof run_kill, "%s/run-kill", dir);
+    char *killed[] = {(char *)launch,  "--ps", "1",        "--workers", "1",        "--out",
+                      run_kill,        "--",   "--train",  train,       "--model",  "mlp",
+                      "--batch",       "64",   "--epochs", "1000",      "--device", "cpu",
+                      "--no-progress", NULL};
+    pid = spawn(killed, "/dev/null");
+    before = wait_listed(run_kill, 2, &listed);
+    quiet = 1;
+    CHECK_MSG(before == 2, "%d of the job's %d processes running before SIGKILL", before, listed);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    int left = before;
+    for (int i = 0; i < 100 && left > 0; i++) {
+        usleep(50000);
+        left = alive_from(run_kill, &listed);
+    }
+    quiet = 0;
+    CHECK_MSG(left == 0, "%d processes still running 5 s after launch was killed",
+              alive_from(run_kill, &listed));
+    kill_listed(run_kill);
 
     /* 4. SIGTERM while launch stops a failed job: worker 0 fails, the others ignore TERM (as
      * one busy writing a checkpoint may). The signal must KILL them at once; launch used to
