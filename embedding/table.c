@@ -684,7 +684,8 @@ static int push_fanned(emb_table *t, size_t n, const uint64_t *keys, const float
     uint64_t *resv = calloc(t->n_sub, sizeof *resv);
     if (resv == NULL || fan_init(&f, t, keys, h, ord, st, parts) != CM_OK) {
         free(resv);
-        return push_failed(t, n, cm_err(&why, CM_ENOMEM, "out of memory"), why, errptr);
+        int rc = cm_err(&why, CM_ENOMEM, "out of memory");
+        return push_failed(t, n, rc, why, errptr);
     }
     f.hints = hints;
     f.op = OP_PUSH;
