@@ -417,11 +417,11 @@ int cmd_train(int argc, char **argv)
         ",\"eval_seconds\":%.3f,\"train_loss\":%.6f,\"model\":\"%s\",\"workers\":%u,\"shards\":%u"
         ",\"device\":\"%s\",\"cpu_kernels\":\"%s\",\"step_ms\":%.3f,\"wait_batch_ms\":%.3f"
         ",\"wait_push_ms\":%.3f,\"dense_ms\":%.3f,\"puller_early_ms\":%.3f,\"puller_push_ms\":%.3f"
-        ",\"puller_late_ms\":%.3f,\"puller_send_ms\":%.3f}\n",
+        ",\"puller_late_ms\":%.3f,\"handover_ms\":%.3f}\n",
         auc, logloss, r.samples_per_s, r.rows, r.seconds, r.steps, r.eval_rows, r.eval_seconds,
         r.train_loss, model_kind_name(o.model.kind), r.workers, r.shards,
         r.device ? r.device : "cpu", backend_cpu_kernels(), r.step_ms, r.wait_batch_ms,
         r.wait_push_ms, r.dense_ms, r.puller_early_ms, r.puller_push_ms, r.puller_late_ms,
-        r.puller_send_ms);
+        r.handover_ms);
     return 0;
 }

@@ -251,6 +251,18 @@ typedef struct backend_ops {
      * rows and F fields steps on its units, 0 where it never does: the trainer's staging
      * builds them, with this bound, only for a backend that takes them. */
     uint32_t (*max_units)(const void *state, uint32_t B, uint32_t F);
+    /* Optional (NULL: the caller uses prefetch alone). prefetch in two calls, for a batch whose
+     * rows [0, ready) of every table are pulled before the rest: prefetch_begin reads
+     * everything of b but the params and the rows [ready, U), and starts moving it (cuda:
+     * packs it into the batch's pinned slot); prefetch_end, given the same batch (its other
+     * arrays unchanged since) and the params, reads those and the rows [ready, U) and ends as
+     * prefetch does. Only the rows that come last then stand between their pull and the
+     * batch's step. The two count as one prefetch call of the contract above, made at
+     * prefetch_begin; any other prefetch call between them drops the begun one, whose
+     * prefetch_end then fails. */
+    int (*prefetch_begin)(void *state, const model_batch *b, uint32_t ready, char **errptr);
+    int (*prefetch_end)(void *state, const float *params, const model_batch *b, uint64_t *ticket,
+                        char **errptr);
 } backend_ops;
 
 extern const backend_ops backend_cpu_ops;

@@ -233,6 +233,7 @@ typedef struct stage {
      * (stage_order): only the second part must wait for that batch's push (pull_stage). */
     uint32_t n_new;
     bool new_pulled; /* rows [0, n_new) are pulled already */
+    bool begun;      /* handed to the backend but for the rest of its rows (prefetch_begin) */
 } stage;
 
 static void stage_free(stage *s)
@@ -284,6 +285,7 @@ static int stage_order(stage *s, const setup *S, const model_staging *prev, char
     }
     s->n_new = n_new;
     s->new_pulled = false;
+    s->begun = false;
     memcpy(m->ukeys, s->okeys, m->U * sizeof *m->ukeys);
     for (uint32_t k = 0; k < m->nnz; k++)
         m->col[k] = s->pos[m->col[k]];
@@ -381,7 +383,23 @@ static int stage_send(stage *s, const setup *S, void *be, char **errptr)
     model_batch mb;
     model_staging_view(&s->ms, &mb);
     s->ticket = 0;
-    return S->be->prefetch(be, s->params, &mb, &s->ticket, errptr);
+    const bool begun = s->begun;
+    s->begun = false;
+    return begun ? S->be->prefetch_end(be, s->params, &mb, &s->ticket, errptr)
+                 : S->be->prefetch(be, s->params, &mb, &s->ticket, errptr);
+}
+
+/* Hands the backend all of a built stage but its params and rows (which the puller may be
+ * pulling meanwhile), where it takes batches in two calls: stage_send then adds those. */
+static int stage_begin(stage *s, const setup *S, void *be, char **errptr)
+{
+    s->begun = false;
+    if (S->be->prefetch_begin == NULL) return CM_OK;
+    model_batch mb;
+    model_staging_view(&s->ms, &mb);
+    int rc = S->be->prefetch_begin(be, &mb, 0, errptr);
+    s->begun = rc == CM_OK;
+    return rc;
 }
 
 /* ---- prefetch: builds and pulls batch t+1 while t computes ---- */
@@ -435,8 +453,8 @@ typedef struct prefetch {
     char *job_err;
     bool exited; /* the puller has returned: it takes no more jobs */
     /* The puller's seconds: pulling new keys early, running handed-over pushes, pulling the
-     * rest (and the tower), handing stages to the backend (train_result's puller_*_ms). */
-    double t_early, t_push, t_late, t_send;
+     * rest (and the tower) (train_result's puller_*_ms). */
+    double t_early, t_push, t_late;
     char *err;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -564,11 +582,6 @@ static int pull_stage(prefetch *p, stage *s, bool *stopped, char **err)
     if (rc == CM_OK && !fresh) rc = stage_pull_dense(s, p->S, p->c, err);
     p->t_late += cm_now() - t0;
     p->pulled++;
-    /* The puller is the only caller until the stepping thread takes the stage, and at most
-     * one other stage is pending: the prefetch contract. */
-    t0 = cm_now();
-    if (rc == CM_OK) rc = stage_send(s, p->S, p->be, err);
-    p->t_send += cm_now() - t0;
     return rc;
 }
 
@@ -670,6 +683,19 @@ static stage *prefetch_take(prefetch *p, int *rc, char **errptr)
     if (s->status < 0) cm_err(errptr, s->status, "%s", p->err ? p->err : "prefetch failed");
     pthread_mutex_unlock(&p->mu);
     return s->status > 0 ? s : NULL;
+}
+
+/* The stage after the taken one when it is built (its batch, not its rows: the puller may be
+ * pulling them), else NULL. Its batch arrays do not change until it is released. */
+static stage *prefetch_next_built(prefetch *p)
+{
+    pthread_mutex_lock(&p->mu);
+    int i = (p->next_take + 1) % N_STAGES;
+    stage *s = (p->state[i] == ST_BUILT || p->state[i] == ST_READY) && p->st[i].status == 1
+                   ? &p->st[i]
+                   : NULL;
+    pthread_mutex_unlock(&p->mu);
+    return s;
 }
 
 /* Gives the taken stage back for refilling. */
@@ -1290,7 +1316,8 @@ typedef struct worker {
     int progress_fd;                /* cluster: progress/worker-<i>, else -1 */
     double loss_sum;
     double t_step, t_wait_batch, t_wait_push, t_dense; /* seconds (train_result's *_ms) */
-    double t_pf[4]; /* its puller's t_early, t_push, t_late, t_send */
+    double t_pf[3];                                    /* its puller's t_early, t_push, t_late */
+    double t_handover; /* handing batches to the backend (stage_begin, stage_send) */
     train_result res;                                  /* worker 0: eval */
     void *eval_be;   /* worker 0 with --eval-every: the backend state evaluations step on */
     ps_client *live; /* its client while it may be waiting (S->abort_mu): job_abort's to stop */
@@ -1469,6 +1496,12 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             rc = trc;
             break;
         }
+        /* The stepping thread hands every batch to the backend (its prefetch calls are then
+         * serialized by construction); what stage_begin packed after the step before is left
+         * out here. */
+        rc = stage_send(s, S, be, errptr);
+        t0 = cm_now();
+        W->t_handover += t0 - t1;
         if (W->progress_fd >= 0 && ps_client_pushes_in_flight(c) == 0)
             progress_note(W->progress_fd, step);
         if (s->ms.U > cap_u) {
@@ -1495,6 +1528,13 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         if (rc == CM_OK) rc = S->be->step(be, s->params, &mb, probs, &loss, dparams, demb, errptr);
         t1 = cm_now();
         W->t_step += t1 - t0;
+        /* While the puller pushes this batch's rows and pulls the next one's, that batch is
+         * handed over but for its rows and params (this thread would only wait meanwhile). */
+        stage *next = prefetch_next_built(&pf);
+        if (rc == CM_OK && next != NULL) rc = stage_begin(next, S, be, errptr);
+        t0 = cm_now();
+        W->t_handover += t0 - t1;
+        t1 = t0;
         /* Whatever the step's outcome, a handed-over push must be finished before this stage
          * and demb can change. */
         bool handed = false, pushed = false;
@@ -1559,7 +1599,6 @@ out:
         W->t_pf[0] += pf.t_early;
         W->t_pf[1] += pf.t_push;
         W->t_pf[2] += pf.t_late;
-        W->t_pf[3] += pf.t_send;
     }
     ds_reader_destroy(r);
     free(probs);
@@ -2104,7 +2143,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             res->puller_early_ms = w0->t_pf[0] * per;
             res->puller_push_ms = w0->t_pf[1] * per;
             res->puller_late_ms = w0->t_pf[2] * per;
-            res->puller_send_ms = w0->t_pf[3] * per;
+            res->handover_ms = w0->t_handover * per;
         }
         if (o->cluster_path && first_w == 0 && rc == CM_OK) {
             /* The job is done: worker 0 takes the cluster down. */

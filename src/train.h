@@ -125,9 +125,9 @@ typedef struct train_result {
     double step_ms, wait_batch_ms, wait_push_ms, dense_ms;
     /* Its puller thread, ms per step: pulling the next batch's new keys before this batch's
      * push, running the row push handed over, pulling the rest of the next batch (and the
-     * tower, where it is pulled), handing the batch to the backend (a GPU: the copy to pinned
-     * memory and the device). */
-    double puller_early_ms, puller_push_ms, puller_late_ms, puller_send_ms;
+     * tower, where it is pulled). And the stepping thread's handing of batches to the backend
+     * (a GPU: packing pinned memory, starting the copy). */
+    double puller_early_ms, puller_push_ms, puller_late_ms, handover_ms;
     uint64_t rows, eval_rows, steps;
     uint32_t workers, shards; /* of the whole job (a cluster file may set them) */
     const char *device;       /* the backend that ran the dense math ("cpu", "cuda"); static */

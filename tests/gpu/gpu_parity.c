@@ -356,6 +356,73 @@ static void run_prefetch(const char *name, const model_layout *l, void *gpu, voi
         outs_free(&c);
     }
 
+    /* In two calls, as the trainer hands a batch over when it pulls its rows in two parts:
+     * prefetch_begin reads all but the params and the rows from `ready` on, prefetch_end reads
+     * those. Rows past `ready` are NaN during the first call and everything is NaN after the
+     * second: the step must still give the bits one prefetch gives. */
+    if (cuda->prefetch_begin != NULL) {
+        batch x;
+        batch_make(&x, l, 300, F, D, 1500, mean, key_weights);
+        outs g1, g2;
+        outs_alloc(&g1, l, x.B, x.U);
+        outs_alloc(&g2, l, x.B, x.U);
+        prefetch_ok(gpu, params, &x);
+        outs_poison(&g1, l, x.B, x.U);
+        CHECK_OK(cuda->step(gpu, params, &x.mb, g1.probs, &g1.loss, g1.dparams, g1.demb, &err),
+                 err);
+        const uint32_t ready = x.U / 3;
+        float *keep[MODEL_MAX_TABLES] = {0};
+        for (uint32_t t = 0; t < l->n_tables; t++) {
+            size_t off = (size_t)ready * l->table_dim[t], n = (size_t)x.U * l->table_dim[t] - off;
+            keep[t] = malloc(n * sizeof(float) + 4);
+            memcpy(keep[t], x.emb[t] + off, n * sizeof(float));
+            for (size_t i = 0; i < n; i++)
+                x.emb[t][off + i] = NAN;
+        }
+        x.mb.ticket = 0;
+        CHECK_OK(cuda->prefetch_begin(gpu, &x.mb, ready, &err), err);
+        for (uint32_t t = 0; t < l->n_tables; t++) {
+            size_t off = (size_t)ready * l->table_dim[t], n = (size_t)x.U * l->table_dim[t] - off;
+            memcpy(x.emb[t] + off, keep[t], n * sizeof(float));
+            free(keep[t]);
+        }
+        float *pz = malloc(l->n_params * sizeof(float) + 4);
+        memcpy(pz, params, l->n_params * sizeof(float));
+        CHECK_OK(cuda->prefetch_end(gpu, pz, &x.mb, &x.mb.ticket, &err), err);
+        CHECK(x.mb.ticket != 0);
+        for (size_t i = 0; i < l->n_params; i++)
+            pz[i] = NAN;
+        for (uint32_t t = 0; t < l->n_tables; t++)
+            for (size_t i = 0; i < (size_t)x.U * l->table_dim[t]; i++)
+                x.emb[t][i] = NAN;
+        for (size_t i = 0; i < (size_t)x.B * D; i++)
+            x.dense[i] = NAN;
+        for (uint32_t k = 0; k < x.row_ptr[x.B * F]; k++)
+            x.val[k] = NAN;
+        outs_poison(&g2, l, x.B, x.U);
+        CHECK_OK(cuda->step(gpu, pz, &x.mb, g2.probs, &g2.loss, g2.dparams, g2.demb, &err), err);
+        int same = same_bits(g1.probs, g2.probs, x.B) &&
+                   same_bits(g1.dparams, g2.dparams, l->n_params) &&
+                   memcmp(&g1.loss, &g2.loss, sizeof g1.loss) == 0;
+        for (uint32_t t = 0; t < l->n_tables; t++)
+            same = same && same_bits(g1.demb[t], g2.demb[t], (size_t)x.U * l->table_dim[t]);
+        CHECK_MSG(same, "%s: a batch handed over in two calls is not the same bits", name);
+        /* prefetch_end needs its prefetch_begin as the last prefetch call. */
+        uint64_t tk = 0;
+        CHECK(cuda->prefetch_end(gpu, params, &x.mb, &tk, &err) != 0 && err && tk == 0);
+        free(err);
+        err = NULL;
+        CHECK_OK(cuda->prefetch_begin(gpu, &b[1].mb, 0, &err), err);
+        prefetch_ok(gpu, params, &b[1]);
+        CHECK(cuda->prefetch_end(gpu, params, &b[1].mb, &tk, &err) != 0 && err);
+        free(err);
+        err = NULL;
+        free(pz);
+        outs_free(&g1);
+        outs_free(&g2);
+        batch_free(&x);
+    }
+
     /* A step without a ticket drops the pending batches. */
     prefetch_ok(gpu, params, &b[1]);
     uint64_t t1 = b[1].mb.ticket;
