@@ -182,6 +182,10 @@ typedef struct ps_server_opts {
     uint32_t apply_threads;
 } ps_server_opts;
 
+/* apply_threads for each of n shards one process serves on a host whose cores are the PS's:
+ * half the cores up to 8, shared among the shards (at least 1). */
+uint32_t ps_apply_threads_default(uint32_t n);
+
 /* Creates the shard's tables and starts listening. *out is the caller's (ps_server_destroy). */
 int ps_server_create(const ps_server_opts *opts, ps_server **out, char **errptr);
 /* Blocks until a SHUTDOWN request arrives or ps_server_stop is called. */

@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -1336,6 +1337,13 @@ static void ctx_cb(void *arg)
 }
 
 /* ---- life cycle ---- */
+
+uint32_t ps_apply_threads_default(uint32_t n)
+{
+    long half = sysconf(_SC_NPROCESSORS_ONLN) / 2;
+    uint32_t all = half < 1 ? 1 : half > 8 ? 8 : (uint32_t)half;
+    return n > 0 && all / n > 1 ? all / n : 1;
+}
 
 int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
 {

@@ -30,7 +30,8 @@ static void ps_usage(FILE *to)
             "  --shard I      which shard this process serves (default 0)\n"
             "  --shards N     override the config's shard count\n"
             "  --contexts K   requests served concurrently (default 64 + 2 x workers)\n"
-            "  --apply-threads N  threads one large pull or push is applied on (default 1)\n"
+            "  --apply-threads N  threads one large pull or push is applied on (same results;\n"
+            "                 default: half the cores, up to 8)\n"
             "  --replica URL  ship every applied update to this shard's backup at URL\n"
             "  --backup       serve as the backup of shard I (takes over when clients come)\n"
             "  --checkpoint-root DIR  SAVE and LOAD only within DIR (default: any path this\n"
@@ -87,7 +88,7 @@ int cmd_ps(int argc, char **argv)
     bool backup = false;
     /* shards 0: the config's count; plan -1: serve. Given flags must be in range (--shards 0
      * is not "no override"). */
-    long long shard = 0, shards = 0, contexts = 0, apply = 1, plan = -1;
+    long long shard = 0, shards = 0, contexts = 0, apply = 0, plan = -1;
     int o;
     optind = 1;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -152,7 +153,8 @@ int cmd_ps(int argc, char **argv)
                          .listen = listen,
                          .shard = (uint32_t)shard,
                          .n_contexts = (uint32_t)contexts,
-                         .apply_threads = (uint32_t)apply,
+                         .apply_threads =
+                             (uint32_t)(apply > 0 ? apply : ps_apply_threads_default(1)),
                          .replica_url = replica,
                          .backup = backup,
                          .checkpoint_root = ckroot};

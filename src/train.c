@@ -1440,15 +1440,13 @@ static void log_progress(const setup *S, uint64_t step, uint64_t samples, double
 }
 
 /* Threads each of the n PS shards this process runs applies a large batch on: --apply-threads,
- * else, beside a GPU, half the cores up to 8 shared among the shards (the host's cores are the
- * PS's then), and 1 beside the cpu backend, whose compute keeps every core busy. */
-static uint32_t apply_threads(const train_opts *o, const setup *S, uint32_t n)
+ * else half the cores up to 8, shared among the shards, where the host's cores are the PS's (a
+ * PS-only process, or workers computing on a GPU), and 1 beside workers on the cpu backend,
+ * whose compute keeps every core busy. */
+static uint32_t apply_threads(const train_opts *o, const setup *S, uint32_t n, bool workers)
 {
     if (o->apply_threads > 0) return o->apply_threads;
-    if (S->be == &backend_cpu_ops || n == 0) return 1;
-    long half = sysconf(_SC_NPROCESSORS_ONLN) / 2;
-    uint32_t all = half < 1 ? 1 : half > 8 ? 8 : (uint32_t)half;
-    return all / n > 1 ? all / n : 1;
+    return workers && S->be == &backend_cpu_ops ? 1 : ps_apply_threads_default(n);
 }
 
 static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
@@ -2048,7 +2046,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
                                  .listen = S.urls[i],
                                  .shard = i,
                                  .checkpoint_root = S.ckpt_root,
-                                 .apply_threads = apply_threads(o, &S, n_s)};
+                                 .apply_threads = apply_threads(o, &S, n_s, run_workers)};
             if (S.backups && is_backup) {
                 so.listen = S.backups[i];
                 so.backup = true;
