@@ -408,7 +408,10 @@ static int stage_begin(stage *s, const setup *S, void *be, char **errptr)
  * Two threads fill a ring of stages ahead of the stepping thread. The builder reads and stages
  * batches (dedup, key order, A's columns) as background work (cm_thread_background), so that
  * work fills the moments the compute leaves a core idle instead of slowing its GEMMs. The puller
- * pulls each built stage and hands it to the backend.
+ * pulls each built stage; the stepping thread hands stages to the backend, so the puller (on a
+ * GPU the busiest thread) only pulls and pushes: where the backend takes a batch in two calls,
+ * it hands over the next batch but for its rows and params right after a step, while it would
+ * wait for the push anyway, and the rest when it takes that batch.
  *
  * With fresh pulls batch t+1 must see batch t's updates, so its pull waits for t's pushes.
  * To keep that wait short the step hands its row push over as soon as the row gradients are
