@@ -51,7 +51,7 @@ static void *team_main(void *arg)
     cm_team *t = arg;
     pthread_mutex_lock(&t->mu);
     for (;;) {
-        team_job *j;
+        team_job *j = NULL;
         while (!t->stop && (j = first_open(t)) == NULL)
             pthread_cond_wait(&t->work, &t->mu);
         if (t->stop) break;
