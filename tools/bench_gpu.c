@@ -555,7 +555,7 @@ int main(int argc, char **argv)
            "logloss");
     for (int i = 0; i < n_runs; i++) {
         const bench_ember_run *r = &runs[i];
-        snprintf(buf, sizeof buf, "ember %s (cuda)", r->model);
+        snprintf(buf, sizeof buf, "ember %.15s (cuda)", r->model);
         if (!r->ok)
             printf("%-26s %12s\n", buf, "FAILED");
         else
@@ -567,6 +567,19 @@ int main(int argc, char **argv)
                tr.seconds, tr.auc, tr.logloss);
     else if (!big_only)
         printf("%-26s %s\n", "pytorch mlp (cuda)", tr.why);
+    if (n_runs > 0) { /* where a step went: the stepping thread's parts, then the puller's */
+        printf("%-26s", "ms a step (ember train)");
+        for (int k = 0; k < 8; k++)
+            printf(" %8.8s", bench_step_part_names[k]);
+        printf("\n");
+        for (int i = 0; i < n_runs; i++) {
+            snprintf(buf, sizeof buf, "ember %.15s (cuda)", runs[i].model);
+            printf("%-26s", buf);
+            for (int k = 0; k < 8; k++)
+                printf(" %8.3f", runs[i].step_parts[k]);
+            printf("\n");
+        }
+    }
     if (br.ran) {
         snprintf(buf, sizeof buf, "ember mlp big (dim %u)", br.dim);
         if (br.er.ok)
@@ -613,6 +626,8 @@ int main(int argc, char **argv)
         printf("\"ember_%s_samples_per_s\":%.0f,\"ember_%s_auc\":%.6f,", runs[i].model,
                runs[i].ok ? JNUM(runs[i].loop_samples_per_s) : -1, runs[i].model,
                runs[i].ok ? JNUM(runs[i].auc) : -1);
+    for (int k = 0; mlp != NULL && k < 8; k++) /* where the mlp's step went, ms */
+        printf("\"ember_%s\":%.3f,", bench_step_part_names[k], JNUM(mlp->step_parts[k]));
     printf("\"torch_ran\":%s,\"torch_why\":\"%s\",\"torch_version\":\"%s\","
            "\"torch_samples_per_s\":%.0f,\"torch_auc\":%.6f,\"torch_logloss\":%.6f,"
            "\"speedup\":%.3f,",

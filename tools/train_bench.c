@@ -365,6 +365,10 @@ void bench_train_data(const bench_train_opts *o, bench_dataset *ds)
 
 /* ---- ember train ---- */
 
+const char *const bench_step_part_names[8] = {"step_ms",        "wait_batch_ms",   "wait_push_ms",
+                                              "dense_ms",       "puller_early_ms", "puller_push_ms",
+                                              "puller_late_ms", "handover_ms"};
+
 void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const char *model,
                        int threads, uint32_t seed, int ipc, bench_ember_run *er)
 {
@@ -432,6 +436,8 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
     er->train_loss = bench_json_num(line, "train_loss");
     er->rows = (uint64_t)bench_json_num(line, "rows");
     er->eval_rows = (uint64_t)bench_json_num(line, "eval_rows");
+    for (int i = 0; i < 8; i++)
+        er->step_parts[i] = bench_json_num(line, bench_step_part_names[i]);
     bench_last_line(mj, "\"samples_per_s\"", line, sizeof line); /* the loop's, not an eval's */
     /* The loop's own clock, from its first step as PyTorch's timer starts at its loop (ember's
      * setup, connection and first pull left out, as PyTorch's model and data loading are);

@@ -73,7 +73,14 @@ typedef struct bench_ember_run {
     double auc, logloss, samples_per_s, seconds, train_loss;
     double loop_samples_per_s, loop_seconds; /* from metrics.jsonl's last line */
     uint64_t rows, eval_rows;
+    /* Where a step went, ms (ember train's JSON, in this order: step_ms, wait_batch_ms,
+     * wait_push_ms, dense_ms, puller_early_ms, puller_push_ms, puller_late_ms, handover_ms);
+     * NaN where the binary did not report it. */
+    double step_parts[8];
 } bench_ember_run;
+
+/* The names of bench_ember_run.step_parts, as ember train's JSON has them. */
+extern const char *const bench_step_part_names[8];
 
 /* One `ember train` (1 worker, 1 shard, batch 2048, Adagrad embeddings, Adam tower, one epoch
  * in file order) on o->device, into <ds dir>/run-[device-]model-tT-sS[-ipc]: the embedded PS,
