@@ -9,6 +9,7 @@
 
 #include <inttypes.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +17,30 @@
 
 #include "check.h"
 #include "embedding/embedding.h"
+
+/* Failed calls on threads other than main: check.h's counters are plain ints, so threads count
+ * here (eu_tcheck) and main checks the total once they are joined (eu_check_threads). */
+static inline atomic_uint *eu_thread_errors(void)
+{
+    static atomic_uint n;
+    return &n;
+}
+
+/* On a thread: counts and reports a call that returned rc != 0; frees err. */
+static inline void eu_tcheck(int rc, char *err, const char *what)
+{
+    if (rc != 0) {
+        atomic_fetch_add(eu_thread_errors(), 1);
+        fprintf(stderr, "  thread: %s rc=%d err=%s\n", what, rc, err ? err : "(none)");
+    }
+    free(err);
+}
+
+static inline void eu_check_threads(void)
+{
+    unsigned n = atomic_load(eu_thread_errors());
+    CHECK_MSG(n == 0, "%u failed calls in threads", n);
+}
 
 /* splitmix64: tiny, fast, and identical on every platform, so a failing seed reproduces. */
 static inline uint64_t eu_mix(uint64_t x)

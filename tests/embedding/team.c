@@ -38,18 +38,6 @@
 
 static const char *g_dir;
 
-/* check.h's counters are plain ints: threads count failures here and main CHECKs the total. */
-static atomic_uint g_thread_errors;
-
-static void tcheck(int rc, char *err, const char *what)
-{
-    if (rc != 0) {
-        atomic_fetch_add(&g_thread_errors, 1);
-        fprintf(stderr, "  thread: %s rc=%d err=%s\n", what, rc, err ? err : "(none)");
-    }
-    free(err);
-}
-
 /* ---- same bits, one sequence on two tables ---- */
 
 #define STAT_FIELDS(X)                                                                             \
@@ -286,15 +274,15 @@ static void *worker_main(void *arg)
         for (size_t i = 0; i < n; i++)
             keys[i] = eu_key((uint64_t)(w->tid + 1) << 48 | eu_zipfish(&rng, 400000));
         char *err = NULL;
-        tcheck(emb_table_pull_hinted(w->t, keys, n, out, hints, &err), err, "pull_hinted");
+        eu_tcheck(emb_table_pull_hinted(w->t, keys, n, out, hints, &err), err, "pull_hinted");
         w->sums[r] = fnv(out, n * DIM * sizeof *out);
         for (size_t i = 0; i < n * DIM; i++)
             g[i] = 0.5f * out[i] + (float)(eu_unif(&rng) - 0.5) * 0.1f;
         err = NULL;
         if (r % 2)
-            tcheck(emb_table_push_hinted(w->t, keys, n, g, hints, &err), err, "push_hinted");
+            eu_tcheck(emb_table_push_hinted(w->t, keys, n, g, hints, &err), err, "push_hinted");
         else
-            tcheck(emb_table_push(w->t, keys, n, g, &err), err, "push");
+            eu_tcheck(emb_table_push(w->t, keys, n, g, &err), err, "push");
     }
     free(keys);
     free(hints);
@@ -377,7 +365,7 @@ static void *spush_main(void *arg)
     for (uint32_t p = 0; p < S_MAX_PUSHES && !atomic_load(&sp->stop); p++) {
         snap_batch(p, keys, g);
         char *err = NULL;
-        tcheck(emb_table_push(sp->t, keys, S_KEYS, g, &err), err, "push during snapshots");
+        eu_tcheck(emb_table_push(sp->t, keys, S_KEYS, g, &err), err, "push during snapshots");
         atomic_fetch_add(&sp->pushes, 1);
     }
     free(keys);
@@ -474,7 +462,6 @@ static void run_snapshots(cm_team *team)
 int main(void)
 {
     g_dir = check_tmpdir("emb_team");
-    atomic_init(&g_thread_errors, 0);
     cm_team *team = NULL;
     char *err = NULL;
     CHECK_OK(cm_team_create(TEAM_THREADS, &team, &err), err);
@@ -496,8 +483,7 @@ int main(void)
     fprintf(stderr, "snapshots during fanned pushes\n");
     run_snapshots(team);
 
-    CHECK_MSG(atomic_load(&g_thread_errors) == 0, "%u failed calls in threads",
-              atomic_load(&g_thread_errors));
+    eu_check_threads();
     cm_team_destroy(team);
     return check_done();
 }

@@ -27,28 +27,16 @@
 
 static const char *g_dir;
 
-/* check.h's counters are plain ints: threads record failures here and main CHECKs the total. */
-static atomic_uint g_thread_errors;
-
-static void tcheck(int rc, char *err, const char *what)
-{
-    if (rc != 0) {
-        atomic_fetch_add(&g_thread_errors, 1);
-        fprintf(stderr, "  thread: %s rc=%d err=%s\n", what, rc, err ? err : "(none)");
-    }
-    free(err);
-}
-
 static void tpull(emb_table *t, const uint64_t *keys, size_t n, float *out)
 {
     char *err = NULL;
-    tcheck(emb_table_pull(t, keys, n, out, &err), err, "pull");
+    eu_tcheck(emb_table_pull(t, keys, n, out, &err), err, "pull");
 }
 
 static void tpush(emb_table *t, const uint64_t *keys, size_t n, const float *g)
 {
     char *err = NULL;
-    tcheck(emb_table_push(t, keys, n, g, &err), err, "push");
+    eu_tcheck(emb_table_push(t, keys, n, g, &err), err, "push");
 }
 
 static int tcount_cb(const emb_row *row, void *arg)
@@ -171,22 +159,22 @@ static void *reader_main(void *arg)
     do { /* at least once, so snapshot 0 exists however fast the workers are */
         emb_table_stats s;
         emb_table_stats_get(rd->t, &s);
-        if (s.step > NT * ROUNDS) tcheck(-1, NULL, "stats step out of range");
+        if (s.step > NT * ROUNDS) eu_tcheck(-1, NULL, "stats step out of range");
         emb_row r;
         char *err = NULL;
         int rc = emb_table_get_row(rd->t, eu_key(eu_below(&rng, SHARED)), &r, row->w, row->s, &err);
-        tcheck(rc == CM_ENOTFOUND ? 0 : rc, err, "get_row");
+        eu_tcheck(rc == CM_ENOTFOUND ? 0 : rc, err, "get_row");
         uint64_t n = 0, dropped = 1;
         err = NULL;
-        tcheck(emb_table_foreach(rd->t, tcount_cb, &n, &err), err, "foreach");
-        if (n > SHARED) tcheck(-1, NULL, "foreach walked too many rows");
+        eu_tcheck(emb_table_foreach(rd->t, tcount_cb, &n, &err), err, "foreach");
+        if (n > SHARED) eu_tcheck(-1, NULL, "foreach walked too many rows");
         err = NULL;
-        tcheck(emb_table_expire(rd->t, &dropped, &err), err, "expire"); /* ttl 0: a no-op */
-        if (dropped != 0) tcheck(-1, NULL, "expire dropped rows with ttl 0");
+        eu_tcheck(emb_table_expire(rd->t, &dropped, &err), err, "expire"); /* ttl 0: a no-op */
+        if (dropped != 0) eu_tcheck(-1, NULL, "expire dropped rows with ttl 0");
         if (rd->snapshots < 3) {
             snprintf(dir, sizeof dir, "%s/overlap_snap%u", g_dir, rd->snapshots++);
             err = NULL;
-            tcheck(emb_table_snapshot(rd->t, dir, &err), err, "snapshot");
+            eu_tcheck(emb_table_snapshot(rd->t, dir, &err), err, "snapshot");
         }
     } while (!atomic_load(&rd->stop));
     free(row);
@@ -308,10 +296,10 @@ static void run_expire_under_pushes(void)
         sched_yield();
     uint64_t dropped = 0;
     char *err = NULL;
-    tcheck(emb_table_expire(t, &dropped, &err), err, "expire");
+    eu_tcheck(emb_table_expire(t, &dropped, &err), err, "expire");
     for (int round = 0; round < 20; round++) { /* more calls while the pushes go on */
         uint64_t more = 0;
-        tcheck(emb_table_expire(t, &more, &err), err, "expire");
+        eu_tcheck(emb_table_expire(t, &more, &err), err, "expire");
         CHECK_MSG(more == 0, "expire round %d dropped %" PRIu64 " rows", round, more);
     }
     atomic_store(&stop, 1);
@@ -336,7 +324,6 @@ static void run_expire_under_pushes(void)
 int main(void)
 {
     g_dir = check_tmpdir("emb_threads");
-    atomic_init(&g_thread_errors, 0);
     fprintf(stderr, "disjoint sgd\n");
     run_disjoint(EMB_OPT_SGD, 0);
     fprintf(stderr, "disjoint sgd, spilled\n");
@@ -349,8 +336,7 @@ int main(void)
     run_overlap(1);
     fprintf(stderr, "expiry under pushes\n");
     run_expire_under_pushes();
-    CHECK_MSG(atomic_load(&g_thread_errors) == 0, "%u failed calls in threads",
-              atomic_load(&g_thread_errors));
+    eu_check_threads();
     cm_rmtree(g_dir, NULL);
     return check_done();
 }
