@@ -355,7 +355,20 @@ static int process_group(emb_table *t, sub *s, scratch *sc, const uint64_t *keys
     return rc;
 }
 
-static uint32_t fan_parts(const emb_table *t, size_t n, int op);
+/* Batches of at least this many keys fan out over the table's team (emb_table_set_team):
+ * below it, waking the team costs more than the groups' work. */
+#define FAN_MIN_KEYS 2048u
+/* Parts a team thread gets, so that uneven groups even out. */
+#define FAN_PARTS_PER_THREAD 4u
+
+/* Parts for a batch of n keys: 1 (the caller alone) without a team or below FAN_MIN_KEYS. */
+static uint32_t fan_parts(const emb_table *t, size_t n)
+{
+    uint32_t threads = cm_team_size(t->team);
+    if (threads < 2 || n < FAN_MIN_KEYS) return 1;
+    uint32_t p = threads * FAN_PARTS_PER_THREAD;
+    return p < t->n_sub ? p : t->n_sub;
+}
 
 /* Grouping a batch, cut into parts of consecutive keys for the team: each part hashes its keys
  * and counts them by sub-shard; once every part has counted, each places its keys after the
@@ -394,8 +407,7 @@ static void group_part(void *arg, uint32_t p)
 static int group_keys(const emb_table *t, const uint64_t *keys, size_t n, uint64_t **hash,
                       uint32_t **order, uint32_t **starts, char **errptr)
 {
-    /* (hashing reads nothing the groups share: it fans out as a push of the batch would) */
-    grouping g = {.t = t, .keys = keys, .n = n, .parts = fan_parts(t, n, OP_PUSH)};
+    grouping g = {.t = t, .keys = keys, .n = n, .parts = fan_parts(t, n)};
     g.h = malloc(n * sizeof *g.h + 1);
     g.sub_id = malloc(n * sizeof *g.sub_id + 1);
     g.ord = malloc(n * sizeof *g.ord + 1);
@@ -482,12 +494,6 @@ static int reserve_rows(sub *s, scratch *sc, const uint64_t *keys, const uint64_
 
 /* ---- fanning a batch out over the team ---- */
 
-/* Batches of at least this many keys fan out over the table's team (emb_table_set_team):
- * below it, waking the team costs more than the groups' work. */
-#define FAN_MIN_KEYS 2048u
-/* Parts a team thread gets, so that uneven groups even out. */
-#define FAN_PARTS_PER_THREAD 4u
-
 enum { FAN_PROCESS, FAN_RESERVE };
 
 /* One batched call's groups, cut into parts of consecutive sub-shards. A part runs its groups
@@ -539,20 +545,6 @@ static void fan_part(void *arg, uint32_t i)
     scratch_fini(&sc);
     f->rc[i] = rc;
     f->why[i] = why;
-}
-
-/* Parts for a batch of n keys: 1 (the caller alone) without a team, below FAN_MIN_KEYS, or for
- * a pull with admission. The admission sketch is shared by every sub-shard (keys of two groups
- * can share a counter), so the order in which a pull's groups count their absent keys decides
- * which keys reach the threshold: in parts run at once that order would be the threads' timing,
- * and the rows admitted, the output and the stats would vary from run to run. A push does not
- * count in the sketch (a key not yet admitted is dropped), so it still fans out. */
-static uint32_t fan_parts(const emb_table *t, size_t n, int op)
-{
-    uint32_t threads = cm_team_size(t->team);
-    if (threads < 2 || n < FAN_MIN_KEYS || (op == OP_PULL && t->cms != NULL)) return 1;
-    uint32_t p = threads * FAN_PARTS_PER_THREAD;
-    return p < t->n_sub ? p : t->n_sub;
 }
 
 /* Sets f up for a call's groups in `parts` parts (its other fields are the caller's to set). */
@@ -974,7 +966,13 @@ static int table_batch(emb_table *t, const uint64_t *keys, size_t n, int op, flo
     uint32_t *ord = NULL, *st = NULL;
     int rc = group_keys(t, keys, n, &h, &ord, &st, errptr);
     if (rc != CM_OK) return rc;
-    const uint32_t parts = fan_parts(t, n, op);
+    /* A pull of a table with admission runs in one part: the admission sketch is shared by
+     * every sub-shard (keys of two groups can share a counter), so the order in which a pull's
+     * groups count their absent keys decides which keys reach the threshold; in parts run at
+     * once that order would be the threads' timing, and the rows admitted, the output and the
+     * stats would vary from run to run. A push does not count in the sketch (a key not yet
+     * admitted is dropped), so it still fans out. */
+    const uint32_t parts = op == OP_PULL && t->cms != NULL ? 1 : fan_parts(t, n);
     if (op == OP_PUSH && t->spill != NULL) {
         rc = push_spill(t, n, keys, grads, hints, h, ord, st, errptr);
     } else if (op == OP_PUSH) {
