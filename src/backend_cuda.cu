@@ -1317,26 +1317,6 @@ static int step_impl(cu *c, const slot *s, const model_batch *b, float *probs, d
     return CM_OK;
 }
 
-static int cuda_prefetch(void *state, const float *P, const model_batch *b, uint64_t *ticket,
-                         char **errptr)
-{
-    cu *c = (cu *)state;
-    *ticket = 0;
-    TRY(check_shape(c, b, errptr));
-    if (b->B == 0) return CM_OK;     /* nothing to move; its step touches no slot */
-    CUDA_TRY(cudaSetDevice(c->dev)); /* the device is per host thread */
-    /* Tickets alternate between the slots, so a step finds its slot from the ticket alone and
-     * never reads the slot a concurrent prefetch is filling. */
-    uint64_t t = c->n_tickets + 1;
-    slot *s = &c->slots[t & 1];
-    c->begun.on = false; /* its slot is this one */
-    TRY(slot_fill(c, s, P, b, c->cp, errptr));
-    c->n_tickets = t;
-    s->ticket = t;
-    *ticket = t;
-    return CM_OK;
-}
-
 static int cuda_prefetch_begin(void *state, const model_batch *b, uint32_t ready, char **errptr)
 {
     cu *c = (cu *)state;
@@ -1376,6 +1356,17 @@ static int cuda_prefetch_end(void *state, const float *P, const model_batch *b, 
     s->ticket = t;
     *ticket = t;
     return CM_OK;
+}
+
+/* One call: the two halves back to back. Tickets alternate between the slots, so a step
+ * finds its slot from the ticket alone and never reads the slot a concurrent prefetch is
+ * filling. */
+static int cuda_prefetch(void *state, const float *P, const model_batch *b, uint64_t *ticket,
+                         char **errptr)
+{
+    *ticket = 0;
+    TRY(cuda_prefetch_begin(state, b, 0, errptr));
+    return cuda_prefetch_end(state, P, b, ticket, errptr);
 }
 
 static int cuda_step(void *state, const float *P, const model_batch *b, float *probs, double *loss,

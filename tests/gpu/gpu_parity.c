@@ -188,6 +188,16 @@ static void batch_columns(const batch *b, model_batch *mb)
     mb->t_val = val;
 }
 
+/* Whether two training steps' outputs (B rows, U keys) are the same bits, loss included. */
+static int same_outs(const model_layout *l, const outs *a, const outs *b, uint32_t B, uint32_t U)
+{
+    int same = same_bits(a->probs, b->probs, B) && same_bits(a->dparams, b->dparams, l->n_params) &&
+               memcmp(&a->loss, &b->loss, sizeof a->loss) == 0;
+    for (uint32_t t = 0; t < l->n_tables; t++)
+        same = same && same_bits(a->demb[t], b->demb[t], (size_t)U * l->table_dim[t]);
+    return same;
+}
+
 /* Runs both backends on one batch and compares everything; with_bwd 0 is forward only. */
 static void compare_step(const char *name, const model_layout *l, void *gpu, void *cpu,
                          const float *params, const batch *b, int with_bwd)
@@ -215,11 +225,7 @@ static void compare_step(const char *name, const model_layout *l, void *gpu, voi
                                 with_bwd ? g.demb : NULL, &err);
     CHECK_OK(rc, err);
     if (with_bwd) {
-        int same = same_bits(g.probs, gc.probs, b->B) &&
-                   same_bits(g.dparams, gc.dparams, l->n_params) &&
-                   memcmp(&g.loss, &gc.loss, sizeof g.loss) == 0;
-        for (uint32_t t = 0; t < l->n_tables; t++)
-            same = same && same_bits(g.demb[t], gc.demb[t], (size_t)b->U * l->table_dim[t]);
+        int same = same_outs(l, &g, &gc, b->B, b->U);
         CHECK_MSG(same, "%s: a step given A's columns is not bit-identical", name);
         free((void *)mc.t_ptr);
         free((void *)mc.t_row);
@@ -244,10 +250,7 @@ static void compare_step(const char *name, const model_layout *l, void *gpu, voi
         outs_poison(&g2, l, b->B, b->U);
         rc = cuda->step(gpu, params, &b->mb, g2.probs, &g2.loss, g2.dparams, g2.demb, &err);
         CHECK_OK(rc, err);
-        int same = same_bits(g.probs, g2.probs, b->B) && same_bits(g.dparams, g2.dparams, l->n_params) &&
-                   memcmp(&g.loss, &g2.loss, sizeof g.loss) == 0;
-        for (uint32_t t = 0; t < l->n_tables; t++)
-            same = same && same_bits(g.demb[t], g2.demb[t], (size_t)b->U * l->table_dim[t]);
+        int same = same_outs(l, &g, &g2, b->B, b->U);
         CHECK_MSG(same, "%s: a repeated step is not bit-identical", name);
         outs_free(&g2);
     }
@@ -401,11 +404,7 @@ static void run_prefetch(const char *name, const model_layout *l, void *gpu, voi
             x.val[k] = NAN;
         outs_poison(&g2, l, x.B, x.U);
         CHECK_OK(cuda->step(gpu, pz, &x.mb, g2.probs, &g2.loss, g2.dparams, g2.demb, &err), err);
-        int same = same_bits(g1.probs, g2.probs, x.B) &&
-                   same_bits(g1.dparams, g2.dparams, l->n_params) &&
-                   memcmp(&g1.loss, &g2.loss, sizeof g1.loss) == 0;
-        for (uint32_t t = 0; t < l->n_tables; t++)
-            same = same && same_bits(g1.demb[t], g2.demb[t], (size_t)x.U * l->table_dim[t]);
+        int same = same_outs(l, &g1, &g2, x.B, x.U);
         CHECK_MSG(same, "%s: a batch handed over in two calls is not the same bits", name);
         /* prefetch_end needs its prefetch_begin as the last prefetch call. */
         uint64_t tk = 0;
