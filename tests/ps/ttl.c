@@ -83,9 +83,14 @@ int main(void)
     pull1(c, 1, kept, init_kept);
     pull1(c, 1, busy, init_busy);
 
-    /* step 1: `stale` trained once; then `busy` alone, while `kept` is pulled every step. */
+    /* step 1: `stale` trained once; then `busy` alone, while `kept` is pulled every step.
+     * Pushes are asynchronous, and the server's contexts may apply two in flight in either
+     * order: the flush makes `stale`'s push step 1 (without it, `busy` took step 1 about once
+     * in 50 runs, `stale` was 9 steps behind at step 11, not 10, and the check below failed). */
     push1(c, 0, stale);
     push1(c, 1, stale);
+    char *ferr = NULL;
+    CHECK_OK(ps_client_flush(c, &ferr), ferr);
     for (uint32_t i = 0; i < TTL - 1; i++) { /* steps 2..TTL */
         push1(c, 0, busy);
         push1(c, 1, busy);
