@@ -1935,8 +1935,8 @@ static int run_lock(setup *S, const char *out_dir, char **errptr)
     return CM_OK;
 }
 
-/* A resumed run continues metrics.jsonl from the checkpoint: lines of steps after it are the
- * interrupted run's, which the resumed run computes again. */
+/* A resumed run (or a rejoining worker 0) continues metrics.jsonl from where it starts again:
+ * lines of steps after it are the interrupted run's, which it computes again. */
 static int metrics_trim(const char *path, uint64_t step, char **errptr)
 {
     char *text = NULL;
@@ -2065,6 +2065,12 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         if (first_w == 0) rc = run_lock(&S, oc.out_dir, errptr);
         if (rc == CM_OK && first_w == 0 && oc.resume)
             rc = metrics_trim(path, S.resume_step, errptr);
+        if (rc == CM_OK && first_w == 0 && oc.rejoin) {
+            /* Worker 0 computes its batches from its rejoin position again: the killed
+             * process's lines after it (and a half line it was writing) go. */
+            const char *from;
+            rc = metrics_trim(path, rejoin_position(&S, 0, &from), errptr);
+        }
         if (rc == CM_OK && first_w == 0 && !oc.resume && !oc.rejoin) {
             /* A fresh run's: an earlier run's predictions would pass for this one's. */
             char pred[2300];

@@ -6,7 +6,7 @@
  *
  * Training (mlp on `ember gen` data, 2 PS x 2 workers over ipc://, asynchronous):
  *   clean  the same job with no kills;
- *   chaos  (1) kill a worker, restart it with --rejoin (the others go on);
+ *   chaos  (1) kill worker 0, restart it with --rejoin (the others go on);
  *          (2) kill a PS that has no backup: the workers fail (--ps-timeout), the harness stops
  *              the rest and restarts the whole job with --resume from ckpt/LATEST, this time
  *              with a backup for every shard;
@@ -26,9 +26,10 @@
  *
  * Prints a table and, last, one JSON line: kills, recovered, clean_auc (the mean of the two
  * clean runs), clean_auc_runs, clean_spread, chaos_auc, auc_delta, failover_exact,
- * lost_updates_acknowledged, double_applied, seconds. --check exits 1 unless every kill was
- * recovered, nothing was lost or doubled, the one-worker failover was exact, and the chaos AUC
- * is within 0.002 of the clean mean (0.01 with --quick, whose small data is noisier).
+ * lost_updates_acknowledged, double_applied, metrics_whole, seconds. --check exits 1 unless
+ * every kill was recovered, nothing was lost or doubled, the one-worker failover was exact, the
+ * chaos run's metrics.jsonl is whole lines (worker 0, killed, left half a line), and the chaos
+ * AUC is within 0.002 of the clean mean (0.01 with --quick, whose small data is noisier).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -79,7 +80,7 @@ static void on_signal(int sig)
 
 static const char *path(const char *a, const char *b)
 {
-    static char buf[8][1024];
+    static char buf[8][2100];
     static int k;
     char *s = buf[k++ % 8];
     snprintf(s, sizeof buf[0], "%s/%s", a, b);
@@ -224,6 +225,29 @@ static void wait_progress(const job *j, uint64_t at, double limit)
         }
         usleep(20000);
     }
+}
+
+/* Whether a run's metrics.jsonl is whole lines of JSON objects, steps never going back, the
+ * last the final one; prints the first line that is not, with its number. */
+static bool metrics_whole(const char *run)
+{
+    FILE *f = fopen(path(run, "metrics.jsonl"), "r");
+    char line[4096];
+    unsigned long long prev = 0, st;
+    bool ok = f != NULL, final = false;
+    for (int no = 1; ok && fgets(line, sizeof line, f) != NULL; no++) {
+        size_t n = strlen(line);
+        /* Flat objects: a brace inside is where two lines ran together. */
+        ok = n >= 2 && line[n - 1] == '\n' && strchr(line + 1, '{') == NULL &&
+             strchr(line, '}') == line + n - 2 && sscanf(line, "{\"step\":%llu,", &st) == 1 &&
+             st >= prev;
+        if (!ok) fprintf(stderr, "bench_chaos: %s/metrics.jsonl line %d: %s", run, no, line);
+        prev = st;
+        final = strstr(line, "\"final\":true") != NULL;
+    }
+    if (f) fclose(f);
+    if (ok && !final) fprintf(stderr, "bench_chaos: %s/metrics.jsonl has no final line\n", run);
+    return ok && final;
 }
 
 /* Waits for both workers and the PS side; returns worker 0's test AUC, or -1 on failure. */
@@ -490,14 +514,19 @@ int main(int argc, char **argv)
     double f1 = rnd(0.1, 0.25), f2 = rnd(0.35, 0.5), f3 = rnd(0.65, 0.85);
     if (phases & 1) { /* (1) a worker */
         wait_progress(&j, (uint64_t)(f1 * total), limit);
-        kill(j.w[1], SIGKILL);
-        wait_pid(j.w[1], 5);
+        kill(j.w[0], SIGKILL);
+        wait_pid(j.w[0], 5);
         kills++;
         uint64_t at = progress(&j);
         fprintf(stderr,
-                "bench_chaos: killed worker 1 at batch %" PRIu64 "; restarting it with --rejoin\n",
+                "bench_chaos: killed worker 0 at batch %" PRIu64 "; restarting it with --rejoin\n",
                 at);
-        j.w[1] = start_role(&j, "worker", 1, 0, 1);
+        /* What a kill in the middle of a metrics line leaves: the rejoined worker must not
+         * write on after it. */
+        FILE *mf = fopen(path(j.run, "metrics.jsonl"), "a");
+        if (mf == NULL || fputs("{\"step\":1,\"samp", mf) < 0 || fclose(mf) != 0)
+            die("cannot append to %s", path(j.run, "metrics.jsonl"));
+        j.w[0] = start_role(&j, "worker", 0, 0, 1);
         wait_progress(&j, at + 2, limit);
         recovered++;
     }
@@ -558,16 +587,18 @@ int main(int argc, char **argv)
     printf("%-34s lost %" PRId64 ", applied twice %" PRId64 "\n",
            "ledger (kill a replicated primary)", lost, doubled);
     printf("%-34s %d of %d\n", "kills recovered", recovered, kills);
+    bool metrics = metrics_whole(j.run);
+    printf("%-34s %s\n", "chaos run's metrics.jsonl", metrics ? "whole lines" : "BROKEN");
     printf(
         "{\"kills\":%d,\"recovered\":%d,\"clean_auc\":%.6f,\"chaos_auc\":%.6f,\"auc_delta\":%.6f,"
         "\"lost_updates_acknowledged\":%" PRId64 ",\"double_applied\":%" PRId64
         ",\"clean_auc_runs\":[%.6f,%.6f],\"clean_spread\":%.6f,\"failover_exact\":%s,\"rows\":%s,"
-        "\"seconds\":%.1f}\n",
+        "\"metrics_whole\":%s,\"seconds\":%.1f}\n",
         kills, recovered, ref, chaos_auc, delta, lost, doubled, clean_auc, clean2_auc, spread,
-        exact ? "true" : "false", nrows, seconds);
+        exact ? "true" : "false", nrows, metrics ? "true" : "false", seconds);
     if (!check) return 0;
     int ok = recovered == kills && lost == 0 && doubled == 0 && chaos_auc >= 0 && exact &&
-             (delta < 0 ? -delta : delta) <= tol;
+             (delta < 0 ? -delta : delta) <= tol && metrics;
     if (!ok) fprintf(stderr, "bench_chaos: FAILED (logs under %s)\n", dir);
     return ok ? 0 : 1;
 }
