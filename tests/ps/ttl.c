@@ -85,8 +85,9 @@ int main(void)
 
     /* step 1: `stale` trained once; then `busy` alone, while `kept` is pulled every step.
      * Pushes are asynchronous, and the server's contexts may apply two in flight in either
-     * order: the flush makes `stale`'s push step 1 (without it, `busy` took step 1 about once
-     * in 50 runs, `stale` was 9 steps behind at step 11, not 10, and the check below failed). */
+     * order: the flush makes `stale`'s push step 1. Without it `busy`'s push took step 1 about
+     * once in 50 runs; `stale`'s was step 2, only ttl steps behind at step 10, and the expiry
+     * check below failed. */
     push1(c, 0, stale);
     push1(c, 1, stale);
     char *ferr = NULL;
