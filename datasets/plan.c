@@ -347,6 +347,24 @@ static int is_prefixed_number(const char *s, size_t n, char c)
 
 /* Header names may be quoted; quotes are dropped (names with doubled quotes are not
  * supported as names). */
+/* Where the header name starting at s ends: its separator, or end. A name that opens with a
+ * quote runs to the closing one (a doubled quote inside is part of it), as a row's token does,
+ * so a separator in it does not split it; NULL when the quote is never closed. */
+static const char *header_name_end(const char *s, const char *end, char sep)
+{
+    if (s < end && *s == '"') {
+        const char *q = s + 1;
+        for (;; q += 2) {
+            q = memchr(q, '"', (size_t)(end - q));
+            if (q == NULL) return NULL;
+            if (q + 1 == end || q[1] != '"') break;
+        }
+        s = q + 1;
+    }
+    const char *e = memchr(s, sep, (size_t)(end - s));
+    return e != NULL ? e : end;
+}
+
 static void unquote_name(const char **s, size_t *n)
 {
     if (*n >= 2 && (*s)[0] == '"' && (*s)[*n - 1] == '"') {
@@ -379,8 +397,9 @@ int ds_plan_from_header(const ds_plan *base, const char *line, size_t len, ds_pl
         uint32_t col = 0;
         const char *s = line, *end = line + len;
         for (;;) {
-            const char *e = memchr(s, base->sep, (size_t)(end - s));
-            if (e == NULL) e = end;
+            const char *e = header_name_end(s, end, base->sep);
+            if (e == NULL)
+                return cm_err(errptr, CM_EINVAL, "header column %u: unterminated quote", col + 1);
             const char *w = s;
             size_t n = (size_t)(e - s);
             unquote_name(&w, &n);
@@ -405,8 +424,11 @@ int ds_plan_from_header(const ds_plan *base, const char *line, size_t len, ds_pl
     int rc = CM_OK;
     const char *s = line, *end = line + len;
     for (uint32_t col = 1;; col++) {
-        const char *e = memchr(s, ',', (size_t)(end - s));
-        if (e == NULL) e = end;
+        const char *e = header_name_end(s, end, ',');
+        if (e == NULL) {
+            rc = cm_err(errptr, CM_EINVAL, "header column %u: unterminated quote", col);
+            break;
+        }
         const char *w = s;
         size_t n = (size_t)(e - s);
         unquote_name(&w, &n);

@@ -187,6 +187,20 @@ static void test_bom(const char *tmp)
     CHECK(r.rows_written == 1 && r.rejected_by_reason[DS_REJ_LABEL] == 1);
 }
 
+/* A quoted header name holding a comma was split at it (rows were not): Avazu's header then had
+ * one column more than its rows, and every row was rejected. */
+static void test_quoted_header(const char *tmp)
+{
+    ds_ingest_result r;
+    const char *f0;
+    ingest_text(tmp, DS_FMT_AVAZU,
+                "id,click,hour,\"site, \"\"main\"\"\",C1\n1,0,14102100,\"a,b\",x\n"
+                "2,1,14102100,c,y\n",
+                0, "qhdr_avazu", &r, &f0);
+    CHECK_MSG(r.rows_written == 2 && r.rows_rejected == 0, "rows %llu, rejected %llu",
+              (unsigned long long)r.rows_written, (unsigned long long)r.rows_rejected);
+}
+
 /* An input of header formats with no data rows (a header line only) gave shards with the empty
  * schema of the format before any header (no dense values, no fields, no label) while
  * stats.json had the header's: the shards no longer said what the columns were, and a trainer
@@ -338,6 +352,7 @@ int main(void)
     const char *tmp = check_tmpdir("ds_edges");
     test_float_overflow();
     test_label_range(tmp);
+    test_quoted_header(tmp);
     test_bom(tmp);
     test_header_only(tmp);
     test_same_input_twice(tmp);

@@ -108,6 +108,14 @@ static void test_csv_quoting_multi(void)
     CHECK(ds_parser_header(p, "y,price", 7, &err) == CM_EINVAL);
     free(err);
     err = NULL;
+    /* a quoted name's separators and doubled quotes are inside the name (RFC 4180, as in the
+     * rows): still six columns */
+    const char *qh = "y,\"price, \"\"USD\"\"\",user,tags,\"note\",city";
+    CHECK_OK(ds_parser_header(p, qh, strlen(qh), &err), err);
+    /* an unterminated quote runs to the end of the line: one name, too few columns */
+    CHECK(ds_parser_header(p, "y,\"price,user,tags,note,city", 28, &err) == CM_EINVAL);
+    free(err);
+    err = NULL;
     ds_parser_destroy(p);
 
     /* schema errors name the line */
