@@ -39,6 +39,13 @@
  * created. Until then a pull returns zeros and a push to it is dropped (both counted).
  * TTL (ttl_steps > 0): emb_table_expire drops rows whose last_step is more than ttl_steps
  * behind the table step, in memory and on disk. The table step advances by one per push call.
+ * From ttl_steps 64 on, steps are counted in buckets of ttl_steps / 64 (a row goes once its
+ * bucket is wholly more than ttl_steps behind: up to a bucket later, never sooner), so that a
+ * sub-shard can keep its spilled rows' count per bucket in a ring of ~66 entries. With those
+ * counts an expiry never reads or writes the spill store: it counts the spilled rows it drops,
+ * and marks spill records stamped before the cut as expired, which every read then takes for
+ * absent and RocksDB's compactions remove (emb_store_set_dead_below). Its cost is a walk of the
+ * resident rows however much is spilled, and a full disk cannot fail it.
  *
  * Snapshots: emb_table_snapshot pauses the table (all sub-shard locks, in order), writes every
  * row (in memory and spilled) to <dir>/rows.bin, the admission sketch's counts (with admission
@@ -233,7 +240,9 @@ int emb_table_get_row(emb_table *t, uint64_t key, emb_row *row, float *weights, 
                       char **errptr);
 
 /* Stores a whole row (weights, optimizer state, update count, last step) as given, replacing
- * any row the key had: for moving rows between tables (resharding) and for tests. */
+ * any row the key had: for moving rows between tables (resharding) and for tests. A table with
+ * TTL and a spill store refuses (CM_ECORRUPT) a row stamped after its step: set the step first
+ * (emb_table_set_step). */
 int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr);
 
 /* Lends the table a team of threads (borrowed: it must outlive the table, or be unset with
@@ -256,8 +265,8 @@ void emb_table_set_step(emb_table *t, uint64_t step);
 typedef int (*emb_row_cb)(const emb_row *row, void *arg);
 int emb_table_foreach(emb_table *t, emb_row_cb cb, void *arg, char **errptr);
 
-/* Drops rows untouched for more than ttl_steps; *dropped (optional) gets the count. A no-op
- * when ttl_steps is 0. */
+/* Drops rows untouched for more than ttl_steps (in buckets from ttl 64 on: the design block);
+ * *dropped (optional) gets the count. A no-op when ttl_steps is 0. Cannot fail (returns 0). */
 int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr);
 
 /* The table step (number of push calls so far, or as restored). */
@@ -359,6 +368,16 @@ uint64_t emb_store_mem_bytes(const emb_store *s);
 /* Calls cb(record, arg) for every record, in no particular order; non-zero stops and returns. */
 typedef int (*emb_record_cb)(const void *record, void *arg);
 int emb_store_foreach(emb_store *s, emb_record_cb cb, void *arg, char **errptr);
+/* Records whose last_step (bytes 16..24 of a record, as in the design block) is below `step`
+ * are expired from now on: the store removes them, "memory" at once, "rocksdb" as its
+ * compactions rewrite the files that hold them, so get and foreach may still return one
+ * until then (a table takes them for absent itself). The mark only rises; a lower one is
+ * ignored, and so is any on records under 24 bytes. Not thread-safe with other calls on a
+ * "memory" store. CM_OK, or CM_ENOMEM ("memory" only). */
+int emb_store_set_dead_below(emb_store *s, uint64_t step, char **errptr);
+/* Rewrites the store's files now ("rocksdb": a full compaction, which removes expired
+ * records; "memory": nothing). CM_OK or CM_EIO naming the database. */
+int emb_store_compact(emb_store *s, char **errptr);
 
 #ifdef __cplusplus
 }

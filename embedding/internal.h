@@ -226,6 +226,11 @@ struct emb_store_ops {
     uint64_t (*count)(const void *impl);
     uint64_t (*mem_bytes)(const void *impl);
     int (*foreach)(void *impl, emb_record_cb cb, void *arg, char **errptr);
+    /* Optional: the expiry mark (emb_store_set_dead_below) and a full rewrite of the files
+     * (emb_store_compact). Without set_dead_below, store.c deletes the expired records at once
+     * (foreach, then del); without compact there is nothing to rewrite. */
+    void (*set_dead_below)(void *impl, uint64_t step);
+    int (*compact)(void *impl, char **errptr);
 };
 extern const struct emb_store_ops emb_store_mem_ops;
 extern const struct emb_store_ops emb_store_rocksdb_ops;
@@ -244,7 +249,9 @@ void emb_table_resume(emb_table *t);
 uint64_t emb_table_rows_locked(emb_table *t);
 /* Every record, memory first, then spill; the caller has paused the table. */
 int emb_table_foreach_record_locked(emb_table *t, emb_record_cb cb, void *arg, char **errptr);
-/* Inserts whole records into a fresh table (restore); a key already in memory is corrupt. */
+/* Inserts whole records into a fresh table (restore); a key already in memory is corrupt, and
+ * so is a record stamped after the table's step where it has TTL and a spill store (the
+ * restore sets the step first). */
 int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **errptr);
 /* The admission sketch's counters and their count, or NULL without admission (read it paused:
  * pulls count under the sub-shard locks). */

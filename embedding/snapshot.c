@@ -486,6 +486,8 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
         rc = cm_err(errptr, CM_ECORRUPT, "snapshot %s: a sketch of %zu counters, the table has %zu",
                     dir, sk_len / sizeof(uint16_t), nc);
     free(sk);
+    /* The step first: no row of the snapshot is stamped after it (emb_table_load_records). */
+    if (rc == CM_OK) emb_table_set_step(t, m.step);
     rows_sink sink = {.t = t};
     if (rc == CM_OK) rc = rows_pass(fd, path, &m, &sink, errptr);
     if (fd >= 0) close(fd);
@@ -493,7 +495,6 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
         emb_table_destroy(t);
         return rc;
     }
-    emb_table_set_step(t, m.step);
     *out = t;
     return CM_OK;
 }

@@ -7,6 +7,8 @@
 struct emb_store {
     const struct emb_store_ops *ops;
     void *impl;
+    size_t rec;
+    uint64_t dead_below;
 };
 
 static const struct emb_store_ops *const store_kinds[] = {&emb_store_mem_ops,
@@ -25,6 +27,7 @@ int emb_store_create(const char *kind, const char *path, size_t record_bytes, em
     emb_store *s = calloc(1, sizeof *s);
     if (s == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     s->ops = ops;
+    s->rec = record_bytes;
     int rc = ops->open(path, record_bytes, &s->impl, errptr);
     if (rc != CM_OK) {
         free(s);
@@ -87,4 +90,47 @@ uint64_t emb_store_mem_bytes(const emb_store *s)
 int emb_store_foreach(emb_store *s, emb_record_cb cb, void *arg, char **errptr)
 {
     return s->ops->foreach(s->impl, cb, arg, errptr);
+}
+
+struct dead_keys {
+    uint64_t below, *keys;
+    size_t n, cap;
+};
+
+static int collect_dead(const void *rec, void *arg)
+{
+    struct dead_keys *d = arg;
+    uint64_t hdr[3]; /* key, updates, last_step */
+    memcpy(hdr, rec, sizeof hdr);
+    if (hdr[2] >= d->below) return 0;
+    if (d->n == d->cap) {
+        size_t cap = d->cap ? 2 * d->cap : 256;
+        uint64_t *k = realloc(d->keys, cap * sizeof *k);
+        if (k == NULL) return CM_ENOMEM;
+        d->keys = k;
+        d->cap = cap;
+    }
+    d->keys[d->n++] = hdr[0];
+    return 0;
+}
+
+int emb_store_set_dead_below(emb_store *s, uint64_t step, char **errptr)
+{
+    if (s->rec < 3 * sizeof(uint64_t) || step <= s->dead_below) return CM_OK;
+    s->dead_below = step;
+    if (s->ops->set_dead_below != NULL) {
+        s->ops->set_dead_below(s->impl, step);
+        return CM_OK;
+    }
+    struct dead_keys d = {step, NULL, 0, 0};
+    int rc = s->ops->foreach (s->impl, collect_dead, &d, errptr);
+    if (rc == CM_ENOMEM) rc = cm_err(errptr, CM_ENOMEM, "out of memory expiring records");
+    if (rc == CM_OK) rc = s->ops->del(s->impl, d.keys, d.n, errptr);
+    free(d.keys);
+    return rc;
+}
+
+int emb_store_compact(emb_store *s, char **errptr)
+{
+    return s->ops->compact != NULL ? s->ops->compact(s->impl, errptr) : CM_OK;
 }

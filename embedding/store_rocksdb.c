@@ -16,8 +16,10 @@ typedef struct rdb {
     rocksdb_column_family_handle_t *cf;
     rocksdb_readoptions_t *ropts;
     rocksdb_writeoptions_t *wopts;
+    rocksdb_compactionfilter_t *filter;
     size_t rec;
     char *path;
+    uint64_t dead_below; /* atomic: emb_store_set_dead_below's mark, read by compactions */
 } rdb;
 
 static void key_encode(uint64_t key, char out[8])
@@ -32,6 +34,7 @@ static void rdb_close(void *impl)
     if (r->cf) rocksdb_column_family_handle_destroy(r->cf);
     if (r->db) rocksdb_close(r->db);
     if (r->opts) rocksdb_options_destroy(r->opts);
+    if (r->filter) rocksdb_compactionfilter_destroy(r->filter); /* after the database */
     if (r->tbl) rocksdb_block_based_options_destroy(r->tbl);
     if (r->ropts) rocksdb_readoptions_destroy(r->ropts);
     if (r->wopts) rocksdb_writeoptions_destroy(r->wopts);
@@ -66,6 +69,46 @@ static int rdb_drop(void *impl, char **errptr)
     return rc;
 }
 
+/* Compactions drop records stamped below the expiry mark (emb_store_set_dead_below). A key's
+ * older versions carry older stamps, so one the filter exposes is expired too. */
+static unsigned char rdb_filter(void *state, int level, const char *key, size_t key_len,
+                                const char *val, size_t val_len, char **new_val, size_t *new_len,
+                                unsigned char *changed)
+{
+    (void)level, (void)key, (void)key_len, (void)new_val, (void)new_len;
+    const rdb *r = state;
+    *changed = 0;
+    uint64_t last, below = __atomic_load_n(&r->dead_below, __ATOMIC_RELAXED);
+    if (below == 0 || val_len < 3 * sizeof last) return 0;
+    memcpy(&last, val + 2 * sizeof last, sizeof last);
+    return last < below;
+}
+
+static const char *rdb_filter_name(void *state)
+{
+    (void)state;
+    return "ember.expired";
+}
+
+static void rdb_filter_free(void *state)
+{
+    (void)state; /* the rdb outlives its filter */
+}
+
+static void rdb_set_dead_below(void *impl, uint64_t step)
+{
+    rdb *r = impl;
+    __atomic_store_n(&r->dead_below, step, __ATOMIC_RELAXED);
+}
+
+static int rdb_compact(void *impl, char **errptr)
+{
+    rdb *r = impl;
+    rocksdb_compact_range_cf(r->db, r->cf, NULL, 0, NULL, 0);
+    (void)errptr; /* the C API reports nothing: a failed compaction leaves the files as they were */
+    return CM_OK;
+}
+
 static int rdb_open(const char *path, size_t rec, void **impl, char **errptr)
 {
     if (path == NULL || path[0] == '\0')
@@ -80,7 +123,8 @@ static int rdb_open(const char *path, size_t rec, void **impl, char **errptr)
     r->tbl = rocksdb_block_based_options_create();
     r->ropts = rocksdb_readoptions_create();
     r->wopts = rocksdb_writeoptions_create();
-    if (r->path == NULL || !r->opts || !r->tbl || !r->ropts || !r->wopts) {
+    r->filter = rocksdb_compactionfilter_create(r, rdb_filter_free, rdb_filter, rdb_filter_name);
+    if (r->path == NULL || !r->opts || !r->tbl || !r->ropts || !r->wopts || !r->filter) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto fail;
     }
@@ -95,6 +139,7 @@ static int rdb_open(const char *path, size_t rec, void **impl, char **errptr)
     rocksdb_block_based_options_set_data_block_index_type(
         r->tbl, rocksdb_block_based_table_data_block_index_type_binary_search_and_hash);
     rocksdb_options_set_block_based_table_factory(r->opts, r->tbl);
+    rocksdb_options_set_compaction_filter(r->opts, r->filter);
     rocksdb_options_set_create_if_missing(r->opts, 1);
     rocksdb_options_set_compression(r->opts, rocksdb_no_compression);
     /* Point lookups and inserts dominate a spill tier, and a memtable skiplist costs a cache
@@ -320,4 +365,6 @@ const struct emb_store_ops emb_store_rocksdb_ops = {
     .count = rdb_count,
     .mem_bytes = rdb_mem_bytes,
     .foreach = rdb_foreach,
+    .set_dead_below = rdb_set_dead_below,
+    .compact = rdb_compact,
 };

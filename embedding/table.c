@@ -16,6 +16,13 @@
  * nothing. Memory is authoritative: a key resident in memory is never read from the spill
  * store, and whole-table walks skip spill records whose key is resident. rows_spilled counts
  * rows whose current copy exists only in the spill store.
+ *
+ * TTL with a spill store: expiry never reads the spill. Each sub-shard counts its spilled rows
+ * by TTL bucket of their last_step (ttl_count), so emb_table_expire knows how many spilled
+ * rows it drops; it then raises dead_below, and from there on a spill record of an older bucket
+ * is expired: every read of the store (spill_get, whole-table walks) takes it for absent, and
+ * RocksDB's compactions remove it (emb_store_set_dead_below). A row's last_step only grows, so
+ * an older copy of a record whose newest copy is expired is expired too.
  */
 #include <math.h>
 #include <pthread.h>
@@ -33,6 +40,11 @@ typedef struct sub {
     uint64_t spilled; /* this sub-shard's rows in the spill store */
     uint64_t pulls, pushes, created, admissions, admit_rejects, push_dropped;
     uint64_t spill_evictions, spill_loads, ttl_evictions;
+    /* TTL with a spill store: `spilled` by bucket of last_step (ttl_count). ttl_cnt[b % ring]
+     * counts bucket b for b in [ttl_lo, ttl_lo + ring); ttl_doomed counts the buckets below
+     * ttl_lo, rows any expiry from now on drops. */
+    uint64_t *ttl_cnt;
+    uint64_t ttl_lo, ttl_doomed;
 } __attribute__((aligned(64))) sub;
 
 struct emb_table {
@@ -45,6 +57,13 @@ struct emb_table {
     uint64_t step; /* atomic */
     uint16_t *cms; /* admission sketch, CMS_DEPTH x 2^CMS_BITS, atomic saturating counters */
     cm_team *team; /* borrowed (emb_table_set_team), or NULL */
+    /* TTL: steps a bucket (ttl_bucket), buckets a sub-shard's ring holds, the counts (n_sub
+     * rings, with a spill store only), and the bucket below which spill records are expired
+     * (raised under every lock by emb_table_expire). */
+    uint64_t ttl_g;
+    uint32_t ttl_ring;
+    uint64_t *ttl_cnt;
+    uint64_t dead_below;
 };
 
 /* Per-call scratch for the groups of one batched call; grown, never shrunk. */
@@ -118,6 +137,72 @@ static uint32_t cms_add(emb_table *t, uint64_t h)
 
 /* ---- spill traffic ---- */
 
+/* ---- TTL buckets ----
+ * A row expires at an emb_table_expire call at step E when ttl_bucket(last_step) <
+ * ttl_cut(E): for ttl under 64 that is exactly E - last_step > ttl; beyond, steps are counted
+ * in buckets of ttl / 64, and a row may stay up to a bucket longer. The buckets keep the
+ * per-sub-shard counts of spilled rows to a ring of ttl / g + 3 entries: rows in buckets below
+ * ttl_cut(now) expire at the next call whatever its step, and are counted together. */
+static inline uint64_t ttl_bucket(const emb_table *t, uint64_t step)
+{
+    return step / t->ttl_g;
+}
+
+static uint64_t ttl_cut(const emb_table *t, uint64_t step)
+{
+    uint64_t ttl = t->cfg.ttl_steps;
+    return step > ttl ? ttl_bucket(t, step - ttl) : 0;
+}
+
+/* Moves the ring's buckets below ttl_cut(step) into ttl_doomed; the caller holds s->mu. */
+static void ttl_advance(const emb_table *t, sub *s, uint64_t step)
+{
+    uint64_t lo = ttl_cut(t, step);
+    if (lo <= s->ttl_lo) return;
+    uint64_t n = lo - s->ttl_lo < t->ttl_ring ? lo - s->ttl_lo : t->ttl_ring;
+    for (uint64_t b = s->ttl_lo; b < s->ttl_lo + n; b++) {
+        uint64_t *c = &s->ttl_cnt[b % t->ttl_ring];
+        s->ttl_doomed += *c;
+        *c = 0;
+    }
+    s->ttl_lo = lo;
+}
+
+/* A spilled row stamped last_step comes into the spill store (delta 1) or leaves it (-1);
+ * the caller holds s->mu. A last_step is never past the table's step (emb_table_put_row
+ * refuses one), so its bucket is inside the ring or below it. */
+static void ttl_count(const emb_table *t, sub *s, uint64_t last_step, int delta)
+{
+    if (t->ttl_cnt == NULL) return;
+    ttl_advance(t, s, __atomic_load_n(&t->step, __ATOMIC_RELAXED));
+    uint64_t b = ttl_bucket(t, last_step);
+    uint64_t *c = b < s->ttl_lo ? &s->ttl_doomed : &s->ttl_cnt[b % t->ttl_ring];
+    *c += (uint64_t)(int64_t)delta;
+}
+
+static inline uint64_t rec_last_step(const void *rec)
+{
+    emb_rec_hdr hdr; /* copied: spilled records are not aligned */
+    memcpy(&hdr, rec, sizeof hdr);
+    return hdr.last_step;
+}
+
+/* Whether a spill record has expired (see the design note above). */
+static inline bool spill_dead(const emb_table *t, const void *rec)
+{
+    return t->dead_below > 0 && ttl_bucket(t, rec_last_step(rec)) < t->dead_below;
+}
+
+/* emb_store_get on the spill store, expired records taken for absent. */
+static int spill_get(emb_table *t, const uint64_t *keys, size_t n, uint8_t *recs, uint8_t *found,
+                     char **errptr)
+{
+    int rc = emb_store_get(t->spill, keys, n, recs, found, errptr);
+    for (size_t i = 0; rc == CM_OK && t->dead_below > 0 && i < n; i++)
+        if (found[i] && spill_dead(t, recs + i * t->rec)) found[i] = 0;
+    return rc;
+}
+
 /* Moves a batch of unreferenced rows from memory to the spill store (CLOCK sweep). */
 static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
 {
@@ -143,6 +228,7 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
                 sc->ev_ctrl[n_dirty] = c;
                 memcpy(sc->ev + n_dirty++ * t->rec, emb_mem_rec(m, (int64_t)m->hand), t->rec);
             }
+            ttl_count(t, s, rec_last_step(emb_mem_rec(m, (int64_t)m->hand)), 1);
             emb_mem_delete(m, (int64_t)m->hand);
             n++;
         }
@@ -154,6 +240,7 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
         for (uint64_t i = 0; i < n_dirty; i++) {
             uint8_t *r = sc->ev + i * t->rec;
             uint64_t k = emb_rec_key(r);
+            ttl_count(t, s, rec_last_step(r), -1);
             int64_t slot = emb_mem_insert(m, k, emb_key_hash(k));
             if (slot < 0) continue;
             memcpy(emb_mem_rec(m, slot), r, t->rec);
@@ -234,7 +321,7 @@ static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *k
     sc->miss_recs = malloc(u * t->rec);
     if (!sc->miss_found || !sc->miss_used || !sc->miss_recs)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
-    return emb_store_get(t->spill, sc->miss, u, sc->miss_recs, sc->miss_found, errptr);
+    return spill_get(t, sc->miss, u, sc->miss_recs, sc->miss_found, errptr);
 }
 
 enum { OP_PULL, OP_PUSH };
@@ -271,7 +358,7 @@ static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
             /* Not looked up in phase 2, or evicted again since: ask the store now. */
             if (grow_buf((void **)&sc->ev, &sc->cap_ev, 1, t->rec) != CM_OK)
                 return cm_err(errptr, CM_ENOMEM, "out of memory");
-            rc = emb_store_get(t->spill, &key, 1, sc->ev, &one_found, errptr);
+            rc = spill_get(t, &key, 1, sc->ev, &one_found, errptr);
             if (rc != CM_OK) return rc;
             if (one_found) src = sc->ev;
         }
@@ -283,6 +370,7 @@ static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
             memcpy(emb_mem_rec(&s->mem, *slot), row, t->rec);
             s->mem.ctrl[*slot] |= EMB_CTRL_DISK | EMB_CTRL_CLEAN;
             s->spilled--;
+            ttl_count(t, s, rec_last_step(row), -1);
             s->spill_loads++;
             return CM_OK;
         }
@@ -782,8 +870,8 @@ static int prepare_group(emb_table *t, sub *s, spush *p, const uint64_t *keys, c
     }
     memset(p->found + first, 0, u);
     if (s->spilled > 0) {
-        int rc = emb_store_get(t->spill, p->akey + first, u, p->recs + first * t->rec,
-                               p->found + first, errptr);
+        int rc =
+            spill_get(t, p->akey + first, u, p->recs + first * t->rec, p->found + first, errptr);
         if (rc != CM_OK) return rc;
     }
     /* Rows the push reads back or creates go into memory while the sub-shard has room under its
@@ -834,6 +922,11 @@ static int stage_commit(emb_table *t, spush *p, const uint32_t *ord, size_t n, c
     for (size_t j = 0; j < p->n_abs; j++)
         n_stage += p->fate[j] == FATE_STAGE;
     if (n_stage == 0) return CM_OK;
+    /* The staged rows' stamps before the push, for their TTL counts once it is written. */
+    uint64_t *was = t->ttl_cnt != NULL ? malloc(n_stage * sizeof *was) : NULL;
+    if (t->ttl_cnt != NULL && was == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    for (size_t j = 0, at = 0; was != NULL && j < p->n_abs; j++)
+        if (p->fate[j] == FATE_STAGE) was[at++] = rec_last_step(p->recs + j * t->rec);
     for (size_t i = 0; i < n; i++) {
         uint32_t k = ord[i];
         if (p->where[k] >= 0) continue;
@@ -844,12 +937,26 @@ static int stage_commit(emb_table *t, spush *p, const uint32_t *ord, size_t n, c
         touch((emb_rec_hdr *)rec, step);
     }
     p->stage = malloc(n_stage * t->rec);
-    if (p->stage == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    if (p->stage == NULL) {
+        free(was);
+        return cm_err(errptr, CM_ENOMEM, "out of memory");
+    }
     size_t at = 0;
     for (size_t j = 0; j < p->n_abs; j++)
         if (p->fate[j] == FATE_STAGE)
             memcpy(p->stage + at++ * t->rec, p->recs + j * t->rec, t->rec);
-    return emb_store_put(t->spill, p->stage, n_stage, errptr);
+    int rc = emb_store_put(t->spill, p->stage, n_stage, errptr);
+    /* Every group is locked (push_spill): a row read back moves from its old bucket to its
+     * new one, a created one comes in. */
+    for (size_t j = 0, k = 0; rc == CM_OK && was != NULL && j < p->n_abs; j++) {
+        if (p->fate[j] != FATE_STAGE) continue;
+        sub *s = &t->subs[sub_of(t, emb_key_hash(p->akey[j]))];
+        if (p->found[j]) ttl_count(t, s, was[k], -1);
+        ttl_count(t, s, rec_last_step(p->recs + j * t->rec), 1);
+        k++;
+    }
+    free(was);
+    return rc;
 }
 
 /* Last pass of push_spill over group b, its lock held since prepare_group: nothing here can fail
@@ -875,6 +982,7 @@ static void apply_group(emb_table *t, sub *s, spush *p, uint32_t b, const uint64
                 if (p->found[j]) {
                     mem->ctrl[p->slot[j]] |= EMB_CTRL_DISK;
                     s->spilled--;
+                    ttl_count(t, s, rec_last_step(p->recs + j * t->rec), -1);
                     s->spill_loads++;
                 } else {
                     s->created++;
@@ -1033,7 +1141,7 @@ int emb_table_lookup(emb_table *t, const uint64_t *keys, size_t n, float *out, u
         if (n_miss > 0 && t->spill != NULL && s->spilled > 0) {
             if (recs == NULL && (recs = malloc(n * t->rec)) == NULL)
                 rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-            if (rc == CM_OK) rc = emb_store_get(t->spill, miss, n_miss, recs, got, errptr);
+            if (rc == CM_OK) rc = spill_get(t, miss, n_miss, recs, got, errptr);
             for (size_t j = 0; rc == CM_OK && j < n_miss; j++) {
                 if (!got[j]) continue;
                 uint32_t k = miss_at[j];
@@ -1181,6 +1289,14 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
         rc = emb_mem_init(&t->subs[inited].mem, t->rec, initial_cap, max_cap, errptr);
         if (rc != CM_OK) pthread_mutex_destroy(&t->subs[inited].mu);
     }
+    t->ttl_g = cfg->ttl_steps >= 64 ? cfg->ttl_steps / 64 : 1;
+    t->ttl_ring = (uint32_t)(cfg->ttl_steps / t->ttl_g + 3);
+    if (rc == CM_OK && cfg->ttl_steps > 0 && t->spill != NULL) {
+        t->ttl_cnt = calloc((size_t)t->n_sub * t->ttl_ring, sizeof *t->ttl_cnt);
+        if (t->ttl_cnt == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        for (uint32_t i = 0; rc == CM_OK && i < t->n_sub; i++)
+            t->subs[i].ttl_cnt = t->ttl_cnt + (size_t)i * t->ttl_ring;
+    }
     if (rc == CM_OK && cfg->admit_threshold > 1) {
         t->cms = calloc((size_t)CMS_DEPTH << CMS_BITS, sizeof *t->cms);
         if (t->cms == NULL)
@@ -1216,6 +1332,7 @@ static void table_free(emb_table *t, uint32_t n_subs)
     free(t->spill_path);
     free(t->subs);
     free(t->cms);
+    free(t->ttl_cnt);
     free(t);
 }
 
@@ -1268,7 +1385,7 @@ int emb_table_get_row(emb_table *t, uint64_t key, emb_row *row, float *weights, 
         memcpy(rec, emb_mem_rec(&s->mem, slot), t->rec);
         found = 1;
     } else if (t->spill != NULL && s->spilled > 0) {
-        rc = emb_store_get(t->spill, &key, 1, rec, &found, errptr);
+        rc = spill_get(t, &key, 1, rec, &found, errptr);
     }
     pthread_mutex_unlock(&s->mu);
     if (rc != CM_OK) return rc;
@@ -1299,7 +1416,7 @@ struct spill_walk {
 static int spill_walk_rec(const void *rec, void *arg)
 {
     struct spill_walk *sw = arg;
-    return resident(sw->t, emb_rec_key(rec)) ? 0 : sw->cb(rec, sw->arg);
+    return spill_dead(sw->t, rec) || resident(sw->t, emb_rec_key(rec)) ? 0 : sw->cb(rec, sw->arg);
 }
 
 /* Calls rec_cb on every row once, memory first, then rows that live only in the spill store;
@@ -1345,74 +1462,32 @@ int emb_table_foreach(emb_table *t, emb_row_cb cb, void *arg, char **errptr)
     return rc;
 }
 
-struct expire_arg {
-    emb_table *t;
-    uint64_t step, ttl;
-    uint64_t *keys;
-    size_t n, cap;
-};
-
-static bool expired(uint64_t step, uint64_t last, uint64_t ttl)
-{
-    return step > last && step - last > ttl;
-}
-
-static int expire_rec(const void *rec, void *arg)
-{
-    struct expire_arg *ea = arg;
-    emb_rec_hdr hdr; /* copied: spilled records are not aligned */
-    memcpy(&hdr, rec, sizeof hdr);
-    if (!expired(ea->step, hdr.last_step, ea->ttl)) return 0;
-    if (grow_buf((void **)&ea->keys, &ea->cap, ea->n + 1, sizeof(uint64_t)) != CM_OK)
-        return CM_ENOMEM;
-    ea->keys[ea->n++] = hdr.key;
-    return 0;
-}
-
 int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
 {
+    (void)errptr; /* nothing here can fail: the spill store is neither read nor written */
     uint64_t total = 0;
-    int rc = CM_OK;
     if (t->cfg.ttl_steps == 0) goto out;
-    uint64_t step = emb_table_step(t), ttl = t->cfg.ttl_steps;
     pause_all(t);
-    struct expire_arg ea = {t, step, ttl, NULL, 0, 0};
-    /* Rows living only in the spill store first (the walk skips resident keys), then resident
-     * rows, whose stale spill copies must go too or they would come back. */
-    /* Every key to drop from the spill store is gathered, and the store's delete done, before
-     * memory or a count changes: a failed delete (a full disk) then leaves the table as it was,
-     * instead of rows gone from memory whose stale spill copies would come back. Rows living
-     * only in the spill store first (the walk skips resident keys), then the spill copies of
-     * resident rows that expire. All sub-shards are paused, so nothing moves in between. */
-    size_t n_spill_only = 0;
-    if (t->spill != NULL) {
-        struct spill_walk sw = {t, expire_rec, &ea};
-        rc = emb_store_foreach(t->spill, spill_walk_rec, &sw, errptr);
-        if (rc == CM_ENOMEM) rc = cm_err(errptr, CM_ENOMEM, "out of memory expiring rows");
-        n_spill_only = ea.n;
+    /* Read once every call is out of the table: no row, nor a spilled row's count
+     * (ttl_count), was stamped past it. */
+    uint64_t step = emb_table_step(t), cut = ttl_cut(t, step);
+    /* Spilled rows are counted by bucket, and raising dead_below expires the older ones where
+     * they lie, spill copies of the resident rows dropped below included (a copy is never
+     * stamped after its row). */
+    for (uint32_t i = 0; t->ttl_cnt != NULL && i < t->n_sub; i++) {
+        sub *s = &t->subs[i];
+        ttl_advance(t, s, step);
+        s->spilled -= s->ttl_doomed;
+        s->ttl_evictions += s->ttl_doomed;
+        total += s->ttl_doomed;
+        s->ttl_doomed = 0;
     }
-    for (uint32_t i = 0; rc == CM_OK && t->spill != NULL && i < t->n_sub; i++) {
-        emb_mem *m = &t->subs[i].mem;
-        for (uint64_t j = 0; rc == CM_OK && j < m->cap; j++) {
-            uint8_t *rec = m->ctrl[j] ? emb_mem_rec(m, (int64_t)j) : NULL;
-            if (rec && (m->ctrl[j] & EMB_CTRL_DISK) &&
-                expired(step, ((emb_rec_hdr *)rec)->last_step, ttl)) {
-                rc = grow_buf((void **)&ea.keys, &ea.cap, ea.n + 1, sizeof(uint64_t));
-                if (rc == CM_OK)
-                    ea.keys[ea.n++] = emb_rec_key(rec);
-                else
-                    rc = cm_err(errptr, CM_ENOMEM, "out of memory expiring rows");
-            }
-        }
+    if (cut > t->dead_below) {
+        t->dead_below = cut;
+        /* (A rocksdb store only sets its compactions' mark: nothing to fail.) */
+        if (t->spill != NULL) (void)emb_store_set_dead_below(t->spill, cut * t->ttl_g, NULL);
     }
-    if (rc == CM_OK && t->spill != NULL) rc = emb_store_del(t->spill, ea.keys, ea.n, errptr);
-    for (size_t i = 0; rc == CM_OK && i < n_spill_only; i++) {
-        sub *s = &t->subs[sub_of(t, emb_key_hash(ea.keys[i]))];
-        s->spilled--;
-        s->ttl_evictions++;
-    }
-    if (rc == CM_OK) total += n_spill_only;
-    for (uint32_t i = 0; rc == CM_OK && i < t->n_sub; i++) {
+    for (uint32_t i = 0; i < t->n_sub; i++) {
         sub *s = &t->subs[i];
         emb_mem *m = &s->mem;
         /* A push between its passes (push_memory) may find a row of its gone when its update
@@ -1424,7 +1499,7 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
         for (uint64_t j = 0; j < m->cap;) {
             /* A deletion shifts the cluster back into slot j: look at it again. */
             uint8_t *rec = m->ctrl[j] ? emb_mem_rec(m, (int64_t)j) : NULL;
-            if (rec && expired(step, ((emb_rec_hdr *)rec)->last_step, ttl)) {
+            if (rec && ttl_bucket(t, ((emb_rec_hdr *)rec)->last_step) < cut) {
                 emb_mem_delete(m, (int64_t)j);
                 s->ttl_evictions++;
                 total++;
@@ -1433,11 +1508,10 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
             j++;
         }
     }
-    free(ea.keys);
     resume_all(t);
 out:
     if (dropped) *dropped = total;
-    return rc;
+    return CM_OK;
 }
 
 void emb_table_stats_get(emb_table *t, emb_table_stats *out)
@@ -1526,8 +1600,21 @@ void emb_table_set_step(emb_table *t, uint64_t step)
     __atomic_store_n(&t->step, step, __ATOMIC_RELAXED);
 }
 
+/* A row put into a TTL table with a spill store may not be stamped past the table's step (the
+ * step is set first: emb_table_set_step): its spilled copy's TTL bucket must lie in the ring. */
+static int stamp_check(const emb_table *t, uint64_t key, uint64_t last_step, char **errptr)
+{
+    uint64_t step = __atomic_load_n(&t->step, __ATOMIC_RELAXED);
+    if (t->ttl_cnt == NULL || last_step <= step) return CM_OK;
+    return cm_err(errptr, CM_ECORRUPT,
+                  "row of key %llu was last touched at step %llu, after the table's step %llu",
+                  (unsigned long long)key, (unsigned long long)last_step, (unsigned long long)step);
+}
+
 int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
 {
+    int rc = stamp_check(t, row->key, row->last_step, errptr);
+    if (rc != CM_OK) return rc;
     uint8_t rec[t->rec];
     memset(rec, 0, t->rec);
     emb_rec_hdr hdr = {row->key, row->updates, row->last_step};
@@ -1538,14 +1625,15 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
     uint64_t h = emb_key_hash(row->key);
     sub *s = &t->subs[sub_of(t, h)];
     scratch sc = {0};
-    int rc = CM_OK;
     pthread_mutex_lock(&s->mu);
     int64_t slot = emb_mem_find(&s->mem, row->key, h);
     uint8_t on_disk = 0;
+    uint64_t old_last = 0;
     if (slot < 0 && t->spill != NULL && s->spilled > 0) {
         /* Replacing a spilled row: the new row becomes resident and its old copy is stale. */
         uint8_t old[t->rec];
-        rc = emb_store_get(t->spill, &row->key, 1, old, &on_disk, errptr);
+        rc = spill_get(t, &row->key, 1, old, &on_disk, errptr);
+        if (on_disk) old_last = rec_last_step(old);
     }
     if (rc == CM_OK && slot < 0) {
         rc = insert_room(t, s, &sc, row->key, h, &slot, errptr);
@@ -1553,6 +1641,7 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
         if (rc == CM_OK && on_disk) {
             s->mem.ctrl[slot] |= EMB_CTRL_DISK;
             s->spilled--;
+            ttl_count(t, s, old_last, -1);
         }
     }
     if (rc == CM_OK) {
@@ -1572,6 +1661,7 @@ int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **e
     for (size_t i = 0; i < n && rc == CM_OK; i++) {
         const uint8_t *r = recs + i * t->rec;
         uint64_t key = emb_rec_key(r), h = emb_key_hash(key);
+        if ((rc = stamp_check(t, key, rec_last_step(r), errptr)) != CM_OK) break;
         sub *s = &t->subs[sub_of(t, h)];
         pthread_mutex_lock(&s->mu);
         int64_t slot = emb_mem_find(&s->mem, key, h);

@@ -359,8 +359,9 @@ static nng_msg *elided_keys(struct ps_server *s, const ps_hdr *h, const uint8_t 
  * ttl steps are dropped (emb_table_expire) once every ttl_period table steps, by the push that
  * brings the step into a new period, before it is acknowledged. A deterministic point of the
  * push sequence, so that a run, its resume and a backup applying the same pushes drop the same
- * rows at the same step; a walk of the whole table (spilled rows too), so not after every
- * push: a row goes between ttl and ttl + ttl_period steps after its last pull or push. */
+ * rows at the same step; a walk of the table's resident rows (spilled ones are counted, not
+ * read: embedding.h), so not after every push: a row goes between ttl and ttl + ttl_period
+ * (plus a bucket of ttl/64 from ttl 64 on) steps after its last pull or push. */
 static uint64_t ttl_period(uint64_t ttl)
 {
     return ttl / 8 > 0 ? ttl / 8 : 1;

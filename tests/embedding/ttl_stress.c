@@ -463,10 +463,10 @@ static void stress(emb_opt_kind opt, int budget, int admit)
 
 /* ---- deterministic: expiry with spill gives the rows of expiry without ---- */
 
-static void same_with_spill(emb_opt_kind opt, int admit)
+static void same_with_spill(emb_opt_kind opt, int admit, uint64_t ttl)
 {
     emb_table_config c = eu_config(opt, DIM);
-    c.ttl_steps = 25;
+    c.ttl_steps = ttl;
     c.n_sub = 4;
     c.admit_threshold = admit ? 3 : 0;
     char spill[4300];
@@ -505,8 +505,9 @@ static void same_with_spill(emb_opt_kind opt, int admit)
                 CHECK_OK(emb_table_expire(t[k], &d[k], &err), err);
             }
             CHECK_MSG(d[0] == d[1],
-                      "%s: expire at %u dropped %" PRIu64 " in memory, %" PRIu64 " with spill",
-                      emb_opt_name(opt), it, d[0], d[1]);
+                      "%s ttl %" PRIu64 ": expire at %u dropped %" PRIu64 " in memory, %" PRIu64
+                      " with spill",
+                      emb_opt_name(opt), ttl, it, d[0], d[1]);
             drops += d[0];
         }
     }
@@ -528,7 +529,10 @@ int main(void)
     if (ms != NULL && atoi(ms) > 0) g_ms = (unsigned)atoi(ms);
     for (int opt = EMB_OPT_SGD; opt <= EMB_OPT_FTRL; opt++)
         for (int admit = 0; admit < 2; admit++)
-            same_with_spill((emb_opt_kind)opt, admit);
+            same_with_spill((emb_opt_kind)opt, admit, 25);
+    /* ttl 200: steps in buckets of 3, the spilled rows' counts in a ring that wraps */
+    same_with_spill(EMB_OPT_ADAGRAD, 0, 200);
+    same_with_spill(EMB_OPT_SGD, 1, 200);
     /* each optimizer at least once; SGD in all four storage x admission settings */
     static const struct {
         emb_opt_kind opt;
