@@ -63,6 +63,64 @@ static bool row_after(const float *got, const float *want, uint32_t steps, float
     return true;
 }
 
+/* The same through a spilling table: when the rows expire most of them live in RocksDB. STATS
+ * counts every one, a pull brings each back as a fresh row (init, not its trained value), and
+ * the row still in use keeps its updates. */
+static void spilled(const char *dir)
+{
+    enum { N = 4000 };
+    char text[1024];
+    snprintf(text, sizeof text,
+             "[cluster]\nshards = 1\nworkers = 1\nspill_dir = %s/spill\n"
+             "[table s]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0.1\nseed = 3\n"
+             "ttl = 8\nmemory = 32768\n",
+             dir);
+    ps_config cfg;
+    pt_config(dir, "spill.ini", text, &cfg);
+    const char *url = pt_ipc(dir, "s1");
+    ps_server *srv = pt_server(&cfg, url, 0);
+    const char *urls[1] = {url};
+    ps_client *c = pt_client(&cfg, urls, 0, 10000);
+    uint64_t *keys = malloc(N * sizeof *keys);
+    float *init = malloc((size_t)N * DIM * sizeof *init), *row = malloc((size_t)N * DIM * 4),
+          *g = malloc((size_t)N * DIM * sizeof *g);
+    for (uint32_t i = 0; i < N; i++)
+        keys[i] = 1000 + 7 * (uint64_t)i;
+    for (uint32_t i = 0; i < N * DIM; i++)
+        g[i] = 1.0f;
+    char *err = NULL;
+    const uint64_t busy = 3;
+    float b[DIM], b0[DIM];
+    pull1(c, 0, busy, b0);
+    CHECK_OK(ps_client_pull(c, 0, keys, N, init, &err), err);
+    CHECK_OK(ps_client_push(c, 0, keys, N, g, &err), err); /* step 1: every row trained */
+    CHECK_OK(ps_client_flush(c, &err), err);
+    ps_client_stats st;
+    CHECK_OK(ps_client_stats_get(c, &st, &err), err);
+    CHECK_MSG(st.table_total[0].rows_spilled > N / 2, "only %llu of %u rows spilled",
+              (unsigned long long)st.table_total[0].rows_spilled, N);
+    for (uint32_t i = 0; i < TTL + 1; i++)
+        push1(c, 0, busy); /* steps 2..10: the N rows are 9 steps behind */
+    CHECK_MSG(ttl_evictions(c, 0) == N, "%llu rows expired, want %u",
+              (unsigned long long)ttl_evictions(c, 0), N);
+    CHECK_OK(ps_client_stats_get(c, &st, &err), err);
+    CHECK_MSG(st.table_total[0].rows_spilled + st.table_total[0].rows_mem == 1,
+              "%llu rows in memory and %llu spilled after the expiry, want busy's alone",
+              (unsigned long long)st.table_total[0].rows_mem,
+              (unsigned long long)st.table_total[0].rows_spilled);
+    CHECK_OK(ps_client_pull(c, 0, keys, N, row, &err), err);
+    CHECK_MSG(memcmp(row, init, (size_t)N * DIM * sizeof *row) == 0,
+              "expired spilled rows did not come back fresh");
+    pull1(c, 0, busy, b);
+    CHECK_MSG(row_after(b, b0, TTL + 1, 1.0f), "the row in use lost updates");
+    free(keys);
+    free(init);
+    free(row);
+    free(g);
+    ps_client_destroy(c);
+    ps_server_destroy(srv);
+}
+
 int main(void)
 {
     char tmpl[] = "/tmp/ember-ps-ttl-XXXXXX";
@@ -138,5 +196,6 @@ int main(void)
 
     ps_client_destroy(c);
     ps_server_destroy(srv);
+    spilled(dir);
     return pt_finish(dir);
 }
