@@ -19,10 +19,11 @@
  *
  * TTL with a spill store: expiry never reads the spill. Each sub-shard counts its spilled rows
  * by TTL bucket of their last_step (ttl_count), so emb_table_expire knows how many spilled
- * rows it drops; it then raises dead_below, and from there on a spill record of an older bucket
- * is expired: every read of the store (spill_get, whole-table walks) takes it for absent, and
- * RocksDB's compactions remove it (emb_store_set_dead_below). A row's last_step only grows, so
- * an older copy of a record whose newest copy is expired is expired too.
+ * rows it drops; it then raises the sub-shard's dead_below, and from there on a spill record of
+ * an older bucket is expired: every read of the store (spill_get, whole-table walks) takes it
+ * for absent, and RocksDB's compactions remove it (emb_store_set_dead_below, the lowest mark). A
+ * row's last_step only grows, so an older copy of a record whose newest copy is expired is
+ * expired too. Expiry takes one sub-shard's lock at a time: the rest of the table serves calls.
  */
 #include <math.h>
 #include <pthread.h>
@@ -45,6 +46,7 @@ typedef struct sub {
      * ttl_lo, rows any expiry from now on drops. */
     uint64_t *ttl_cnt;
     uint64_t ttl_lo, ttl_doomed;
+    uint64_t dead_below; /* bucket below which this sub-shard's spill records are expired */
 } __attribute__((aligned(64))) sub;
 
 struct emb_table {
@@ -58,12 +60,11 @@ struct emb_table {
     uint16_t *cms; /* admission sketch, CMS_DEPTH x 2^CMS_BITS, atomic saturating counters */
     cm_team *team; /* borrowed (emb_table_set_team), or NULL */
     /* TTL: steps a bucket (ttl_bucket), buckets a sub-shard's ring holds, the counts (n_sub
-     * rings, with a spill store only), and the bucket below which spill records are expired
-     * (raised under every lock by emb_table_expire). */
+     * rings, with a spill store only); expire_mu serializes emb_table_expire calls. */
     uint64_t ttl_g;
     uint32_t ttl_ring;
     uint64_t *ttl_cnt;
-    uint64_t dead_below;
+    pthread_mutex_t expire_mu;
 };
 
 /* Per-call scratch for the groups of one batched call; grown, never shrunk. */
@@ -187,19 +188,21 @@ static inline uint64_t rec_last_step(const void *rec)
     return hdr.last_step;
 }
 
-/* Whether a spill record has expired (see the design note above). */
-static inline bool spill_dead(const emb_table *t, const void *rec)
+/* Whether a spill record of sub-shard s has expired (see the design note above); the caller
+ * holds s->mu or every lock. */
+static inline bool spill_dead(const emb_table *t, const sub *s, const void *rec)
 {
-    return t->dead_below > 0 && ttl_bucket(t, rec_last_step(rec)) < t->dead_below;
+    return s->dead_below > 0 && ttl_bucket(t, rec_last_step(rec)) < s->dead_below;
 }
 
-/* emb_store_get on the spill store, expired records taken for absent. */
-static int spill_get(emb_table *t, const uint64_t *keys, size_t n, uint8_t *recs, uint8_t *found,
-                     char **errptr)
+/* emb_store_get on the spill store for keys of sub-shard s (its lock held), expired records
+ * taken for absent. */
+static int spill_get(emb_table *t, const sub *s, const uint64_t *keys, size_t n, uint8_t *recs,
+                     uint8_t *found, char **errptr)
 {
     int rc = emb_store_get(t->spill, keys, n, recs, found, errptr);
-    for (size_t i = 0; rc == CM_OK && t->dead_below > 0 && i < n; i++)
-        if (found[i] && spill_dead(t, recs + i * t->rec)) found[i] = 0;
+    for (size_t i = 0; rc == CM_OK && s->dead_below > 0 && i < n; i++)
+        if (found[i] && spill_dead(t, s, recs + i * t->rec)) found[i] = 0;
     return rc;
 }
 
@@ -321,7 +324,7 @@ static int prefetch_spilled(emb_table *t, sub *s, scratch *sc, const uint64_t *k
     sc->miss_recs = malloc(u * t->rec);
     if (!sc->miss_found || !sc->miss_used || !sc->miss_recs)
         return cm_err(errptr, CM_ENOMEM, "out of memory");
-    return spill_get(t, sc->miss, u, sc->miss_recs, sc->miss_found, errptr);
+    return spill_get(t, s, sc->miss, u, sc->miss_recs, sc->miss_found, errptr);
 }
 
 enum { OP_PULL, OP_PUSH };
@@ -358,7 +361,7 @@ static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
             /* Not looked up in phase 2, or evicted again since: ask the store now. */
             if (grow_buf((void **)&sc->ev, &sc->cap_ev, 1, t->rec) != CM_OK)
                 return cm_err(errptr, CM_ENOMEM, "out of memory");
-            rc = spill_get(t, &key, 1, sc->ev, &one_found, errptr);
+            rc = spill_get(t, s, &key, 1, sc->ev, &one_found, errptr);
             if (rc != CM_OK) return rc;
             if (one_found) src = sc->ev;
         }
@@ -871,7 +874,7 @@ static int prepare_group(emb_table *t, sub *s, spush *p, const uint64_t *keys, c
     memset(p->found + first, 0, u);
     if (s->spilled > 0) {
         int rc =
-            spill_get(t, p->akey + first, u, p->recs + first * t->rec, p->found + first, errptr);
+            spill_get(t, s, p->akey + first, u, p->recs + first * t->rec, p->found + first, errptr);
         if (rc != CM_OK) return rc;
     }
     /* Rows the push reads back or creates go into memory while the sub-shard has room under its
@@ -1141,7 +1144,7 @@ int emb_table_lookup(emb_table *t, const uint64_t *keys, size_t n, float *out, u
         if (n_miss > 0 && t->spill != NULL && s->spilled > 0) {
             if (recs == NULL && (recs = malloc(n * t->rec)) == NULL)
                 rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-            if (rc == CM_OK) rc = spill_get(t, miss, n_miss, recs, got, errptr);
+            if (rc == CM_OK) rc = spill_get(t, s, miss, n_miss, recs, got, errptr);
             for (size_t j = 0; rc == CM_OK && j < n_miss; j++) {
                 if (!got[j]) continue;
                 uint32_t k = miss_at[j];
@@ -1289,6 +1292,7 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
         rc = emb_mem_init(&t->subs[inited].mem, t->rec, initial_cap, max_cap, errptr);
         if (rc != CM_OK) pthread_mutex_destroy(&t->subs[inited].mu);
     }
+    pthread_mutex_init(&t->expire_mu, NULL);
     t->ttl_g = cfg->ttl_steps >= 64 ? cfg->ttl_steps / 64 : 1;
     t->ttl_ring = (uint32_t)(cfg->ttl_steps / t->ttl_g + 3);
     if (rc == CM_OK && cfg->ttl_steps > 0 && t->spill != NULL) {
@@ -1333,6 +1337,7 @@ static void table_free(emb_table *t, uint32_t n_subs)
     free(t->subs);
     free(t->cms);
     free(t->ttl_cnt);
+    pthread_mutex_destroy(&t->expire_mu);
     free(t);
 }
 
@@ -1385,7 +1390,7 @@ int emb_table_get_row(emb_table *t, uint64_t key, emb_row *row, float *weights, 
         memcpy(rec, emb_mem_rec(&s->mem, slot), t->rec);
         found = 1;
     } else if (t->spill != NULL && s->spilled > 0) {
-        rc = spill_get(t, &key, 1, rec, &found, errptr);
+        rc = spill_get(t, s, &key, 1, rec, &found, errptr);
     }
     pthread_mutex_unlock(&s->mu);
     if (rc != CM_OK) return rc;
@@ -1416,7 +1421,10 @@ struct spill_walk {
 static int spill_walk_rec(const void *rec, void *arg)
 {
     struct spill_walk *sw = arg;
-    return spill_dead(sw->t, rec) || resident(sw->t, emb_rec_key(rec)) ? 0 : sw->cb(rec, sw->arg);
+    const emb_table *t = sw->t;
+    uint64_t key = emb_rec_key(rec);
+    const sub *s = &t->subs[sub_of(t, emb_key_hash(key))];
+    return spill_dead(t, s, rec) || resident(t, key) ? 0 : sw->cb(rec, sw->arg);
 }
 
 /* Calls rec_cb on every row once, memory first, then rows that live only in the spill store;
@@ -1462,33 +1470,34 @@ int emb_table_foreach(emb_table *t, emb_row_cb cb, void *arg, char **errptr)
     return rc;
 }
 
+/*
+ * One sub-shard at a time, each under its own lock, so that the rest of the table serves calls
+ * meanwhile: the step is read under the lock, after every call that stamped a row of it (or
+ * counted one, ttl_count), so no row is stamped past it and the ring holds no bucket past the
+ * cut. Spilled rows are counted by bucket, and raising the sub-shard's mark expires the older
+ * ones where they lie, spill copies of the resident rows dropped here included (a copy is never
+ * stamped after its row). The store's compactions get the lowest mark of the call.
+ */
 int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
 {
     (void)errptr; /* nothing here can fail: the spill store is neither read nor written */
     uint64_t total = 0;
     if (t->cfg.ttl_steps == 0) goto out;
-    pause_all(t);
-    /* Read once every call is out of the table: no row, nor a spilled row's count
-     * (ttl_count), was stamped past it. */
-    uint64_t step = emb_table_step(t), cut = ttl_cut(t, step);
-    /* Spilled rows are counted by bucket, and raising dead_below expires the older ones where
-     * they lie, spill copies of the resident rows dropped below included (a copy is never
-     * stamped after its row). */
-    for (uint32_t i = 0; t->ttl_cnt != NULL && i < t->n_sub; i++) {
-        sub *s = &t->subs[i];
-        ttl_advance(t, s, step);
-        s->spilled -= s->ttl_doomed;
-        s->ttl_evictions += s->ttl_doomed;
-        total += s->ttl_doomed;
-        s->ttl_doomed = 0;
-    }
-    if (cut > t->dead_below) {
-        t->dead_below = cut;
-        /* (A rocksdb store only sets its compactions' mark: nothing to fail.) */
-        if (t->spill != NULL) (void)emb_store_set_dead_below(t->spill, cut * t->ttl_g, NULL);
-    }
+    pthread_mutex_lock(&t->expire_mu);
+    uint64_t mark = UINT64_MAX;
     for (uint32_t i = 0; i < t->n_sub; i++) {
         sub *s = &t->subs[i];
+        pthread_mutex_lock(&s->mu);
+        uint64_t step = emb_table_step(t), cut = ttl_cut(t, step);
+        if (t->ttl_cnt != NULL) {
+            ttl_advance(t, s, step);
+            s->spilled -= s->ttl_doomed;
+            s->ttl_evictions += s->ttl_doomed;
+            total += s->ttl_doomed;
+            s->ttl_doomed = 0;
+        }
+        if (cut > s->dead_below) s->dead_below = cut;
+        if (s->dead_below < mark) mark = s->dead_below;
         emb_mem *m = &s->mem;
         /* A push between its passes (push_memory) may find a row of its gone when its update
          * pass comes: it then creates the row again, in the slot the deletion freed (its
@@ -1507,8 +1516,12 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
             }
             j++;
         }
+        pthread_mutex_unlock(&s->mu);
     }
-    resume_all(t);
+    /* (A rocksdb store only sets its compactions' mark: nothing to fail.) */
+    if (t->spill != NULL && mark > 0 && mark != UINT64_MAX)
+        (void)emb_store_set_dead_below(t->spill, mark * t->ttl_g, NULL);
+    pthread_mutex_unlock(&t->expire_mu);
 out:
     if (dropped) *dropped = total;
     return CM_OK;
@@ -1632,7 +1645,7 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
     if (slot < 0 && t->spill != NULL && s->spilled > 0) {
         /* Replacing a spilled row: the new row becomes resident and its old copy is stale. */
         uint8_t old[t->rec];
-        rc = spill_get(t, &row->key, 1, old, &on_disk, errptr);
+        rc = spill_get(t, s, &row->key, 1, old, &on_disk, errptr);
         if (on_disk) old_last = rec_last_step(old);
     }
     if (rc == CM_OK && slot < 0) {
