@@ -45,7 +45,8 @@
  * counts an expiry never reads or writes the spill store: it counts the spilled rows it drops,
  * and marks spill records stamped before the cut as expired, which every read then takes for
  * absent and RocksDB's compactions remove (emb_store_set_dead_below). Its cost is a walk of the
- * resident rows however much is spilled, and a full disk cannot fail it.
+ * resident rows however much is spilled, one sub-shard locked at a time (the others serve calls
+ * meanwhile), and a full disk cannot fail it.
  *
  * Snapshots: emb_table_snapshot pauses the table (all sub-shard locks, in order), writes every
  * row (in memory and spilled) to <dir>/rows.bin, the admission sketch's counts (with admission
