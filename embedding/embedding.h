@@ -373,8 +373,9 @@ int emb_store_foreach(emb_store *s, emb_record_cb cb, void *arg, char **errptr);
  * are expired from now on: the store removes them, "memory" at once, "rocksdb" as its
  * compactions rewrite the files that hold them, so get and foreach may still return one
  * until then (a table takes them for absent itself). The mark only rises; a lower one is
- * ignored, and so is any on records under 24 bytes. Not thread-safe with other calls on a
- * "memory" store. CM_OK, or CM_ENOMEM ("memory" only). */
+ * ignored, and so is any on records under 24 bytes. Two calls must not overlap (a table makes
+ * them under its expiry lock), and on a "memory" store no other call may overlap one either.
+ * CM_OK, or CM_ENOMEM ("memory" only). */
 int emb_store_set_dead_below(emb_store *s, uint64_t step, char **errptr);
 /* Rewrites the store's files now ("rocksdb": a full compaction, which removes expired
  * records; "memory": nothing). CM_OK or CM_EIO naming the database. */
