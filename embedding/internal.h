@@ -6,6 +6,7 @@
 #define EMBER_EMBEDDING_INTERNAL_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -28,6 +29,13 @@ static inline uint64_t emb_rec_key(const void *rec)
     uint64_t k;
     memcpy(&k, rec, 8);
     return k;
+}
+/* The table step the row was last touched at (records in a store need not be aligned). */
+static inline uint64_t emb_rec_last_step(const void *rec)
+{
+    uint64_t s;
+    memcpy(&s, (const char *)rec + offsetof(emb_rec_hdr, last_step), sizeof s);
+    return s;
 }
 static inline float *emb_rec_weights(void *rec)
 {

@@ -100,9 +100,7 @@ struct dead_keys {
 static int collect_dead(const void *rec, void *arg)
 {
     struct dead_keys *d = arg;
-    uint64_t hdr[3]; /* key, updates, last_step */
-    memcpy(hdr, rec, sizeof hdr);
-    if (hdr[2] >= d->below) return 0;
+    if (emb_rec_last_step(rec) >= d->below) return 0;
     if (d->n == d->cap) {
         size_t cap = d->cap ? 2 * d->cap : 256;
         uint64_t *k = realloc(d->keys, cap * sizeof *k);
@@ -110,13 +108,13 @@ static int collect_dead(const void *rec, void *arg)
         d->keys = k;
         d->cap = cap;
     }
-    d->keys[d->n++] = hdr[0];
+    d->keys[d->n++] = emb_rec_key(rec);
     return 0;
 }
 
 int emb_store_set_dead_below(emb_store *s, uint64_t step, char **errptr)
 {
-    if (s->rec < 3 * sizeof(uint64_t) || step <= s->dead_below) return CM_OK;
+    if (s->rec < EMB_REC_HDR || step <= s->dead_below) return CM_OK;
     s->dead_below = step;
     if (s->ops->set_dead_below != NULL) {
         s->ops->set_dead_below(s->impl, step);

@@ -78,10 +78,9 @@ static unsigned char rdb_filter(void *state, int level, const char *key, size_t 
     (void)level, (void)key, (void)key_len, (void)new_val, (void)new_len;
     const rdb *r = state;
     *changed = 0;
-    uint64_t last, below = __atomic_load_n(&r->dead_below, __ATOMIC_RELAXED);
-    if (below == 0 || val_len < 3 * sizeof last) return 0;
-    memcpy(&last, val + 2 * sizeof last, sizeof last);
-    return last < below;
+    uint64_t below = __atomic_load_n(&r->dead_below, __ATOMIC_RELAXED);
+    if (below == 0 || val_len < EMB_REC_HDR) return 0;
+    return emb_rec_last_step(val) < below;
 }
 
 static const char *rdb_filter_name(void *state)

@@ -181,18 +181,11 @@ static void ttl_count(const emb_table *t, sub *s, uint64_t last_step, int delta)
     *c += (uint64_t)(int64_t)delta;
 }
 
-static inline uint64_t rec_last_step(const void *rec)
-{
-    emb_rec_hdr hdr; /* copied: spilled records are not aligned */
-    memcpy(&hdr, rec, sizeof hdr);
-    return hdr.last_step;
-}
-
 /* Whether a spill record of sub-shard s has expired (see the design note above); the caller
  * holds s->mu or every lock. */
 static inline bool spill_dead(const emb_table *t, const sub *s, const void *rec)
 {
-    return s->dead_below > 0 && ttl_bucket(t, rec_last_step(rec)) < s->dead_below;
+    return s->dead_below > 0 && ttl_bucket(t, emb_rec_last_step(rec)) < s->dead_below;
 }
 
 /* emb_store_get on the spill store for keys of sub-shard s (its lock held), expired records
@@ -231,7 +224,7 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
                 sc->ev_ctrl[n_dirty] = c;
                 memcpy(sc->ev + n_dirty++ * t->rec, emb_mem_rec(m, (int64_t)m->hand), t->rec);
             }
-            ttl_count(t, s, rec_last_step(emb_mem_rec(m, (int64_t)m->hand)), 1);
+            ttl_count(t, s, emb_rec_last_step(emb_mem_rec(m, (int64_t)m->hand)), 1);
             emb_mem_delete(m, (int64_t)m->hand);
             n++;
         }
@@ -243,7 +236,7 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
         for (uint64_t i = 0; i < n_dirty; i++) {
             uint8_t *r = sc->ev + i * t->rec;
             uint64_t k = emb_rec_key(r);
-            ttl_count(t, s, rec_last_step(r), -1);
+            ttl_count(t, s, emb_rec_last_step(r), -1);
             int64_t slot = emb_mem_insert(m, k, emb_key_hash(k));
             if (slot < 0) continue;
             memcpy(emb_mem_rec(m, slot), r, t->rec);
@@ -373,7 +366,7 @@ static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
             memcpy(emb_mem_rec(&s->mem, *slot), row, t->rec);
             s->mem.ctrl[*slot] |= EMB_CTRL_DISK | EMB_CTRL_CLEAN;
             s->spilled--;
-            ttl_count(t, s, rec_last_step(row), -1);
+            ttl_count(t, s, emb_rec_last_step(row), -1);
             s->spill_loads++;
             return CM_OK;
         }
@@ -929,7 +922,7 @@ static int stage_commit(emb_table *t, spush *p, const uint32_t *ord, size_t n, c
     uint64_t *was = t->ttl_cnt != NULL ? malloc(n_stage * sizeof *was) : NULL;
     if (t->ttl_cnt != NULL && was == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     for (size_t j = 0, at = 0; was != NULL && j < p->n_abs; j++)
-        if (p->fate[j] == FATE_STAGE) was[at++] = rec_last_step(p->recs + j * t->rec);
+        if (p->fate[j] == FATE_STAGE) was[at++] = emb_rec_last_step(p->recs + j * t->rec);
     for (size_t i = 0; i < n; i++) {
         uint32_t k = ord[i];
         if (p->where[k] >= 0) continue;
@@ -955,7 +948,7 @@ static int stage_commit(emb_table *t, spush *p, const uint32_t *ord, size_t n, c
         if (p->fate[j] != FATE_STAGE) continue;
         sub *s = &t->subs[sub_of(t, emb_key_hash(p->akey[j]))];
         if (p->found[j]) ttl_count(t, s, was[k], -1);
-        ttl_count(t, s, rec_last_step(p->recs + j * t->rec), 1);
+        ttl_count(t, s, emb_rec_last_step(p->recs + j * t->rec), 1);
         k++;
     }
     free(was);
@@ -985,7 +978,7 @@ static void apply_group(emb_table *t, sub *s, spush *p, uint32_t b, const uint64
                 if (p->found[j]) {
                     mem->ctrl[p->slot[j]] |= EMB_CTRL_DISK;
                     s->spilled--;
-                    ttl_count(t, s, rec_last_step(p->recs + j * t->rec), -1);
+                    ttl_count(t, s, emb_rec_last_step(p->recs + j * t->rec), -1);
                     s->spill_loads++;
                 } else {
                     s->created++;
@@ -1519,7 +1512,7 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
         pthread_mutex_unlock(&s->mu);
     }
     /* (A rocksdb store only sets its compactions' mark: nothing to fail.) */
-    if (t->spill != NULL && mark > 0 && mark != UINT64_MAX)
+    if (t->spill != NULL && mark > 0) /* (n_sub >= 1: mark is a sub-shard's) */
         (void)emb_store_set_dead_below(t->spill, mark * t->ttl_g, NULL);
     pthread_mutex_unlock(&t->expire_mu);
 out:
@@ -1646,7 +1639,7 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
         /* Replacing a spilled row: the new row becomes resident and its old copy is stale. */
         uint8_t old[t->rec];
         rc = spill_get(t, s, &row->key, 1, old, &on_disk, errptr);
-        if (on_disk) old_last = rec_last_step(old);
+        if (on_disk) old_last = emb_rec_last_step(old);
     }
     if (rc == CM_OK && slot < 0) {
         rc = insert_room(t, s, &sc, row->key, h, &slot, errptr);
@@ -1674,7 +1667,7 @@ int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **e
     for (size_t i = 0; i < n && rc == CM_OK; i++) {
         const uint8_t *r = recs + i * t->rec;
         uint64_t key = emb_rec_key(r), h = emb_key_hash(key);
-        if ((rc = stamp_check(t, key, rec_last_step(r), errptr)) != CM_OK) break;
+        if ((rc = stamp_check(t, key, emb_rec_last_step(r), errptr)) != CM_OK) break;
         sub *s = &t->subs[sub_of(t, h)];
         pthread_mutex_lock(&s->mu);
         int64_t slot = emb_mem_find(&s->mem, key, h);

@@ -63,6 +63,17 @@ static bool row_after(const float *got, const float *want, uint32_t steps, float
     return true;
 }
 
+/* One in-process server for the config text, at ipc socket `sock`, and a client of it. */
+static ps_client *start(const char *dir, const char *name, const char *text, const char *sock,
+                        ps_config *cfg, ps_server **srv)
+{
+    pt_config(dir, name, text, cfg);
+    const char *url = pt_ipc(dir, sock);
+    *srv = pt_server(cfg, url, 0);
+    const char *urls[1] = {url};
+    return pt_client(cfg, urls, 0, 10000);
+}
+
 /* The same through a spilling table: when the rows expire most of them live in RocksDB. STATS
  * counts every one, a pull brings each back as a fresh row (init, not its trained value), and
  * the row still in use keeps its updates. */
@@ -76,13 +87,10 @@ static void spilled(const char *dir)
              "ttl = 8\nmemory = 32768\n",
              dir);
     ps_config cfg;
-    pt_config(dir, "spill.ini", text, &cfg);
-    const char *url = pt_ipc(dir, "s1");
-    ps_server *srv = pt_server(&cfg, url, 0);
-    const char *urls[1] = {url};
-    ps_client *c = pt_client(&cfg, urls, 0, 10000);
+    ps_server *srv;
+    ps_client *c = start(dir, "spill.ini", text, "s1", &cfg, &srv);
     uint64_t *keys = malloc(N * sizeof *keys);
-    float *init = malloc((size_t)N * DIM * sizeof *init), *row = malloc((size_t)N * DIM * 4),
+    float *init = malloc((size_t)N * DIM * sizeof *init), *row = malloc((size_t)N * DIM * sizeof *row),
           *g = malloc((size_t)N * DIM * sizeof *g);
     for (uint32_t i = 0; i < N; i++)
         keys[i] = 1000 + 7 * (uint64_t)i;
@@ -128,11 +136,8 @@ int main(void)
     if (dir == NULL) return 2;
     psp_watchdog(PT_WATCHDOG_S);
     ps_config cfg;
-    pt_config(dir, "ps.ini", conf, &cfg);
-    const char *url = pt_ipc(dir, "s0");
-    ps_server *srv = pt_server(&cfg, url, 0);
-    const char *urls[1] = {url};
-    ps_client *c = pt_client(&cfg, urls, 0, 10000);
+    ps_server *srv;
+    ps_client *c = start(dir, "ps.ini", conf, "s0", &cfg, &srv);
 
     const uint64_t stale = 11, busy = 22, kept = 33;
     float init_stale[DIM], init_kept[DIM], init_busy[DIM], row[DIM];
