@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "common/common.h"
+#include "tools/bench_util.h"
 #include "embedding/embedding.h"
 #include "ps/ps.h"
 
@@ -69,14 +70,6 @@ static void reset_peak(void)
     if (f == NULL) return;
     fputs("5", f);
     fclose(f);
-}
-
-static uint64_t mix64(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
 }
 
 static unsigned long long num_arg(const char *flag, const char *s)
@@ -175,7 +168,7 @@ int main(int argc, char **argv)
     for (uint64_t done = 0; done < rows;) {
         size_t n = rows - done < BATCH ? (size_t)(rows - done) : BATCH;
         for (size_t i = 0; i < n; i++)
-            keys[i] = mix64(done + i);
+            keys[i] = bench_mix64(done + i);
         if (emb_table_pull(t, keys, n, out, &err) != CM_OK) {
             fprintf(stderr, "bench mem: pull: %s\n", err);
             return 1;
@@ -186,7 +179,7 @@ int main(int argc, char **argv)
     uint64_t rng = 12345;
     for (unsigned long long b = 0; b < pushes; b++) {
         for (size_t i = 0; i < BATCH; i++)
-            keys[i] = mix64(mix64(rng++) % rows);
+            keys[i] = bench_mix64(bench_mix64(rng++) % rows);
         if (emb_table_pull(t, keys, BATCH, out, &err) != CM_OK ||
             emb_table_push(t, keys, BATCH, out, &err) != CM_OK) {
             fprintf(stderr, "bench mem: push: %s\n", err);

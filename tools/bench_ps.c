@@ -112,14 +112,6 @@ static int raw_server(const char *url)
 
 /* ---------------- helpers ---------------- */
 
-static uint64_t mix64(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 typedef struct cluster {
     uint32_t n;
     char urls[MAX_SHARDS][600];
@@ -368,7 +360,7 @@ static int cpu_mode(const opts *o, const char *dir)
     uint64_t *keys = bench_xmalloc((size_t)nb * BATCH * sizeof *keys);
     float *out = bench_xmalloc((size_t)BATCH * DIM * sizeof *out);
     for (size_t i = 0; i < (size_t)nb * BATCH; i++)
-        keys[i] = mix64(i + 777);
+        keys[i] = bench_mix64(i + 777);
     for (uint32_t b = 0; b < nb; b++) /* create the rows, untimed */
         bench_check(ps_client_pull(c, 0, keys + (size_t)b * BATCH, BATCH, out, &err), err, "pull");
     double best_ns = 1e30, best_rate = 0;
@@ -454,9 +446,9 @@ int main(int argc, char **argv)
     uint64_t *keys = malloc((size_t)o.batches * BATCH * sizeof *keys);
     float *grads = malloc((size_t)BATCH * DIM * sizeof *grads);
     for (size_t i = 0; i < (size_t)o.batches * BATCH; i++)
-        keys[i] = mix64(i + 12345);
+        keys[i] = bench_mix64(i + 12345);
     for (size_t i = 0; i < (size_t)BATCH * DIM; i++)
-        grads[i] = (float)((double)(mix64(i) >> 11) / 0x1p53 - 0.5) * 1e-3f;
+        grads[i] = (float)((double)(bench_mix64(i) >> 11) / 0x1p53 - 0.5) * 1e-3f;
 
     const uint32_t shard_counts[3] = {1, 2, 4};
     row rows[6];

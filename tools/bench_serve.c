@@ -55,23 +55,10 @@ typedef struct opts {
     int quick;
 } opts;
 
-static uint64_t mix64(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
-static uint64_t rng_next(uint64_t *s)
-{
-    return mix64((*s)++);
-}
-
 /* Key of row i (a bijection of i: distinct); misses use i >= rows. */
 static uint64_t row_key(uint64_t i)
 {
-    return mix64(i * 0x2545f4914f6cdd1dull + 17);
+    return bench_mix64(i * 0x2545f4914f6cdd1dull + 17);
 }
 
 static double now_ns(void)
@@ -278,15 +265,15 @@ int main(int argc, char **argv)
         uint64_t n = per_meas[m / MAX_THREADS];
         streams[m] = bench_xmalloc(n * sizeof(uint64_t));
         for (uint64_t i = 0; i < n; i++) {
-            uint64_t r = rng_next(&rng);
+            uint64_t r = bench_rng_next(&rng);
             int miss = (double)(r >> 11) * (1.0 / 9007199254740992.0) < MISS_FRAC;
-            streams[m][i] =
-                miss ? row_key(o.rows + rng_next(&rng) % o.rows) : row_key(rng_next(&rng) % o.rows);
+            streams[m][i] = miss ? row_key(o.rows + bench_rng_next(&rng) % o.rows)
+                                 : row_key(bench_rng_next(&rng) % o.rows);
         }
     }
     uint64_t *gidx = bench_xmalloc(o.keys * sizeof *gidx);
     for (uint64_t i = 0; i < o.keys; i++)
-        gidx[i] = rng_next(&rng) % o.rows;
+        gidx[i] = bench_rng_next(&rng) % o.rows;
     float *outs[MAX_THREADS];
     uint8_t *founds[MAX_THREADS];
     for (uint32_t i = 0; i < MAX_THREADS; i++) {

@@ -31,6 +31,7 @@
 
 #include "tools/bench_gather.h"
 #include "common/common.h"
+#include "tools/bench_util.h"
 #include "embedding/embedding.h"
 
 #define DIM 16u
@@ -60,29 +61,15 @@ static void *xmalloc(size_t n)
 
 /* ---- random numbers ---- */
 
-static uint64_t mix64(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
-/* splitmix64: the mixer over a counter. */
-static uint64_t rng_next(uint64_t *s)
-{
-    return mix64((*s)++);
-}
-
 static double rng_unif(uint64_t *s)
 {
-    return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0);
+    return (double)(bench_rng_next(s) >> 11) * (1.0 / 9007199254740992.0);
 }
 
 /* Key of Zipf rank r (1 = most frequent): scattered, as real feature hashes are. */
 static uint64_t rank_key(uint64_t r)
 {
-    return mix64(r * 0x2545f4914f6cdd1dull);
+    return bench_mix64(r * 0x2545f4914f6cdd1dull);
 }
 
 /*
@@ -411,7 +398,8 @@ int main(int argc, char **argv)
         top += r == 1;
         stream[i] = rank_key(r);
     }
-    for (size_t i = 0; i < timed_n; i++) gidx[i] = rng_next(&rng) % o.keys;
+    for (size_t i = 0; i < timed_n; i++)
+        gidx[i] = bench_rng_next(&rng) % o.keys;
     float *grads = xmalloc((size_t)o.batch * DIM * sizeof *grads);
     for (size_t i = 0; i < (size_t)o.batch * DIM; i++)
         grads[i] = (float)(rng_unif(&rng) - 0.5) * 0.01f;

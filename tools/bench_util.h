@@ -177,4 +177,19 @@ static inline const char *bench_ember_path(void)
     return buf;
 }
 
+/* splitmix64's mixer: keys and random numbers the benchmarks make, the same in every one. */
+static inline uint64_t bench_mix64(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* splitmix64: the mixer over a counter. */
+static inline uint64_t bench_rng_next(uint64_t *s)
+{
+    return bench_mix64((*s)++);
+}
+
 #endif
