@@ -1641,6 +1641,19 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
         rc = spill_get(t, s, &row->key, 1, old, &on_disk, errptr);
         if (on_disk) old_last = emb_rec_last_step(old);
     }
+    /* Expiry drops a resident row and leaves its spill copy to the mark, which holds only while
+     * no copy is stamped after its row (see the top of this file): a row stamped before the one
+     * it replaces takes the place of that row's copy, or the copy would outlive it. */
+    bool copied = on_disk || (slot >= 0 && (s->mem.ctrl[slot] & EMB_CTRL_DISK));
+    uint64_t was = slot >= 0 ? emb_rec_last_step(emb_mem_rec(&s->mem, slot)) : old_last;
+    if (rc == CM_OK && copied && row->last_step < was) {
+        rc = emb_store_put(t->spill, rec, 1, errptr);
+        if (rc == CM_OK && on_disk) { /* counted in its new bucket, resident or not */
+            ttl_count(t, s, old_last, -1);
+            ttl_count(t, s, row->last_step, 1);
+            old_last = row->last_step;
+        }
+    }
     if (rc == CM_OK && slot < 0) {
         rc = insert_room(t, s, &sc, row->key, h, &slot, errptr);
         /* Counted resident only once it is: a failed eviction leaves it spilled. */

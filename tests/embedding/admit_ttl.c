@@ -8,6 +8,8 @@
  *  - ttl_steps: expire drops rows whose last_step is more than ttl behind the step (exactly at
  *    the boundary), in memory and in the spill; rows kept alive by pulls or pushes stay and
  *    equal those of the same table without spill.
+ *  - emb_table_put_row into a spilling TTL table: a row put over one with a spill copy, stamped
+ *    before it, expires whole (the copy of the row it replaced does not come back).
  */
 #include <pthread.h>
 #include <sched.h>
@@ -328,6 +330,72 @@ static void test_ttl_spill(const char *dir)
     emb_table_destroy(twin);
 }
 
+/* A spilling TTL table of one small sub-shard (about 50 rows fit), stamping key k at step 10
+ * after `others` pulled keys have pushed it out of memory (all stamped 10 too); its pushes go
+ * to a key that stays resident, so they evict nothing. */
+enum { PUT_OTHERS = 400 };
+
+static emb_table *put_row_table(const char *dir, const char *name, uint64_t k, const float *g)
+{
+    emb_table_config c = eu_config(EMB_OPT_SGD, D);
+    c.ttl_steps = 4;
+    c.n_sub = 1;
+    c.mem_budget_bytes = 64 * (emb_row_bytes(&c) + 1);
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    c.spill_path = path;
+    emb_table *t = eu_create(&c);
+    uint64_t others[PUT_OTHERS];
+    float *out = eu_xmalloc(PUT_OTHERS * D * sizeof *out);
+    const uint64_t live = eu_key(2);
+    for (int i = 0; i < 10; i++)
+        eu_push(t, &live, 1, g);
+    eu_pull(t, &k, 1, out);
+    for (uint32_t i = 0; i < PUT_OTHERS; i++)
+        others[i] = eu_key(100 + i);
+    eu_pull(t, others, PUT_OTHERS, out);
+    eu_pull(t, &live, 1, out);
+    free(out);
+    return t;
+}
+
+/* Stats against a walk, and a snapshot (which counts the same way). */
+static void put_row_consistent(emb_table *t, const char *dir, const char *when)
+{
+    emb_table_stats s = eu_stats(t);
+    uint64_t walked = eu_count_rows(t);
+    CHECK_MSG(s.rows_mem + s.rows_spilled == walked,
+              "%s: stats count %" PRIu64 " rows (%" PRIu64 " spilled), a walk finds %" PRIu64, when,
+              s.rows_mem + s.rows_spilled, s.rows_spilled, walked);
+    char snap[4300], *err = NULL;
+    snprintf(snap, sizeof snap, "%s/put-row-snap", dir);
+    CHECK_OK(emb_table_snapshot(t, snap, &err), err);
+}
+
+/* emb_table_put_row over a row with a spill copy, stamped before that copy: when the put row
+ * expires, the older content's copy must not come back as the key's row. */
+static void test_ttl_put_row_older(const char *dir)
+{
+    const uint64_t k = eu_key(1), live = eu_key(2);
+    float g[D] = {0.1f, 0.2f, 0.3f, 0.4f}, w[D] = {1, 2, 3, 4};
+    emb_table *t = put_row_table(dir, "put_older", k, g);
+    emb_row row = {.key = k, .updates = 7, .last_step = 1, .weights = w, .state = w};
+    char *err = NULL;
+    CHECK_OK(emb_table_put_row(t, &row, &err), err);
+    eu_row got;
+    CHECK(eu_get(t, k, &got) && got.updates == 7 && got.last_step == 1);
+    eu_push(t, &live, 1, g);
+    eu_push(t, &live, 1, g); /* step 12: the put row (step 1) expires, its copy (10) would not */
+    uint64_t before = eu_stats(t).ttl_evictions, dropped = expire(t);
+    CHECK(dropped >= 1 && eu_stats(t).ttl_evictions == before + dropped);
+    CHECK_MSG(!eu_get(t, k, &got),
+              "an expired put row came back as its spill copy (updates %" PRIu64
+              ", last_step %" PRIu64 ")",
+              got.updates, got.last_step);
+    put_row_consistent(t, dir, "put row expired");
+    emb_table_destroy(t);
+}
+
 static void test_admission_snapshot(const char *dir)
 {
     emb_table_config c = eu_config(EMB_OPT_SGD, D);
@@ -390,6 +458,7 @@ int main(void)
     test_ttl_boundary();
     test_ttl_buckets();
     test_ttl_spill(dir);
+    test_ttl_put_row_older(dir);
     test_ttl_spill_cost(dir);
     test_ttl_expire_concurrent();
     cm_rmtree(dir, NULL);
