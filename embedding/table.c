@@ -47,6 +47,7 @@ typedef struct sub {
     uint64_t *ttl_cnt;
     uint64_t ttl_lo, ttl_doomed;
     uint64_t dead_below; /* bucket below which this sub-shard's spill records are expired */
+    uint64_t ttl_gone;   /* rows stamped below dead_below that evict dropped, for expire to count */
 } __attribute__((aligned(64))) sub;
 
 struct emb_table {
@@ -181,8 +182,8 @@ static void ttl_count(const emb_table *t, sub *s, uint64_t last_step, int delta)
     *c += (uint64_t)(int64_t)delta;
 }
 
-/* Whether a spill record of sub-shard s has expired (see the design note above); the caller
- * holds s->mu or every lock. */
+/* Whether a record of sub-shard s is stamped below its mark: a spill record so stamped has
+ * expired (see the design note above); the caller holds s->mu or every lock. */
 static inline bool spill_dead(const emb_table *t, const sub *s, const void *rec)
 {
     return s->dead_below > 0 && ttl_bucket(t, emb_rec_last_step(rec)) < s->dead_below;
@@ -208,7 +209,7 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
     if (grow_buf((void **)&sc->ev, &sc->cap_ev, target, t->rec) != CM_OK ||
         grow_buf((void **)&sc->ev_ctrl, &sc->cap_ev_ctrl, target, 1) != CM_OK)
         return cm_err(errptr, CM_ENOMEM, "out of memory for the eviction buffer");
-    uint64_t n = 0, n_dirty = 0;
+    uint64_t n = 0, n_dirty = 0, n_gone = 0;
     for (uint64_t scanned = 0; n < target && m->count > 0 && scanned <= 2 * m->cap; scanned++) {
         if (m->hand >= m->cap) m->hand = 0;
         uint8_t c = m->ctrl[m->hand];
@@ -217,6 +218,15 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
         } else if (c & EMB_CTRL_REF) {
             m->ctrl[m->hand] = (uint8_t)(c & ~EMB_CTRL_REF);
             m->hand++;
+        } else if (spill_dead(t, s, emb_mem_rec(m, (int64_t)m->hand))) {
+            /* Stamped below the mark (emb_table_put_row of an old row, or a pull whose step
+             * fell more than ttl behind while it waited for the lock): expired already, and
+             * once spilled it would read as absent yet count as spilled. It goes now, and the
+             * next expire counts it; its spill copy, if any, is older and expired too. */
+            emb_mem_delete(m, (int64_t)m->hand);
+            s->ttl_gone++;
+            n_gone++;
+            n++;
         } else {
             /* A clean row's spill copy is current: it leaves memory without a write. The
              * cluster shifts back into this slot, so the hand stays to look at it. */
@@ -242,12 +252,12 @@ static int evict(emb_table *t, sub *s, scratch *sc, char **errptr)
             memcpy(emb_mem_rec(m, slot), r, t->rec);
             m->ctrl[slot] |= sc->ev_ctrl[i] & EMB_CTRL_DISK;
         }
-        s->spilled += n - n_dirty;
-        s->spill_evictions += n - n_dirty;
+        s->spilled += n - n_gone - n_dirty;
+        s->spill_evictions += n - n_gone - n_dirty;
         return rc;
     }
-    s->spilled += n;
-    s->spill_evictions += n;
+    s->spilled += n - n_gone;
+    s->spill_evictions += n - n_gone;
     return CM_OK;
 }
 
@@ -1485,9 +1495,9 @@ int emb_table_expire(emb_table *t, uint64_t *dropped, char **errptr)
         if (t->ttl_cnt != NULL) {
             ttl_advance(t, s, step);
             s->spilled -= s->ttl_doomed;
-            s->ttl_evictions += s->ttl_doomed;
-            total += s->ttl_doomed;
-            s->ttl_doomed = 0;
+            s->ttl_evictions += s->ttl_doomed + s->ttl_gone;
+            total += s->ttl_doomed + s->ttl_gone;
+            s->ttl_doomed = s->ttl_gone = 0;
         }
         if (cut > s->dead_below) s->dead_below = cut;
         if (s->dead_below < mark) mark = s->dead_below;

@@ -9,7 +9,9 @@
  *    the boundary), in memory and in the spill; rows kept alive by pulls or pushes stay and
  *    equal those of the same table without spill.
  *  - emb_table_put_row into a spilling TTL table: a row put over one with a spill copy, stamped
- *    before it, expires whole (the copy of the row it replaced does not come back).
+ *    before it, expires whole (the copy of the row it replaced does not come back); a row put
+ *    stamped below the last expiry cut and then evicted is counted as the walk finds it (gone,
+ *    and reported by the next expire).
  */
 #include <pthread.h>
 #include <sched.h>
@@ -396,6 +398,37 @@ static void test_ttl_put_row_older(const char *dir)
     emb_table_destroy(t);
 }
 
+/* emb_table_put_row of a row stamped below the table's last expiry cut, then pushed out of
+ * memory: whatever the walk then finds, the stats must count the same rows. */
+static void test_ttl_put_row_below_mark(const char *dir)
+{
+    const uint64_t k = eu_key(1), live = eu_key(2), fresh = eu_key(3);
+    float g[D] = {0.1f, 0.2f, 0.3f, 0.4f}, w[D] = {1, 2, 3, 4};
+    emb_table *t = put_row_table(dir, "put_below", k, g);
+    for (int i = 0; i < 10; i++)
+        eu_push(t, &live, 1, g); /* step 20 */
+    CHECK(expire(t) > 0);        /* every sub-shard's cut is step 16 */
+    emb_row row = {.key = fresh, .updates = 7, .last_step = 2, .weights = w, .state = w};
+    char *err = NULL;
+    CHECK_OK(emb_table_put_row(t, &row, &err), err);
+    uint64_t others[PUT_OTHERS];
+    float *out = eu_xmalloc(PUT_OTHERS * D * sizeof *out);
+    for (uint32_t i = 0; i < PUT_OTHERS; i++)
+        others[i] = eu_key(1000 + i);
+    eu_pull(t, others, PUT_OTHERS, out); /* pushes the put row out of memory */
+    free(out);
+    put_row_consistent(t, dir, "old put row evicted");
+    eu_row got;
+    CHECK(!eu_get(t, fresh, &got));
+    uint64_t before = eu_stats(t).ttl_evictions, dropped = expire(t);
+    CHECK_MSG(dropped >= 1 && eu_stats(t).ttl_evictions == before + dropped,
+              "the next expire reported %" PRIu64 " dropped, ttl_evictions went %" PRIu64
+              " -> %" PRIu64,
+              dropped, before, eu_stats(t).ttl_evictions);
+    put_row_consistent(t, dir, "after the next expire");
+    emb_table_destroy(t);
+}
+
 static void test_admission_snapshot(const char *dir)
 {
     emb_table_config c = eu_config(EMB_OPT_SGD, D);
@@ -459,6 +492,7 @@ int main(void)
     test_ttl_buckets();
     test_ttl_spill(dir);
     test_ttl_put_row_older(dir);
+    test_ttl_put_row_below_mark(dir);
     test_ttl_spill_cost(dir);
     test_ttl_expire_concurrent();
     cm_rmtree(dir, NULL);
