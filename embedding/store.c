@@ -115,15 +115,17 @@ static int collect_dead(const void *rec, void *arg)
 int emb_store_set_dead_below(emb_store *s, uint64_t step, char **errptr)
 {
     if (s->rec < EMB_REC_HDR || step <= s->dead_below) return CM_OK;
-    s->dead_below = step;
     if (s->ops->set_dead_below != NULL) {
         s->ops->set_dead_below(s->impl, step);
+        s->dead_below = step;
         return CM_OK;
     }
     struct dead_keys d = {step, NULL, 0, 0};
     int rc = s->ops->foreach (s->impl, collect_dead, &d, errptr);
     if (rc == CM_ENOMEM) rc = cm_err(errptr, CM_ENOMEM, "out of memory expiring records");
     if (rc == CM_OK) rc = s->ops->del(s->impl, d.keys, d.n, errptr);
+    /* Raised only once its records are gone: after a failure the same call must try again. */
+    if (rc == CM_OK) s->dead_below = step;
     free(d.keys);
     return rc;
 }
