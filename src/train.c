@@ -2005,6 +2005,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     }
     ps_server **servers = NULL;
     worker *workers = NULL;
+    uint32_t n_w = oc.workers; /* before the first goto: the cleanup reads it */
     if (rc != CM_OK) goto out;
     S.o = &oc;
     S.t0 = cm_now();
@@ -2012,7 +2013,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     S.first_failed = -1;
     pthread_mutex_init(&S.abort_mu, NULL);
     bool run_ps = !o->cluster_path, run_workers = !o->cluster_path, is_backup = false;
-    uint32_t first_w = 0, n_w = oc.workers, first_s = 0, n_s = oc.shards;
+    uint32_t first_w = 0, first_s = 0, n_s = oc.shards;
     if (o->cluster_path) {
         is_backup = !strcmp(o->role, "backup");
         run_ps = !strcmp(o->role, "ps") || is_backup;
