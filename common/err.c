@@ -15,15 +15,21 @@
 #include <unistd.h>
 #include "common/xxh.h"
 
+/* The message is formatted whole, at any length (paths reach 4 KiB), before *errptr is freed:
+ * a caller may quote the message it replaces. */
 static void err_vset(char **errptr, const char *suffix, const char *fmt, va_list ap)
 {
     if (errptr == NULL) return;
-    char buf[1024];
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    size_t len = strlen(buf) + (suffix ? strlen(suffix) + 2 : 0) + 1;
+    va_list ap2;
+    va_copy(ap2, ap);
+    int n = vsnprintf(NULL, 0, fmt, ap2);
+    va_end(ap2);
+    if (n < 0) n = 0;
+    size_t len = (size_t)n + (suffix ? strlen(suffix) + 2 : 0) + 1;
     char *msg = malloc(len);
     if (msg == NULL) return; /* keep any older message rather than lose both */
-    snprintf(msg, len, "%s%s%s", buf, suffix ? ": " : "", suffix ? suffix : "");
+    vsnprintf(msg, (size_t)n + 1, fmt, ap);
+    if (suffix) snprintf(msg + n, len - (size_t)n, ": %s", suffix);
     free(*errptr);
     *errptr = msg;
 }

@@ -257,8 +257,8 @@ static int plan_schema_text(builder *b, const char *text, size_t len, const char
         for (size_t i = 0; i < sizeof roles / sizeof roles[0]; i++)
             if (word_is(w[0], wl[0], roles[i].word)) role = roles[i].role;
         if (role < 0)
-            return cm_err(errptr, CM_EINVAL, "%s:%d: unknown keyword '%.*s'", src, line,
-                          (int)wl[0], w[0]);
+            return cm_err(errptr, CM_EINVAL, "%s:%d: unknown keyword '%.*s'%s", src, line,
+                          (int)(wl[0] < 64 ? wl[0] : 64), w[0], wl[0] > 64 ? "..." : "");
         char msep = 0;
         if (role == COL_MULTI) {
             if (nw != 3 || parse_sep(w[2], wl[2], &msep) != CM_OK)

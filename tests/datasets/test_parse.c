@@ -130,6 +130,17 @@ static void test_csv_quoting_multi(void)
     o.schema_text = "multi t ,\n";
     CHECK(ds_parser_create(&o, &q, &err) == CM_EINVAL);
     free(err);
+    err = NULL;
+    /* an unknown keyword is quoted, but not a 100,000-byte one whole */
+    char *big = malloc(100002);
+    if (big == NULL) return;
+    memset(big, 'k', 100000);
+    memcpy(big + 100000, "\n", 2);
+    o.schema_text = big;
+    CHECK(ds_parser_create(&o, &q, &err) == CM_EINVAL && err && strstr(err, "'kkkk") &&
+          strlen(err) < 200);
+    free(err);
+    free(big);
 }
 
 static void test_criteo_tsv(void)
