@@ -107,7 +107,7 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
             break;
         }
         /* A UTF-8 byte order mark (some editors start every file with one) is not text. */
-        if (lineno == 1 && !strncmp(line, "\xef\xbb\xbf", 3))
+        if (lineno == 1 && !strncmp(line, CM_UTF8_BOM, 3))
             memmove(line, line + 3, strlen(line) - 2);
         char *hash = strchr(line, '#');
         if (hash) *hash = '\0';

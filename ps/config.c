@@ -200,6 +200,9 @@ static int section_line(const char *path, const char *kind, const char *name)
     while (f != NULL && !found && fgets(line, sizeof line, f) != NULL) {
         lineno++;
         char *s = line;
+        /* cm_ini_parse skips a byte order mark: so must this search, or it misses a header on
+         * the first line and names line 0. */
+        if (lineno == 1 && !strncmp(s, CM_UTF8_BOM, 3)) s += 3;
         while (isspace((unsigned char)*s))
             s++;
         if (*s++ != '[') continue;

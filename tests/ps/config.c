@@ -152,6 +152,8 @@ static void test_errors(void)
     expect_error("[cluster]\nshards = 2\n[table nodim]\nlr = 0.1\n[table ok]\ndim = 4\n", 3,
                  "nodim");
     expect_error("[table a]\ndim = 4\n\n[table last]\nlr = 0.1\n", 4, "'last'");
+    /* Found after a byte order mark too (the line was 0: the search took the mark for text). */
+    expect_error("\xef\xbb\xbf[table t]\nlr = 0.1\n", 1, "table 't' has no dim");
     /* Likewise a dense block without size (it said "size 0 out of range", naming no line). */
     expect_error("[dense ok]\nsize = 4\n[dense nosize]\nlr = 0.1\n", 3,
                  "dense 'nosize' has no size");
