@@ -96,11 +96,14 @@ static void test_good(void)
     CHECK(e.max_msg_bytes == 256ull << 20);
 }
 
-/* Loads text and expects an error mentioning "<path>:<line>" and `what`. */
-static void expect_error(const char *text, int line, const char *what)
+/* Loads len bytes of text (NULs included) and expects an error mentioning "<path>:<line>" and
+ * `what`. */
+static void expect_error_bytes(const char *text, size_t len, int line, const char *what)
 {
     const char *path = pt_path(dir, "bad.conf");
-    pt_write(path, text);
+    FILE *f = fopen(path, "w");
+    if (f == NULL || fwrite(text, 1, len, f) != len || fclose(f) != 0)
+        pt_die("cannot write", strdup(path));
     ps_config c;
     char *err = NULL;
     int rc = ps_config_load(path, &c, &err);
@@ -110,6 +113,12 @@ static void expect_error(const char *text, int line, const char *what)
     CHECK_MSG(err && strstr(err, where) && strstr(err, what), "want '%s' and '%s' in: %s", where,
               what, err ? err : "(none)");
     free(err);
+}
+
+/* The same for a text without NULs. */
+static void expect_error(const char *text, int line, const char *what)
+{
+    expect_error_bytes(text, strlen(text), line, what);
 }
 
 static void test_errors(void)
@@ -154,6 +163,12 @@ static void test_errors(void)
     expect_error("[table a]\ndim = 4\n\n[table last]\nlr = 0.1\n", 4, "'last'");
     /* Found after a byte order mark too (the line was 0: the search took the mark for text). */
     expect_error("\xef\xbb\xbf[table t]\nlr = 0.1\n", 1, "table 't' has no dim");
+    /* A NUL byte is no text: it was "line too long" for a short line, and in a last line without
+     * a newline it silently cut the value short (tls_ca = /ca.pem). */
+    static const char nul_mid[] = "[cluster]\nshards = 2\0junk\nworkers = 1\n";
+    expect_error_bytes(nul_mid, sizeof nul_mid - 1, 2, "NUL byte");
+    static const char nul_end[] = "[cluster]\ntls_ca = /ca.pem\0/other.pem";
+    expect_error_bytes(nul_end, sizeof nul_end - 1, 2, "NUL byte");
     /* Likewise a dense block without size (it said "size 0 out of range", naming no line). */
     expect_error("[dense ok]\nsize = 4\n[dense nosize]\nlr = 0.1\n", 3,
                  "dense 'nosize' has no size");
