@@ -132,7 +132,8 @@ typedef struct emb_table_config {
      * a sub-shard under its lock, and its old and new arrays briefly coexist. The capacity is
      * allocated at creation, and resident from then on where a sub-shard's block is 2 MiB or
      * more: reserve what the table would grow to anyway.
-     * More rows than reserved still fit (it doubles). */
+     * More rows than reserved still fit (it doubles). emb_table_config_check refuses a
+     * reservation of more than 2^48 bytes. */
     uint64_t reserve_rows;
 } emb_table_config;
 

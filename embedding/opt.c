@@ -105,6 +105,17 @@ int emb_table_config_check(const emb_table_config *cfg, char **errptr)
                           (unsigned long long)cfg->mem_budget_bytes, n_sub,
                           2.0 * (double)(emb_row_bytes(cfg) + 1));
     }
+    /* The reservation is allocated at creation. One beyond what a process can map (2^48 bytes,
+     * x86-64's and arm64's address space with 4-level page tables) is a typo, and its slots
+     * times the record size could wrap around 2^64 to a small block that creation then wrote
+     * past (reserve_rows 19205585507227566 of dim 4096 adam: 33713 bytes). */
+    const double max_bytes = 281474976710656.0;
+    double bytes = (double)emb_table_initial_bytes(cfg);
+    if (bytes > max_bytes)
+        return cm_err(errptr, CM_EINVAL,
+                      "reserve_rows %llu needs %.3g bytes at creation, more than a process can "
+                      "map (%.3g)",
+                      (unsigned long long)cfg->reserve_rows, bytes, max_bytes);
     return CM_OK;
 }
 

@@ -199,6 +199,17 @@ static void test_errors(void)
     pt_write(path, "[table user_2.a-b]\ndim = 4\n");
     CHECK(ps_config_load(path, &c, &err) == CM_OK);
     free(err), err = NULL;
+    /* A reservation no machine holds is refused: this one's 64 sub-shards of 3.75e14 slots of
+     * 49177 bytes wrapped around 2^64 to 33713 bytes, and the server's table creation wrote
+     * past them (a wild memset) where it should have said "out of memory". */
+    pt_write(path, "[table t]\ndim = 4096\noptimizer = adam\nreserve_rows = 19205585507227566\n");
+    CHECK_MSG(ps_config_load(path, &c, &err) == CM_EINVAL && err && strstr(err, "table 't'") &&
+                  strstr(err, "reserve_rows"),
+              "%s", err ? err : "(accepted)");
+    free(err), err = NULL;
+    pt_write(path, "[table t]\ndim = 8\nreserve_rows = 1G\n");
+    CHECK_MSG(ps_config_load(path, &c, &err) == CM_OK, "%s", err ? err : "");
+    free(err), err = NULL;
     /* A dense block whose whole state (Adam: values and two slots, 12 bytes a float, plus the
      * step and the 56-byte header) would not pass max_message is refused up front. */
     pt_write(path, "[cluster]\nmax_message = 4096\n[dense big]\nsize = 400\n");
