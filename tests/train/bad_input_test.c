@@ -145,6 +145,11 @@ int main(void)
     rc = run("train --train ds/train --config comma.ini --max-steps 1 --out r3e --no-progress");
     CHECK_MSG(rc == 2 && err_has("comma.ini:3: bad value '64,' for hidden"),
               "hidden with a trailing comma: exit %d, %s", rc, err_text);
+    /* strtoul takes a sign: -18446744073709551615 wrapped around to a layer of width 1. */
+    write_text("neg.ini", "[model]\nkind = mlp\nhidden = 64,-18446744073709551615\n");
+    rc = run("train --train ds/train --config neg.ini --max-steps 1 --out r3e --no-progress");
+    CHECK_MSG(rc == 2 && err_has("neg.ini:3: bad value '64,-18446744073709551615' for hidden"),
+              "hidden with a negative width: exit %d, %s", rc, err_text);
     write_text("tf32-bad.ini", "[train]\ntf32 = 2\n");
     rc = run("train --train av/train --model lr --config tf32-bad.ini --out r3d --no-progress");
     CHECK_MSG(rc != 0 && err_has("bad value '2' for tf32"), "[train] tf32 = 2: exit %d", rc);
