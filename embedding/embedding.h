@@ -123,7 +123,7 @@ typedef struct emb_table_config {
     uint64_t mem_budget_bytes; /* 0 = unlimited (no spill) */
     const char *spill_path;    /* RocksDB directory; required when mem_budget_bytes > 0.
                                   Borrowed: copied by emb_table_create. Must not be in use. */
-    uint32_t admit_threshold;  /* 0 or 1 = admit on first sight */
+    uint32_t admit_threshold;  /* 0 or 1 = admit on first sight; at most 65535 */
     uint64_t ttl_steps;        /* 0 = never expire */
     uint32_t n_sub;            /* sub-shards (lock stripes), 1..4096; 0 = default (64) */
     /* Rows the table is expected to hold in memory; 0 = start small. The hash table is then

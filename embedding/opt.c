@@ -92,6 +92,13 @@ int emb_table_config_check(const emb_table_config *cfg, char **errptr)
     if (!finite_nonneg(cfg->init_scale))
         return cm_err(errptr, CM_EINVAL, "init_scale %g must be finite and >= 0",
                       (double)cfg->init_scale);
+    /* The admission sketch's counters (uint16_t, table.c) saturate at 65535: a key's estimate
+     * never reaches a larger threshold, and the table would admit no key, ever. */
+    if (cfg->admit_threshold > UINT16_MAX)
+        return cm_err(errptr, CM_EINVAL,
+                      "admit %u above 65535, where the admission counters stop: no key would "
+                      "ever be admitted",
+                      cfg->admit_threshold);
     if (cfg->n_sub > 4096) return cm_err(errptr, CM_EINVAL, "n_sub %u > 4096", cfg->n_sub);
     if (cfg->mem_budget_bytes > 0) {
         if (cfg->spill_path == NULL || cfg->spill_path[0] == '\0')

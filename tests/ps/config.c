@@ -210,6 +210,16 @@ static void test_errors(void)
     pt_write(path, "[table t]\ndim = 8\nreserve_rows = 1G\n");
     CHECK_MSG(ps_config_load(path, &c, &err) == CM_OK, "%s", err ? err : "");
     free(err), err = NULL;
+    /* The admission sketch's counters stop at 65535: a larger threshold admitted no key ever,
+     * a table that silently never learned (64K is 65536). */
+    pt_write(path, "[table t]\ndim = 4\nadmit = 64K\n");
+    CHECK_MSG(ps_config_load(path, &c, &err) == CM_EINVAL && err && strstr(err, "table 't'") &&
+                  strstr(err, "admit 65536"),
+              "%s", err ? err : "(accepted)");
+    free(err), err = NULL;
+    pt_write(path, "[table t]\ndim = 4\nadmit = 65535\n");
+    CHECK_MSG(ps_config_load(path, &c, &err) == CM_OK, "%s", err ? err : "");
+    free(err), err = NULL;
     /* A dense block whose whole state (Adam: values and two slots, 12 bytes a float, plus the
      * step and the 56-byte header) would not pass max_message is refused up front. */
     pt_write(path, "[cluster]\nmax_message = 4096\n[dense big]\nsize = 400\n");
