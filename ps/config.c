@@ -279,6 +279,12 @@ int ps_config_check(const ps_config *cfg, char **errptr)
     if (cfg->max_msg_bytes < 4096)
         return cm_err(errptr, CM_EINVAL, "max_message %llu is below 4096 bytes",
                       (unsigned long long)cfg->max_msg_bytes);
+    /* The server hands it to nng as an nng_duration, int32 milliseconds where -1 means "wait
+     * forever" and 0 "do not wait": 4294967295 turned the timeout off, and 0 gave the backup no
+     * time to acknowledge anything. */
+    if (cfg->replica_timeout_ms == 0 || cfg->replica_timeout_ms > INT32_MAX)
+        return cm_err(errptr, CM_EINVAL, "replica_timeout %u ms out of range 1..%d",
+                      cfg->replica_timeout_ms, INT32_MAX);
     for (uint32_t i = 0; i < cfg->n_tables; i++) {
         const ps_table_spec *t = &cfg->tables[i];
         emb_table_config c = t->cfg;

@@ -181,6 +181,22 @@ static void test_errors(void)
     CHECK(ps_config_load(path, &c, &err) == CM_EINVAL);
     CHECK_MSG(err && strstr(err, path) && strstr(err, "shards"), "%s", err ? err : "");
     free(err), err = NULL;
+    /* replica_timeout becomes nng's int32 milliseconds, where -1 means "wait forever": 2^32-1
+     * turned the timeout off instead of making it long, and 0 gave the backup no time at all. */
+    const char *bad_timeouts[] = {"0", "2147483648", "4294967295"},
+               *tpath = pt_path(dir, "timeout.conf");
+    for (size_t i = 0; i < sizeof bad_timeouts / sizeof bad_timeouts[0]; i++) {
+        char text[64];
+        snprintf(text, sizeof text, "[cluster]\nreplica_timeout = %s\n", bad_timeouts[i]);
+        pt_write(tpath, text);
+        CHECK_MSG(ps_config_load(tpath, &c, &err) == CM_EINVAL && err &&
+                      strstr(err, "replica_timeout") && strstr(err, bad_timeouts[i]),
+                  "replica_timeout %s: %s", bad_timeouts[i], err ? err : "(accepted)");
+        free(err), err = NULL;
+    }
+    pt_write(tpath, "[cluster]\nreplica_timeout = 2147483647\n");
+    CHECK_MSG(ps_config_load(tpath, &c, &err) == CM_OK, "%s", err ? err : "");
+    free(err), err = NULL;
     /* Names become file names (a spill database the server deletes when it stops): a path,
      * "..", or a hidden name is refused, naming the table. */
     const char *bad_names[] = {"..", "../x", "a/b", ".hidden", "sp ace"};
