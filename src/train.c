@@ -124,7 +124,9 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
         else if (!strcmp(k, "expected_rows"))
             bad = cm_parse_size(v, &u) || u > INT64_MAX, o->expected_rows = (int64_t)u;
         else
-            return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
+            /* Keys before any header are [train]'s; one of those is named as where it is. */
+            return cm_err(errptr, CM_EINVAL, "unknown key '%s' %s", k,
+                          *section ? "in [train]" : "before any section (read as [train])");
     }
     return bad ? cm_err(errptr, CM_EINVAL, "bad value '%s' for %s", v, k) : CM_OK;
 }

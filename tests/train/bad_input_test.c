@@ -150,6 +150,12 @@ int main(void)
     rc = run("train --train ds/train --config modelarg.ini --max-steps 1 --out r3e --no-progress");
     CHECK_MSG(rc == 2 && err_has("modelarg.ini:3: unknown section [model x] (model, train)"),
               "[model x]: exit %d, %s", rc, err_text);
+    /* A key before any section header is read as [train]'s; a [model] key there was reported
+     * as "unknown key 'dim' in [train]", naming a section the file does not have. */
+    write_text("nosect.ini", "dim = 8\n[model]\nkind = lr\n");
+    rc = run("train --train ds/train --config nosect.ini --max-steps 1 --out r3e --no-progress");
+    CHECK_MSG(rc == 2 && err_has("nosect.ini:1: unknown key 'dim' before any section"),
+              "dim before any section: exit %d, %s", rc, err_text);
     /* strtoul takes a sign: -18446744073709551615 wrapped around to a layer of width 1. */
     write_text("neg.ini", "[model]\nkind = mlp\nhidden = 64,-18446744073709551615\n");
     rc = run("train --train ds/train --config neg.ini --max-steps 1 --out r3e --no-progress");
