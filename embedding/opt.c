@@ -117,12 +117,12 @@ int emb_table_config_check(const emb_table_config *cfg, char **errptr)
      * times the record size could wrap around 2^64 to a small block that creation then wrote
      * past (reserve_rows 19205585507227566 of dim 4096 adam: 33713 bytes). */
     const double max_bytes = 281474976710656.0;
-    double bytes = (double)emb_table_initial_bytes(cfg);
-    if (bytes > max_bytes)
+    /* (No byte count in the message: emb_table_initial_bytes saturates at 2^64.) */
+    if ((double)emb_table_initial_bytes(cfg) > max_bytes)
         return cm_err(errptr, CM_EINVAL,
-                      "reserve_rows %llu needs %.3g bytes at creation, more than a process can "
-                      "map (%.3g)",
-                      (unsigned long long)cfg->reserve_rows, bytes, max_bytes);
+                      "reserve_rows %llu needs more memory at creation than a process can map "
+                      "(%.3g bytes)",
+                      (unsigned long long)cfg->reserve_rows, max_bytes);
     return CM_OK;
 }
 
