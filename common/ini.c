@@ -56,6 +56,25 @@ int cm_parse_size(const char *v, uint64_t *out)
     return 0;
 }
 
+/* Reads one line, its '\n' included when it has one, into buf (n bytes, NUL-terminated) and its
+ * length, NUL bytes counted, into *len: fgets hides a NUL (the line seems to end there), which
+ * made a short line with one "too long" and cut a last line without '\n' short in silence.
+ * 1: a line; 0: end of file; -1: the line does not fit in n - 1 bytes. */
+static int read_line(FILE *f, char *buf, size_t n, size_t *len)
+{
+    size_t i = 0;
+    int c = EOF;
+    while (i + 1 < n && (c = getc(f)) != EOF) {
+        buf[i++] = (char)c;
+        if (c == '\n') break;
+    }
+    buf[i] = '\0';
+    *len = i;
+    /* A full buffer holds the whole line only if the file ends there. */
+    if (i + 1 == n && c != '\n' && getc(f) != EOF) return -1;
+    return i > 0;
+}
+
 /* A key seen in a parse: "section\narg\nkey" and its line, for the duplicate check. */
 typedef struct ini_key {
     char *id;
@@ -96,18 +115,23 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
         return cm_err(errptr, CM_EINVAL, "%s is not a regular file", path);
     }
     char line[4096], section[256] = "", sarg[256] = "";
-    int rc = CM_OK, lineno = 0;
+    int rc = CM_OK, lineno = 0, got;
     char *err = NULL;
     ini_key *keys = NULL;
-    size_t n_keys = 0;
-    while (rc == CM_OK && fgets(line, sizeof line, f) != NULL) {
+    size_t n_keys = 0, len;
+    while (rc == CM_OK && (got = read_line(f, line, sizeof line, &len)) != 0) {
         lineno++;
-        if (strchr(line, '\n') == NULL && !feof(f)) {
+        if (got < 0) {
             rc = cm_err(errptr, CM_EINVAL, "%s:%d: line too long", path, lineno);
             break;
         }
+        if (memchr(line, '\0', len) != NULL) {
+            rc = cm_err(errptr, CM_EINVAL, "%s:%d: NUL byte in the line (not a text file?)", path,
+                        lineno);
+            break;
+        }
         /* A UTF-8 byte order mark (some editors start every file with one) is not text. */
-        if (lineno == 1 && !strncmp(line, "\xef\xbb\xbf", 3))
+        if (lineno == 1 && !strncmp(line, CM_UTF8_BOM, 3))
             memmove(line, line + 3, strlen(line) - 2);
         char *hash = strchr(line, '#');
         if (hash) *hash = '\0';
@@ -155,6 +179,8 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
                    err ? err : "rejected");
         if (rc > 0) rc = CM_EINVAL;
     }
+    /* A read error ends the lines as end of file does: without this it read as a shorter file. */
+    if (rc == CM_OK && ferror(f)) rc = cm_err_errno(errptr, CM_EIO, "cannot read %s", path);
     free(err);
     for (size_t i = 0; i < n_keys; i++)
         free(keys[i].id);

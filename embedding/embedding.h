@@ -123,7 +123,7 @@ typedef struct emb_table_config {
     uint64_t mem_budget_bytes; /* 0 = unlimited (no spill) */
     const char *spill_path;    /* RocksDB directory; required when mem_budget_bytes > 0.
                                   Borrowed: copied by emb_table_create. Must not be in use. */
-    uint32_t admit_threshold;  /* 0 or 1 = admit on first sight */
+    uint32_t admit_threshold;  /* 0 or 1 = admit on first sight; at most 65535 */
     uint64_t ttl_steps;        /* 0 = never expire */
     uint32_t n_sub;            /* sub-shards (lock stripes), 1..4096; 0 = default (64) */
     /* Rows the table is expected to hold in memory; 0 = start small. The hash table is then
@@ -132,7 +132,8 @@ typedef struct emb_table_config {
      * a sub-shard under its lock, and its old and new arrays briefly coexist. The capacity is
      * allocated at creation, and resident from then on where a sub-shard's block is 2 MiB or
      * more: reserve what the table would grow to anyway.
-     * More rows than reserved still fit (it doubles). */
+     * More rows than reserved still fit (it doubles). emb_table_config_check refuses a
+     * reservation of more than 2^48 bytes. */
     uint64_t reserve_rows;
 } emb_table_config;
 

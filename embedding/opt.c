@@ -92,6 +92,13 @@ int emb_table_config_check(const emb_table_config *cfg, char **errptr)
     if (!finite_nonneg(cfg->init_scale))
         return cm_err(errptr, CM_EINVAL, "init_scale %g must be finite and >= 0",
                       (double)cfg->init_scale);
+    /* The admission sketch's counters (uint16_t, table.c) saturate at 65535: a key's estimate
+     * never reaches a larger threshold, and the table would admit no key, ever. */
+    if (cfg->admit_threshold > UINT16_MAX)
+        return cm_err(errptr, CM_EINVAL,
+                      "admit %u above 65535, where the admission counters stop: no key would "
+                      "ever be admitted",
+                      cfg->admit_threshold);
     if (cfg->n_sub > 4096) return cm_err(errptr, CM_EINVAL, "n_sub %u > 4096", cfg->n_sub);
     if (cfg->mem_budget_bytes > 0) {
         if (cfg->spill_path == NULL || cfg->spill_path[0] == '\0')
@@ -105,6 +112,17 @@ int emb_table_config_check(const emb_table_config *cfg, char **errptr)
                           (unsigned long long)cfg->mem_budget_bytes, n_sub,
                           2.0 * (double)(emb_row_bytes(cfg) + 1));
     }
+    /* The reservation is allocated at creation. One beyond what a process can map (2^48 bytes,
+     * x86-64's and arm64's address space with 4-level page tables) is a typo, and its slots
+     * times the record size could wrap around 2^64 to a small block that creation then wrote
+     * past (reserve_rows 19205585507227566 of dim 4096 adam: 33713 bytes). */
+    const double max_bytes = 281474976710656.0;
+    /* (No byte count in the message: emb_table_initial_bytes saturates at 2^64.) */
+    if ((double)emb_table_initial_bytes(cfg) > max_bytes)
+        return cm_err(errptr, CM_EINVAL,
+                      "reserve_rows %llu needs more memory at creation than a process can map "
+                      "(%.3g bytes)",
+                      (unsigned long long)cfg->reserve_rows, max_bytes);
     return CM_OK;
 }
 

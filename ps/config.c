@@ -200,6 +200,9 @@ static int section_line(const char *path, const char *kind, const char *name)
     while (f != NULL && !found && fgets(line, sizeof line, f) != NULL) {
         lineno++;
         char *s = line;
+        /* cm_ini_parse skips a byte order mark: so must this search, or it misses a header on
+         * the first line and names line 0. */
+        if (lineno == 1 && !strncmp(s, CM_UTF8_BOM, 3)) s += 3;
         while (isspace((unsigned char)*s))
             s++;
         if (*s++ != '[') continue;
@@ -276,6 +279,12 @@ int ps_config_check(const ps_config *cfg, char **errptr)
     if (cfg->max_msg_bytes < 4096)
         return cm_err(errptr, CM_EINVAL, "max_message %llu is below 4096 bytes",
                       (unsigned long long)cfg->max_msg_bytes);
+    /* The server hands it to nng as an nng_duration, int32 milliseconds where -1 means "wait
+     * forever" and 0 "do not wait": 4294967295 turned the timeout off, and 0 gave the backup no
+     * time to acknowledge anything. */
+    if (cfg->replica_timeout_ms == 0 || cfg->replica_timeout_ms > INT32_MAX)
+        return cm_err(errptr, CM_EINVAL, "replica_timeout %u ms out of range 1..%d",
+                      cfg->replica_timeout_ms, INT32_MAX);
     for (uint32_t i = 0; i < cfg->n_tables; i++) {
         const ps_table_spec *t = &cfg->tables[i];
         emb_table_config c = t->cfg;

@@ -121,7 +121,8 @@ typedef struct ps_config {
     uint32_t worker_timeout_ms;  /* a worker silent this long stops holding back clocks and
                                     barriers (shard 0); 0 = wait for it forever */
     uint32_t replica_timeout_ms; /* a primary whose backup has not acknowledged an update this
-                                    long drops the backup and goes on unreplicated */
+                                    long drops the backup and goes on unreplicated
+                                    (1..2^31-1) */
     char spill_dir[1024];        /* shard s, table t spills to <spill_dir>/shard-<s>/<name> */
     char tls_cert[1024], tls_key[1024], tls_ca[1024]; /* PEM files for tls+tcp:// */
     uint32_t n_tables, n_dense;

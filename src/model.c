@@ -1,6 +1,7 @@
 /* Model presets, parameter layout and initialisation; the backend registry. */
 #include "src/model.h"
 
+#include <ctype.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -99,6 +100,9 @@ int model_parse_widths(const char *v, uint32_t *w, uint32_t *k)
     if (strcmp(v, "-") == 0) return 0;
     for (const char *p = v; *p;) {
         char *end;
+        /* strtoul takes a sign: "-18446744073709551615" would read as a width of 1. Blanks may
+         * still come first ("64, 32"). */
+        if (!isdigit((unsigned char)p[strspn(p, " \t")])) return -1;
         unsigned long x = strtoul(p, &end, 10);
         /* a trailing comma names a layer that is not there: "64," is not "64" */
         if (end == p || x == 0 || x > 65536 || *k >= MODEL_MAX_LAYERS ||

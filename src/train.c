@@ -48,6 +48,14 @@ void train_opts_init(train_opts *o)
 
 /* ---- config file ---- */
 
+/* The error for a section header cm_ini_parse's callback refuses, naming its argument too:
+ * "[model x]" reported as "[model]" contradicted the list of known sections. */
+static int unknown_section(char **errptr, const char *section, const char *sarg, const char *known)
+{
+    return cm_err(errptr, CM_EINVAL, "unknown section [%s%s%s] (%s)", section, *sarg ? " " : "",
+                  sarg, known);
+}
+
 static int train_entry(void *arg, const char *section, const char *sarg, const char *k,
                        const char *v, char **errptr)
 {
@@ -55,7 +63,7 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
     if (k == NULL)
         return (!strcmp(section, "model") || !strcmp(section, "train")) && !*sarg
                    ? CM_OK
-                   : cm_err(errptr, CM_EINVAL, "unknown section [%s] (model, train)", section);
+                   : unknown_section(errptr, section, sarg, "model, train");
     uint64_t u = 0;
     char *end = NULL;
     int bad = 0;
@@ -116,7 +124,9 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
         else if (!strcmp(k, "expected_rows"))
             bad = cm_parse_size(v, &u) || u > INT64_MAX, o->expected_rows = (int64_t)u;
         else
-            return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
+            /* Keys before any header are [train]'s; one of those is named as where it is. */
+            return cm_err(errptr, CM_EINVAL, "unknown key '%s' %s", k,
+                          *section ? "in [train]" : "before any section (read as [train])");
     }
     return bad ? cm_err(errptr, CM_EINVAL, "bad value '%s' for %s", v, k) : CM_OK;
 }
@@ -2256,7 +2266,7 @@ static int cluster_entry(void *arg, const char *section, const char *sarg, const
 {
     setup *S = arg;
     if (strcmp(section, "cluster") || *sarg)
-        return cm_err(errptr, CM_EINVAL, "unknown section [%s] (cluster)", section);
+        return unknown_section(errptr, section, sarg, "cluster");
     if (k == NULL) return CM_OK;
     if (!strcmp(k, "workers")) {
         uint64_t n;

@@ -96,11 +96,14 @@ static void test_good(void)
     CHECK(e.max_msg_bytes == 256ull << 20);
 }
 
-/* Loads text and expects an error mentioning "<path>:<line>" and `what`. */
-static void expect_error(const char *text, int line, const char *what)
+/* Loads len bytes of text (NULs included) and expects an error mentioning "<path>:<line>" and
+ * `what`. */
+static void expect_error_bytes(const char *text, size_t len, int line, const char *what)
 {
     const char *path = pt_path(dir, "bad.conf");
-    pt_write(path, text);
+    FILE *f = fopen(path, "w");
+    if (f == NULL || fwrite(text, 1, len, f) != len || fclose(f) != 0)
+        pt_die("cannot write", strdup(path));
     ps_config c;
     char *err = NULL;
     int rc = ps_config_load(path, &c, &err);
@@ -110,6 +113,12 @@ static void expect_error(const char *text, int line, const char *what)
     CHECK_MSG(err && strstr(err, where) && strstr(err, what), "want '%s' and '%s' in: %s", where,
               what, err ? err : "(none)");
     free(err);
+}
+
+/* The same for a text without NULs. */
+static void expect_error(const char *text, int line, const char *what)
+{
+    expect_error_bytes(text, strlen(text), line, what);
 }
 
 static void test_errors(void)
@@ -152,6 +161,14 @@ static void test_errors(void)
     expect_error("[cluster]\nshards = 2\n[table nodim]\nlr = 0.1\n[table ok]\ndim = 4\n", 3,
                  "nodim");
     expect_error("[table a]\ndim = 4\n\n[table last]\nlr = 0.1\n", 4, "'last'");
+    /* Found after a byte order mark too (the line was 0: the search took the mark for text). */
+    expect_error("\xef\xbb\xbf[table t]\nlr = 0.1\n", 1, "table 't' has no dim");
+    /* A NUL byte is no text: it was "line too long" for a short line, and in a last line without
+     * a newline it silently cut the value short (tls_ca = /ca.pem). */
+    static const char nul_mid[] = "[cluster]\nshards = 2\0junk\nworkers = 1\n";
+    expect_error_bytes(nul_mid, sizeof nul_mid - 1, 2, "NUL byte");
+    static const char nul_end[] = "[cluster]\ntls_ca = /ca.pem\0/other.pem";
+    expect_error_bytes(nul_end, sizeof nul_end - 1, 2, "NUL byte");
     /* Likewise a dense block without size (it said "size 0 out of range", naming no line). */
     expect_error("[dense ok]\nsize = 4\n[dense nosize]\nlr = 0.1\n", 3,
                  "dense 'nosize' has no size");
@@ -163,6 +180,22 @@ static void test_errors(void)
     char *err = NULL;
     CHECK(ps_config_load(path, &c, &err) == CM_EINVAL);
     CHECK_MSG(err && strstr(err, path) && strstr(err, "shards"), "%s", err ? err : "");
+    free(err), err = NULL;
+    /* replica_timeout becomes nng's int32 milliseconds, where -1 means "wait forever": 2^32-1
+     * turned the timeout off instead of making it long, and 0 gave the backup no time at all. */
+    const char *bad_timeouts[] = {"0", "2147483648", "4294967295"},
+               *tpath = pt_path(dir, "timeout.conf");
+    for (size_t i = 0; i < sizeof bad_timeouts / sizeof bad_timeouts[0]; i++) {
+        char text[64];
+        snprintf(text, sizeof text, "[cluster]\nreplica_timeout = %s\n", bad_timeouts[i]);
+        pt_write(tpath, text);
+        CHECK_MSG(ps_config_load(tpath, &c, &err) == CM_EINVAL && err &&
+                      strstr(err, "replica_timeout") && strstr(err, bad_timeouts[i]),
+                  "replica_timeout %s: %s", bad_timeouts[i], err ? err : "(accepted)");
+        free(err), err = NULL;
+    }
+    pt_write(tpath, "[cluster]\nreplica_timeout = 2147483647\n");
+    CHECK_MSG(ps_config_load(tpath, &c, &err) == CM_OK, "%s", err ? err : "");
     free(err), err = NULL;
     /* Names become file names (a spill database the server deletes when it stops): a path,
      * "..", or a hidden name is refused, naming the table. */
@@ -181,6 +214,27 @@ static void test_errors(void)
     free(err), err = NULL;
     pt_write(path, "[table user_2.a-b]\ndim = 4\n");
     CHECK(ps_config_load(path, &c, &err) == CM_OK);
+    free(err), err = NULL;
+    /* A reservation no machine holds is refused: this one's 64 sub-shards of 3.75e14 slots of
+     * 49177 bytes wrapped around 2^64 to 33713 bytes, and the server's table creation wrote
+     * past them (a wild memset) where it should have said "out of memory". */
+    pt_write(path, "[table t]\ndim = 4096\noptimizer = adam\nreserve_rows = 19205585507227566\n");
+    CHECK_MSG(ps_config_load(path, &c, &err) == CM_EINVAL && err && strstr(err, "table 't'") &&
+                  strstr(err, "reserve_rows"),
+              "%s", err ? err : "(accepted)");
+    free(err), err = NULL;
+    pt_write(path, "[table t]\ndim = 8\nreserve_rows = 1G\n");
+    CHECK_MSG(ps_config_load(path, &c, &err) == CM_OK, "%s", err ? err : "");
+    free(err), err = NULL;
+    /* The admission sketch's counters stop at 65535: a larger threshold admitted no key ever,
+     * a table that silently never learned (64K is 65536). */
+    pt_write(path, "[table t]\ndim = 4\nadmit = 64K\n");
+    CHECK_MSG(ps_config_load(path, &c, &err) == CM_EINVAL && err && strstr(err, "table 't'") &&
+                  strstr(err, "admit 65536"),
+              "%s", err ? err : "(accepted)");
+    free(err), err = NULL;
+    pt_write(path, "[table t]\ndim = 4\nadmit = 65535\n");
+    CHECK_MSG(ps_config_load(path, &c, &err) == CM_OK, "%s", err ? err : "");
     free(err), err = NULL;
     /* A dense block whose whole state (Adam: values and two slots, 12 bytes a float, plus the
      * step and the 56-byte header) would not pass max_message is refused up front. */

@@ -145,6 +145,22 @@ int main(void)
     rc = run("train --train ds/train --config comma.ini --max-steps 1 --out r3e --no-progress");
     CHECK_MSG(rc == 2 && err_has("comma.ini:3: bad value '64,' for hidden"),
               "hidden with a trailing comma: exit %d, %s", rc, err_text);
+    /* "[model x]" was "unknown section [model] (model, train)": the argument is named. */
+    write_text("modelarg.ini", "[train]\nbatch = 64\n[model x]\nkind = lr\n");
+    rc = run("train --train ds/train --config modelarg.ini --max-steps 1 --out r3e --no-progress");
+    CHECK_MSG(rc == 2 && err_has("modelarg.ini:3: unknown section [model x] (model, train)"),
+              "[model x]: exit %d, %s", rc, err_text);
+    /* A key before any section header is read as [train]'s; a [model] key there was reported
+     * as "unknown key 'dim' in [train]", naming a section the file does not have. */
+    write_text("nosect.ini", "dim = 8\n[model]\nkind = lr\n");
+    rc = run("train --train ds/train --config nosect.ini --max-steps 1 --out r3e --no-progress");
+    CHECK_MSG(rc == 2 && err_has("nosect.ini:1: unknown key 'dim' before any section"),
+              "dim before any section: exit %d, %s", rc, err_text);
+    /* strtoul takes a sign: -18446744073709551615 wrapped around to a layer of width 1. */
+    write_text("neg.ini", "[model]\nkind = mlp\nhidden = 64,-18446744073709551615\n");
+    rc = run("train --train ds/train --config neg.ini --max-steps 1 --out r3e --no-progress");
+    CHECK_MSG(rc == 2 && err_has("neg.ini:3: bad value '64,-18446744073709551615' for hidden"),
+              "hidden with a negative width: exit %d, %s", rc, err_text);
     write_text("tf32-bad.ini", "[train]\ntf32 = 2\n");
     rc = run("train --train av/train --model lr --config tf32-bad.ini --out r3d --no-progress");
     CHECK_MSG(rc != 0 && err_has("bad value '2' for tf32"), "[train] tf32 = 2: exit %d", rc);
@@ -317,6 +333,9 @@ int main(void)
          "inproc.ini:2: bad URL 'inproc://ps0'"},
         {"noscheme.ini", "[cluster]\nworkers = 1\nps = 127.0.0.1:1\n",
          "noscheme.ini:3: bad URL '127.0.0.1:1'"},
+        /* A section's argument is named: "[cluster] ... (cluster)" read as a contradiction. */
+        {"sectarg.ini", "[cluster 2]\nps = tcp://127.0.0.1:1\n",
+         "sectarg.ini:1: unknown section [cluster 2] (cluster)"},
     };
     for (size_t i = 0; i < sizeof blank_ini / sizeof blank_ini[0]; i++) {
         write_text(blank_ini[i][0], blank_ini[i][1]);
