@@ -88,6 +88,9 @@ typedef struct shard_conn {
     int primary_dialer; /* nng id of the primary's dialer: which server sent a reply */
     char *url, *backup_url;
     bool fail_pending, failed_over; /* under the client's mu */
+    /* The primary's dialer is closed (under mu): from then on no request can go out on its
+     * connection, and a request needs no copy to send again. */
+    bool switched;
     bool open;
     slot *slots;
     uint32_t busy;
@@ -341,14 +344,23 @@ static void slot_cb(void *arg)
         slot_finish(s, CM_ECANCELED, err);
         return;
     }
-    if (rv != 0 && rv != NNG_ECLOSED && rv != NNG_ECANCELED && s->copy) {
+    if (rv != 0 && rv != NNG_ECLOSED && rv != NNG_ECANCELED && s->copy && cm_now() < s->deadline) {
         /* The primary failed this request (its connection reset, or it went silent): fail
          * over and send the request again, to the backup. A push the primary had applied is
          * recognised there and not applied twice. */
         if (s->state == SL_SEND) nng_msg_free(ps_aio_msg_take(s->aio));
-        want_failover(s->c, &s->c->shards[s->shard]);
+        shard_conn *sc = &s->c->shards[s->shard];
+        want_failover(s->c, sc);
         nng_msg *m = s->copy;
         s->copy = NULL;
+        /* Until the failover thread has closed the primary's dialer, a silent primary's
+         * connection is still up and the resend goes out on it; that close then fails it
+         * (a request nng does not resend by itself gets "connection reset"): a copy is kept
+         * to send it again, then to the backup. */
+        pthread_mutex_lock(&s->c->mu);
+        bool switched = sc->switched;
+        pthread_mutex_unlock(&s->c->mu);
+        if (!switched && nng_msg_dup(&s->copy, m) != 0) s->copy = NULL;
         slot_set_state(s, SL_SEND);
         s->attempt_end = s->deadline;
         nng_aio_set_timeout(s->aio, ms_until(s->deadline));
@@ -463,7 +475,7 @@ static void slot_transmit(slot *s, nng_msg *m, bool idempotent, double deadline)
     s->deadline = deadline;
     shard_conn *sc = &c->shards[s->shard];
     pthread_mutex_lock(&c->mu);
-    bool may_fail_over = sc->backup_url && !sc->failed_over;
+    bool may_fail_over = sc->backup_url && !sc->switched;
     pthread_mutex_unlock(&c->mu);
     if (may_fail_over && nng_msg_dup(&s->copy, m) != 0) s->copy = NULL;
     /* A primary that went silent (connected, not answering) is given up with part of the
@@ -558,6 +570,9 @@ static int fail_over(struct ps_client *c, uint32_t shard, char **errptr)
 {
     shard_conn *sc = &c->shards[shard];
     nng_dialer_close(sc->dialer);
+    pthread_mutex_lock(&c->mu);
+    sc->switched = true;
+    pthread_mutex_unlock(&c->mu);
     int rc = ps_net_dial(sc->sock, sc->backup_url, &c->cfg, &sc->dialer, errptr);
     __atomic_add_fetch(&c->st.failovers, 1, __ATOMIC_RELAXED);
     fprintf(stderr,

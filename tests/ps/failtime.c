@@ -17,12 +17,18 @@
  *      (20 T) again, so a job with one PS killed or stopped held its workers 2 x 20 T; now the
  *      call fails after one barrier timeout, and says that the barrier waits for every worker
  *      (it read as if shard 0 were not running). T = 200 ms here (4 s a barrier).
+ *   8. A primary that answers HELLO and then goes silent, live backup: a barrier (a request
+ *      nng does not resend by itself) is given up on the primary and sent to the backup, and
+ *      passes there. Its resend went out on the primary's connection, still open until the
+ *      failover closed it, and that close failed the call ("connection reset") with the backup
+ *      up. T = 200 ms here (4 s a barrier, 2 s of it for the primary).
  * Bounds are 1.5 T against 2 T or more before, with T = 2 s: wide enough for a loaded machine.
  */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
 #include <pthread.h>
 
+#include "ps/wire.h"
 #include "ps_test_util.h"
 
 #define T_MS 2000u
@@ -228,6 +234,52 @@ static void checkpoint_alone(const char *dir)
     ps_server_destroy(srv);
 }
 
+/* Answers the first request on s (a HELLO: the barrier generation 1), then nothing more. */
+static void *answer_hello(void *arg)
+{
+    nng_socket *s = arg;
+    nng_msg *m;
+    if (nng_recvmsg(*s, &m, 0) != 0) return NULL;
+    ps_hdr h;
+    memcpy(&h, nng_msg_body(m), sizeof h);
+    uint64_t gen = 1;
+    if (nng_msg_realloc(m, PS_HDR_BYTES + 8) != 0) pt_die("nng_msg_realloc", NULL);
+    memcpy((uint8_t *)nng_msg_body(m) + PS_HDR_BYTES, &gen, 8);
+    memcpy(nng_msg_body(m), &h, sizeof h);
+    ps_wire_seal(nng_msg_body(m), 8);
+    if (nng_sendmsg(*s, m, 0) != 0) nng_msg_free(m);
+    return NULL;
+}
+
+static void silent_after_hello(const ps_config *cfg, const char *dir)
+{
+    const uint32_t t_ms = 200;
+    const char *pu = pt_ipc(dir, "p8"), *bu = pt_ipc(dir, "b8"), *urls[1] = {pu},
+               *backups[1] = {bu};
+    nng_socket p = silent_at(pu);
+    nng_socket_set_ms(p, NNG_OPT_RECVTIMEO, 10000);
+    pthread_t th;
+    if (pthread_create(&th, NULL, answer_hello, &p) != 0) pt_die("pthread_create", NULL);
+    ps_server *b = pt_server_repl(cfg, bu, NULL, true);
+    ps_client_opts o = {.cfg = cfg, .urls = urls, .timeout_ms = t_ms, .backup_urls = backups};
+    ps_client *c = pt_client_with(&o);
+    pthread_join(th, NULL);
+    char *err = NULL;
+    double t0 = cm_now();
+    int rc = ps_client_barrier(c, &err);
+    double took = cm_now() - t0;
+    CHECK_MSG(rc == CM_OK,
+              "barrier with a silent primary and a live backup failed after %.2f s: %s", took,
+              err ? err : "?");
+    free(err);
+    ps_server_stats bs;
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(bs.promoted == 1, "the backup did not take over");
+    ps_client_destroy(c);
+    ps_server_destroy(b);
+    nng_close(p);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -241,5 +293,6 @@ int main(void)
     late_listener(&cfg, dir);
     pull_behind_push(&cfg, dir);
     checkpoint_alone(dir);
+    silent_after_hello(&cfg, dir);
     return pt_finish(dir);
 }
