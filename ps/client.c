@@ -41,6 +41,7 @@
 #include "ps/dense.h"
 #include "ps/keycache.h"
 #include "ps/net.h"
+#include "ps/replica.h"
 #include "ps/wire.h"
 
 enum { SL_FREE, SL_SEND, SL_RECV, SL_DONE };
@@ -650,6 +651,12 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
 {
     int rc = ps_config_check(o->cfg, errptr);
     if (rc != CM_OK) return rc;
+    /* A server recognises a resent push by the last PS_DEDUP_RING request ids of its worker;
+     * a window wider than that could have a resend after a failover applied twice. */
+    if (o->window > PS_DEDUP_RING)
+        return cm_err(errptr, CM_EINVAL,
+                      "window %u above %u, the pushes a server remembers a worker by", o->window,
+                      PS_DEDUP_RING);
     if (o->worker >= o->cfg->n_workers)
         return cm_err(errptr, CM_EINVAL, "worker %u out of range (the cluster has %u)", o->worker,
                       o->cfg->n_workers);

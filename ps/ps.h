@@ -227,7 +227,7 @@ typedef struct ps_client_opts {
     const ps_config *cfg;           /* borrowed for the client's life */
     const char *const *urls;        /* cfg->n_shards URLs, shard order */
     uint32_t worker;                /* this worker's index < cfg->n_workers */
-    uint32_t window;                /* in-flight requests per shard; 0 = 8 */
+    uint32_t window;                /* in-flight requests per shard; 0 = 8; at most 1024 */
     /* A call's bound on each shard, failover included (0 = 30000): a shard that cannot
      * answer (its primary and backup both gone or hung) fails the call within about this
      * long, with an error naming the shard and its URLs. A primary silent for this less

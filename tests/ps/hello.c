@@ -86,6 +86,19 @@ static void test_unreachable(const char *dir)
     expect_refused("tcp nobody", &cfg, u1, 300, 3.0, tcp, "is the PS running");
     const char *u2[1] = {pt_ipc(dir, "nobody")};
     expect_refused("ipc nobody", &cfg, u2, 300, 3.0, u2[0], NULL);
+    /* A window past what a server remembers of a worker's pushes (1,024 request ids) could
+     * have a push resent after a failover applied twice: refused before anything is dialled;
+     * 1,024 itself is not. */
+    for (uint32_t w = 1024; w <= 1025; w++) {
+        ps_client_opts o = {.cfg = &cfg, .urls = u2, .window = w, .timeout_ms = 300};
+        ps_client *c = NULL;
+        char *err = NULL;
+        int rc = ps_client_create(&o, &c, &err);
+        CHECK_MSG(rc != CM_OK && err && (strstr(err, "window") != NULL) == (w > 1024),
+                  "window %u: %s", w, err ? err : "(accepted)");
+        if (rc == CM_OK) ps_client_destroy(c);
+        free(err);
+    }
     const char *u3[1] = {"bogus://x"};
     expect_refused("bad url", &cfg, u3, 300, 1.0, "bogus://x", NULL);
 
