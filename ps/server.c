@@ -1117,8 +1117,23 @@ static void repl_cb(void *arg)
         return;
     }
     __atomic_sub_fetch(&s->repl_inflight, 1, __ATOMIC_RELAXED); /* every path below ends it */
-    /* No resend parks on this update any more: from here it is settled one way or another. */
+    const bool answered = c->rstate == RS_RECV && rv == 0;
+    int16_t st = 0;
+    if (answered) {
+        nng_msg *m = ps_aio_msg_take(c->raio);
+        ps_hdr h;
+        st = ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, NULL) == CM_OK ? h.status
+                                                                              : CM_ECORRUPT;
+        nng_msg_free(m);
+    }
+    /* No resend parks on this update any more: from here it is settled one way or another.
+     * A fence is raised under the same lock: a resend that no longer finds this update
+     * (repl_original) must find the fence instead (handle_update), or it would be taken for
+     * a duplicate and acknowledged, an update the backup refused and will never have. */
+    bool fenced_now = false;
     pthread_mutex_lock(&s->repl_mu);
+    if (answered && st == PS_STATUS_FENCED)
+        fenced_now = !__atomic_exchange_n(&s->fenced, true, __ATOMIC_RELAXED);
     srv_ctx *dups = c->dups;
     c->dups = NULL;
     c->state = ST_SEND;
@@ -1136,15 +1151,10 @@ static void repl_cb(void *arg)
     } else if (rv != 0) {
         replica_lost(s, nng_strerror(rv));
     } else {
-        nng_msg *m = ps_aio_msg_take(c->raio);
-        ps_hdr h;
-        int16_t st = ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, NULL) == CM_OK ? h.status
-                                                                                      : CM_ECORRUPT;
-        nng_msg_free(m);
         if (st == PS_STATUS_FENCED) {
             /* The clients have gone to the backup: this update must not be acknowledged
              * here, and nothing more may be served. The client resends it to the backup. */
-            if (!__atomic_exchange_n(&s->fenced, true, __ATOMIC_RELAXED))
+            if (fenced_now)
                 fprintf(stderr, "ember ps: shard %u: the backup has taken over; stopping\n",
                         s->shard);
             nng_msg_free(c->held);
@@ -1188,7 +1198,15 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
     const bool elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
     nng_msg *fwd = NULL, *with_keys = NULL;
     srv_ctx *original = NULL;
-    if (replicate) pthread_mutex_lock(&s->repl_mu);
+    if (replicate) {
+        pthread_mutex_lock(&s->repl_mu);
+        /* Fenced since handle() looked (repl_cb): neither applied nor answered here. */
+        if (__atomic_load_n(&s->fenced, __ATOMIC_RELAXED)) {
+            pthread_mutex_unlock(&s->repl_mu);
+            *reply = NULL;
+            return false;
+        }
+    }
     *reply = apply_update(s, h, body + PS_HDR_BYTES, &dup, replicate ? &with_keys : NULL);
     if (replicate && *reply && dup && reply_status(*reply) == 0 &&
         (original = repl_original(s, h)) != NULL) {
