@@ -9,7 +9,8 @@
  *   - edited MANIFEST values, with the old checksum and with a recomputed one (a consistent
  *     manifest that lies about sizes, digests, rows or tables);
  *   - table and model files rewritten with valid checksums but impossible contents (an index
- *     entry past the rows, a wrong row count, a model whose tower does not fit);
+ *     entry past the rows, a wrong row count, a model whose tower does not fit, a model text
+ *     the model code refuses: named by the bundle's folder and file, not as "model config");
  *   - `ember predict` on a damaged bundle exits 1 naming the file.
  * And on a good bundle: keys it does not hold read as zeros with found = 0; bad table indices
  * are refused.
@@ -103,19 +104,28 @@ static void missing(const char *file, const char *needle)
     expect_refused(what, needle);
 }
 
+/* text with its first `from` replaced by `to`, with room for `extra` more bytes (heap); NULL
+ * when text lacks `from` (reported). */
+static char *replaced(const char *text, const char *from, const char *to, size_t extra)
+{
+    const char *p = strstr(text, from);
+    CHECK_MSG(p != NULL, "'%s' not found", from);
+    if (p == NULL) return NULL;
+    char *m = malloc(strlen(text) + strlen(to) + extra + 1);
+    size_t at = (size_t)(p - text);
+    memcpy(m, text, at);
+    strcpy(m + at, to);
+    strcat(m, p + strlen(from));
+    return m;
+}
+
 /* Replaces the first `from` in the MANIFEST with `to`; with resign, recomputes the checksum
  * line so the manifest is self-consistent. */
 static void edit_manifest(const char *from, const char *to, int resign, const char *needle)
 {
     fresh_copy();
-    const char *p = strstr(good_manifest, from);
-    CHECK_MSG(p != NULL, "MANIFEST lacks '%s'", from);
-    if (p == NULL) return;
-    char *m = malloc(good_manifest_len + strlen(to) + 64);
-    size_t at = (size_t)(p - good_manifest);
-    memcpy(m, good_manifest, at);
-    strcpy(m + at, to);
-    strcat(m, p + strlen(from));
+    char *m = replaced(good_manifest, from, to, 64);
+    if (m == NULL) return;
     if (resign) {
         char *cl = strstr(m, "checksum ");
         if (cl) sprintf(cl, "checksum %016llx\n", (unsigned long long)cm_xxh3(m, (size_t)(cl - m)));
@@ -477,11 +487,36 @@ int main(void)
         char *hp = model ? strstr(model, "hidden ") : NULL;
         CHECK(hp != NULL);
         if (hp) {
+            const char was = hp[7];
             hp[7] = hp[7] == '1' ? '2' : '1'; /* "256,128" -> "156,128" */
             fresh_copy();
             rewrite_signed("model.txt", model, ml, 0);
             fprintf(stderr, "    model.txt hidden edited\n");
             expect_refused("model that does not fit the tower", "tower");
+            /* the model's own checks say what is wrong: the message must also say where */
+            expect_refused("model that does not fit the tower, named", su_path("bad"));
+            hp[7] = was;
+        }
+        /* model texts the model code refuses (re-signed): named by file, not only as "model
+         * config" (a server opening several bundles could not tell which) */
+        const struct {
+            const char *from, *to;
+        } bad_models[] = {
+            {"pool ", "type full\npool "}, /* an unknown name */
+            {"kind mlp", "kind mlx"},      /* a bad value */
+            {"pool ", "dim 2000\npool "},  /* a layout out of range */
+        };
+        for (size_t i = 0; model && i < sizeof bad_models / sizeof *bad_models; i++) {
+            char *edited = replaced(model, bad_models[i].from, bad_models[i].to, 0);
+            if (edited == NULL) continue;
+            fresh_copy();
+            rewrite_signed("model.txt", edited, strlen(edited), 0);
+            char what[128];
+            snprintf(what, sizeof what, "model.txt '%s' -> '%s'", bad_models[i].from,
+                     bad_models[i].to);
+            fprintf(stderr, "    %s\n", what);
+            expect_refused(what, "bad/model.txt");
+            free(edited);
         }
         free(model);
     }
