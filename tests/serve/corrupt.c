@@ -10,7 +10,8 @@
  *     manifest that lies about sizes, digests, rows or tables);
  *   - table and model files rewritten with valid checksums but impossible contents (an index
  *     entry past the rows, a wrong row count, a model whose tower does not fit, a model text
- *     the model code refuses: named by the bundle's folder and file, not as "model config");
+ *     the model code refuses: named by the bundle's folder and file, not as "model config";
+ *     a model whose input width (fields x dim + dense) wraps 32 bits, its tower sized to match);
  *   - `ember predict` on a damaged bundle exits 1 naming the file.
  * And on a good bundle: keys it does not hold read as zeros with found = 0; bad table indices
  * are refused.
@@ -259,6 +260,34 @@ static void absent_keys(const char *tab, size_t tab_len)
     free(out);
     free(found);
     ember_serve_close(h);
+}
+
+/* A consistent lie no checksum catches: a model whose top MLP input (fields x dim + dense) is
+ * past 2^32, with a tower sized for that count wrapped to 32 bits (4194304 x 1024 + 1 is 1:
+ * two values). Opened, predict pooled 2^32 floats a row into a buffer of two. */
+static void wrapped_layout(void)
+{
+    fprintf(stderr, "--- a model whose input width wraps 32 bits\n");
+    static const char model[] = "kind mlp\nfields 4194304\ndense 1\ndim 1024\nhidden -\n"
+                                "bottom -\nseed 1\npool sum\n";
+    static const float tower[2] = {0.5f, 0.25f};
+    const uint64_t key = 1;
+    float *row = calloc(1024, sizeof *row);
+    ember_serve_writer *w = NULL;
+    char *err = NULL;
+    int rc = ember_serve_writer_create(su_path("bad"), EMBER_SERVE_FP32, 0, 1, 0, &w, &err);
+    if (rc == 0) rc = ember_serve_writer_model(w, model, &err);
+    if (rc == 0) rc = ember_serve_writer_dense(w, tower, 2, &err);
+    if (rc == 0) rc = ember_serve_writer_table(w, "emb", 1024, &key, row, 1, NULL, 0, &err);
+    if (rc == 0) {
+        rc = ember_serve_writer_commit(w, &err);
+        w = NULL;
+    }
+    ember_serve_writer_abort(w);
+    free(row);
+    const int written = rc == 0;
+    CHECK_OK(rc, err);
+    if (written) expect_refused("fields 4194304 x dim 1024 + 1 dense", "bad/model.txt");
 }
 
 int main(void)
@@ -548,6 +577,7 @@ int main(void)
         CHECK_MSG(rc == 0 && help && strstr(help, opts[i]), "predict --help lacks %s: %s", opts[i],
                   help ? help : "(none)");
     free(help);
+    wrapped_layout();
     absent_keys(tab, tab_len);
     free(tab);
     free(dns);
