@@ -345,7 +345,7 @@ static void mutate(fz_bundle *w, fz_in *in)
     case 8: /* removed */
         b->gone = true;
         break;
-    default: /* a second file's header edited the same way */
+    default: /* binary files: an integer anywhere (index, rows, deleted keys) */
         if (!text && b->n >= 8) {
             uint64_t v = in_value(in, get_le(b->p + at % (b->n - 7), 8));
             set_le(b->p + at % (b->n - 7), (in_u8(in) & 1) ? 8 : 4, v);
