@@ -601,7 +601,7 @@ int ember_serve_open(const char *bundle, ember_serve **out, char **errptr)
     if (rc == CM_OK && h->layers[0].delta)
         rc =
             cm_err(errptr, CM_EINVAL, "%s is a delta bundle: open its base, then apply it", bundle);
-    if (rc == CM_OK) rc = serve_model_init(h, errptr);
+    if (rc == CM_OK) rc = serve_model_init(h, bundle, errptr);
     if (rc != CM_OK) {
         ember_serve_close(h);
         return rc;

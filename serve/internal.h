@@ -50,7 +50,8 @@ struct ember_serve {
     int table_of[MODEL_MAX_TABLES]; /* layout table -> bundle table */
 };
 
-/* Parses the model config and checks the bundle's tables and tower fit it (predict.c). */
-int serve_model_init(ember_serve *h, char **errptr);
+/* Parses the model config and checks the bundle's tables and tower fit it (predict.c); dir
+ * (the bundle) names where in its messages. */
+int serve_model_init(ember_serve *h, const char *dir, char **errptr);
 
 #endif

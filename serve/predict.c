@@ -5,20 +5,25 @@
 #include "common/common.h"
 #include "serve/internal.h"
 
-int serve_model_init(ember_serve *h, char **errptr)
+int serve_model_init(ember_serve *h, const char *dir, char **errptr)
 {
     const serve_layer *L = &h->layers[0];
     int rc = model_cfg_parse(L->model, &h->m, &h->mean_pool, errptr);
     if (rc == CM_OK) rc = model_layout_make(&h->m, &h->l, errptr);
-    if (rc != CM_OK) return rc;
+    /* The model code says what is wrong ("model config: ..."), not in which file: a server
+     * opening several bundles could not tell which one is damaged. */
+    if (rc != CM_OK)
+        return errptr && *errptr ? cm_err(errptr, rc, "%s/model.txt: %s", dir, *errptr) : rc;
     if (L->n_dense != h->l.n_params)
-        return cm_err(errptr, CM_ECORRUPT, "bundle tower has %llu values; the model needs %zu",
+        return cm_err(errptr, CM_ECORRUPT,
+                      "%s/dense-tower.bin: the tower has %llu values; model.txt needs %zu", dir,
                       (unsigned long long)L->n_dense, h->l.n_params);
     for (uint32_t t = 0; t < h->l.n_tables; t++) {
         const char *name = (int)t == h->l.lin_table ? "lin" : "emb";
         h->table_of[t] = ember_serve_table(h, name);
         if (h->table_of[t] < 0 || ember_serve_table_dim(h, h->table_of[t]) != h->l.table_dim[t])
-            return cm_err(errptr, CM_ECORRUPT, "bundle lacks table '%s' of dim %u the model needs",
+            return cm_err(errptr, CM_ECORRUPT,
+                          "%s: the bundle lacks table '%s' of dim %u that model.txt needs", dir,
                           name, h->l.table_dim[t]);
     }
     return CM_OK;

@@ -191,7 +191,18 @@ int model_layout_make(const model_cfg *m, model_layout *l, char **errptr)
         l->table_dim[1] = 1;
         l->n_tables = 2;
     }
-    uint32_t in = m->n_fields * m->dim + m->n_dense;
+    /* The top MLP's input width is a uint32_t, and the backends size a row of it from the
+     * width while pooling fields x dim floats into it: a width that wraps (4194304 fields of
+     * dim 1024) made a layout of a few values that predict overflowed. The dlrm interactions
+     * ((F + 1) F / 2 pairs) wrap the same way. */
+    const uint64_t wide = (uint64_t)m->n_fields * m->dim + m->n_dense,
+                   pairs = ((uint64_t)m->n_fields + 1) * m->n_fields / 2 + m->dim;
+    if (wide > UINT32_MAX || (m->kind == MODEL_DLRM && pairs > UINT32_MAX))
+        return cm_err(errptr, CM_EINVAL,
+                      "model %s: %u fields of dim %u and %u dense values: the top MLP's input is "
+                      "past 2^32 values",
+                      model_kind_name(m->kind), m->n_fields, m->dim, m->n_dense);
+    uint32_t in = (uint32_t)wide;
     if (m->kind == MODEL_DLRM) {
         if (m->n_bottom == 0 || m->bottom[m->n_bottom - 1] != m->dim)
             return cm_err(errptr, CM_EINVAL, "dlrm: the bottom MLP must end at dim %u", m->dim);
@@ -201,7 +212,7 @@ int model_layout_make(const model_cfg *m, model_layout *l, char **errptr)
             bin = m->bottom[i];
         }
         l->n_bot = m->n_bottom;
-        l->inter = (m->n_fields + 1) * m->n_fields / 2;
+        l->inter = (uint32_t)(pairs - m->dim); /* in 64 bits: (F + 1) F wraps first */
         in = m->dim + l->inter;
     }
     l->top_in = in;

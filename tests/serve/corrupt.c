@@ -9,7 +9,9 @@
  *   - edited MANIFEST values, with the old checksum and with a recomputed one (a consistent
  *     manifest that lies about sizes, digests, rows or tables);
  *   - table and model files rewritten with valid checksums but impossible contents (an index
- *     entry past the rows, a wrong row count, a model whose tower does not fit);
+ *     entry past the rows, a wrong row count, a model whose tower does not fit, a model text
+ *     the model code refuses: named by the bundle's folder and file, not as "model config";
+ *     a model whose input width (fields x dim + dense) wraps 32 bits, its tower sized to match);
  *   - `ember predict` on a damaged bundle exits 1 naming the file.
  * And on a good bundle: keys it does not hold read as zeros with found = 0; bad table indices
  * are refused.
@@ -103,19 +105,28 @@ static void missing(const char *file, const char *needle)
     expect_refused(what, needle);
 }
 
+/* text with its first `from` replaced by `to`, with room for `extra` more bytes (heap); NULL
+ * when text lacks `from` (reported). */
+static char *replaced(const char *text, const char *from, const char *to, size_t extra)
+{
+    const char *p = strstr(text, from);
+    CHECK_MSG(p != NULL, "'%s' not found", from);
+    if (p == NULL) return NULL;
+    char *m = malloc(strlen(text) + strlen(to) + extra + 1);
+    size_t at = (size_t)(p - text);
+    memcpy(m, text, at);
+    strcpy(m + at, to);
+    strcat(m, p + strlen(from));
+    return m;
+}
+
 /* Replaces the first `from` in the MANIFEST with `to`; with resign, recomputes the checksum
  * line so the manifest is self-consistent. */
 static void edit_manifest(const char *from, const char *to, int resign, const char *needle)
 {
     fresh_copy();
-    const char *p = strstr(good_manifest, from);
-    CHECK_MSG(p != NULL, "MANIFEST lacks '%s'", from);
-    if (p == NULL) return;
-    char *m = malloc(good_manifest_len + strlen(to) + 64);
-    size_t at = (size_t)(p - good_manifest);
-    memcpy(m, good_manifest, at);
-    strcpy(m + at, to);
-    strcat(m, p + strlen(from));
+    char *m = replaced(good_manifest, from, to, 64);
+    if (m == NULL) return;
     if (resign) {
         char *cl = strstr(m, "checksum ");
         if (cl) sprintf(cl, "checksum %016llx\n", (unsigned long long)cm_xxh3(m, (size_t)(cl - m)));
@@ -249,6 +260,34 @@ static void absent_keys(const char *tab, size_t tab_len)
     free(out);
     free(found);
     ember_serve_close(h);
+}
+
+/* A consistent lie no checksum catches: a model whose top MLP input (fields x dim + dense) is
+ * past 2^32, with a tower sized for that count wrapped to 32 bits (4194304 x 1024 + 1 is 1:
+ * two values). Opened, predict pooled 2^32 floats a row into a buffer of two. */
+static void wrapped_layout(void)
+{
+    fprintf(stderr, "--- a model whose input width wraps 32 bits\n");
+    static const char model[] = "kind mlp\nfields 4194304\ndense 1\ndim 1024\nhidden -\n"
+                                "bottom -\nseed 1\npool sum\n";
+    static const float tower[2] = {0.5f, 0.25f};
+    const uint64_t key = 1;
+    float *row = calloc(1024, sizeof *row);
+    ember_serve_writer *w = NULL;
+    char *err = NULL;
+    int rc = ember_serve_writer_create(su_path("bad"), EMBER_SERVE_FP32, 0, 1, 0, &w, &err);
+    if (rc == 0) rc = ember_serve_writer_model(w, model, &err);
+    if (rc == 0) rc = ember_serve_writer_dense(w, tower, 2, &err);
+    if (rc == 0) rc = ember_serve_writer_table(w, "emb", 1024, &key, row, 1, NULL, 0, &err);
+    if (rc == 0) {
+        rc = ember_serve_writer_commit(w, &err);
+        w = NULL;
+    }
+    ember_serve_writer_abort(w);
+    free(row);
+    const int written = rc == 0;
+    CHECK_OK(rc, err);
+    if (written) expect_refused("fields 4194304 x dim 1024 + 1 dense", "bad/model.txt");
 }
 
 int main(void)
@@ -477,11 +516,36 @@ int main(void)
         char *hp = model ? strstr(model, "hidden ") : NULL;
         CHECK(hp != NULL);
         if (hp) {
+            const char was = hp[7];
             hp[7] = hp[7] == '1' ? '2' : '1'; /* "256,128" -> "156,128" */
             fresh_copy();
             rewrite_signed("model.txt", model, ml, 0);
             fprintf(stderr, "    model.txt hidden edited\n");
             expect_refused("model that does not fit the tower", "tower");
+            /* the model's own checks say what is wrong: the message must also say where */
+            expect_refused("model that does not fit the tower, named", su_path("bad"));
+            hp[7] = was;
+        }
+        /* model texts the model code refuses (re-signed): named by file, not only as "model
+         * config" (a server opening several bundles could not tell which) */
+        const struct {
+            const char *from, *to;
+        } bad_models[] = {
+            {"pool ", "type full\npool "}, /* an unknown name */
+            {"kind mlp", "kind mlx"},      /* a bad value */
+            {"pool ", "dim 2000\npool "},  /* a layout out of range */
+        };
+        for (size_t i = 0; model && i < sizeof bad_models / sizeof *bad_models; i++) {
+            char *edited = replaced(model, bad_models[i].from, bad_models[i].to, 0);
+            if (edited == NULL) continue;
+            fresh_copy();
+            rewrite_signed("model.txt", edited, strlen(edited), 0);
+            char what[128];
+            snprintf(what, sizeof what, "model.txt '%s' -> '%s'", bad_models[i].from,
+                     bad_models[i].to);
+            fprintf(stderr, "    %s\n", what);
+            expect_refused(what, "bad/model.txt");
+            free(edited);
         }
         free(model);
     }
@@ -513,6 +577,7 @@ int main(void)
         CHECK_MSG(rc == 0 && help && strstr(help, opts[i]), "predict --help lacks %s: %s", opts[i],
                   help ? help : "(none)");
     free(help);
+    wrapped_layout();
     absent_keys(tab, tab_len);
     free(tab);
     free(dns);
