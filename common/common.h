@@ -46,6 +46,14 @@ int cm_err(char **errptr, int code, const char *fmt, ...) __attribute__((format(
 #define CM_CLONES_AVX2 __attribute__((target_clones("avx2", "default")))
 #endif
 
+/* sqrtf without errno: GCC then vectorises it (the result is the same correctly rounded value).
+ * Clang has no per-function optimize attribute and warns about it: none there. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define CM_NO_MATH_ERRNO __attribute__((optimize("no-math-errno")))
+#else
+#define CM_NO_MATH_ERRNO
+#endif
+
 /* Like cm_err, appending ": strerror(errno)" (errno read at entry). */
 int cm_err_errno(char **errptr, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -118,8 +118,8 @@ update_range(ps_dense *d, const float *g, size_t i0, size_t i1, const dense_coef
  * time, so that the values a read-back copies out and a digest reads are still in L1 (one
  * pass over the block instead of three), all under the one lock (the digest is exactly this
  * update's result). */
-CM_CLONES_AVX2 __attribute__((optimize("no-math-errno"))) static void
-dense_step(ps_dense *d, const float *g, float *out, uint64_t *digest, uint64_t *step)
+CM_CLONES_AVX2 CM_NO_MATH_ERRNO static void dense_step(ps_dense *d, const float *g, float *out,
+                                                       uint64_t *digest, uint64_t *step)
 {
     enum { CHUNK = 2048 };
     const size_t n = (size_t)d->spec.size;
