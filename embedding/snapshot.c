@@ -298,6 +298,14 @@ static int manifest_read(const char *dir, manifest *m, char **errptr)
     }
     m->cfg.dim = (uint32_t)dim64;
     m->cfg.seed = seed;
+    /* A config no table can have (eps 0, a NaN rate) is a damaged manifest: handed on, it
+     * failed later in emb_table_create with a message naming no file. */
+    char *why = NULL;
+    if (emb_table_config_check(&m->cfg, &why) != CM_OK) {
+        cm_err(errptr, rc, "%s: %s", path, why ? why : "invalid model config");
+        free(why);
+        goto out;
+    }
     const char *fv = mf_field(text, "file");
     char fname[64];
     unsigned long long fsize, fhash;

@@ -254,6 +254,32 @@ static void lie_case(const char *snap, const emb_table_config *cfg, lie what, co
     cm_rmtree(dst, NULL);
 }
 
+/* A MANIFEST line set to a value no table has (its checksum made to match): read_config and
+ * restore refuse it naming the file, where read_config handed the config on (to a reshard,
+ * whose emb_table_create then failed without naming any file). */
+static void manifest_lie_case(const char *snap, const emb_table_config *cfg, const char *name,
+                              const char *value, const char *want)
+{
+    char dst[4200];
+    snprintf(dst, sizeof dst, "%s/lie", g_dir);
+    copy_dir(snap, dst);
+    manifest_set(dst, name, value);
+    emb_table_config back;
+    char *err = NULL;
+    int rc = emb_snapshot_read_config(dst, &back, &err);
+    CHECK_MSG(rc < 0 && eu_has(err, "MANIFEST") && eu_has(err, want),
+              "%s %s: read_config rc=%d err=%s", name, value, rc, err ? err : "(none)");
+    free(err);
+    err = NULL;
+    emb_table *t = NULL;
+    rc = emb_table_restore(dst, cfg, &t, &err);
+    CHECK_MSG(rc < 0 && t == NULL && eu_has(err, "MANIFEST"), "%s %s: restore rc=%d err=%s", name,
+              value, rc, err ? err : "(none)");
+    if (rc == 0) emb_table_destroy(t);
+    free(err);
+    cm_rmtree(dst, NULL);
+}
+
 static void mismatch_case(const char *snap, const emb_table_config *good, const char *field,
                           void (*edit)(emb_table_config *))
 {
@@ -364,6 +390,8 @@ int main(void)
     lie_case(snap, &model, LIE_NAN_STATE, "finite");
     lie_case(snap, &model, LIE_DUP_KEY, "duplicate");
     lie_case(snap, &model, LIE_WRAP, "more than a file can hold");
+    manifest_lie_case(snap, &model, "eps", "0x0p+0", "eps");
+    manifest_lie_case(snap, &model, "lr", "nan", "nan");
 
     mismatch_case(snap, &model, "dim", edit_dim);
     mismatch_case(snap, &model, "opt", edit_opt);
