@@ -97,6 +97,28 @@ int ps_checkpoint_table_config(const char *ckpt, const char *table, emb_table_co
     return emb_snapshot_read_config(path, cfg, errptr);
 }
 
+/* The caller's row callback behind a check that each row is on the shard its key hashes to: a
+ * row on another (a snapshot copied or damaged, checksums and all) would be exported twice, or
+ * resharded as whichever copy came last. */
+typedef struct shard_rows {
+    emb_row_cb cb;
+    void *arg;
+    uint32_t shard, n;
+    const char *path;
+    char **errptr;
+} shard_rows;
+
+static int shard_row(const emb_row *row, void *arg)
+{
+    shard_rows *s = arg;
+    uint32_t home = ps_key_shard(row->key, s->n);
+    if (home != s->shard)
+        return cm_err(s->errptr, CM_ECORRUPT,
+                      "%s: key %" PRIu64 " belongs on shard %u of %u, not on shard %u", s->path,
+                      row->key, home, s->n, s->shard);
+    return s->cb(row, s->arg);
+}
+
 int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb, void *arg,
                               char **errptr)
 {
@@ -105,7 +127,8 @@ int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb
     for (uint32_t i = 0; rc == CM_OK && i < n; i++) {
         char path[4200];
         snprintf(path, sizeof path, "%s/shard-%u/table-%s", ckpt, i, table);
-        rc = emb_snapshot_foreach(path, cb, arg, errptr);
+        shard_rows s = {cb, arg, i, n, path, errptr};
+        rc = emb_snapshot_foreach(path, shard_row, &s, errptr);
     }
     return rc;
 }

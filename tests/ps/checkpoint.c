@@ -4,9 +4,11 @@
  * teeth), LOAD, and every row of both tables and both dense blocks is bit-identical to what
  * was pulled before the save. A LOAD of a missing checkpoint fails and changes nothing. The
  * fresh processes run with `--checkpoint-root` (the test's directory): LOAD within it works,
- * a SAVE or LOAD outside it is refused.
+ * a SAVE or LOAD outside it is refused. The offline reader refuses a row on another shard than
+ * its key's, even with every checksum recomputed.
  */
 #include <dirent.h>
+#include <inttypes.h>
 
 #include "ps_test_util.h"
 
@@ -111,6 +113,60 @@ static void check_manifest_damage(const char *ckpt)
     CHECK_MSG(nt == 2 && nd == 2, "%u tables, %u dense blocks", nt, nd);
 }
 
+static int count_row(const emb_row *row, void *arg)
+{
+    (void)row;
+    ++*(uint64_t *)arg;
+    return 0;
+}
+
+/* A row moved into another shard's snapshot, every checksum made to match (a consistent lie):
+ * shard-0's table t gets, as its first record's key, a key that hashes to shard 1 (a key that
+ * shard 1 also holds: exported twice, and resharded as whichever came last). Export refuses it
+ * naming the snapshot; put back, it reads again. */
+static void check_misplaced_row(const char *ckpt, const uint64_t *keys)
+{
+    const char *snap = pt_path(pt_path(ckpt, "shard-0"), "table-t");
+    const char *rows = pt_path(snap, "rows.bin"), *mfp = pt_path(snap, "MANIFEST");
+    uint8_t *b = NULL, *keep = NULL;
+    char *mf = NULL, *err = NULL;
+    size_t len = 0, mlen = 0, body = 0;
+    CHECK_OK(cm_read_file(rows, (void **)&b, &len, &err), err);
+    CHECK_OK(cm_read_file(rows, (void **)&keep, &len, &err), err);
+    CHECK_OK(cm_read_file(mfp, (void **)&mf, &mlen, &err), err);
+    uint64_t key = 0;
+    for (uint32_t i = 0; i < NK && ps_key_shard(key, 2) != 1; i++)
+        key = keys[i];
+    CHECK(len > 40 + 8 && ps_key_shard(key, 2) == 1 && mf &&
+          cm_seal_check(mf, mlen, "checksum", &body) == CM_OK);
+    memcpy(b + 32, &key, 8);
+    uint64_t h = cm_xxh3(b, len - 8);
+    memcpy(b + len - 8, &h, 8);
+    CHECK_OK(cm_write_file_atomic(rows, b, len, &err), err);
+    char out[4096];
+    const char *file = strstr(mf, "\nfile rows.bin ");
+    CHECK(file != NULL);
+    size_t at = (size_t)(file - mf) + 1, end = at + strcspn(mf + at, "\n") + 1;
+    int n = snprintf(out, sizeof out, "%.*sfile rows.bin %zu %016" PRIx64 "\n%.*s", (int)at, mf,
+                     len, h, (int)(body - end), mf + end);
+    n = cm_seal_append(out, (size_t)n, sizeof out, "checksum");
+    CHECK_OK(cm_write_file_atomic(mfp, out, (size_t)n, &err), err);
+    uint64_t seen = 0;
+    int rc = ps_checkpoint_foreach_row(ckpt, "t", count_row, &seen, &err);
+    CHECK_MSG(rc == CM_ECORRUPT && err && strstr(err, "shard-0/table-t"),
+              "a row on the wrong shard: rc=%d after %" PRIu64 " rows, err=%s", rc, seen,
+              err ? err : "(none)");
+    free(err), err = NULL;
+    CHECK_OK(cm_write_file_atomic(rows, keep, len, &err), err);
+    CHECK_OK(cm_write_file_atomic(mfp, mf, mlen, &err), err);
+    seen = 0;
+    CHECK_OK(ps_checkpoint_foreach_row(ckpt, "t", count_row, &seen, &err), err);
+    CHECK(seen == NK);
+    free(b);
+    free(keep);
+    free(mf);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -135,6 +191,7 @@ int main(void)
     CHECK_OK(ps_client_save(c, ckpt, &err), err);
     ps_client_destroy(c);
     check_manifest_damage(ckpt);
+    check_misplaced_row(ckpt, keys);
 
     for (int i = 0; i < 2; i++) {
         int st = psp_stop(pids[i], SIGKILL, 5.0);
