@@ -156,15 +156,27 @@ int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t 
     int rc = read_manifest(ckpt, 0, &text, &body_len, errptr);
     if (rc != CM_OK) return rc;
     *n_tables = *n_dense = 0;
-    for (char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
-        char kind[8], name[PS_NAME_MAX];
-        if (sscanf(p, "%7s %31s", kind, name) != 2) continue;
-        if (!strcmp(kind, "table") && *n_tables < PS_MAX_TABLES)
-            strcpy(tables[(*n_tables)++], name);
-        if (!strcmp(kind, "dense") && *n_dense < PS_MAX_DENSE) strcpy(dense[(*n_dense)++], name);
+    for (char *p = text; rc == CM_OK && p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+        char kind[8], name[PS_NAME_MAX + 1];
+        if (sscanf(p, "%7s %32s", kind, name) != 2) continue;
+        bool tab = !strcmp(kind, "table");
+        if (!tab && strcmp(kind, "dense") != 0) continue;
+        /* Names become paths (reshard writes to them): one no server could have written (a
+         * path, "..", longer than a name, one too many) is a damaged manifest, where it was
+         * followed, cut to 31 bytes or dropped. */
+        uint32_t *n = tab ? n_tables : n_dense;
+        if (!ps_name_ok(name) || strlen(name) >= PS_NAME_MAX ||
+            *n == (tab ? PS_MAX_TABLES : PS_MAX_DENSE)) {
+            rc = cm_err(errptr, CM_ECORRUPT,
+                        "shard-0/MANIFEST of %s: %s '%.*s' is not a name a checkpoint has, or one "
+                        "too many",
+                        ckpt, kind, (int)strcspn(p + strlen(kind) + 1, "\n"), p + strlen(kind) + 1);
+            break;
+        }
+        strcpy(tab ? tables[(*n)++] : dense[(*n)++], name);
     }
     free(text);
-    return CM_OK;
+    return rc;
 }
 
 int ps_shard_manifest_text(uint32_t shard, uint32_t shards, const char *body, char *out, size_t n)

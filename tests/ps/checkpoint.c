@@ -5,7 +5,7 @@
  * was pulled before the save. A LOAD of a missing checkpoint fails and changes nothing. The
  * fresh processes run with `--checkpoint-root` (the test's directory): LOAD within it works,
  * a SAVE or LOAD outside it is refused. The offline reader refuses a row on another shard than
- * its key's, even with every checksum recomputed.
+ * its key's, and table names that are no plain file names, even with every checksum recomputed.
  */
 #include <dirent.h>
 #include <inttypes.h>
@@ -167,6 +167,35 @@ static void check_misplaced_row(const char *ckpt, const uint64_t *keys)
     free(mf);
 }
 
+/* shard-0's MANIFEST with one more table line (its checksum recomputed): a name that is no
+ * plain file name (reshard makes paths of it), or longer than a name can be (it was cut to 31
+ * bytes), is refused naming the manifest; the manifest is put back afterwards. */
+static void check_bad_names(const char *ckpt)
+{
+    const char *mfp = pt_path(pt_path(ckpt, "shard-0"), "MANIFEST");
+    static const char *const bad[] = {"../../escape", "a/b", ".hidden",
+                                      "a_name_of_forty_bytes_is_too_long_for_it"};
+    char *mf = NULL, *err = NULL;
+    size_t mlen = 0, body = 0;
+    CHECK_OK(cm_read_file(mfp, (void **)&mf, &mlen, &err), err);
+    CHECK(mf && cm_seal_check(mf, mlen, "checksum", &body) == CM_OK);
+    char tables[PS_MAX_TABLES][PS_NAME_MAX], dense[PS_MAX_DENSE][PS_NAME_MAX];
+    uint32_t nt = 0, nd = 0;
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char out[4096];
+        int n = snprintf(out, sizeof out, "%.*stable %s 0123456789abcdef\n", (int)body, mf, bad[i]);
+        n = cm_seal_append(out, (size_t)n, sizeof out, "checksum");
+        CHECK_OK(cm_write_file_atomic(mfp, out, (size_t)n, &err), err);
+        int rc = ps_checkpoint_names(ckpt, tables, &nt, dense, &nd, &err);
+        CHECK_MSG(rc == CM_ECORRUPT && err && strstr(err, "MANIFEST"),
+                  "table name '%s': rc=%d err=%s", bad[i], rc, err ? err : "(none)");
+        free(err), err = NULL;
+    }
+    CHECK_OK(cm_write_file_atomic(mfp, mf, mlen, &err), err);
+    CHECK_OK(ps_checkpoint_names(ckpt, tables, &nt, dense, &nd, &err), err);
+    free(mf);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -192,6 +221,7 @@ int main(void)
     ps_client_destroy(c);
     check_manifest_damage(ckpt);
     check_misplaced_row(ckpt, keys);
+    check_bad_names(ckpt);
 
     for (int i = 0; i < 2; i++) {
         int st = psp_stop(pids[i], SIGKILL, 5.0);
