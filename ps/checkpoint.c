@@ -211,13 +211,24 @@ static int manifest_body(const char *ckpt, char *body, size_t n, char **errptr)
 typedef struct reshard_arg {
     emb_table **tables;
     uint32_t n;
+    const char *table;
+    float *scratch; /* a row's weights and state: emb_table_get_row copies them out */
     char **errptr;
 } reshard_arg;
 
 static int reshard_row(const emb_row *row, void *arg)
 {
     reshard_arg *ra = arg;
-    return emb_table_put_row(ra->tables[ps_key_shard(row->key, ra->n)], row, ra->errptr);
+    emb_table *t = ra->tables[ps_key_shard(row->key, ra->n)];
+    /* A key twice in a snapshot (checksums and all) would be put twice, the first row dropped
+     * silently: a new table already holding the key means the checkpoint is damaged. */
+    emb_row had;
+    const emb_table_config *c = emb_table_get_config(t);
+    int rc = emb_table_get_row(t, row->key, &had, ra->scratch, ra->scratch + c->dim, NULL);
+    if (rc == CM_OK)
+        return cm_err(ra->errptr, CM_ECORRUPT, "table %s: key %" PRIu64 " twice in the checkpoint",
+                      ra->table, row->key);
+    return emb_table_put_row(t, row, ra->errptr);
 }
 
 static int copy_file(const char *from, const char *to, char **errptr)
@@ -285,8 +296,12 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char
                 rc = emb_table_set_sketch(nt[i], sketch, sketch_n, errptr);
         }
         free(sketch);
-        reshard_arg ra = {nt, n_new, errptr};
+        reshard_arg ra = {nt, n_new, tables[t], NULL, errptr};
+        if (rc == CM_OK &&
+            (ra.scratch = malloc((cfg.dim + emb_row_slots(&cfg)) * sizeof(float))) == NULL)
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         if (rc == CM_OK) rc = ps_checkpoint_foreach_row(from, tables[t], reshard_row, &ra, errptr);
+        free(ra.scratch);
         for (uint32_t i = 0; rc == CM_OK && i < n_new; i++) {
             snprintf(path, sizeof path, "%s/shard-%u/table-%s", to, i, tables[t]);
             rc = emb_table_snapshot(nt[i], path, errptr);
