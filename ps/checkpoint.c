@@ -211,7 +211,7 @@ static int manifest_body(const char *ckpt, char *body, size_t n, char **errptr)
 typedef struct reshard_arg {
     emb_table **tables;
     uint32_t n;
-    const char *table;
+    const char *from, *table;
     float *scratch; /* a row's weights and state: emb_table_get_row copies them out */
     char **errptr;
 } reshard_arg;
@@ -226,7 +226,7 @@ static int reshard_row(const emb_row *row, void *arg)
     const emb_table_config *c = emb_table_get_config(t);
     int rc = emb_table_get_row(t, row->key, &had, ra->scratch, ra->scratch + c->dim, NULL);
     if (rc == CM_OK)
-        return cm_err(ra->errptr, CM_ECORRUPT, "table %s: key %" PRIu64 " twice in the checkpoint",
+        return cm_err(ra->errptr, CM_ECORRUPT, "%s: table %s: key %" PRIu64 " twice", ra->from,
                       ra->table, row->key);
     return emb_table_put_row(t, row, ra->errptr);
 }
@@ -296,7 +296,7 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char
                 rc = emb_table_set_sketch(nt[i], sketch, sketch_n, errptr);
         }
         free(sketch);
-        reshard_arg ra = {nt, n_new, tables[t], NULL, errptr};
+        reshard_arg ra = {nt, n_new, from, tables[t], NULL, errptr};
         if (rc == CM_OK &&
             (ra.scratch = malloc((cfg.dim + emb_row_slots(&cfg)) * sizeof(float))) == NULL)
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");

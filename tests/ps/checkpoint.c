@@ -174,14 +174,15 @@ static void export_refuses(const char *ckpt, const char *what)
     free(err);
 }
 
-/* Reshard refuses it naming the key, and writes nothing. */
+/* Reshard refuses it naming the checkpoint and table, and writes nothing. */
 static void reshard_refuses(const char *ckpt, const char *what)
 {
     char *err = NULL;
     char to[1024];
     snprintf(to, sizeof to, "%s.resharded", ckpt);
     int rc = ps_checkpoint_reshard(ckpt, to, 1, &err);
-    CHECK_MSG(rc == CM_ECORRUPT && err && strstr(err, "table t") && access(to, F_OK) != 0,
+    CHECK_MSG(rc == CM_ECORRUPT && err && strstr(err, ckpt) && strstr(err, "table t") &&
+                  access(to, F_OK) != 0,
               "%s: reshard rc=%d err=%s", what, rc, err ? err : "(none)");
     free(err);
 }
