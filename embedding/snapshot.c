@@ -298,6 +298,14 @@ static int manifest_read(const char *dir, manifest *m, char **errptr)
     }
     m->cfg.dim = (uint32_t)dim64;
     m->cfg.seed = seed;
+    /* A config no table can have (eps 0, a NaN rate) is a damaged manifest: handed on, it
+     * failed later in emb_table_create with a message naming no file. */
+    char *why = NULL;
+    if (emb_table_config_check(&m->cfg, &why) != CM_OK) {
+        cm_err(errptr, rc, "%s: %s", path, why ? why : "invalid model config");
+        free(why);
+        goto out;
+    }
     const char *fv = mf_field(text, "file");
     char fname[64];
     unsigned long long fsize, fhash;
@@ -339,10 +347,16 @@ typedef struct rows_sink {
     const emb_table_config *cfg;
 } rows_sink;
 
-static int sink_chunk(const rows_sink *k, const uint8_t *buf, size_t nrows, size_t row_bytes,
-                      char **errptr)
+static int sink_chunk(const rows_sink *k, const char *path, const uint8_t *buf, size_t nrows,
+                      size_t row_bytes, char **errptr)
 {
-    if (k->t) return emb_table_load_records(k->t, buf, nrows, errptr);
+    if (k->t) {
+        /* The table's refusal (a key twice) says what, not where: the file goes in front. */
+        int rc = emb_table_load_records(k->t, buf, nrows, errptr);
+        if (rc != CM_OK)
+            rc = cm_err(errptr, rc, "%s: %s", path, errptr && *errptr ? *errptr : "not loaded");
+        return rc;
+    }
     for (size_t i = 0; i < nrows; i++) {
         const uint8_t *rec = buf + i * row_bytes;
         const emb_rec_hdr *h = (const emb_rec_hdr *)rec;
@@ -366,8 +380,33 @@ static int rows_open(const char *dir, char *path, size_t n, int *fd, char **errp
     return CM_OK;
 }
 
-/* Reads rows.bin (fd, from rows_open) in chunks; with sink NULL it only verifies size, header
- * and checksum. */
+/* Whether the nrows records at buf are ones a table at the manifest's step writes: none
+ * stamped after that step (a restored TTL table would keep it past its time, and one with a
+ * spill store refuses it only once half loaded), no weight or optimizer state that is not
+ * finite (pushes refuse non-finite gradients, so no table holds one; a restored one would
+ * spread it through every pull). */
+static int recs_check(const manifest *m, const char *path, const uint8_t *buf, size_t nrows,
+                      uint64_t off, char **errptr)
+{
+    size_t floats = m->cfg.dim + emb_row_slots(&m->cfg);
+    for (size_t i = 0; i < nrows; i++) {
+        const uint8_t *rec = buf + i * m->row_bytes;
+        uint64_t stamp = emb_rec_last_step(rec);
+        if (stamp > m->step)
+            return cm_err(errptr, CM_ECORRUPT,
+                          "%s: the record at offset %" PRIu64 " was touched at step %" PRIu64
+                          ", after the snapshot's step %" PRIu64,
+                          path, off + i * m->row_bytes, stamp, m->step);
+        if (cm_f32_first_nonfinite((const float *)(rec + EMB_REC_HDR), floats) != floats)
+            return cm_err(errptr, CM_ECORRUPT,
+                          "%s: the record at offset %" PRIu64 " holds a value that is not finite",
+                          path, off + i * m->row_bytes);
+    }
+    return CM_OK;
+}
+
+/* Reads rows.bin (fd, from rows_open) in chunks; with sink NULL it only verifies size, header,
+ * checksum and records (recs_check). */
 static int rows_pass(int fd, const char *path, const manifest *m, const rows_sink *sink,
                      char **errptr)
 {
@@ -375,6 +414,14 @@ static int rows_pass(int fd, const char *path, const manifest *m, const rows_sin
     uint8_t *buf = NULL;
     void *hs = NULL;
     struct stat st;
+    /* A row count whose size wraps around 2^64 would match a small file, and the passes would
+     * then read on for rows that are not there. */
+    if (m->rows > (UINT64_MAX - ROWS_HDR - 8) / m->row_bytes) {
+        rc = cm_err(errptr, CM_ECORRUPT,
+                    "%s: %" PRIu64 " rows of %" PRIu64 " bytes: more than a file can hold", path,
+                    m->rows, m->row_bytes);
+        goto out;
+    }
     uint64_t expect = ROWS_HDR + m->rows * m->row_bytes + 8;
     if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != expect || m->size != expect) {
         rc = cm_err(errptr, CM_ECORRUPT, "%s: size %lld, expected %" PRIu64 " (truncated?)", path,
@@ -406,8 +453,13 @@ static int rows_pass(int fd, const char *path, const manifest *m, const rows_sin
             rc = cm_err_errno(errptr, CM_ECORRUPT, "%s: short read at offset %" PRIu64, path, off);
             goto out;
         }
-        if (sink == NULL) XXH3_64bits_update(hs, buf, bytes);
-        else if ((rc = sink_chunk(sink, buf, nrows, m->row_bytes, errptr)) != CM_OK) goto out;
+        if (sink == NULL) {
+            XXH3_64bits_update(hs, buf, bytes);
+            rc = recs_check(m, path, buf, nrows, off, errptr);
+        } else {
+            rc = sink_chunk(sink, path, buf, nrows, m->row_bytes, errptr);
+        }
+        if (rc != CM_OK) goto out;
         off += bytes;
         left -= nrows;
     }

@@ -97,6 +97,28 @@ int ps_checkpoint_table_config(const char *ckpt, const char *table, emb_table_co
     return emb_snapshot_read_config(path, cfg, errptr);
 }
 
+/* The caller's row callback behind a check that each row is on the shard its key hashes to: a
+ * row on another (a snapshot copied or damaged, checksums and all) would be exported twice, or
+ * resharded as whichever copy came last. */
+typedef struct shard_rows {
+    emb_row_cb cb;
+    void *arg;
+    uint32_t shard, n;
+    const char *path;
+    char **errptr;
+} shard_rows;
+
+static int shard_row(const emb_row *row, void *arg)
+{
+    shard_rows *s = arg;
+    uint32_t home = ps_key_shard(row->key, s->n);
+    if (home != s->shard)
+        return cm_err(s->errptr, CM_ECORRUPT,
+                      "%s: key %" PRIu64 " belongs on shard %u of %u, not on shard %u", s->path,
+                      row->key, home, s->n, s->shard);
+    return s->cb(row, s->arg);
+}
+
 int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb, void *arg,
                               char **errptr)
 {
@@ -105,7 +127,8 @@ int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb
     for (uint32_t i = 0; rc == CM_OK && i < n; i++) {
         char path[4200];
         snprintf(path, sizeof path, "%s/shard-%u/table-%s", ckpt, i, table);
-        rc = emb_snapshot_foreach(path, cb, arg, errptr);
+        shard_rows s = {cb, arg, i, n, path, errptr};
+        rc = emb_snapshot_foreach(path, shard_row, &s, errptr);
     }
     return rc;
 }
@@ -133,15 +156,27 @@ int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t 
     int rc = read_manifest(ckpt, 0, &text, &body_len, errptr);
     if (rc != CM_OK) return rc;
     *n_tables = *n_dense = 0;
-    for (char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
-        char kind[8], name[PS_NAME_MAX];
-        if (sscanf(p, "%7s %31s", kind, name) != 2) continue;
-        if (!strcmp(kind, "table") && *n_tables < PS_MAX_TABLES)
-            strcpy(tables[(*n_tables)++], name);
-        if (!strcmp(kind, "dense") && *n_dense < PS_MAX_DENSE) strcpy(dense[(*n_dense)++], name);
+    for (char *p = text; rc == CM_OK && p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+        char kind[8], name[PS_NAME_MAX + 1];
+        if (sscanf(p, "%7s %32s", kind, name) != 2) continue;
+        bool tab = !strcmp(kind, "table");
+        if (!tab && strcmp(kind, "dense") != 0) continue;
+        /* Names become paths (reshard writes to them): one no server could have written (a
+         * path, "..", longer than a name, one too many) is a damaged manifest, where it was
+         * followed, cut to 31 bytes or dropped. */
+        uint32_t *n = tab ? n_tables : n_dense;
+        if (!ps_name_ok(name) || strlen(name) >= PS_NAME_MAX ||
+            *n == (tab ? PS_MAX_TABLES : PS_MAX_DENSE)) {
+            rc = cm_err(errptr, CM_ECORRUPT,
+                        "shard-0/MANIFEST of %s: %s '%.*s' is not a name a checkpoint has, or one "
+                        "too many",
+                        ckpt, kind, (int)strcspn(p + strlen(kind) + 1, "\n"), p + strlen(kind) + 1);
+            break;
+        }
+        strcpy(tab ? tables[(*n)++] : dense[(*n)++], name);
     }
     free(text);
-    return CM_OK;
+    return rc;
 }
 
 int ps_shard_manifest_text(uint32_t shard, uint32_t shards, const char *body, char *out, size_t n)
@@ -176,13 +211,24 @@ static int manifest_body(const char *ckpt, char *body, size_t n, char **errptr)
 typedef struct reshard_arg {
     emb_table **tables;
     uint32_t n;
+    const char *from, *table;
+    float *scratch; /* a row's weights and state: emb_table_get_row copies them out */
     char **errptr;
 } reshard_arg;
 
 static int reshard_row(const emb_row *row, void *arg)
 {
     reshard_arg *ra = arg;
-    return emb_table_put_row(ra->tables[ps_key_shard(row->key, ra->n)], row, ra->errptr);
+    emb_table *t = ra->tables[ps_key_shard(row->key, ra->n)];
+    /* A key twice in a snapshot (checksums and all) would be put twice, the first row dropped
+     * silently: a new table already holding the key means the checkpoint is damaged. */
+    emb_row had;
+    const emb_table_config *c = emb_table_get_config(t);
+    int rc = emb_table_get_row(t, row->key, &had, ra->scratch, ra->scratch + c->dim, NULL);
+    if (rc == CM_OK)
+        return cm_err(ra->errptr, CM_ECORRUPT, "%s: table %s: key %" PRIu64 " twice", ra->from,
+                      ra->table, row->key);
+    return emb_table_put_row(t, row, ra->errptr);
 }
 
 static int copy_file(const char *from, const char *to, char **errptr)
@@ -250,8 +296,12 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char
                 rc = emb_table_set_sketch(nt[i], sketch, sketch_n, errptr);
         }
         free(sketch);
-        reshard_arg ra = {nt, n_new, errptr};
+        reshard_arg ra = {nt, n_new, from, tables[t], NULL, errptr};
+        if (rc == CM_OK &&
+            (ra.scratch = malloc((cfg.dim + emb_row_slots(&cfg)) * sizeof(float))) == NULL)
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         if (rc == CM_OK) rc = ps_checkpoint_foreach_row(from, tables[t], reshard_row, &ra, errptr);
+        free(ra.scratch);
         for (uint32_t i = 0; rc == CM_OK && i < n_new; i++) {
             snprintf(path, sizeof path, "%s/shard-%u/table-%s", to, i, tables[t]);
             rc = emb_table_snapshot(nt[i], path, errptr);

@@ -250,7 +250,7 @@ int ps_config_load(const char *path, ps_config *cfg, char **errptr)
 /* Table and dense names become file and directory names (a table's spill database is
  * <spill_dir>/shard-<s>/<name>, which the server deletes when it stops; checkpoint files are
  * named after them): only a plain file name is safe, never "..", a path or a hidden name. */
-static bool name_ok(const char *name)
+bool ps_name_ok(const char *name)
 {
     if (name[0] == '\0' || name[0] == '.') return false;
     for (const char *p = name; *p; p++)
@@ -263,7 +263,7 @@ int ps_config_check(const ps_config *cfg, char **errptr)
     for (uint32_t i = 0; i < cfg->n_tables + cfg->n_dense; i++) {
         bool tab = i < cfg->n_tables;
         const char *name = tab ? cfg->tables[i].name : cfg->dense[i - cfg->n_tables].name;
-        if (!name_ok(name))
+        if (!ps_name_ok(name))
             return cm_err(errptr, CM_EINVAL,
                           "%s name '%s' is not a plain name (letters, digits, '_', '-', '.'; "
                           "not starting with '.'): it names files on disk",

@@ -80,6 +80,11 @@ size_t ps_codec_row_bytes(ps_codec c, uint32_t dim);
  * which no client can find); other schemes pass. CM_OK or CM_EINVAL naming the URL. */
 int ps_url_check(const char *url, size_t len, char **errptr);
 
+/* Whether a table or dense name is a plain file name (letters, digits, '_', '-', '.'; not
+ * starting with '.'): names become file and directory names, so ps_config_check refuses any
+ * other, and so does a checkpoint reader. */
+bool ps_name_ok(const char *name);
+
 /* The shard a key belongs to among n (jump consistent hash of xxh3(key)). */
 uint32_t ps_key_shard(uint64_t key, uint32_t n_shards);
 /* The order in which pull and push send n distinct keys to n_shards shards: grouped by shard

@@ -7,6 +7,10 @@
  *  - corruption (a flipped byte in rows.bin or MANIFEST, a truncated, extended or missing
  *    file, or anything after the MANIFEST checksum line) is refused with an error naming the
  *    file, and no table is returned.
+ *  - consistent lies (contents wrong, every size and checksum recomputed to match): a row
+ *    stamped after the snapshot's step, a non-finite weight or optimizer state, a key twice,
+ *    a row count whose size wraps around 2^64, are refused by restore and export naming the
+ *    file.
  *  - a model-config mismatch is refused naming the field.
  *  - a snapshot path that is a symbolic link is followed and stays a link.
  */
@@ -87,6 +91,13 @@ static void copy_dir(const char *src, const char *dst)
     closedir(d);
 }
 
+static int count_cb(const emb_row *row, void *arg)
+{
+    (void)row;
+    ++*(uint64_t *)arg;
+    return 0;
+}
+
 typedef enum { FLIP, TRUNCATE, EXTEND, REMOVE, APPEND } damage;
 
 /* Damages one file of a copy of the snapshot and checks that restore refuses it by name. */
@@ -145,6 +156,127 @@ static void corrupt_case(const char *snap, const emb_table_config *cfg, const ch
                   names[how], rc, err ? err : "(none)");
         free(err);
     }
+    cm_rmtree(dst, NULL);
+}
+
+/* MANIFEST's "name value" line set to value, its checksum line recomputed. */
+static void manifest_set(const char *dir, const char *name, const char *value)
+{
+    char p[4400], out[8192];
+    path_in(p, sizeof p, dir, "MANIFEST");
+    char *m = NULL;
+    size_t len = 0, body = 0;
+    char *err = NULL;
+    CHECK_OK(cm_read_file(p, (void **)&m, &len, &err), err);
+    CHECK(cm_seal_check(m, len, "checksum", &body) == CM_OK);
+    size_t nl = strlen(name), at = 0;
+    while (at < body && !(strncmp(m + at, name, nl) == 0 && m[at + nl] == ' '))
+        at += strcspn(m + at, "\n") + 1;
+    CHECK_MSG(at < body, "no %s line in %s", name, p);
+    size_t end = at + strcspn(m + at, "\n") + 1;
+    int n = snprintf(out, sizeof out, "%.*s%s %s\n%.*s", (int)at, m, name, value, (int)(body - end),
+                     m + end);
+    n = cm_seal_append(out, (size_t)n, sizeof out, "checksum");
+    CHECK(n > 0);
+    CHECK_OK(cm_write_file_atomic(p, out, (size_t)n, &err), err);
+    free(m);
+}
+
+typedef enum { LIE_LATE_STAMP, LIE_NAN_WEIGHT, LIE_NAN_STATE, LIE_DUP_KEY, LIE_WRAP } lie;
+
+/* Rewrites a copy of the snapshot with one lie and every size and checksum made to match it,
+ * then checks that restore and export refuse it naming rows.bin (want: a word the message must
+ * hold too, or NULL). A key twice is left to restore: export does not keep every key. */
+static void lie_case(const char *snap, const emb_table_config *cfg, lie what, const char *want)
+{
+    char dst[4200], p[4400], v[64];
+    snprintf(dst, sizeof dst, "%s/lie", g_dir);
+    copy_dir(snap, dst);
+    path_in(p, sizeof p, dst, "rows.bin");
+    uint8_t *b = NULL;
+    size_t len = 0;
+    char *err = NULL;
+    CHECK_OK(cm_read_file(p, (void **)&b, &len, &err), err);
+    uint32_t rb;
+    uint64_t rows, step = 0;
+    memcpy(&rb, b + 20, 4);
+    memcpy(&rows, b + 24, 8);
+    CHECK(rows >= 4 && len == 32 + rows * rb + 8);
+    CHECK_OK(emb_snapshot_step(dst, &step, &err), err);
+    uint8_t *rec = b + 32 + (rows / 2) * rb; /* a record from the middle */
+    const float nan = check_f32_of(0x7fc00000u);
+    switch (what) {
+    case LIE_LATE_STAMP: {
+        uint64_t late = step + 1;
+        memcpy(rec + 16, &late, 8);
+        break;
+    }
+    case LIE_NAN_WEIGHT:
+        memcpy(rec + 24 + 4, &nan, 4);
+        break;
+    case LIE_NAN_STATE:
+        memcpy(rec + 24 + 4 * cfg->dim, &nan, 4);
+        break;
+    case LIE_DUP_KEY:
+        memcpy(rec, b + 32, 8);
+        break;
+    case LIE_WRAP: { /* rows * rb comes out the same modulo 2^64 */
+        rows += 1ull << (64 - __builtin_ctz(rb));
+        memcpy(b + 24, &rows, 8);
+        snprintf(v, sizeof v, "%" PRIu64, rows);
+        manifest_set(dst, "rows", v);
+        break;
+    }
+    }
+    uint64_t h = cm_xxh3(b, len - 8);
+    memcpy(b + len - 8, &h, 8);
+    CHECK_OK(cm_write_file_atomic(p, b, len, &err), err);
+    snprintf(v, sizeof v, "rows.bin %zu %016" PRIx64, len, h);
+    manifest_set(dst, "file", v);
+    free(b);
+    static const char *const names[] = {"late stamp", "NaN weight", "NaN state", "duplicate key",
+                                        "wrapped row count"};
+    emb_table *t = NULL;
+    int rc = emb_table_restore(dst, cfg, &t, &err);
+    CHECK_MSG(rc < 0 && t == NULL && eu_has(err, "rows.bin") && (!want || eu_has(err, want)),
+              "%s: restore rc=%d err=%s", names[what], rc, err ? err : "(none)");
+    if (rc == 0) emb_table_destroy(t);
+    free(err);
+    err = NULL;
+    if (what != LIE_DUP_KEY) {
+        uint64_t n = 0;
+        rc = emb_snapshot_foreach(dst, count_cb, &n, &err);
+        CHECK_MSG(rc < 0 && n == 0 && eu_has(err, "rows.bin") && (!want || eu_has(err, want)),
+                  "%s: export rc=%d after %" PRIu64 " rows, err=%s", names[what], rc, n,
+                  err ? err : "(none)");
+        free(err);
+    }
+    cm_rmtree(dst, NULL);
+}
+
+/* A MANIFEST line set to a value no table has (its checksum made to match): read_config and
+ * restore refuse it naming the file, where read_config handed the config on (to a reshard,
+ * whose emb_table_create then failed without naming any file). */
+static void manifest_lie_case(const char *snap, const emb_table_config *cfg, const char *name,
+                              const char *value, const char *want)
+{
+    char dst[4200];
+    snprintf(dst, sizeof dst, "%s/lie", g_dir);
+    copy_dir(snap, dst);
+    manifest_set(dst, name, value);
+    emb_table_config back;
+    char *err = NULL;
+    int rc = emb_snapshot_read_config(dst, &back, &err);
+    CHECK_MSG(rc < 0 && eu_has(err, "MANIFEST") && eu_has(err, want),
+              "%s %s: read_config rc=%d err=%s", name, value, rc, err ? err : "(none)");
+    free(err);
+    err = NULL;
+    emb_table *t = NULL;
+    rc = emb_table_restore(dst, cfg, &t, &err);
+    CHECK_MSG(rc < 0 && t == NULL && eu_has(err, "MANIFEST"), "%s %s: restore rc=%d err=%s", name,
+              value, rc, err ? err : "(none)");
+    if (rc == 0) emb_table_destroy(t);
+    free(err);
     cm_rmtree(dst, NULL);
 }
 
@@ -252,6 +384,14 @@ int main(void)
     corrupt_case(snap, &model, "MANIFEST", APPEND, 0); /* a whole line after it */
     corrupt_case(snap, &model, "rows.bin", REMOVE, 0);
     corrupt_case(snap, &model, "MANIFEST", REMOVE, 0);
+
+    lie_case(snap, &model, LIE_LATE_STAMP, "step");
+    lie_case(snap, &model, LIE_NAN_WEIGHT, "finite");
+    lie_case(snap, &model, LIE_NAN_STATE, "finite");
+    lie_case(snap, &model, LIE_DUP_KEY, "duplicate");
+    lie_case(snap, &model, LIE_WRAP, "more than a file can hold");
+    manifest_lie_case(snap, &model, "eps", "0x0p+0", "eps");
+    manifest_lie_case(snap, &model, "lr", "nan", "nan");
 
     mismatch_case(snap, &model, "dim", edit_dim);
     mismatch_case(snap, &model, "opt", edit_opt);

@@ -4,9 +4,12 @@
  * teeth), LOAD, and every row of both tables and both dense blocks is bit-identical to what
  * was pulled before the save. A LOAD of a missing checkpoint fails and changes nothing. The
  * fresh processes run with `--checkpoint-root` (the test's directory): LOAD within it works,
- * a SAVE or LOAD outside it is refused.
+ * a SAVE or LOAD outside it is refused. The offline reader refuses a row on another shard than
+ * its key's, reshard a key twice, and table names that are no plain file names, even with every
+ * checksum recomputed.
  */
 #include <dirent.h>
+#include <inttypes.h>
 
 #include "ps_test_util.h"
 
@@ -111,6 +114,131 @@ static void check_manifest_damage(const char *ckpt)
     CHECK_MSG(nt == 2 && nd == 2, "%u tables, %u dense blocks", nt, nd);
 }
 
+static int count_row(const emb_row *row, void *arg)
+{
+    (void)row;
+    ++*(uint64_t *)arg;
+    return 0;
+}
+
+/* Sets the key of record `rec` of shard-0's table t to key, every checksum made to match (a
+ * consistent lie), runs check on the checkpoint, then puts the files back; the rows read again. */
+static void with_key_lie(const char *ckpt, size_t rec, uint64_t key,
+                         void (*check)(const char *ckpt, const char *what), const char *what)
+{
+    char rows[1024], mfp[1024];
+    snprintf(rows, sizeof rows, "%s/shard-0/table-t/rows.bin", ckpt);
+    snprintf(mfp, sizeof mfp, "%s/shard-0/table-t/MANIFEST", ckpt);
+    uint8_t *b = NULL, *keep = NULL;
+    char *mf = NULL, *err = NULL;
+    size_t len = 0, mlen = 0, body = 0;
+    CHECK_OK(cm_read_file(rows, (void **)&b, &len, &err), err);
+    CHECK_OK(cm_read_file(rows, (void **)&keep, &len, &err), err);
+    CHECK_OK(cm_read_file(mfp, (void **)&mf, &mlen, &err), err);
+    CHECK(len > 32 + (rec + 1) * 40 + 8 && mf &&
+          cm_seal_check(mf, mlen, "checksum", &body) == CM_OK);
+    uint32_t rb;
+    memcpy(&rb, b + 20, 4);
+    memcpy(b + 32 + rec * rb, &key, 8);
+    uint64_t h = cm_xxh3(b, len - 8);
+    memcpy(b + len - 8, &h, 8);
+    CHECK_OK(cm_write_file_atomic(rows, b, len, &err), err);
+    char out[4096];
+    const char *file = strstr(mf, "\nfile rows.bin ");
+    CHECK(file != NULL);
+    size_t at = (size_t)(file - mf) + 1, end = at + strcspn(mf + at, "\n") + 1;
+    int n = snprintf(out, sizeof out, "%.*sfile rows.bin %zu %016" PRIx64 "\n%.*s", (int)at, mf,
+                     len, h, (int)(body - end), mf + end);
+    n = cm_seal_append(out, (size_t)n, sizeof out, "checksum");
+    CHECK_OK(cm_write_file_atomic(mfp, out, (size_t)n, &err), err);
+    check(ckpt, what);
+    CHECK_OK(cm_write_file_atomic(rows, keep, len, &err), err);
+    CHECK_OK(cm_write_file_atomic(mfp, mf, mlen, &err), err);
+    uint64_t seen = 0;
+    CHECK_OK(ps_checkpoint_foreach_row(ckpt, "t", count_row, &seen, &err), err);
+    CHECK(seen == NK);
+    free(b);
+    free(keep);
+    free(mf);
+}
+
+/* Export refuses the lie naming shard-0's snapshot of t. */
+static void export_refuses(const char *ckpt, const char *what)
+{
+    char *err = NULL;
+    uint64_t seen = 0;
+    int rc = ps_checkpoint_foreach_row(ckpt, "t", count_row, &seen, &err);
+    CHECK_MSG(rc == CM_ECORRUPT && err && strstr(err, "shard-0/table-t"),
+              "%s: export rc=%d after %" PRIu64 " rows, err=%s", what, rc, seen,
+              err ? err : "(none)");
+    free(err);
+}
+
+/* Reshard refuses it naming the checkpoint and table, and writes nothing. */
+static void reshard_refuses(const char *ckpt, const char *what)
+{
+    char *err = NULL;
+    char to[1024];
+    snprintf(to, sizeof to, "%s.resharded", ckpt);
+    int rc = ps_checkpoint_reshard(ckpt, to, 1, &err);
+    CHECK_MSG(rc == CM_ECORRUPT && err && strstr(err, ckpt) && strstr(err, "table t") &&
+                  access(to, F_OK) != 0,
+              "%s: reshard rc=%d err=%s", what, rc, err ? err : "(none)");
+    free(err);
+}
+
+/* A row moved into another shard's snapshot (a key that shard 1 also holds: exported twice, and
+ * resharded as whichever came last), and a key twice within one shard's snapshot (resharded as
+ * one row, the other dropped). */
+static void check_row_lies(const char *ckpt, const uint64_t *keys)
+{
+    uint64_t key = keys[0];
+    for (uint32_t i = 0; i < NK && ps_key_shard(key, 2) != 1; i++)
+        key = keys[i];
+    CHECK(ps_key_shard(key, 2) == 1);
+    with_key_lie(ckpt, 0, key, export_refuses, "a row on the wrong shard");
+    char rows[1024];
+    snprintf(rows, sizeof rows, "%s/shard-0/table-t/rows.bin", ckpt);
+    uint8_t *b = NULL;
+    size_t len = 0;
+    char *err = NULL;
+    CHECK_OK(cm_read_file(rows, (void **)&b, &len, &err), err);
+    CHECK(b && len > 40);
+    memcpy(&key, b + 32, 8);
+    free(b);
+    with_key_lie(ckpt, 1, key, reshard_refuses, "a key twice");
+}
+
+/* shard-0's MANIFEST with one more table line (its checksum recomputed): a name that is no
+ * plain file name (reshard makes paths of it), or longer than a name can be (it was cut to 31
+ * bytes), is refused naming the manifest; the manifest is put back afterwards. */
+static void check_bad_names(const char *ckpt)
+{
+    char mfp[1024];
+    snprintf(mfp, sizeof mfp, "%s/shard-0/MANIFEST", ckpt);
+    static const char *const bad[] = {"../../escape", "a/b", ".hidden",
+                                      "a_name_of_forty_bytes_is_too_long_for_it"};
+    char *mf = NULL, *err = NULL;
+    size_t mlen = 0, body = 0;
+    CHECK_OK(cm_read_file(mfp, (void **)&mf, &mlen, &err), err);
+    CHECK(mf && cm_seal_check(mf, mlen, "checksum", &body) == CM_OK);
+    char tables[PS_MAX_TABLES][PS_NAME_MAX], dense[PS_MAX_DENSE][PS_NAME_MAX];
+    uint32_t nt = 0, nd = 0;
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char out[4096];
+        int n = snprintf(out, sizeof out, "%.*stable %s 0123456789abcdef\n", (int)body, mf, bad[i]);
+        n = cm_seal_append(out, (size_t)n, sizeof out, "checksum");
+        CHECK_OK(cm_write_file_atomic(mfp, out, (size_t)n, &err), err);
+        int rc = ps_checkpoint_names(ckpt, tables, &nt, dense, &nd, &err);
+        CHECK_MSG(rc == CM_ECORRUPT && err && strstr(err, "MANIFEST"),
+                  "table name '%s': rc=%d err=%s", bad[i], rc, err ? err : "(none)");
+        free(err), err = NULL;
+    }
+    CHECK_OK(cm_write_file_atomic(mfp, mf, mlen, &err), err);
+    CHECK_OK(ps_checkpoint_names(ckpt, tables, &nt, dense, &nd, &err), err);
+    free(mf);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -135,6 +263,8 @@ int main(void)
     CHECK_OK(ps_client_save(c, ckpt, &err), err);
     ps_client_destroy(c);
     check_manifest_damage(ckpt);
+    check_row_lies(ckpt, keys);
+    check_bad_names(ckpt);
 
     for (int i = 0; i < 2; i++) {
         int st = psp_stop(pids[i], SIGKILL, 5.0);
