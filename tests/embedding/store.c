@@ -460,16 +460,16 @@ static void test_dead_below_retry(const char *dir)
     enum { N = 400000, MARK = N + 1 };
     const size_t rb = 36;
     /* Large blocks mapped and unmapped: no freed block in the heap to grow the list into. */
-mallopt(M_MMAP_THRESHOLD, 128 << 10);
-emb_store *s = open_store("memory", dir, rb);
-if (s == NULL) return;
-uint8_t rec[64];
-char *err = NULL;
-for (uint32_t i = 0; i < N; i++) {
-    make_rec(rec, rb, i, 1);
-    uint64_t stamp = i;
-    memcpy(rec + 16, &stamp, 8);
-    CHECK_OK(emb_store_put(s, rec, 1, &err), err);
+    mallopt(M_MMAP_THRESHOLD, 128 << 10);
+    emb_store *s = open_store("memory", dir, rb);
+    if (s == NULL) return;
+    uint8_t rec[64];
+    char *err = NULL;
+    for (uint32_t i = 0; i < N; i++) {
+        make_rec(rec, rb, i, 1);
+        uint64_t stamp = i;
+        memcpy(rec + 16, &stamp, 8);
+        CHECK_OK(emb_store_put(s, rec, 1, &err), err);
     }
     struct rlimit old;
     CHECK_MSG(getrlimit(RLIMIT_AS, &old) == 0, "getrlimit");
