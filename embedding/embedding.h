@@ -144,6 +144,12 @@ void emb_table_config_init(emb_table_config *cfg);
 /* Checks a config; 0 or CM_EINVAL with a message naming the bad field. */
 int emb_table_config_check(const emb_table_config *cfg, char **errptr);
 
+/* The first field of the model (dim, optimizer and its parameters, initializer, seed: what a
+ * row's bytes and its updates depend on) in which a and b differ, as a static string ("dim",
+ * "opt", ...), or NULL when they agree. Storage settings (memory, spill, admission, TTL,
+ * sub-shards) are not compared. */
+const char *emb_table_config_differs(const emb_table_config *a, const emb_table_config *b);
+
 /* Optimizer slots (floats of state) per row for this config. */
 uint32_t emb_row_slots(const emb_table_config *cfg);
 

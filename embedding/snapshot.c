@@ -474,8 +474,7 @@ out:
     return rc;
 }
 
-/* Names the first model field where two configs differ, or NULL. */
-static const char *model_mismatch(const emb_table_config *a, const emb_table_config *b)
+const char *emb_table_config_differs(const emb_table_config *a, const emb_table_config *b)
 {
     if (a->dim != b->dim) return "dim";
     if (a->opt != b->opt) return "opt";
@@ -517,7 +516,7 @@ int emb_table_restore(const char *dir, const emb_table_config *cfg, emb_table **
     manifest m;
     int rc = manifest_read(dir, &m, errptr);
     if (rc != CM_OK) return rc;
-    const char *bad = model_mismatch(&m.cfg, cfg);
+    const char *bad = emb_table_config_differs(&m.cfg, cfg);
     if (bad != NULL)
         return cm_err(errptr, CM_EINVAL, "snapshot %s: %s differs from the table config", dir, bad);
     char path[4096];

@@ -124,11 +124,19 @@ int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb
 {
     uint32_t n;
     int rc = ps_checkpoint_shards(ckpt, &n, errptr);
+    emb_table_config first, cfg;
     for (uint32_t i = 0; rc == CM_OK && i < n; i++) {
         char path[4200];
         snprintf(path, sizeof path, "%s/shard-%u/table-%s", ckpt, i, table);
+        /* Every shard's snapshot of a table has shard 0's model: rows are read, exported and
+         * resharded with one layout (another dim would be read past its records). */
+        rc = emb_snapshot_read_config(path, i == 0 ? &first : &cfg, errptr);
+        const char *field = rc == CM_OK && i > 0 ? emb_table_config_differs(&first, &cfg) : NULL;
+        if (field != NULL)
+            rc = cm_err(errptr, CM_ECORRUPT, "%s: table %s's %s differs from shard 0's snapshot",
+                        path, table, field);
         shard_rows s = {cb, arg, i, n, path, errptr};
-        rc = emb_snapshot_foreach(path, shard_row, &s, errptr);
+        if (rc == CM_OK) rc = emb_snapshot_foreach(path, shard_row, &s, errptr);
     }
     return rc;
 }

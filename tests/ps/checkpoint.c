@@ -209,6 +209,42 @@ static void check_row_lies(const char *ckpt, const uint64_t *keys)
     with_key_lie(ckpt, 1, key, reshard_refuses, "a key twice");
 }
 
+/* Shard 1's snapshot of t replaced by a valid one of a table with another dim (its own
+ * checksums all good): its rows would be read with shard 0's layout, 8 floats from records of
+ * 2 (past the buffer at the end of a chunk). Export and reshard refuse it naming the snapshot
+ * and the field; the snapshot is put back afterwards. */
+static void check_config_lie(const char *ckpt, const ps_config *cfg, const uint64_t *keys)
+{
+    char snap[1024], keep[1100];
+    snprintf(snap, sizeof snap, "%s/shard-1/table-t", ckpt);
+    snprintf(keep, sizeof keep, "%s.keep", snap);
+    CHECK(rename(snap, keep) == 0);
+    emb_table_config lie = cfg->tables[0].cfg;
+    lie.dim = 2;
+    lie.spill_path = NULL;
+    lie.mem_budget_bytes = 0;
+    emb_table *t = NULL;
+    char *err = NULL;
+    float w[2];
+    uint64_t key = keys[0];
+    for (uint32_t i = 0; i < NK && ps_key_shard(key, 2) != 1; i++)
+        key = keys[i];
+    CHECK_OK(emb_table_create(&lie, &t, &err), err);
+    if (t != NULL) {
+        CHECK_OK(emb_table_pull(t, &key, 1, w, &err), err);
+        CHECK_OK(emb_table_snapshot(t, snap, &err), err);
+        emb_table_destroy(t);
+    }
+    uint64_t seen = 0;
+    int rc = ps_checkpoint_foreach_row(ckpt, "t", count_row, &seen, &err);
+    CHECK_MSG(rc == CM_ECORRUPT && err && strstr(err, "shard-1/table-t") && strstr(err, "dim"),
+              "another dim on shard 1: export rc=%d, err=%s", rc, err ? err : "(none)");
+    free(err), err = NULL;
+    reshard_refuses(ckpt, "another dim on shard 1");
+    CHECK(cm_rmtree(snap, NULL) == CM_OK && rename(keep, snap) == 0);
+    CHECK_OK(ps_checkpoint_foreach_row(ckpt, "t", count_row, &seen, &err), err);
+}
+
 /* shard-0's MANIFEST with one more table line (its checksum recomputed): a name that is no
  * plain file name (reshard makes paths of it), or longer than a name can be (it was cut to 31
  * bytes), is refused naming the manifest; the manifest is put back afterwards. */
@@ -264,6 +300,7 @@ int main(void)
     ps_client_destroy(c);
     check_manifest_damage(ckpt);
     check_row_lies(ckpt, keys);
+    check_config_lie(ckpt, &cfg, keys);
     check_bad_names(ckpt);
 
     for (int i = 0; i < 2; i++) {
