@@ -144,14 +144,18 @@ int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb
 int ps_checkpoint_dense(const char *ckpt, const char *name, float **values, uint64_t *n,
                         char **errptr)
 {
-    uint32_t shards;
+    /* Block b lives on shard b % shards (the servers' and reshard's rule), b its place in
+     * shard 0's manifest: the first shard holding a file of that name could be a stray one. */
+    uint32_t shards, n_tables, n_dense;
+    char tables[PS_MAX_TABLES][PS_NAME_MAX], dense[PS_MAX_DENSE][PS_NAME_MAX];
     int rc = ps_checkpoint_shards(ckpt, &shards, errptr);
+    if (rc == CM_OK) rc = ps_checkpoint_names(ckpt, tables, &n_tables, dense, &n_dense, errptr);
     if (rc != CM_OK) return rc;
-    for (uint32_t i = 0; i < shards; i++) {
+    for (uint32_t b = 0; b < n_dense; b++) {
+        if (strcmp(dense[b], name) != 0) continue;
         char path[4200];
-        struct stat st;
-        snprintf(path, sizeof path, "%s/shard-%u/dense-%s.bin", ckpt, i, name);
-        if (stat(path, &st) == 0) return ps_dense_read_values(path, values, n, errptr);
+        snprintf(path, sizeof path, "%s/shard-%u/dense-%s.bin", ckpt, b % shards, name);
+        return ps_dense_read_values(path, values, n, errptr);
     }
     return cm_err(errptr, CM_ENOTFOUND, "%s: no dense block '%s' in any shard", ckpt, name);
 }

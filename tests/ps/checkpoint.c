@@ -245,6 +245,28 @@ static void check_config_lie(const char *ckpt, const ps_config *cfg, const uint6
     CHECK_OK(ps_checkpoint_foreach_row(ckpt, "t", count_row, &seen, &err), err);
 }
 
+/* A dense block is read from its owner, shard (its index) % shards, as reshard and the servers
+ * do: a stray file of that name on another shard (here d0's 100 values copied to shard 0 as
+ * d1) was read first, and export took it for d1's 33. */
+static void check_dense_owner(const char *ckpt)
+{
+    char from[1024], stray[1024];
+    snprintf(from, sizeof from, "%s/shard-0/dense-d0.bin", ckpt);
+    snprintf(stray, sizeof stray, "%s/shard-0/dense-d1.bin", ckpt);
+    void *b = NULL;
+    size_t len = 0;
+    char *err = NULL;
+    CHECK_OK(cm_read_file(from, &b, &len, &err), err);
+    CHECK_OK(cm_write_file_atomic(stray, b, len, &err), err);
+    free(b);
+    float *v = NULL;
+    uint64_t n = 0;
+    CHECK_OK(ps_checkpoint_dense(ckpt, "d1", &v, &n, &err), err);
+    CHECK_MSG(n == dsize[1], "dense d1 read as %" PRIu64 " values, want %u", n, dsize[1]);
+    free(v);
+    CHECK(unlink(stray) == 0);
+}
+
 /* shard-0's MANIFEST with one more table line (its checksum recomputed): a name that is no
  * plain file name (reshard makes paths of it), or longer than a name can be (it was cut to 31
  * bytes), is refused naming the manifest; the manifest is put back afterwards. */
@@ -301,6 +323,7 @@ int main(void)
     check_manifest_damage(ckpt);
     check_row_lies(ckpt, keys);
     check_config_lie(ckpt, &cfg, keys);
+    check_dense_owner(ckpt);
     check_bad_names(ckpt);
 
     for (int i = 0; i < 2; i++) {
