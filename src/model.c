@@ -196,8 +196,8 @@ int model_layout_make(const model_cfg *m, model_layout *l, char **errptr)
      * dim 1024) made a layout of a few values that predict overflowed. The dlrm interactions
      * ((F + 1) F / 2 pairs) wrap the same way. */
     const uint64_t wide = (uint64_t)m->n_fields * m->dim + m->n_dense,
-                   pairs = ((uint64_t)m->n_fields + 1) * m->n_fields / 2 + m->dim;
-    if (wide > UINT32_MAX || (m->kind == MODEL_DLRM && pairs > UINT32_MAX))
+                   pairs = ((uint64_t)m->n_fields + 1) * m->n_fields / 2;
+    if (wide > UINT32_MAX || (m->kind == MODEL_DLRM && pairs + m->dim > UINT32_MAX))
         return cm_err(errptr, CM_EINVAL,
                       "model %s: %u fields of dim %u and %u dense values: the top MLP's input is "
                       "past 2^32 values",
@@ -212,7 +212,7 @@ int model_layout_make(const model_cfg *m, model_layout *l, char **errptr)
             bin = m->bottom[i];
         }
         l->n_bot = m->n_bottom;
-        l->inter = (uint32_t)(pairs - m->dim); /* in 64 bits: (F + 1) F wraps first */
+        l->inter = (uint32_t)pairs; /* in 64 bits: (F + 1) F wraps first */
         in = m->dim + l->inter;
     }
     l->top_in = in;
