@@ -312,6 +312,10 @@ int cm_seal_append(char *out, size_t len, size_t cap, const char *tag);
 typedef int (*cm_ini_cb)(void *arg, const char *section, const char *section_arg, const char *key,
                          const char *value, char **errptr);
 int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr);
+/* For a cm_ini_cb refusing a section header: "unknown section [name arg] (known)", the
+ * argument named too; known (the sections the file may have) may be NULL. Returns CM_EINVAL. */
+int cm_ini_unknown_section(char **errptr, const char *section, const char *section_arg,
+                           const char *known);
 
 /* Parses an unsigned decimal with an optional K/M/G/T (binary) suffix: digits from the first
  * character (no blanks, no sign), nothing after the suffix, no overflow. 0 or -1. */

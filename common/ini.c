@@ -75,6 +75,14 @@ static int read_line(FILE *f, char *buf, size_t n, size_t *len)
     return i > 0;
 }
 
+int cm_ini_unknown_section(char **errptr, const char *section, const char *section_arg,
+                           const char *known)
+{
+    return cm_err(errptr, CM_EINVAL, "unknown section [%s%s%s]%s%s%s", section,
+                  *section_arg ? " " : "", section_arg, known ? " (" : "", known ? known : "",
+                  known ? ")" : "");
+}
+
 /* A key seen in a parse: "section\narg\nkey" and its line, for the duplicate check. */
 typedef struct ini_key {
     char *id;

@@ -153,8 +153,7 @@ static int config_entry(void *arg, const char *section, const char *sarg, const 
     if (k == NULL) {
         if (!strcmp(section, "cluster") && *sarg == '\0') return CM_OK;
         if (!(table || dense) || *sarg == '\0')
-            return cm_err(errptr, CM_EINVAL, "unknown section [%s%s%s]", section, *sarg ? " " : "",
-                          sarg);
+            return cm_ini_unknown_section(errptr, section, sarg, NULL);
         uint32_t *n = table ? &cfg->n_tables : &cfg->n_dense;
         if (*n >= (table ? PS_MAX_TABLES : PS_MAX_DENSE) || strlen(sarg) >= PS_NAME_MAX)
             return cm_err(errptr, CM_EINVAL, "too many %s sections or name too long", section);

@@ -48,14 +48,6 @@ void train_opts_init(train_opts *o)
 
 /* ---- config file ---- */
 
-/* The error for a section header cm_ini_parse's callback refuses, naming its argument too:
- * "[model x]" reported as "[model]" contradicted the list of known sections. */
-static int unknown_section(char **errptr, const char *section, const char *sarg, const char *known)
-{
-    return cm_err(errptr, CM_EINVAL, "unknown section [%s%s%s] (%s)", section, *sarg ? " " : "",
-                  sarg, known);
-}
-
 static int train_entry(void *arg, const char *section, const char *sarg, const char *k,
                        const char *v, char **errptr)
 {
@@ -63,7 +55,7 @@ static int train_entry(void *arg, const char *section, const char *sarg, const c
     if (k == NULL)
         return (!strcmp(section, "model") || !strcmp(section, "train")) && !*sarg
                    ? CM_OK
-                   : unknown_section(errptr, section, sarg, "model, train");
+                   : cm_ini_unknown_section(errptr, section, sarg, "model, train");
     uint64_t u = 0;
     char *end = NULL;
     int bad = 0;
@@ -2266,7 +2258,7 @@ static int cluster_entry(void *arg, const char *section, const char *sarg, const
 {
     setup *S = arg;
     if (strcmp(section, "cluster") || *sarg)
-        return unknown_section(errptr, section, sarg, "cluster");
+        return cm_ini_unknown_section(errptr, section, sarg, "cluster");
     if (k == NULL) return CM_OK;
     if (!strcmp(k, "workers")) {
         uint64_t n;
