@@ -20,28 +20,7 @@
 #include <unistd.h>
 
 #include "common/common.h"
-
-/* ---- the input, read front to back; past its end every read gives zeros ---- */
-
-typedef struct fz_in {
-    const uint8_t *p;
-    size_t n;
-} fz_in;
-
-static inline uint8_t fz_u8(fz_in *in)
-{
-    if (in->n == 0) return 0;
-    in->n--;
-    return *in->p++;
-}
-
-static inline uint64_t fz_uint(fz_in *in, int bytes)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < bytes; i++)
-        v |= (uint64_t)fz_u8(in) << (8 * i);
-    return v;
-}
+#include "tests/fuzz_input.h"
 
 /* ---- a file's bytes ---- */
 
@@ -133,30 +112,6 @@ static inline void fz_raw_op(fz_buf *f, fz_in *in)
     default:
         f->gone = fz_u8(in) < 16;
         break; /* rarely: most inputs should reach the readers */
-    }
-}
-
-/* A value for an integer field: the input's own, or the current one nudged (off by one, twice,
- * halved, doubled: what a lying writer's arithmetic would give). */
-static inline uint64_t fz_value(fz_in *in, uint64_t cur)
-{
-    switch (fz_u8(in) % 8) {
-    case 0:
-        return fz_uint(in, 8);
-    case 1:
-        return fz_uint(in, 1);
-    case 2:
-        return cur + 1;
-    case 3:
-        return cur - 1;
-    case 4:
-        return cur * 2;
-    case 5:
-        return cur / 2;
-    case 6:
-        return cur + (uint64_t)(int8_t)fz_u8(in);
-    default:
-        return UINT64_MAX - fz_u8(in);
     }
 }
 

@@ -29,6 +29,7 @@
 
 #include "common/common.h"
 #include "serve/ember_serve.h"
+#include "tests/fuzz_input.h"
 #include "src/model.h"
 
 enum { N_FILES = 5, N_KEYS = 40, N_CHANGED = 10, N_NEW = 2, N_DELETED = 5, MAX_OPS = 8 };
@@ -53,80 +54,6 @@ static uint64_t keys[N_KEYS + N_NEW];
 /* Lookup probes: every key written, absent ones, 0, UINT64_MAX, and one the input chooses. */
 enum { N_PROBES = N_KEYS + N_NEW + 5 };
 static uint64_t probes[N_PROBES];
-
-/* ---- reading the input ---- */
-
-typedef struct fz_in {
-    const uint8_t *p;
-    size_t n;
-} fz_in;
-
-static uint8_t in_u8(fz_in *in)
-{
-    if (in->n == 0) return 0;
-    in->n--;
-    return *in->p++;
-}
-
-static uint64_t in_bytes(fz_in *in, int k)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < k; i++)
-        v |= (uint64_t)in_u8(in) << (8 * i);
-    return v;
-}
-
-/* A value for an integer field: the edges that size arithmetic trips on, near the old value,
- * or raw bytes. */
-static uint64_t in_value(fz_in *in, uint64_t old)
-{
-    static const uint64_t edges[] = {0,
-                                     1,
-                                     2,
-                                     3,
-                                     4,
-                                     8,
-                                     15,
-                                     16,
-                                     64,
-                                     65535,
-                                     65536,
-                                     65537,
-                                     0x7fffffffull,
-                                     0xfffffffeull,
-                                     0xffffffffull,
-                                     1ull << 32,
-                                     (1ull << 32) + 1,
-                                     1ull << 40,
-                                     (1ull << 40) + 1,
-                                     1ull << 44,
-                                     1ull << 56,
-                                     1ull << 60,
-                                     1ull << 61,
-                                     1ull << 62,
-                                     1ull << 63,
-                                     UINT64_MAX / 16 + 1,
-                                     UINT64_MAX / 8 + 1,
-                                     UINT64_MAX - 1,
-                                     UINT64_MAX};
-    const size_t n_edges = sizeof edges / sizeof edges[0];
-    uint8_t sel = in_u8(in);
-    if (sel < n_edges) return edges[sel];
-    switch (sel % 6) {
-    case 0:
-        return old + 1;
-    case 1:
-        return old - 1;
-    case 2:
-        return old * 2;
-    case 3:
-        return old / 2;
-    case 4:
-        return old + (in_u8(in) + 1);
-    default:
-        return in_bytes(in, 8);
-    }
-}
 
 /* ---- editing a file ---- */
 
@@ -264,16 +191,16 @@ static const char *const text_lines[] = {
 /* One mutation of one file of w, chosen by the input. */
 static void mutate(fz_bundle *w, fz_in *in)
 {
-    uint8_t op = in_u8(in);
+    uint8_t op = fz_u8(in);
     int file = (op >> 4) % N_FILES;
     fz_buf *b = &w->f[file];
     bool text = file == F_MANIFEST || file == F_MODEL;
-    size_t at = (size_t)in_bytes(in, 2) % (b->n + 1);
+    size_t at = (size_t)fz_uint(in, 2) % (b->n + 1);
     switch (op % 10) {
     case 0: { /* overwrite, possibly past the end */
-        uint8_t k = in_u8(in) % 16 + 1, bytes[16];
+        uint8_t k = fz_u8(in) % 16 + 1, bytes[16];
         for (int i = 0; i < k; i++)
-            bytes[i] = in_u8(in);
+            bytes[i] = fz_u8(in);
         splice(b, at, b->n - at < k ? b->n - at : k, bytes, k);
         break;
     }
@@ -281,34 +208,34 @@ static void mutate(fz_bundle *w, fz_in *in)
         splice(b, at, b->n - at, NULL, 0);
         break;
     case 2: { /* insert */
-        uint8_t k = in_u8(in) % 16 + 1, bytes[16];
+        uint8_t k = fz_u8(in) % 16 + 1, bytes[16];
         for (int i = 0; i < k; i++)
-            bytes[i] = in_u8(in);
+            bytes[i] = fz_u8(in);
         splice(b, at, 0, bytes, k);
         break;
     }
     case 3: { /* erase */
-        size_t k = in_u8(in) + 1u;
+        size_t k = fz_u8(in) + 1u;
         splice(b, at, b->n - at < k ? b->n - at : k, NULL, 0);
         break;
     }
     case 4: /* a header integer (binary) or a number (text) to a chosen value */
         if (text) {
-            unsigned k = in_u8(in);
-            bool hex = in_u8(in) & 1;
-            edit_number(b, k, in_value(in, 0), hex);
+            unsigned k = fz_u8(in);
+            bool hex = fz_u8(in) & 1;
+            edit_number(b, k, fz_value(in, 0), hex);
         } else {
             const hdr_field *fl = file == F_DENSE ? dns_fields : tab_fields;
             size_t n_fl = file == F_DENSE ? 3 : 9;
-            hdr_field f = fl[in_u8(in) % n_fl];
+            hdr_field f = fl[fz_u8(in) % n_fl];
             if (b->n >= (size_t)f.at + f.width)
-                set_le(b->p + f.at, f.width, in_value(in, get_le(b->p + f.at, f.width)));
+                set_le(b->p + f.at, f.width, fz_value(in, get_le(b->p + f.at, f.width)));
         }
         break;
     case 5: /* binary: the size the header claims, keeping the trailer last; text: a line */
         if (text) {
-            const char *l = text_lines[in_u8(in) % (sizeof text_lines / sizeof text_lines[0])];
-            splice(b, line_start(b, in_u8(in)), 0, l, strlen(l));
+            const char *l = text_lines[fz_u8(in) % (sizeof text_lines / sizeof text_lines[0])];
+            splice(b, line_start(b, fz_u8(in)), 0, l, strlen(l));
         } else {
             size_t want = claimed_size(b, file);
             if (want && b->n >= 8) {
@@ -321,25 +248,25 @@ static void mutate(fz_bundle *w, fz_in *in)
         break;
     case 6: /* tables: an index slot's row or key; text: a line removed */
         if (text) {
-            size_t s = line_start(b, in_u8(in)), e = s;
+            size_t s = line_start(b, fz_u8(in)), e = s;
             while (e < b->n && b->p[e++] != '\n')
                 ;
             splice(b, s, e - s, NULL, 0);
         } else if (is_table(file) && b->n >= 64) {
             uint64_t slots = get_le(b->p + 32, 8);
-            uint64_t s = slots ? in_bytes(in, 2) % slots : 0;
+            uint64_t s = slots ? fz_uint(in, 2) % slots : 0;
             if (64 + (s + 1) * 16 > b->n) break;
             uint8_t *e = b->p + 64 + s * 16;
-            if (in_u8(in) & 1)
-                set_le(e + 8, 4, in_value(in, get_le(e + 8, 4)));
+            if (fz_u8(in) & 1)
+                set_le(e + 8, 4, fz_value(in, get_le(e + 8, 4)));
             else
-                set_le(e, 8, probes[in_u8(in) % N_PROBES]);
+                set_le(e, 8, probes[fz_u8(in) % N_PROBES]);
         }
         break;
     case 7: /* a known key, anywhere (the deleted list, a slot) */
         if (b->n >= 8) {
             at = at > b->n - 8 ? b->n - 8 : at;
-            set_le(b->p + at, 8, probes[in_u8(in) % N_PROBES]);
+            set_le(b->p + at, 8, probes[fz_u8(in) % N_PROBES]);
         }
         break;
     case 8: /* removed */
@@ -347,8 +274,8 @@ static void mutate(fz_bundle *w, fz_in *in)
         break;
     default: /* binary files: an integer anywhere (index, rows, deleted keys) */
         if (!text && b->n >= 8) {
-            uint64_t v = in_value(in, get_le(b->p + at % (b->n - 7), 8));
-            set_le(b->p + at % (b->n - 7), (in_u8(in) & 1) ? 8 : 4, v);
+            uint64_t v = fz_value(in, get_le(b->p + at % (b->n - 7), 8));
+            set_le(b->p + at % (b->n - 7), (fz_u8(in) & 1) ? 8 : 4, v);
         }
         break;
     }
@@ -561,7 +488,7 @@ static void expect_named(const char *what, int rc, const char *err, const char *
 
 static void exercise_lookups(const ember_serve *h, fz_in *in)
 {
-    probes[N_PROBES - 1] = in_bytes(in, 8);
+    probes[N_PROBES - 1] = fz_uint(in, 8);
     for (int t = 0; t < 16; t++) {
         float one;
         if (ember_serve_lookup(h, t, probes, 0, &one, NULL) != 0) break;
@@ -577,7 +504,7 @@ static void exercise_lookups(const ember_serve *h, fz_in *in)
                 if (out[(size_t)i * dim + j] != 0.0f) abort(); /* absent keys read as zeros */
         }
         /* one key at a time: the pipeline's edges */
-        if (ember_serve_lookup(h, t, probes + (in_u8(in) % N_PROBES), 1, out, NULL) != 0) abort();
+        if (ember_serve_lookup(h, t, probes + (fz_u8(in) % N_PROBES), 1, out, NULL) != 0) abort();
         free(out);
     }
 }
@@ -599,16 +526,16 @@ static void exercise_predict(const ember_serve *h, fz_in *in)
     uint32_t nnz = 0;
     offsets[0] = 0;
     for (size_t s = 0; s < slots; s++) {
-        for (int k = in_u8(in) % 3; k > 0; k--) {
+        for (int k = fz_u8(in) % 3; k > 0; k--) {
             weights[nnz] = 0.5f;
-            bkeys[nnz++] = probes[in_u8(in) % N_PROBES];
+            bkeys[nnz++] = probes[fz_u8(in) % N_PROBES];
         }
         offsets[s + 1] = nnz;
     }
     for (size_t i = 0; i < (size_t)ROWS * m.n_dense; i++)
-        dense[i] = (float)in_u8(in) - 8.0f;
+        dense[i] = (float)fz_u8(in) - 8.0f;
     ember_serve_batch b = {
-        ROWS, m.n_dense, m.n_fields, dense, offsets, bkeys, (in_u8(in) & 1) ? weights : NULL};
+        ROWS, m.n_dense, m.n_fields, dense, offsets, bkeys, (fz_u8(in) & 1) ? weights : NULL};
     char *err = NULL;
     int rc = ember_serve_predict(h, &b, out, &err);
     if (rc != 0 && (rc > 0 || err == NULL)) abort();
@@ -623,7 +550,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (root[0] == '\0') setup();
     fz_in in = {data, size};
-    uint8_t head = in_u8(&in), flags = in_u8(&in);
+    uint8_t head = fz_u8(&in), flags = fz_u8(&in);
     int prec = head % 3;
     unsigned skip = flags & 0x80 ? flags & 15 : 0; /* fixes skipped: half of such inputs */
     fz_bundle w[2];
@@ -631,7 +558,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     copy_bundle(&w[1], &good[prec][1]);
     int n_ops = (head >> 2) % (MAX_OPS + 1);
     for (int i = 0; i < n_ops; i++) {
-        int d = in_u8(&in) & 1;
+        int d = fz_u8(&in) & 1;
         mutate(&w[d], &in);
     }
     for (int d = 0; d < 2; d++) {
