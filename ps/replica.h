@@ -21,13 +21,23 @@
 
 #define PS_DEDUP_RING 1024u /* pushes remembered per worker */
 
+/* An id added by ps_dedup_check_add is pending until its caller settles it: ps_dedup_done
+ * (applied and acknowledged) or ps_dedup_remove (failed). A resend that finds its original
+ * pending waits for that: acknowledged at once, it would tell the client a push succeeded that
+ * may still fail (without a backup, the copies of one push run on different threads). */
 typedef struct ps_dedup ps_dedup;
 /* NULL when out of memory. */
 ps_dedup *ps_dedup_create(uint32_t n_workers);
 void ps_dedup_destroy(ps_dedup *d);
-/* True when (worker, req_id) was added before; otherwise adds it. Thread-safe. */
+/* True when (worker, req_id) was applied before. While another caller holds it pending, waits
+ * until that caller settles it, then answers for the settled state. Otherwise adds it as
+ * pending, and the caller must settle it. Thread-safe. Ids out of range (worker >= n_workers,
+ * req_id 0) are never held: false, nothing to settle. */
 bool ps_dedup_check_add(ps_dedup *d, uint32_t worker, uint64_t req_id);
-/* Forgets (worker, req_id): the push it named failed, and a resend must be tried again. */
+/* Settles a pending (worker, req_id) as applied: later resends are duplicates. */
+void ps_dedup_done(ps_dedup *d, uint32_t worker, uint64_t req_id);
+/* Forgets (worker, req_id): the push it named failed (or was only looked up), and a resend
+ * must be tried again. */
 void ps_dedup_remove(ps_dedup *d, uint32_t worker, uint64_t req_id);
 
 /* Updates that arrived ahead of their predecessors, in sequence order. */

@@ -496,9 +496,12 @@ static nng_msg *handle_rows(struct ps_server *s, const ps_hdr *h, const uint8_t 
         if (rc == CM_OK) ttl_after_push(s, h->table, t);
         if (rc == CM_OK) reply = reply_ok(h, 0, NULL);
         if (rc == CM_OK) STAT_ADD(s, rows_pushed, n);
-        /* Not applied (or not acknowledged): a resend must be tried again. */
+        /* Not applied (or not acknowledged): a resend must be tried again. Either way a resend
+         * waiting for this push (ps_dedup_check_add) may go on. */
         if (dedup && (rc != CM_OK || reply == NULL))
             ps_dedup_remove(s->dedup, h->worker, h->req_id);
+        else if (dedup)
+            ps_dedup_done(s->dedup, h->worker, h->req_id);
     }
     pthread_rwlock_unlock(&s->tables_lock);
     if (rc != CM_OK) {
@@ -614,6 +617,7 @@ static nng_msg *handle_dense(struct ps_server *s, const ps_hdr *h, const uint8_t
         } else if (h->op == PS_OP_PUSH_DENSE) {
             reply = dense_reply(h, d, n, g);
             if (dedup && reply == NULL) ps_dedup_remove(s->dedup, h->worker, h->req_id);
+            if (dedup && reply != NULL) ps_dedup_done(s->dedup, h->worker, h->req_id);
         } else {
             ps_hdr r = *h;
             r.flags = (uint8_t)ps_dense_init(d, g);
