@@ -303,14 +303,15 @@ int cm_seal_append(char *out, size_t len, size_t cap, const char *tag);
 
 /*
  * INI files: "[name]" or "[name arg]" section headers, "key = value" lines, '#' comments.
- * cb is called with key == NULL at each section header, then once per key; a non-zero return
- * stops the parse. Messages from cb are prefixed with "path:line: ". A key given twice in
- * the same section ([name arg]) is refused, naming both lines: cb never sees the second value.
- * A UTF-8 byte order mark before the first line is skipped.
+ * cb is called with key == NULL at each section header, then once per key, with the line's
+ * number (from 1) for what it can only check later; a non-zero return stops the parse. Messages
+ * from cb are prefixed with "path:line: ". A key given twice in the same section ([name arg]) is
+ * refused, naming both lines: cb never sees the second value. A UTF-8 byte order mark before the
+ * first line is skipped.
  */
 #define CM_UTF8_BOM "\xef\xbb\xbf"
-typedef int (*cm_ini_cb)(void *arg, const char *section, const char *section_arg, const char *key,
-                         const char *value, char **errptr);
+typedef int (*cm_ini_cb)(void *arg, int line, const char *section, const char *section_arg,
+                         const char *key, const char *value, char **errptr);
 int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr);
 /* For a cm_ini_cb refusing a section header: "unknown section [name arg] (known)", the
  * argument named too; known (the sections the file may have) may be NULL. Returns CM_EINVAL. */

@@ -163,7 +163,7 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
             }
             strcpy(section, name);
             strcpy(sarg, a);
-            rc = cb(arg, section, sarg, NULL, NULL, &err);
+            rc = cb(arg, lineno, section, sarg, NULL, NULL, &err);
         } else {
             char *eq = strchr(s, '=');
             if (eq == NULL) {
@@ -180,7 +180,7 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr)
                                         path, lineno, key, section, *sarg ? " " : "", sarg, first);
                 break;
             }
-            rc = cb(arg, section, sarg, key, trim(eq + 1), &err);
+            rc = cb(arg, lineno, section, sarg, key, trim(eq + 1), &err);
         }
         if (rc != CM_OK)
             cm_err(errptr, rc < 0 ? rc : CM_EINVAL, "%s:%d: %s", path, lineno,

@@ -144,11 +144,19 @@ static void dense_spec_init(ps_dense_spec *d)
     d->eps = 1e-8f;
 }
 
+/* A parse in progress: the config, and the line of each section's header, for a required key
+ * that is only known to be missing once the whole file has been read. */
+typedef struct config_parse {
+    ps_config *cfg;
+    int table_line[PS_MAX_TABLES], dense_line[PS_MAX_DENSE];
+} config_parse;
+
 /* The cm_ini_parse callback: sections open tables and dense blocks, keys fill them. */
-static int config_entry(void *arg, const char *section, const char *sarg, const char *k,
+static int config_entry(void *arg, int line, const char *section, const char *sarg, const char *k,
                         const char *v, char **errptr)
 {
-    ps_config *cfg = arg;
+    config_parse *cp = arg;
+    ps_config *cfg = cp->cfg;
     bool table = !strcmp(section, "table"), dense = !strcmp(section, "dense");
     if (k == NULL) {
         if (!strcmp(section, "cluster") && *sarg == '\0') return CM_OK;
@@ -166,9 +174,11 @@ static int config_entry(void *arg, const char *section, const char *sarg, const 
             emb_table_config_init(&t->cfg);
             t->cfg.dim = 0; /* required */
             copy_str(t->name, sizeof t->name, sarg);
+            cp->table_line[*n] = line;
         } else {
             dense_spec_init(&cfg->dense[*n]);
             copy_str(cfg->dense[*n].name, sizeof cfg->dense[*n].name, sarg);
+            cp->dense_line[*n] = line;
         }
         (*n)++;
         return CM_OK;
@@ -187,56 +197,22 @@ static int config_entry(void *arg, const char *section, const char *sarg, const 
     return CM_OK;
 }
 
-/* The line of the "[KIND NAME]" header in path (kind "table" or "dense"), 0 if not found. Only
- * for error messages: cm_ini_parse's callback does not see line numbers, and a missing key is
- * only known once the section has ended. */
-static int section_line(const char *path, const char *kind, const char *name)
-{
-    const size_t kn = strlen(kind);
-    FILE *f = fopen(path, "r");
-    char line[4096];
-    int lineno = 0, found = 0;
-    while (f != NULL && !found && fgets(line, sizeof line, f) != NULL) {
-        lineno++;
-        char *s = line;
-        /* cm_ini_parse skips a byte order mark: so must this search, or it misses a header on
-         * the first line and names line 0. */
-        if (lineno == 1 && !strncmp(s, CM_UTF8_BOM, 3)) s += 3;
-        while (isspace((unsigned char)*s))
-            s++;
-        if (*s++ != '[') continue;
-        while (isspace((unsigned char)*s))
-            s++;
-        if (strncmp(s, kind, kn) != 0 || !isspace((unsigned char)s[kn])) continue;
-        s += kn;
-        while (isspace((unsigned char)*s))
-            s++;
-        size_t n = strlen(name);
-        if (strncmp(s, name, n) != 0) continue;
-        s += n;
-        while (isspace((unsigned char)*s))
-            s++;
-        found = *s == ']';
-    }
-    if (f) fclose(f);
-    return found ? lineno : 0;
-}
-
 int ps_config_load(const char *path, ps_config *cfg, char **errptr)
 {
     ps_config_init(cfg);
-    int rc = cm_ini_parse(path, config_entry, cfg, errptr);
+    config_parse cp = {.cfg = cfg};
+    int rc = cm_ini_parse(path, config_entry, &cp, errptr);
     /* A table's dim and a dense block's size are required: name the section that lacks one
      * (before the range checks below, which would only say "dim 0" or "size 0 out of range",
      * naming no line). */
     for (uint32_t i = 0; rc == CM_OK && i < cfg->n_tables; i++)
         if (cfg->tables[i].cfg.dim == 0)
-            rc = cm_err(errptr, CM_EINVAL, "%s:%d: table '%s' has no dim", path,
-                        section_line(path, "table", cfg->tables[i].name), cfg->tables[i].name);
+            rc = cm_err(errptr, CM_EINVAL, "%s:%d: table '%s' has no dim", path, cp.table_line[i],
+                        cfg->tables[i].name);
     for (uint32_t i = 0; rc == CM_OK && i < cfg->n_dense; i++)
         if (cfg->dense[i].size == 0)
-            rc = cm_err(errptr, CM_EINVAL, "%s:%d: dense '%s' has no size", path,
-                        section_line(path, "dense", cfg->dense[i].name), cfg->dense[i].name);
+            rc = cm_err(errptr, CM_EINVAL, "%s:%d: dense '%s' has no size", path, cp.dense_line[i],
+                        cfg->dense[i].name);
     if (rc == CM_OK) {
         char *err = NULL;
         rc = ps_config_check(cfg, &err);

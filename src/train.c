@@ -48,10 +48,11 @@ void train_opts_init(train_opts *o)
 
 /* ---- config file ---- */
 
-static int train_entry(void *arg, const char *section, const char *sarg, const char *k,
+static int train_entry(void *arg, int line, const char *section, const char *sarg, const char *k,
                        const char *v, char **errptr)
 {
     train_opts *o = arg;
+    (void)line; /* every check here can name its line at once: cm_ini_parse prefixes it */
     if (k == NULL)
         return (!strcmp(section, "model") || !strcmp(section, "train")) && !*sarg
                    ? CM_OK
@@ -2253,10 +2254,11 @@ static int url_list(const setup *S, const char *k, const char *v, char ***list, 
     return CM_OK;
 }
 
-static int cluster_entry(void *arg, const char *section, const char *sarg, const char *k,
+static int cluster_entry(void *arg, int line, const char *section, const char *sarg, const char *k,
                          const char *v, char **errptr)
 {
     setup *S = arg;
+    (void)line;
     if (strcmp(section, "cluster") || *sarg)
         return cm_ini_unknown_section(errptr, section, sarg, "cluster");
     if (k == NULL) return CM_OK;

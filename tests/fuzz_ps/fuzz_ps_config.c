@@ -4,8 +4,8 @@
  * server: the check again, and the memory plan (ps_plan) of every table for a few row counts.
  *
  * Properties checked (abort on violation): a refused file gets an error that starts with the
- * file's name and, where it gives a line, a line that exists (not 0, which section_line returns
- * when it does not find a header the parser took); a loaded config passes ps_config_check
+ * file's name and, where it gives a line, a line that exists (not 0: a section's header line
+ * is recorded as the parser reads it); a loaded config passes ps_config_check
  * again; a plan splits the rows it was given into rows in memory and spilled rows, and its byte
  * counts are finite and not negative.
  */
