@@ -279,17 +279,12 @@ static int reply_check(slot *s, nng_msg *m, char **errptr)
                       h.req_id, h.op, s->req_id, s->op);
     if (h.status < 0) {
         /* The server's text goes to the operator's terminal and logs: at most 768 bytes of
-         * it, up to a NUL, with control characters (escape sequences, line breaks of the
-         * server's choosing) shown as '?'. (A length cast to int for "%.*s" also read past
-         * the message for a text over 2 GiB, which a max_message that large lets in.) */
-        const uint8_t *p = (const uint8_t *)nng_msg_body(m) + PS_HDR_BYTES;
+         * it, cleaned (ps_error_text). (A length cast to int for "%.*s" also read past the
+         * message for a text over 2 GiB, which a max_message that large lets in.) */
         char text[769];
-        size_t n = 0;
-        for (; n < h.payload_len && n < sizeof text - 1 && p[n] != 0; n++)
-            text[n] = p[n] < 0x20 || p[n] == 0x7f ? '?' : (char)p[n];
-        text[n] = '\0';
-        return cm_err(errptr, h.status, "%s: %s%s", from, text,
-                      n < h.payload_len && p[n] != 0 ? " [cut]" : "");
+        bool cut = ps_error_text((const uint8_t *)nng_msg_body(m) + PS_HDR_BYTES, h.payload_len,
+                                 text, sizeof text);
+        return cm_err(errptr, h.status, "%s: %s%s", from, text, cut ? " [cut]" : "");
     }
     /* A pull's rows are decoded in the request's codec and given to its keys: a reply for
      * another table, count or codec (a fp16 and a bf16 row are the same size) would be taken

@@ -244,6 +244,15 @@ static int f32_bad(size_t i, size_t n, uint32_t dim, char **errptr)
     return CM_OK;
 }
 
+bool ps_error_text(const uint8_t *p, size_t len, char *out, size_t cap)
+{
+    size_t n = 0;
+    for (; n < len && n + 1 < cap && p[n] != 0; n++)
+        out[n] = p[n] < 0x20 || p[n] == 0x7f ? '?' : (char)p[n];
+    if (cap > 0) out[n] = '\0';
+    return n < len && p[n] != 0;
+}
+
 int ps_f32_check(const float *x, size_t n, uint32_t dim, char **errptr)
 {
     return f32_bad(cm_f32_first_nonfinite(x, n), n, dim, errptr);

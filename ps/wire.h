@@ -134,6 +134,11 @@ typedef struct ps_rows_layout {
 int ps_rows_layout_get(const ps_hdr *h, const uint8_t *p, uint32_t dim, ps_rows_layout *out,
                        char *msg, size_t cap);
 
+/* An error reply's text (payload p of len bytes) for a terminal or log: at most cap - 1 bytes
+ * of it, up to a NUL, with control characters (escape sequences, line breaks of the sender's
+ * choosing) shown as '?', NUL-terminated in out. True when the text was cut. */
+bool ps_error_text(const uint8_t *p, size_t len, char *out, size_t cap);
+
 /* A fingerprint of everything about a table or dense block that client and server must
  * agree on (name, model config, codecs). */
 uint64_t ps_table_fingerprint(const ps_table_spec *t);
