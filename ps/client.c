@@ -1774,6 +1774,9 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
         t->promoted += ss.promoted;
         t->replica_held += ss.replica_held;
         t->replica_held_bytes += ss.replica_held_bytes;
+        t->replica_diverged += ss.replica_diverged;
+        if (ss.replica_diverged_seq > t->replica_diverged_seq)
+            t->replica_diverged_seq = ss.replica_diverged_seq;
         if (s == 0) { /* clocks and barriers are shard 0's alone */
             t->clocks_min = ss.clocks_min;
             t->clocks_max = ss.clocks_max;

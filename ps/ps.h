@@ -217,6 +217,10 @@ typedef struct ps_server_stats {
     uint64_t replica_held;           /* backup: updates received ahead of a gap in the sequence,
                                         held until it fills (all applied at a takeover) */
     uint64_t replica_held_bytes;     /* ... the bytes of those requests */
+    uint64_t replica_diverged;       /* backup: 1 once an update from its primary failed to apply
+                                        here: its tables are no longer the primary's, so it
+                                        refuses every REPLICATE and client request since */
+    uint64_t replica_diverged_seq;   /* ... that update's sequence number (0: none) */
     uint64_t elided;                 /* pushes applied with the keys of a pull they named */
     uint64_t elided_misses;          /* ... answered PS_STATUS_NO_KEYS (list not held) */
     uint64_t keylist_bytes;          /* memory the recent pulls' key lists (and, on the server,
@@ -341,7 +345,8 @@ typedef struct ps_client_stats {
     uint64_t pushes_elided;                     /* per-shard pushes sent naming a pull's key list */
     uint64_t push_fallbacks;                    /* ... sent again with keys (PS_STATUS_NO_KEYS) */
     ps_server_stats shard_total;                /* counters summed over shards; clocks and
-                                                   staleness shard 0's, which serves them */
+                                                   staleness shard 0's, which serves them;
+                                                   replica_diverged_seq the highest */
     emb_table_stats table_total[PS_MAX_TABLES]; /* counts and bytes summed over shards
                                                    (bytes_budget: the table's whole budget);
                                                    row_bytes one row's, step the highest */

@@ -13,7 +13,9 @@
  * what it receives in sequence order; the first request it gets from a client means the
  * clients have failed over: it applies everything it holds, becomes primary, and from then on
  * answers its old primary's REPLICATE with PS_STATUS_FENCED, which makes the old primary stop
- * (so no update is ever acknowledged by a primary that its backup does not have).
+ * (so no update is ever acknowledged by a primary that its backup does not have). A backup that
+ * fails to apply an update its primary applied is diverged: it refuses every REPLICATE (its
+ * primary drops it) and every client request from then on, rather than serve other rows.
  */
 #include <inttypes.h>
 #include <limits.h>
@@ -95,6 +97,9 @@ struct ps_server {
     uint64_t next_seq;              /* backup: the next update to apply */
     ps_replog log;                  /* backup: updates received, not yet applied */
     bool promoted, dropped, fenced; /* atomics */
+    /* backup, diverged (st.replica_diverged_seq set, with release, after this is written once,
+     * under repl_mu): the failed update and why, which every refusal says */
+    char diverged_why[1024];
     uint32_t repl_inflight;         /* atomic: REPLICATEs the backup has not answered yet */
     uint64_t last_reply_ms;         /* atomic: when a reply was last handed to nng */
 };
@@ -974,6 +979,50 @@ static void log_note(struct ps_server *s)
     __atomic_store_n(&s->st.replica_held_bytes, (uint64_t)s->log.bytes, __ATOMIC_RELAXED);
 }
 
+static const char *update_name(uint16_t op)
+{
+    switch (op) {
+    case PS_OP_PUSH:
+        return "PUSH";
+    case PS_OP_PUSH_DENSE:
+        return "PUSH_DENSE";
+    case PS_OP_INIT_DENSE:
+        return "INIT_DENSE";
+    case PS_OP_LOAD:
+        return "LOAD";
+    default:
+        return "SHUTDOWN";
+    }
+}
+
+/* Backup: true once an update from the primary failed to apply here (diverge). */
+static bool diverged(struct ps_server *s)
+{
+    return __atomic_load_n(&s->st.replica_diverged_seq, __ATOMIC_ACQUIRE) != 0;
+}
+
+/* Backup, s->repl_mu held: update seq (op) failed to apply here, for the reason in the error
+ * reply r (NULL: out of memory). The primary applied it, so this backup's tables are no longer
+ * its primary's: serving them after a takeover would train on rows nobody asked for, behind
+ * acknowledgements that all is well. From now on the backup refuses every REPLICATE (its
+ * primary drops it, as an unreachable one) and every client request (the clients fail, and the
+ * run resumes from its last checkpoint). The first failure is the one reported. */
+static void diverge(struct ps_server *s, uint64_t seq, uint16_t op, nng_msg *r)
+{
+    if (diverged(s)) return;
+    char why[768] = "out of memory";
+    if (r != NULL)
+        ps_error_text((const uint8_t *)nng_msg_body(r) + PS_HDR_BYTES,
+                      nng_msg_len(r) - PS_HDR_BYTES, why, sizeof why);
+    snprintf(s->diverged_why, sizeof s->diverged_why,
+             "shard %u backup diverged from its primary: update %" PRIu64
+             " (%s) failed to apply here: %s; it serves nothing (resume from a checkpoint)",
+             s->shard, seq, update_name(op), why);
+    fprintf(stderr, "ember ps: %s\n", s->diverged_why);
+    __atomic_store_n(&s->st.replica_diverged, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->st.replica_diverged_seq, seq, __ATOMIC_RELEASE);
+}
+
 /* Backup: applies a logged update (validated when it arrived); s->repl_mu held. */
 static void apply_logged(struct ps_server *s, ps_replog_entry *e)
 {
@@ -981,27 +1030,27 @@ static void apply_logged(struct ps_server *s, ps_replog_entry *e)
     bool dup;
     memcpy(&h, e->msg, sizeof h);
     nng_msg *r = apply_update(s, &h, e->msg + PS_HDR_BYTES, &dup, NULL);
-    if (r == NULL || reply_status(r) != 0)
-        fprintf(stderr, "ember ps: shard %u backup: update %" PRIu64 " (op %u) failed: %.*s\n",
-                s->shard, e->seq, h.op, r ? (int)(nng_msg_len(r) - PS_HDR_BYTES) : 13,
-                r ? (const char *)nng_msg_body(r) + PS_HDR_BYTES : "out of memory");
+    if (r == NULL || reply_status(r) != 0) diverge(s, e->seq, h.op, r);
     if (r) nng_msg_free(r);
     if (h.op == PS_OP_SHUTDOWN) ps_server_stop(s);
 }
 
 /* Backup: the clients have come over. Applies everything received, gaps and all (an update
- * missing from the sequence was never acknowledged to its client, which resends it here). */
+ * missing from the sequence was never acknowledged to its client, which resends it here). A
+ * backup diverged before or by one of these updates does not take over: it would fence a
+ * primary that may be alive (a client can fail over on a timeout) for a shard that serves
+ * nothing; its primary drops it on its next REPLICATE instead. */
 static void promote(struct ps_server *s)
 {
     pthread_mutex_lock(&s->repl_mu);
-    if (!s->promoted) {
-        size_t n = s->log.n;
-        ps_replog_entry *e;
-        while ((e = ps_replog_pop(&s->log)) != NULL) {
-            apply_logged(s, e);
-            free(e);
-        }
-        log_note(s);
+    ps_replog_entry *e;
+    size_t n = s->log.n;
+    while (!s->promoted && !diverged(s) && (e = ps_replog_pop(&s->log)) != NULL) {
+        apply_logged(s, e);
+        free(e);
+    }
+    log_note(s);
+    if (!s->promoted && !diverged(s)) {
         __atomic_store_n(&s->promoted, true, __ATOMIC_RELAXED);
         s->st.promoted = 1;
         fprintf(stderr,
@@ -1053,16 +1102,24 @@ static nng_msg *handle_replicate(struct ps_server *s, const ps_hdr *h, const uin
         STAT_ADD(s, bad_messages, 1);
         return reply_error(s, h, CM_EINVAL, "forwarded update too far ahead of the next one");
     }
-    STAT_ADD(s, replicated, 1);
-    bool ok = seq < s->next_seq || ps_replog_put(&s->log, seq, p + 8, h->payload_len - 8);
-    ps_replog_entry *e;
-    while (s->log.head && s->log.head->seq == s->next_seq && (e = ps_replog_pop(&s->log))) {
-        apply_logged(s, e);
-        free(e);
-        s->next_seq++;
+    bool ok = true;
+    if (!diverged(s)) {
+        STAT_ADD(s, replicated, 1);
+        ok = seq < s->next_seq || ps_replog_put(&s->log, seq, p + 8, h->payload_len - 8);
+        ps_replog_entry *e;
+        while (!diverged(s) && s->log.head && s->log.head->seq == s->next_seq &&
+               (e = ps_replog_pop(&s->log))) {
+            apply_logged(s, e);
+            free(e);
+            s->next_seq++;
+        }
+        log_note(s);
     }
-    log_note(s);
     pthread_mutex_unlock(&s->repl_mu);
+    /* Diverged before, or by this update or one held before it that it let through: refused,
+     * so that the primary drops this backup rather than count on it. An update applied on
+     * arrival is answered after it is applied, so a failure of it is never acknowledged. */
+    if (diverged(s)) return reply_error(s, h, CM_ECORRUPT, s->diverged_why);
     return ok ? reply_ok(h, 0, NULL) : reply_error(s, h, CM_ENOMEM, "backup out of memory");
 bad:
     STAT_ADD(s, bad_messages, 1);
@@ -1123,11 +1180,20 @@ static void repl_cb(void *arg)
     __atomic_sub_fetch(&s->repl_inflight, 1, __ATOMIC_RELAXED); /* every path below ends it */
     const bool answered = c->rstate == RS_RECV && rv == 0;
     int16_t st = 0;
+    /* A refusal's reason goes to the log with the drop: a diverged backup's names the update
+     * it failed to apply. */
+    char why[600] = "it refused an update";
     if (answered) {
         nng_msg *m = ps_aio_msg_take(c->raio);
         ps_hdr h;
-        st = ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, NULL) == CM_OK ? h.status
-                                                                              : CM_ECORRUPT;
+        const bool sound = ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, NULL) == CM_OK;
+        st = sound ? h.status : CM_ECORRUPT;
+        if (sound && st < 0 && st != PS_STATUS_FENCED && h.payload_len > 0) {
+            char text[512];
+            ps_error_text((const uint8_t *)nng_msg_body(m) + PS_HDR_BYTES, h.payload_len, text,
+                          sizeof text);
+            snprintf(why, sizeof why, "it refused an update: %s", text);
+        }
         nng_msg_free(m);
     }
     /* No resend parks on this update any more: from here it is settled one way or another.
@@ -1168,7 +1234,7 @@ static void repl_cb(void *arg)
             return;
         }
         if (st != 0)
-            replica_lost(s, "it refused an update");
+            replica_lost(s, why);
         else
             STAT_ADD(s, replicated, 1);
     }
@@ -1254,6 +1320,18 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
     return true;
 }
 
+/* Backup: a request from a client (anything but REPLICATE and STATS) that passed the header
+ * checks means the clients have failed over, and the backup takes over (promote); one refused
+ * as malformed must not make it take over (and fence its primary). True when the request must be
+ * refused instead: the backup diverged from its primary and serves nothing (diverge), bar SHUTDOWN,
+ * which serves no rows either and lets an operator stop it. */
+static bool backup_refuses(struct ps_server *s, const ps_hdr *h)
+{
+    if (!s->is_backup || h->op == PS_OP_REPLICATE || h->op == PS_OP_STATS) return false;
+    if (!__atomic_load_n(&s->promoted, __ATOMIC_RELAXED)) promote(s);
+    return h->op != PS_OP_SHUTDOWN && diverged(s);
+}
+
 /* Handles one request; returns true when the context was parked. */
 static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **reply)
 {
@@ -1289,12 +1367,9 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
         *reply = reply_error(s, &h, CM_EINVAL,
                              "clocks and barriers are served by shard 0 for "
                              "known workers only");
+    } else if (backup_refuses(s, &h)) {
+        *reply = reply_error(s, &h, CM_ECORRUPT, s->diverged_why);
     } else {
-        /* Only a request that passed the checks above is a client that failed over: one
-         * refused as malformed must not make a backup take over (and fence its primary). */
-        if (s->is_backup && h.op != PS_OP_REPLICATE && h.op != PS_OP_STATS &&
-            !__atomic_load_n(&s->promoted, __ATOMIC_RELAXED))
-            promote(s);
         switch ((ps_op)h.op) {
         case PS_OP_HELLO:
             *reply = handle_hello(s, &h, p);

@@ -13,6 +13,10 @@
  *      refused; the primary stops without acknowledging, and the update reaches the backup
  *      through the client's failover.
  *   3. SHUTDOWN through the primary stops the backup too.
+ *   4. A LOAD the backup cannot apply (its checkpoint root does not hold the directory, which
+ *      its primary's does): the backup is diverged, refuses the REPLICATE, and the primary
+ *      drops it and goes on; when the primary then dies, the client that comes over gets an
+ *      error naming the failed update, not the rows from before the LOAD.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -141,6 +145,45 @@ static void failover(const ps_config *cfg, const char *dir, const char *tag, boo
     ps_server_destroy(b);
 }
 
+/* 4. A diverged backup. */
+static void diverged_backup(const ps_config *cfg, const char *dir)
+{
+    char *err = NULL, ckpt[1024], root[1024];
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt4", dir);
+    snprintf(root, sizeof root, "%s/backup-root4", dir);
+    const char *pu = pt_ipc(dir, "p4"), *bu = pt_ipc(dir, "b4");
+    ps_server_opts bo = {
+        .cfg = cfg, .listen = bu, .shard = 0, .backup = true, .checkpoint_root = root};
+    ps_server *b = pt_server_with(&bo);
+    ps_server *p = pt_server_repl(cfg, pu, bu, false);
+    ps_client *c = client(cfg, pu, bu);
+    CHECK_OK(ps_client_push(c, 0, keys, N_KEYS, ones, &err), err);
+    CHECK_OK(ps_client_save(c, ckpt, &err), err);
+    CHECK_OK(ps_client_push(c, 0, keys, N_KEYS, ones, &err), err);
+    CHECK_OK(ps_client_flush(c, &err), err);
+    /* The primary loads it and answers once the backup has refused it. */
+    CHECK_OK(ps_client_load(c, ckpt, &err), err);
+    ps_server_stats ps_st, bs;
+    ps_server_stats_get(p, &ps_st);
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(ps_st.replica_dropped == 1, "the primary kept its diverged backup");
+    CHECK_MSG(bs.replica_diverged == 1 && bs.replica_diverged_seq > 0 && bs.promoted == 0,
+              "backup: diverged %llu at update %llu, promoted %llu; want diverged, unpromoted",
+              (unsigned long long)bs.replica_diverged, (unsigned long long)bs.replica_diverged_seq,
+              (unsigned long long)bs.promoted);
+    check_values(c, -1.0f, 0.0f, "on the primary after the LOAD");
+    ps_server_destroy(p); /* the client fails over to the diverged backup */
+    int rc = ps_client_pull(c, 0, keys, N_KEYS, rows, &err);
+    CHECK_MSG(rc != CM_OK && err && strstr(err, "shard 0") && strstr(err, "(LOAD)") &&
+                  strstr(err, "diverged"),
+              "a pull from the diverged backup: rc %d, %s (rows at %.0f); want an error naming the "
+              "failed LOAD",
+              rc, err ? err : "no error", rows[0]);
+    free(err);
+    ps_client_destroy(c);
+    ps_server_destroy(b);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -185,5 +228,7 @@ int main(void)
     ps_client_destroy(c);
     ps_server_destroy(p);
     ps_server_destroy(b);
+
+    diverged_backup(&cfg, dir);
     return pt_finish(dir);
 }

@@ -21,6 +21,13 @@
  *   5. STATS shows what a backup holds ahead of a gap (count and bytes), in process and over
  *      the wire, and nothing once the gap fills: an operator sees a primary whose forwards
  *      arrive out of order, and what a takeover would apply at once.
+ *   6. A forwarded update the backup cannot apply (a LOAD of a checkpoint that is not there)
+ *      leaves it diverged from its primary, which did apply it: the backup refuses that
+ *      REPLICATE and every later one (so the primary drops it), STATS says so, and a client
+ *      that comes over gets an error naming the update, not rows that silently differ from
+ *      what every acknowledgement promised. Three ways of meeting the failure: applied on
+ *      arrival; held ahead of a gap and applied when the gap fills (acknowledged before it
+ *      failed: the window docs/PROTOCOL.md describes); held and applied at a takeover.
  */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
@@ -34,6 +41,29 @@
 static const char conf[] = "[cluster]\nshards = 1\nworkers = 1\nreplica_timeout = 20000\n"
                            "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n";
 
+/* A sealed request of op under req_id from worker, with flags, carrying p (plen bytes; NULL:
+ * zeros); count 1 and fp32 rows for a PULL or PUSH. */
+static nng_msg *sealed(uint16_t op, uint64_t req_id, uint16_t worker, uint8_t flags, const void *p,
+                       size_t plen)
+{
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = op;
+    h.count = op == PS_OP_PULL || op == PS_OP_PUSH;
+    h.codec = PS_CODEC_F32;
+    h.req_id = req_id;
+    h.worker = worker;
+    h.flags = flags;
+    nng_msg *m;
+    if (nng_msg_alloc(&m, PS_HDR_BYTES + plen) != 0) pt_die("nng_msg_alloc", NULL);
+    uint8_t *b = nng_msg_body(m);
+    memset(b, 0, PS_HDR_BYTES + plen);
+    memcpy(b, &h, sizeof h);
+    if (p != NULL) memcpy(b + PS_HDR_BYTES, p, plen);
+    ps_wire_seal(b, plen);
+    return m;
+}
+
 /* A sealed PUSH of one key with gradient 1 (fp32), from worker under req_id, with flags. */
 static nng_msg *push_msg_as(uint64_t key, uint64_t req_id, uint16_t worker, uint8_t flags)
 {
@@ -42,21 +72,20 @@ static nng_msg *push_msg_as(uint64_t key, uint64_t req_id, uint16_t worker, uint
     memcpy(p, &kb, 4);
     float g[DIM] = {1, 1, 1, 1};
     memcpy(p + 4 + kb, g, sizeof g);
-    size_t plen = 4 + kb + sizeof g;
-    ps_hdr h;
-    memset(&h, 0, sizeof h);
-    h.op = PS_OP_PUSH;
-    h.count = 1;
-    h.codec = PS_CODEC_F32;
-    h.req_id = req_id;
-    h.worker = worker;
-    h.flags = flags;
-    nng_msg *m;
-    if (nng_msg_alloc(&m, PS_HDR_BYTES + plen) != 0) pt_die("nng_msg_alloc", NULL);
-    memcpy(nng_msg_body(m), &h, sizeof h);
-    memcpy((uint8_t *)nng_msg_body(m) + PS_HDR_BYTES, p, plen);
-    ps_wire_seal(nng_msg_body(m), plen);
-    return m;
+    return sealed(PS_OP_PUSH, req_id, worker, flags, p, 4 + kb + sizeof g);
+}
+
+/* A sealed PULL of one key (fp32) by worker 0. */
+static nng_msg *pull_msg(uint64_t key, uint64_t req_id)
+{
+    uint8_t p[16];
+    return sealed(PS_OP_PULL, req_id, 0, 0, p, ps_keys_encode(&key, 1, p));
+}
+
+/* A sealed LOAD of checkpoint dir by worker 0. */
+static nng_msg *load_msg(const char *dir, uint64_t req_id)
+{
+    return sealed(PS_OP_LOAD, req_id, 0, 0, dir, strlen(dir));
 }
 
 /* The same from worker 0, no flags. */
@@ -75,15 +104,25 @@ static nng_socket raw_client(const char *url, int recv_ms)
     return s;
 }
 
-/* Status of a reply to req_id (1: none, or not a reply to it). */
-static int reply_status(nng_msg *m, uint64_t req_id)
+/* Status of a reply (freed) to req_id (1: none, or not a reply to it); an error's text into
+ * text (n bytes; "" for none) unless text is NULL. */
+static int reply_status_text(nng_msg *m, uint64_t req_id, char *text, size_t n)
 {
     ps_hdr h;
     int st = 1;
-    if (ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, NULL) == CM_OK && h.req_id == req_id)
+    if (text != NULL) text[0] = '\0';
+    if (ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, NULL) == CM_OK && h.req_id == req_id) {
         st = h.status;
+        if (st < 0 && text != NULL)
+            ps_error_text((const uint8_t *)nng_msg_body(m) + PS_HDR_BYTES, h.payload_len, text, n);
+    }
     nng_msg_free(m);
     return st;
+}
+
+static int reply_status(nng_msg *m, uint64_t req_id)
+{
+    return reply_status_text(m, req_id, NULL, 0);
 }
 
 /* An aio's completion, seen by the test thread without waiting on it. */
@@ -189,28 +228,26 @@ static void resend_while_forwarding(const ps_config *cfg, const char *dir)
     nng_close(fb);
 }
 
-/* A request to url whose error reply is awaited; returns its status (1: no reply). */
-static int raw_call(const char *url, uint16_t op, uint16_t worker, uint8_t flags, size_t plen)
+/* Sends the request m (freed) under req_id to url by a raw client; returns the reply's status
+ * (1: no reply), its error text into text as reply_status_text. */
+static int raw_request(const char *url, nng_msg *m, uint64_t req_id, char *text, size_t n)
 {
     nng_socket r = raw_client(url, 10000);
-    ps_hdr h;
-    memset(&h, 0, sizeof h);
-    h.op = op;
-    h.worker = worker;
-    h.flags = flags;
-    h.req_id = 99;
-    nng_msg *m, *rep = NULL;
-    if (nng_msg_alloc(&m, PS_HDR_BYTES + plen) != 0) pt_die("nng_msg_alloc", NULL);
-    memset(nng_msg_body(m), 0, PS_HDR_BYTES + plen);
-    memcpy(nng_msg_body(m), &h, sizeof h);
-    ps_wire_seal(nng_msg_body(m), plen);
+    nng_msg *rep = NULL;
     int st = 1;
+    if (text != NULL) text[0] = '\0';
     if (nng_sendmsg(r, m, 0) != 0)
         nng_msg_free(m);
     else if (nng_recvmsg(r, &rep, 0) == 0)
-        st = reply_status(rep, 99);
+        st = reply_status_text(rep, req_id, text, n);
     nng_close(r);
     return st;
+}
+
+/* A request to url whose error reply is awaited; returns its status (1: no reply). */
+static int raw_call(const char *url, uint16_t op, uint16_t worker, uint8_t flags, size_t plen)
+{
+    return raw_request(url, sealed(op, 99, worker, flags, NULL, plen), 99, NULL, 0);
 }
 
 /* 2. Malformed requests to a backup. */
@@ -248,45 +285,32 @@ static void malformed_to_backup(const ps_config *cfg, const char *dir)
     ps_server_destroy(b);
 }
 
-/* A REPLICATE of update (freed) under seq to the backup at url; returns the reply's status. */
+/* A REPLICATE of update (freed) under seq to the backup at url; returns the reply's status,
+ * its error text into text as reply_status_text. */
+static int replicate_text(const char *url, uint64_t seq, nng_msg *update, char *text, size_t n)
+{
+    size_t ulen = nng_msg_len(update);
+    uint8_t *p = malloc(8 + ulen);
+    if (p == NULL) pt_die("out of memory", NULL);
+    memcpy(p, &seq, 8);
+    memcpy(p + 8, nng_msg_body(update), ulen);
+    nng_msg_free(update);
+    nng_msg *m = sealed(PS_OP_REPLICATE, seq, 0, 0, p, 8 + ulen);
+    free(p);
+    return raw_request(url, m, seq, text, n);
+}
+
 static int replicate(const char *url, uint64_t seq, nng_msg *update)
 {
-    size_t ulen = nng_msg_len(update), plen = 8 + ulen;
-    ps_hdr h;
-    memset(&h, 0, sizeof h);
-    h.op = PS_OP_REPLICATE;
-    h.req_id = seq;
-    nng_msg *m;
-    if (nng_msg_alloc(&m, PS_HDR_BYTES + plen) != 0) pt_die("nng_msg_alloc", NULL);
-    uint8_t *b = nng_msg_body(m);
-    memcpy(b, &h, sizeof h);
-    memcpy(b + PS_HDR_BYTES, &seq, 8);
-    memcpy(b + PS_HDR_BYTES + 8, nng_msg_body(update), ulen);
-    nng_msg_free(update);
-    ps_wire_seal(b, plen);
-    nng_socket r = raw_client(url, 10000);
-    nng_msg *rep = NULL;
-    int st = 1;
-    if (nng_sendmsg(r, m, 0) != 0)
-        nng_msg_free(m);
-    else if (nng_recvmsg(r, &rep, 0) == 0)
-        st = reply_status(rep, seq);
-    nng_close(r);
-    return st;
+    return replicate_text(url, seq, update, NULL, 0);
 }
 
 /* A sealed SHUTDOWN carrying junk. */
 static nng_msg *shutdown_with_junk(void)
 {
-    ps_hdr h;
-    memset(&h, 0, sizeof h);
-    h.op = PS_OP_SHUTDOWN;
-    nng_msg *m;
-    if (nng_msg_alloc(&m, PS_HDR_BYTES + 16) != 0) pt_die("nng_msg_alloc", NULL);
-    memset(nng_msg_body(m), 0x5a, PS_HDR_BYTES + 16);
-    memcpy(nng_msg_body(m), &h, sizeof h);
-    ps_wire_seal(nng_msg_body(m), 16);
-    return m;
+    uint8_t junk[16];
+    memset(junk, 0x5a, sizeof junk);
+    return sealed(PS_OP_SHUTDOWN, 0, 0, 0, junk, sizeof junk);
 }
 
 /* A backup shard listening on url, nothing in front of it. */
@@ -416,6 +440,100 @@ static void held_in_stats(const ps_config *cfg, const char *dir)
     ps_server_destroy(b);
 }
 
+/* The backup at url (in process: b) reports over the wire and in process that it diverged at
+ * update seq. */
+static void check_diverged(ps_server *b, const char *url, uint64_t seq, const char *when)
+{
+    ps_server_stats bs, ws;
+    ps_server_stats_get(b, &bs);
+    raw_stats(url, &ws);
+    CHECK_MSG(bs.replica_diverged == 1 && bs.replica_diverged_seq == seq,
+              "%s: STATS diverged %llu at update %llu, want 1 at %llu", when,
+              (unsigned long long)bs.replica_diverged, (unsigned long long)bs.replica_diverged_seq,
+              (unsigned long long)seq);
+    CHECK_MSG(ws.replica_diverged == 1 && ws.replica_diverged_seq == seq,
+              "%s: STATS over the wire: diverged %llu at update %llu, want 1 at %llu", when,
+              (unsigned long long)ws.replica_diverged, (unsigned long long)ws.replica_diverged_seq,
+              (unsigned long long)seq);
+    CHECK_MSG(bs.promoted == 0, "%s: a diverged backup took over", when);
+}
+
+/* A client's PULL of key at url is refused, with a message naming shard 0 and what. */
+static void check_pull_refused(const char *url, uint64_t key, const char *what, const char *when)
+{
+    char text[1024];
+    int st = raw_request(url, pull_msg(key, 600), 600, text, sizeof text);
+    CHECK_MSG(st < 0 && st != 1 && strstr(text, "shard 0") && strstr(text, what),
+              "%s: a client's PULL from the diverged backup: status %d (%s), want an error "
+              "naming shard 0 and %s",
+              when, st, text, what);
+}
+
+/* 6. A forward the backup cannot apply. */
+static void diverged(const ps_config *cfg, const char *dir)
+{
+    char missing[1024], text[1024];
+    snprintf(missing, sizeof missing, "%s/no-such-checkpoint", dir);
+
+    /* Applied on arrival: that very REPLICATE is refused. */
+    const char *bu = pt_ipc(dir, "b6");
+    ps_server *b = backup_at(cfg, bu);
+    CHECK_MSG(replicate(bu, 1, push_msg(51, 1)) == 0, "forward 1 was refused");
+    int st = replicate_text(bu, 2, load_msg(missing, 2), text, sizeof text);
+    CHECK_MSG(st < 0 && strstr(text, "update 2 (LOAD)") && strstr(text, "no-such-checkpoint"),
+              "a LOAD the backup could not apply: status %d (%s), want an error naming update 2 "
+              "and the checkpoint",
+              st, text);
+    check_diverged(b, bu, 2, "applied on arrival");
+    st = replicate_text(bu, 3, push_msg(52, 3), text, sizeof text);
+    CHECK_MSG(st < 0 && strstr(text, "update 2 (LOAD)"),
+              "the REPLICATE after the failed update: status %d (%s), want an error naming "
+              "update 2",
+              st, text);
+    ps_server_stats bs;
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(bs.rows_pushed == 1 && bs.replicated == 2,
+              "rows pushed %llu (want 1: nothing applied once diverged), updates received %llu "
+              "(want 2)",
+              (unsigned long long)bs.rows_pushed, (unsigned long long)bs.replicated);
+    check_pull_refused(bu, 51, "update 2 (LOAD)", "applied on arrival");
+    check_diverged(b, bu, 2, "after the refused PULL");
+    ps_server_destroy(b);
+
+    /* Held ahead of a gap (acknowledged on receipt) and applied when the gap fills: the
+     * REPLICATE that filled it is refused. */
+    bu = pt_ipc(dir, "b7");
+    b = backup_at(cfg, bu);
+    CHECK_MSG(replicate(bu, 2, load_msg(missing, 1)) == 0,
+              "forward 2 (a gap at 1) was refused before it was applied");
+    st = replicate_text(bu, 1, push_msg(53, 2), text, sizeof text);
+    CHECK_MSG(st < 0 && strstr(text, "update 2 (LOAD)"),
+              "the REPLICATE that let the held LOAD through: status %d (%s), want an error "
+              "naming update 2",
+              st, text);
+    check_diverged(b, bu, 2, "when the gap filled");
+    check_pull_refused(bu, 53, "update 2 (LOAD)", "when the gap filled");
+    ps_server_destroy(b);
+
+    /* Held, and applied at the takeover: the client's request that brought it is refused, and
+     * so is the old primary's next REPLICATE (an error, not PS_STATUS_FENCED: the backup did not
+     * take over, and a primary still alive goes on without it). */
+    bu = pt_ipc(dir, "b8");
+    b = backup_at(cfg, bu);
+    CHECK_MSG(replicate(bu, 3, load_msg(missing, 1)) == 0,
+              "forward 3 (a gap at 1 and 2) was refused before it was applied");
+    check_pull_refused(bu, 54, "update 3 (LOAD)", "at the takeover");
+    check_diverged(b, bu, 3, "at the takeover");
+    st = replicate_text(bu, 1, push_msg(55, 2), text, sizeof text);
+    CHECK_MSG(st < 0 && st != PS_STATUS_FENCED && strstr(text, "update 3 (LOAD)"),
+              "the old primary's REPLICATE after the takeover: status %d (%s), want an error "
+              "naming update 3",
+              st, text);
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(bs.rows_pushed == 0, "rows pushed %llu, want 0", (unsigned long long)bs.rows_pushed);
+    ps_server_destroy(b);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -427,5 +545,6 @@ int main(void)
     malformed_forwards(&cfg, dir);
     far_ahead(&cfg, dir);
     held_in_stats(&cfg, dir);
+    diverged(&cfg, dir);
     return pt_finish(dir);
 }
