@@ -1907,8 +1907,6 @@ static void setup_free(setup *S)
     if (S->locked) close(S->lock_fd);
 }
 
-static int cluster_urls(setup *S, const char *path, char **errptr);
-
 /* One job a run directory: the process that runs worker 0 holds an exclusive flock on
  * RUNDIR/lock (released by the kernel however the process ends), so a second job cannot
  * overwrite or prune the first one's checkpoints. */
@@ -1981,30 +1979,25 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     setup S;
     train_opts oc = *o;
     int rc = CM_OK;
+    train_cluster cl;
     if (o->cluster_path) {
         /* The cluster file fixes shards and workers for every role. */
-        rc = cluster_urls(&S, o->cluster_path, errptr);
+        rc = train_cluster_load(o->cluster_path, &cl, errptr);
         if (rc != CM_OK) return rc;
-        oc.shards = S.ps.n_shards;
-        oc.workers = S.ps.n_workers;
-        char **urls = S.urls, **backups = S.backups;
-        uint32_t n_urls = S.ps.n_shards, n_backups = S.n_backups;
-        /* setup_make rebuilds S.ps from the model: keep the cluster file's TLS files. */
-        char tls[3][sizeof S.ps.tls_cert];
-        memcpy(tls[0], S.ps.tls_cert, sizeof tls[0]);
-        memcpy(tls[1], S.ps.tls_key, sizeof tls[1]);
-        memcpy(tls[2], S.ps.tls_ca, sizeof tls[2]);
-        S.urls = S.backups = NULL;
-        rc = setup_make(&S, &oc, errptr);
-        S.urls = urls;
-        S.n_urls = n_urls;
-        S.backups = backups;
-        S.n_backups = n_backups;
-        memcpy(S.ps.tls_cert, tls[0], sizeof tls[0]);
-        memcpy(S.ps.tls_key, tls[1], sizeof tls[1]);
-        memcpy(S.ps.tls_ca, tls[2], sizeof tls[2]);
-    } else {
-        rc = setup_make(&S, &oc, errptr);
+        oc.shards = cl.n_shards;
+        oc.workers = cl.n_workers;
+    }
+    rc = setup_make(&S, &oc, errptr);
+    if (o->cluster_path) {
+        /* setup_make builds S.ps from the model: the cluster file's URLs (S frees them) and TLS
+         * files join it, whether it failed or not. */
+        S.urls = cl.urls;
+        S.n_urls = cl.n_shards;
+        S.backups = cl.backups;
+        S.n_backups = cl.n_backups;
+        memcpy(S.ps.tls_cert, cl.tls_cert, sizeof S.ps.tls_cert);
+        memcpy(S.ps.tls_key, cl.tls_key, sizeof S.ps.tls_key);
+        memcpy(S.ps.tls_ca, cl.tls_ca, sizeof S.ps.tls_ca);
     }
     ps_server **servers = NULL;
     worker *workers = NULL;
@@ -2198,7 +2191,7 @@ out:
  * scheme, or none, only when it listened or dialed, with no file or line), and no other shard
  * or backup may have it (the second could not listen beside the first, and workers would send
  * one shard's keys to another's PS). */
-static int cluster_url_check(const setup *S, const char *url, size_t len, char **errptr)
+static int cluster_url_check(const train_cluster *c, const char *url, size_t len, char **errptr)
 {
     static const char *const schemes[] = {"tcp://",      "tcp4://",     "tcp6://", "tls+tcp://",
                                           "tls+tcp4://", "tls+tcp6://", "ipc://"};
@@ -2211,8 +2204,8 @@ static int cluster_url_check(const setup *S, const char *url, size_t len, char *
                       (int)len, url);
     int rc = ps_url_check(url, len, errptr);
     if (rc != CM_OK) return rc;
-    char *const *lists[2] = {S->urls, S->backups};
-    const uint32_t counts[2] = {S->ps.n_shards, S->n_backups};
+    char *const *lists[2] = {c->urls, c->backups};
+    const uint32_t counts[2] = {c->n_shards, c->n_backups};
     static const char *const keys[2] = {"ps", "backups"};
     for (int l = 0; l < 2; l++)
         for (uint32_t i = 0; i < counts[l]; i++)
@@ -2225,7 +2218,7 @@ static int cluster_url_check(const setup *S, const char *url, size_t len, char *
 }
 
 /* Appends the comma- or space-separated URLs of v, key k's value, to *list. */
-static int url_list(const setup *S, const char *k, const char *v, char ***list, uint32_t *n,
+static int url_list(const train_cluster *c, const char *k, const char *v, char ***list, uint32_t *n,
                     char **errptr)
 {
     /* A value without a URL is a mistake, not a list of none: "backups =" would run the job
@@ -2242,7 +2235,7 @@ static int url_list(const setup *S, const char *k, const char *v, char ***list, 
         size_t len = strcspn(p, " ,");
         if (len == 0) break;
         if (*n >= PS_MAX_SHARDS) return cm_err(errptr, CM_EINVAL, "too many URLs");
-        int rc = cluster_url_check(S, p, len, errptr);
+        int rc = cluster_url_check(c, p, len, errptr);
         if (rc != CM_OK) return rc;
         char **l = realloc(*list, (*n + 1) * sizeof *l);
         if (l == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
@@ -2257,7 +2250,7 @@ static int url_list(const setup *S, const char *k, const char *v, char ***list, 
 static int cluster_entry(void *arg, int line, const char *section, const char *sarg, const char *k,
                          const char *v, char **errptr)
 {
-    setup *S = arg;
+    train_cluster *c = arg;
     (void)line;
     if (strcmp(section, "cluster") || *sarg)
         return cm_ini_unknown_section(errptr, section, sarg, "cluster");
@@ -2266,47 +2259,51 @@ static int cluster_entry(void *arg, int line, const char *section, const char *s
         uint64_t n;
         if (cm_parse_size(v, &n) || n == 0 || n > PS_MAX_WORKERS)
             return cm_err(errptr, CM_EINVAL, "bad workers '%s'", v);
-        S->ps.n_workers = (uint32_t)n;
+        c->n_workers = (uint32_t)n;
         return CM_OK;
     }
-    if (!strcmp(k, "backups")) return url_list(S, k, v, &S->backups, &S->n_backups, errptr);
+    if (!strcmp(k, "backups")) return url_list(c, k, v, &c->backups, &c->n_backups, errptr);
     /* PEM files for tls+tcp:// URLs, as in ember ps's [cluster] (the three are the same size). */
-    char *tls = !strcmp(k, "tls_cert")  ? S->ps.tls_cert
-                : !strcmp(k, "tls_key") ? S->ps.tls_key
-                : !strcmp(k, "tls_ca")  ? S->ps.tls_ca
+    char *tls = !strcmp(k, "tls_cert")  ? c->tls_cert
+                : !strcmp(k, "tls_key") ? c->tls_key
+                : !strcmp(k, "tls_ca")  ? c->tls_ca
                                         : NULL;
     if (tls != NULL) {
         /* An empty path names nothing, and an empty tls_ca would turn off the peer checks its
          * key asks for (ember ps's config refuses it too). */
         if (v[0] == '\0') return cm_err(errptr, CM_EINVAL, "%s: empty path", k);
-        if (strlen(v) >= sizeof S->ps.tls_cert)
+        if (strlen(v) >= sizeof c->tls_cert)
             return cm_err(errptr, CM_EINVAL, "%s: path too long", k);
-        snprintf(tls, sizeof S->ps.tls_cert, "%s", v);
+        snprintf(tls, sizeof c->tls_cert, "%s", v);
         return CM_OK;
     }
     if (strcmp(k, "ps"))
         return cm_err(errptr, CM_EINVAL,
                       "unknown key '%s' (ps, backups, workers, tls_cert, tls_key, tls_ca)", k);
-    return url_list(S, k, v, &S->urls, &S->ps.n_shards, errptr);
+    return url_list(c, k, v, &c->urls, &c->n_shards, errptr);
 }
 
-static int cluster_urls(setup *S, const char *path, char **errptr)
+int train_cluster_load(const char *path, train_cluster *c, char **errptr)
 {
-    memset(S, 0, sizeof *S);
-    S->ps.n_workers = 1;
-    int rc = cm_ini_parse(path, cluster_entry, S, errptr);
-    if (rc == CM_OK && S->ps.n_shards == 0) rc = cm_err(errptr, CM_EINVAL, "%s: no ps URLs", path);
-    if (rc == CM_OK && S->n_backups != 0 && S->n_backups != S->ps.n_shards)
+    memset(c, 0, sizeof *c);
+    c->n_workers = 1;
+    int rc = cm_ini_parse(path, cluster_entry, c, errptr);
+    if (rc == CM_OK && c->n_shards == 0) rc = cm_err(errptr, CM_EINVAL, "%s: no ps URLs", path);
+    if (rc == CM_OK && c->n_backups != 0 && c->n_backups != c->n_shards)
         rc = cm_err(errptr, CM_EINVAL, "%s: %u backups for %u ps URLs (one per shard, or none)",
-                    path, S->n_backups, S->ps.n_shards);
-    if (rc != CM_OK) {
-        for (uint32_t i = 0; i < S->ps.n_shards; i++)
-            free(S->urls[i]);
-        free(S->urls);
-        for (uint32_t i = 0; i < S->n_backups; i++)
-            free(S->backups[i]);
-        free(S->backups);
-        S->urls = S->backups = NULL;
-    }
+                    path, c->n_backups, c->n_shards);
+    if (rc != CM_OK) train_cluster_free(c);
     return rc;
+}
+
+void train_cluster_free(train_cluster *c)
+{
+    for (uint32_t i = 0; i < c->n_shards; i++)
+        free(c->urls[i]);
+    free(c->urls);
+    for (uint32_t i = 0; i < c->n_backups; i++)
+        free(c->backups[i]);
+    free(c->backups);
+    c->urls = c->backups = NULL;
+    c->n_shards = c->n_backups = 0;
 }

@@ -115,6 +115,23 @@ void train_opts_init(train_opts *o);
 /* Applies a config file's [model] and [train] sections to o. */
 int train_config_load(const char *path, train_opts *o, char **errptr);
 
+/* A cluster file (--cluster, docs/CLUSTER.md): [cluster] ps = URL, ... (shard i's PS is the
+ * i-th); backups = URL, ... (one a shard, or none); workers = N; tls_cert, tls_key, tls_ca =
+ * PEM files. Every role of a job reads the same file. */
+typedef struct train_cluster {
+    char **urls;    /* n_shards PS URLs */
+    char **backups; /* NULL, or n_shards backup URLs (n_backups) */
+    uint32_t n_shards, n_backups, n_workers;
+    char tls_cert[sizeof((ps_config *)0)->tls_cert]; /* "" when not given */
+    char tls_key[sizeof((ps_config *)0)->tls_key];
+    char tls_ca[sizeof((ps_config *)0)->tls_ca];
+} train_cluster;
+
+/* Reads and checks a cluster file, starting nothing: everything train_run refuses of the file
+ * itself is refused here, with the file (and line) named. On error c holds nothing to free. */
+int train_cluster_load(const char *path, train_cluster *c, char **errptr);
+void train_cluster_free(train_cluster *c);
+
 typedef struct train_result {
     double auc, logloss, seconds, samples_per_s, train_loss;
     double eval_seconds; /* worker 0's time in evaluations, periodic and final (in seconds) */
