@@ -2202,6 +2202,12 @@ static int cluster_url_check(const train_cluster *c, const char *url, size_t len
         return cm_err(errptr, CM_EINVAL,
                       "bad URL '%.*s': want tcp://HOST:PORT, tls+tcp://HOST:PORT or ipc://PATH",
                       (int)len, url);
+    /* A control character is no part of a host or a path: it made one URL of what was meant
+     * as two ("a<VT>b"), which a worker dialed until it timed out. */
+    for (size_t i = 0; i < len; i++)
+        if ((unsigned char)url[i] < 0x20 || url[i] == 0x7f)
+            return cm_err(errptr, CM_EINVAL, "bad URL '%.*s...': control character 0x%02x", (int)i,
+                          url, (unsigned char)url[i]);
     int rc = ps_url_check(url, len, errptr);
     if (rc != CM_OK) return rc;
     char *const *lists[2] = {c->urls, c->backups};
@@ -2217,22 +2223,27 @@ static int cluster_url_check(const train_cluster *c, const char *url, size_t len
     return CM_OK;
 }
 
-/* Appends the comma- or space-separated URLs of v, key k's value, to *list. */
+/* What separates a list's URLs: commas and blanks (a tab is as much a blank as a space:
+ * without it "a<TAB>b" read as one URL). */
+#define CLUSTER_URL_SEP " \t,"
+
+/* Appends the comma- or blank-separated URLs of v, key k's value, to *list. */
 static int url_list(const train_cluster *c, const char *k, const char *v, char ***list, uint32_t *n,
                     char **errptr)
 {
     /* A value without a URL is a mistake, not a list of none: "backups =" would run the job
      * without the backups the key asks for. */
-    if (v[strspn(v, " ,")] == '\0') return cm_err(errptr, CM_EINVAL, "%s: no URL in the value", k);
+    const size_t lead = strspn(v, CLUSTER_URL_SEP);
+    if (v[lead] == '\0') return cm_err(errptr, CM_EINVAL, "%s: no URL in the value", k);
     for (const char *p = v; *p;) {
         /* "a,,b" or a comma at either end: an entry left out (a shard's URL forgotten), not a
          * shorter list. */
         int commas = 0;
-        while (*p == ' ' || *p == ',')
+        while (*p != '\0' && strchr(CLUSTER_URL_SEP, *p) != NULL)
             commas += *p++ == ',';
-        if (commas > 1 || (commas == 1 && (p == v + strspn(v, " ,") || *p == '\0')))
+        if (commas > 1 || (commas == 1 && (p == v + lead || *p == '\0')))
             return cm_err(errptr, CM_EINVAL, "%s: an empty entry in the list '%s'", k, v);
-        size_t len = strcspn(p, " ,");
+        size_t len = strcspn(p, CLUSTER_URL_SEP);
         if (len == 0) break;
         if (*n >= PS_MAX_SHARDS) return cm_err(errptr, CM_EINVAL, "too many URLs");
         int rc = cluster_url_check(c, p, len, errptr);

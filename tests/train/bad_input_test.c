@@ -333,6 +333,12 @@ int main(void)
          "inproc.ini:2: bad URL 'inproc://ps0'"},
         {"noscheme.ini", "[cluster]\nworkers = 1\nps = 127.0.0.1:1\n",
          "noscheme.ini:3: bad URL '127.0.0.1:1'"},
+        /* A tab separates URLs as a space does (it made one URL of two, which passed as one
+         * shard), and any other control character is no part of a URL. */
+        {"tabps.ini", "[cluster]\nps = tcp://127.0.0.1:1\ttcp://127.0.0.1:1\nworkers = 1\n",
+         "tabps.ini:2: URL 'tcp://127.0.0.1:1' given twice"},
+        {"vtabps.ini", "[cluster]\nworkers = 1\nps = ipc:///nowhere/a\vipc:///nowhere/b\n",
+         "vtabps.ini:3: bad URL 'ipc:///nowhere/a...': control character 0x0b"},
         /* A section's argument is named: "[cluster] ... (cluster)" read as a contradiction. */
         {"sectarg.ini", "[cluster 2]\nps = tcp://127.0.0.1:1\n",
          "sectarg.ini:1: unknown section [cluster 2] (cluster)"},
