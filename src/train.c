@@ -2186,11 +2186,44 @@ out:
 
 /* ---- cluster file: [cluster] ps = url, ...  backups = url, ...  workers = N ---- */
 
+/* Where a URL that passed ps_url_check (len bytes) listens: the host (*n bytes at *host) and
+ * port of a tcp:// URL, whichever of its variants (tls+, 4, 6) spells it, or an ipc:// path
+ * and port 0. */
+static void cluster_url_addr(const char *url, size_t len, const char **host, size_t *n,
+                             unsigned long *port)
+{
+    size_t at = strcspn(url, ":") + 3; /* past "scheme://" */
+    *host = url + at;
+    *n = len - at;
+    *port = 0;
+    if (!strncmp(url, "ipc://", 6)) return;
+    size_t colon = len;
+    while (url[colon - 1] != ':')
+        colon--;
+    *n = colon - 1 - at;
+    for (size_t i = colon; i < len; i++)
+        *port = *port * 10 + (unsigned long)(url[i] - '0');
+}
+
+/* Whether two checked URLs name one address: "tcp://h:7400", "tcp://H:07400" and
+ * "tls+tcp4://h:7400" all listen on h's port 7400 (host names are not case-sensitive). */
+static bool cluster_url_same(const char *a, size_t alen, const char *b, size_t blen)
+{
+    const char *ha, *hb;
+    size_t na, nb;
+    unsigned long pa, pb;
+    cluster_url_addr(a, alen, &ha, &na, &pa);
+    cluster_url_addr(b, blen, &hb, &nb, &pb);
+    bool ipc_a = !strncmp(a, "ipc://", 6), ipc_b = !strncmp(b, "ipc://", 6);
+    if (ipc_a != ipc_b || na != nb || pa != pb) return false;
+    return ipc_a ? !memcmp(ha, hb, na) : !strncasecmp(ha, hb, na);
+}
+
 /* Whether url (len bytes) can join a cluster: every role is a process of its own, so only a
  * transport between processes serves (inproc:// is one process's; nng refused any other
  * scheme, or none, only when it listened or dialed, with no file or line), and no other shard
- * or backup may have it (the second could not listen beside the first, and workers would send
- * one shard's keys to another's PS). */
+ * or backup may have its address (the second could not listen beside the first, and workers would
+ * send one shard's keys to another's PS). */
 static int cluster_url_check(const train_cluster *c, const char *url, size_t len, char **errptr)
 {
     static const char *const schemes[] = {"tcp://",      "tcp4://",     "tcp6://", "tls+tcp://",
@@ -2214,12 +2247,19 @@ static int cluster_url_check(const train_cluster *c, const char *url, size_t len
     const uint32_t counts[2] = {c->n_shards, c->n_backups};
     static const char *const keys[2] = {"ps", "backups"};
     for (int l = 0; l < 2; l++)
-        for (uint32_t i = 0; i < counts[l]; i++)
-            if (strlen(lists[l][i]) == len && !strncmp(lists[l][i], url, len))
+        for (uint32_t i = 0; i < counts[l]; i++) {
+            const char *u = lists[l][i];
+            if (!cluster_url_same(u, strlen(u), url, len)) continue;
+            if (strlen(u) == len && !strncmp(u, url, len))
                 return cm_err(errptr, CM_EINVAL,
                               "URL '%.*s' given twice (already %s URL %u): every shard and "
                               "backup needs its own",
                               (int)len, url, keys[l], i);
+            return cm_err(errptr, CM_EINVAL,
+                          "URL '%.*s' names %s URL %u's address ('%s'): every shard and backup "
+                          "needs its own",
+                          (int)len, url, keys[l], i, u);
+        }
     return CM_OK;
 }
 

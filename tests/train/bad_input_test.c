@@ -333,6 +333,12 @@ int main(void)
          "inproc.ini:2: bad URL 'inproc://ps0'"},
         {"noscheme.ini", "[cluster]\nworkers = 1\nps = 127.0.0.1:1\n",
          "noscheme.ini:3: bad URL '127.0.0.1:1'"},
+        /* One address in two spellings: a port's leading zero, a host's case, another tcp
+         * variant listen on the same port as well. */
+        {"twinport.ini", "[cluster]\nps = tcp://127.0.0.1:1, tcp://127.0.0.1:01\nworkers = 1\n",
+         "twinport.ini:2: URL 'tcp://127.0.0.1:01' names ps URL 0's address ('tcp://127.0.0.1:1')"},
+        {"twinhost.ini", "[cluster]\nps = tcp://LocalHost:7400\nbackups = tcp4://localhost:7400\n",
+         "twinhost.ini:3: URL 'tcp4://localhost:7400' names ps URL 0's address"},
         /* A tab separates URLs as a space does (it made one URL of two, which passed as one
          * shard), and any other control character is no part of a URL. */
         {"tabps.ini", "[cluster]\nps = tcp://127.0.0.1:1\ttcp://127.0.0.1:1\nworkers = 1\n",
