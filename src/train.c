@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "datasets/datasets.h"
@@ -2186,6 +2187,11 @@ out:
 
 /* ---- cluster file: [cluster] ps = url, ...  backups = url, ...  workers = N ---- */
 
+/* The longest ipc:// path: a socket address's sun_path, less its NUL. A longer one was refused
+ * by nng only when a PS listened on it; a worker dialed it until its PS timeout, asking whether
+ * the PS was running. */
+#define CLUSTER_IPC_PATH_MAX (sizeof((struct sockaddr_un *)0)->sun_path - 1)
+
 /* Where a URL that passed ps_url_check (len bytes) listens: the host (*n bytes at *host) and
  * port of a tcp:// URL, whichever of its variants (tls+, 4, 6) spells it, or an ipc:// path
  * and port 0. */
@@ -2241,6 +2247,10 @@ static int cluster_url_check(const train_cluster *c, const char *url, size_t len
         if ((unsigned char)url[i] < 0x20 || url[i] == 0x7f)
             return cm_err(errptr, CM_EINVAL, "bad URL '%.*s...': control character 0x%02x", (int)i,
                           url, (unsigned char)url[i]);
+    if (!strncmp(url, "ipc://", 6) && len - 6 > CLUSTER_IPC_PATH_MAX)
+        return cm_err(errptr, CM_EINVAL,
+                      "bad URL '%.*s': an ipc path of %zu bytes (at most %zu, a socket's)",
+                      (int)len, url, len - 6, (size_t)CLUSTER_IPC_PATH_MAX);
     int rc = ps_url_check(url, len, errptr);
     if (rc != CM_OK) return rc;
     char *const *lists[2] = {c->urls, c->backups};

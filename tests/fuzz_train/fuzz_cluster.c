@@ -5,13 +5,15 @@
  * Properties checked (abort on violation): a refused file gets an error that names the file
  * and leaves nothing allocated (LeakSanitizer sees the rest); a loaded one has 1 to
  * PS_MAX_SHARDS ps URLs, 1 to PS_MAX_WORKERS workers, a backup for every shard or none, and
- * URLs that each name a transport between processes, hold no separator or control character,
- * and name an address of their own (host case aside, port as a number, whichever tcp variant).
+ * URLs that each name a transport between processes (an ipc path a socket address holds), hold
+ * no separator or control character, and name an address of their own (host case aside, port as a
+ * number, whichever tcp variant).
  */
 #include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/un.h>
 
 #include "src/train.h"
 #include "tests/fuzz_file.h"
@@ -45,6 +47,8 @@ static void check_url(const char *u)
     for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++)
         known |= !strncmp(u, schemes[i], strlen(schemes[i])) && u[strlen(schemes[i])] != '\0';
     if (!known) abort();
+    if (!strncmp(u, "ipc://", 6) && strlen(u + 6) >= sizeof((struct sockaddr_un *)0)->sun_path)
+        abort();
     for (const char *p = u; *p; p++)
         if ((unsigned char)*p <= 0x20 || *p == 0x7f || *p == ',') abort();
 }

@@ -339,6 +339,15 @@ int main(void)
          "twinport.ini:2: URL 'tcp://127.0.0.1:01' names ps URL 0's address ('tcp://127.0.0.1:1')"},
         {"twinhost.ini", "[cluster]\nps = tcp://LocalHost:7400\nbackups = tcp4://localhost:7400\n",
          "twinhost.ini:3: URL 'tcp4://localhost:7400' names ps URL 0's address"},
+        /* An ipc path longer than a socket address holds: a worker dialed it until it timed
+         * out. */
+        {"longipc.ini",
+         "[cluster]\nworkers = 1\nps = ipc:///nowhere/"
+         "0123456789012345678901234567890123456789012345678901234567890123456789"
+         "0123456789012345678901234567890123456789\n",
+         "longipc.ini:3: bad URL 'ipc:///nowhere/"
+         "0123456789012345678901234567890123456789012345678901234567890123456789"
+         "0123456789012345678901234567890123456789': an ipc path of 119 bytes (at most 107"},
         /* A tab separates URLs as a space does (it made one URL of two, which passed as one
          * shard), and any other control character is no part of a URL. */
         {"tabps.ini", "[cluster]\nps = tcp://127.0.0.1:1\ttcp://127.0.0.1:1\nworkers = 1\n",
