@@ -2308,11 +2308,19 @@ static int url_list(const train_cluster *c, const char *k, const char *v, char *
     return CM_OK;
 }
 
+/* A parse in progress: what the checks of the whole file name. */
+typedef struct cluster_parse {
+    train_cluster *c;
+    int tls_url_line;     /* the first list with a tls+tcp:// URL, 0 when none has one */
+    int tls_line;         /* the first tls_* key, and its name */
+    const char *tls_name; /* static */
+} cluster_parse;
+
 static int cluster_entry(void *arg, int line, const char *section, const char *sarg, const char *k,
                          const char *v, char **errptr)
 {
-    train_cluster *c = arg;
-    (void)line;
+    cluster_parse *P = arg;
+    train_cluster *c = P->c;
     if (strcmp(section, "cluster") || *sarg)
         return cm_ini_unknown_section(errptr, section, sarg, "cluster");
     if (k == NULL) return CM_OK;
@@ -2323,36 +2331,58 @@ static int cluster_entry(void *arg, int line, const char *section, const char *s
         c->n_workers = (uint32_t)n;
         return CM_OK;
     }
-    if (!strcmp(k, "backups")) return url_list(c, k, v, &c->backups, &c->n_backups, errptr);
     /* PEM files for tls+tcp:// URLs, as in ember ps's [cluster] (the three are the same size). */
-    char *tls = !strcmp(k, "tls_cert")  ? c->tls_cert
-                : !strcmp(k, "tls_key") ? c->tls_key
-                : !strcmp(k, "tls_ca")  ? c->tls_ca
-                                        : NULL;
-    if (tls != NULL) {
+    static const char *const tls_keys[] = {"tls_cert", "tls_key", "tls_ca"};
+    char *const tls_paths[] = {c->tls_cert, c->tls_key, c->tls_ca};
+    for (size_t i = 0; i < sizeof tls_keys / sizeof tls_keys[0]; i++) {
+        if (strcmp(k, tls_keys[i])) continue;
         /* An empty path names nothing, and an empty tls_ca would turn off the peer checks its
          * key asks for (ember ps's config refuses it too). */
         if (v[0] == '\0') return cm_err(errptr, CM_EINVAL, "%s: empty path", k);
         if (strlen(v) >= sizeof c->tls_cert)
             return cm_err(errptr, CM_EINVAL, "%s: path too long", k);
-        snprintf(tls, sizeof c->tls_cert, "%s", v);
+        snprintf(tls_paths[i], sizeof c->tls_cert, "%s", v);
+        if (P->tls_line == 0) P->tls_line = line, P->tls_name = tls_keys[i];
         return CM_OK;
     }
-    if (strcmp(k, "ps"))
+    char ***list = !strcmp(k, "ps") ? &c->urls : !strcmp(k, "backups") ? &c->backups : NULL;
+    if (list == NULL)
         return cm_err(errptr, CM_EINVAL,
                       "unknown key '%s' (ps, backups, workers, tls_cert, tls_key, tls_ca)", k);
-    return url_list(c, k, v, &c->urls, &c->n_shards, errptr);
+    uint32_t *n = list == &c->urls ? &c->n_shards : &c->n_backups;
+    int rc = url_list(c, k, v, list, n, errptr);
+    for (uint32_t i = 0; rc == CM_OK && i < *n && P->tls_url_line == 0; i++)
+        if (!strncmp((*list)[i], "tls+", 4)) P->tls_url_line = line;
+    return rc;
+}
+
+/* The checks of the whole file: the lists' lengths agree, and the TLS files go with tls+tcp://
+ * URLs (they are read for those only: given with none they were ignored without a word, and a
+ * tls+tcp:// PS without a certificate stopped only when it listened, the file not named). */
+static int cluster_check(const cluster_parse *P, const char *path, char **errptr)
+{
+    const train_cluster *c = P->c;
+    if (c->n_shards == 0) return cm_err(errptr, CM_EINVAL, "%s: no ps URLs", path);
+    if (c->n_backups != 0 && c->n_backups != c->n_shards)
+        return cm_err(errptr, CM_EINVAL, "%s: %u backups for %u ps URLs (one per shard, or none)",
+                      path, c->n_backups, c->n_shards);
+    if (P->tls_line != 0 && P->tls_url_line == 0)
+        return cm_err(errptr, CM_EINVAL, "%s:%d: %s but no tls+tcp:// URL (it would be ignored)",
+                      path, P->tls_line, P->tls_name);
+    if (P->tls_url_line != 0 && c->tls_cert[0] == '\0')
+        return cm_err(errptr, CM_EINVAL,
+                      "%s:%d: tls+tcp:// URLs need tls_cert (every process presents it)", path,
+                      P->tls_url_line);
+    return CM_OK;
 }
 
 int train_cluster_load(const char *path, train_cluster *c, char **errptr)
 {
     memset(c, 0, sizeof *c);
     c->n_workers = 1;
-    int rc = cm_ini_parse(path, cluster_entry, c, errptr);
-    if (rc == CM_OK && c->n_shards == 0) rc = cm_err(errptr, CM_EINVAL, "%s: no ps URLs", path);
-    if (rc == CM_OK && c->n_backups != 0 && c->n_backups != c->n_shards)
-        rc = cm_err(errptr, CM_EINVAL, "%s: %u backups for %u ps URLs (one per shard, or none)",
-                    path, c->n_backups, c->n_shards);
+    cluster_parse P = {.c = c};
+    int rc = cm_ini_parse(path, cluster_entry, &P, errptr);
+    if (rc == CM_OK) rc = cluster_check(&P, path, errptr);
     if (rc != CM_OK) train_cluster_free(c);
     return rc;
 }

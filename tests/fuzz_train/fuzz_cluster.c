@@ -7,7 +7,7 @@
  * PS_MAX_SHARDS ps URLs, 1 to PS_MAX_WORKERS workers, a backup for every shard or none, and
  * URLs that each name a transport between processes (an ipc path a socket address holds), hold
  * no separator or control character, and name an address of their own (host case aside, port as a
- * number, whichever tcp variant).
+ * number, whichever tcp variant); TLS files only beside tls+tcp:// URLs, which need tls_cert.
  */
 #include <ctype.h>
 #include <stdio.h>
@@ -81,6 +81,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (!strcmp(addr[i], addr[j])) abort();
     }
     free(addr);
+    /* TLS files go with tls+tcp:// URLs, and those need a certificate. */
+    int tls_url = 0;
+    for (uint32_t i = 0; i < n; i++)
+        tls_url |= !strncmp(i < c.n_shards ? c.urls[i] : c.backups[i - c.n_shards], "tls+", 4);
+    if (tls_url != (c.tls_cert[0] != '\0') || (!tls_url && (c.tls_key[0] || c.tls_ca[0]))) abort();
     train_cluster_free(&c);
     free(err);
     return 0;

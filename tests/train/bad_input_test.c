@@ -348,6 +348,14 @@ int main(void)
          "longipc.ini:3: bad URL 'ipc:///nowhere/"
          "0123456789012345678901234567890123456789012345678901234567890123456789"
          "0123456789012345678901234567890123456789': an ipc path of 119 bytes (at most 107"},
+        /* TLS files are read for tls+tcp:// URLs only: with none they were ignored without a
+         * word, and a tls+tcp:// PS without a certificate stopped only when it listened. */
+        {"tlsplain.ini",
+         "[cluster]\nps = tcp://127.0.0.1:1\nworkers = 1\ntls_ca = /nowhere/ca.pem\n",
+         "tlsplain.ini:4: tls_ca but no tls+tcp:// URL"},
+        {"tlsnocert.ini",
+         "[cluster]\nworkers = 1\ntls_key = /nowhere/key.pem\nps = tls+tcp://127.0.0.1:1\n",
+         "tlsnocert.ini:4: tls+tcp:// URLs need tls_cert"},
         /* A tab separates URLs as a space does (it made one URL of two, which passed as one
          * shard), and any other control character is no part of a URL. */
         {"tabps.ini", "[cluster]\nps = tcp://127.0.0.1:1\ttcp://127.0.0.1:1\nworkers = 1\n",
