@@ -2253,6 +2253,17 @@ static int cluster_url_check(const train_cluster *c, const char *url, size_t len
                       (int)len, url, len - 6, (size_t)CLUSTER_IPC_PATH_MAX);
     int rc = ps_url_check(url, len, errptr);
     if (rc != CM_OK) return rc;
+    /* Workers dial the URL their PS listens on, so it must name the PS host: nng's wildcard
+     * host is for listening only. */
+    const char *host;
+    size_t host_len;
+    unsigned long port;
+    cluster_url_addr(url, len, &host, &host_len, &port);
+    if (port != 0 && host_len == 1 && *host == '*')
+        return cm_err(errptr, CM_EINVAL,
+                      "bad URL '%.*s': '*' (any address) is for listening, and workers dial the "
+                      "URL: name the PS host",
+                      (int)len, url);
     char *const *lists[2] = {c->urls, c->backups};
     const uint32_t counts[2] = {c->n_shards, c->n_backups};
     static const char *const keys[2] = {"ps", "backups"};

@@ -30,7 +30,8 @@ static void addr_of(const char *u, char *out, size_t n)
         return;
     }
     const char *colon = strrchr(rest, ':');
-    if (colon == NULL || colon == rest) abort(); /* a tcp URL must have a host and a port */
+    /* A tcp URL must name a host workers can dial, and a port. */
+    if (colon == NULL || colon == rest || (colon == rest + 1 && *rest == '*')) abort();
     char *end;
     unsigned long port = strtoul(colon + 1, &end, 10);
     if (*end != '\0' || port == 0 || port > 65535) abort();

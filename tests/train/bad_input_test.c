@@ -356,6 +356,10 @@ int main(void)
         {"tlsnocert.ini",
          "[cluster]\nworkers = 1\ntls_key = /nowhere/key.pem\nps = tls+tcp://127.0.0.1:1\n",
          "tlsnocert.ini:4: tls+tcp:// URLs need tls_cert"},
+        /* nng's listen-anywhere host: a PS listened, and a worker dialing it failed (Address
+         * invalid), without file or line. */
+        {"star.ini", "[cluster]\nworkers = 1\nps = tcp://*:7400\n",
+         "star.ini:3: bad URL 'tcp://*:7400': '*' (any address) is for listening"},
         /* A tab separates URLs as a space does (it made one URL of two, which passed as one
          * shard), and any other control character is no part of a URL. */
         {"tabps.ini", "[cluster]\nps = tcp://127.0.0.1:1\ttcp://127.0.0.1:1\nworkers = 1\n",
