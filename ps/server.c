@@ -182,7 +182,12 @@ static uint64_t min_clock(const struct ps_server *s)
 
 static bool clock_ready(const struct ps_server *s, uint64_t c)
 {
-    return s->cfg.staleness < 0 || c <= min_clock(s) + (uint64_t)s->cfg.staleness;
+    if (s->cfg.staleness < 0) return true;
+    /* With every worker silent past the timeout (a waiting one sends nothing, so it too goes
+     * silent) none holds the clock back: min_clock is UINT64_MAX, and adding the staleness to
+     * it would wrap to a bound no clock meets, parking the waiters for good. */
+    const uint64_t lo = min_clock(s), k = (uint64_t)s->cfg.staleness;
+    return lo > UINT64_MAX - k || c <= lo + k;
 }
 
 /* Sends the replies of parked contexts whose condition now holds; s->mu held. */
