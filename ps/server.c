@@ -896,23 +896,6 @@ bad:
 
 /* ---- request checks ---- */
 
-/* The request flags each op may carry (wire.h). */
-static uint8_t op_flags(uint16_t op)
-{
-    switch (op) {
-    case PS_OP_PULL:
-        return PS_FLAG_LOOKUP;
-    case PS_OP_PUSH:
-        return PS_FLAG_ELIDED;
-    case PS_OP_PUSH_DENSE:
-        return PS_FLAG_READ_BACK | PS_FLAG_DIGEST;
-    case PS_OP_PULL_DENSE:
-        return PS_FLAG_STATE;
-    default:
-        return 0;
-    }
-}
-
 /* The checks of a request's header that every op shares (besides its framing): true, with
  * text, when it is refused as malformed. A backup applies them to the requests its primary
  * forwards too, which passed them there. */
@@ -922,7 +905,7 @@ static bool header_refused(const struct ps_server *s, const ps_hdr *h, char *tex
          h->op == PS_OP_SHUTDOWN) &&
         h->payload_len != 0)
         snprintf(text, n, "this op carries no payload");
-    else if (h->flags & ~op_flags(h->op))
+    else if (h->flags & ~ps_op_flags(h->op))
         /* A flag this server does not define for the op: a feature it would silently ignore
          * (a lookup applied as a creating pull, say) or garbage. */
         snprintf(text, n, "flags 0x%02x are not defined for op %u", h->flags, h->op);
