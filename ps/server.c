@@ -182,7 +182,12 @@ static uint64_t min_clock(const struct ps_server *s)
 
 static bool clock_ready(const struct ps_server *s, uint64_t c)
 {
-    return s->cfg.staleness < 0 || c <= min_clock(s) + (uint64_t)s->cfg.staleness;
+    if (s->cfg.staleness < 0) return true;
+    /* With every worker silent past the timeout (a waiting one sends nothing, so it too goes
+     * silent) none holds the clock back: min_clock is UINT64_MAX, and adding the staleness to
+     * it would wrap to a bound no clock meets, parking the waiters for good. */
+    const uint64_t lo = min_clock(s), k = (uint64_t)s->cfg.staleness;
+    return lo > UINT64_MAX - k || c <= lo + k;
 }
 
 /* Sends the replies of parked contexts whose condition now holds; s->mu held. */
@@ -891,23 +896,6 @@ bad:
 
 /* ---- request checks ---- */
 
-/* The request flags each op may carry (wire.h). */
-static uint8_t op_flags(uint16_t op)
-{
-    switch (op) {
-    case PS_OP_PULL:
-        return PS_FLAG_LOOKUP;
-    case PS_OP_PUSH:
-        return PS_FLAG_ELIDED;
-    case PS_OP_PUSH_DENSE:
-        return PS_FLAG_READ_BACK | PS_FLAG_DIGEST;
-    case PS_OP_PULL_DENSE:
-        return PS_FLAG_STATE;
-    default:
-        return 0;
-    }
-}
-
 /* The checks of a request's header that every op shares (besides its framing): true, with
  * text, when it is refused as malformed. A backup applies them to the requests its primary
  * forwards too, which passed them there. */
@@ -917,7 +905,7 @@ static bool header_refused(const struct ps_server *s, const ps_hdr *h, char *tex
          h->op == PS_OP_SHUTDOWN) &&
         h->payload_len != 0)
         snprintf(text, n, "this op carries no payload");
-    else if (h->flags & ~op_flags(h->op))
+    else if (h->flags & ~ps_op_flags(h->op))
         /* A flag this server does not define for the op: a feature it would silently ignore
          * (a lookup applied as a creating pull, say) or garbage. */
         snprintf(text, n, "flags 0x%02x are not defined for op %u", h->flags, h->op);

@@ -340,6 +340,22 @@ uint64_t ps_dense_fingerprint(const ps_dense_spec *d)
     return XXH3_64bits(&fp, sizeof fp);
 }
 
+uint8_t ps_op_flags(uint16_t op)
+{
+    switch (op) {
+    case PS_OP_PULL:
+        return PS_FLAG_LOOKUP;
+    case PS_OP_PUSH:
+        return PS_FLAG_ELIDED;
+    case PS_OP_PUSH_DENSE:
+        return PS_FLAG_READ_BACK | PS_FLAG_DIGEST;
+    case PS_OP_PULL_DENSE:
+        return PS_FLAG_STATE;
+    default:
+        return 0;
+    }
+}
+
 int ps_rows_layout_get(const ps_hdr *h, const uint8_t *p, uint32_t dim, ps_rows_layout *out,
                        char *msg, size_t cap)
 {

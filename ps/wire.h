@@ -58,6 +58,9 @@ typedef enum ps_op {
  * (table, shard): enough for a worker that prefetches the next batch while pushing this one. */
 #define PS_KEYLIST_RING 4u
 
+/* The request flags op may carry (those above); the server refuses any other bit. */
+uint8_t ps_op_flags(uint16_t op);
+
 /* Reply status of a backup that has taken over, to its old primary's REPLICATE: the old
  * primary is fenced and must stop serving. */
 #define PS_STATUS_FENCED (-100)

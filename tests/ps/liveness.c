@@ -16,12 +16,23 @@ static void *enter_barrier(void *c)
     return (void *)(intptr_t)ps_client_barrier(c, NULL);
 }
 
-/* Worker c enters the barrier on a thread of its own (the call blocks until all are in). */
-static pthread_t barrier_async(ps_client *c)
+static void *enter_clock(void *c)
+{
+    return (void *)(intptr_t)ps_client_clock(c, NULL, NULL);
+}
+
+/* Worker c calls fn (enter_barrier, enter_clock) on a thread of its own (the call blocks until
+ * the others let it through). */
+static pthread_t run_async(ps_client *c, void *(*fn)(void *))
 {
     pthread_t th;
-    if (pthread_create(&th, NULL, enter_barrier, c) != 0) pt_die("pthread_create", NULL);
+    if (pthread_create(&th, NULL, fn, c) != 0) pt_die("pthread_create", NULL);
     return th;
+}
+
+static pthread_t barrier_async(ps_client *c)
+{
+    return run_async(c, enter_barrier);
 }
 
 static int joined(pthread_t th)
@@ -155,7 +166,35 @@ int main(void)
     rc = rc == CM_OK ? ps_client_flush(a, &err) : rc;
     CHECK_MSG(rc == CM_ECANCELED, "a push after the abort: %d (%s)", rc, err ? err : "no message");
     free(err);
+    err = NULL;
     ps_client_destroy(a);
+    ps_server_destroy(s);
+
+    /* A worker whose clock is deferred sends nothing while it waits, so it goes silent too.
+     * b's clock 2 waits for a at 0 (staleness 1); a is seen after b, so b times out first and a
+     * last. Then no live worker holds the clock back and b is released (the slowest live clock
+     * is UINT64_MAX: plus the staleness it once wrapped to 0, and b waited for good). Found by
+     * tests/fuzz_ps/fuzz_server. */
+    ps_config cfg_stale;
+    pt_config(dir, "stale.ini",
+              "[cluster]\nshards = 1\nworkers = 2\nstaleness = 1\nworker_timeout = 200\n"
+              "[table t]\ndim = 4\noptimizer = sgd\n",
+              &cfg_stale);
+    const char *urls5[1] = {pt_ipc(dir, "ps4")};
+    s = pt_server(&cfg_stale, urls5[0], 0);
+    a = pt_client(&cfg_stale, urls5, 0, 1000);
+    b = pt_client(&cfg_stale, urls5, 1, 1000);
+    CHECK_OK(ps_client_clock(b, &clk, &err), err); /* 1: within the staleness of a's 0 */
+    th = run_async(b, enter_clock);                /* 2: waits for a */
+    usleep(50000);
+    CHECK_OK(ps_client_pull(a, 0, &key, 1, row, &err), err); /* a is seen after b */
+    t0 = cm_now();
+    rc = joined(th);
+    t = cm_now() - t0;
+    CHECK_MSG(rc == CM_OK && t < 3.0,
+              "a clock waiting once every worker was silent: %d after %.3f s", rc, t);
+    ps_client_destroy(a);
+    ps_client_destroy(b);
     ps_server_destroy(s);
     return pt_finish(dir);
 }
