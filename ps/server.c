@@ -1056,8 +1056,10 @@ static nng_msg *handle_replicate(struct ps_server *s, const ps_hdr *h, const uin
     char *err = NULL;
     ps_hdr ih;
     uint64_t seq;
-    if (!s->is_backup)
+    if (!s->is_backup) {
+        STAT_ADD(s, bad_messages, 1); /* no primary sends one here: a misdirected message */
         return reply_error(s, h, CM_EINVAL, "REPLICATE sent to a shard that is not a backup");
+    }
     if (h->payload_len < 8 + PS_HDR_BYTES) goto bad;
     memcpy(&seq, p, 8);
     /* A primary resolves an elided push's keys before it ships it: the backup never saw the
@@ -1352,6 +1354,7 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
         STAT_ADD(s, bad_messages, 1);
         *reply = reply_error(s, &h, CM_EINVAL, text);
     } else if ((h.op == PS_OP_CLOCK || h.op == PS_OP_BARRIER) && s->shard != 0) {
+        STAT_ADD(s, bad_messages, 1); /* clients send these to shard 0 only */
         *reply = reply_error(s, &h, CM_EINVAL,
                              "clocks and barriers are served by shard 0 for "
                              "known workers only");
