@@ -99,7 +99,7 @@ int main(int argc, char **argv)
     unsigned dim = 16;
     const char *opt = "adagrad";
     unsigned long long rows = 1000000, memory = 0, reserve = 0, pushes = 0;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (v == NULL) {
             fprintf(stderr, "usage: bench_mem [--dim N] [--opt NAME] [--rows N] [--memory B] "
@@ -122,7 +122,6 @@ int main(int argc, char **argv)
             fprintf(stderr, "bench mem: unknown flag %s\n", a);
             return 2;
         }
-        i++;
     }
 
     /* The table as a one-table cluster config declares it, so the prediction is --plan's. */

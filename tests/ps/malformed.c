@@ -482,6 +482,26 @@ static void test_limits_and_resends(const char *dir)
     ps_server_destroy(s2);
 }
 
+/* Sends the sealed pull m on the raw socket and copies the reply's first n bytes of rows to out.
+ * Returns 0, or -1 (out untouched) when the round trip or the reply's size fails. */
+static int pull_owned(const msg *m, float *out, size_t n)
+{
+    nng_msg *req = NULL, *rep = NULL;
+    int rc = -1;
+    if (nng_msg_alloc(&req, m->len) != 0) goto done;
+    memcpy(nng_msg_body(req), m->buf, m->len);
+    if (nng_sendmsg(raw, req, 0) != 0) {
+        nng_msg_free(req);
+        goto done;
+    }
+    if (nng_recvmsg(raw, &rep, 0) != 0 || nng_msg_len(rep) < PS_HDR_BYTES + n) goto done;
+    memcpy(out, (uint8_t *)nng_msg_body(rep) + PS_HDR_BYTES, n);
+    rc = 0;
+done:
+    if (rep != NULL) nng_msg_free(rep);
+    return rc;
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -502,12 +522,7 @@ int main(void)
     float before[4 * DIM], after[4 * DIM];
     msg m;
     build_rows(&m, PS_OP_PULL, 0, owned, 4, PS_CODEC_F32, NULL, 0);
-    nng_msg *req, *rep;
-    nng_msg_alloc(&req, m.len);
-    memcpy(nng_msg_body(req), m.buf, m.len);
-    CHECK(nng_sendmsg(raw, req, 0) == 0 && nng_recvmsg(raw, &rep, 0) == 0);
-    memcpy(before, (uint8_t *)nng_msg_body(rep) + PS_HDR_BYTES, sizeof before);
-    nng_msg_free(rep);
+    CHECK(pull_owned(&m, before, sizeof before) == 0);
 
     test_framing();
     test_rows();
@@ -515,11 +530,7 @@ int main(void)
     test_other_ops();
     test_limits_and_resends(dir);
 
-    nng_msg_alloc(&req, m.len);
-    memcpy(nng_msg_body(req), m.buf, m.len);
-    CHECK(nng_sendmsg(raw, req, 0) == 0 && nng_recvmsg(raw, &rep, 0) == 0);
-    memcpy(after, (uint8_t *)nng_msg_body(rep) + PS_HDR_BYTES, sizeof after);
-    nng_msg_free(rep);
+    CHECK(pull_owned(&m, after, sizeof after) == 0);
     CHECK_MSG(memcmp(before, after, sizeof before) == 0, "a rejected push changed a row");
 
     ps_server_stats st;

@@ -173,8 +173,8 @@ static void resend_while_forwarding(const ps_config *cfg, const char *dir)
 {
     const char *pu = pt_ipc(dir, "p1"), *bu = pt_ipc(dir, "b1");
     nng_socket fb;
-    nng_ctx fctx;
-    nng_aio *faio;
+    nng_ctx fctx = NNG_CTX_INITIALIZER;
+    nng_aio *faio = NULL;
     if (nng_rep0_open(&fb) != 0 || nng_listen(fb, bu, NULL, 0) != 0 ||
         nng_ctx_open(&fctx, fb) != 0 || nng_aio_alloc(&faio, NULL, NULL) != 0)
         pt_die("scripted backup", NULL);
