@@ -35,15 +35,21 @@ static int tls_config(const ps_config *cfg, nng_tls_mode mode, const char *url,
                                                                 : NNG_TLS_AUTH_MODE_NONE)) != 0)
         what = "auth mode";
     else if (mode == NNG_TLS_MODE_CLIENT && cfg->tls_ca[0]) {
-        /* The name the PS certificate must carry: the URL's host (tls+tcp://HOST:PORT). */
-        char host[256] = "localhost";
+        /* The name the PS certificate must carry: the URL's host (tls+tcp://HOST:PORT), which
+         * ps_url_check has bounded; there is no default name to fall back on. */
+        char host[PS_URL_HOST_MAX + 1];
         const char *h = strstr(url, "://");
+        size_t n = 0;
         if (h != NULL) {
             h += 3;
-            size_t n = *h == '[' ? strcspn(++h, "]") : strcspn(h, ":/");
-            if (n > 0 && n < sizeof host) memcpy(host, h, n), host[n] = 0;
+            n = *h == '[' ? strcspn(++h, "]") : strcspn(h, ":/");
         }
-        rv = nng_tls_config_server_name(tls, host);
+        if (n == 0 || n >= sizeof host)
+            rv = NNG_EADDRINVAL;
+        else {
+            memcpy(host, h, n), host[n] = 0;
+            rv = nng_tls_config_server_name(tls, host);
+        }
     }
     if (rv != 0) {
         nng_tls_config_free(tls);
@@ -94,6 +100,10 @@ int ps_url_check(const char *url, size_t len, char **errptr)
         port == 0 || port > 65535)
         return cm_err(errptr, CM_EINVAL, "bad URL '%.*s': want %.*sHOST:PORT (port 1..65535)",
                       (int)len, url, (int)at, url);
+    size_t host = colon - 1 - at; /* brackets of an IPv6 address included */
+    if (host > PS_URL_HOST_MAX + 2 || (url[at] != '[' && host > PS_URL_HOST_MAX))
+        return cm_err(errptr, CM_EINVAL, "bad URL '%.60s...': host longer than %d bytes", url,
+                      PS_URL_HOST_MAX);
     return CM_OK;
 }
 

@@ -75,9 +75,12 @@ const char *ps_codec_name(ps_codec c);
 /* Bytes one row of dim values takes in a codec. */
 size_t ps_codec_row_bytes(ps_codec c, uint32_t dim);
 
+/* The longest host name DNS allows; a TLS client checks the PS certificate against it. */
+#define PS_URL_HOST_MAX 253
 /* Whether url (len bytes) can be served and found: a tcp:// or tls+tcp:// URL (4 and 6 too)
- * must name a host and a port 1..65535 (nng listens on a random port for a URL without one,
- * which no client can find); other schemes pass. CM_OK or CM_EINVAL naming the URL. */
+ * must name a host of at most PS_URL_HOST_MAX bytes and a port 1..65535 (nng listens on a
+ * random port for a URL without one, which no client can find); other schemes pass. CM_OK or
+ * CM_EINVAL naming the URL. */
 int ps_url_check(const char *url, size_t len, char **errptr);
 
 /* Whether a table or dense name is a plain file name (letters, digits, '_', '-', '.'; not

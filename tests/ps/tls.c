@@ -105,6 +105,22 @@ int main(void)
     free(err);
     ps_client_destroy(c);
 
+    /* A host name longer than DNS allows is refused by name, not verified against another
+     * name: the certificate check must never fall back to a default host. */
+    char longurl[400];
+    int at = snprintf(longurl, sizeof longurl, "tls+tcp://");
+    memset(longurl + at, 'a', 300);
+    snprintf(longurl + at + 300, sizeof longurl - (size_t)at - 300, ":7400");
+    const char *lurls[1] = {longurl};
+    ps_client_opts lo = {.cfg = &cfg, .urls = lurls, .timeout_ms = 500};
+    c = NULL;
+    err = NULL;
+    CHECK(ps_client_create(&lo, &c, &err) != CM_OK && c == NULL);
+    CHECK_MSG(err && strstr(err, "253"), "%s", err ? err : "(none)");
+    free(err), err = NULL;
+    CHECK(ps_url_check("tcp://[::1]:7400", 16, &err) == CM_OK);
+    free(err), err = NULL;
+
     ps_server_stats st;
     ps_server_stats_get(s, &st);
     CHECK(st.rows_pushed == 3 && st.rows_pulled == 3);
