@@ -2323,6 +2323,7 @@ static int url_list(const train_cluster *c, const char *k, const char *v, char *
 typedef struct cluster_parse {
     train_cluster *c;
     int tls_url_line;     /* the first list with a tls+tcp:// URL, 0 when none has one */
+    int plain_url_line;   /* the first list with a plain tcp:// URL (4 and 6 too), or 0 */
     int tls_line;         /* the first tls_* key, and its name */
     const char *tls_name; /* static */
 } cluster_parse;
@@ -2362,8 +2363,12 @@ static int cluster_entry(void *arg, int line, const char *section, const char *s
                       "unknown key '%s' (ps, backups, workers, tls_cert, tls_key, tls_ca)", k);
     uint32_t *n = list == &c->urls ? &c->n_shards : &c->n_backups;
     int rc = url_list(c, k, v, list, n, errptr);
-    for (uint32_t i = 0; rc == CM_OK && i < *n && P->tls_url_line == 0; i++)
-        if (!strncmp((*list)[i], "tls+", 4)) P->tls_url_line = line;
+    for (uint32_t i = 0; rc == CM_OK && i < *n; i++) {
+        int *first = !strncmp((*list)[i], "tls+", 4)  ? &P->tls_url_line
+                     : !strncmp((*list)[i], "tcp", 3) ? &P->plain_url_line
+                                                      : NULL;
+        if (first && *first == 0) *first = line;
+    }
     return rc;
 }
 
@@ -2380,6 +2385,17 @@ static int cluster_check(const cluster_parse *P, const char *path, char **errptr
     if (P->tls_line != 0 && P->tls_url_line == 0)
         return cm_err(errptr, CM_EINVAL, "%s:%d: %s but no tls+tcp:// URL (it would be ignored)",
                       path, P->tls_line, P->tls_name);
+    /* ipc:// stays on one machine; a plain tcp:// PS would be the one unencrypted link. */
+    if (P->tls_url_line != 0 && P->plain_url_line != 0) {
+        bool plain_later = P->plain_url_line > P->tls_url_line;
+        return cm_err(errptr, CM_EINVAL,
+                      "%s:%d: %s URL beside the %s URLs of line %d (a plain link in an encrypted "
+                      "cluster)",
+                      path, plain_later ? P->plain_url_line : P->tls_url_line,
+                      plain_later ? "plain tcp://" : "tls+tcp://",
+                      plain_later ? "tls+tcp://" : "plain tcp://",
+                      plain_later ? P->tls_url_line : P->plain_url_line);
+    }
     if (P->tls_url_line != 0 && c->tls_cert[0] == '\0')
         return cm_err(errptr, CM_EINVAL,
                       "%s:%d: tls+tcp:// URLs need tls_cert (every process presents it)", path,

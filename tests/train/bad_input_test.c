@@ -356,6 +356,12 @@ int main(void)
         {"tlsnocert.ini",
          "[cluster]\nworkers = 1\ntls_key = /nowhere/key.pem\nps = tls+tcp://127.0.0.1:1\n",
          "tlsnocert.ini:4: tls+tcp:// URLs need tls_cert"},
+        /* Plain tcp:// beside tls+tcp://: that PS's traffic would cross the network
+         * unencrypted in a cluster its file says is encrypted. */
+        {"tlsmixed.ini",
+         "[cluster]\nworkers = 1\ntls_cert = /nowhere/c.pem\nps = tls+tcp://127.0.0.1:1\n"
+         "backups = tcp://127.0.0.1:2\n",
+         "tlsmixed.ini:5: plain tcp:// URL beside the tls+tcp:// URLs of line 4"},
         /* nng's listen-anywhere host: a PS listened, and a worker dialing it failed (Address
          * invalid), without file or line. */
         {"star.ini", "[cluster]\nworkers = 1\nps = tcp://*:7400\n",
