@@ -1,6 +1,7 @@
 /* The training job; train.h explains the design. */
 #include "src/train.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -2225,6 +2226,25 @@ static bool cluster_url_same(const char *a, size_t alen, const char *b, size_t b
     return ipc_a ? !memcmp(ha, hb, na) : !strncasecmp(ha, hb, na);
 }
 
+/* Whether a URL's host (n bytes, an IPv6 address in its brackets) is nng's wildcard or an
+ * unspecified address in any spelling (0.0.0.0, [::], [0::0]...): a PS listens on every
+ * interface with it, but a worker that dials it reaches its own machine. */
+static bool cluster_host_any(const char *host, size_t n)
+{
+    if (n == 1 && *host == '*') return true;
+    char a[64];
+    bool v6 = n >= 2 && host[0] == '[' && host[n - 1] == ']';
+    if (v6) host++, n -= 2;
+    if (n == 0 || n >= sizeof a) return false;
+    memcpy(a, host, n), a[n] = 0;
+    uint8_t addr[16];
+    size_t bytes = v6 ? 16 : 4;
+    if (inet_pton(v6 ? AF_INET6 : AF_INET, a, addr) != 1) return false;
+    for (size_t i = 0; i < bytes; i++)
+        if (addr[i] != 0) return false;
+    return true;
+}
+
 /* Whether url (len bytes) can join a cluster: every role is a process of its own, so only a
  * transport between processes serves (inproc:// is one process's; nng refused any other
  * scheme, or none, only when it listened or dialed, with no file or line), and no other shard
@@ -2259,11 +2279,11 @@ static int cluster_url_check(const train_cluster *c, const char *url, size_t len
     size_t host_len;
     unsigned long port;
     cluster_url_addr(url, len, &host, &host_len, &port);
-    if (port != 0 && host_len == 1 && *host == '*')
+    if (port != 0 && cluster_host_any(host, host_len))
         return cm_err(errptr, CM_EINVAL,
-                      "bad URL '%.*s': '*' (any address) is for listening, and workers dial the "
-                      "URL: name the PS host",
-                      (int)len, url);
+                      "bad URL '%.*s': '%.*s' (any address) is for listening, and workers dial "
+                      "the URL: name the PS host",
+                      (int)len, url, (int)host_len, host);
     char *const *lists[2] = {c->urls, c->backups};
     const uint32_t counts[2] = {c->n_shards, c->n_backups};
     static const char *const keys[2] = {"ps", "backups"};

@@ -366,6 +366,12 @@ int main(void)
          * invalid), without file or line. */
         {"star.ini", "[cluster]\nworkers = 1\nps = tcp://*:7400\n",
          "star.ini:3: bad URL 'tcp://*:7400': '*' (any address) is for listening"},
+        /* The unspecified addresses are nng's wildcard in other spellings: a worker on another
+         * machine dialed its own. */
+        {"any4.ini", "[cluster]\nworkers = 1\nps = tcp://127.0.0.1:1, tcp://0.0.0.0:7400\n",
+         "any4.ini:3: bad URL 'tcp://0.0.0.0:7400': '0.0.0.0' (any address) is for listening"},
+        {"any6.ini", "[cluster]\nps = tcp://127.0.0.1:1\nbackups = tcp6://[0::0]:7400\n",
+         "any6.ini:3: bad URL 'tcp6://[0::0]:7400': '[0::0]' (any address) is for listening"},
         /* A tab separates URLs as a space does (it made one URL of two, which passed as one
          * shard), and any other control character is no part of a URL. */
         {"tabps.ini", "[cluster]\nps = tcp://127.0.0.1:1\ttcp://127.0.0.1:1\nworkers = 1\n",
