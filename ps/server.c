@@ -96,6 +96,7 @@ struct ps_server {
     uint64_t seq;                   /* primary: the last update shipped */
     uint64_t next_seq;              /* backup: the next update to apply */
     ps_replog log;                  /* backup: updates received, not yet applied */
+    uint64_t log_max;               /* backup: bytes log may hold (contexts x max_message) */
     bool promoted, dropped, fenced; /* atomics */
     /* backup, diverged (st.replica_diverged_seq set, with release, after this is written once,
      * under repl_mu): the failed update and why, which every refusal says */
@@ -1092,10 +1093,27 @@ static nng_msg *handle_replicate(struct ps_server *s, const ps_hdr *h, const uin
         STAT_ADD(s, bad_messages, 1);
         return reply_error(s, h, CM_EINVAL, "forwarded update too far ahead of the next one");
     }
+    /* Held ahead of a gap, a forward costs its bytes until the gap fills; a primary's held
+     * forwards are fewer than its contexts, each within max_message (log_max), so more is no
+     * primary's, and the log's memory stays bounded. Only a forward that would be held is
+     * refused: the update next in line (which fills the gap) always goes through. */
+    const size_t len = h->payload_len - 8;
+    if (!diverged(s) && seq > s->next_seq && !ps_replog_has(&s->log, seq) &&
+        (s->log.bytes > s->log_max || len > s->log_max - s->log.bytes)) {
+        const uint64_t held = s->log.bytes, next = s->next_seq;
+        pthread_mutex_unlock(&s->repl_mu);
+        STAT_ADD(s, bad_messages, 1);
+        char why[256];
+        snprintf(why, sizeof why,
+                 "forwarded update %" PRIu64 " (%zu bytes) would hold more than %" PRIu64
+                 " bytes ahead of update %" PRIu64 " (%" PRIu64 " held; contexts x max_message)",
+                 seq, len, s->log_max, next, held);
+        return reply_error(s, h, CM_EINVAL, why);
+    }
     bool ok = true;
     if (!diverged(s)) {
         STAT_ADD(s, replicated, 1);
-        ok = seq < s->next_seq || ps_replog_put(&s->log, seq, p + 8, h->payload_len - 8);
+        ok = seq < s->next_seq || ps_replog_put(&s->log, seq, p + 8, len);
         ps_replog_entry *e;
         while (!diverged(s) && s->log.head && s->log.head->seq == s->next_seq &&
                (e = ps_replog_pop(&s->log))) {
@@ -1455,6 +1473,10 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     s->is_backup = o->backup;
     s->has_backup = o->replica_url != NULL && !o->backup;
     s->next_seq = 1;
+    /* A primary has at most its contexts' updates in flight, each a message within
+     * max_message; so a backup with as many contexts never holds more than this for it. */
+    s->log_max =
+        s->cfg.max_msg_bytes > UINT64_MAX / s->n_ctx ? UINT64_MAX : s->n_ctx * s->cfg.max_msg_bytes;
     if (s->has_backup) snprintf(s->replica_url, sizeof s->replica_url, "%s", o->replica_url);
     pthread_rwlock_init(&s->tables_lock, NULL);
     pthread_mutex_init(&s->repl_mu, NULL);
