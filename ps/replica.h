@@ -40,7 +40,8 @@ void ps_dedup_done(ps_dedup *d, uint32_t worker, uint64_t req_id);
  * must be tried again. */
 void ps_dedup_remove(ps_dedup *d, uint32_t worker, uint64_t req_id);
 
-/* Updates that arrived ahead of their predecessors, in sequence order. */
+/* Updates that arrived ahead of their predecessors, in sequence order. The server bounds it
+ * (in sequence numbers and in bytes) before it puts an update in. */
 typedef struct ps_replog_entry {
     uint64_t seq;
     size_t len;

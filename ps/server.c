@@ -16,6 +16,8 @@
  * (so no update is ever acknowledged by a primary that its backup does not have). A backup that
  * fails to apply an update its primary applied is diverged: it refuses every REPLICATE (its
  * primary drops it) and every client request from then on, rather than serve other rows.
+ * A primary stopped by a SHUTDOWN that its backup did not take in the stream (dropped, or
+ * diverged) tells the backup to stop as it goes (stop_backup), so no backup outlives its cluster.
  */
 #include <inttypes.h>
 #include <limits.h>
@@ -96,7 +98,11 @@ struct ps_server {
     uint64_t seq;                   /* primary: the last update shipped */
     uint64_t next_seq;              /* backup: the next update to apply */
     ps_replog log;                  /* backup: updates received, not yet applied */
+    uint64_t log_max;               /* backup: bytes log may hold (contexts x max_message) */
     bool promoted, dropped, fenced; /* atomics */
+    /* primary with a backup, atomics: a SHUTDOWN was accepted here, and the backup
+     * acknowledged its forward (ps_server_destroy tells a backup that did not: stop_backup) */
+    bool stop_asked, stop_forwarded;
     /* backup, diverged (st.replica_diverged_seq set, with release, after this is written once,
      * under repl_mu): the failed update and why, which every refusal says */
     char diverged_why[1024];
@@ -1092,10 +1098,27 @@ static nng_msg *handle_replicate(struct ps_server *s, const ps_hdr *h, const uin
         STAT_ADD(s, bad_messages, 1);
         return reply_error(s, h, CM_EINVAL, "forwarded update too far ahead of the next one");
     }
+    /* Held ahead of a gap, a forward costs its bytes until the gap fills; a primary's held
+     * forwards are fewer than its contexts, each within max_message (log_max), so more is no
+     * primary's, and the log's memory stays bounded. Only a forward that would be held is
+     * refused: the update next in line (which fills the gap) always goes through. */
+    const size_t len = h->payload_len - 8;
+    if (!diverged(s) && seq > s->next_seq && !ps_replog_has(&s->log, seq) &&
+        (s->log.bytes > s->log_max || len > s->log_max - s->log.bytes)) {
+        const uint64_t held = s->log.bytes, next = s->next_seq;
+        pthread_mutex_unlock(&s->repl_mu);
+        STAT_ADD(s, bad_messages, 1);
+        char why[256];
+        snprintf(why, sizeof why,
+                 "forwarded update %" PRIu64 " (%zu bytes) would hold more than %" PRIu64
+                 " bytes ahead of update %" PRIu64 " (%" PRIu64 " held; contexts x max_message)",
+                 seq, len, s->log_max, next, held);
+        return reply_error(s, h, CM_EINVAL, why);
+    }
     bool ok = true;
     if (!diverged(s)) {
         STAT_ADD(s, replicated, 1);
-        ok = seq < s->next_seq || ps_replog_put(&s->log, seq, p + 8, h->payload_len - 8);
+        ok = seq < s->next_seq || ps_replog_put(&s->log, seq, p + 8, len);
         ps_replog_entry *e;
         while (!diverged(s) && s->log.head && s->log.head->seq == s->next_seq &&
                (e = ps_replog_pop(&s->log))) {
@@ -1227,6 +1250,7 @@ static void repl_cb(void *arg)
             replica_lost(s, why);
         else
             STAT_ADD(s, replicated, 1);
+        if (st == 0 && c->stop_after) __atomic_store_n(&s->stop_forwarded, true, __ATOMIC_RELAXED);
     }
     nng_msg *reply = c->held;
     c->held = NULL;
@@ -1294,6 +1318,8 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
         c->state = ST_REPL;
     }
     if (replicate) pthread_mutex_unlock(&s->repl_mu);
+    if (h->op == PS_OP_SHUTDOWN && s->has_backup)
+        __atomic_store_n(&s->stop_asked, true, __ATOMIC_RELAXED);
     if (with_keys) nng_msg_free(with_keys);
     if (original != NULL) return true;
     if (fwd == NULL) {
@@ -1310,16 +1336,20 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
     return true;
 }
 
-/* Backup: a request from a client (anything but REPLICATE and STATS) that passed the header
- * checks means the clients have failed over, and the backup takes over (promote); one refused
- * as malformed must not make it take over (and fence its primary). True when the request must be
- * refused instead: the backup diverged from its primary and serves nothing (diverge), bar SHUTDOWN,
- * which serves no rows either and lets an operator stop it. */
+/* Backup: a request from a client (anything but REPLICATE, STATS and SHUTDOWN) that passed the
+ * header checks means the clients have failed over, and the backup takes over (promote); one
+ * refused as malformed must not make it take over (and fence its primary). True when the request
+ * must be refused instead: the backup diverged from its primary and serves nothing (diverge).
+ * A SHUTDOWN is served in any state and makes no takeover: it serves no rows, and it is how a
+ * cluster's shutdown reaches a backup its primary no longer replicates to (stop_backup), which
+ * must stop, not take over a shard it may hold stale or diverged rows of. */
 static bool backup_refuses(struct ps_server *s, const ps_hdr *h)
 {
-    if (!s->is_backup || h->op == PS_OP_REPLICATE || h->op == PS_OP_STATS) return false;
+    if (!s->is_backup || h->op == PS_OP_REPLICATE || h->op == PS_OP_STATS ||
+        h->op == PS_OP_SHUTDOWN)
+        return false;
     if (!__atomic_load_n(&s->promoted, __ATOMIC_RELAXED)) promote(s);
-    return h->op != PS_OP_SHUTDOWN && diverged(s);
+    return diverged(s);
 }
 
 /* Handles one request; returns true when the context was parked. */
@@ -1455,6 +1485,10 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     s->is_backup = o->backup;
     s->has_backup = o->replica_url != NULL && !o->backup;
     s->next_seq = 1;
+    /* A primary has at most its contexts' updates in flight, each a message within
+     * max_message; so a backup with as many contexts never holds more than this for it. */
+    s->log_max =
+        s->cfg.max_msg_bytes > UINT64_MAX / s->n_ctx ? UINT64_MAX : s->n_ctx * s->cfg.max_msg_bytes;
     if (s->has_backup) snprintf(s->replica_url, sizeof s->replica_url, "%s", o->replica_url);
     pthread_rwlock_init(&s->tables_lock, NULL);
     pthread_mutex_init(&s->repl_mu, NULL);
@@ -1599,6 +1633,54 @@ void ps_server_stop(ps_server *s)
  */
 #define PS_CLOSE_SETTLE_MS 100u
 
+/* Primary being destroyed after a SHUTDOWN that its backup did not take in the replication
+ * stream (dropped as unreachable or diverged, before or by that SHUTDOWN's forward): tells the
+ * backup to stop with a SHUTDOWN of its own, which a backup serves in any state without taking
+ * over (backup_refuses). Otherwise it would live on after its cluster stopped. Best effort and
+ * bounded by replica_timeout (the backup may be gone): this process stops either way. */
+static void stop_backup(struct ps_server *s)
+{
+    const uint64_t deadline = now_ms() + s->cfg.replica_timeout_ms;
+    ps_hdr h;
+    memset(&h, 0, sizeof h);
+    h.op = PS_OP_SHUTDOWN; /* from worker 0, which every cluster has */
+    h.req_id = 1;
+    nng_ctx ctx;
+    nng_aio *aio = NULL;
+    nng_msg *m = NULL;
+    uint8_t *p;
+    int rv = nng_ctx_open(&ctx, s->rsock);
+    const bool ctx_open = rv == 0;
+    if (rv == 0 && (rv = nng_aio_alloc(&aio, NULL, NULL)) == 0 &&
+        ps_msg_new(&h, 0, &m, &p) != CM_OK)
+        rv = NNG_ENOMEM;
+    if (rv == 0) {
+        ps_msg_seal(m);
+        nng_aio_set_msg(aio, m);
+        nng_aio_set_timeout(aio, (nng_duration)s->cfg.replica_timeout_ms);
+        nng_ctx_send(ctx, aio);
+        nng_aio_wait(aio);
+        if ((rv = nng_aio_result(aio)) != 0) nng_msg_free(ps_aio_msg_take(aio));
+    }
+    if (rv == 0) {
+        /* Its reply says it took the SHUTDOWN (the rest of the time left). */
+        const uint64_t now = now_ms();
+        nng_aio_set_timeout(aio, (nng_duration)(deadline > now ? deadline - now : 1));
+        nng_ctx_recv(ctx, aio);
+        nng_aio_wait(aio);
+        if ((rv = nng_aio_result(aio)) == 0) nng_msg_free(ps_aio_msg_take(aio));
+    }
+    if (aio != NULL) nng_aio_free(aio);
+    if (ctx_open) nng_ctx_close(ctx);
+    if (rv == 0)
+        fprintf(stderr,
+                "ember ps: shard %u: told backup %s (out of the replication stream) to stop\n",
+                s->shard, s->replica_url);
+    else
+        fprintf(stderr, "ember ps: shard %u: could not tell backup %s to stop: %s\n", s->shard,
+                s->replica_url, nng_strerror(rv));
+}
+
 static void wait_quiet(struct ps_server *s)
 {
     const uint64_t deadline = now_ms() + s->cfg.replica_timeout_ms;
@@ -1627,6 +1709,12 @@ void ps_server_destroy(ps_server *s)
         for (uint32_t i = 0; i < s->n_ctx; i++)
             if (s->ctxs[i].raio) nng_aio_stop(s->ctxs[i].raio);
     }
+    /* A fenced primary's backup has taken over the shard: it is not this one's to stop. */
+    if (s->rsock_open && __atomic_load_n(&s->stop_asked, __ATOMIC_RELAXED) &&
+        !__atomic_load_n(&s->fenced, __ATOMIC_RELAXED) &&
+        (__atomic_load_n(&s->dropped, __ATOMIC_RELAXED) ||
+         !__atomic_load_n(&s->stop_forwarded, __ATOMIC_RELAXED)))
+        stop_backup(s);
     if (s->sock_open) nng_close(s->sock);
     if (s->rsock_open) nng_close(s->rsock);
     if (s->ctxs)

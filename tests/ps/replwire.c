@@ -28,6 +28,11 @@
  *      what every acknowledgement promised. Three ways of meeting the failure: applied on
  *      arrival; held ahead of a gap and applied when the gap fills (acknowledged before it
  *      failed: the window docs/PROTOCOL.md describes); held and applied at a takeover.
+ *   7. What a backup holds ahead of a gap is bounded in bytes too (contexts x max_message: no
+ *      primary has more in flight), not only in sequence numbers, which let one sender park
+ *      thousands of maximum-size messages: forwards up to the bound are held, the one past it
+ *      is refused without taking its number, and once the gap fills everything held applies,
+ *      and the genuine update under the refused number after it.
  */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
@@ -534,6 +539,97 @@ static void diverged(const ps_config *cfg, const char *dir)
     ps_server_destroy(b);
 }
 
+/* A sealed PUSH from worker 0 of the n keys from, from + 1, ... with gradient 1 (fp32). */
+static nng_msg *push_run(uint64_t from, uint32_t n, uint64_t req_id)
+{
+    uint64_t keys[256];
+    uint8_t p[4 + 256 * 10 + 256 * DIM * 4];
+    if (n > 256) pt_die("push_run: too many keys", NULL);
+    for (uint32_t i = 0; i < n; i++)
+        keys[i] = from + i;
+    uint32_t kb = (uint32_t)ps_keys_encode(keys, n, p + 4);
+    memcpy(p, &kb, 4);
+    for (uint32_t i = 0; i < n * DIM; i++) {
+        const float one = 1;
+        memcpy(p + 4 + kb + 4 * (size_t)i, &one, 4);
+    }
+    nng_msg *m = sealed(PS_OP_PUSH, req_id, 0, 0, p, 4 + kb + (size_t)n * DIM * 4);
+    ps_hdr h;
+    memcpy(&h, nng_msg_body(m), sizeof h);
+    h.count = n;
+    memcpy(nng_msg_body(m), &h, sizeof h);
+    ps_wire_seal(nng_msg_body(m), h.payload_len);
+    return m;
+}
+
+/* 7. The held forwards' bytes. A backup of 4 contexts with 4 KiB messages holds at most 16 KiB
+ * ahead of a gap; pushes of 170 keys are 2950 bytes, so 5 are held and a sixth is refused. */
+static void held_bytes_bound(const char *dir)
+{
+    enum { CTX = 4, KEYS = 170, HELD = 5 };
+    static const char small[] = "[cluster]\nshards = 1\nworkers = 1\nmax_message = 4096\n"
+                                "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n";
+    ps_config cfg;
+    pt_config(dir, "replwire-small.ini", small, &cfg);
+    const char *bu = pt_ipc(dir, "b9");
+    ps_server_opts bo = {.cfg = &cfg, .listen = bu, .shard = 0, .backup = true, .n_contexts = CTX};
+    ps_server *b = pt_server_with(&bo);
+    const uint64_t bound = CTX * 4096;
+    nng_msg *probe = push_run(2000, KEYS, 1); /* as long as the held ones */
+    const uint64_t one = nng_msg_len(probe);
+    nng_msg_free(probe);
+    CHECK_MSG(HELD * one <= bound && (HELD + 1) * one > bound,
+              "a push of %u keys is %llu bytes: %u do not fit %llu bytes with a sixth past it",
+              (unsigned)KEYS, (unsigned long long)one, (unsigned)HELD, (unsigned long long)bound);
+    /* Updates 2..6 wait for update 1; key runs 1000 apart, one per update. */
+    for (uint64_t seq = 2; seq < 2 + HELD; seq++)
+        CHECK_MSG(replicate(bu, seq, push_run(1000 * seq, KEYS, seq)) == 0,
+                  "forward %llu (a gap at 1, %llu bytes held) was refused", (unsigned long long)seq,
+                  (unsigned long long)((seq - 2) * one));
+    char text[1024];
+    const uint64_t past = 2 + HELD;
+    int st = replicate_text(bu, past, push_run(1000 * past, KEYS, past), text, sizeof text);
+    CHECK_MSG(st < 0 && st != 1 && strstr(text, "16384 bytes"),
+              "forward %llu, past %llu bytes held: status %d (%s), want a refusal naming the "
+              "bound",
+              (unsigned long long)past, (unsigned long long)bound, st, text);
+    ps_server_stats bs;
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(bs.bad_messages == 1 && bs.replica_held == HELD &&
+                  bs.replica_held_bytes == HELD * one && bs.rows_pushed == 0,
+              "bad messages %llu (want 1), held %llu updates of %llu bytes (want %u of %llu), %llu "
+              "rows pushed (want 0)",
+              (unsigned long long)bs.bad_messages, (unsigned long long)bs.replica_held,
+              (unsigned long long)bs.replica_held_bytes, (unsigned)HELD,
+              (unsigned long long)(HELD * one), (unsigned long long)bs.rows_pushed);
+    /* The gap fills: 1..6 apply; then the genuine update 7 (another key run) is taken, not
+     * skipped as held. */
+    CHECK_MSG(replicate(bu, 1, push_run(1000, KEYS, 1)) == 0, "forward 1 (the gap) was refused");
+    CHECK_MSG(replicate(bu, past, push_run(50000, KEYS, 50)) == 0,
+              "the genuine update %llu was refused after the gap filled", (unsigned long long)past);
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(bs.replica_held == 0 && bs.replica_held_bytes == 0 &&
+                  bs.rows_pushed == (HELD + 2) * KEYS && bs.promoted == 0,
+              "after the gap filled: held %llu updates of %llu bytes (want none), %llu rows "
+              "pushed (want %u), promoted %llu",
+              (unsigned long long)bs.replica_held, (unsigned long long)bs.replica_held_bytes,
+              (unsigned long long)bs.rows_pushed, (unsigned)((HELD + 2) * KEYS),
+              (unsigned long long)bs.promoted);
+    /* Which update 7 it applied: the genuine one's keys, not the refused one's. */
+    const char *urls[1] = {bu};
+    ps_client *c = pt_client(&cfg, urls, 0, 10000);
+    uint64_t keys[3] = {1000, 1000 * past, 50000};
+    float rows[3 * DIM];
+    char *err = NULL;
+    CHECK_OK(ps_client_pull(c, 0, keys, 3, rows, &err), err);
+    free(err);
+    CHECK_MSG(rows[0] == -1 && rows[DIM] == 0 && rows[2 * DIM] == -1,
+              "keys 1000/%llu/50000 at %.0f/%.0f/%.0f, want -1/0/-1", (unsigned long long)keys[1],
+              rows[0], rows[DIM], rows[2 * DIM]);
+    ps_client_destroy(c);
+    ps_server_destroy(b);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -546,5 +642,6 @@ int main(void)
     far_ahead(&cfg, dir);
     held_in_stats(&cfg, dir);
     diverged(&cfg, dir);
+    held_bytes_bound(dir);
     return pt_finish(dir);
 }
