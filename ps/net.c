@@ -176,7 +176,7 @@ int ps_msg_rows(const ps_hdr *h, const uint64_t *keys, size_t n, const uint8_t *
     nng_msg *m;
     uint8_t *p;
     /* Sized for the worst case (10 bytes a key), then trimmed to what the keys took. */
-    if (ps_msg_new(h, head + 10 * n + vals, &m, &p) != CM_OK) return CM_ENOMEM;
+    if (ps_msg_new(h, head + PS_VARINT_MAX * n + vals, &m, &p) != CM_OK) return CM_ENOMEM;
     uint32_t kb = (uint32_t)ps_keys_encode(keys, n, p + head);
     if (push) {
         memcpy(p, &kb, 4);

@@ -915,6 +915,12 @@ static bool header_refused(const struct ps_server *s, const ps_hdr *h, char *tex
         /* A flag this server does not define for the op: a feature it would silently ignore
          * (a lookup applied as a creating pull, say) or garbage. */
         snprintf(text, n, "flags 0x%02x are not defined for op %u", h->flags, h->op);
+    else if (h->op != PS_OP_REPLICATE &&
+             PS_HDR_BYTES + (uint64_t)h->payload_len > s->cfg.max_msg_bytes)
+        /* Only a backup's socket takes more (a forward's own header and sequence number). */
+        snprintf(text, n, "a request of %llu bytes exceeds max_message (%llu)",
+                 (unsigned long long)(PS_HDR_BYTES + (uint64_t)h->payload_len),
+                 (unsigned long long)s->cfg.max_msg_bytes);
     else if (h->worker >= s->cfg.n_workers && h->op != PS_OP_REPLICATE && h->op != PS_OP_STATS)
         /* Its updates, clocks and de-duplication would be a worker the job does not have. */
         snprintf(text, n, "worker %u is not one of the cluster's %u known workers", h->worker,
@@ -1150,6 +1156,9 @@ static void replica_lost(struct ps_server *s, const char *why)
             s->replica_url, why);
 }
 
+/* What a REPLICATE adds to the request it carries. */
+#define PS_FORWARD_OVERHEAD (PS_HDR_BYTES + 8u)
+
 static nng_msg *forward_msg(const void *req, size_t len, uint64_t seq)
 {
     ps_hdr h;
@@ -1282,6 +1291,17 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
     const bool elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
     nng_msg *fwd = NULL, *with_keys = NULL;
     srv_ctx *original = NULL;
+    /* An elided push goes to the backup with its keys (their u32 length, then up to
+     * PS_VARINT_MAX bytes a key, for the 16-byte head), and the
+     * backup takes no forward of a request over max_message: one that might not fit is
+     * refused as not held, before it is applied, so the client sends it with its keys (and
+     * itself refuses one past max_message, naming the sizes). */
+    if (replicate && elided &&
+        len - PS_ELIDED_HEAD + 4 + (uint64_t)h->count * PS_VARINT_MAX > s->cfg.max_msg_bytes) {
+        *reply = reply_error(s, h, PS_STATUS_NO_KEYS,
+                             "elided push too large to forward with its keys: send the keys");
+        return false;
+    }
     if (replicate) {
         pthread_mutex_lock(&s->repl_mu);
         /* Fenced since handle() looked (repl_cb): neither applied nor answered here. */
@@ -1543,7 +1563,10 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
         goto fail;
     }
     s->sock_open = true;
-    nng_socket_set_size(s->sock, NNG_OPT_RECVMAXSZ, (size_t)s->cfg.max_msg_bytes);
+    /* A backup receives each update inside a REPLICATE: the client's request (within
+     * max_message) behind a header and a sequence number of its own. */
+    nng_socket_set_size(s->sock, NNG_OPT_RECVMAXSZ,
+                        (size_t)s->cfg.max_msg_bytes + (o->backup ? PS_FORWARD_OVERHEAD : 0));
     if (s->has_backup) {
         if ((rv = nng_req0_open(&s->rsock)) != 0) {
             rc = cm_err(errptr, CM_EIO, "cannot open the replication socket: %s", nng_strerror(rv));

@@ -96,7 +96,10 @@ void ps_wire_seal(void *buf, size_t payload_len);
  * what arrived, checksum. On success copies the header into *h. Errors name the field. */
 int ps_wire_open(const void *buf, size_t len, ps_hdr *h, char **errptr);
 
-/* Unsigned LEB128. put returns bytes written (<= 10). get returns bytes read, 0 when the
+/* The most bytes one varint takes. */
+#define PS_VARINT_MAX 10u
+
+/* Unsigned LEB128. put returns bytes written (<= PS_VARINT_MAX). get returns bytes read, 0 when the
  * input ends first or the value overflows 64 bits. */
 size_t ps_varint_put(uint8_t *out, uint64_t v);
 size_t ps_varint_get(const uint8_t *in, size_t len, uint64_t *v);

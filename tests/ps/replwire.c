@@ -630,6 +630,83 @@ static void held_bytes_bound(const char *dir)
     ps_server_destroy(b);
 }
 
+/* 8. Forwards at the size limit. A request within max_message reaches the backup inside a
+ * REPLICATE that is 72 bytes longer, and an elided push goes with its keys: neither may cost the
+ * primary its backup. A push within 72 bytes of the limit is replicated; an elided push whose
+ * keys would not fit is refused before it is applied (the client sends it with its keys, and
+ * itself refuses that, naming max_message), so the backup stays in step. */
+static void forwards_at_limit(const char *dir)
+{
+    static const char small[] = "[cluster]\nshards = 1\nworkers = 1\nmax_message = 4096\n"
+                                "replica_timeout = 2000\n"
+                                "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n";
+    ps_config cfg;
+    pt_config(dir, "replwire-limit.ini", small, &cfg);
+    const char *bu = pt_ipc(dir, "b10"), *pu = pt_ipc(dir, "p10");
+    ps_server_opts bo = {.cfg = &cfg, .listen = bu, .shard = 0, .backup = true};
+    ps_server *b = pt_server_with(&bo);
+    ps_server_opts po = {.cfg = &cfg, .listen = pu, .shard = 0, .replica_url = bu};
+    ps_server *p = pt_server_with(&po);
+    uint32_t n = 1;
+    for (nng_msg *m; n < 256; n++) { /* the longest push of a run of keys within the limit */
+        m = push_run(70000, n + 1, 1);
+        size_t len = nng_msg_len(m);
+        nng_msg_free(m);
+        if (len > 4096) break;
+    }
+    nng_msg *m = push_run(70000, n, 1);
+    const size_t len = nng_msg_len(m);
+    CHECK_MSG(len <= 4096 && len + PS_HDR_BYTES + 8 > 4096, "a push of %u keys is %zu bytes", n,
+              len);
+    char text[1024];
+    int st = raw_request(pu, m, 1, text, sizeof text);
+    CHECK_MSG(st == 0, "a push of %zu bytes: status %d (%s)", len, st, text);
+    ps_server_stats ps_, bs;
+    ps_server_stats_get(p, &ps_);
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(ps_.replica_dropped == 0 && bs.rows_pushed == n,
+              "a push of %zu bytes: backup dropped %llu, %llu of %u rows on it", len,
+              (unsigned long long)ps_.replica_dropped, (unsigned long long)bs.rows_pushed, n);
+
+    /* The backup's socket takes a forward's 72 bytes more, but no client request past the
+     * limit: refused by the header checks, so it makes no takeover either. */
+    m = push_run(80000, n + 1, 2);
+    st = raw_request(bu, m, 2, text, sizeof text);
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(st < 0 && strstr(text, "exceeds max_message") && bs.promoted == 0,
+              "a %u-key push to the backup: status %d (%s), promoted %llu", n + 1, st, text,
+              (unsigned long long)bs.promoted);
+
+    /* 200 spread keys: the elided push (3,280 bytes) fits, with its keys it does not. */
+    enum { K = 200 };
+    uint64_t keys[K];
+    float rows[K * DIM];
+    for (uint32_t i = 0; i < K; i++)
+        keys[i] = (uint64_t)(i + 1) * 0x9e3779b97f4a7c15ull;
+    const char *urls[1] = {pu};
+    ps_client *c = pt_client(&cfg, urls, 0, 10000);
+    char *err = NULL;
+    CHECK_OK(ps_client_pull(c, 0, keys, K, rows, &err), err);
+    free(err), err = NULL;
+    for (uint32_t i = 0; i < K * DIM; i++)
+        rows[i] = 1;
+    int rc = ps_client_push(c, 0, keys, K, rows, &err);
+    if (rc == CM_OK) rc = ps_client_flush(c, &err);
+    CHECK_MSG(rc != CM_OK && err && strstr(err, "max_message"), "push: %d (%s)", rc,
+              err ? err : "no error");
+    free(err);
+    ps_client_destroy(c);
+    ps_server_stats_get(p, &ps_);
+    ps_server_stats_get(b, &bs);
+    CHECK_MSG(ps_.replica_dropped == 0 && ps_.rows_pushed == n && bs.rows_pushed == n,
+              "after the elided push: backup dropped %llu, rows pushed %llu here, %llu on the "
+              "backup (want %u: not applied)",
+              (unsigned long long)ps_.replica_dropped, (unsigned long long)ps_.rows_pushed,
+              (unsigned long long)bs.rows_pushed, n);
+    ps_server_destroy(p);
+    ps_server_destroy(b);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -643,5 +720,6 @@ int main(void)
     held_in_stats(&cfg, dir);
     diverged(&cfg, dir);
     held_bytes_bound(dir);
+    forwards_at_limit(dir);
     return pt_finish(dir);
 }
