@@ -2,16 +2,17 @@
  * The main() of a libFuzzer target built without libFuzzer (fuzz_replay_<target> in ctest), so
  * that the GCC and ASan builds of tools/test run every target on what it was given:
  *
- *   fuzz_replay_<target> [--mutations N] [--seconds S] [PATH...]
+ *   fuzz_replay_<target> [--mutations N] [--seconds S] [--generate] [PATH...]
  *
  * Each PATH is a corpus folder (every file in it, in name order) or one file. A PATH that is
  * missing, or a folder with no file, is an error: a renamed corpus must not make the test pass
- * on nothing. Without a PATH (a target with no corpus) the seeds are generated: empty, zeros,
- * 0xff and random bytes of several lengths. Then up to N inputs mutated from the seeds (byte
- * flips, inserts, erases, truncations, splices of two seeds) with a fixed PRNG seed, stopping
- * early once S seconds have passed since the start, so a slow build (ASan) runs a prefix of the
- * same sequence. A crash, abort or sanitizer report fails the test, and the input that did it is
- * written to fuzz_replay_crash-<target> in the working directory, for the real fuzzer to rerun.
+ * on nothing. Without a PATH (a target with no corpus), or with --generate, generated seeds are
+ * added: empty, zeros, 0xff and random bytes of several lengths. Then up to N inputs mutated from
+ * the seeds (byte flips, inserts, erases, truncations, splices of two seeds) with a fixed PRNG
+ * seed, stopping early once S seconds have passed since the start, so a slow build (ASan) runs a
+ * prefix of the same sequence. A crash, abort or sanitizer report fails the test, and the input
+ * that did it is written to fuzz_replay_crash-<target> in the working directory, for the real
+ * fuzzer to rerun.
  *
  * Each process gets a private temporary folder (under $EMBER_TEST_TMP, else $TMPDIR, else /tmp)
  * as its $TMPDIR, removed at exit, since targets write files and folders there.
@@ -276,6 +277,7 @@ int main(int argc, char **argv)
     const double t0 = now_s();
     const char *slash = strrchr(argv[0], '/');
     const char *name = slash ? slash + 1 : argv[0];
+    if (strncmp(name, "fuzz_replay_", 12) == 0) name += 12; /* the target's own name */
     snprintf(crash_path, sizeof crash_path, "fuzz_replay_crash-%s", name);
     if (__sanitizer_set_death_callback) {
         __sanitizer_set_death_callback(save_crash);
@@ -289,7 +291,7 @@ int main(int argc, char **argv)
     unsigned long mutations = 1000;
     double seconds = 10;
     size_t files = 0;
-    int paths = 0;
+    int paths = 0, generate = 0;
     rng_state = 0x66757a7a7265706cull; /* "fuzzrepl" */
     make_tmp();
     for (int i = 1; i < argc; i++) {
@@ -298,6 +300,8 @@ int main(int argc, char **argv)
             mutations = strtoul(argv[++i], NULL, 10);
         } else if (strcmp(argv[i], "--seconds") == 0 && i + 1 < argc) {
             seconds = strtod(argv[++i], NULL);
+        } else if (strcmp(argv[i], "--generate") == 0) {
+            generate = 1;
         } else if (stat(argv[i], &st) != 0) {
             die("corpus %s is missing", argv[i]);
         } else if (S_ISDIR(st.st_mode)) {
@@ -309,7 +313,7 @@ int main(int argc, char **argv)
         }
     }
     files = n_seeds;
-    if (paths == 0) add_generated();
+    if (paths == 0 || generate) add_generated();
     if (LLVMFuzzerInitialize) LLVMFuzzerInitialize(&argc, &argv);
     for (size_t i = 0; i < n_seeds; i++)
         run_one(seeds[i].p, seeds[i].n);
