@@ -19,7 +19,6 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
-#include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <signal.h>
@@ -290,7 +289,6 @@ int main(int argc, char **argv)
     }
     unsigned long mutations = 1000;
     double seconds = 10;
-    size_t files = 0;
     int paths = 0, generate = 0;
     rng_state = 0x66757a7a7265706cull; /* "fuzzrepl" */
     make_tmp();
@@ -312,7 +310,7 @@ int main(int argc, char **argv)
             paths++;
         }
     }
-    files = n_seeds;
+    const size_t files = n_seeds;
     if (paths == 0 || generate) add_generated();
     if (LLVMFuzzerInitialize) LLVMFuzzerInitialize(&argc, &argv);
     for (size_t i = 0; i < n_seeds; i++)
