@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef struct fz_in {
     const uint8_t *p;
@@ -19,6 +20,16 @@ static inline uint8_t fz_u8(fz_in *in)
     if (in->n == 0) return 0;
     in->n--;
     return *in->p++;
+}
+
+/* n bytes of the input into out, as n calls of fz_u8 would give them (zeros past its end). */
+static inline void fz_bytes(fz_in *in, uint8_t *out, size_t n)
+{
+    size_t k = n < in->n ? n : in->n;
+    if (k) memcpy(out, in->p, k);
+    memset(out + k, 0, n - k);
+    in->p += k;
+    in->n -= k;
 }
 
 /* `bytes` bytes of the input, little-endian. */

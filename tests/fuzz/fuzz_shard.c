@@ -1,6 +1,7 @@
 /* Any bytes as a shard file: verification refuses or accepts without crashing; the reader
  * does the same. The first call also writes a valid shard and fuzzes mutations of it when the
- * input starts with 'M' (byte 1..8: position, byte 9: xor). */
+ * input starts with 'M' (byte 1..8: position, byte 9: xor). Both files live under $TMPDIR (or
+ * /tmp) and are removed at exit. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,7 +9,7 @@
 
 #include "datasets/datasets.h"
 
-static char path[64], good[64];
+static char path[4096], good[4096];
 static void *good_bytes;
 static size_t good_len;
 
@@ -31,12 +32,22 @@ static void make_good(void)
     fclose(f);
 }
 
+static void remove_files(void)
+{
+    unlink(path);
+    unlink(good);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (path[0] == '\0') {
-        snprintf(path, sizeof path, "/tmp/ember_fuzz_shard.%d", (int)getpid());
-        snprintf(good, sizeof good, "/tmp/ember_fuzz_good.%d", (int)getpid());
+        const char *tmp = getenv("TMPDIR");
+        snprintf(path, sizeof path, "%s/ember_fuzz_shard.%d", tmp && *tmp ? tmp : "/tmp",
+                 (int)getpid());
+        snprintf(good, sizeof good, "%s/ember_fuzz_good.%d", tmp && *tmp ? tmp : "/tmp",
+                 (int)getpid());
         make_good();
+        atexit(remove_files);
     }
     FILE *f = fopen(path, "wb");
     if (size >= 10 && data[0] == 'M') {

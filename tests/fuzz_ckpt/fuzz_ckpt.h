@@ -20,69 +20,8 @@
 #include <unistd.h>
 
 #include "common/common.h"
+#include "tests/fuzz_buf.h"
 #include "tests/fuzz_input.h"
-
-/* ---- a file's bytes ---- */
-
-typedef struct fz_buf {
-    uint8_t *b;
-    size_t len, cap;
-    bool gone; /* removed: not written */
-} fz_buf;
-
-/* Room for len + extra bytes; aborts without memory (a fuzzer that tested nothing is worse). */
-static inline void fz_reserve(fz_buf *f, size_t extra)
-{
-    if (f->len + extra + 1 <= f->cap) return;
-    f->cap = 2 * (f->len + extra + 1);
-    f->b = realloc(f->b, f->cap);
-    if (f->b == NULL) abort();
-}
-
-static inline void fz_set(fz_buf *f, const void *data, size_t len)
-{
-    f->len = 0;
-    f->gone = false;
-    fz_reserve(f, len);
-    if (len) memcpy(f->b, data, len);
-    f->len = len;
-}
-
-/* Writes n bytes at off, growing the file (zero filled) as needed. */
-static inline void fz_put(fz_buf *f, size_t off, const void *src, size_t n)
-{
-    if (off + n > f->len) {
-        fz_reserve(f, off + n - f->len);
-        if (off > f->len) memset(f->b + f->len, 0, off - f->len);
-        f->len = off + n;
-    }
-    memcpy(f->b + off, src, n);
-}
-
-static inline uint64_t fz_get(const fz_buf *f, size_t off, int bytes)
-{
-    uint64_t v = 0;
-    if (off + (size_t)bytes <= f->len) memcpy(&v, f->b + off, (size_t)bytes);
-    return v;
-}
-
-static inline void fz_load(fz_buf *f, const char *path)
-{
-    void *buf = NULL;
-    size_t len = 0;
-    if (cm_read_file(path, &buf, &len, NULL) != CM_OK) abort();
-    fz_set(f, buf, len);
-    free(buf);
-}
-
-static inline void fz_store(const fz_buf *f, const char *path)
-{
-    unlink(path);
-    if (f->gone) return;
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0 || (f->len > 0 && write(fd, f->b, f->len) != (ssize_t)f->len) || close(fd) != 0)
-        abort();
-}
 
 /* The generic damage of any file: overwrite a few bytes, truncate, extend, remove. */
 static inline void fz_raw_op(fz_buf *f, fz_in *in)
@@ -93,8 +32,7 @@ static inline void fz_raw_op(fz_buf *f, fz_in *in)
     case 0: {
         uint8_t bytes[16];
         size_t n = fz_u8(in) % sizeof bytes + 1;
-        for (size_t i = 0; i < n; i++)
-            bytes[i] = fz_u8(in);
+        fz_bytes(in, bytes, n);
         fz_put(f, at, bytes, n);
         break;
     }
@@ -166,15 +104,6 @@ static inline size_t fz_mf_lines(const fz_buf *m)
     for (size_t i = 0; i < m->len; i++)
         n += m->b[i] == '\n';
     return n;
-}
-
-/* Replaces bytes [s, e) of the text with n bytes of src. */
-static inline void fz_splice(fz_buf *m, size_t s, size_t e, const void *src, size_t n)
-{
-    fz_reserve(m, n);
-    memmove(m->b + s + n, m->b + e, m->len - e);
-    memcpy(m->b + s, src, n);
-    m->len = m->len - (e - s) + n;
 }
 
 /* Sets "name value\n" in place of the first line of that name, or appends it. */
@@ -277,7 +206,7 @@ typedef struct fz_snap {
 
 static inline void fz_snap_load(fz_snap *s, const char *dir)
 {
-    char p[4300];
+    char p[4608]; /* callers' folder paths are under 4400 bytes */
     for (int i = 0; i < FZ_SNAP_FILES; i++) {
         snprintf(p, sizeof p, "%s/%s", dir, fz_snap_names[i]);
         if (i == FZ_SKETCH && access(p, R_OK) != 0) {
@@ -396,7 +325,7 @@ static inline void fz_snap_fix(fz_snap *s)
 
 static inline void fz_snap_store(const fz_snap *s, const char *dir)
 {
-    char p[4300];
+    char p[4608]; /* callers' folder paths are under 4400 bytes */
     for (int i = 0; i < FZ_SNAP_FILES; i++) {
         snprintf(p, sizeof p, "%s/%s", dir, fz_snap_names[i]);
         fz_store(&s->f[i], p);

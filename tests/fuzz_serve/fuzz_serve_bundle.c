@@ -29,6 +29,7 @@
 
 #include "common/common.h"
 #include "serve/ember_serve.h"
+#include "tests/fuzz_buf.h"
 #include "tests/fuzz_input.h"
 #include "src/model.h"
 
@@ -36,12 +37,6 @@ enum { N_FILES = 5, N_KEYS = 40, N_CHANGED = 10, N_NEW = 2, N_DELETED = 5, MAX_O
 enum { F_MANIFEST, F_MODEL, F_DENSE, F_EMB, F_LIN };
 static const char *const file_names[N_FILES] = {"MANIFEST", "model.txt", "dense-tower.bin",
                                                 "table-emb.bin", "table-lin.bin"};
-
-typedef struct fz_buf {
-    uint8_t *p;
-    size_t n;
-    bool gone; /* removed from the bundle */
-} fz_buf;
 
 typedef struct fz_bundle {
     fz_buf f[N_FILES];
@@ -56,24 +51,6 @@ enum { N_PROBES = N_KEYS + N_NEW + 5 };
 static uint64_t probes[N_PROBES];
 
 /* ---- editing a file ---- */
-
-/* Replaces b[at, at + del) with ins[0, n_ins) (zeros when ins is NULL). */
-static void splice(fz_buf *b, size_t at, size_t del, const void *ins, size_t n_ins)
-{
-    size_t n = b->n - del + n_ins;
-    uint8_t *p = malloc(n + 1);
-    if (p == NULL) abort();
-    /* memcpy with a NULL pointer is undefined even for 0 bytes: an empty file has none */
-    if (at) memcpy(p, b->p, at);
-    if (ins && n_ins)
-        memcpy(p + at, ins, n_ins);
-    else
-        memset(p + at, 0, n_ins);
-    if (b->n - at - del) memcpy(p + at + n_ins, b->p + at + del, b->n - at - del);
-    free(b->p);
-    b->p = p;
-    b->n = n;
-}
 
 static bool is_table(int file)
 {
@@ -106,13 +83,13 @@ static size_t claimed_size(const fz_buf *b, int file)
 {
     const uint64_t cap = 4u << 20;
     if (file == F_DENSE) {
-        if (b->n < 24) return 0;
-        uint64_t n = get_le(b->p + 16, 8);
+        if (b->len < 24) return 0;
+        uint64_t n = get_le(b->b + 16, 8);
         return n < cap / 4 ? (size_t)(24 + 4 * n + 8) : 0;
     }
-    if (b->n < 64) return 0;
-    uint64_t row_bytes = get_le(b->p + 20, 4), rows = get_le(b->p + 24, 8),
-             slots = get_le(b->p + 32, 8), deleted = get_le(b->p + 40, 8);
+    if (b->len < 64) return 0;
+    uint64_t row_bytes = get_le(b->b + 20, 4), rows = get_le(b->b + 24, 8),
+             slots = get_le(b->b + 32, 8), deleted = get_le(b->b + 40, 8);
     if (slots > cap || rows > cap || deleted > cap || row_bytes > cap) return 0;
     uint64_t need = 64 + slots * 16 + rows * row_bytes + deleted * 8 + 8;
     return need <= cap ? (size_t)need : 0;
@@ -122,12 +99,12 @@ static size_t claimed_size(const fz_buf *b, int file)
 static size_t line_start(const fz_buf *b, unsigned k)
 {
     size_t lines = 1;
-    for (size_t i = 0; i + 1 < b->n; i++)
-        lines += b->p[i] == '\n';
+    for (size_t i = 0; i + 1 < b->len; i++)
+        lines += b->b[i] == '\n';
     k %= (unsigned)lines;
     size_t at = 0;
-    while (k > 0 && at < b->n)
-        k -= b->p[at++] == '\n';
+    while (k > 0 && at < b->len)
+        k -= b->b[at++] == '\n';
     return at;
 }
 
@@ -135,22 +112,22 @@ static size_t line_start(const fz_buf *b, unsigned k)
 static void edit_number(fz_buf *b, unsigned k, uint64_t v, bool hex)
 {
     size_t runs = 0;
-    for (size_t i = 0; i < b->n; i++)
-        runs += (b->p[i] >= '0' && b->p[i] <= '9') &&
-                (i == 0 || b->p[i - 1] < '0' || b->p[i - 1] > '9');
+    for (size_t i = 0; i < b->len; i++)
+        runs += (b->b[i] >= '0' && b->b[i] <= '9') &&
+                (i == 0 || b->b[i - 1] < '0' || b->b[i - 1] > '9');
     if (runs == 0) return;
     k %= (unsigned)runs;
-    for (size_t i = 0; i < b->n; i++) {
-        if (!(b->p[i] >= '0' && b->p[i] <= '9') ||
-            (i > 0 && b->p[i - 1] >= '0' && b->p[i - 1] <= '9'))
+    for (size_t i = 0; i < b->len; i++) {
+        if (!(b->b[i] >= '0' && b->b[i] <= '9') ||
+            (i > 0 && b->b[i - 1] >= '0' && b->b[i - 1] <= '9'))
             continue;
         if (k-- > 0) continue;
         size_t e = i;
-        while (e < b->n && b->p[e] >= '0' && b->p[e] <= '9')
+        while (e < b->len && b->b[e] >= '0' && b->b[e] <= '9')
             e++;
         char num[32];
         int len = snprintf(num, sizeof num, hex ? "%016llx" : "%llu", (unsigned long long)v);
-        splice(b, i, e - i, num, (size_t)len);
+        fz_splice(b, i, e, num, (size_t)len);
         return;
     }
 }
@@ -195,28 +172,28 @@ static void mutate(fz_bundle *w, fz_in *in)
     int file = (op >> 4) % N_FILES;
     fz_buf *b = &w->f[file];
     bool text = file == F_MANIFEST || file == F_MODEL;
-    size_t at = (size_t)fz_uint(in, 2) % (b->n + 1);
+    size_t at = (size_t)fz_uint(in, 2) % (b->len + 1);
     switch (op % 10) {
     case 0: { /* overwrite, possibly past the end */
-        uint8_t k = fz_u8(in) % 16 + 1, bytes[16];
-        for (int i = 0; i < k; i++)
-            bytes[i] = fz_u8(in);
-        splice(b, at, b->n - at < k ? b->n - at : k, bytes, k);
+        uint8_t bytes[16];
+        size_t k = fz_u8(in) % sizeof bytes + 1;
+        fz_bytes(in, bytes, k);
+        fz_splice(b, at, at + (b->len - at < k ? b->len - at : k), bytes, k);
         break;
     }
     case 1: /* truncate */
-        splice(b, at, b->n - at, NULL, 0);
+        fz_splice(b, at, b->len, NULL, 0);
         break;
     case 2: { /* insert */
-        uint8_t k = fz_u8(in) % 16 + 1, bytes[16];
-        for (int i = 0; i < k; i++)
-            bytes[i] = fz_u8(in);
-        splice(b, at, 0, bytes, k);
+        uint8_t bytes[16];
+        size_t k = fz_u8(in) % sizeof bytes + 1;
+        fz_bytes(in, bytes, k);
+        fz_splice(b, at, at, bytes, k);
         break;
     }
     case 3: { /* erase */
         size_t k = fz_u8(in) + 1u;
-        splice(b, at, b->n - at < k ? b->n - at : k, NULL, 0);
+        fz_splice(b, at, at + (b->len - at < k ? b->len - at : k), NULL, 0);
         break;
     }
     case 4: /* a header integer (binary) or a number (text) to a chosen value */
@@ -228,35 +205,36 @@ static void mutate(fz_bundle *w, fz_in *in)
             const hdr_field *fl = file == F_DENSE ? dns_fields : tab_fields;
             size_t n_fl = file == F_DENSE ? 3 : 9;
             hdr_field f = fl[fz_u8(in) % n_fl];
-            if (b->n >= (size_t)f.at + f.width)
-                set_le(b->p + f.at, f.width, fz_value(in, get_le(b->p + f.at, f.width)));
+            if (b->len >= (size_t)f.at + f.width)
+                set_le(b->b + f.at, f.width, fz_value(in, get_le(b->b + f.at, f.width)));
         }
         break;
     case 5: /* binary: the size the header claims, keeping the trailer last; text: a line */
         if (text) {
             const char *l = text_lines[fz_u8(in) % (sizeof text_lines / sizeof text_lines[0])];
-            splice(b, line_start(b, fz_u8(in)), 0, l, strlen(l));
+            size_t ls = line_start(b, fz_u8(in));
+            fz_splice(b, ls, ls, l, strlen(l));
         } else {
             size_t want = claimed_size(b, file);
-            if (want && b->n >= 8) {
-                if (want > b->n)
-                    splice(b, b->n - 8, 0, NULL, want - b->n);
+            if (want && b->len >= 8) {
+                if (want > b->len)
+                    fz_splice(b, b->len - 8, b->len - 8, NULL, want - b->len);
                 else
-                    splice(b, want - 8, b->n - want, NULL, 0);
+                    fz_splice(b, want - 8, b->len - 8, NULL, 0);
             }
         }
         break;
     case 6: /* tables: an index slot's row or key; text: a line removed */
         if (text) {
             size_t s = line_start(b, fz_u8(in)), e = s;
-            while (e < b->n && b->p[e++] != '\n')
+            while (e < b->len && b->b[e++] != '\n')
                 ;
-            splice(b, s, e - s, NULL, 0);
-        } else if (is_table(file) && b->n >= 64) {
-            uint64_t slots = get_le(b->p + 32, 8);
+            fz_splice(b, s, e, NULL, 0);
+        } else if (is_table(file) && b->len >= 64) {
+            uint64_t slots = get_le(b->b + 32, 8);
             uint64_t s = slots ? fz_uint(in, 2) % slots : 0;
-            if (64 + (s + 1) * 16 > b->n) break;
-            uint8_t *e = b->p + 64 + s * 16;
+            if (64 + (s + 1) * 16 > b->len) break;
+            uint8_t *e = b->b + 64 + s * 16;
             if (fz_u8(in) & 1)
                 set_le(e + 8, 4, fz_value(in, get_le(e + 8, 4)));
             else
@@ -264,18 +242,18 @@ static void mutate(fz_bundle *w, fz_in *in)
         }
         break;
     case 7: /* a known key, anywhere (the deleted list, a slot) */
-        if (b->n >= 8) {
-            at = at > b->n - 8 ? b->n - 8 : at;
-            set_le(b->p + at, 8, probes[fz_u8(in) % N_PROBES]);
+        if (b->len >= 8) {
+            at = at > b->len - 8 ? b->len - 8 : at;
+            set_le(b->b + at, 8, probes[fz_u8(in) % N_PROBES]);
         }
         break;
     case 8: /* removed */
         b->gone = true;
         break;
     default: /* binary files: an integer anywhere (index, rows, deleted keys) */
-        if (!text && b->n >= 8) {
-            uint64_t v = fz_value(in, get_le(b->p + at % (b->n - 7), 8));
-            set_le(b->p + at % (b->n - 7), (fz_u8(in) & 1) ? 8 : 4, v);
+        if (!text && b->len >= 8) {
+            uint64_t v = fz_value(in, get_le(b->b + at % (b->len - 7), 8));
+            set_le(b->b + at % (b->len - 7), (fz_u8(in) & 1) ? 8 : 4, v);
         }
         break;
     }
@@ -287,7 +265,7 @@ enum { SKIP_TRAILERS = 1, SKIP_FILE_LINES = 2, SKIP_TABLE_LINES = 4, SKIP_SEAL =
 
 static void append(fz_buf *out, const void *p, size_t n)
 {
-    splice(out, out->n, 0, p, n);
+    fz_splice(out, out->len, out->len, p, n);
 }
 
 /* Rewrites the MANIFEST of w: its file lines with each file's true size and digest, its table
@@ -295,57 +273,57 @@ static void append(fz_buf *out, const void *p, size_t n)
 static void fix_manifest(fz_bundle *w, unsigned skip)
 {
     fz_buf *m = &w->f[F_MANIFEST], out = {0};
-    size_t end = m->n;
+    size_t end = m->len;
     /* the last checksum line goes: a new one is appended */
     if (!(skip & SKIP_SEAL))
-        for (size_t i = m->n; i-- > 0;)
-            if ((i == 0 || m->p[i - 1] == '\n') && m->n - i >= 9 &&
-                !memcmp(m->p + i, "checksum ", 9)) {
+        for (size_t i = m->len; i-- > 0;)
+            if ((i == 0 || m->b[i - 1] == '\n') && m->len - i >= 9 &&
+                !memcmp(m->b + i, "checksum ", 9)) {
                 end = i;
                 break;
             }
     for (size_t s = 0, e; s < end; s = e) {
-        for (e = s; e < end && m->p[e++] != '\n';)
+        for (e = s; e < end && m->b[e++] != '\n';)
             ;
         char line[256], name[128], out_line[320];
         unsigned long long size, digest;
         unsigned dim;
         int len = -1;
         if (e - s < sizeof line) {
-            memcpy(line, m->p + s, e - s);
+            memcpy(line, m->b + s, e - s);
             line[e - s] = '\0';
             for (int f = 1; f < N_FILES; f++) {
                 const fz_buf *b = &w->f[f];
                 if (!(skip & SKIP_FILE_LINES) &&
                     sscanf(line, "file %127s %llu %llx", name, &size, &digest) == 3 &&
                     !strcmp(name, file_names[f]) && !b->gone)
-                    len = snprintf(out_line, sizeof out_line, "file %s %zu %016llx\n", name, b->n,
-                                   (unsigned long long)cm_xxh3(b->p, b->n));
+                    len = snprintf(out_line, sizeof out_line, "file %s %zu %016llx\n", name, b->len,
+                                   (unsigned long long)cm_xxh3(b->b, b->len));
                 if (!(skip & SKIP_TABLE_LINES) && is_table(f) &&
                     sscanf(line, "table %127s %u %llu", name, &dim, &size) == 3 &&
-                    !strcmp(name, f == F_EMB ? "emb" : "lin") && b->n >= 64)
+                    !strcmp(name, f == F_EMB ? "emb" : "lin") && b->len >= 64)
                     len = snprintf(out_line, sizeof out_line, "table %s %u %llu\n", name,
-                                   (unsigned)get_le(b->p + 12, 4),
-                                   (unsigned long long)get_le(b->p + 24, 8));
+                                   (unsigned)get_le(b->b + 12, 4),
+                                   (unsigned long long)get_le(b->b + 24, 8));
             }
         }
         if (len > 0)
             append(&out, out_line, (size_t)len);
         else
-            append(&out, m->p + s, e - s);
+            append(&out, m->b + s, e - s);
     }
     if (!(skip & SKIP_SEAL)) {
         char seal[64];
         append(&out, NULL, sizeof seal);
-        int n = cm_seal_append((char *)out.p, out.n - sizeof seal, out.n, "checksum");
+        int n = cm_seal_append((char *)out.b, out.len - sizeof seal, out.len, "checksum");
         if (n < 0) abort();
-        out.n = (size_t)n;
+        out.len = (size_t)n;
     } else {
-        append(&out, m->p + end, m->n - end);
+        append(&out, m->b + end, m->len - end);
     }
-    free(m->p);
-    m->p = out.p;
-    m->n = out.n;
+    out.gone = m->gone;
+    free(m->b);
+    *m = out;
 }
 
 static void fix(fz_bundle *w, unsigned skip)
@@ -353,9 +331,9 @@ static void fix(fz_bundle *w, unsigned skip)
     if (!(skip & SKIP_TRAILERS))
         for (int f = F_DENSE; f < N_FILES; f++) {
             fz_buf *b = &w->f[f];
-            if (b->n < 8) continue;
-            uint64_t d = cm_xxh3(b->p, b->n - 8);
-            memcpy(b->p + b->n - 8, &d, 8);
+            if (b->len < 8) continue;
+            uint64_t d = cm_xxh3(b->b, b->len - 8);
+            memcpy(b->b + b->len - 8, &d, 8);
         }
     fix_manifest(w, skip);
 }
@@ -367,30 +345,22 @@ static void write_bundle(const fz_bundle *w, const char *dir)
     char path[4400];
     for (int f = 0; f < N_FILES; f++) {
         snprintf(path, sizeof path, "%s/%s", dir, file_names[f]);
-        if (w->f[f].gone) {
-            unlink(path);
-            continue;
-        }
-        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        if (fd < 0 || (w->f[f].n && write(fd, w->f[f].p, w->f[f].n) != (ssize_t)w->f[f].n))
-            abort(); /* a fuzzer that silently tests nothing would be worse */
-        close(fd);
+        fz_store(&w->f[f], path);
     }
 }
 
 static void copy_bundle(fz_bundle *to, const fz_bundle *from)
 {
     for (int f = 0; f < N_FILES; f++) {
-        to->f[f] = (fz_buf){malloc(from->f[f].n + 1), from->f[f].n, false};
-        if (to->f[f].p == NULL) abort();
-        memcpy(to->f[f].p, from->f[f].p, from->f[f].n);
+        to->f[f] = (fz_buf){0};
+        fz_set(&to->f[f], from->f[f].b, from->f[f].len);
     }
 }
 
 static void free_bundle(fz_bundle *w)
 {
     for (int f = 0; f < N_FILES; f++)
-        free(w->f[f].p);
+        free(w->f[f].b);
 }
 
 static void remove_root(void)
@@ -430,8 +400,7 @@ static void setup_precision(ember_serve_precision p, const char *model, const fl
         for (int f = 0; rc == 0 && f < N_FILES; f++) {
             char path[4400];
             snprintf(path, sizeof path, "%s/%s", dir, file_names[f]);
-            fz_buf *b = &good[p][d].f[f];
-            rc = cm_read_file(path, (void **)&b->p, &b->n, &err);
+            fz_load(&good[p][d].f[f], path);
         }
         if (rc != 0) {
             fprintf(stderr, "fuzz_serve_bundle: writing %s: %s\n", dir, err ? err : "?");
