@@ -7,7 +7,8 @@
  * PS_MAX_SHARDS ps URLs, 1 to PS_MAX_WORKERS workers, a backup for every shard or none, and
  * URLs that each name a transport between processes (an ipc path a socket address holds), hold
  * no separator or control character, and name an address of their own (host case aside, port as a
- * number, whichever tcp variant); TLS files only beside tls+tcp:// URLs, which need tls_cert.
+ * number, whichever tcp variant), no unspecified host (0.0.0.0, [::]) and no host past 253
+ * bytes; TLS files only beside tls+tcp:// URLs, which need tls_cert and no plain tcp:// beside.
  */
 #include <ctype.h>
 #include <stdio.h>
@@ -32,6 +33,13 @@ static void addr_of(const char *u, char *out, size_t n)
     const char *colon = strrchr(rest, ':');
     /* A tcp URL must name a host workers can dial, and a port. */
     if (colon == NULL || colon == rest || (colon == rest + 1 && *rest == '*')) abort();
+    /* Nor an unspecified address, in the spellings a hand-written file uses. */
+    static const char *const any[] = {"0.0.0.0", "[::]", "[0::0]", "[::0]", "[0:0:0:0:0:0:0:0]"};
+    for (size_t i = 0; i < sizeof any / sizeof any[0]; i++)
+        if ((size_t)(colon - rest) == strlen(any[i]) && !strncmp(rest, any[i], strlen(any[i])))
+            abort();
+    /* A host DNS can hold. */
+    if (colon - rest > 253 + 2) abort();
     char *end;
     unsigned long port = strtoul(colon + 1, &end, 10);
     if (*end != '\0' || port == 0 || port > 65535) abort();
@@ -82,10 +90,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (!strcmp(addr[i], addr[j])) abort();
     }
     free(addr);
-    /* TLS files go with tls+tcp:// URLs, and those need a certificate. */
-    int tls_url = 0;
-    for (uint32_t i = 0; i < n; i++)
-        tls_url |= !strncmp(i < c.n_shards ? c.urls[i] : c.backups[i - c.n_shards], "tls+", 4);
+    /* TLS files go with tls+tcp:// URLs, and those need a certificate; no plain tcp:// URL
+     * beside them. */
+    int tls_url = 0, plain_url = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *u = i < c.n_shards ? c.urls[i] : c.backups[i - c.n_shards];
+        tls_url |= !strncmp(u, "tls+", 4);
+        plain_url |= !strncmp(u, "tcp", 3);
+    }
+    if (tls_url && plain_url) abort();
     if (tls_url != (c.tls_cert[0] != '\0') || (!tls_url && (c.tls_key[0] || c.tls_ca[0]))) abort();
     train_cluster_free(&c);
     free(err);
