@@ -53,7 +53,10 @@
  * on) to <dir>/sketch.bin, and a MANIFEST naming the config, step, row count and xxh3 of each
  * file, into a temporary directory that is fsync'd and renamed to dir.
  * emb_table_restore verifies every checksum and size before it builds anything, so a corrupted
- * or truncated snapshot is refused with an error naming the file and never half-loaded.
+ * or truncated snapshot is refused with an error naming the file and never half-loaded. A key
+ * twice (a hand-made snapshot: the writer emits each row once, in no key order) can only be
+ * seen while the rows load, memory or spill: the restore then refuses it naming the file and
+ * the key, and frees the table it was building, so no caller ever holds one half loaded.
  *
  * Row stores: the two places a row can live (memory, rocksdb) implement one interface
  * (emb_store below, static ops tables inside); tests run one conformance suite over both.

@@ -257,9 +257,10 @@ void emb_table_resume(emb_table *t);
 uint64_t emb_table_rows_locked(emb_table *t);
 /* Every record, memory first, then spill; the caller has paused the table. */
 int emb_table_foreach_record_locked(emb_table *t, emb_record_cb cb, void *arg, char **errptr);
-/* Inserts whole records into a fresh table (restore); a key already in memory is corrupt, and
- * so is a record stamped after the table's step where it has TTL and a spill store (the
- * restore sets the step first). */
+/* Inserts whole records into a fresh table (restore); a key the table already holds, in memory
+ * or spilled during the load, is corrupt (CM_ECORRUPT naming the key), and so is a record
+ * stamped after the table's step where it has TTL and a spill store (the restore sets the step
+ * first). The load is the table's only caller while it runs. */
 int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **errptr);
 /* The admission sketch's counters and their count, or NULL without admission (read it paused:
  * pulls count under the sub-shard locks). */

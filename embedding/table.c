@@ -1682,11 +1682,60 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
     return rc;
 }
 
+/* Whether a key of the n records at recs is one the table already holds, or is held twice among
+ * them, before any of them is inserted: with a spill store a row loaded earlier may have left
+ * memory (evicted to make room), so the check in memory alone (emb_table_load_records) let a
+ * snapshot's second copy of such a key in beside the first: two rows for one key. A key is
+ * looked up in the spill store only when its sub-shard has spilled rows, so a load that fits its
+ * budget reads nothing; the rest costs one batched get per call (a read chunk of the file),
+ * beside the eviction writes such a load makes anyway. The table is the load's alone. */
+static int load_dup_check(emb_table *t, const uint8_t *recs, size_t n, scratch *sc, char **errptr)
+{
+    if (grow_buf((void **)&sc->miss, &sc->cap_miss, n, sizeof *sc->miss) != CM_OK)
+        return cm_err(errptr, CM_ENOMEM, "out of memory checking a snapshot's keys");
+    for (size_t i = 0; i < n; i++)
+        sc->miss[i] = emb_rec_key(recs + i * t->rec);
+    /* Twice among these records: one may be evicted before the other is inserted. */
+    qsort(sc->miss, n, sizeof *sc->miss, miss_cmp);
+    for (size_t i = 1; i < n; i++)
+        if (sc->miss[i] == sc->miss[i - 1])
+            return cm_err(errptr, CM_ECORRUPT, "duplicate key %llu in snapshot",
+                          (unsigned long long)sc->miss[i]);
+    /* Held already: in memory, else in the spill store (the keys to look up kept in front). */
+    size_t n_get = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t key = sc->miss[i], h = emb_key_hash(key);
+        sub *s = &t->subs[sub_of(t, h)];
+        pthread_mutex_lock(&s->mu);
+        bool in_mem = emb_mem_find(&s->mem, key, h) >= 0, spilled = s->spilled > 0;
+        pthread_mutex_unlock(&s->mu);
+        if (in_mem)
+            return cm_err(errptr, CM_ECORRUPT, "duplicate key %llu in snapshot",
+                          (unsigned long long)key);
+        if (spilled) sc->miss[n_get++] = key;
+    }
+    if (n_get == 0) return CM_OK;
+    sc->miss_found = malloc(n_get);
+    sc->miss_recs = malloc(n_get * t->rec);
+    if (sc->miss_found == NULL || sc->miss_recs == NULL)
+        return cm_err(errptr, CM_ENOMEM, "out of memory checking a snapshot's keys");
+    int rc = emb_store_get(t->spill, sc->miss, n_get, sc->miss_recs, sc->miss_found, errptr);
+    for (size_t i = 0; rc == CM_OK && i < n_get; i++) {
+        /* An expired copy is no row (spill_dead); a fresh table has none, but the rule holds. */
+        const sub *s = &t->subs[sub_of(t, emb_key_hash(sc->miss[i]))];
+        if (sc->miss_found[i] && !spill_dead(t, s, sc->miss_recs + i * t->rec))
+            rc = cm_err(errptr, CM_ECORRUPT,
+                        "duplicate key %llu in snapshot (its first row was already spilled)",
+                        (unsigned long long)sc->miss[i]);
+    }
+    return rc;
+}
+
 /* Inserts whole records (a restore); keys must be new to the table. */
 int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **errptr)
 {
     scratch sc = {0};
-    int rc = CM_OK;
+    int rc = t->spill != NULL ? load_dup_check(t, recs, n, &sc, errptr) : CM_OK;
     for (size_t i = 0; i < n && rc == CM_OK; i++) {
         const uint8_t *r = recs + i * t->rec;
         uint64_t key = emb_rec_key(r), h = emb_key_hash(key);

@@ -135,6 +135,35 @@ static uint64_t content_id(const uint64_t *digests, uint32_t n, const float *tow
                                 XXH3_64bits(tower, n_tower * sizeof *tower));
 }
 
+static int key_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* A key twice in a table's rows: a snapshot is input (hand-made, another tool's), checksums and
+ * all, and the reader keeps no set of keys (ps_checkpoint_foreach_row), so safetensors held the
+ * key twice, RocksDB its last copy, and the bundle's writer refused it naming no file. A row is
+ * read only from the shard its key hashes to, so both copies are in that shard's snapshot,
+ * which is named. The rows are all in memory here anyway: a sorted copy of the keys is cheap. */
+static int keys_unique(const char *ckpt, const char *name, const rows *t, char **errptr)
+{
+    uint64_t *k = malloc(t->n * sizeof *k + 1);
+    if (k == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory checking table %s's keys", name);
+    memcpy(k, t->keys, t->n * sizeof *k);
+    qsort(k, t->n, sizeof *k, key_cmp);
+    uint64_t i = 1;
+    while (i < t->n && k[i] != k[i - 1])
+        i++;
+    int rc = CM_OK;
+    uint32_t shards = 0;
+    if (i < t->n && (rc = ps_checkpoint_shards(ckpt, &shards, errptr)) == CM_OK)
+        rc = cm_err(errptr, CM_ECORRUPT, "%s/shard-%u/table-%s: key %" PRIu64 " twice", ckpt,
+                    ps_key_shard(k[i], shards), name, k[i]);
+    free(k);
+    return rc;
+}
+
 static int load_table(const char *ckpt, const char *name, rows *t, char **errptr)
 {
     emb_table_config cfg;
@@ -143,6 +172,7 @@ static int load_table(const char *ckpt, const char *name, rows *t, char **errptr
     t->dim = cfg.dim;
     rc = ps_checkpoint_foreach_row(ckpt, name, rows_add, t, errptr);
     if (rc == CM_ENOMEM) rc = cm_err(errptr, rc, "out of memory reading table %s", name);
+    if (rc == CM_OK) rc = keys_unique(ckpt, name, t, errptr);
     return rc;
 }
 

@@ -59,6 +59,12 @@ static int train_entry(void *arg, int line, const char *section, const char *sar
         return (!strcmp(section, "model") || !strcmp(section, "train")) && !*sarg
                    ? CM_OK
                    : cm_ini_unknown_section(errptr, section, sarg, "model, train");
+    /* A key above every header was read as [train]'s: "batch = 64" with its header forgotten
+     * (or a [model] key written above [model]) then trained as if it were meant, or not at
+     * all. It is refused, as ember ps's config and the cluster file refuse theirs. */
+    if (!*section)
+        return cm_err(errptr, CM_EINVAL,
+                      "key '%s' before any section header (keys go under [model] or [train])", k);
     uint64_t u = 0;
     char *end = NULL;
     int bad = 0;
@@ -119,9 +125,7 @@ static int train_entry(void *arg, int line, const char *section, const char *sar
         else if (!strcmp(k, "expected_rows"))
             bad = cm_parse_size(v, &u) || u > INT64_MAX, o->expected_rows = (int64_t)u;
         else
-            /* Keys before any header are [train]'s; one of those is named as where it is. */
-            return cm_err(errptr, CM_EINVAL, "unknown key '%s' %s", k,
-                          *section ? "in [train]" : "before any section (read as [train])");
+            return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
     }
     return bad ? cm_err(errptr, CM_EINVAL, "bad value '%s' for %s", v, k) : CM_OK;
 }

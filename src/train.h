@@ -112,7 +112,9 @@ typedef struct train_opts {
 
 void train_opts_init(train_opts *o);
 
-/* Applies a config file's [model] and [train] sections to o. */
+/* Applies a config file's [model] and [train] sections to o. Every key must be under one of
+ * them: a key before the first header is refused (CM_EINVAL, the file and line named), as in
+ * ember ps's config and the cluster file. */
 int train_config_load(const char *path, train_opts *o, char **errptr);
 
 /* A cluster file (--cluster, docs/CLUSTER.md): [cluster] ps = URL, ... (shard i's PS is the

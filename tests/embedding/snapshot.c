@@ -10,7 +10,8 @@
  *  - consistent lies (contents wrong, every size and checksum recomputed to match): a row
  *    stamped after the snapshot's step, a non-finite weight or optimizer state, a key twice,
  *    a row count whose size wraps around 2^64, are refused by restore and export naming the
- *    file.
+ *    file. A key twice is refused naming the key too when its first copy was spilled during
+ *    the load (a restore into a small budget).
  *  - a model-config mismatch is refused naming the field.
  *  - a snapshot path that is a symbolic link is followed and stays a link.
  */
@@ -182,6 +183,39 @@ static void manifest_set(const char *dir, const char *name, const char *value)
     free(m);
 }
 
+/* A copy of the snapshot at dst, its rows.bin read into *b (*len bytes; the caller frees) and
+ * its header's record size and row count into *rb and *rows (checked against the length). */
+static void copy_read_rows(const char *snap, const char *dst, uint8_t **b, size_t *len,
+                           uint32_t *rb, uint64_t *rows)
+{
+    char p[4400];
+    char *err = NULL;
+    copy_dir(snap, dst);
+    path_in(p, sizeof p, dst, "rows.bin");
+    *b = NULL;
+    *len = 0;
+    CHECK_OK(cm_read_file(p, (void **)b, len, &err), err);
+    CHECK(*b != NULL && *len >= 40);
+    memcpy(rb, *b + 20, 4);
+    memcpy(rows, *b + 24, 8);
+    CHECK(*len == 32 + *rows * *rb + 8);
+}
+
+/* Writes b (len bytes, edited) back as dst's rows.bin with its trailer and the MANIFEST's file
+ * line made to match, then frees it. */
+static void reseal_rows(const char *dst, uint8_t *b, size_t len)
+{
+    char p[4400], v[64];
+    char *err = NULL;
+    path_in(p, sizeof p, dst, "rows.bin");
+    uint64_t h = cm_xxh3(b, len - 8);
+    memcpy(b + len - 8, &h, 8);
+    CHECK_OK(cm_write_file_atomic(p, b, len, &err), err);
+    snprintf(v, sizeof v, "rows.bin %zu %016" PRIx64, len, h);
+    manifest_set(dst, "file", v);
+    free(b);
+}
+
 typedef enum { LIE_LATE_STAMP, LIE_NAN_WEIGHT, LIE_NAN_STATE, LIE_DUP_KEY, LIE_WRAP } lie;
 
 /* Rewrites a copy of the snapshot with one lie and every size and checksum made to match it,
@@ -189,19 +223,15 @@ typedef enum { LIE_LATE_STAMP, LIE_NAN_WEIGHT, LIE_NAN_STATE, LIE_DUP_KEY, LIE_W
  * hold too, or NULL). A key twice is left to restore: export does not keep every key. */
 static void lie_case(const char *snap, const emb_table_config *cfg, lie what, const char *want)
 {
-    char dst[4200], p[4400], v[64];
+    char dst[4200], v[64];
     snprintf(dst, sizeof dst, "%s/lie", g_dir);
-    copy_dir(snap, dst);
-    path_in(p, sizeof p, dst, "rows.bin");
-    uint8_t *b = NULL;
-    size_t len = 0;
-    char *err = NULL;
-    CHECK_OK(cm_read_file(p, (void **)&b, &len, &err), err);
+    uint8_t *b;
+    size_t len;
     uint32_t rb;
     uint64_t rows, step = 0;
-    memcpy(&rb, b + 20, 4);
-    memcpy(&rows, b + 24, 8);
-    CHECK(rows >= 4 && len == 32 + rows * rb + 8);
+    char *err = NULL;
+    copy_read_rows(snap, dst, &b, &len, &rb, &rows);
+    CHECK(rows >= 4);
     CHECK_OK(emb_snapshot_step(dst, &step, &err), err);
     uint8_t *rec = b + 32 + (rows / 2) * rb; /* a record from the middle */
     const float nan = check_f32_of(0x7fc00000u);
@@ -228,12 +258,7 @@ static void lie_case(const char *snap, const emb_table_config *cfg, lie what, co
         break;
     }
     }
-    uint64_t h = cm_xxh3(b, len - 8);
-    memcpy(b + len - 8, &h, 8);
-    CHECK_OK(cm_write_file_atomic(p, b, len, &err), err);
-    snprintf(v, sizeof v, "rows.bin %zu %016" PRIx64, len, h);
-    manifest_set(dst, "file", v);
-    free(b);
+    reseal_rows(dst, b, len);
     static const char *const names[] = {"late stamp", "NaN weight", "NaN state", "duplicate key",
                                         "wrapped row count"};
     emb_table *t = NULL;
@@ -252,6 +277,47 @@ static void lie_case(const char *snap, const emb_table_config *cfg, lie what, co
         free(err);
     }
     cm_rmtree(dst, NULL);
+}
+
+/* Record dst of a copy of the snapshot given record src's key (every size and checksum made to
+ * match), restored into a table of one sub-shard whose budget holds a few hundred rows: the
+ * first copy of the key has been spilled to RocksDB by the time the second arrives, where a
+ * check against the rows in memory alone let both in (two rows for one key, the table's row
+ * count one too many). The restore must refuse it naming rows.bin and the key. src and dst in
+ * one 1 MiB read chunk or in two (the load reads the file in chunks). */
+static void spilled_dup_case(const char *snap, const emb_table_config *model, uint64_t src,
+                             uint64_t dst)
+{
+    char lie[4200], spill[4200];
+    snprintf(lie, sizeof lie, "%s/lie-spill", g_dir);
+    snprintf(spill, sizeof spill, "%s/spill-dup", g_dir);
+    uint8_t *b;
+    size_t len;
+    uint32_t rb;
+    uint64_t rows, key;
+    char *err = NULL;
+    copy_read_rows(snap, lie, &b, &len, &rb, &rows);
+    CHECK(src < dst && dst < rows);
+    memcpy(&key, b + 32 + src * rb, 8);
+    memcpy(b + 32 + dst * rb, &key, 8);
+    reseal_rows(lie, b, len);
+    emb_table_config c = *model;
+    c.n_sub = 1;
+    c.mem_budget_bytes = (uint64_t)(256 * emb_row_mem_bytes(model));
+    c.spill_path = spill;
+    emb_table *t = NULL;
+    char want[64];
+    snprintf(want, sizeof want, "key %" PRIu64, key);
+    int rc = emb_table_restore(lie, &c, &t, &err);
+    emb_table_stats st = {0};
+    if (t != NULL) st = eu_stats(t);
+    CHECK_MSG(rc == CM_ECORRUPT && t == NULL && eu_has(err, "rows.bin") && eu_has(err, want),
+              "key of record %" PRIu64 " again at %" PRIu64 " (first copy spilled): restore rc=%d "
+              "err=%s; rows %" PRIu64 " in memory + %" PRIu64 " spilled for %" PRIu64 " keys",
+              src, dst, rc, err ? err : "(none)", st.rows_mem, st.rows_spilled, rows - 1);
+    if (t != NULL) emb_table_destroy(t);
+    free(err);
+    cm_rmtree(lie, NULL);
 }
 
 /* A MANIFEST line set to a value no table has (its checksum made to match): read_config and
@@ -390,6 +456,12 @@ int main(void)
     lie_case(snap, &model, LIE_NAN_STATE, "finite");
     lie_case(snap, &model, LIE_DUP_KEY, "duplicate");
     lie_case(snap, &model, LIE_WRAP, "more than a file can hold");
+    /* a key twice whose first copy the load had already spilled: the records 0 and N - 1 lie
+     * in the first and last of the file's 1 MiB chunks, 1 and 5000 in the first, 9000 and
+     * 12000 in the second */
+    spilled_dup_case(snap, &model, 0, N - 1);
+    spilled_dup_case(snap, &model, 1, 5000);
+    spilled_dup_case(snap, &model, 9000, 12000);
     manifest_lie_case(snap, &model, "eps", "0x0p+0", "eps");
     manifest_lie_case(snap, &model, "lr", "nan", "nan");
 

@@ -9,8 +9,12 @@
  *     earlier export;
  *   - a checkpoint copied under another name exports at worker 0's step, not 0; a staging
  *     folder (step-N.tmp, an interrupted save's) is refused by export and reshard;
+ *   - a key twice in one shard's snapshot (every checksum made to match) is refused by export
+ *     in each format, naming the snapshot and the key, and nothing is written;
  *   - export, reshard and predict name paths holding a quote and a backslash as JSON strings.
  */
+#include <inttypes.h>
+
 #include "serve_util.h"
 
 /* The "step" of `ember export`'s JSON line in su_dir/out.txt, or -1. */
@@ -65,8 +69,44 @@ static int err_names(const char *needle)
     return ok;
 }
 
+/* Gives record 1 of the table snapshot at dir record 0's key (in *key), then makes rows.bin's
+ * trailer and the MANIFEST's file line and checksum match: a consistent lie that no checksum
+ * catches. 0, or -1 when a file is not what a snapshot holds. */
+static int key_twice(const char *dir, uint64_t *key)
+{
+    char rows[4200], mf[4200], out[8192];
+    snprintf(rows, sizeof rows, "%s/rows.bin", su_path(dir));
+    snprintf(mf, sizeof mf, "%s/MANIFEST", su_path(dir));
+    size_t len = 0, mlen = 0, body = 0;
+    uint8_t *b = (uint8_t *)su_slurp(rows, &len);
+    char *m = su_slurp(mf, &mlen);
+    uint32_t rb = 0;
+    if (b != NULL && len >= 32) memcpy(&rb, b + 20, 4);
+    const char *at = m && cm_seal_check(m, mlen, "checksum", &body) == CM_OK
+                         ? strstr(m, "\nfile rows.bin ")
+                         : NULL;
+    int rc = -1;
+    if (at != NULL && rb >= 8 && len >= 32 + 2 * (size_t)rb + 8) {
+        memcpy(key, b + 32, 8);
+        memcpy(b + 32 + rb, key, 8);
+        uint64_t h = cm_xxh3(b, len - 8);
+        memcpy(b + len - 8, &h, 8);
+        const char *end = strchr(at + 1, '\n') + 1;
+        int n = snprintf(out, sizeof out, "%.*s\nfile rows.bin %zu %016" PRIx64 "\n%.*s",
+                         (int)(at - m), m, len, h, (int)(m + body - end), end);
+        n = n > 0 ? cm_seal_append(out, (size_t)n, sizeof out, "checksum") : -1;
+        if (n > 0 && cm_write_file_atomic(rows, b, len, NULL) == CM_OK &&
+            cm_write_file_atomic(mf, out, (size_t)n, NULL) == CM_OK)
+            rc = 0;
+    }
+    free(b);
+    free(m);
+    return rc;
+}
+
 int main(void)
 {
+    char v0[64];
     if (su_init("serve_ckpt") != 0) return check_done();
     if (su_make_data(30000, 5) != 0) return check_done();
     int rc = su_ember("train --train shards/train --eval shards/eval --model lr --out run "
@@ -93,6 +133,24 @@ int main(void)
     CHECK(rc == 0);
     rc = su_ember("export --checkpoint dup --out b-dup");
     CHECK_MSG(rc == 1 && err_names("shard-1"), "export of shard-0 twice: exit %d", rc);
+
+    /* A key twice in one shard's snapshot (checksums all valid): export kept every row, so
+     * safetensors held the key twice, RocksDB its last copy, and the bundle's writer refused it
+     * naming no file. Each format refuses it naming the snapshot and the key. */
+    fprintf(stderr, "--- a key twice in a shard's snapshot\n");
+    uint64_t key = 0;
+    rc = su_shell(30, "cp -r run/ckpt/step-40 twice");
+    CHECK(rc == 0 && key_twice("twice/shard-0/table-lin", &key) == 0);
+    char keyname[64];
+    snprintf(keyname, sizeof keyname, "key %" PRIu64 " ", key);
+    static const char *const fmts[] = {"bundle", "safetensors", "rocksdb"};
+    for (int i = 0; i < 3; i++) {
+        rc = su_ember("export --checkpoint twice --out twice-%s --format %s", fmts[i], fmts[i]);
+        CHECK_MSG(rc == 1 && err_names("twice/shard-0/table-lin") && err_names(keyname),
+                  "export --format %s of a key twice: exit %d", fmts[i], rc);
+        snprintf(v0, sizeof v0, "twice-%s", fmts[i]);
+        CHECK_MSG(access(su_path(v0), F_OK) != 0, "%s written", v0);
+    }
 
     fprintf(stderr, "--- a trailing slash\n");
     rc = su_ember("export --checkpoint run/ckpt/step-40/ --out b40");

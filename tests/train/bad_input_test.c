@@ -8,7 +8,7 @@
  * other settings than the checkpoint's is refused, naming them. When one of two embedded
  * workers fails, the other stops at once and the failing one's error is reported. A config file
  * given as --config=FILE or --conf FILE is read like --config FILE; a key
- * given twice in it, or in a cluster file, is refused.
+ * given twice in it, or in a cluster file, is refused, and so is one before any section header.
  */
 #include <sys/stat.h>
 #include <unistd.h>
@@ -150,12 +150,18 @@ int main(void)
     rc = run("train --train ds/train --config modelarg.ini --max-steps 1 --out r3e --no-progress");
     CHECK_MSG(rc == 2 && err_has("modelarg.ini:3: unknown section [model x] (model, train)"),
               "[model x]: exit %d, %s", rc, err_text);
-    /* A key before any section header is read as [train]'s; a [model] key there was reported
-     * as "unknown key 'dim' in [train]", naming a section the file does not have. */
+    /* A key before any section header belongs to no section: it was read as [train]'s, so
+     * "batch = 64" at the top of a file (a [train] header forgotten, or a [model] key written
+     * above its header) trained silently. It is refused naming the file, the line and the key,
+     * as ember ps's config and the cluster file refuse theirs, [train]'s keys too. */
     write_text("nosect.ini", "dim = 8\n[model]\nkind = lr\n");
     rc = run("train --train ds/train --config nosect.ini --max-steps 1 --out r3e --no-progress");
-    CHECK_MSG(rc == 2 && err_has("nosect.ini:1: unknown key 'dim' before any section"),
+    CHECK_MSG(rc == 2 && err_has("nosect.ini:1: key 'dim' before any section header"),
               "dim before any section: exit %d, %s", rc, err_text);
+    write_text("nosect2.ini", "# tuned\n\nbatch = 64\n[model]\nkind = lr\n");
+    rc = run("train --train ds/train --config nosect2.ini --max-steps 1 --out r3e --no-progress");
+    CHECK_MSG(rc == 2 && err_has("nosect2.ini:3: key 'batch' before any section header"),
+              "batch before any section: exit %d, %s", rc, err_text);
     /* strtoul takes a sign: -18446744073709551615 wrapped around to a layer of width 1. */
     write_text("neg.ini", "[model]\nkind = mlp\nhidden = 64,-18446744073709551615\n");
     rc = run("train --train ds/train --config neg.ini --max-steps 1 --out r3e --no-progress");
