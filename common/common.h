@@ -317,6 +317,10 @@ int cm_ini_parse(const char *path, cm_ini_cb cb, void *arg, char **errptr);
  * argument named too; known (the sections the file may have) may be NULL. Returns CM_EINVAL. */
 int cm_ini_unknown_section(char **errptr, const char *section, const char *section_arg,
                            const char *known);
+/* For a cm_ini_cb refusing a key above every section header, which no file may have (a
+ * forgotten header would give its keys to no section, or the wrong one): "key 'key' before any
+ * section header (keys go under where)". Returns CM_EINVAL. */
+int cm_ini_key_outside(char **errptr, const char *key, const char *where);
 
 /* Parses an unsigned decimal with an optional K/M/G/T (binary) suffix: digits from the first
  * character (no blanks, no sign), nothing after the suffix, no overflow. 0 or -1. */

@@ -83,6 +83,12 @@ int cm_ini_unknown_section(char **errptr, const char *section, const char *secti
                   known ? ")" : "");
 }
 
+int cm_ini_key_outside(char **errptr, const char *key, const char *where)
+{
+    return cm_err(errptr, CM_EINVAL, "key '%s' before any section header (keys go under %s)", key,
+                  where);
+}
+
 /* A key seen in a parse: "section\narg\nkey" and its line, for the duplicate check. */
 typedef struct ini_key {
     char *id;

@@ -183,6 +183,7 @@ static int config_entry(void *arg, int line, const char *section, const char *sa
         (*n)++;
         return CM_OK;
     }
+    if (!*section) return cm_ini_key_outside(errptr, k, "[cluster], [table NAME] or [dense NAME]");
     int r = 1;
     if (!strcmp(section, "cluster"))
         r = set_cluster(cfg, k, v);
@@ -190,9 +191,7 @@ static int config_entry(void *arg, int line, const char *section, const char *sa
         r = set_table(&cfg->tables[cfg->n_tables - 1], k, v);
     else if (dense)
         r = set_dense(&cfg->dense[cfg->n_dense - 1], k, v);
-    if (r > 0)
-        return cm_err(errptr, CM_EINVAL, "unknown key '%s'%s", k,
-                      *section ? "" : " outside any section");
+    if (r > 0) return cm_err(errptr, CM_EINVAL, "unknown key '%s'", k);
     if (r < 0) return cm_err(errptr, CM_EINVAL, "bad value '%s' for %s", v, k);
     return CM_OK;
 }

@@ -62,9 +62,7 @@ static int train_entry(void *arg, int line, const char *section, const char *sar
     /* A key above every header was read as [train]'s: "batch = 64" with its header forgotten
      * (or a [model] key written above [model]) then trained as if it were meant, or not at
      * all. It is refused, as ember ps's config and the cluster file refuse theirs. */
-    if (!*section)
-        return cm_err(errptr, CM_EINVAL,
-                      "key '%s' before any section header (keys go under [model] or [train])", k);
+    if (!*section) return cm_ini_key_outside(errptr, k, "[model] or [train]");
     uint64_t u = 0;
     char *end = NULL;
     int bad = 0;
@@ -2357,6 +2355,7 @@ static int cluster_entry(void *arg, int line, const char *section, const char *s
 {
     cluster_parse *P = arg;
     train_cluster *c = P->c;
+    if (!*section && k != NULL) return cm_ini_key_outside(errptr, k, "[cluster]");
     if (strcmp(section, "cluster") || *sarg)
         return cm_ini_unknown_section(errptr, section, sarg, "cluster");
     if (k == NULL) return CM_OK;

@@ -126,7 +126,7 @@ static void test_errors(void)
     expect_error("[cluster]\nshards = 2\nshard = 2\n", 3, "unknown key 'shard'");
     expect_error("[table t]\ndim = 4\nlearning_rate = 1\n", 3, "unknown key 'learning_rate'");
     expect_error("[dense d]\nsize = 4\nmomentum = 1\n", 3, "unknown key 'momentum'");
-    expect_error("dim = 4\n", 1, "outside any section");
+    expect_error("dim = 4\n", 1, "key 'dim' before any section header");
     expect_error("[cluster]\nshards = two\n", 2, "bad value 'two' for shards");
     expect_error("[cluster]\nshards = -1\n", 2, "bad value");
     expect_error("[cluster]\nworkers = 5000000000\n", 2, "bad value");

@@ -384,6 +384,9 @@ int main(void)
          "tabps.ini:2: URL 'tcp://127.0.0.1:1' given twice"},
         {"vtabps.ini", "[cluster]\nworkers = 1\nps = ipc:///nowhere/a\vipc:///nowhere/b\n",
          "vtabps.ini:3: bad URL 'ipc:///nowhere/a...': control character 0x0b"},
+        /* A key above the header belongs to no section, and is named. */
+        {"nosectcl.ini", "workers = 1\n[cluster]\nps = tcp://127.0.0.1:1\n",
+         "nosectcl.ini:1: key 'workers' before any section header (keys go under [cluster])"},
         /* A section's argument is named: "[cluster] ... (cluster)" read as a contradiction. */
         {"sectarg.ini", "[cluster 2]\nps = tcp://127.0.0.1:1\n",
          "sectarg.ini:1: unknown section [cluster 2] (cluster)"},
