@@ -82,6 +82,9 @@ struct ps_server {
     uint8_t *arrived;    /* per worker: entered the barrier being gathered */
     pthread_t reaper;    /* re-checks waiters when workers time out */
     bool reaper_running;
+    /* set by ps_server_destroy: the reaper ends with the server, not at a stop request (the
+     * server serves until destroyed, and a clock deferred meanwhile needs the reaper) */
+    bool reaper_stop;
     srv_ctx *clock_waiters, *barrier_waiters;
     uint64_t barrier_done; /* the highest barrier id completed */
     uint64_t barrier_want; /* the id being gathered; 0: none */
@@ -301,7 +304,7 @@ static bool handle_barrier(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng
 static void *reaper_main(void *arg)
 {
     struct ps_server *s = arg;
-    while (!__atomic_load_n(&s->stopping, __ATOMIC_RELAXED)) {
+    while (!__atomic_load_n(&s->reaper_stop, __ATOMIC_RELAXED)) {
         struct timespec ts = {0, 100 * 1000 * 1000};
         nanosleep(&ts, NULL);
         pthread_mutex_lock(&s->mu);
@@ -1723,6 +1726,7 @@ void ps_server_destroy(ps_server *s)
     if (s == NULL) return;
     if (s->reaper_running) {
         ps_server_stop(s);
+        __atomic_store_n(&s->reaper_stop, true, __ATOMIC_RELAXED);
         pthread_join(s->reaper, NULL);
     }
     if (s->ctxs) {

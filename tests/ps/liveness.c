@@ -21,6 +21,15 @@ static void *enter_clock(void *c)
     return (void *)(intptr_t)ps_client_clock(c, NULL, NULL);
 }
 
+static int clock_returned;
+
+static void *enter_clock_noting(void *c)
+{
+    void *rc = enter_clock(c);
+    __atomic_store_n(&clock_returned, 1, __ATOMIC_RELEASE);
+    return rc;
+}
+
 /* Worker c calls fn (enter_barrier, enter_clock) on a thread of its own (the call blocks until
  * the others let it through). */
 static pthread_t run_async(ps_client *c, void *(*fn)(void *))
@@ -193,6 +202,27 @@ int main(void)
     t = cm_now() - t0;
     CHECK_MSG(rc == CM_OK && t < 3.0,
               "a clock waiting once every worker was silent: %d after %.3f s", rc, t);
+    ps_client_destroy(a);
+    ps_client_destroy(b);
+    ps_server_destroy(s);
+
+    /* A server asked to stop (a SHUTDOWN, ps_server_stop) serves until it is destroyed, and
+     * so must release what a silent worker holds: the liveness thread once ended at the stop,
+     * and a clock deferred after it waited for good. Found by tests/fuzz_ps/fuzz_server. */
+    const char *urls6[1] = {pt_ipc(dir, "ps5")};
+    s = pt_server(&cfg_stale, urls6[0], 0);
+    a = pt_client(&cfg_stale, urls6, 0, 3000);
+    b = pt_client(&cfg_stale, urls6, 1, 3000);
+    CHECK_OK(ps_client_clock(b, &clk, &err), err); /* 1 */
+    ps_server_stop(s);
+    t0 = cm_now();
+    th = run_async(b, enter_clock_noting); /* 2: waits for the silent a */
+    while (!__atomic_load_n(&clock_returned, __ATOMIC_ACQUIRE) && cm_now() - t0 < 2.0)
+        usleep(10000);
+    t = cm_now() - t0;
+    if (!__atomic_load_n(&clock_returned, __ATOMIC_ACQUIRE)) ps_client_abort(b); /* bounded */
+    rc = joined(th);
+    CHECK_MSG(rc == CM_OK && t < 2.0, "a clock deferred after the stop: %d after %.3f s", rc, t);
     ps_client_destroy(a);
     ps_client_destroy(b);
     ps_server_destroy(s);
