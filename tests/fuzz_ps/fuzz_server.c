@@ -107,8 +107,8 @@ static ps_server *start(const char *url, bool backup)
 
 static void drop_parked(void);
 
-/* After an accepted SHUTDOWN: the server stopped its liveness thread, so deferred requests are
- * never answered; they are dropped with it. */
+/* After an accepted SHUTDOWN: a fresh primary, so that later inputs reach one that is not
+ * stopping; requests deferred on the old one are dropped with it. */
 static void restart_primary(void)
 {
     nng_close(W.sock);
