@@ -23,7 +23,9 @@
  * after (a flipped byte, a cut). server_seeds.py spells valid sequences in this format.
  *
  * Properties (abort on violation): every request is answered within 5 s (a deferred CLOCK or
- * BARRIER stays in flight while later requests go on, and is checked when answered); the reply
+ * BARRIER stays in flight while later requests go on, and is checked when answered; it may
+ * rightly wait while another worker is live, so once one has waited a second the harness goes
+ * quiet until every worker has timed out, and then it must be answered); the reply
  * opens with ps_wire_open (a request whose op is out of range, or that had no whole header, is
  * answered with that op, so then only the framing and checksum are checked) and carries the
  * request id as it arrived; an error reply has status < 0 and a text and is counted in STATS
@@ -574,6 +576,23 @@ static void reap_parked(bool oldest)
         F.parked[i] = NULL;
 }
 
+/* A deferred CLOCK or BARRIER waits, rightly, for as long as a slower worker stays live, and
+ * an input can keep one live (its pulls and pushes) while it never catches up. Once the oldest
+ * parked flight is a second old, the harness sends nothing for QUIET_MS: every worker is then
+ * silent past the 100 ms timeout, so the server must release every wait, and the 5 s limit
+ * still catches one it never releases. */
+#define QUIET_MS 300
+static void quiet_if_waiting(void)
+{
+    double oldest = 0;
+    for (size_t i = 0; i < MAX_PARKED && F.parked[i] != NULL; i++)
+        if (oldest == 0 || F.parked[i]->sent < oldest) oldest = F.parked[i]->sent;
+    if (oldest == 0 || cm_now() - oldest < 1.0) return;
+    struct timespec ts = {0, QUIET_MS * 1000000L};
+    nanosleep(&ts, NULL);
+    reap_parked(false);
+}
+
 static void park(flight *f)
 {
     reap_parked(F.parked[MAX_PARKED - 1] != NULL);
@@ -713,6 +732,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fz_in in = {data, size};
     req *r = malloc(sizeof *r);
     if (r == NULL) die("out of memory");
+    quiet_if_waiting();
     const uint32_t n = 1 + fz_u8(&in) % MAX_REQS;
     for (uint32_t i = 0; i < n && (i == 0 || in.n > 0); i++) {
         build(&in, r, 0);
