@@ -322,6 +322,13 @@ int cm_ini_unknown_section(char **errptr, const char *section, const char *secti
  * section header (keys go under where)". Returns CM_EINVAL. */
 int cm_ini_key_outside(char **errptr, const char *key, const char *where);
 
+/* qsort and bsearch order of uint64_t values, ascending. */
+static inline int cm_u64_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
 /* Parses an unsigned decimal with an optional K/M/G/T (binary) suffix: digits from the first
  * character (no blanks, no sign), nothing after the suffix, no overflow. 0 or -1. */
 int cm_parse_size(const char *v, uint64_t *out);

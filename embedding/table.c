@@ -281,17 +281,11 @@ static int insert_room(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t
     return CM_OK;
 }
 
-static int miss_cmp(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-
 /* Sorts n keys and drops repeats; returns how many distinct keys remain at the front. */
 static size_t sort_unique(uint64_t *k, size_t n)
 {
     if (n == 0) return 0;
-    qsort(k, n, sizeof *k, miss_cmp);
+    qsort(k, n, sizeof *k, cm_u64_cmp);
     size_t u = 1;
     for (size_t i = 1; i < n; i++)
         if (k[u - 1] != k[i]) k[u++] = k[i];
@@ -354,7 +348,7 @@ static int fault_in(emb_table *t, sub *s, scratch *sc, uint64_t key, uint64_t h,
     if (t->spill != NULL && s->spilled > 0) {
         const uint8_t *src = NULL;
         uint64_t *hit =
-            sc->n_miss ? bsearch(&key, sc->miss, sc->n_miss, sizeof key, miss_cmp) : NULL;
+            sc->n_miss ? bsearch(&key, sc->miss, sc->n_miss, sizeof key, cm_u64_cmp) : NULL;
         size_t u = hit ? (size_t)(hit - sc->miss) : 0;
         uint8_t one_found = 0;
         if (hit != NULL && !sc->miss_used[u]) {
@@ -871,7 +865,7 @@ static int prepare_group(emb_table *t, sub *s, spush *p, const uint64_t *keys, c
     for (size_t i = 0; i < m; i++) {
         uint32_t k = idx[i];
         if (p->where[k] >= 0) continue;
-        const uint64_t *a = bsearch(&keys[k], p->akey + first, u, sizeof(uint64_t), miss_cmp);
+        const uint64_t *a = bsearch(&keys[k], p->akey + first, u, sizeof(uint64_t), cm_u64_cmp);
         p->where[k] = -1 - (int64_t)(a - p->akey);
     }
     memset(p->found + first, 0, u);
@@ -1682,8 +1676,8 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
     return rc;
 }
 
-/* Whether a key of the n records at recs is one the table already holds, or is held twice among
- * them, before any of them is inserted: with a spill store a row loaded earlier may have left
+/* Whether a key of the n records at recs is held twice among them, or already spilled, before
+ * any of them is inserted: with a spill store a row loaded earlier may have left
  * memory (evicted to make room), so the check in memory alone (emb_table_load_records) let a
  * snapshot's second copy of such a key in beside the first: two rows for one key. A key is
  * looked up in the spill store only when its sub-shard has spilled rows, so a load that fits its
@@ -1696,23 +1690,20 @@ static int load_dup_check(emb_table *t, const uint8_t *recs, size_t n, scratch *
     for (size_t i = 0; i < n; i++)
         sc->miss[i] = emb_rec_key(recs + i * t->rec);
     /* Twice among these records: one may be evicted before the other is inserted. */
-    qsort(sc->miss, n, sizeof *sc->miss, miss_cmp);
+    qsort(sc->miss, n, sizeof *sc->miss, cm_u64_cmp);
     for (size_t i = 1; i < n; i++)
         if (sc->miss[i] == sc->miss[i - 1])
             return cm_err(errptr, CM_ECORRUPT, "duplicate key %llu in snapshot",
                           (unsigned long long)sc->miss[i]);
-    /* Held already: in memory, else in the spill store (the keys to look up kept in front). */
+    /* Held already in the spill store (the keys to look up kept in front); one held in memory
+     * is found where emb_table_load_records inserts it. */
     size_t n_get = 0;
     for (size_t i = 0; i < n; i++) {
-        uint64_t key = sc->miss[i], h = emb_key_hash(key);
-        sub *s = &t->subs[sub_of(t, h)];
+        sub *s = &t->subs[sub_of(t, emb_key_hash(sc->miss[i]))];
         pthread_mutex_lock(&s->mu);
-        bool in_mem = emb_mem_find(&s->mem, key, h) >= 0, spilled = s->spilled > 0;
+        bool spilled = s->spilled > 0;
         pthread_mutex_unlock(&s->mu);
-        if (in_mem)
-            return cm_err(errptr, CM_ECORRUPT, "duplicate key %llu in snapshot",
-                          (unsigned long long)key);
-        if (spilled) sc->miss[n_get++] = key;
+        if (spilled) sc->miss[n_get++] = sc->miss[i];
     }
     if (n_get == 0) return CM_OK;
     sc->miss_found = malloc(n_get);

@@ -135,12 +135,6 @@ static uint64_t content_id(const uint64_t *digests, uint32_t n, const float *tow
                                 XXH3_64bits(tower, n_tower * sizeof *tower));
 }
 
-static int key_cmp(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-
 /* A key twice in a table's rows: a snapshot is input (hand-made, another tool's), checksums and
  * all, and the reader keeps no set of keys (ps_checkpoint_foreach_row), so safetensors held the
  * key twice, RocksDB its last copy, and the bundle's writer refused it naming no file. A row is
@@ -151,7 +145,7 @@ static int keys_unique(const char *ckpt, const char *name, const rows *t, char *
     uint64_t *k = malloc(t->n * sizeof *k + 1);
     if (k == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory checking table %s's keys", name);
     memcpy(k, t->keys, t->n * sizeof *k);
-    qsort(k, t->n, sizeof *k, key_cmp);
+    qsort(k, t->n, sizeof *k, cm_u64_cmp);
     uint64_t i = 1;
     while (i < t->n && k[i] != k[i - 1])
         i++;

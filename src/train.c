@@ -1099,12 +1099,6 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
     return rc;
 }
 
-static int u64_cmp(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-
 /* Runs once step-<latest> is complete and LATEST names it, so the checkpoint a resume would use
  * is never touched and a crash midway leaves only extra checkpoints. No checkpoint newer than it
  * survives (an earlier, longer run's in the same directory; left there, a later prune would
@@ -1139,7 +1133,7 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
         }
     }
     closedir(d);
-    qsort(steps, n, sizeof steps[0], u64_cmp);
+    qsort(steps, n, sizeof steps[0], cm_u64_cmp);
     while (rc == CM_OK && n > 0 && steps[n - 1] > latest) {
         if (ckpt_dir(S, steps[--n], dir, sizeof dir) != CM_OK) continue;
         fprintf(stderr,
