@@ -232,12 +232,6 @@ static uint32_t row_unfit(ember_serve_precision p, const float *x, uint32_t dim)
     return dim;
 }
 
-static int u64_cmp(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-
 int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t dim,
                              const uint64_t *keys, const float *rows, uint64_t n,
                              const uint64_t *deleted, uint64_t n_deleted, char **errptr)
@@ -288,7 +282,7 @@ int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t d
         encode_row(w->prec, rows + i * dim, dim, enc + i * rb);
     }
     if (n_deleted) memcpy(del, deleted, n_deleted * sizeof *del);
-    qsort(del, n_deleted, sizeof *del, u64_cmp);
+    qsort(del, n_deleted, sizeof *del, cm_u64_cmp);
     tab_hdr h = {.version = BUNDLE_VERSION,
                  .dim = dim,
                  .precision = (uint32_t)w->prec,

@@ -186,12 +186,6 @@ static double run_work(work *w, uint32_t nthreads, float *outs[MAX_THREADS],
     return (double)w->calls * w->batch / dt;
 }
 
-static int dbl_cmp(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static double pct(const double *sorted, uint64_t n, double p)
 {
     uint64_t i = (uint64_t)(p * (double)(n - 1) + 0.5);
@@ -351,7 +345,7 @@ int main(int argc, char **argv)
                 r->rate = rate;
                 r->calls = w.calls;
                 r->hit_frac = (double)hits / (double)per_meas[b];
-                qsort(lat, w.calls, sizeof *lat, dbl_cmp);
+                qsort(lat, w.calls, sizeof *lat, bench_dbl_cmp_);
                 r->p50_us = pct(lat, w.calls, 0.50) / 1e3;
                 r->p99_us = pct(lat, w.calls, 0.99) / 1e3;
             }

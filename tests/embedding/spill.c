@@ -96,18 +96,12 @@ static void run(emb_opt_kind opt, uint32_t dim, const char *dir, uint64_t seed)
     free(keys);
 }
 
-static int key_cmp(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-
 /* A batch as a server receives one: n sorted distinct keys (fewer when draws repeat). */
 static size_t sorted_batch(uint64_t *batch, size_t n, uint64_t *seed, int uniform)
 {
     for (size_t i = 0; i < n; i++)
         batch[i] = eu_key(uniform ? eu_below(seed, NKEYS) : eu_zipfish(seed, NKEYS));
-    qsort(batch, n, sizeof *batch, key_cmp);
+    qsort(batch, n, sizeof *batch, cm_u64_cmp);
     size_t u = 0;
     for (size_t i = 0; i < n; i++)
         if (u == 0 || batch[u - 1] != batch[i]) batch[u++] = batch[i];

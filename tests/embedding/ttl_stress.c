@@ -156,16 +156,10 @@ static int walk_cb(const emb_row *row, void *arg)
     return 0;
 }
 
-static int u64_cmp(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-
 /* Rows the walk found; fails on a key seen twice. */
 static uint64_t walk_end(walk *wk)
 {
-    if (wk->n > 1) qsort(wk->keys, wk->n, sizeof *wk->keys, u64_cmp); /* keys NULL when empty */
+    if (wk->n > 1) qsort(wk->keys, wk->n, sizeof *wk->keys, cm_u64_cmp); /* keys NULL when empty */
     for (size_t i = 1; i < wk->n; i++)
         if (wk->keys[i] == wk->keys[i - 1])
             TFAIL("%s: key %016" PRIx64 " found twice", wk->where, wk->keys[i]);
