@@ -193,6 +193,13 @@ static inline int psp_wait_ready(pid_t pid, const char *url, double timeout_s)
     return -1;
 }
 
+/* Unregisters a reaped child and removes its ipc socket. */
+static inline void psp_forget(psp_child *c)
+{
+    if (c->ipc_path[0]) unlink(c->ipc_path);
+    memset(c, 0, sizeof *c);
+}
+
 /* Sends sig, waits up to timeout_s for the exit, then SIGKILLs; always reaps and unregisters
  * the child and removes its ipc socket. Returns the wait status, or -1 when it had to be
  * SIGKILLed after the grace period (or was not ours). */
@@ -217,8 +224,7 @@ static inline int psp_stop(pid_t pid, int sig, double timeout_s)
         }
         psp_sleep_ms(5);
     }
-    if (c->ipc_path[0]) unlink(c->ipc_path);
-    memset(c, 0, sizeof *c);
+    psp_forget(c);
     return rc;
 }
 

@@ -48,10 +48,7 @@ static bool exits_within(pid_t pid, double seconds, int *status)
     for (;;) {
         if (waitpid(pid, status, WNOHANG) == pid) {
             psp_child *c = psp_find(pid);
-            if (c != NULL) {
-                if (c->ipc_path[0]) unlink(c->ipc_path);
-                memset(c, 0, sizeof *c);
-            }
+            if (c != NULL) psp_forget(c);
             return true;
         }
         if (psp_now() > end) return false;
