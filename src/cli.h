@@ -9,7 +9,16 @@
 
 #define EMBER_VERSION "0.1.0"
 
+#include <stdio.h>
+
 typedef int (*cli_cmd_fn)(int argc, char **argv);
+
+/* The last check of a subcommand's options: missing names the first required option not given
+ * (NULL when all are), and argv[optind..argc) must be empty. Returns 0 when the arguments are
+ * complete; else prints "ember CMD: --X is required" (or the stray argument), then the usage,
+ * to stderr and returns 2, the usage exit code. */
+int cli_args_complete(const char *cmd, const char *missing, int optind, int argc, char **argv,
+                      void (*usage)(FILE *to));
 
 int cmd_gen(int argc, char **argv);
 int cmd_ingest(int argc, char **argv);

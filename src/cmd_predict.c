@@ -52,10 +52,13 @@ int cmd_predict(int argc, char **argv)
         default: predict_usage(stderr); return 2;
         }
     }
-    if (!bundle || !data || !out || optind != argc) {
-        predict_usage(stderr);
-        return 2;
-    }
+    int bad = cli_args_complete("predict",
+                                !bundle ? "--bundle"
+                                : !data ? "--data"
+                                : !out  ? "--out"
+                                        : NULL,
+                                optind, argc, argv, predict_usage);
+    if (bad != 0) return bad;
     char *err = NULL;
     ember_serve *h = NULL;
     ds_reader *r = NULL;

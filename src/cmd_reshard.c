@@ -152,10 +152,13 @@ int cmd_reshard(int argc, char **argv)
         default: reshard_usage(stderr); return 2;
         }
     }
-    if (!from || !out || !shards || optind != argc) {
-        reshard_usage(stderr);
-        return 2;
-    }
+    int bad = cli_args_complete("reshard",
+                                !from     ? "--from"
+                                : !out    ? "--out"
+                                : !shards ? "--shards"
+                                          : NULL,
+                                optind, argc, argv, reshard_usage);
+    if (bad != 0) return bad;
     char ckpt[4200], dst[4400], latest[4400], name[64];
     uint64_t step = 0;
     char *err = NULL;

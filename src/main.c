@@ -20,6 +20,18 @@ static int cmd_version(int argc, char **argv)
     return 0;
 }
 
+int cli_args_complete(const char *cmd, const char *missing, int optind, int argc, char **argv,
+                      void (*usage)(FILE *to))
+{
+    if (missing == NULL && optind >= argc) return 0;
+    if (missing != NULL)
+        fprintf(stderr, "ember %s: %s is required\n", cmd, missing);
+    else
+        fprintf(stderr, "ember %s: unexpected argument '%s'\n", cmd, argv[optind]);
+    usage(stderr);
+    return 2;
+}
+
 static const struct {
     const char *name;
     cli_cmd_fn fn;

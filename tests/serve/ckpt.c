@@ -218,5 +218,18 @@ int main(void)
     rc = su_ember("predict --bundle 'q\"b\\s' --data shards/eval --out 'p\"r\\d'");
     CHECK_MSG(rc == 0 && json_string("out", v, sizeof v) == 0 && !strcmp(v, "p\"r\\d"),
               "predict --out p\"r\\d: exit %d, out '%s'", rc, v);
+
+    /* A missing required option is named, not left to the usage text. */
+    fprintf(stderr, "--- predict and reshard name the option missing\n");
+    static const char *const usage_errors[][2] = {
+        {"predict --bundle b --data shards/eval", "--out is required"},
+        {"predict --data shards/eval --out p", "--bundle is required"},
+        {"predict --bundle b --data shards/eval --out p stray", "unexpected argument 'stray'"},
+        {"reshard --from run --out r", "--shards is required"},
+        {"reshard --shards 2 --out r", "--from is required"}};
+    for (size_t i = 0; i < sizeof usage_errors / sizeof usage_errors[0]; i++) {
+        rc = su_ember("%s", usage_errors[i][0]);
+        CHECK_MSG(rc == 2 && err_names(usage_errors[i][1]), "%s: exit %d", usage_errors[i][0], rc);
+    }
     return check_done();
 }
