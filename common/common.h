@@ -322,6 +322,15 @@ int cm_ini_unknown_section(char **errptr, const char *section, const char *secti
  * section header (keys go under where)". Returns CM_EINVAL. */
 int cm_ini_key_outside(char **errptr, const char *key, const char *where);
 
+/* A section's keys as one list, so that lookup and the message naming them cannot disagree:
+ * the index of key in keys[0..n), or -1. */
+int cm_ini_key_find(const char *key, const char *const *keys, size_t n);
+/* For a cm_ini_cb refusing a key its section does not have: "unknown key 'key' in where", then
+ * the closest of keys[0..n) when one is near (a typo, or one name the prefix of the other: "did
+ * you mean 'memory'?") and every key the section has. Returns CM_EINVAL. */
+int cm_ini_unknown_key(char **errptr, const char *key, const char *where, const char *const *keys,
+                       size_t n);
+
 /* qsort and bsearch order of uint64_t values, ascending. */
 static inline int cm_u64_cmp(const void *a, const void *b)
 {

@@ -89,6 +89,62 @@ int cm_ini_key_outside(char **errptr, const char *key, const char *where)
                   where);
 }
 
+int cm_ini_key_find(const char *key, const char *const *keys, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(key, keys[i]) == 0) return (int)i;
+    return -1;
+}
+
+/* Edit distance (insert, delete, substitute) of a and b, counted up to 9: keys are short. */
+static size_t edit_distance(const char *a, const char *b)
+{
+    enum { CAP = 48 };
+    size_t la = strlen(a), lb = strlen(b);
+    if (la >= CAP || lb >= CAP) return 9;
+    size_t row[CAP];
+    for (size_t j = 0; j <= lb; j++)
+        row[j] = j;
+    for (size_t i = 1; i <= la; i++) {
+        size_t diag = row[0];
+        row[0] = i;
+        for (size_t j = 1; j <= lb; j++) {
+            size_t up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+            if (up + 1 < best) best = up + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            diag = up;
+            row[j] = best;
+        }
+    }
+    return row[lb] < 9 ? row[lb] : 9;
+}
+
+int cm_ini_unknown_key(char **errptr, const char *key, const char *where, const char *const *keys,
+                       size_t n)
+{
+    /* The nearest key: within two edits, or one word (three letters or more) of the other's
+     * name ("memory_budget" for "memory", "ttl" for "ttl_steps"). */
+    const char *near = NULL;
+    size_t best = 3, lk = strlen(key);
+    for (size_t i = 0; i < n; i++) {
+        size_t d = edit_distance(key, keys[i]), l = strlen(keys[i]);
+        size_t shorter = l < lk ? l : lk;
+        const char *longer = l < lk ? key : keys[i];
+        if (d > 2 && shorter >= 3 && strncmp(key, keys[i], shorter) == 0 && longer[shorter] == '_')
+            d = 2;
+        if (d < best) best = d, near = keys[i];
+    }
+    char list[1024];
+    size_t len = 0;
+    list[0] = '\0';
+    for (size_t i = 0; i < n && len < sizeof list; i++)
+        len += (size_t)snprintf(list + len, sizeof list - len, "%s%s", i ? ", " : "", keys[i]);
+    if (near != NULL)
+        return cm_err(errptr, CM_EINVAL, "unknown key '%s' in %s: did you mean '%s'? (keys: %s)",
+                      key, where, near, list);
+    return cm_err(errptr, CM_EINVAL, "unknown key '%s' in %s (keys: %s)", key, where, list);
+}
+
 /* A key seen in a parse: "section\narg\nkey" and its line, for the duplicate check. */
 typedef struct ini_key {
     char *id;

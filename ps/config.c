@@ -67,54 +67,168 @@ static int copy_str(char *dst, size_t n, const char *v)
     return 0;
 }
 
+/* Each section's keys, one list for the lookup and for the message that names them. */
+enum {
+    CK_SHARDS,
+    CK_WORKERS,
+    CK_STALENESS,
+    CK_MAX_MESSAGE,
+    CK_WORKER_TIMEOUT,
+    CK_REPLICA_TIMEOUT,
+    CK_SPILL_DIR,
+    CK_TLS_CERT,
+    CK_TLS_KEY,
+    CK_TLS_CA,
+    CK_N_
+};
+static const char *const cluster_keys[CK_N_] = {[CK_SHARDS] = "shards",
+                                                [CK_WORKERS] = "workers",
+                                                [CK_STALENESS] = "staleness",
+                                                [CK_MAX_MESSAGE] = "max_message",
+                                                [CK_WORKER_TIMEOUT] = "worker_timeout",
+                                                [CK_REPLICA_TIMEOUT] = "replica_timeout",
+                                                [CK_SPILL_DIR] = "spill_dir",
+                                                [CK_TLS_CERT] = "tls_cert",
+                                                [CK_TLS_KEY] = "tls_key",
+                                                [CK_TLS_CA] = "tls_ca"};
+
+enum {
+    TK_DIM,
+    TK_OPTIMIZER,
+    TK_LR,
+    TK_L2,
+    TK_EPS,
+    TK_BETA1,
+    TK_BETA2,
+    TK_ADAGRAD_INIT,
+    TK_FTRL_BETA,
+    TK_FTRL_L1,
+    TK_INIT_SCALE,
+    TK_SEED,
+    TK_MEMORY,
+    TK_ADMIT,
+    TK_TTL,
+    TK_RESERVE_ROWS,
+    TK_PUSH_CODEC,
+    TK_PULL_CODEC,
+    TK_N_
+};
+static const char *const table_keys[TK_N_] = {[TK_DIM] = "dim",
+                                              [TK_OPTIMIZER] = "optimizer",
+                                              [TK_LR] = "lr",
+                                              [TK_L2] = "l2",
+                                              [TK_EPS] = "eps",
+                                              [TK_BETA1] = "beta1",
+                                              [TK_BETA2] = "beta2",
+                                              [TK_ADAGRAD_INIT] = "adagrad_init",
+                                              [TK_FTRL_BETA] = "ftrl_beta",
+                                              [TK_FTRL_L1] = "ftrl_l1",
+                                              [TK_INIT_SCALE] = "init_scale",
+                                              [TK_SEED] = "seed",
+                                              [TK_MEMORY] = "memory",
+                                              [TK_ADMIT] = "admit",
+                                              [TK_TTL] = "ttl",
+                                              [TK_RESERVE_ROWS] = "reserve_rows",
+                                              [TK_PUSH_CODEC] = "push_codec",
+                                              [TK_PULL_CODEC] = "pull_codec"};
+
+enum { DK_SIZE, DK_LR, DK_BETA1, DK_BETA2, DK_EPS, DK_OPTIMIZER, DK_N_ };
+static const char *const dense_keys[DK_N_] = {
+    [DK_SIZE] = "size",   [DK_LR] = "lr",   [DK_BETA1] = "beta1",
+    [DK_BETA2] = "beta2", [DK_EPS] = "eps", [DK_OPTIMIZER] = "optimizer"};
+
+/* The setters: 0 set, -1 a bad value, 1 not a key of the section. */
 static int set_cluster(ps_config *c, const char *k, const char *v)
 {
-    if (!strcmp(k, "shards")) return parse_u32(v, &c->n_shards);
-    if (!strcmp(k, "workers")) return parse_u32(v, &c->n_workers);
-    if (!strcmp(k, "staleness")) return parse_i32(v, &c->staleness);
-    if (!strcmp(k, "max_message")) return parse_u64(v, &c->max_msg_bytes);
-    if (!strcmp(k, "worker_timeout")) return parse_u32(v, &c->worker_timeout_ms);
-    if (!strcmp(k, "replica_timeout")) return parse_u32(v, &c->replica_timeout_ms);
-    if (!strcmp(k, "spill_dir")) return copy_str(c->spill_dir, sizeof c->spill_dir, v);
-    if (!strcmp(k, "tls_cert")) return copy_str(c->tls_cert, sizeof c->tls_cert, v);
-    if (!strcmp(k, "tls_key")) return copy_str(c->tls_key, sizeof c->tls_key, v);
-    if (!strcmp(k, "tls_ca")) return copy_str(c->tls_ca, sizeof c->tls_ca, v);
-    return 1;
+    switch (cm_ini_key_find(k, cluster_keys, CK_N_)) {
+    case CK_SHARDS:
+        return parse_u32(v, &c->n_shards);
+    case CK_WORKERS:
+        return parse_u32(v, &c->n_workers);
+    case CK_STALENESS:
+        return parse_i32(v, &c->staleness);
+    case CK_MAX_MESSAGE:
+        return parse_u64(v, &c->max_msg_bytes);
+    case CK_WORKER_TIMEOUT:
+        return parse_u32(v, &c->worker_timeout_ms);
+    case CK_REPLICA_TIMEOUT:
+        return parse_u32(v, &c->replica_timeout_ms);
+    case CK_SPILL_DIR:
+        return copy_str(c->spill_dir, sizeof c->spill_dir, v);
+    case CK_TLS_CERT:
+        return copy_str(c->tls_cert, sizeof c->tls_cert, v);
+    case CK_TLS_KEY:
+        return copy_str(c->tls_key, sizeof c->tls_key, v);
+    case CK_TLS_CA:
+        return copy_str(c->tls_ca, sizeof c->tls_ca, v);
+    default:
+        return 1;
+    }
 }
 
 static int set_table(ps_table_spec *t, const char *k, const char *v)
 {
     emb_table_config *c = &t->cfg;
-    if (!strcmp(k, "dim")) return parse_u32(v, &c->dim);
-    if (!strcmp(k, "optimizer")) return emb_opt_parse(v, &c->opt) == CM_OK ? 0 : -1;
-    if (!strcmp(k, "lr")) return parse_float(v, &c->lr);
-    if (!strcmp(k, "l2")) return parse_float(v, &c->l2);
-    if (!strcmp(k, "eps")) return parse_float(v, &c->eps);
-    if (!strcmp(k, "beta1")) return parse_float(v, &c->beta1);
-    if (!strcmp(k, "beta2")) return parse_float(v, &c->beta2);
-    if (!strcmp(k, "adagrad_init")) return parse_float(v, &c->adagrad_init);
-    if (!strcmp(k, "ftrl_beta")) return parse_float(v, &c->ftrl_beta);
-    if (!strcmp(k, "ftrl_l1")) return parse_float(v, &c->ftrl_l1);
-    if (!strcmp(k, "init_scale")) return parse_float(v, &c->init_scale);
-    if (!strcmp(k, "seed")) return parse_u64(v, &c->seed);
-    if (!strcmp(k, "memory")) return parse_u64(v, &c->mem_budget_bytes);
-    if (!strcmp(k, "admit")) return parse_u32(v, &c->admit_threshold);
-    if (!strcmp(k, "ttl")) return parse_u64(v, &c->ttl_steps);
-    if (!strcmp(k, "reserve_rows")) return parse_u64(v, &c->reserve_rows);
-    if (!strcmp(k, "push_codec")) return ps_codec_parse(v, &t->push_codec) == CM_OK ? 0 : -1;
-    if (!strcmp(k, "pull_codec")) return ps_codec_parse(v, &t->pull_codec) == CM_OK ? 0 : -1;
-    return 1;
+    switch (cm_ini_key_find(k, table_keys, TK_N_)) {
+    case TK_DIM:
+        return parse_u32(v, &c->dim);
+    case TK_OPTIMIZER:
+        return emb_opt_parse(v, &c->opt) == CM_OK ? 0 : -1;
+    case TK_LR:
+        return parse_float(v, &c->lr);
+    case TK_L2:
+        return parse_float(v, &c->l2);
+    case TK_EPS:
+        return parse_float(v, &c->eps);
+    case TK_BETA1:
+        return parse_float(v, &c->beta1);
+    case TK_BETA2:
+        return parse_float(v, &c->beta2);
+    case TK_ADAGRAD_INIT:
+        return parse_float(v, &c->adagrad_init);
+    case TK_FTRL_BETA:
+        return parse_float(v, &c->ftrl_beta);
+    case TK_FTRL_L1:
+        return parse_float(v, &c->ftrl_l1);
+    case TK_INIT_SCALE:
+        return parse_float(v, &c->init_scale);
+    case TK_SEED:
+        return parse_u64(v, &c->seed);
+    case TK_MEMORY:
+        return parse_u64(v, &c->mem_budget_bytes);
+    case TK_ADMIT:
+        return parse_u32(v, &c->admit_threshold);
+    case TK_TTL:
+        return parse_u64(v, &c->ttl_steps);
+    case TK_RESERVE_ROWS:
+        return parse_u64(v, &c->reserve_rows);
+    case TK_PUSH_CODEC:
+        return ps_codec_parse(v, &t->push_codec) == CM_OK ? 0 : -1;
+    case TK_PULL_CODEC:
+        return ps_codec_parse(v, &t->pull_codec) == CM_OK ? 0 : -1;
+    default:
+        return 1;
+    }
 }
 
 static int set_dense(ps_dense_spec *d, const char *k, const char *v)
 {
-    if (!strcmp(k, "size")) return parse_u64(v, &d->size);
-    if (!strcmp(k, "lr")) return parse_float(v, &d->lr);
-    if (!strcmp(k, "beta1")) return parse_float(v, &d->beta1);
-    if (!strcmp(k, "beta2")) return parse_float(v, &d->beta2);
-    if (!strcmp(k, "eps")) return parse_float(v, &d->eps);
-    if (!strcmp(k, "optimizer")) return ps_dense_opt_parse(v, &d->opt) == CM_OK ? 0 : -1;
-    return 1;
+    switch (cm_ini_key_find(k, dense_keys, DK_N_)) {
+    case DK_SIZE:
+        return parse_u64(v, &d->size);
+    case DK_LR:
+        return parse_float(v, &d->lr);
+    case DK_BETA1:
+        return parse_float(v, &d->beta1);
+    case DK_BETA2:
+        return parse_float(v, &d->beta2);
+    case DK_EPS:
+        return parse_float(v, &d->eps);
+    case DK_OPTIMIZER:
+        return ps_dense_opt_parse(v, &d->opt) == CM_OK ? 0 : -1;
+    default:
+        return 1;
+    }
 }
 
 static const char *const dense_opt_names[] = {"adam", "adagrad", "sgd"};
@@ -161,7 +275,7 @@ static int config_entry(void *arg, int line, const char *section, const char *sa
     if (k == NULL) {
         if (!strcmp(section, "cluster") && *sarg == '\0') return CM_OK;
         if (!(table || dense) || *sarg == '\0')
-            return cm_ini_unknown_section(errptr, section, sarg, NULL);
+            return cm_ini_unknown_section(errptr, section, sarg, "cluster, table NAME, dense NAME");
         uint32_t *n = table ? &cfg->n_tables : &cfg->n_dense;
         if (*n >= (table ? PS_MAX_TABLES : PS_MAX_DENSE) || strlen(sarg) >= PS_NAME_MAX)
             return cm_err(errptr, CM_EINVAL, "too many %s sections or name too long", section);
@@ -191,7 +305,13 @@ static int config_entry(void *arg, int line, const char *section, const char *sa
         r = set_table(&cfg->tables[cfg->n_tables - 1], k, v);
     else if (dense)
         r = set_dense(&cfg->dense[cfg->n_dense - 1], k, v);
-    if (r > 0) return cm_err(errptr, CM_EINVAL, "unknown key '%s'", k);
+    if (r > 0) {
+        char where[PS_NAME_MAX + 16];
+        snprintf(where, sizeof where, "[%s%s%s]", section, *sarg ? " " : "", sarg);
+        return table   ? cm_ini_unknown_key(errptr, k, where, table_keys, TK_N_)
+               : dense ? cm_ini_unknown_key(errptr, k, where, dense_keys, DK_N_)
+                       : cm_ini_unknown_key(errptr, k, where, cluster_keys, CK_N_);
+    }
     if (r < 0) return cm_err(errptr, CM_EINVAL, "bad value '%s' for %s", v, k);
     return CM_OK;
 }

@@ -50,6 +50,52 @@ void train_opts_init(train_opts *o)
 
 /* ---- config file ---- */
 
+/* Each section's keys, one list for the lookup and for the message that names them. */
+enum { MK_KIND, MK_DIM, MK_HIDDEN, MK_BOTTOM, MK_SEED, MK_POOL, MK_N_ };
+static const char *const model_keys[MK_N_] = {
+    [MK_KIND] = "kind",     [MK_DIM] = "dim",   [MK_HIDDEN] = "hidden",
+    [MK_BOTTOM] = "bottom", [MK_SEED] = "seed", [MK_POOL] = "pool"};
+
+enum {
+    RK_BATCH,
+    RK_EPOCHS,
+    RK_EMB_LR,
+    RK_DENSE_LR,
+    RK_EMB_OPTIMIZER,
+    RK_DENSE_OPTIMIZER,
+    RK_PUSH_CODEC,
+    RK_MEMORY,
+    RK_SHUFFLE,
+    RK_STALENESS,
+    RK_CHECKPOINT_EVERY,
+    RK_EVAL_EVERY,
+    RK_WORKER_TIMEOUT,
+    RK_KEEP_CHECKPOINTS,
+    RK_TF32,
+    RK_BF16,
+    RK_DENSE_MIRROR,
+    RK_EXPECTED_ROWS,
+    RK_N_
+};
+static const char *const train_keys[RK_N_] = {[RK_BATCH] = "batch",
+                                              [RK_EPOCHS] = "epochs",
+                                              [RK_EMB_LR] = "emb_lr",
+                                              [RK_DENSE_LR] = "dense_lr",
+                                              [RK_EMB_OPTIMIZER] = "emb_optimizer",
+                                              [RK_DENSE_OPTIMIZER] = "dense_optimizer",
+                                              [RK_PUSH_CODEC] = "push_codec",
+                                              [RK_MEMORY] = "memory",
+                                              [RK_SHUFFLE] = "shuffle",
+                                              [RK_STALENESS] = "staleness",
+                                              [RK_CHECKPOINT_EVERY] = "checkpoint_every",
+                                              [RK_EVAL_EVERY] = "eval_every",
+                                              [RK_WORKER_TIMEOUT] = "worker_timeout",
+                                              [RK_KEEP_CHECKPOINTS] = "keep_checkpoints",
+                                              [RK_TF32] = "tf32",
+                                              [RK_BF16] = "bf16",
+                                              [RK_DENSE_MIRROR] = "dense_mirror",
+                                              [RK_EXPECTED_ROWS] = "expected_rows"};
+
 static int train_entry(void *arg, int line, const char *section, const char *sarg, const char *k,
                        const char *v, char **errptr)
 {
@@ -67,63 +113,92 @@ static int train_entry(void *arg, int line, const char *section, const char *sar
     char *end = NULL;
     int bad = 0;
     if (!strcmp(section, "model")) {
-        if (!strcmp(k, "kind"))
+        switch (cm_ini_key_find(k, model_keys, MK_N_)) {
+        case MK_KIND:
             bad = model_kind_parse(v, &o->model.kind), o->model_set = !bad;
-        else if (!strcmp(k, "dim"))
+            break;
+        case MK_DIM:
             bad = cm_parse_size(v, &u) || u == 0 || u > 1024, o->dim_override = (uint32_t)u;
-        else if (!strcmp(k, "hidden"))
-            bad = model_parse_widths(v, o->model.hidden, &o->model.n_hidden) || !o->model.n_hidden,
+            break;
+        case MK_HIDDEN:
+            bad = model_parse_widths(v, o->model.hidden, &o->model.n_hidden) || !o->model.n_hidden;
             o->hidden_override = 1;
-        else if (!strcmp(k, "bottom"))
+            break;
+        case MK_BOTTOM:
             bad = model_parse_widths(v, o->model.bottom, &o->model.n_bottom);
-        else if (!strcmp(k, "seed"))
+            break;
+        case MK_SEED:
             bad = cm_parse_size(v, &o->model.seed);
-        else if (!strcmp(k, "pool"))
+            break;
+        case MK_POOL:
             o->mean_pool = !strcmp(v, "mean"), bad = strcmp(v, "mean") && strcmp(v, "sum");
-        else
-            return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [model]", k);
+            break;
+        default:
+            return cm_ini_unknown_key(errptr, k, "[model]", model_keys, MK_N_);
+        }
     } else {
-        if (!strcmp(k, "batch"))
+        switch (cm_ini_key_find(k, train_keys, RK_N_)) {
+        case RK_BATCH:
             bad = cm_parse_size(v, &u) || u == 0 || u > 1000000, o->batch = (uint32_t)u;
-        else if (!strcmp(k, "epochs"))
+            break;
+        case RK_EPOCHS:
             bad = cm_parse_size(v, &u) || u == 0 || u > 10000, o->epochs = (uint32_t)u;
-        else if (!strcmp(k, "emb_lr"))
+            break;
+        case RK_EMB_LR:
             o->emb_lr = strtof(v, &end), bad = *end || !(o->emb_lr > 0) || !isfinite(o->emb_lr);
-        else if (!strcmp(k, "dense_lr"))
-            o->dense_lr = strtof(v, &end),
+            break;
+        case RK_DENSE_LR:
+            o->dense_lr = strtof(v, &end);
             bad = *end || !(o->dense_lr > 0) || !isfinite(o->dense_lr);
-        else if (!strcmp(k, "emb_optimizer"))
+            break;
+        case RK_EMB_OPTIMIZER:
             bad = emb_opt_parse(v, &o->emb_opt);
-        else if (!strcmp(k, "dense_optimizer"))
+            break;
+        case RK_DENSE_OPTIMIZER:
             bad = ps_dense_opt_parse(v, &o->dense_opt);
-        else if (!strcmp(k, "push_codec"))
+            break;
+        case RK_PUSH_CODEC:
             bad = ps_codec_parse(v, &o->push_codec);
-        else if (!strcmp(k, "memory"))
+            break;
+        case RK_MEMORY:
             bad = cm_parse_size(v, &o->memory);
-        else if (!strcmp(k, "shuffle"))
+            break;
+        case RK_SHUFFLE:
             bad = cm_parse_size(v, &o->shuffle_rows);
-        else if (!strcmp(k, "staleness")) {
+            break;
+        case RK_STALENESS: {
             long x = strtol(v, &end, 10);
             bad = *end || end == v || x < -1 || x > 1000000;
             o->staleness = (int32_t)x;
-        } else if (!strcmp(k, "checkpoint_every"))
+            break;
+        }
+        case RK_CHECKPOINT_EVERY:
             bad = cm_parse_size(v, &o->ckpt_every);
-        else if (!strcmp(k, "eval_every"))
+            break;
+        case RK_EVAL_EVERY:
             bad = cm_parse_size(v, &o->eval_every);
-        else if (!strcmp(k, "worker_timeout"))
+            break;
+        case RK_WORKER_TIMEOUT:
             bad = cm_parse_size(v, &u) || u > UINT32_MAX, o->worker_timeout_ms = (uint32_t)u;
-        else if (!strcmp(k, "keep_checkpoints"))
+            break;
+        case RK_KEEP_CHECKPOINTS:
             bad = cm_parse_size(v, &u) || u > 100000, o->keep_checkpoints = (uint32_t)u;
-        else if (!strcmp(k, "tf32"))
+            break;
+        case RK_TF32:
             bad = cm_parse_size(v, &u) || u > 1, o->tf32 = (int)u;
-        else if (!strcmp(k, "bf16"))
+            break;
+        case RK_BF16:
             bad = cm_parse_size(v, &u) || u > 1, o->bf16 = (int)u;
-        else if (!strcmp(k, "dense_mirror"))
+            break;
+        case RK_DENSE_MIRROR:
             bad = cm_parse_size(v, &u) || u > 1, o->dense_mirror = (int)u;
-        else if (!strcmp(k, "expected_rows"))
+            break;
+        case RK_EXPECTED_ROWS:
             bad = cm_parse_size(v, &u) || u > INT64_MAX, o->expected_rows = (int64_t)u;
-        else
-            return cm_err(errptr, CM_EINVAL, "unknown key '%s' in [train]", k);
+            break;
+        default:
+            return cm_ini_unknown_key(errptr, k, "[train]", train_keys, RK_N_);
+        }
     }
     return bad ? cm_err(errptr, CM_EINVAL, "bad value '%s' for %s", v, k) : CM_OK;
 }
@@ -2375,9 +2450,11 @@ static int cluster_entry(void *arg, int line, const char *section, const char *s
         return CM_OK;
     }
     char ***list = !strcmp(k, "ps") ? &c->urls : !strcmp(k, "backups") ? &c->backups : NULL;
-    if (list == NULL)
-        return cm_err(errptr, CM_EINVAL,
-                      "unknown key '%s' (ps, backups, workers, tls_cert, tls_key, tls_ca)", k);
+    if (list == NULL) {
+        static const char *const keys[] = {"ps",       "backups", "workers",
+                                           "tls_cert", "tls_key", "tls_ca"};
+        return cm_ini_unknown_key(errptr, k, "[cluster]", keys, sizeof keys / sizeof keys[0]);
+    }
     uint32_t *n = list == &c->urls ? &c->n_shards : &c->n_backups;
     int rc = url_list(c, k, v, list, n, errptr);
     for (uint32_t i = 0; rc == CM_OK && i < *n; i++) {

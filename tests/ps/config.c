@@ -126,6 +126,21 @@ static void test_errors(void)
     expect_error("[cluster]\nshards = 2\nshard = 2\n", 3, "unknown key 'shard'");
     expect_error("[table t]\ndim = 4\nlearning_rate = 1\n", 3, "unknown key 'learning_rate'");
     expect_error("[dense d]\nsize = 4\nmomentum = 1\n", 3, "unknown key 'momentum'");
+    /* An unknown key names its section and every key there, and the near one it may stand for:
+     * a typo, or a name that starts the other. */
+    expect_error("[table t]\ndim = 4\nmemory_budget = 1G\n", 3,
+                 "unknown key 'memory_budget' in [table t]: did you mean 'memory'?");
+    expect_error("[table t]\ndim = 4\nlr = 1\nopitmizer = sgd\n", 4, "did you mean 'optimizer'?");
+    expect_error("[cluster]\nshards = 2\nshard = 2\n", 3,
+                 "in [cluster]: did you mean 'shards'? (keys: shards, workers, staleness, "
+                 "max_message, worker_timeout, replica_timeout, spill_dir, tls_cert, tls_key, "
+                 "tls_ca)");
+    expect_error("[dense d]\nsize = 4\nmomentum = 1\n", 3,
+                 "unknown key 'momentum' in [dense d] (keys: size, lr, beta1, beta2, eps, "
+                 "optimizer)");
+    expect_error("[table t]\ndim = 4\nttl_steps = 9\n", 3, "did you mean 'ttl'?");
+    expect_error("[table t]\ndim = 4\nxyz = 9\n", 3, "unknown key 'xyz' in [table t] (keys: dim,");
+    expect_error("[tables t]\n", 1, "unknown section [tables t] (cluster, table NAME, dense NAME)");
     expect_error("dim = 4\n", 1, "key 'dim' before any section header");
     expect_error("[cluster]\nshards = two\n", 2, "bad value 'two' for shards");
     expect_error("[cluster]\nshards = -1\n", 2, "bad value");

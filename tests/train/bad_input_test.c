@@ -145,6 +145,17 @@ int main(void)
     rc = run("train --train ds/train --config comma.ini --max-steps 1 --out r3e --no-progress");
     CHECK_MSG(rc == 2 && err_has("comma.ini:3: bad value '64,' for hidden"),
               "hidden with a trailing comma: exit %d, %s", rc, err_text);
+    /* A misspelt key names the one meant and the section's keys. */
+    write_text("typo.ini", "[train]\nbach = 64\n[model]\nknd = lr\n");
+    rc = run("train --train ds/train --config typo.ini --max-steps 1 --out r3e --no-progress");
+    CHECK_MSG(rc == 2 && err_has("typo.ini:2: unknown key 'bach' in [train]: did you mean 'batch'? "
+                                 "(keys: batch, epochs,"),
+              "[train] bach: exit %d, %s", rc, err_text);
+    write_text("typo2.ini", "[model]\nknd = lr\n");
+    rc = run("train --train ds/train --config typo2.ini --max-steps 1 --out r3e --no-progress");
+    CHECK_MSG(rc == 2 && err_has("typo2.ini:2: unknown key 'knd' in [model]: did you mean 'kind'? "
+                                 "(keys: kind, dim, hidden, bottom, seed, pool)"),
+              "[model] knd: exit %d, %s", rc, err_text);
     /* "[model x]" was "unknown section [model] (model, train)": the argument is named. */
     write_text("modelarg.ini", "[train]\nbatch = 64\n[model x]\nkind = lr\n");
     rc = run("train --train ds/train --config modelarg.ini --max-steps 1 --out r3e --no-progress");
@@ -384,6 +395,10 @@ int main(void)
          "tabps.ini:2: URL 'tcp://127.0.0.1:1' given twice"},
         {"vtabps.ini", "[cluster]\nworkers = 1\nps = ipc:///nowhere/a\vipc:///nowhere/b\n",
          "vtabps.ini:3: bad URL 'ipc:///nowhere/a...': control character 0x0b"},
+        /* A misspelt key: the one meant and the keys the file may have. */
+        {"typocl.ini", "[cluster]\nworkers = 1\nbackup = tcp://127.0.0.1:1\n",
+         "typocl.ini:3: unknown key 'backup' in [cluster]: did you mean 'backups'? (keys: ps, "
+         "backups, workers, tls_cert, tls_key, tls_ca)"},
         /* A key above the header belongs to no section, and is named. */
         {"nosectcl.ini", "workers = 1\n[cluster]\nps = tcp://127.0.0.1:1\n",
          "nosectcl.ini:1: key 'workers' before any section header (keys go under [cluster])"},
