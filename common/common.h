@@ -325,6 +325,9 @@ int cm_ini_key_outside(char **errptr, const char *key, const char *where);
 /* A section's keys as one list, so that lookup and the message naming them cannot disagree:
  * the index of key in keys[0..n), or -1. */
 int cm_ini_key_find(const char *key, const char *const *keys, size_t n);
+/* The one of names[0..n) that name most likely stands for (a typo: within two edits; or one
+ * word of the other's name: "memory" for "memory_budget"), or NULL when none is near. */
+const char *cm_nearest_name(const char *name, const char *const *names, size_t n);
 /* For a cm_ini_cb refusing a key its section does not have: "unknown key 'key' in where", then
  * the closest of keys[0..n) when one is near (a typo, or one name the prefix of the other: "did
  * you mean 'memory'?") and every key the section has. Returns CM_EINVAL. */

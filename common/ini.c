@@ -119,21 +119,28 @@ static size_t edit_distance(const char *a, const char *b)
     return row[lb] < 9 ? row[lb] : 9;
 }
 
+const char *cm_nearest_name(const char *name, const char *const *names, size_t n)
+{
+    /* Within two edits, or one word (three letters or more) of the other's name
+     * ("memory_budget" for "memory", "ttl" for "ttl_steps"). */
+    const char *near = NULL;
+    size_t best = 3, ln = strlen(name);
+    for (size_t i = 0; i < n; i++) {
+        size_t d = edit_distance(name, names[i]), l = strlen(names[i]);
+        size_t shorter = l < ln ? l : ln;
+        const char *longer = l < ln ? name : names[i];
+        if (d > 2 && shorter >= 3 && strncmp(name, names[i], shorter) == 0 &&
+            (longer[shorter] == '_' || longer[shorter] == '-'))
+            d = 2;
+        if (d < best) best = d, near = names[i];
+    }
+    return near;
+}
+
 int cm_ini_unknown_key(char **errptr, const char *key, const char *where, const char *const *keys,
                        size_t n)
 {
-    /* The nearest key: within two edits, or one word (three letters or more) of the other's
-     * name ("memory_budget" for "memory", "ttl" for "ttl_steps"). */
-    const char *near = NULL;
-    size_t best = 3, lk = strlen(key);
-    for (size_t i = 0; i < n; i++) {
-        size_t d = edit_distance(key, keys[i]), l = strlen(keys[i]);
-        size_t shorter = l < lk ? l : lk;
-        const char *longer = l < lk ? key : keys[i];
-        if (d > 2 && shorter >= 3 && strncmp(key, keys[i], shorter) == 0 && longer[shorter] == '_')
-            d = 2;
-        if (d < best) best = d, near = keys[i];
-    }
+    const char *near = cm_nearest_name(key, keys, n);
     char list[1024];
     size_t len = 0;
     list[0] = '\0';

@@ -13,6 +13,13 @@
 
 typedef int (*cli_cmd_fn)(int argc, char **argv);
 
+struct option;
+/* getopt_long over opts (long options only) that reports a bad option itself, naming the
+ * command: an unknown one with the option it most likely stands for ("ember train: unknown
+ * option '--bacth': did you mean '--batch'?"), an abbreviation that fits several, or one
+ * missing its value. Returns what getopt_long returns ('?' after such a report). */
+int cli_getopt(const char *cmd, int argc, char **argv, const struct option *opts);
+
 /* The last check of a subcommand's options: missing names the first required option not given
  * (NULL when all are), and argv[optind..argc) must be empty. Returns 0 when the arguments are
  * complete; else prints "ember CMD: --X is required" (or the stray argument), then the usage,

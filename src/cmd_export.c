@@ -289,7 +289,7 @@ int cmd_export(int argc, char **argv)
     ember_serve_precision prec = EMBER_SERVE_FP32;
     int o;
     optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    while ((o = cli_getopt("export", argc, argv, opts)) != -1) {
         switch (o) {
         case 'c': in = optarg; break;
         case 'o': out = optarg; break;

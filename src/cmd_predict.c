@@ -30,7 +30,7 @@ int cmd_predict(int argc, char **argv)
     int n_deltas = 0, o;
     uint64_t batch = 4096;
     optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    while ((o = cli_getopt("predict", argc, argv, opts)) != -1) {
         switch (o) {
         case 'b': bundle = optarg; break;
         case 'd':

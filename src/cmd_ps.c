@@ -91,7 +91,7 @@ int cmd_ps(int argc, char **argv)
     long long shard = 0, shards = 0, contexts = 0, apply = 0, plan = -1;
     int o;
     optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    while ((o = cli_getopt("ps", argc, argv, opts)) != -1) {
         int bad = 0;
         switch (o) {
         case 'c': config = optarg; break;

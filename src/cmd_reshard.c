@@ -138,7 +138,7 @@ int cmd_reshard(int argc, char **argv)
     uint64_t shards = 0;
     int o;
     optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    while ((o = cli_getopt("reshard", argc, argv, opts)) != -1) {
         switch (o) {
         case 'f': from = optarg; break;
         case 'o': out = optarg; break;

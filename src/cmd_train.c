@@ -185,9 +185,8 @@ int cmd_train(int argc, char **argv)
                 return 2;
             }
         }
-    opterr = 1;
     optind = 0; /* 0: glibc and musl start the scan afresh */
-    while ((opt = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    while ((opt = cli_getopt("train", argc, argv, opts)) != -1) {
         uint64_t u = 0;
         int bad = 0;
         char *end = NULL;

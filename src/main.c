@@ -1,3 +1,4 @@
+#include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +19,48 @@ static int cmd_version(int argc, char **argv)
            backend_cpu_kernels(), backend_cpu_blas_core(),
            forced != NULL ? ", set by OPENBLAS_CORETYPE" : "");
     return 0;
+}
+
+int cli_getopt(const char *cmd, int argc, char **argv, const struct option *opts)
+{
+    opterr = 0;
+    int o = getopt_long(argc, argv, "", opts, NULL);
+    opterr = 1;
+    if (o != '?') return o;
+    const char *arg = optind > 0 && optind <= argc ? argv[optind - 1] : "?";
+    const char *name = arg + (arg[0] == '-') + (arg[0] == '-' && arg[1] == '-');
+    size_t len = strcspn(name, "=");
+    enum { MAX_OPTS = 128 };
+    const char *names[MAX_OPTS];
+    size_t n = 0, fits = 0, exact = MAX_OPTS, fit = 0;
+    char several[512] = "";
+    for (size_t i = 0; opts[i].name != NULL && n < MAX_OPTS; i++, n++) {
+        names[n] = opts[i].name;
+        if (strncmp(opts[i].name, name, len) != 0 || len == 0) continue;
+        if (strlen(opts[i].name) == len) exact = i;
+        fit = i;
+        size_t used = strlen(several);
+        snprintf(several + used, sizeof several - used, "%s--%s", fits++ ? ", " : "", opts[i].name);
+    }
+    if (exact != MAX_OPTS || fits == 1) {
+        /* getopt knew the option: a value it lacks, or one it does not take. */
+        const struct option *it = &opts[exact != MAX_OPTS ? exact : fit];
+        fprintf(stderr, "ember %s: option '--%s' %s\n", cmd, it->name,
+                it->has_arg == no_argument ? "takes no value" : "needs a value");
+    } else if (fits > 1) {
+        fprintf(stderr, "ember %s: option '%.*s' is ambiguous (%s)\n", cmd, (int)(len + 2), arg,
+                several);
+    } else {
+        char want[128];
+        snprintf(want, sizeof want, "%.*s", (int)len, name);
+        const char *near = cm_nearest_name(want, names, n);
+        if (near != NULL)
+            fprintf(stderr, "ember %s: unknown option '%s': did you mean '--%s'?\n", cmd, arg,
+                    near);
+        else
+            fprintf(stderr, "ember %s: unknown option '%s'\n", cmd, arg);
+    }
+    return '?';
 }
 
 int cli_args_complete(const char *cmd, const char *missing, int optind, int argc, char **argv,

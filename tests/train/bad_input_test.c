@@ -145,6 +145,18 @@ int main(void)
     rc = run("train --train ds/train --config comma.ini --max-steps 1 --out r3e --no-progress");
     CHECK_MSG(rc == 2 && err_has("comma.ini:3: bad value '64,' for hidden"),
               "hidden with a trailing comma: exit %d, %s", rc, err_text);
+    /* A bad flag is named with what is wrong with it, and a misspelt one with the one meant. */
+    static const char *const flag_errors[][2] = {
+        {"--bacth 64", "ember train: unknown option '--bacth': did you mean '--batch'?"},
+        {"--e 3", "ember train: option '--e' is ambiguous (--eval, --epochs,"},
+        {"--no-progress=1", "ember train: option '--no-progress' takes no value"},
+        {"--qqq", "ember train: unknown option '--qqq'\n"},
+        {"--out", "ember train: option '--out' needs a value"}};
+    for (size_t i = 0; i < sizeof flag_errors / sizeof flag_errors[0]; i++) {
+        rc = run("train --train ds/train --max-steps 1 --no-progress %s", flag_errors[i][0]);
+        CHECK_MSG(rc == 2 && err_has(flag_errors[i][1]), "%s: exit %d, %s", flag_errors[i][0], rc,
+                  err_text);
+    }
     /* A misspelt key names the one meant and the section's keys. */
     write_text("typo.ini", "[train]\nbach = 64\n[model]\nknd = lr\n");
     rc = run("train --train ds/train --config typo.ini --max-steps 1 --out r3e --no-progress");
