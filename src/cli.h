@@ -13,6 +13,10 @@
 
 typedef int (*cli_cmd_fn)(int argc, char **argv);
 
+/* "ember CMD: unknown option 'ARG'", with the one of flags[0..n) (names without their
+ * dashes) that ARG likely stands for: "...: did you mean '--batch'?". */
+void cli_unknown_flag(const char *cmd, const char *arg, const char *const *flags, size_t n);
+
 struct option;
 /* getopt_long over opts (long options only) that reports a bad option itself, naming the
  * command: an unknown one with the option it most likely stands for ("ember train: unknown

@@ -135,7 +135,8 @@ int cmd_gen(int argc, char **argv)
 #define OPT(name) (nlen == strlen(name) && strncmp(a, name, nlen) == 0)
         if (!(OPT("--rows") || OPT("--seed") || OPT("--out") || OPT("--truth") ||
               OPT("--threads"))) {
-            fprintf(stderr, "ember gen: unknown option '%s'\n", a);
+            static const char *const flags[] = {"rows", "seed", "out", "truth", "threads", "stats"};
+            cli_unknown_flag("gen", a, flags, sizeof flags / sizeof flags[0]);
             gen_usage(stderr);
             return 2;
         }

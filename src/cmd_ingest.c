@@ -117,7 +117,17 @@ int cmd_ingest(int argc, char **argv)
                 goto usage;
             }
         } else {
-            fprintf(stderr, "ember ingest: unknown option or bad value: %s %s\n", a, v);
+            /* Every flag, to tell a bad value from a flag misspelt. */
+            static const char *const flags[] = {
+                "format",     "schema",     "out",        "shards",        "threads",
+                "block-rows", "ffm-fields", "split-seed", "eval-fraction", "strict",
+                "buffered",   "bucketize",  "no-label"};
+            const size_t n_flags = sizeof flags / sizeof flags[0];
+            if (cm_ini_key_find(a + 2, flags, n_flags) >= 0) {
+                fprintf(stderr, "ember ingest: bad value '%s' for %s\n", v, a);
+            } else {
+                cli_unknown_flag("ingest", a, flags, n_flags);
+            }
             goto usage;
         }
     }

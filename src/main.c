@@ -21,6 +21,18 @@ static int cmd_version(int argc, char **argv)
     return 0;
 }
 
+void cli_unknown_flag(const char *cmd, const char *arg, const char *const *flags, size_t n)
+{
+    const char *name = arg + (arg[0] == '-') + (arg[0] == '-' && arg[1] == '-');
+    char want[128];
+    snprintf(want, sizeof want, "%.*s", (int)strcspn(name, "="), name);
+    const char *near = cm_nearest_name(want, flags, n);
+    if (near != NULL)
+        fprintf(stderr, "ember %s: unknown option '%s': did you mean '--%s'?\n", cmd, arg, near);
+    else
+        fprintf(stderr, "ember %s: unknown option '%s'\n", cmd, arg);
+}
+
 int cli_getopt(const char *cmd, int argc, char **argv, const struct option *opts)
 {
     opterr = 0;
@@ -51,14 +63,7 @@ int cli_getopt(const char *cmd, int argc, char **argv, const struct option *opts
         fprintf(stderr, "ember %s: option '%.*s' is ambiguous (%s)\n", cmd, (int)(len + 2), arg,
                 several);
     } else {
-        char want[128];
-        snprintf(want, sizeof want, "%.*s", (int)len, name);
-        const char *near = cm_nearest_name(want, names, n);
-        if (near != NULL)
-            fprintf(stderr, "ember %s: unknown option '%s': did you mean '--%s'?\n", cmd, arg,
-                    near);
-        else
-            fprintf(stderr, "ember %s: unknown option '%s'\n", cmd, arg);
+        cli_unknown_flag(cmd, arg, names, n);
     }
     return '?';
 }

@@ -84,6 +84,11 @@ int main(void)
     /* an empty value is not 0 (it was: no eval split, and no word about the option) */
     CHECK(run("ingest --format criteo --out x --eval-fraction '' y", NULL) == 2);
     CHECK(strstr(stderr_text(), "--eval-fraction") != NULL);
+    CHECK(run("ingest --format criteo --out x --shards 0 y", NULL) == 2 &&
+          strstr(stderr_text(), "bad value '0' for --shards") != NULL);
+    CHECK_MSG(run("ingest --fromat criteo --out x y", NULL) == 2 &&
+                  strstr(stderr_text(), "unknown option '--fromat': did you mean '--format'?"),
+              "stderr: %s", stderr_text());
     CHECK(run("ingest --help", NULL) == 0);
 
     /* a file with 50 good lines and 3 bad ones at known lines */

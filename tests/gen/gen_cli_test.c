@@ -118,6 +118,9 @@ int main(void)
         CHECK_MSG(rc == 2, "'%s' exited %d", usage[i], rc);
     }
     CHECK(run("gen --help") == 0 && output_has("--rows"));
+    CHECK_MSG(run("gen --rowz 10 --out x.tsv") == 2 &&
+                  output_has("unknown option '--rowz': did you mean '--rows'?"),
+              "gen --rowz: the flag meant is not named");
     /* --truth naming --out's file by another spelling: refused, and an existing --out is
      * left as it was (the two writers used to interleave into it). */
     char path0[8192];
