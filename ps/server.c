@@ -165,7 +165,8 @@ static nng_msg *reply_too_big(struct ps_server *s, const ps_hdr *h, double paylo
     char msg[256];
     if (payload + PS_HDR_BYTES <= (double)s->cfg.max_msg_bytes) return NULL;
     snprintf(msg, sizeof msg,
-             "%s of %.0f bytes (%u header + %.0f payload) exceeds max_message of %" PRIu64 " bytes",
+             "%s of %.0f bytes (%u header + %.0f payload) exceeds max_message of %" PRIu64
+             " bytes: raise max_message or send fewer keys a call",
              what, payload + PS_HDR_BYTES, PS_HDR_BYTES, payload, s->cfg.max_msg_bytes);
     return reply_error(s, h, CM_EINVAL, msg);
 }

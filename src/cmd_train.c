@@ -27,7 +27,8 @@ static void train_usage(FILE *to)
         "                       [train] (batch, epochs, emb_lr, dense_lr, emb_optimizer,\n"
         "                       push_codec, memory, shuffle, staleness, checkpoint_every,\n"
         "                       eval_every, tf32, bf16, expected_rows, dense_mirror,\n"
-        "                       dense_optimizer, worker_timeout, keep_checkpoints); every\n"
+        "                       dense_optimizer, worker_timeout, keep_checkpoints,\n"
+        "                       max_message); every\n"
         "                       key under its section's header\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
         "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
@@ -56,6 +57,9 @@ static void train_usage(FILE *to)
         "                       applying the same update to its own copy (same results)\n"
         "  --worker-timeout MS  a worker silent this long no longer holds back clocks and\n"
         "                       barriers (default 0: wait for it)\n"
+        "  --max-message BYTES  largest message between workers and PS (default: what a batch's\n"
+        "                       pull or push to one shard needs with one key a field, at\n"
+        "                       least 256 MiB; raise it for multi-valued fields)\n"
         "  --progress | --no-progress\n"
         "  --cluster FILE --role ps|backup|worker --index I   one role of a multi-process job\n"
         "                       (the three together)\n");
@@ -123,6 +127,7 @@ int cmd_train(int argc, char **argv)
         O_BF16,
         O_NOMIRROR,
         O_EXPECTED,
+        O_MAXMSG,
         O_HELP
     };
     static const struct option opts[] = {{"train", 1, 0, O_TRAIN},
@@ -165,6 +170,7 @@ int cmd_train(int argc, char **argv)
                                          {"bf16", 0, 0, O_BF16},
                                          {"no-dense-mirror", 0, 0, O_NOMIRROR},
                                          {"expected-rows", 1, 0, O_EXPECTED},
+                                         {"max-message", 1, 0, O_MAXMSG},
                                          {"help", 0, 0, O_HELP},
                                          {0, 0, 0, 0}};
     train_opts o;
@@ -255,6 +261,9 @@ int cmd_train(int argc, char **argv)
             break;
         case O_MEMORY:
             bad = parse_uint(optarg, UINT64_MAX, &o.memory);
+            break;
+        case O_MAXMSG:
+            bad = parse_uint(optarg, UINT64_MAX, &o.max_message) || o.max_message < 4096;
             break;
         case O_EXPECTED:
             bad = parse_uint(optarg, INT64_MAX, &u);

@@ -75,6 +75,7 @@ enum {
     RK_BF16,
     RK_DENSE_MIRROR,
     RK_EXPECTED_ROWS,
+    RK_MAX_MESSAGE,
     RK_N_
 };
 static const char *const train_keys[RK_N_] = {[RK_BATCH] = "batch",
@@ -94,7 +95,8 @@ static const char *const train_keys[RK_N_] = {[RK_BATCH] = "batch",
                                               [RK_TF32] = "tf32",
                                               [RK_BF16] = "bf16",
                                               [RK_DENSE_MIRROR] = "dense_mirror",
-                                              [RK_EXPECTED_ROWS] = "expected_rows"};
+                                              [RK_EXPECTED_ROWS] = "expected_rows",
+                                              [RK_MAX_MESSAGE] = "max_message"};
 
 static int train_entry(void *arg, int line, const char *section, const char *sarg, const char *k,
                        const char *v, char **errptr)
@@ -195,6 +197,9 @@ static int train_entry(void *arg, int line, const char *section, const char *sar
             break;
         case RK_EXPECTED_ROWS:
             bad = cm_parse_size(v, &u) || u > INT64_MAX, o->expected_rows = (int64_t)u;
+            break;
+        case RK_MAX_MESSAGE:
+            bad = cm_parse_size(v, &o->max_message) || o->max_message < 4096;
             break;
         default:
             return cm_ini_unknown_key(errptr, k, "[train]", train_keys, RK_N_);
@@ -1769,6 +1774,22 @@ static void *worker_main(void *arg)
  * distinct-key estimates (stats.json in the training shards' directory or its parent, as
  * `ember ingest` lays them out) plus 5% for the estimate's error, else 0. A stats.json that
  * does not parse or describes another field count is only a missing hint: warned about. */
+/* The PS messages' size limit a run needs: a batch's pull reply or push to one shard, all its
+ * keys on that shard, with one key a field (multi-valued fields may need --max-message): 4 dim
+ * bytes a row, up to 10 of a key's varint, 4 of a scale or weight, and a quarter more;
+ * never under the PS's own default. A limit only: nothing is allocated at that size. */
+static uint64_t batch_message_bytes(uint32_t batch, const model_cfg *m, const model_layout *l)
+{
+    uint64_t dim = 0;
+    for (uint32_t t = 0; t < l->n_tables; t++)
+        if (l->table_dim[t] > dim) dim = l->table_dim[t];
+    uint64_t need = (uint64_t)batch * m->n_fields * (4 * dim + 10 + 4);
+    need += need / 4;
+    ps_config def;
+    ps_config_init(&def);
+    return need > def.max_msg_bytes ? need : def.max_msg_bytes;
+}
+
 static uint64_t expected_rows(const train_opts *o, uint32_t n_fields)
 {
     if (o->expected_rows >= 0) return (uint64_t)o->expected_rows;
@@ -1919,6 +1940,8 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         d->beta2 = 0.999f;
         d->eps = 1e-8f;
     }
+    p->max_msg_bytes =
+        o->max_message ? o->max_message : batch_message_bytes(o->batch, &S->m, &S->l);
     rc = ps_config_check(p, errptr);
     if (rc != CM_OK) return rc;
     /* Everyone's schedule, from the shard indexes. */

@@ -88,6 +88,7 @@ typedef struct train_opts {
     uint32_t worker_timeout_ms; /* a silent worker stops holding back clocks and barriers */
     int32_t staleness;          /* -1 async */
     uint64_t ckpt_every, max_steps, shuffle_rows, seed, memory;
+    uint64_t max_message; /* the PS messages' size limit; 0: what a batch needs (setup) */
     uint64_t eval_every; /* worker 0 evaluates every N of its steps (needs eval_path); 0: at the
                             end only */
     uint32_t hidden_override, dim_override; /* 0 = preset */
