@@ -1942,6 +1942,17 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         rc = cm_err(errptr, CM_EINVAL,
                     "a worker has no training rows in %s (fewer blocks than workers?)",
                     o->train_path);
+    /* Every checkpoint's directory goes to the PS in a SAVE (PS_CKPT_DIR_MAX bytes at most): a
+     * longer --out trained to its first checkpoint and failed only there, the work lost. Refused
+     * now, which also keeps ckpt_root and the spill directory from being cut short. */
+    int ckpt_len =
+        snprintf(NULL, 0, "%s/ckpt/step-%" PRIu64 TRAIN_CKPT_STAGING, o->out_dir, S->max_steps);
+    if (rc == CM_OK && (ckpt_len < 0 || (size_t)ckpt_len > PS_CKPT_DIR_MAX))
+        rc =
+            cm_err(errptr, CM_EINVAL,
+                   "--out %s is too long: its checkpoints (%s/ckpt/step-%" PRIu64 TRAIN_CKPT_STAGING
+                   ", %d bytes) must fit in %u bytes",
+                   o->out_dir, o->out_dir, S->max_steps, ckpt_len, PS_CKPT_DIR_MAX);
     snprintf(S->ckpt_root, sizeof S->ckpt_root, "%s/ckpt", o->out_dir);
     if (rc == CM_OK) rc = cm_mkdirs(S->ckpt_root, errptr);
     if (rc == CM_OK && o->resume) {
