@@ -1095,8 +1095,10 @@ static int resume_check(const setup *S, char **errptr)
 }
 
 /* A checkpoint's staging directory may hold what an earlier run's save at the same step left
- * (one that failed or was killed), with more shards or workers: their entries would make this
- * one unreadable (two copies of a row). */
+ * (one that failed or was killed): entries of more shards or workers, which would make this one
+ * unreadable (two copies of a row), and the temporaries that save was writing (a position cut
+ * short, which reshard refuses; a shard's half-written tables), which stayed in the checkpoint
+ * for good. Only this checkpoint's own entries stay. */
 static int drop_foreign(const setup *S, const char *dir, char **errptr)
 {
     DIR *d = opendir(dir);
@@ -1104,13 +1106,18 @@ static int drop_foreign(const setup *S, const char *dir, char **errptr)
     struct dirent *e;
     int rc = CM_OK;
     while (rc == CM_OK && (e = readdir(d)) != NULL) {
+        const char *n = e->d_name;
         unsigned i;
-        char tail[8];
-        bool foreign = (sscanf(e->d_name, "shard-%u%1s", &i, tail) == 1 && i >= S->ps.n_shards) ||
-                       (sscanf(e->d_name, "worker-%u.po%1s", &i, tail) == 2 && i >= S->o->workers);
-        if (foreign) {
+        char own[64] = "";
+        if (sscanf(n, "shard-%u", &i) == 1 && i < S->ps.n_shards)
+            snprintf(own, sizeof own, "shard-%u", i);
+        else if (sscanf(n, "worker-%u", &i) == 1 && i < S->o->workers)
+            snprintf(own, sizeof own, "worker-%u.pos", i);
+        bool ours = !strcmp(n, ".") || !strcmp(n, "..") || !strcmp(n, "model.txt") ||
+                    !strcmp(n, "run.txt") || !strcmp(n, own);
+        if (!ours) {
             char path[2600];
-            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            snprintf(path, sizeof path, "%s/%s", dir, n);
             rc = cm_rmtree(path, errptr);
         }
     }
