@@ -1197,16 +1197,25 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
     }
     DIR *d = opendir(S->ckpt_root);
     if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", S->ckpt_root);
-    uint64_t steps[4096];
-    size_t n = 0;
+    /* Every step-<n>, however many: a fixed 4096 left the rest unlisted, so neither pruned
+     * (--keep-checkpoints takes up to 100000) nor removed as an earlier run's. */
+    uint64_t *steps = NULL;
+    size_t n = 0, cap = 0;
     struct dirent *e;
     int rc = CM_OK;
     char dir[2400]; /* ckpt_root, a slash and a directory entry's name */
-    while (rc == CM_OK && (e = readdir(d)) != NULL && n < 4096) {
+    while (rc == CM_OK && (e = readdir(d)) != NULL) {
         unsigned long long v;
         char tail;
         int got = sscanf(e->d_name, "step-%llu%c", &v, &tail);
-        if (got == 1) steps[n++] = v;
+        if (got == 1 && n == cap) {
+            uint64_t *more = realloc(steps, (cap = cap ? 2 * cap : 256) * sizeof *steps);
+            if (more == NULL)
+                rc = cm_err(errptr, CM_ENOMEM, "out of memory listing %s", S->ckpt_root);
+            else
+                steps = more;
+        }
+        if (got == 1 && rc == CM_OK) steps[n++] = v;
         /* What a save that failed or was killed was assembling (checkpoint): no checkpoint is
          * being assembled now, this one is in place. */
         if (got == 2 && is_staging(e->d_name)) {
@@ -1215,7 +1224,7 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
         }
     }
     closedir(d);
-    qsort(steps, n, sizeof steps[0], cm_u64_cmp);
+    if (n > 0) qsort(steps, n, sizeof steps[0], cm_u64_cmp);
     while (rc == CM_OK && n > 0 && steps[n - 1] > latest) {
         if (ckpt_dir(S, steps[--n], dir, sizeof dir) != CM_OK) continue;
         fprintf(stderr,
@@ -1233,6 +1242,7 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
         }
         rc = cm_rmtree(dir, errptr);
     }
+    free(steps);
     return rc;
 }
 
