@@ -1208,6 +1208,11 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
         unsigned long long v;
         char tail;
         int got = sscanf(e->d_name, "step-%llu%c", &v, &tail);
+        /* Only the trainer's own spelling of a step is that step's checkpoint: a step-010 (a
+         * copy) counted as step-10's duplicate, and pruning it removed step-10 itself. */
+        char own[32];
+        if (got == 1 && (snprintf(own, sizeof own, "step-%llu", v) < 0 || strcmp(own, e->d_name)))
+            got = 0;
         if (got == 1 && n == cap) {
             uint64_t *more = realloc(steps, (cap = cap ? 2 * cap : 256) * sizeof *steps);
             if (more == NULL)

@@ -52,9 +52,18 @@ int main(void)
               "--checkpoint-every 5 --max-steps 20 --keep-checkpoints 2 --resume --out keep2") ==
           0);
     CHECK(jnum(last_line(), "steps") == 20 && exists("keep2/ckpt/step-20/model.txt"));
+    char path[8192], *err = NULL;
+    /* A directory whose name reads as a step but is not the trainer's spelling of it (a copy
+     * named step-010) is not a checkpoint of that step: counted as one, it made step-10, the
+     * one LATEST names, an older duplicate to prune, and the run failed reading it back. */
+    snprintf(path, sizeof path, "%s/pad/ckpt/step-010", dir);
+    CHECK(cm_mkdirs(path, &err) == CM_OK);
+    CHECK(run("train --train ds/train --model lr --batch 256 --no-progress --device cpu "
+              "--checkpoint-every 5 --max-steps 10 --keep-checkpoints 1 --out pad") == 0);
+    CHECK_MSG(exists("pad/ckpt/step-10/model.txt") && exists("pad/ckpt/step-010"),
+              "a step-010 beside the run's checkpoints: step-10 or step-010 removed");
     /* More checkpoints than the prune once read (4096: --keep-checkpoints takes up to 100000):
      * a fresh run's first checkpoint removes every earlier one, not the first 4096 it lists. */
-    char path[8192], *err = NULL;
     for (int s = 1; s <= 4200; s++) {
         snprintf(path, sizeof path, "%s/many/ckpt/step-%d/shard-0", dir, s * 10);
         CHECK(cm_mkdirs(path, &err) == CM_OK);
