@@ -1702,8 +1702,9 @@ static int broadcast(ps_client *c, uint16_t op, const void *payload, size_t len,
 static int checkpoint(ps_client *c, uint16_t op, const char *dir, char **errptr)
 {
     size_t len = strlen(dir);
-    if (len == 0 || len > 1024)
-        return cm_err(errptr, CM_EINVAL, "checkpoint path must be 1..1024 bytes");
+    if (len == 0 || len > PS_CKPT_DIR_MAX)
+        return cm_err(errptr, CM_EINVAL, "checkpoint path %s is %zu bytes: it must be 1..%u", dir,
+                      len, PS_CKPT_DIR_MAX);
     int rc = ps_client_flush(c, errptr);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
     /* A worker that did not pass the first barrier cannot meet the others at the second (they

@@ -61,6 +61,7 @@ extern "C" {
 #define PS_MAX_SHARDS 1024u
 #define PS_MAX_WORKERS 1024u
 #define PS_NAME_MAX 32u
+#define PS_CKPT_DIR_MAX 1024u /* bytes of a SAVE's or LOAD's directory (ps_client_save) */
 
 typedef enum ps_codec {
     PS_CODEC_F32 = 0,
@@ -334,7 +335,8 @@ void ps_client_barrier_seek(ps_client *c, uint64_t id);
 
 /* Collective: every worker calls it at the same point. All flush and meet at a barrier, so
  * every update issued before the call is applied and none after; worker 0 then has every shard
- * snapshot into dir/shard-<i>; all meet again and continue. The result is one consistent cut. */
+ * snapshot into dir/shard-<i>; all meet again and continue. The result is one consistent cut.
+ * dir is 1..PS_CKPT_DIR_MAX bytes. */
 int ps_client_save(ps_client *c, const char *dir, char **errptr);
 /* Collective like save: every shard replaces its tables and dense blocks with a checkpoint's. */
 int ps_client_load(ps_client *c, const char *dir, char **errptr);

@@ -805,11 +805,12 @@ static bool dir_within(const char *root, const char *dir)
 
 static nng_msg *handle_save_load(struct ps_server *s, const ps_hdr *h, const uint8_t *p)
 {
-    if (h->payload_len == 0 || h->payload_len > 1024 || memchr(p, '\0', h->payload_len)) {
+    if (h->payload_len == 0 || h->payload_len > PS_CKPT_DIR_MAX ||
+        memchr(p, '\0', h->payload_len)) {
         STAT_ADD(s, bad_messages, 1);
         return reply_error(s, h, CM_EINVAL, "checkpoint directory must be 1..1024 bytes, no NUL");
     }
-    char dir[1025];
+    char dir[PS_CKPT_DIR_MAX + 1];
     memcpy(dir, p, h->payload_len);
     dir[h->payload_len] = '\0';
     char *err = NULL;

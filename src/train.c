@@ -1100,8 +1100,10 @@ static int resume_check(const setup *S, char **errptr)
 }
 
 /* A checkpoint's staging directory may hold what an earlier run's save at the same step left
- * (one that failed or was killed), with more shards or workers: their entries would make this
- * one unreadable (two copies of a row). */
+ * (one that failed or was killed): entries of more shards or workers, which would make this one
+ * unreadable (two copies of a row), and the temporaries that save was writing (a position cut
+ * short, which reshard refuses; a shard's half-written tables), which stayed in the checkpoint
+ * for good. Only this checkpoint's own entries stay. */
 static int drop_foreign(const setup *S, const char *dir, char **errptr)
 {
     DIR *d = opendir(dir);
@@ -1109,13 +1111,18 @@ static int drop_foreign(const setup *S, const char *dir, char **errptr)
     struct dirent *e;
     int rc = CM_OK;
     while (rc == CM_OK && (e = readdir(d)) != NULL) {
+        const char *n = e->d_name;
         unsigned i;
-        char tail[8];
-        bool foreign = (sscanf(e->d_name, "shard-%u%1s", &i, tail) == 1 && i >= S->ps.n_shards) ||
-                       (sscanf(e->d_name, "worker-%u.po%1s", &i, tail) == 2 && i >= S->o->workers);
-        if (foreign) {
+        char own[64] = "";
+        if (sscanf(n, "shard-%u", &i) == 1 && i < S->ps.n_shards)
+            snprintf(own, sizeof own, "shard-%u", i);
+        else if (sscanf(n, "worker-%u", &i) == 1 && i < S->o->workers)
+            snprintf(own, sizeof own, "worker-%u.pos", i);
+        bool ours = !strcmp(n, ".") || !strcmp(n, "..") || !strcmp(n, "model.txt") ||
+                    !strcmp(n, "run.txt") || !strcmp(n, own);
+        if (!ours) {
             char path[2600];
-            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            snprintf(path, sizeof path, "%s/%s", dir, n);
             rc = cm_rmtree(path, errptr);
         }
     }
@@ -1195,16 +1202,30 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
     }
     DIR *d = opendir(S->ckpt_root);
     if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", S->ckpt_root);
-    uint64_t steps[4096];
-    size_t n = 0;
+    /* Every step-<n>, however many: a fixed 4096 left the rest unlisted, so neither pruned
+     * (--keep-checkpoints takes up to 100000) nor removed as an earlier run's. */
+    uint64_t *steps = NULL;
+    size_t n = 0, cap = 0;
     struct dirent *e;
     int rc = CM_OK;
     char dir[2400]; /* ckpt_root, a slash and a directory entry's name */
-    while (rc == CM_OK && (e = readdir(d)) != NULL && n < 4096) {
+    while (rc == CM_OK && (e = readdir(d)) != NULL) {
         unsigned long long v;
         char tail;
         int got = sscanf(e->d_name, "step-%llu%c", &v, &tail);
-        if (got == 1) steps[n++] = v;
+        /* Only the trainer's own spelling of a step is that step's checkpoint: a step-010 (a
+         * copy) counted as step-10's duplicate, and pruning it removed step-10 itself. */
+        char own[32];
+        if (got == 1 && (snprintf(own, sizeof own, "step-%llu", v) < 0 || strcmp(own, e->d_name)))
+            got = 0;
+        if (got == 1 && n == cap) {
+            uint64_t *more = realloc(steps, (cap = cap ? 2 * cap : 256) * sizeof *steps);
+            if (more == NULL)
+                rc = cm_err(errptr, CM_ENOMEM, "out of memory listing %s", S->ckpt_root);
+            else
+                steps = more;
+        }
+        if (got == 1 && rc == CM_OK) steps[n++] = v;
         /* What a save that failed or was killed was assembling (checkpoint): no checkpoint is
          * being assembled now, this one is in place. */
         if (got == 2 && is_staging(e->d_name)) {
@@ -1213,7 +1234,7 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
         }
     }
     closedir(d);
-    qsort(steps, n, sizeof steps[0], cm_u64_cmp);
+    if (n > 0) qsort(steps, n, sizeof steps[0], cm_u64_cmp);
     while (rc == CM_OK && n > 0 && steps[n - 1] > latest) {
         if (ckpt_dir(S, steps[--n], dir, sizeof dir) != CM_OK) continue;
         fprintf(stderr,
@@ -1231,6 +1252,7 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
         }
         rc = cm_rmtree(dir, errptr);
     }
+    free(steps);
     return rc;
 }
 
@@ -1965,6 +1987,17 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         rc = cm_err(errptr, CM_EINVAL,
                     "a worker has no training rows in %s (fewer blocks than workers?)",
                     o->train_path);
+    /* Every checkpoint's directory goes to the PS in a SAVE (PS_CKPT_DIR_MAX bytes at most): a
+     * longer --out trained to its first checkpoint and failed only there, the work lost. Refused
+     * now, which also keeps ckpt_root and the spill directory from being cut short. */
+    int ckpt_len =
+        snprintf(NULL, 0, "%s/ckpt/step-%" PRIu64 TRAIN_CKPT_STAGING, o->out_dir, S->max_steps);
+    if (rc == CM_OK && (ckpt_len < 0 || (size_t)ckpt_len > PS_CKPT_DIR_MAX))
+        rc =
+            cm_err(errptr, CM_EINVAL,
+                   "--out %s is too long: its checkpoints (%s/ckpt/step-%" PRIu64 TRAIN_CKPT_STAGING
+                   ", %d bytes) must fit in %u bytes",
+                   o->out_dir, o->out_dir, S->max_steps, ckpt_len, PS_CKPT_DIR_MAX);
     snprintf(S->ckpt_root, sizeof S->ckpt_root, "%s/ckpt", o->out_dir);
     if (rc == CM_OK) rc = cm_mkdirs(S->ckpt_root, errptr);
     if (rc == CM_OK && o->resume) {

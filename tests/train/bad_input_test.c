@@ -103,6 +103,20 @@ int main(void)
     CHECK(mkdir(strcat(strcpy((char[8300]){0}, dir), "/kept"), 0755) == 0);
     rc = run("train --train no/such/dir --out kept/made/here --no-progress");
     CHECK_MSG(rc != 0 && exists("kept") && !exists("kept/made"), "kept/: exit %d", rc);
+    /* An --out whose checkpoint paths exceed what a SAVE carries (1024 bytes) is refused before
+     * any work, naming it: it trained to its first checkpoint and failed there, work lost,
+     * saying only "checkpoint path must be 1..1024 bytes". */
+    char deep[1200] = "deep";
+    for (int i = 0; i < 4; i++)
+        strcat(strcat(deep, "/"),
+               "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+               "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+               "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+               "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx");
+    rc =
+        run("train --train ds/train --model lr --max-steps 2 --no-progress --out %s/%s", dir, deep);
+    CHECK_MSG(rc == 1 && err_has("--out") && err_has("xxx/ckpt") && !exists("deep"),
+              "an --out too long for its checkpoints: exit %d, %s", rc, err_text);
     rc = run("train --train ds/train --eval-every 5 --no-progress --out bad-ee");
     CHECK_MSG(rc != 0 && err_has("--eval-every needs --eval"),
               "--eval-every without --eval: exit %d", rc);

@@ -7,6 +7,8 @@
  *   the other shard into LATEST's directory, leaving a mixture of two runs to resume from).
  * - A checkpoint without its run.txt is refused by --resume, the file named (it was resumed
  *   without the batch, shard and worker checks run.txt carries).
+ * - What a killed save left in a checkpoint's staging directory (temporaries) does not become
+ *   part of the checkpoint the resumed run saves there.
  * - Runs killed (SIGKILL) at several moments while checkpointing every step, each resumed, end
  *   with the same evaluation and the same tables (every row's bytes, in any order, and the table
  *   step) as a run straight through: a one-worker run resumes bit for bit.
@@ -99,6 +101,36 @@ static void missing_run_txt(void)
     rc = run("train %s --batch 128 --max-steps 20 --resume --out r2", c);
     CHECK_MSG(rc == 1 && err_has("step-10/run.txt"), "resume without run.txt: exit %d, %s", rc,
               err_text);
+}
+
+/* A run killed while checkpointing step 10 leaves ckpt/step-10.tmp; its resume checkpoints step
+ * 10 again into that directory. What the killed save was writing there (a worker position's
+ * temporary, cut short; a shard's temporary directory of a run with more shards, as large as the
+ * shard's tables) must not become part of the resumed run's step-10: they stayed there for good,
+ * and `ember reshard` refused the checkpoint over the cut temporary. */
+static void killed_save_leftovers(void)
+{
+    const char *c = "--train ds/train --model lr --batch 256 --no-progress --device cpu";
+    int rc = run("train %s --max-steps 5 --out r3", c);
+    CHECK_MSG(rc == 0, "r3: exit %d, %s", rc, err_text);
+    char path[8192], *err = NULL;
+    snprintf(path, sizeof path, "%s/r3/ckpt/step-10.tmp/shard-1.tmp/table-lin", dir);
+    CHECK(cm_mkdirs(path, &err) == CM_OK);
+    free(err);
+    const char *left[2] = {"worker-0.pos.tmp.99999", "shard-1.tmp/table-lin/rows.bin.tmp.99999"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/r3/ckpt/step-10.tmp/%s", dir, left[i]);
+        FILE *f = fopen(path, "w");
+        CHECK(f != NULL && fputs("step 1", f) >= 0 && fclose(f) == 0);
+    }
+    rc = run("train %s --max-steps 10 --resume --out r3", c);
+    CHECK_MSG(rc == 0, "r3 resumed: exit %d, %s", rc, err_text);
+    CHECK_MSG(exists("r3/ckpt/step-10/worker-0.pos") &&
+                  !exists("r3/ckpt/step-10/worker-0.pos.tmp.99999") &&
+                  !exists("r3/ckpt/step-10/shard-1.tmp"),
+              "a killed save's temporaries became part of r3/ckpt/step-10");
+    rc = run("reshard --from r3 --shards 2 --out r3-2");
+    CHECK_MSG(rc == 0, "reshard of the resumed checkpoint: exit %d, %s", rc, err_text);
 }
 
 /* Every row record of a snapshot's rows.bin (32-byte header, records, 8-byte checksum), sorted,
@@ -198,6 +230,7 @@ int main(void)
     if (make_criteo("ds", 12000, 4, 0.2) != 0) return check_done();
     failed_save();
     missing_run_txt();
+    killed_save_leftovers();
     killed_runs();
     free(out_text);
     free(err_text);

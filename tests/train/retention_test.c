@@ -2,7 +2,8 @@
  * Checkpoint retention: --keep-checkpoints K keeps the newest K step-N directories and never
  * the one LATEST points at loses; the default keeps every checkpoint; a resume from the pruned
  * run continues from the newest. A fresh run into a directory with an older run's checkpoints
- * removes those newer than its own, so they can neither outlive its own nor be resumed.
+ * removes those newer than its own, so they can neither outlive its own nor be resumed, however
+ * many there are.
  */
 #include "cli_util.h"
 
@@ -51,5 +52,32 @@ int main(void)
               "--checkpoint-every 5 --max-steps 20 --keep-checkpoints 2 --resume --out keep2") ==
           0);
     CHECK(jnum(last_line(), "steps") == 20 && exists("keep2/ckpt/step-20/model.txt"));
+    char path[8192], *err = NULL;
+    /* A directory whose name reads as a step but is not the trainer's spelling of it (a copy
+     * named step-010) is not a checkpoint of that step: counted as one, it made step-10, the
+     * one LATEST names, an older duplicate to prune, and the run failed reading it back. */
+    snprintf(path, sizeof path, "%s/pad/ckpt/step-010", dir);
+    CHECK(cm_mkdirs(path, &err) == CM_OK);
+    CHECK(run("train --train ds/train --model lr --batch 256 --no-progress --device cpu "
+              "--checkpoint-every 5 --max-steps 10 --keep-checkpoints 1 --out pad") == 0);
+    CHECK_MSG(exists("pad/ckpt/step-10/model.txt") && exists("pad/ckpt/step-010"),
+              "a step-010 beside the run's checkpoints: step-10 or step-010 removed");
+    /* More checkpoints than the prune once read (4096: --keep-checkpoints takes up to 100000):
+     * a fresh run's first checkpoint removes every earlier one, not the first 4096 it lists. */
+    for (int s = 1; s <= 4200; s++) {
+        snprintf(path, sizeof path, "%s/many/ckpt/step-%d/shard-0", dir, s * 10);
+        CHECK(cm_mkdirs(path, &err) == CM_OK);
+    }
+    free(err);
+    CHECK(run("train --train ds/train --model lr --batch 256 --no-progress --device cpu "
+              "--max-steps 5 --out many") == 0);
+    int left = 0;
+    for (int s = 1; s <= 4200; s++) {
+        char name[64];
+        snprintf(name, sizeof name, "many/ckpt/step-%d", s * 10);
+        left += exists(name);
+    }
+    CHECK_MSG(left == 0 && exists("many/ckpt/step-5/model.txt"),
+              "%d of an earlier run's 4200 checkpoints left beside a fresh run's step-5", left);
     return check_done();
 }
