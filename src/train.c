@@ -228,6 +228,7 @@ typedef struct setup {
     const char *train_paths[1], *eval_paths[1];
     uint64_t *steps_of; /* per worker: total steps */
     uint64_t min_steps, max_steps;
+    uint64_t train_rows; /* rows of --train, all workers' parts */
     char ckpt_root[2048];
     uint64_t resume_step;
     FILE *metrics; /* worker 0 */
@@ -1029,17 +1030,19 @@ static float dense_lr_of(const train_opts *o)
 
 /* What a checkpoint's data positions and rows depend on besides the model (run.txt): a resume
  * with another batch size, shuffle, seed or worker or shard count would replay or skip rows, or
- * find the rows on other shards. Epochs and --max-steps may change (a run is extended). */
+ * find the rows on other shards; one on other --train data (told by its row count) would skip
+ * as many of its rows as the checkpoint had trained on. Epochs and --max-steps may change (a
+ * run is extended). A key the checkpoint's run.txt lacks (an older run's) is not compared. */
 static int run_format(const setup *S, char *out, size_t n)
 {
     const train_opts *o = S->o;
     int len = snprintf(out, n,
                        "batch %u\nshuffle %" PRIu64 "\nseed %" PRIu64
                        "\nworkers %u\nshards %u\nemb_optimizer %s\ndense_optimizer %s"
-                       "\nemb_lr %.7g\ndense_lr %.7g\npush_codec %s\n",
+                       "\nemb_lr %.7g\ndense_lr %.7g\npush_codec %s\ntrain_rows %" PRIu64 "\n",
                        o->batch, o->shuffle_rows, o->seed, o->workers, o->shards,
                        emb_opt_name(o->emb_opt), ps_dense_opt_name(o->dense_opt), (double)o->emb_lr,
-                       (double)dense_lr_of(o), ps_codec_name(o->push_codec));
+                       (double)dense_lr_of(o), ps_codec_name(o->push_codec), S->train_rows);
     return len < 0 || (size_t)len >= n ? 0 : len;
 }
 
@@ -1974,6 +1977,7 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         rc = reader_open(S, o->train_path, w, o->workers, 1, 0, &r, errptr);
         if (rc != CM_OK) break;
         uint64_t rows = ds_reader_rows(r);
+        S->train_rows += rows;
         ds_reader_destroy(r);
         uint64_t steps = (rows + o->batch - 1) / o->batch * o->epochs;
         if (o->max_steps && steps > o->max_steps) steps = o->max_steps;

@@ -505,6 +505,11 @@ int main(void)
     CHECK_MSG(rc == 1 && err_has("model kind dlrm (checkpoint mlp)") &&
                   err_has("workers 2 (checkpoint 1)") && err_has("r7/ckpt/step-4"),
               "--resume with another model and worker count: exit %d, stderr: %s", rc, err_text);
+    /* Other --train data: it would skip as many of its rows as the checkpoint had trained. */
+    rc = run("train --train ds/eval --model mlp --batch 512 --max-steps 8 --resume --out r7 "
+             "--no-progress");
+    CHECK_MSG(rc == 1 && err_has("train_rows") && err_has("r7/ckpt/step-4"),
+              "--resume on other data: exit %d, stderr: %s", rc, err_text);
     char *list7b = ckpt_listing("r7");
     CHECK_MSG(list7 && list7b && strcmp(list7, list7b) == 0, "refused resumes changed r7/ckpt");
     free(list7);
