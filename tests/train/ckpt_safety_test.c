@@ -131,6 +131,15 @@ static void killed_save_leftovers(void)
               "a killed save's temporaries became part of r3/ckpt/step-10");
     rc = run("reshard --from r3 --shards 2 --out r3-2");
     CHECK_MSG(rc == 0, "reshard of the resumed checkpoint: exit %d, %s", rc, err_text);
+    /* A checkpoint an older ember left such a temporary in still reshards: the temporary is no
+     * part of it, and is not carried over. */
+    snprintf(path, sizeof path, "%s/r3/ckpt/step-10/worker-0.pos.tmp.99999", dir);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL && fputs("step 1", f) >= 0 && fclose(f) == 0);
+    rc = run("reshard --from r3 --shards 2 --out r3-3");
+    CHECK_MSG(rc == 0 && exists("r3-3/ckpt/step-10/worker-0.pos") &&
+                  !exists("r3-3/ckpt/step-10/worker-0.pos.tmp.99999"),
+              "reshard of a checkpoint with a cut worker temporary: exit %d, %s", rc, err_text);
 }
 
 /* Every row record of a snapshot's rows.bin (32-byte header, records, 8-byte checksum), sorted,
