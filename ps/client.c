@@ -63,7 +63,10 @@ typedef struct slot {
     uint32_t table, count;
     uint8_t codec;
     uint64_t req_id;
-    nng_duration timeout; /* the call's, for its error message */
+    /* The call's, for its error message: milliseconds, up to 20 x UINT32_MAX (a barrier's),
+     * which an nng_duration (int32) cannot hold: nng is only ever given what is left of it
+     * (ms_until, capped). */
+    uint64_t timeout;
     /* cm_now() seconds: when the call must have its answer (deadline), and when the current
      * attempt is given up (attempt_end: before the deadline while the backup is still to be
      * tried, so that the backup's attempt fits in the same timeout). */
@@ -144,7 +147,7 @@ typedef struct dense_mirror {
 
 /* ---- slots ---- */
 
-static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout);
+static void slot_send(slot *s, nng_msg *m, bool idempotent, uint64_t timeout);
 static void slot_transmit(slot *s, nng_msg *m, bool idempotent, double deadline);
 static nng_duration ms_until(double t);
 static void mirror_drop(ps_client *c, uint32_t block);
@@ -317,7 +320,7 @@ static void slot_fail_io(slot *s, int rv, const char *what)
     const shard_conn *sc = &s->c->shards[s->shard];
     char *err = NULL, within[48] = "";
     bool to = rv == NNG_ETIMEDOUT;
-    if (to) snprintf(within, sizeof within, " within %d ms", (int)s->timeout);
+    if (to) snprintf(within, sizeof within, " within %" PRIu64 " ms", s->timeout);
     if (sc->backup_url)
         cm_err(&err, CM_EIO, "%s shard %u (primary %s, backup %s)%s: %s%s", what, s->shard, sc->url,
                sc->backup_url, within, nng_strerror(rv),
@@ -424,7 +427,7 @@ static slot *slot_acquire(struct ps_client *c, uint32_t shard, int kind)
 /* Sends a message built with ps_msg_new: fills the request id, seals, sends. Idempotent
  * requests may be resent by nng after a reconnect; long-waiting ones get a long timeout: the
  * whole call's, failover included. */
-static void slot_send(slot *s, nng_msg *m, bool idempotent, nng_duration timeout)
+static void slot_send(slot *s, nng_msg *m, bool idempotent, uint64_t timeout)
 {
     s->timeout = timeout;
     slot_transmit(s, m, idempotent, cm_now() + timeout / 1000.0);
@@ -522,7 +525,7 @@ static int slot_wait(struct ps_client *c, slot *s, nng_msg **reply, char **errpt
 
 /* One synchronous request to one shard. */
 static int request(struct ps_client *c, uint32_t shard, nng_msg *m, bool idempotent,
-                   nng_duration timeout, nng_msg **reply, char **errptr)
+                   uint64_t timeout, nng_msg **reply, char **errptr)
 {
     slot *s = slot_acquire(c, shard, K_SYNC);
     slot_send(s, m, idempotent, timeout);
@@ -626,7 +629,7 @@ static int hello(struct ps_client *c, uint32_t shard, char **errptr)
     }
     nng_msg *m = msg_simple(PS_OP_HELLO, 0, 0, buf, len), *reply = NULL;
     if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-    int rc = request(c, shard, m, true, (nng_duration)c->timeout_ms, &reply, errptr);
+    int rc = request(c, shard, m, true, c->timeout_ms, &reply, errptr);
     /* Shard 0 says which barrier generation the cluster is in (a restarted worker joins it).
      * Every shard sends it: a reply without it is not a shard's, and a client left at
      * generation 0 would pass its first barrier at once (shard 0 takes 0 as long completed). */
@@ -1105,7 +1108,7 @@ static int push_shard(struct ps_client *c, uint32_t shard, uint32_t table, ps_co
     if (c->pulled == NULL || !ps_keycache_match(c->pulled, shard, table, keys, n, &pull_id, &sum)) {
         nng_msg *m = rows_msg(PS_OP_PUSH, table, codec, keys, n, rows, rb, 0);
         if (m == NULL) return CM_ENOMEM;
-        slot_send(slot_acquire(c, shard, K_ASYNC), m, true, (nng_duration)c->timeout_ms);
+        slot_send(slot_acquire(c, shard, K_ASYNC), m, true, c->timeout_ms);
         return CM_OK;
     }
     ps_hdr h = rows_hdr(PS_OP_PUSH, table, codec, n, PS_FLAG_ELIDED);
@@ -1131,7 +1134,7 @@ static int push_shard(struct ps_client *c, uint32_t shard, uint32_t table, ps_co
     s->fb_rows = fb_rows;
     s->fb_row_bytes = rb;
     __atomic_add_fetch(&c->st.pushes_elided, 1, __ATOMIC_RELAXED);
-    slot_send(s, m, true, (nng_duration)c->timeout_ms);
+    slot_send(s, m, true, c->timeout_ms);
     return CM_OK;
 }
 
@@ -1178,7 +1181,7 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
         }
         slots[s] = slot_acquire(c, s, K_SYNC);
         req_ids[s] = slots[s]->req_id;
-        slot_send(slots[s], m, true, (nng_duration)c->timeout_ms);
+        slot_send(slots[s], m, true, c->timeout_ms);
     }
     /* Every slot sent must be waited for, even after an error. */
     for (uint32_t s = 0; s < ns; s++) {
@@ -1393,8 +1396,7 @@ static int dense_call(ps_client *c, uint16_t op, uint8_t flags, uint32_t block, 
     if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     ((ps_hdr *)nng_msg_body(m))->flags = flags;
     /* Every dense op may be resent: pushes are de-duplicated, init and pull are idempotent. */
-    int rc =
-        request(c, block % c->cfg.n_shards, m, true, (nng_duration)c->timeout_ms, &reply, errptr);
+    int rc = request(c, block % c->cfg.n_shards, m, true, c->timeout_ms, &reply, errptr);
     if (rc != CM_OK) return rc;
     ps_hdr h;
     memcpy(&h, nng_msg_body(reply), sizeof h);
@@ -1502,7 +1504,7 @@ static void *mirror_sender(void *arg)
         ((ps_hdr *)nng_msg_body(m))->flags = PS_FLAG_DIGEST;
         slot *sl = slot_acquire(c, mi->block % c->cfg.n_shards, K_MIRROR);
         sl->mirror = mi; /* the slot is ours until slot_send */
-        slot_send(sl, m, true, (nng_duration)c->timeout_ms);
+        slot_send(sl, m, true, c->timeout_ms);
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);
@@ -1538,8 +1540,7 @@ int ps_client_dense_mirror(ps_client *c, uint32_t block, char **errptr)
     if (rc == CM_OK && m == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     if (rc == CM_OK) {
         ((ps_hdr *)nng_msg_body(m))->flags = PS_FLAG_STATE;
-        rc = request(c, block % c->cfg.n_shards, m, true, (nng_duration)c->timeout_ms, &reply,
-                     errptr);
+        rc = request(c, block % c->cfg.n_shards, m, true, c->timeout_ms, &reply, errptr);
     }
     if (rc == CM_OK && ((mi = calloc(1, sizeof *mi)) == NULL ||
                         (mi->gbuf = malloc(c->cfg.dense[block].size * sizeof(float) + 1)) == NULL))
@@ -1630,7 +1631,7 @@ static int coord(ps_client *c, uint16_t op, uint32_t value, char **errptr)
     nng_msg *m = msg_simple(op, 0, value, NULL, 0);
     if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     char *err = NULL;
-    int rc = request(c, 0, m, false, (nng_duration)c->timeout_ms * 20, NULL, &err);
+    int rc = request(c, 0, m, false, (uint64_t)c->timeout_ms * 20, NULL, &err);
     if (rc == CM_ECANCELED) /* aborted: the error that aborted it is the one reported */
         cm_err(errptr, rc, "%s", err ? err : "?");
     else if (rc != CM_OK)
@@ -1683,7 +1684,7 @@ static int broadcast(ps_client *c, uint16_t op, const void *payload, size_t len,
             break;
         }
         slots[s] = slot_acquire(c, s, K_SYNC);
-        slot_send(slots[s], m, idempotent, (nng_duration)c->timeout_ms * 20);
+        slot_send(slots[s], m, idempotent, (uint64_t)c->timeout_ms * 20);
     }
     for (uint32_t s = 0; s < ns; s++) {
         if (slots[s] == NULL) continue;
@@ -1743,7 +1744,7 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
     for (uint32_t s = 0; s < c->cfg.n_shards; s++) {
         nng_msg *m = msg_simple(PS_OP_STATS, 0, 0, NULL, 0), *reply = NULL;
         if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-        int rc = request(c, s, m, true, (nng_duration)c->timeout_ms, &reply, errptr);
+        int rc = request(c, s, m, true, c->timeout_ms, &reply, errptr);
         if (rc != CM_OK) return rc;
         size_t want = sizeof(ps_server_stats) + c->cfg.n_tables * sizeof(emb_table_stats);
         if (nng_msg_len(reply) != PS_HDR_BYTES + want) {

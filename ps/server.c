@@ -177,9 +177,13 @@ static nng_msg *reply_too_big(struct ps_server *s, const ps_hdr *h, double paylo
  * (it died; if it comes back, its next request makes it count again). */
 static bool alive(const struct ps_server *s, uint32_t w)
 {
-    return s->cfg.worker_timeout_ms == 0 ||
-           now_ms() - __atomic_load_n(&s->last_seen[w], __ATOMIC_RELAXED) <=
-               s->cfg.worker_timeout_ms;
+    if (s->cfg.worker_timeout_ms == 0) return true;
+    /* Its last request time is read first, and one later than now (stored by a request
+     * handled meanwhile, stamped after this thread read its clock, as when this thread was
+     * descheduled in between) is alive: unsigned, now - seen wrapped to nearly 2^64 ms, and a
+     * busy worker counted as dead. */
+    const uint64_t seen = __atomic_load_n(&s->last_seen[w], __ATOMIC_ACQUIRE), now = now_ms();
+    return now <= seen || now - seen <= s->cfg.worker_timeout_ms;
 }
 
 static uint64_t min_clock(const struct ps_server *s)

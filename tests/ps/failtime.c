@@ -22,6 +22,10 @@
  *      passes there. Its resend went out on the primary's connection, still open until the
  *      failover closed it, and that close failed the call ("connection reset") with the backup
  *      up. T = 200 ms here (4 s a barrier, 2 s of it for the primary).
+ *   9. A long T (2^31 / 20 ms or more, about 30 hours: a job that would rather wait out a slow
+ *      peer than fail) still waits: the call's timeout was an int32 of milliseconds, and the
+ *      20 T of a barrier (or T itself from 2^31 ms on) wrapped negative, a deadline already
+ *      past, so every barrier failed at once while the other worker was on its way.
  * Bounds are 1.5 T against 2 T or more before, with T = 2 s: wide enough for a loaded machine.
  */
 #include <nng/nng.h>
@@ -280,6 +284,57 @@ static void silent_after_hello(const ps_config *cfg, const char *dir)
     nng_close(p);
 }
 
+/* Two workers with a long timeout: b enters a barrier 300 ms after a, whose barrier must wait
+ * for it and pass. */
+static void *late_barrier(void *arg)
+{
+    usleep(300000);
+    return (void *)(intptr_t)ps_client_barrier(arg, NULL);
+}
+
+static void long_timeout(const char *dir)
+{
+    ps_config cfg;
+    pt_config(dir, "failtime3.ini",
+              "[cluster]\nshards = 1\nworkers = 2\n"
+              "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n",
+              &cfg);
+    const char *u = pt_ipc(dir, "s9"), *urls[1] = {u};
+    ps_server *srv = pt_server(&cfg, u, 0);
+    const uint32_t longs[] = {200u * 1000 * 1000, 3000u * 1000 * 1000, UINT32_MAX};
+    for (size_t i = 0; i < sizeof longs / sizeof longs[0]; i++) {
+        ps_client *a = NULL, *b = NULL;
+        char *err = NULL;
+        ps_client_opts o = {.cfg = &cfg, .urls = urls, .timeout_ms = longs[i]};
+        int rc = ps_client_create(&o, &a, &err);
+        CHECK_MSG(rc == CM_OK, "timeout %u ms: client 0: %s", longs[i], err ? err : "");
+        free(err), err = NULL;
+        o.worker = 1;
+        if (rc == CM_OK) rc = ps_client_create(&o, &b, &err);
+        CHECK_MSG(rc == CM_OK, "timeout %u ms: client 1: %s", longs[i], err ? err : "");
+        free(err), err = NULL;
+        if (rc != CM_OK) {
+            ps_client_destroy(a);
+            continue;
+        }
+        pthread_t th;
+        if (pthread_create(&th, NULL, late_barrier, b) != 0) pt_die("pthread_create", NULL);
+        double t0 = cm_now();
+        rc = ps_client_barrier(a, &err);
+        double t = cm_now() - t0;
+        void *brc;
+        pthread_join(th, &brc);
+        CHECK_MSG(rc == CM_OK && (int)(intptr_t)brc == CM_OK && t > 0.2,
+                  "timeout %u ms: a barrier the other worker enters 300 ms later: %d after %.3f s "
+                  "(%s)",
+                  longs[i], rc, t, err ? err : "");
+        free(err);
+        ps_client_destroy(a);
+        ps_client_destroy(b);
+    }
+    ps_server_destroy(srv);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -294,5 +349,6 @@ int main(void)
     pull_behind_push(&cfg, dir);
     checkpoint_alone(dir);
     silent_after_hello(&cfg, dir);
+    long_timeout(dir);
     return pt_finish(dir);
 }
