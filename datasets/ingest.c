@@ -664,6 +664,16 @@ static int ffm_scan_fields(const ds_ingest_opts *o, uint32_t *n_fields, char **e
     uint8_t *buf = malloc(cap);
     if (buf == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     for (size_t f = 0; rc == CM_OK && f < o->n_inputs; f++) {
+        /* this pass would drain a pipe (`<(zcat x.ffm.gz)`, /dev/stdin), leaving the ingest
+         * nothing to read: no rows, and success */
+        struct stat st;
+        if (stat(o->inputs[f], &st) == 0 && !S_ISREG(st.st_mode)) {
+            rc = cm_err(errptr, CM_EINVAL,
+                        "%s: not a regular file, which the libffm field count would read twice; "
+                        "give it with --ffm-fields N",
+                        o->inputs[f]);
+            break;
+        }
         ds_input *in = NULL;
         if ((rc = ds_input_open(o->inputs[f], &in, errptr)) != CM_OK) break;
         int state = 0; /* 0 label, 1 between tokens, 2 field digits, 3 rest of token */

@@ -1,4 +1,5 @@
 /* Ingest edge cases found in review: each test here failed before the fix it came with. */
+#include <unistd.h>
 #include <zlib.h>
 
 #include "ds_test_util.h"
@@ -288,6 +289,49 @@ static void test_ffm_huge_field(const char *tmp)
     ds_reader_destroy(rd);
 }
 
+/* A libffm input without --ffm-fields is read twice (once for the field count). A pipe given as
+ * input (`<(zcat x.ffm.gz)`, /dev/stdin) was drained by the counting pass, and the ingest then
+ * read nothing: no rows, empty shards, success. Such an input is now refused, naming it and
+ * --ffm-fields; with the count given it is read once, and works. */
+static void test_ffm_pipe(const char *tmp)
+{
+    const char *text = "1 0:5:1 1:7:1\n0 2:3:1\n";
+    for (int given = 0; given < 2; given++) {
+        int fds[2];
+        if (pipe(fds) != 0) {
+            CHECK(0);
+            return;
+        }
+        CHECK(write(fds[1], text, strlen(text)) == (ssize_t)strlen(text));
+        close(fds[1]);
+        char in[64];
+        snprintf(in, sizeof in, "/dev/fd/%d", fds[0]);
+        const char *inputs[1] = {in};
+        ds_ingest_opts o;
+        ds_ingest_opts_init(&o);
+        o.parser.format = DS_FMT_LIBFFM;
+        o.parser.ffm_fields = given ? 3 : 0;
+        o.inputs = inputs;
+        o.n_inputs = 1;
+        o.out_dir = join(tmp, given ? "ffm_pipe1" : "ffm_pipe0");
+        o.threads = 1;
+        o.log = fopen("/dev/null", "w");
+        ds_ingest_result r;
+        char *err = NULL;
+        int rc = ds_ingest_run(&o, &r, &err);
+        fclose(o.log);
+        close(fds[0]);
+        if (given)
+            CHECK_MSG(rc == CM_OK && r.rows_written == 2, "rc %d, %llu rows: %s", rc,
+                      (unsigned long long)r.rows_written, err ? err : "");
+        else
+            CHECK_MSG(rc == CM_EINVAL && err && strstr(err, in) && strstr(err, "--ffm-fields"),
+                      "rc %d, %llu rows: %s", rc, (unsigned long long)r.rows_written,
+                      err ? err : "(no error)");
+        free(err);
+    }
+}
+
 /* An Avazu hour that is no real time was taken: 14023100 (Feb 31) got the weekday of Mar 3
  * and 14102199 the hour-of-day key "99", rows that look like real ones. Only the month and a
  * day up to 31 were checked. Such an hour is now a number reject; Feb 29 of a leap year and
@@ -357,6 +401,7 @@ int main(void)
     test_header_only(tmp);
     test_same_input_twice(tmp);
     test_ffm_huge_field(tmp);
+    test_ffm_pipe(tmp);
     test_avazu_hour();
     test_sparse_index_zeros();
     return check_done();
