@@ -7,6 +7,7 @@
  * blocks to the shard files round-robin. Chunks live in a ring of slots; a slot is reused only
  * after the writer is done with it, which bounds memory and keeps the output independent of the
  * number of threads. */
+#include <dirent.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -487,11 +488,18 @@ static void *worker_main(void *arg)
 
 /* ---- the writer (calling thread) ---- */
 
+/* Shards are written into a staging folder per set, DIR/train.tmp-<pid> (eval alike), renamed
+ * to DIR/train once every shard in it is committed: committed one by one into DIR/train, a
+ * run killed halfway through left some of them there, and a reader took them for the set. */
 typedef struct outset {
     ds_shard_writer **w; /* [2][n_shards] */
     uint64_t next_block[2];
     int opened;
+    char *stage[2];   /* staging folders still to be renamed or removed */
+    int published[2]; /* renamed to DIR/train, DIR/eval */
 } outset;
+
+static const char *const set_names[2] = {"train", "eval"};
 
 static char *path_join(const char *a, const char *b)
 {
@@ -516,8 +524,11 @@ static int open_outputs(ingest *g, outset *os, const ds_schema *schema, char **e
     size_t stage = STAGES_TOTAL / files < STAGE_MAX ? STAGES_TOTAL / files : STAGE_MAX;
     if (o->buffered_output || stage < STAGE_MIN) stage = 0;
     for (int ev = 0; rc == CM_OK && ev < (o->eval_fraction > 0 ? 2 : 1); ev++) {
-        char *dir = path_join(o->out_dir, ev ? "eval" : "train");
+        char sname[64];
+        snprintf(sname, sizeof sname, "%s.tmp-%ld", set_names[ev], (long)getpid());
+        char *dir = path_join(o->out_dir, sname);
         if (dir == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        os->stage[ev] = dir; /* freed with the outset */
         rc = cm_mkdirs(dir, errptr);
         for (uint32_t s = 0; rc == CM_OK && s < o->n_shards; s++) {
             char name[64];
@@ -529,7 +540,6 @@ static int open_outputs(ingest *g, outset *os, const ds_schema *schema, char **e
                                                    &os->w[ev * o->n_shards + s], errptr);
             free(path);
         }
-        free(dir);
     }
     os->opened = 1;
     return rc;
@@ -664,6 +674,16 @@ static int ffm_scan_fields(const ds_ingest_opts *o, uint32_t *n_fields, char **e
     uint8_t *buf = malloc(cap);
     if (buf == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     for (size_t f = 0; rc == CM_OK && f < o->n_inputs; f++) {
+        /* this pass would drain a pipe (`<(zcat x.ffm.gz)`, /dev/stdin), leaving the ingest
+         * nothing to read: no rows, and success */
+        struct stat st;
+        if (stat(o->inputs[f], &st) == 0 && !S_ISREG(st.st_mode)) {
+            rc = cm_err(errptr, CM_EINVAL,
+                        "%s: not a regular file, which the libffm field count would read twice; "
+                        "give it with --ffm-fields N",
+                        o->inputs[f]);
+            break;
+        }
         ds_input *in = NULL;
         if ((rc = ds_input_open(o->inputs[f], &in, errptr)) != CM_OK) break;
         int state = 0; /* 0 label, 1 between tokens, 2 field digits, 3 rest of token */
@@ -735,6 +755,17 @@ static int prepare_out_dir(const char *dir, char **errptr)
         rc = cm_rmtree(p, errptr);
         free(p);
     }
+    /* staging folders of killed runs (train.tmp-<pid>, eval.tmp-<pid>): a set's worth of disk */
+    DIR *d = rc == CM_OK ? opendir(dir) : NULL;
+    struct dirent *e;
+    while (d != NULL && rc == CM_OK && (e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, "train.tmp-", 10) != 0 && strncmp(e->d_name, "eval.tmp-", 9) != 0)
+            continue;
+        char *p = path_join(dir, e->d_name);
+        rc = p ? cm_rmtree(p, errptr) : cm_err(errptr, CM_ENOMEM, "out of memory");
+        free(p);
+    }
+    if (d != NULL) closedir(d);
     return rc;
 }
 
@@ -802,6 +833,41 @@ static void finish_outputs(ingest *g, outset *os, int ok, ds_ingest_result *res,
             ds_shard_writer_abort(os->w[i]);
         }
         os->w[i] = NULL;
+    }
+}
+
+/* Renames each staging folder, its shards all committed, to DIR/train or DIR/eval. */
+static int publish_outputs(const ds_ingest_opts *o, outset *os, char **errptr)
+{
+    int rc = CM_OK;
+    for (int ev = 0; rc == CM_OK && ev < 2; ev++) {
+        if (os->stage[ev] == NULL) continue;
+        char *dst = path_join(o->out_dir, set_names[ev]);
+        if (dst == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+        if (rename(os->stage[ev], dst) != 0) {
+            rc = cm_err_errno(errptr, CM_EIO, "cannot rename %s to %s", os->stage[ev], dst);
+        } else {
+            os->published[ev] = 1;
+            free(os->stage[ev]);
+            os->stage[ev] = NULL;
+        }
+        free(dst);
+    }
+    if (rc == CM_OK) rc = cm_fsync_dir(o->out_dir, errptr);
+    return rc;
+}
+
+/* After a failure: no staging folder, and no set this run published (a failed run leaves no
+ * shards). */
+static void remove_outputs(const ds_ingest_opts *o, outset *os, int failed)
+{
+    for (int ev = 0; ev < 2; ev++) {
+        if (os->stage[ev] != NULL) cm_rmtree(os->stage[ev], NULL);
+        free(os->stage[ev]);
+        os->stage[ev] = NULL;
+        char *dst = failed && os->published[ev] ? path_join(o->out_dir, set_names[ev]) : NULL;
+        if (dst != NULL) cm_rmtree(dst, NULL);
+        free(dst);
     }
 }
 
@@ -882,6 +948,7 @@ int ds_ingest_run(const ds_ingest_opts *o, ds_ingest_result *res, char **errptr)
             if (g.workers[i].stats.hll) ds_stats_merge(&total, &g.workers[i].stats);
         res->clicks = total.clicks;
         finish_outputs(&g, &os, 1, res, &rc, errptr);
+        if (rc == CM_OK) rc = publish_outputs(o, &os, errptr);
         if (rc == CM_OK) {
             char *sp = path_join(o->out_dir, "stats.json");
             rc = sp ? ds_stats_write_json(&total, &p0->schema, sp, errptr)
@@ -891,6 +958,7 @@ int ds_ingest_run(const ds_ingest_opts *o, ds_ingest_result *res, char **errptr)
     }
 out:
     if (os.w) finish_outputs(&g, &os, 0, res, &rc, errptr);
+    remove_outputs(o, &os, rc != CM_OK);
     free(os.w);
     ds_stats_free(&total);
     for (int i = 0; g.workers && i < g.n_workers; i++) {

@@ -29,6 +29,8 @@ struct ds_input {
     uint64_t unit_off; /* file offset where the current gzip member / zstd frame starts */
     int unit_end;      /* the last decoder step ended a member / frame */
     int raw_eof;
+    uint8_t head[4]; /* plain input from a pipe: the first bytes, read to tell the codec */
+    size_t head_len, head_pos;
 };
 
 static int read_fd(int fd, void *buf, size_t n, size_t *got)
@@ -58,6 +60,20 @@ int ds_input_open(const char *path, ds_input **out, char **errptr)
     }
     uint8_t magic[4] = {0};
     ssize_t m = pread(in->fd, magic, 4, 0);
+    /* a pipe (`/dev/stdin < x.gz`, `<(zcat ...)`) cannot be read at an offset: its first bytes
+     * are read here and handed on, or a gzip / zstd stream on one was taken for text */
+    int consumed = m < 0 && errno == ESPIPE;
+    if (consumed) {
+        size_t got = 0, r = 1;
+        while (got < 4 && r > 0) {
+            if (read_fd(in->fd, magic + got, 4 - got, &r) != CM_OK) {
+                rc = cm_err_errno(errptr, CM_EIO, "cannot read %s", path);
+                goto out;
+            }
+            got += r;
+        }
+        m = (ssize_t)got;
+    }
     if (m >= 2 && magic[0] == 0x1f && magic[1] == 0x8b) {
         in->kind = IN_GZIP;
         /* 15 + 16: gzip wrapper only, so a member followed by a zlib or raw stream is refused */
@@ -79,8 +95,19 @@ int ds_input_open(const char *path, ds_input **out, char **errptr)
             goto out;
         }
     }
-    if (in->kind != IN_PLAIN && (in->raw = malloc(RAW_BYTES)) == NULL)
+    if (in->kind != IN_PLAIN && (in->raw = malloc(RAW_BYTES)) == NULL) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto out;
+    }
+    if (consumed && m > 0) {
+        if (in->kind != IN_PLAIN) {
+            memcpy(in->raw, magic, (size_t)m);
+            in->raw_len = (size_t)m;
+        } else {
+            memcpy(in->head, magic, (size_t)m);
+            in->head_len = (size_t)m;
+        }
+    }
 out:
     if (rc != CM_OK) {
         ds_input_close(in);
@@ -173,6 +200,13 @@ int ds_input_read(ds_input *in, void *buf, size_t n, size_t *got, char **errptr)
     /* inflate counts in uInt */
     if (n > (1u << 30)) n = 1u << 30;
     if (in->kind != IN_PLAIN) return decode_read(in, buf, n, got, errptr);
+    if (in->head_pos < in->head_len) {
+        size_t k = in->head_len - in->head_pos < n ? in->head_len - in->head_pos : n;
+        memcpy(buf, in->head + in->head_pos, k);
+        in->head_pos += k;
+        *got = k;
+        return CM_OK;
+    }
     if (read_fd(in->fd, buf, n, got) != CM_OK)
         return cm_err_errno(errptr, CM_EIO, "cannot read %s", in->path);
     return CM_OK;

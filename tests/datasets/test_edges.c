@@ -1,4 +1,8 @@
 /* Ingest edge cases found in review: each test here failed before the fix it came with. */
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include "ds_test_util.h"
@@ -288,6 +292,49 @@ static void test_ffm_huge_field(const char *tmp)
     ds_reader_destroy(rd);
 }
 
+/* A libffm input without --ffm-fields is read twice (once for the field count). A pipe given as
+ * input (`<(zcat x.ffm.gz)`, /dev/stdin) was drained by the counting pass, and the ingest then
+ * read nothing: no rows, empty shards, success. Such an input is now refused, naming it and
+ * --ffm-fields; with the count given it is read once, and works. */
+static void test_ffm_pipe(const char *tmp)
+{
+    const char *text = "1 0:5:1 1:7:1\n0 2:3:1\n";
+    for (int given = 0; given < 2; given++) {
+        int fds[2];
+        if (pipe(fds) != 0) {
+            CHECK(0);
+            return;
+        }
+        CHECK(write(fds[1], text, strlen(text)) == (ssize_t)strlen(text));
+        close(fds[1]);
+        char in[64];
+        snprintf(in, sizeof in, "/dev/fd/%d", fds[0]);
+        const char *inputs[1] = {in};
+        ds_ingest_opts o;
+        ds_ingest_opts_init(&o);
+        o.parser.format = DS_FMT_LIBFFM;
+        o.parser.ffm_fields = given ? 3 : 0;
+        o.inputs = inputs;
+        o.n_inputs = 1;
+        o.out_dir = join(tmp, given ? "ffm_pipe1" : "ffm_pipe0");
+        o.threads = 1;
+        o.log = fopen("/dev/null", "w");
+        ds_ingest_result r;
+        char *err = NULL;
+        int rc = ds_ingest_run(&o, &r, &err);
+        fclose(o.log);
+        close(fds[0]);
+        if (given)
+            CHECK_MSG(rc == CM_OK && r.rows_written == 2, "rc %d, %llu rows: %s", rc,
+                      (unsigned long long)r.rows_written, err ? err : "");
+        else
+            CHECK_MSG(rc == CM_EINVAL && err && strstr(err, in) && strstr(err, "--ffm-fields"),
+                      "rc %d, %llu rows: %s", rc, (unsigned long long)r.rows_written,
+                      err ? err : "(no error)");
+        free(err);
+    }
+}
+
 /* An Avazu hour that is no real time was taken: 14023100 (Feb 31) got the weekday of Mar 3
  * and 14102199 the hour-of-day key "99", rows that look like real ones. Only the month and a
  * day up to 31 were checked. Such an hour is now a number reject; Feb 29 of a leap year and
@@ -347,6 +394,85 @@ static void test_sparse_index_zeros(void)
     }
 }
 
+/* Committed shards (*.shard) in dir; -1 when dir does not exist. */
+static int count_shards(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (d == NULL) return -1;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        size_t l = strlen(e->d_name);
+        n += l > 6 && strcmp(e->d_name + l - 6, ".shard") == 0;
+    }
+    closedir(d);
+    return n;
+}
+
+/* Shards were committed one by one (fsync, rename, directory fsync each) into DIR/train, which
+ * the start of the run had emptied: an ingest killed while committing left some of its shards
+ * there, and a reader took DIR/train as the whole data set, its other rows lost without a word.
+ * The child here is stopped as soon as a first shard shows: DIR/train must then hold none or
+ * all of them. */
+static void test_kill_while_committing(const char *tmp)
+{
+    enum { SHARDS = 64, ROWS = 6400 };
+    char *in = join(tmp, "kill.tsv");
+    FILE *f = fopen(in, "w");
+    for (int i = 0; f && i < ROWS; i++) {
+        char d[16];
+        snprintf(d, sizeof d, "%d", i);
+        fprintf(f, "%s\n", criteo_line(i % 2 ? "1" : "0", d));
+    }
+    if (f) fclose(f);
+    char out[4096], train[4200];
+    snprintf(out, sizeof out, "%s", join(tmp, "kill_out"));
+    snprintf(train, sizeof train, "%s/train", out);
+    for (int round = 0; round < 3; round++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            const char *inputs[1] = {in};
+            ds_ingest_opts o;
+            ds_ingest_opts_init(&o);
+            o.inputs = inputs;
+            o.n_inputs = 1;
+            o.out_dir = out;
+            o.n_shards = SHARDS;
+            o.block_rows = 10;
+            o.threads = 1;
+            o.buffered_output = 1;
+            o.log = fopen("/dev/null", "w");
+            ds_ingest_result r;
+            char *err = NULL;
+            _exit(ds_ingest_run(&o, &r, &err) == CM_OK ? 0 : 1);
+        }
+        int seen = 0, status = 0;
+        for (;;) {
+            if (count_shards(train) > 0) {
+                kill(pid, SIGSTOP);
+                seen = count_shards(train);
+                break;
+            }
+            if (waitpid(pid, &status, WNOHANG) == pid) {
+                pid = 0;
+                seen = count_shards(train);
+                break;
+            }
+        }
+        CHECK_MSG(seen <= 0 || seen == SHARDS, "round %d: %d of %d shards in %s", round, seen,
+                  SHARDS, train);
+        if (seen == SHARDS) {
+            ds_reader *rd = open_train(tmp, "kill_out");
+            CHECK(rd && ds_reader_rows(rd) == ROWS);
+            ds_reader_destroy(rd);
+        }
+        if (pid > 0) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+        }
+    }
+}
+
 int main(void)
 {
     const char *tmp = check_tmpdir("ds_edges");
@@ -357,7 +483,9 @@ int main(void)
     test_header_only(tmp);
     test_same_input_twice(tmp);
     test_ffm_huge_field(tmp);
+    test_ffm_pipe(tmp);
     test_avazu_hour();
     test_sparse_index_zeros();
+    test_kill_while_committing(tmp);
     return check_done();
 }
