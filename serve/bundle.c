@@ -636,6 +636,18 @@ int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr)
             L.tables[i].dim != h->layers[0].tables[i].dim) {
             layer_close(&L);
             return cm_err(errptr, CM_EINVAL, "%s: table %d differs from the base", delta, i);
+        } else if (L.tables[i].prec != h->layers[0].tables[i].prec) {
+            /* Its rows would be served at another precision beside the base's: neither the full
+             * export at one precision nor at the other (an int8 base, a delta exported without
+             * --precision int8). */
+            const ember_serve_precision was = h->layers[0].tables[i].prec, is = L.tables[i].prec;
+            char name[sizeof L.tables[i].name];
+            snprintf(name, sizeof name, "%s", L.tables[i].name);
+            layer_close(&L);
+            return cm_err(errptr, CM_EINVAL,
+                          "%s: table %s is %s, the base's is %s (export the delta with "
+                          "--precision %s)",
+                          delta, name, prec_names[is], prec_names[was], prec_names[was]);
         }
     h->layers[h->n_layers++] = L;
     return CM_OK;

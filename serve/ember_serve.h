@@ -56,7 +56,7 @@ typedef struct ember_serve ember_serve;
 /* Maps and verifies a full bundle. *out is the caller's (ember_serve_close). */
 int ember_serve_open(const char *bundle, ember_serve **out, char **errptr);
 /* Stacks a delta bundle whose base_step equals the handle's current step (and, where both
- * carry one, whose base source equals the handle's current source). */
+ * carry one, whose base source equals the handle's current source), of the base's precision. */
 int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr);
 /* Unmaps everything. NULL is fine. */
 void ember_serve_close(ember_serve *h);
