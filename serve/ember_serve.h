@@ -125,7 +125,8 @@ int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_
 int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t dim,
                              const uint64_t *keys, const float *rows, uint64_t n,
                              const uint64_t *deleted, uint64_t n_deleted, char **errptr);
-/* Writes the MANIFEST and puts the bundle in place; releases w either way. */
+/* Writes the MANIFEST and puts the bundle in place; releases w either way. A bundle without
+ * the model, the dense tower or a table (each written once) is refused, nothing put in place. */
 int ember_serve_writer_commit(ember_serve_writer *w, char **errptr);
 void ember_serve_writer_abort(ember_serve_writer *w);
 
