@@ -83,6 +83,7 @@ struct ember_serve_writer {
     char manifest[8192];
     size_t mlen;
     int n_tables; /* at most SERVE_MAX_TABLES: what layer_open maps */
+    bool has_model, has_dense; /* each once, and both before commit: layer_read needs them */
     char table_names[SERVE_MAX_TABLES][65]; /* each once: layer_open refuses a file listed twice */
 };
 
@@ -193,18 +194,24 @@ static int write_parts(ember_serve_writer *w, const char *name, const void *cons
 
 int ember_serve_writer_model(ember_serve_writer *w, const char *text, char **errptr)
 {
+    if (w->has_model) return cm_err(errptr, CM_EINVAL, "%s: model.txt written twice", w->dir);
     const void *parts[1] = {text};
     size_t lens[1] = {strlen(text)};
-    return write_parts(w, "model.txt", parts, lens, 1, false, errptr);
+    int rc = write_parts(w, "model.txt", parts, lens, 1, false, errptr);
+    w->has_model = rc == CM_OK;
+    return rc;
 }
 
 int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_t n, char **errptr)
 {
+    if (w->has_dense) return cm_err(errptr, CM_EINVAL, "%s: dense-tower.bin written twice", w->dir);
     dns_hdr h = {.version = BUNDLE_VERSION, .n = n};
     memcpy(h.magic, DNS_MAGIC, 8);
     const void *parts[2] = {&h, values};
     size_t lens[2] = {sizeof h, n * sizeof(float)};
-    return write_parts(w, "dense-tower.bin", parts, lens, 2, true, errptr);
+    int rc = write_parts(w, "dense-tower.bin", parts, lens, 2, true, errptr);
+    w->has_dense = rc == CM_OK;
+    return rc;
 }
 
 static void encode_row(ember_serve_precision p, const float *x, uint32_t dim, uint8_t *out)
@@ -310,6 +317,19 @@ out:
 
 int ember_serve_writer_commit(ember_serve_writer *w, char **errptr)
 {
+    /* ember_serve_open refuses a bundle without any of these (one written for lookups alone,
+     * without its tower): refused here, not put in place over a good one. */
+    if (!w->has_model || !w->has_dense || w->n_tables == 0) {
+        int rc = cm_err(errptr, CM_EINVAL,
+                        "%s: a bundle needs model.txt, dense-tower.bin and a "
+                        "table; it has no %s",
+                        w->dir,
+                        !w->has_model   ? "model.txt"
+                        : !w->has_dense ? "dense-tower.bin"
+                                        : "table");
+        ember_serve_writer_abort(w);
+        return rc;
+    }
     int sealed = cm_seal_append(w->manifest, w->mlen, sizeof w->manifest, "checksum");
     char path[4200];
     snprintf(path, sizeof path, "%s/MANIFEST", w->tmp);
@@ -636,6 +656,18 @@ int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr)
             L.tables[i].dim != h->layers[0].tables[i].dim) {
             layer_close(&L);
             return cm_err(errptr, CM_EINVAL, "%s: table %d differs from the base", delta, i);
+        } else if (L.tables[i].prec != h->layers[0].tables[i].prec) {
+            /* Its rows would be served at another precision beside the base's: neither the full
+             * export at one precision nor at the other (an int8 base, a delta exported without
+             * --precision int8). */
+            const ember_serve_precision was = h->layers[0].tables[i].prec, is = L.tables[i].prec;
+            char name[sizeof L.tables[i].name];
+            snprintf(name, sizeof name, "%s", L.tables[i].name);
+            layer_close(&L);
+            return cm_err(errptr, CM_EINVAL,
+                          "%s: table %s is %s, the base's is %s (export the delta with "
+                          "--precision %s)",
+                          delta, name, prec_names[is], prec_names[was], prec_names[was]);
         }
     h->layers[h->n_layers++] = L;
     return CM_OK;

@@ -56,7 +56,7 @@ typedef struct ember_serve ember_serve;
 /* Maps and verifies a full bundle. *out is the caller's (ember_serve_close). */
 int ember_serve_open(const char *bundle, ember_serve **out, char **errptr);
 /* Stacks a delta bundle whose base_step equals the handle's current step (and, where both
- * carry one, whose base source equals the handle's current source). */
+ * carry one, whose base source equals the handle's current source), of the base's precision. */
 int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr);
 /* Unmaps everything. NULL is fine. */
 void ember_serve_close(ember_serve *h);
@@ -125,7 +125,8 @@ int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_
 int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t dim,
                              const uint64_t *keys, const float *rows, uint64_t n,
                              const uint64_t *deleted, uint64_t n_deleted, char **errptr);
-/* Writes the MANIFEST and puts the bundle in place; releases w either way. */
+/* Writes the MANIFEST and puts the bundle in place; releases w either way. A bundle without
+ * the model, the dense tower or a table (each written once) is refused, nothing put in place. */
 int ember_serve_writer_commit(ember_serve_writer *w, char **errptr);
 void ember_serve_writer_abort(ember_serve_writer *w);
 

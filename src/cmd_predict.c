@@ -77,6 +77,19 @@ int cmd_predict(int argc, char **argv)
         rc = ds_reader_open(&ro, &r, &err);
     }
     if (rc == CM_OK) {
+        /* Checked here, where both paths are known: ember_serve_predict sees only a batch, and
+         * its message named neither the shards nor the bundle. */
+        const ds_schema *sch = ds_reader_schema(r);
+        model_cfg m;
+        int mean_pool = 0;
+        rc = model_cfg_parse(ember_serve_model(h), &m, &mean_pool, &err);
+        if (rc == CM_OK && (sch->n_fields != m.n_fields || sch->n_dense != m.n_dense))
+            rc = cm_err(&err, CM_EINVAL,
+                        "%s holds %u fields and %u dense values a row; the model of bundle %s "
+                        "expects %u and %u",
+                        data, sch->n_fields, sch->n_dense, bundle, m.n_fields, m.n_dense);
+    }
+    if (rc == CM_OK) {
         rows = ds_reader_rows(r);
         probs = malloc((rows + 1) * sizeof(float));
         if (probs == NULL) rc = cm_err(&err, CM_ENOMEM, "out of memory for %" PRIu64 " rows", rows);

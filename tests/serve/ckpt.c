@@ -11,7 +11,8 @@
  *     folder (step-N.tmp, an interrupted save's) is refused by export and reshard;
  *   - a key twice in one shard's snapshot (every checksum made to match) is refused by export
  *     in each format, naming the snapshot and the key, and nothing is written;
- *   - export, reshard and predict name paths holding a quote and a backslash as JSON strings.
+ *   - export, reshard and predict name paths holding a quote and a backslash as JSON strings;
+ *   - predict on shards of another schema than the bundle's model names both.
  */
 #include <inttypes.h>
 
@@ -218,6 +219,24 @@ int main(void)
     rc = su_ember("predict --bundle 'q\"b\\s' --data shards/eval --out 'p\"r\\d'");
     CHECK_MSG(rc == 0 && json_string("out", v, sizeof v) == 0 && !strcmp(v, "p\"r\\d"),
               "predict --out p\"r\\d: exit %d, out '%s'", rc, v);
+
+    /* Shards of another schema than the bundle's model: the message named neither the shards
+     * nor the bundle ("batch has 1 fields and 0 dense values; the model expects ..."). */
+    fprintf(stderr, "--- predict on shards of another schema\n");
+    {
+        FILE *f = fopen(su_path("other.svm"), "w");
+        CHECK(f != NULL);
+        if (f) {
+            fputs("1 3:1 5:0.5\n0 2:1 7:1\n", f);
+            fclose(f);
+        }
+    }
+    rc = su_ember("ingest --format libsvm --out svm other.svm");
+    CHECK_MSG(rc == 0, "ingest of other.svm: exit %d", rc);
+    rc = su_ember("predict --bundle b40 --data svm/train --out p-svm");
+    CHECK_MSG(rc == 1 && err_names("svm/train") && err_names("b40"),
+              "predict on shards of another schema: exit %d", rc);
+    CHECK_MSG(access(su_path("p-svm"), F_OK) != 0, "p-svm written");
 
     /* A missing required option is named, not left to the usage text. */
     fprintf(stderr, "--- predict and reshard name the option missing\n");

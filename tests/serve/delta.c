@@ -8,8 +8,9 @@
  *   - The C API: lookups of every key of the full export (and of the base's keys, and misses)
  *     on base + deltas equal lookups on the full bundle, value for value and found for found.
  *   - Refusals: a delta on the wrong base (or twice), a full bundle as a delta, a delta opened as
- *     a base, a delta of another model, a delta of another run at the same steps (its base
- *     source differs); the handle keeps serving as before after a refusal.
+ *     a base, a delta of another model, a delta of another precision (fp32 on an int8 base), a
+ *     delta of another run at the same steps (its base source differs); the handle keeps
+ *     serving as before after a refusal.
  *   - Deletions (TTL-like), built with ember_serve_writer_*: keys a delta deletes read as zeros
  *     with found = 0; a later delta can bring them back; deleting an absent key is harmless.
  *   - ember_serve_predict refuses offsets that do not start at 0 or that go back.
@@ -392,6 +393,18 @@ int main(void)
             CHECK(ember_serve_step(h10) == 10);
         }
         ember_serve_close(h10);
+        /* A delta of another precision (an int8 base, the delta exported without --precision
+         * int8) served its rows as fp32 beside the base's int8 rows: what no full export
+         * serves. */
+        ember_serve *h8 = su_open(su_path("base20-int8"), NULL);
+        if (h8) {
+            err = NULL;
+            expect_refused(ember_serve_apply_delta(h8, su_path("d40-fp32"), &err), &err,
+                           "an fp32 delta on an int8 base", "d40-fp32");
+            CHECK_MSG(ember_serve_step(h8) == 20, "an fp32 delta on an int8 base: step %llu",
+                      (unsigned long long)ember_serve_step(h8));
+        }
+        ember_serve_close(h8);
     }
 
     /* a delta of another model (same steps) is refused */

@@ -7,6 +7,7 @@
  *   - values the precision cannot hold (fp16 past 65504, int8 NaN / inf / FLT_MAX), beside the
  *     edge values it can (the largest half, a row of zeros, a subnormal or a 3e38 maximum);
  *   - a ninth table (a bundle maps at most 8), and one table name written twice;
+ *   - a bundle without model.txt, dense tower or table, or with the model or tower twice;
  *   - a delta that does not go forward (step <= base_step): refused by the writer and, edited
  *     into a bundle, by ember_serve_apply_delta.
  * Every bundle is a logistic regression ("kind lr", one "lin" table of dim 1, a tower of
@@ -197,6 +198,40 @@ static void same_table_twice(void)
     expect_writer_refused("table lin twice", su_path("lin-twice"), rc, err, "table lin");
 }
 
+/* A bundle holds model.txt, the dense tower and a table, each file once (ember_serve_open
+ * refuses it otherwise): a bundle written for lookups alone, without the tower, or with the
+ * model written twice, was committed and then refused by the reader as a whole. The writer
+ * refuses it, naming what is wrong, and leaves nothing. */
+static void incomplete(void)
+{
+    fprintf(stderr, "--- bundles lacking a part, or with one written twice\n");
+    const uint64_t key = 1;
+    const float one = 1.0f;
+    for (int c = 0; c < 5; c++) {
+        static const char *const what[5] = {"no model", "no dense tower", "no table",
+                                            "the model twice", "the dense tower twice"};
+        static const char *const needle[5] = {"model.txt", "dense-tower.bin", "table", "model.txt",
+                                              "dense-tower.bin"};
+        char name[32];
+        snprintf(name, sizeof name, "part-%d", c);
+        ember_serve_writer *w = NULL;
+        char *err = NULL;
+        int rc = ember_serve_writer_create(su_path(name), EMBER_SERVE_FP32, 0, 7, 0, &w, &err);
+        for (int k = 0; rc == 0 && k < 1 + (c == 3); k++)
+            if (c != 0) rc = ember_serve_writer_model(w, model, &err);
+        for (int k = 0; rc == 0 && k < 1 + (c == 4); k++)
+            if (c != 1) rc = ember_serve_writer_dense(w, tower, 2, &err);
+        if (rc == 0 && c != 2)
+            rc = ember_serve_writer_table(w, "lin", 1, &key, &one, 1, NULL, 0, &err);
+        if (rc == 0) {
+            rc = ember_serve_writer_commit(w, &err);
+            w = NULL;
+        }
+        ember_serve_writer_abort(w);
+        expect_writer_refused(what[c], su_path(name), rc, err, needle[c]);
+    }
+}
+
 /* Rewrites dir's table-NAME.bin with step in its header (valid trailer) and its MANIFEST with
  * "step STEP" and the files' new digests, re-signed: a delta that claims another step. */
 static void restep(const char *dir, const char *const *tables, int n, uint64_t from, uint64_t to)
@@ -365,6 +400,7 @@ int main(void)
     unrepresentable();
     too_many_tables();
     same_table_twice();
+    incomplete();
     backward_delta();
     foreign_folder();
     trailing_slash();
