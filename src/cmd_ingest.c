@@ -1,6 +1,7 @@
 /* ember ingest: a thin shell over ds_ingest_run (datasets/datasets.h). */
 #include <dlfcn.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,7 +17,7 @@ static void ingest_usage(FILE *to)
         "usage: ember ingest --format criteo|criteo-csv|avazu|libsvm|libffm|csv [--schema FILE]\n"
         "                    --out DIR [--shards N] [--eval-fraction F] [--split-seed S]\n"
         "                    [--strict] [--bucketize] [--threads N] [--block-rows N]\n"
-        "                    [--ffm-fields N] [--buffered] [--no-label] FILE...\n"
+        "                    [--ffm-fields N] [--buffered] [--no-label] [--] FILE...\n"
         "Converts click logs (plain, .gz or .zst) into checksummed shards in DIR/train and\n"
         "DIR/eval, writes DIR/stats.json, and prints one JSON line of counts on stdout.\n"
         "Malformed lines are reported on stderr and skipped (--strict: stop, exit 1).\n"
@@ -63,11 +64,18 @@ int cmd_ingest(int argc, char **argv)
         fprintf(stderr, "ember ingest: out of memory\n");
         return 1;
     }
+    bool files_only = false; /* after "--": every argument is an input, "--x" too */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         unsigned long long n;
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+        if (files_only) {
+            inputs[n_inputs++] = a;
+            continue;
+        } else if (strcmp(a, "--") == 0) {
+            files_only = true;
+            continue;
+        } else if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             ingest_usage(stdout);
             rc = 0;
             goto out;
@@ -83,7 +91,7 @@ int cmd_ingest(int argc, char **argv)
         } else if (strcmp(a, "--no-label") == 0) {
             o.parser.no_label = 1;
             continue;
-        } else if (strncmp(a, "--", 2) != 0 || strcmp(a, "--") == 0) {
+        } else if (strncmp(a, "--", 2) != 0) {
             inputs[n_inputs++] = a;
             continue;
         }

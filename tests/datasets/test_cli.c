@@ -89,6 +89,15 @@ int main(void)
     CHECK_MSG(run("ingest --fromat criteo --out x y", NULL) == 2 &&
                   strstr(stderr_text(), "unknown option '--fromat': did you mean '--format'?"),
               "stderr: %s", stderr_text());
+    /* After "--" every argument is an input: a file named "--odd.tsv" can be given. */
+    char *odd = join(tmp, "--odd.tsv");
+    FILE *fo = fopen(odd, "w");
+    CHECK(fo != NULL && fputs("0\t1\t\t\t\t\t\t\t\t\t\t\t\t\ta\n", fo) >= 0 && fclose(fo) == 0);
+    char dd[8192];
+    snprintf(dd, sizeof dd, "cd '%s' && '%s' ingest --format criteo --out dd -- --odd.tsv 2>&1",
+             tmp, bin);
+    CHECK_MSG(system(dd) == 0 && count_files(join(tmp, "dd/train"), ".shard") == 1,
+              "ingest -- --odd.tsv did not ingest the file");
     CHECK(run("ingest --help", NULL) == 0);
 
     /* a file with 50 good lines and 3 bad ones at known lines */
