@@ -416,7 +416,7 @@ int cmd_train(int argc, char **argv)
     if (o.cluster_path && strcmp(o.role, "worker") != 0) return 0;
     char auc[32] = "null", logloss[32] = "null"; /* no --eval: nothing measured */
     if (o.eval_path) {
-        snprintf(auc, sizeof auc, "%.6f", r.auc);
+        if (!isnan(r.auc)) snprintf(auc, sizeof auc, "%.6f", r.auc); /* one class: undefined */
         snprintf(logloss, sizeof logloss, "%.6f", r.logloss);
     }
     printf(

@@ -961,7 +961,13 @@ static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final,
     }
     if (rc == CM_OK && n == 0)
         rc = cm_err(errptr, CM_EINVAL, "no eval rows in %s", S->o->eval_path);
-    if (rc == CM_OK) rc = metrics_auc(probs, labels, n, &res->auc, errptr);
+    /* Eval rows of one class leave the AUC undefined (reported as null), not the run failed:
+     * a small or filtered eval set has them, and the logloss and predictions still hold. */
+    uint64_t npos = 0;
+    for (uint64_t i = 0; rc == CM_OK && i < n; i++)
+        npos += labels[i] > 0.5f; /* metrics_auc's positives */
+    res->auc = NAN;
+    if (rc == CM_OK && npos > 0 && npos < n) rc = metrics_auc(probs, labels, n, &res->auc, errptr);
     if (rc == CM_OK) rc = metrics_logloss(probs, labels, n, &res->logloss, errptr);
     if (rc == CM_OK && final) {
         /* One probability per eval row, in reader order: what `ember predict` must reproduce. */
@@ -982,10 +988,12 @@ static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final,
             step, final ? " (final)" : "", res->auc, res->logloss, n, t);
         S->last_auc = res->auc;
         if (S->metrics) {
+            char auc[32] = "null";
+            if (!isnan(res->auc)) snprintf(auc, sizeof auc, "%.6f", res->auc);
             fprintf(S->metrics,
-                    "{\"step\":%" PRIu64 ",\"seconds\":%.3f,\"auc\":%.6f,\"logloss\":%.6f"
+                    "{\"step\":%" PRIu64 ",\"seconds\":%.3f,\"auc\":%s,\"logloss\":%.6f"
                     ",\"eval_rows\":%" PRIu64 ",\"eval_seconds\":%.3f,\"final\":%s}\n",
-                    step, cm_now() - S->t0, res->auc, res->logloss, n, t, final ? "true" : "false");
+                    step, cm_now() - S->t0, auc, res->logloss, n, t, final ? "true" : "false");
             fflush(S->metrics);
         }
     }

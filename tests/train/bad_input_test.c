@@ -120,6 +120,33 @@ int main(void)
     rc = run("train --train ds/train --eval-every 5 --no-progress --out bad-ee");
     CHECK_MSG(rc != 0 && err_has("--eval-every needs --eval"),
               "--eval-every without --eval: exit %d", rc);
+    /* Eval shards of one class (a small or filtered eval set): the AUC is undefined, the logloss
+     * is not. The run failed at its first evaluation ("auc: undefined with 0 positives"), after
+     * all its training when that was the final one, with no logloss and no predictions. */
+    {
+        char cmd[16384];
+        snprintf(cmd, sizeof cmd,
+                 "cd '%s' && awk -F'\\t' '$1 == 0' ds.tsv | head -n 2000 > neg.tsv", dir);
+        CHECK(system(cmd) == 0);
+        rc = run("ingest --format criteo --eval-fraction 0 --out neg neg.tsv");
+        CHECK_MSG(rc == 0, "ingest neg.tsv: %s", err_text);
+        rc = run("train --train ds/train --eval neg/train --model lr --max-steps 6 --eval-every 3 "
+                 "--out one-class --no-progress");
+        char auc[64] = "";
+        CHECK_MSG(rc == 0 && json_raw(last_line(), "auc", auc, sizeof auc) == 0 &&
+                      strcmp(auc, "null") == 0 && jnum(last_line(), "logloss") > 0 &&
+                      jnum(last_line(), "eval_rows") == 2000,
+                  "one-class eval: exit %d, auc %s, stdout %s, stderr %s", rc, auc, out_text,
+                  err_text);
+        char *m = slurp("one-class/metrics.jsonl");
+        int evals = 0;
+        for (const char *p = m; p && (p = strstr(p, "\"auc\":")) != NULL; p++, evals++)
+            CHECK_MSG(strncmp(p, "\"auc\":null,", 11) == 0, "metrics.jsonl: %.40s", p);
+        CHECK_MSG(evals == 2, "one-class eval: %d evaluations in metrics.jsonl: %s", evals,
+                  m ? m : "(missing)");
+        free(m);
+        CHECK(exists("one-class/eval_predictions.txt"));
+    }
 
     /* Schemas that do not match: criteo training shards, avazu eval shards. */
     rc = run("train --train ds/train --eval av/eval --model lr --max-steps 2 --out r2 --no-progress");
