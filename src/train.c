@@ -1875,6 +1875,16 @@ static int reader_open_flag(const setup *S, const char *flag, const char *path, 
     int rc = reader_open(S, path, 0, 1, 1, 0, r, &err);
     if (rc != CM_OK) cm_err(errptr, rc, "%s: %s", flag, err ? err : "cannot open");
     free(err);
+    /* Shards ingested with --no-label hold 0 for every label, which is no click: training
+     * would fit them and an evaluation would score against them. */
+    if (rc == CM_OK && !ds_reader_schema(*r)->has_label) {
+        rc = cm_err(errptr, CM_EINVAL,
+                    "%s: the shards in %s have no labels (ingested with --no-label): nothing to "
+                    "train or evaluate against",
+                    flag, path);
+        ds_reader_destroy(*r);
+        *r = NULL;
+    }
     return rc;
 }
 

@@ -147,6 +147,25 @@ int main(void)
         free(m);
         CHECK(exists("one-class/eval_predictions.txt"));
     }
+    /* Shards ingested with --no-label (Criteo's test.txt) hold labels 0 that are no clicks: as
+     * --train they trained a model toward 0, as --eval they gave a logloss against zeros, both
+     * with exit 0. Refused before any work, the flag and directory named. */
+    {
+        char cmd[16384];
+        snprintf(cmd, sizeof cmd, "cd '%s' && head -n 1000 ds.tsv | cut -f2- > nolabel.tsv", dir);
+        CHECK(system(cmd) == 0);
+        rc = run("ingest --format criteo --no-label --eval-fraction 0 --out nolabel nolabel.tsv");
+        CHECK_MSG(rc == 0, "ingest --no-label: %s", err_text);
+        rc = run("train --train nolabel/train --model lr --max-steps 2 --out nl1 --no-progress");
+        CHECK_MSG(rc == 1 && err_has("--train") && err_has("nolabel/train") &&
+                      err_has("no labels") && !exists("nl1"),
+                  "unlabelled --train: exit %d, stderr %s", rc, err_text);
+        rc = run("train --train ds/train --eval nolabel/train --model lr --max-steps 2 --out nl2 "
+                 "--no-progress");
+        CHECK_MSG(rc == 1 && err_has("--eval") && err_has("nolabel/train") &&
+                      err_has("no labels") && !exists("nl2"),
+                  "unlabelled --eval: exit %d, stderr %s", rc, err_text);
+    }
 
     /* Schemas that do not match: criteo training shards, avazu eval shards. */
     rc = run("train --train ds/train --eval av/eval --model lr --max-steps 2 --out r2 --no-progress");
