@@ -1899,8 +1899,11 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
     model_cfg_preset(&S->m, o->model.kind, sch->n_fields, sch->n_dense);
     uint32_t n_fields = sch->n_fields, n_dense = sch->n_dense;
     ds_reader_destroy(r);
-    /* The eval shards are checked before training, not found wanting after it. */
-    if (o->eval_path != NULL) {
+    /* The eval shards are checked before training, not found wanting after it, where they are
+     * read: by worker 0 (docs/CLUSTER.md: other hosts need not have them). */
+    const bool evaluates =
+        !o->cluster_path || (o->role && !strcmp(o->role, "worker") && o->index == 0);
+    if (o->eval_path != NULL && evaluates) {
         rc = reader_open_flag(S, "--eval", o->eval_path, &r, errptr);
         if (rc != CM_OK) return rc;
         sch = ds_reader_schema(r);

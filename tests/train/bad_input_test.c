@@ -371,6 +371,30 @@ int main(void)
              "--ps-timeout 1000 --out r4b --no-progress");
     CHECK_MSG(rc == 1 && err_has("127.0.0.1:1"), "unreachable PS: exit %d, stderr: %s", rc,
               err_text);
+    /* --eval is read by worker 0 only (docs/CLUSTER.md): a PS on a host without the eval shards
+     * (here: a relative --eval from another working directory) serves the job. It refused to
+     * start ("--eval: ... cannot open"), and the job failed. */
+    {
+        char cmd[32768];
+        snprintf(cmd, sizeof cmd, "[cluster]\nps = ipc://%s/evonly.sock\nworkers = 1\n", dir);
+        write_text("evonly.ini", cmd);
+        snprintf(
+            cmd, sizeof cmd,
+            "cd '%s' && mkdir -p hostb || exit 1; (cd hostb && exec timeout -k 5 60 '%s' train "
+            "--train '%s/ds/train' --eval ds/eval --model lr --max-steps 4 --ps-timeout 5000 "
+            "--cluster ../evonly.ini --role ps --index 0 --out '%s/evonly' >ps.out "
+            "2>ps.err) & ps=$!; timeout -k 5 60 '%s' train --train '%s/ds/train' --eval "
+            "ds/eval --model lr --max-steps 4 --ps-timeout 5000 --cluster evonly.ini --role "
+            "worker --index 0 --out '%s/evonly' >w.out 2>w.err; w=$?; wait $ps; "
+            "echo \"$w $?\" > evonly.rc",
+            dir, bin, dir, dir, bin, dir, dir);
+        CHECK(system(cmd) == 0);
+        char *codes = slurp("evonly.rc"), *werr = slurp("w.err"), *perr = slurp("hostb/ps.err");
+        CHECK_MSG(codes && strcmp(codes, "0 0\n") == 0,
+                  "--eval missing on the PS host: exit codes (worker, ps) %s, worker: %s, ps: %s",
+                  codes ? codes : "?", werr ? werr : "", perr ? perr : "");
+        free(codes), free(werr), free(perr);
+    }
     /* A cluster file's ps line given twice: refused, not read as more shards. */
     write_text("twice.ini", "[cluster]\nps = tcp://127.0.0.1:1\nps = tcp://127.0.0.1:2\n");
     rc = run_limit(20, "train --train ds/train --model lr --cluster twice.ini --role ps --index 1 "
