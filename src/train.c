@@ -1778,6 +1778,10 @@ static void *worker_main(void *arg)
     /* Clocks count batches, so a rejoined worker's clock is where the others expect it. */
     if (rc == CM_OK) ps_client_clock_seek(c, W->start);
     if (rc == CM_OK && o->cluster_path) rc = progress_open(S, W->index, &W->progress_fd, errptr);
+    /* The note says where this job's worker is from the start: an earlier job's in the same run
+     * directory stood until the first batch, so a worker killed before it rejoined there
+     * (skipping rows of a fresh job, repeating them of a resumed one). */
+    if (rc == CM_OK && W->progress_fd >= 0) progress_note(W->progress_fd, W->start);
     if (rc == CM_OK) ps_client_barrier_seek(c, barrier_base(o->resume ? S->resume_step : 0) + 6);
     if (rc == CM_OK && !o->rejoin) rc = ps_client_barrier(c, errptr);
     if (rc == CM_OK) rc = worker_loop(W, c, be, errptr);

@@ -13,6 +13,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <inttypes.h>
+
 #include "cli_util.h"
 
 /* A small file in the test directory. */
@@ -394,6 +396,34 @@ int main(void)
                   "--eval missing on the PS host: exit codes (worker, ps) %s, worker: %s, ps: %s",
                   codes ? codes : "?", werr ? werr : "", perr ? perr : "");
         free(codes), free(werr), free(perr);
+    }
+    /* A worker's progress note is this job's from its start: an earlier job's note (step 7)
+     * stood until the first batch, so a worker killed before it (here: waiting at the start
+     * barrier for a worker 1 that never comes) rejoined at step 7 of a fresh job. */
+    {
+        char cmd[8192], note[128], head[32];
+        snprintf(cmd, sizeof cmd, "[cluster]\nps = ipc://%s/stale.sock\nworkers = 2\n", dir);
+        write_text("stale.ini", cmd);
+        int hn = snprintf(head, sizeof head, "step %020d", 7);
+        snprintf(note, sizeof note, "%s xxh3 %016" PRIx64 "\n", head, cm_xxh3(head, (size_t)hn));
+        snprintf(cmd, sizeof cmd, "%s/stale/progress", dir);
+        char *err = NULL;
+        CHECK(cm_mkdirs(cmd, &err) == CM_OK);
+        free(err);
+        write_text("stale/progress/worker-0", note);
+        snprintf(cmd, sizeof cmd,
+                 "cd '%s' || exit 1; (exec timeout -k 2 6 '%s' train --train ds/train --model lr "
+                 "--ps-timeout 1000 --cluster stale.ini --role ps --index 0 --out stale >/dev/null "
+                 "2>&1) & timeout -k 2 3 '%s' train --train ds/train --model lr --ps-timeout 1000 "
+                 "--cluster stale.ini --role worker --index 0 --out stale >/dev/null 2>&1; wait",
+                 dir, bin, bin);
+        /* Both end by timeout (the barrier waits 20 s): only the note they leave is checked. */
+        if (system(cmd) == -1) CHECK_MSG(0, "cannot run the stale-note job");
+        char *now = slurp("stale/progress/worker-0");
+        CHECK_MSG(now && strstr(now, "step 00000000000000000000 "),
+                  "a fresh job's worker 0, killed at its start barrier, left the note '%s'",
+                  now ? now : "(none)");
+        free(now);
     }
     /* A cluster file's ps line given twice: refused, not read as more shards. */
     write_text("twice.ini", "[cluster]\nps = tcp://127.0.0.1:1\nps = tcp://127.0.0.1:2\n");
