@@ -1676,8 +1676,8 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
     return rc;
 }
 
-/* Whether a key of the n records at recs is held twice among them, or already spilled, before
- * any of them is inserted: with a spill store a row loaded earlier may have left
+/* Whether a key of the n records at recs is held twice among them, or already held (in memory or
+ * spilled), before any of them is inserted: with a spill store a row loaded earlier may have left
  * memory (evicted to make room), so the check in memory alone (emb_table_load_records) let a
  * snapshot's second copy of such a key in beside the first: two rows for one key. A key is
  * looked up in the spill store only when its sub-shard has spilled rows, so a load that fits its
@@ -1695,15 +1695,21 @@ static int load_dup_check(emb_table *t, const uint8_t *recs, size_t n, scratch *
         if (sc->miss[i] == sc->miss[i - 1])
             return cm_err(errptr, CM_ECORRUPT, "duplicate key %llu in snapshot",
                           (unsigned long long)sc->miss[i]);
-    /* Held already in the spill store (the keys to look up kept in front); one held in memory
-     * is found where emb_table_load_records inserts it. */
+    /* Held already in memory or in the spill store (the keys to look up there kept in front).
+     * Memory is checked here too, not only where emb_table_load_records inserts: a row of an
+     * earlier call resident now may be evicted by this call's inserts before its second copy
+     * comes, and would then be found nowhere. */
     size_t n_get = 0;
     for (size_t i = 0; i < n; i++) {
-        sub *s = &t->subs[sub_of(t, emb_key_hash(sc->miss[i]))];
+        uint64_t key = sc->miss[i], h = emb_key_hash(key);
+        sub *s = &t->subs[sub_of(t, h)];
         pthread_mutex_lock(&s->mu);
-        bool spilled = s->spilled > 0;
+        bool spilled = s->spilled > 0, held = emb_mem_find(&s->mem, key, h) >= 0;
         pthread_mutex_unlock(&s->mu);
-        if (spilled) sc->miss[n_get++] = sc->miss[i];
+        if (held)
+            return cm_err(errptr, CM_ECORRUPT, "duplicate key %llu in snapshot",
+                          (unsigned long long)key);
+        if (spilled) sc->miss[n_get++] = key;
     }
     if (n_get == 0) return CM_OK;
     sc->miss_found = malloc(n_get);
