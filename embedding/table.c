@@ -66,6 +66,9 @@ struct emb_table {
     uint32_t ttl_ring;
     uint64_t *ttl_cnt;
     pthread_mutex_t expire_mu;
+    /* Held by a push to a spill store from the step it will take to that step's publication
+     * (push_spill): the step is published only once the push cannot fail. */
+    pthread_mutex_t step_mu;
 };
 
 /* Per-call scratch for the groups of one batched call; grown, never shrunk. */
@@ -1010,7 +1013,7 @@ static void apply_group(emb_table *t, sub *s, spush *p, uint32_t b, const uint64
  *      new, each to live in memory while there is room, else to be updated on disk;
  *   2. step; the rows updated on disk get their gradients and are written in one batch;
  *   3. per group (apply_group): every other row is updated in memory; unlock.
- * On a failure in 1 or 2 the locks are released with no row changed and the step taken back.
+ * On a failure in 1 or 2 the locks are released with no row changed and the step unchanged.
  * Each group's lock is held from 1 to 3 (taken in sub-shard order, as pause_all does): released
  * in between, another call could evict or load the rows found in 1, and 3 would have to do I/O
  * again, after other groups had changed. The price is that on such a table a push does not
@@ -1036,12 +1039,18 @@ static int push_spill(emb_table *t, size_t n, const uint64_t *keys, const float 
         rc =
             prepare_group(t, &t->subs[b], &p, keys, h, hints, ord + st[b], st[b + 1] - st[b], &why);
     }
+    /* The step is the next one, published only once the write went through: taken at once
+     * and given back on a failure, it was seen meanwhile by calls that read the step without
+     * this push's locks (a pull reads it before it waits for its groups), which then stamped
+     * rows after the table's step. step_mu keeps two pushes from taking the same one. */
     uint64_t step = 0;
     if (rc == CM_OK) {
         p.first[t->n_sub] = p.n_abs;
-        step = __atomic_add_fetch(&t->step, 1, __ATOMIC_RELAXED);
+        pthread_mutex_lock(&t->step_mu);
+        step = __atomic_load_n(&t->step, __ATOMIC_RELAXED) + 1;
         rc = stage_commit(t, &p, ord, n, grads, step, &why);
-        if (rc != CM_OK) __atomic_sub_fetch(&t->step, 1, __ATOMIC_RELAXED);
+        if (rc == CM_OK) __atomic_store_n(&t->step, step, __ATOMIC_RELAXED);
+        pthread_mutex_unlock(&t->step_mu);
     }
     for (uint32_t b = 0; b < locked; b++) {
         if (st[b] == st[b + 1]) continue;
@@ -1290,6 +1299,7 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
         if (rc != CM_OK) pthread_mutex_destroy(&t->subs[inited].mu);
     }
     pthread_mutex_init(&t->expire_mu, NULL);
+    pthread_mutex_init(&t->step_mu, NULL);
     t->ttl_g = cfg->ttl_steps >= 64 ? cfg->ttl_steps / 64 : 1;
     t->ttl_ring = (uint32_t)(cfg->ttl_steps / t->ttl_g + 3);
     if (rc == CM_OK && cfg->ttl_steps > 0 && t->spill != NULL) {
@@ -1335,6 +1345,7 @@ static void table_free(emb_table *t, uint32_t n_subs)
     free(t->cms);
     free(t->ttl_cnt);
     pthread_mutex_destroy(&t->expire_mu);
+    pthread_mutex_destroy(&t->step_mu);
     free(t);
 }
 
