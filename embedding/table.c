@@ -66,6 +66,9 @@ struct emb_table {
     uint32_t ttl_ring;
     uint64_t *ttl_cnt;
     pthread_mutex_t expire_mu;
+    /* Held by a push to a spill store from the step it will take to that step's publication
+     * (push_spill): the step is published only once the push cannot fail. */
+    pthread_mutex_t step_mu;
 };
 
 /* Per-call scratch for the groups of one batched call; grown, never shrunk. */
@@ -1010,7 +1013,7 @@ static void apply_group(emb_table *t, sub *s, spush *p, uint32_t b, const uint64
  *      new, each to live in memory while there is room, else to be updated on disk;
  *   2. step; the rows updated on disk get their gradients and are written in one batch;
  *   3. per group (apply_group): every other row is updated in memory; unlock.
- * On a failure in 1 or 2 the locks are released with no row changed and the step taken back.
+ * On a failure in 1 or 2 the locks are released with no row changed and the step unchanged.
  * Each group's lock is held from 1 to 3 (taken in sub-shard order, as pause_all does): released
  * in between, another call could evict or load the rows found in 1, and 3 would have to do I/O
  * again, after other groups had changed. The price is that on such a table a push does not
@@ -1036,12 +1039,18 @@ static int push_spill(emb_table *t, size_t n, const uint64_t *keys, const float 
         rc =
             prepare_group(t, &t->subs[b], &p, keys, h, hints, ord + st[b], st[b + 1] - st[b], &why);
     }
+    /* The step is the next one, published only once the write went through: taken at once
+     * and given back on a failure, it was seen meanwhile by calls that read the step without
+     * this push's locks (a pull reads it before it waits for its groups), which then stamped
+     * rows after the table's step. step_mu keeps two pushes from taking the same one. */
     uint64_t step = 0;
     if (rc == CM_OK) {
         p.first[t->n_sub] = p.n_abs;
-        step = __atomic_add_fetch(&t->step, 1, __ATOMIC_RELAXED);
+        pthread_mutex_lock(&t->step_mu);
+        step = __atomic_load_n(&t->step, __ATOMIC_RELAXED) + 1;
         rc = stage_commit(t, &p, ord, n, grads, step, &why);
-        if (rc != CM_OK) __atomic_sub_fetch(&t->step, 1, __ATOMIC_RELAXED);
+        if (rc == CM_OK) __atomic_store_n(&t->step, step, __ATOMIC_RELAXED);
+        pthread_mutex_unlock(&t->step_mu);
     }
     for (uint32_t b = 0; b < locked; b++) {
         if (st[b] == st[b + 1]) continue;
@@ -1290,6 +1299,7 @@ int emb_table_create(const emb_table_config *cfg, emb_table **out, char **errptr
         if (rc != CM_OK) pthread_mutex_destroy(&t->subs[inited].mu);
     }
     pthread_mutex_init(&t->expire_mu, NULL);
+    pthread_mutex_init(&t->step_mu, NULL);
     t->ttl_g = cfg->ttl_steps >= 64 ? cfg->ttl_steps / 64 : 1;
     t->ttl_ring = (uint32_t)(cfg->ttl_steps / t->ttl_g + 3);
     if (rc == CM_OK && cfg->ttl_steps > 0 && t->spill != NULL) {
@@ -1335,6 +1345,7 @@ static void table_free(emb_table *t, uint32_t n_subs)
     free(t->cms);
     free(t->ttl_cnt);
     pthread_mutex_destroy(&t->expire_mu);
+    pthread_mutex_destroy(&t->step_mu);
     free(t);
 }
 
@@ -1676,8 +1687,8 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
     return rc;
 }
 
-/* Whether a key of the n records at recs is held twice among them, or already spilled, before
- * any of them is inserted: with a spill store a row loaded earlier may have left
+/* Whether a key of the n records at recs is held twice among them, or already held (in memory or
+ * spilled), before any of them is inserted: with a spill store a row loaded earlier may have left
  * memory (evicted to make room), so the check in memory alone (emb_table_load_records) let a
  * snapshot's second copy of such a key in beside the first: two rows for one key. A key is
  * looked up in the spill store only when its sub-shard has spilled rows, so a load that fits its
@@ -1695,15 +1706,21 @@ static int load_dup_check(emb_table *t, const uint8_t *recs, size_t n, scratch *
         if (sc->miss[i] == sc->miss[i - 1])
             return cm_err(errptr, CM_ECORRUPT, "duplicate key %llu in snapshot",
                           (unsigned long long)sc->miss[i]);
-    /* Held already in the spill store (the keys to look up kept in front); one held in memory
-     * is found where emb_table_load_records inserts it. */
+    /* Held already in memory or in the spill store (the keys to look up there kept in front).
+     * Memory is checked here too, not only where emb_table_load_records inserts: a row of an
+     * earlier call resident now may be evicted by this call's inserts before its second copy
+     * comes, and would then be found nowhere. */
     size_t n_get = 0;
     for (size_t i = 0; i < n; i++) {
-        sub *s = &t->subs[sub_of(t, emb_key_hash(sc->miss[i]))];
+        uint64_t key = sc->miss[i], h = emb_key_hash(key);
+        sub *s = &t->subs[sub_of(t, h)];
         pthread_mutex_lock(&s->mu);
-        bool spilled = s->spilled > 0;
+        bool spilled = s->spilled > 0, held = emb_mem_find(&s->mem, key, h) >= 0;
         pthread_mutex_unlock(&s->mu);
-        if (spilled) sc->miss[n_get++] = sc->miss[i];
+        if (held)
+            return cm_err(errptr, CM_ECORRUPT, "duplicate key %llu in snapshot",
+                          (unsigned long long)key);
+        if (spilled) sc->miss[n_get++] = key;
     }
     if (n_get == 0) return CM_OK;
     sc->miss_found = malloc(n_get);

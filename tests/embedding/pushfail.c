@@ -23,6 +23,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
@@ -165,6 +166,7 @@ static void growing(const char *dir)
     cs.mem_budget_bytes = (uint64_t)(4.0 * NKEYS * emb_row_mem_bytes(&c));
     cs.spill_path = path;
     emb_table *t = eu_create(&cs), *twin = eu_create(&c);
+
     uint64_t seed = 5;
     uint64_t *keys = eu_xmalloc(NKEYS * sizeof *keys);
     uint64_t *batch = eu_xmalloc(BATCH * sizeof *batch);
@@ -185,6 +187,89 @@ static void growing(const char *dir)
     emb_table_destroy(t);
     emb_table_destroy(twin);
     free(keys);
+    free(batch);
+    free(g);
+}
+
+/*
+ * A failed push takes its step back, and no call may have seen it meanwhile: a pull reads the
+ * step before it waits for its sub-shard, and one that read the step of a push about to fail
+ * stamped its rows with it once that push had given it back, so the table held rows touched
+ * after its own step (a snapshot then is refused by restore: "touched at step S + 1, after the
+ * snapshot's step S"; put_row's and the TTL ring's bound no longer held). A thread pulls a few
+ * resident keys (no I/O) at random moments while the main thread sends pushes that fail; the
+ * pulled rows' last_step must never pass the table's step.
+ */
+#define RACE_KEYS 20000u
+#define RACE_HOT 8u
+#define RACE_TRIES 600
+
+typedef struct race {
+    emb_table *t;
+    const uint64_t *hot;
+    atomic_int stop;
+    unsigned failed;
+} race;
+
+static void *race_puller(void *arg)
+{
+    race *r = arg;
+    float out[RACE_HOT * DIM];
+    uint64_t seed = 3;
+    while (!atomic_load(&r->stop)) {
+        /* arrive at any point of a push (a few ms each), not only right after one lets the
+         * sub-shard go */
+        usleep((useconds_t)eu_below(&seed, 8000));
+        char *err = NULL;
+        if (emb_table_pull(r->t, r->hot, RACE_HOT, out, &err) != 0) r->failed++;
+        free(err);
+    }
+    return NULL;
+}
+
+/* t: a table of one sub-shard, its budget full, created (and filled) before the disk was. */
+static void step_race(emb_table *t, const uint64_t *keys)
+{
+    uint64_t *batch = eu_xmalloc(BATCH * sizeof *batch);
+    float *g = eu_xmalloc((size_t)BATCH * DIM * sizeof(float));
+    uint64_t seed = 23;
+    char *err = NULL;
+    int rc = 0;
+    for (int i = 0; i < MAX_PUSHES && rc == 0; i++) { /* until the spill store fails */
+        for (size_t j = 0; j < BATCH; j++)
+            batch[j] = keys[RACE_HOT + eu_below(&seed, RACE_KEYS - RACE_HOT)];
+        for (size_t j = 0; j < (size_t)BATCH * DIM; j++)
+            g[j] = (float)(eu_unif(&seed) - 0.5);
+        rc = emb_table_push(t, batch, BATCH, g, &err);
+        free(err);
+        err = NULL;
+    }
+    CHECK_MSG(rc != 0, "step race: no push failed");
+    race r = {.t = t, .hot = keys};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, race_puller, &r) == 0);
+    uint64_t step = emb_table_step(t), late = 0;
+    int tries = 0, failed = 0;
+    eu_row *row = eu_xmalloc(sizeof *row);
+    while (tries < RACE_TRIES && late == 0) {
+        tries++;
+        failed += emb_table_push(t, batch, BATCH, g, &err) != 0;
+        free(err);
+        err = NULL;
+        for (size_t i = 0; i < RACE_HOT; i++)
+            late += eu_get(t, keys[i], row) && row->last_step > step;
+    }
+    atomic_store(&r.stop, 1);
+    pthread_join(th, NULL);
+    CHECK_MSG(r.failed == 0, "step race: %u pulls of resident rows failed", r.failed);
+    CHECK_MSG(failed == tries && emb_table_step(t) == step,
+              "step race: %d of %d pushes failed, step %" PRIu64 " -> %" PRIu64, failed, tries,
+              step, emb_table_step(t));
+    CHECK_MSG(late == 0,
+              "step race: after %d failed pushes, %" PRIu64 " rows touched after the table's "
+              "step %" PRIu64,
+              tries, late, step);
+    free(row);
     free(batch);
     free(g);
 }
@@ -213,6 +298,22 @@ int main(void)
     cs.mem_budget_bytes = (uint64_t)(0.10 * NKEYS * emb_row_mem_bytes(&c));
     cs.spill_path = spill;
     emb_table *t = eu_create(&cs), *twin = eu_create(&c);
+
+    /* The step race's table: one sub-shard (a pull waits for the push's lock), its budget
+     * full, the hot keys pulled last so that they are resident. */
+    char spill2[4300];
+    snprintf(spill2, sizeof spill2, "%s/spill2", mnt);
+    emb_table_config cr = c;
+    cr.n_sub = 1;
+    cr.mem_budget_bytes = (uint64_t)(2000 * emb_row_mem_bytes(&c));
+    cr.spill_path = spill2;
+    emb_table *tr = eu_create(&cr);
+    uint64_t *rkeys = eu_xmalloc(RACE_KEYS * sizeof *rkeys);
+    float *rout = eu_xmalloc((size_t)RACE_KEYS * DIM * sizeof(float));
+    for (uint32_t i = 0; i < RACE_KEYS; i++)
+        rkeys[i] = eu_key(1000000 + i);
+    eu_pull(tr, rkeys, RACE_KEYS, rout);
+    eu_pull(tr, rkeys, RACE_HOT, rout);
 
     uint64_t seed = 11;
     uint64_t *keys = eu_xmalloc(NKEYS * sizeof *keys);
@@ -261,6 +362,10 @@ int main(void)
     free(err);
     err = NULL;
     CHECK_MSG(emb_table_step(t) == emb_table_step(twin), "the failed push advanced the step");
+    step_race(tr, rkeys);
+    emb_table_destroy(tr);
+    free(rkeys);
+    free(rout);
 
     /* Room again (reads never needed it): nothing of the failed push may show. */
     if (on_tmpfs)

@@ -462,6 +462,10 @@ int main(void)
     spilled_dup_case(snap, &model, 0, N - 1);
     spilled_dup_case(snap, &model, 1, 5000);
     spilled_dup_case(snap, &model, 9000, 12000);
+    /* the last record of the first chunk, still in memory when the second chunk is checked,
+     * then evicted while that chunk loads, before its second copy arrives */
+    const uint64_t chunk_rows = (1u << 20) / emb_row_bytes(&model) + 1;
+    spilled_dup_case(snap, &model, chunk_rows - 1, chunk_rows + 3000);
     manifest_lie_case(snap, &model, "eps", "0x0p+0", "eps");
     manifest_lie_case(snap, &model, "lr", "nan", "nan");
 
