@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -35,13 +36,28 @@ typedef struct rows_hdr {
 } rows_hdr;
 _Static_assert(sizeof(rows_hdr) == ROWS_HDR, "rows.bin header is 32 bytes");
 
+/* Why the values of a record (dim weights, then slots of optimizer state) cannot be in a
+ * snapshot, or NULL. Weights must be finite: a restored non-finite one would spread through
+ * every pull. Optimizer state may be infinite but not NaN: Adagrad's and Adam's sums of squared
+ * gradients overflow to +inf from finite gradients (two pushes of 2e19), after which the row's
+ * updates are 0 and its weights stay finite. The writer and the restore share it, so that every
+ * snapshot written can be restored. */
+static const char *rec_unstorable(const uint8_t *rec, size_t dim, size_t slots)
+{
+    const float *v = (const float *)(rec + EMB_REC_HDR);
+    if (cm_f32_first_nonfinite(v, dim) != dim) return "a weight that is not finite";
+    for (size_t i = dim; i < dim + slots; i++)
+        if (isnan(v[i])) return "optimizer state that is NaN";
+    return NULL;
+}
+
 /* ---- writing ---- */
 
 struct writer {
     cm_afile f;
     uint8_t *buf;
     size_t len;
-    size_t rec;
+    size_t rec, dim, slots;
     uint64_t rows;
     char **errptr;
     int rc;
@@ -58,6 +74,14 @@ static int writer_flush(struct writer *w)
 static int write_rec(const void *rec, void *arg)
 {
     struct writer *w = arg;
+    const char *bad = rec_unstorable(rec, w->dim, w->slots);
+    if (bad != NULL) {
+        /* Refused now, naming the key: written, it would be a checkpoint no restore takes. */
+        w->rc = cm_err(w->errptr, CM_EINVAL,
+                       "key %" PRIu64 " holds %s (the training diverged): not snapshotted",
+                       emb_rec_key(rec), bad);
+        return w->rc;
+    }
     if (w->len + w->rec > IO_CHUNK) {
         w->rc = writer_flush(w);
         if (w->rc != CM_OK) return w->rc;
@@ -82,7 +106,8 @@ static int write_rows(emb_table *t, const char *tmpdir, uint64_t rows, uint64_t 
     const emb_table_config *cfg = emb_table_get_config(t);
     char path[4096];
     if (path_join(path, sizeof path, tmpdir, EMB_SNAP_ROWS, errptr) != CM_OK) return CM_EINVAL;
-    struct writer w = {.rec = emb_row_bytes(cfg), .errptr = errptr};
+    struct writer w = {
+        .rec = emb_row_bytes(cfg), .dim = cfg->dim, .slots = emb_row_slots(cfg), .errptr = errptr};
     w.buf = malloc(IO_CHUNK);
     if (w.buf == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     int rc = cm_afile_open(&w.f, path, errptr);
@@ -382,13 +407,11 @@ static int rows_open(const char *dir, char *path, size_t n, int *fd, char **errp
 
 /* Whether the nrows records at buf are ones a table at the manifest's step writes: none
  * stamped after that step (a restored TTL table would keep it past its time, and one with a
- * spill store refuses it only once half loaded), no weight or optimizer state that is not
- * finite (pushes refuse non-finite gradients, so no table holds one; a restored one would
- * spread it through every pull). */
+ * spill store refuses it only once half loaded), and none the writer refuses (rec_unstorable). */
 static int recs_check(const manifest *m, const char *path, const uint8_t *buf, size_t nrows,
                       uint64_t off, char **errptr)
 {
-    size_t floats = m->cfg.dim + emb_row_slots(&m->cfg);
+    const size_t dim = m->cfg.dim, slots = emb_row_slots(&m->cfg);
     for (size_t i = 0; i < nrows; i++) {
         const uint8_t *rec = buf + i * m->row_bytes;
         uint64_t stamp = emb_rec_last_step(rec);
@@ -397,10 +420,10 @@ static int recs_check(const manifest *m, const char *path, const uint8_t *buf, s
                           "%s: the record at offset %" PRIu64 " was touched at step %" PRIu64
                           ", after the snapshot's step %" PRIu64,
                           path, off + i * m->row_bytes, stamp, m->step);
-        if (cm_f32_first_nonfinite((const float *)(rec + EMB_REC_HDR), floats) != floats)
-            return cm_err(errptr, CM_ECORRUPT,
-                          "%s: the record at offset %" PRIu64 " holds a value that is not finite",
-                          path, off + i * m->row_bytes);
+        const char *bad = rec_unstorable(rec, dim, slots);
+        if (bad != NULL)
+            return cm_err(errptr, CM_ECORRUPT, "%s: the record at offset %" PRIu64 " holds %s",
+                          path, off + i * m->row_bytes, bad);
     }
     return CM_OK;
 }

@@ -366,6 +366,55 @@ static void edit_lr(emb_table_config *c) { c->lr *= 2; }
 static void edit_seed(emb_table_config *c) { c->seed++; }
 static void edit_beta1(emb_table_config *c) { c->beta1 = 0.8f; }
 
+/* Finite gradients can overflow a table's values: Adagrad's sum of squared gradients reaches
+ * +inf after two pushes of 2e19 (its weights stay finite, its updates from then on are 0), and
+ * SGD's weights reach -inf after two pushes of 3e38 at lr 1. The snapshot of the first was
+ * written and then refused by every restore ("not finite"), a checkpoint that could never be
+ * loaded; it must restore bit for bit. The second must be refused when written, naming the key,
+ * with nothing left at the destination. */
+static void diverged_case(void)
+{
+    char dir[4200], *err = NULL;
+    const uint64_t key = 77;
+    float g[4] = {2e19f, 2e19f, 2e19f, 2e19f}, w[4];
+    emb_table_config ca = eu_config(EMB_OPT_ADAGRAD, 4);
+    emb_table *a = eu_create(&ca);
+    eu_push(a, &key, 1, g);
+    eu_push(a, &key, 1, g);
+    eu_row ra, rb;
+    CHECK(eu_get(a, key, &ra) && isinf(ra.s[0]) && isfinite(ra.w[0]));
+    path_in(dir, sizeof dir, g_dir, "inf-state");
+    CHECK_OK(emb_table_snapshot(a, dir, &err), err);
+    emb_table *b = NULL;
+    int rc = emb_table_restore(dir, &ca, &b, &err);
+    CHECK_MSG(rc == CM_OK, "restore of a table with +inf Adagrad state: %s", err ? err : "");
+    free(err);
+    err = NULL;
+    if (rc == CM_OK) {
+        CHECK(eu_get(b, key, &rb) && memcmp(ra.w, rb.w, sizeof ra.w) == 0 &&
+              memcmp(ra.s, rb.s, sizeof ra.s) == 0 && ra.updates == rb.updates);
+        emb_table_destroy(b);
+    }
+    emb_table_destroy(a);
+
+    emb_table_config cs = eu_config(EMB_OPT_SGD, 4);
+    cs.lr = 1;
+    emb_table *s = eu_create(&cs);
+    for (int i = 0; i < 4; i++)
+        g[i] = 3e38f;
+    eu_push(s, &key, 1, g);
+    eu_push(s, &key, 1, g);
+    eu_pull(s, &key, 1, w);
+    CHECK(isinf(w[0]));
+    path_in(dir, sizeof dir, g_dir, "inf-weight");
+    rc = emb_table_snapshot(s, dir, &err);
+    CHECK_MSG(rc != CM_OK && eu_has(err, "key 77") && eu_has(err, "not finite") &&
+                  access(dir, F_OK) != 0,
+              "snapshot of a table with an infinite weight: rc %d, %s", rc, err ? err : "");
+    free(err);
+    emb_table_destroy(s);
+}
+
 int main(void)
 {
     g_dir = check_tmpdir("emb_snapshot");
@@ -451,9 +500,10 @@ int main(void)
     corrupt_case(snap, &model, "rows.bin", REMOVE, 0);
     corrupt_case(snap, &model, "MANIFEST", REMOVE, 0);
 
+    diverged_case();
     lie_case(snap, &model, LIE_LATE_STAMP, "step");
     lie_case(snap, &model, LIE_NAN_WEIGHT, "finite");
-    lie_case(snap, &model, LIE_NAN_STATE, "finite");
+    lie_case(snap, &model, LIE_NAN_STATE, "NaN");
     lie_case(snap, &model, LIE_DUP_KEY, "duplicate");
     lie_case(snap, &model, LIE_WRAP, "more than a file can hold");
     /* a key twice whose first copy the load had already spilled: the records 0 and N - 1 lie
