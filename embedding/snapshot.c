@@ -44,10 +44,13 @@ _Static_assert(sizeof(rows_hdr) == ROWS_HDR, "rows.bin header is 32 bytes");
  * snapshot written can be restored. */
 static const char *rec_unstorable(const uint8_t *rec, size_t dim, size_t slots)
 {
-    const float *v = (const float *)(rec + EMB_REC_HDR);
-    if (cm_f32_first_nonfinite(v, dim) != dim) return "a weight that is not finite";
-    for (size_t i = dim; i < dim + slots; i++)
-        if (isnan(v[i])) return "optimizer state that is NaN";
+    const uint8_t *v = rec + EMB_REC_HDR; /* records are packed: floats may be unaligned */
+    if (cm_f32_first_nonfinite((const float *)v, dim) != dim) return "a weight that is not finite";
+    for (size_t i = dim; i < dim + slots; i++) {
+        float x;
+        memcpy(&x, v + 4 * i, sizeof x);
+        if (isnan(x)) return "optimizer state that is NaN";
+    }
     return NULL;
 }
 
