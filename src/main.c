@@ -40,7 +40,14 @@ int cli_getopt(const char *cmd, int argc, char **argv, const struct option *opts
     opterr = 1;
     if (o != '?') return o;
     const char *arg = optind > 0 && optind <= argc ? argv[optind - 1] : "?";
-    const char *name = arg + (arg[0] == '-') + (arg[0] == '-' && arg[1] == '-');
+    if (strncmp(arg, "--", 2) != 0) {
+        /* No subcommand has short options: getopt stopped at a character of a "-xy" cluster,
+         * and optind may still point at it or past an earlier argument (argv[optind - 1]). */
+        char flag[3] = {'-', optopt > ' ' && optopt < 127 ? (char)optopt : '?', '\0'};
+        fprintf(stderr, "ember %s: unknown option '%s'\n", cmd, flag);
+        return '?';
+    }
+    const char *name = arg + 2;
     size_t len = strcspn(name, "=");
     enum { MAX_OPTS = 128 };
     const char *names[MAX_OPTS];

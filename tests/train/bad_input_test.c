@@ -213,7 +213,9 @@ int main(void)
         {"--e 3", "ember train: option '--e' is ambiguous (--eval, --epochs,"},
         {"--no-progress=1", "ember train: option '--no-progress' takes no value"},
         {"--qqq", "ember train: unknown option '--qqq'\n"},
-        {"--out", "ember train: option '--out' needs a value"}};
+        {"--out", "ember train: option '--out' needs a value"},
+        /* a cluster of short options, after a value: its own first letter is named */
+        {"--batch 64 -xy", "ember train: unknown option '-x'"}};
     for (size_t i = 0; i < sizeof flag_errors / sizeof flag_errors[0]; i++) {
         rc = run("train --train ds/train --max-steps 1 --no-progress %s", flag_errors[i][0]);
         CHECK_MSG(rc == 2 && err_has(flag_errors[i][1]), "%s: exit %d, %s", flag_errors[i][0], rc,
