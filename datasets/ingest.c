@@ -8,6 +8,7 @@
  * after the writer is done with it, which bounds memory and keeps the output independent of the
  * number of threads. */
 #include <dirent.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -747,15 +748,27 @@ void ds_ingest_result_json(const ds_ingest_result *r, FILE *to)
 
 static int prepare_out_dir(const char *dir, char **errptr)
 {
-    static const char *const owned[] = {"train", "eval", "stats.json"};
+    static const char *const owned[] = {"stats.json", "train", "eval"};
     int rc = cm_mkdirs(dir, errptr);
     for (size_t i = 0; rc == CM_OK && i < sizeof owned / sizeof owned[0]; i++) {
-        char *p = path_join(dir, owned[i]);
+        char *p = path_join(dir, owned[i]), aside[64];
         if (p == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-        rc = cm_rmtree(p, errptr);
+        /* A previous set leaves in one rename, then goes with the staging folders below:
+         * removed in place, file by file, a run killed meanwhile left part of it, which a
+         * reader took for the whole set. */
+        snprintf(aside, sizeof aside, "%s.tmp-old-%ld", owned[i], (long)getpid());
+        char *q = i == 0 ? NULL : path_join(dir, aside);
+        if (i == 0)
+            rc = cm_rmtree(p, errptr);
+        else if (q == NULL)
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        else if (rename(p, q) != 0 && errno != ENOENT)
+            rc = cm_err_errno(errptr, CM_EIO, "cannot move %s aside", p);
+        free(q);
         free(p);
     }
-    /* staging folders of killed runs (train.tmp-<pid>, eval.tmp-<pid>): a set's worth of disk */
+    /* staging folders of killed runs (train.tmp-<pid>, eval.tmp-<pid>) and the previous sets
+     * moved aside: a set's worth of disk each */
     DIR *d = rc == CM_OK ? opendir(dir) : NULL;
     struct dirent *e;
     while (d != NULL && rc == CM_OK && (e = readdir(d)) != NULL) {
