@@ -748,19 +748,19 @@ void ds_ingest_result_json(const ds_ingest_result *r, FILE *to)
 
 static int prepare_out_dir(const char *dir, char **errptr)
 {
-    static const char *const owned[] = {"stats.json", "train", "eval"};
     int rc = cm_mkdirs(dir, errptr);
-    for (size_t i = 0; rc == CM_OK && i < sizeof owned / sizeof owned[0]; i++) {
-        char *p = path_join(dir, owned[i]), aside[64];
-        if (p == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-        /* A previous set leaves in one rename, then goes with the staging folders below:
-         * removed in place, file by file, a run killed meanwhile left part of it, which a
-         * reader took for the whole set. */
-        snprintf(aside, sizeof aside, "%s.tmp-old-%ld", owned[i], (long)getpid());
-        char *q = i == 0 ? NULL : path_join(dir, aside);
-        if (i == 0)
-            rc = cm_rmtree(p, errptr);
-        else if (q == NULL)
+    char *stats = rc == CM_OK ? path_join(dir, "stats.json") : NULL;
+    if (rc == CM_OK)
+        rc = stats ? cm_rmtree(stats, errptr) : cm_err(errptr, CM_ENOMEM, "out of memory");
+    free(stats);
+    /* A previous set leaves in one rename, then goes with the staging folders below: removed in
+     * place, file by file, a run killed meanwhile left part of it, which a reader took for the
+     * whole set. */
+    for (int ev = 0; rc == CM_OK && ev < 2; ev++) {
+        char aside[64];
+        snprintf(aside, sizeof aside, "%s.tmp-old-%ld", set_names[ev], (long)getpid());
+        char *p = path_join(dir, set_names[ev]), *q = path_join(dir, aside);
+        if (p == NULL || q == NULL)
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         else if (rename(p, q) != 0 && errno != ENOENT)
             rc = cm_err_errno(errptr, CM_EIO, "cannot move %s aside", p);

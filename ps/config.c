@@ -17,7 +17,7 @@ void ps_config_init(ps_config *cfg)
     cfg->n_shards = 1;
     cfg->n_workers = 1;
     cfg->staleness = -1;
-    cfg->max_msg_bytes = 256u << 20;
+    cfg->max_msg_bytes = PS_MAX_MESSAGE_DEFAULT;
     cfg->replica_timeout_ms = 5000;
     snprintf(cfg->spill_dir, sizeof cfg->spill_dir, "/tmp/ember-spill");
 }

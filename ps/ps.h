@@ -62,6 +62,7 @@ extern "C" {
 #define PS_MAX_WORKERS 1024u
 #define PS_NAME_MAX 32u
 #define PS_CKPT_DIR_MAX 1024u /* bytes of a SAVE's or LOAD's directory (ps_client_save) */
+#define PS_MAX_MESSAGE_DEFAULT (256u << 20) /* ps_config_init's max_msg_bytes */
 
 typedef enum ps_codec {
     PS_CODEC_F32 = 0,

@@ -32,14 +32,11 @@ static int copy_side_files(const char *from, const char *to, uint32_t shards, ch
     int rc = CM_OK;
     while (rc == CM_OK && (e = readdir(d)) != NULL) {
         bool run = !strcmp(e->d_name, "run.txt");
-        /* A worker's position is worker-<i>.pos exactly: a checkpoint written before ember train
-         * cleared its staging directory may hold a killed save's worker-<i>.pos.tmp.<pid>, cut
-         * short, which is no part of the checkpoint. */
-        unsigned w;
-        char pos[32];
-        bool worker = sscanf(e->d_name, "worker-%u", &w) == 1 &&
-                      snprintf(pos, sizeof pos, "worker-%u.pos", w) > 0 && !strcmp(pos, e->d_name);
-        if (!worker && strcmp(e->d_name, "model.txt") && !run) continue;
+        /* A checkpoint written before ember train cleared its staging directory may hold a
+         * killed save's worker temporary, cut short, which is no part of the checkpoint. */
+        uint32_t w;
+        if (!train_ckpt_worker_pos(e->d_name, &w) && strcmp(e->d_name, "model.txt") && !run)
+            continue;
         char src[4400], dst[4400];
         if (snprintf(src, sizeof src, "%s/%s", from, e->d_name) >= (int)sizeof src ||
             snprintf(dst, sizeof dst, "%s/%s", to, e->d_name) >= (int)sizeof dst) {

@@ -1115,6 +1115,16 @@ static int resume_check(const setup *S, char **errptr)
  * unreadable (two copies of a row), and the temporaries that save was writing (a position cut
  * short, which reshard refuses; a shard's half-written tables), which stayed in the checkpoint
  * for good. Only this checkpoint's own entries stay. */
+bool train_ckpt_worker_pos(const char *name, uint32_t *w)
+{
+    unsigned i;
+    char own[32];
+    if (sscanf(name, "worker-%u", &i) != 1) return false;
+    snprintf(own, sizeof own, "worker-%u.pos", i);
+    *w = i;
+    return strcmp(own, name) == 0;
+}
+
 static int drop_foreign(const setup *S, const char *dir, char **errptr)
 {
     DIR *d = opendir(dir);
@@ -1124,13 +1134,13 @@ static int drop_foreign(const setup *S, const char *dir, char **errptr)
     while (rc == CM_OK && (e = readdir(d)) != NULL) {
         const char *n = e->d_name;
         unsigned i;
+        uint32_t w;
         char own[64] = "";
         if (sscanf(n, "shard-%u", &i) == 1 && i < S->ps.n_shards)
             snprintf(own, sizeof own, "shard-%u", i);
-        else if (sscanf(n, "worker-%u", &i) == 1 && i < S->o->workers)
-            snprintf(own, sizeof own, "worker-%u.pos", i);
         bool ours = !strcmp(n, ".") || !strcmp(n, "..") || !strcmp(n, "model.txt") ||
-                    !strcmp(n, "run.txt") || !strcmp(n, own);
+                    !strcmp(n, "run.txt") || !strcmp(n, own) ||
+                    (train_ckpt_worker_pos(n, &w) && w < S->o->workers);
         if (!ours) {
             char path[2600];
             snprintf(path, sizeof path, "%s/%s", dir, n);
@@ -1822,9 +1832,7 @@ static uint64_t batch_message_bytes(uint32_t batch, const model_cfg *m, const mo
         if (l->table_dim[t] > dim) dim = l->table_dim[t];
     uint64_t need = (uint64_t)batch * m->n_fields * (4 * dim + 10 + 4);
     need += need / 4;
-    ps_config def;
-    ps_config_init(&def);
-    return need > def.max_msg_bytes ? need : def.max_msg_bytes;
+    return need > PS_MAX_MESSAGE_DEFAULT ? need : PS_MAX_MESSAGE_DEFAULT;
 }
 
 static uint64_t expected_rows(const train_opts *o, uint32_t n_fields)

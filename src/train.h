@@ -158,6 +158,10 @@ typedef struct train_result {
  * removes those an interrupted save left. */
 #define TRAIN_CKPT_STAGING ".tmp"
 
+/* Whether name is a worker's position in a checkpoint, worker-<w>.pos spelled exactly as the
+ * trainer writes it (*w gets w): not a killed save's worker-<w>.pos.tmp.<pid>. */
+bool train_ckpt_worker_pos(const char *name, uint32_t *w);
+
 /* A checkpoint directory from `in`: in itself when it holds shard-0/, else the run directory's
  * ckpt/LATEST. *step is parsed from the "step-N" name; under another name it is worker 0's
  * position (worker-0.pos), else 0. A staging folder ("...<n>.tmp") is refused. */
