@@ -23,6 +23,8 @@
 #include "src/metrics.h"
 
 #define DENSE_BLOCK 0
+/* An earlier run's metrics.jsonl while a fresh run has no checkpoint yet (metrics_set_aside). */
+#define METRICS_PREV "metrics.jsonl.prev"
 
 void train_opts_init(train_opts *o)
 {
@@ -1220,6 +1222,10 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
     if (earlier) {
         S->pruned_foreign = true;
         keep = 1;
+        /* The earlier run's metrics go with its checkpoints (metrics_set_aside). */
+        char prev[2300];
+        snprintf(prev, sizeof prev, "%s/" METRICS_PREV, S->o->out_dir);
+        unlink(prev);
     }
     DIR *d = opendir(S->ckpt_root);
     if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", S->ckpt_root);
@@ -2139,6 +2145,36 @@ static int metrics_trim(const char *path, uint64_t step, char **errptr)
     return rc;
 }
 
+/* A fresh run into a run directory whose checkpoints an earlier run left: that run's
+ * metrics.jsonl is moved to METRICS_PREV, not truncated, since its checkpoints stay until this
+ * run's first one (prune_checkpoints, which then removes it). A fresh run that fails before that
+ * leaves the directory's LATEST naming the earlier run's checkpoint, and a --resume of it gets
+ * that run's metrics back (metrics_restore), not the failed run's lines, which no checkpoint
+ * holds. Where METRICS_PREV is there already, an earlier fresh run failed the same way: it still
+ * holds the metrics of the run LATEST names, and stays. */
+static int metrics_set_aside(const setup *S, const char *path, char **errptr)
+{
+    char latest[2300], prev[2300];
+    snprintf(latest, sizeof latest, "%s/LATEST", S->ckpt_root);
+    snprintf(prev, sizeof prev, "%s/" METRICS_PREV, S->o->out_dir);
+    if (access(latest, F_OK) != 0 || access(prev, F_OK) == 0 || access(path, F_OK) != 0)
+        return CM_OK;
+    if (rename(path, prev) != 0)
+        return cm_err_errno(errptr, CM_EIO, "cannot move %s to %s", path, prev);
+    return CM_OK;
+}
+
+/* A --resume after a fresh run that failed before its first checkpoint: see metrics_set_aside. */
+static int metrics_restore(const setup *S, const char *path, char **errptr)
+{
+    char prev[2300];
+    snprintf(prev, sizeof prev, "%s/" METRICS_PREV, S->o->out_dir);
+    if (access(prev, F_OK) != 0) return CM_OK;
+    if (rename(prev, path) != 0)
+        return cm_err_errno(errptr, CM_EIO, "cannot move %s back to %s", prev, path);
+    return CM_OK;
+}
+
 int train_run(const train_opts *o, train_result *res, char **errptr)
 {
     memset(res, 0, sizeof *res);
@@ -2226,6 +2262,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         char path[2300];
         snprintf(path, sizeof path, "%s/metrics.jsonl", oc.out_dir);
         if (first_w == 0) rc = run_lock(&S, oc.out_dir, errptr);
+        if (rc == CM_OK && first_w == 0 && oc.resume) rc = metrics_restore(&S, path, errptr);
         if (rc == CM_OK && first_w == 0 && oc.resume)
             rc = metrics_trim(path, S.resume_step, errptr);
         if (rc == CM_OK && first_w == 0 && oc.rejoin) {
@@ -2239,13 +2276,16 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             char pred[2300];
             snprintf(pred, sizeof pred, "%s/eval_predictions.txt", oc.out_dir);
             unlink(pred);
+            rc = metrics_set_aside(&S, path, errptr);
         }
         if (rc != CM_OK) goto out;
         if (first_w == 0) S.metrics = fopen(path, oc.resume || oc.rejoin ? "a" : "w");
         snprintf(path, sizeof path, "%s/logs", oc.out_dir);
         if (!o->cluster_path && cm_mkdirs(path, NULL) == CM_OK) {
             snprintf(path, sizeof path, "%s/logs/train.log", oc.out_dir);
-            S.log = fopen(path, oc.resume ? "a" : "w");
+            /* Appended to, fresh run or not: a failed run's log is what tells why, and the run
+             * before it (whose checkpoints a fresh run keeps until its first) keeps its own. */
+            S.log = fopen(path, "a");
             if (S.log != NULL) {
                 log_fd_for_signal = fileno(S.log);
                 signal(SIGINT, interrupt_note);

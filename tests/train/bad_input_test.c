@@ -570,7 +570,9 @@ int main(void)
              "--checkpoint-every 5 --out r6 --no-progress");
     CHECK_MSG(rc == 0, "normal run: exit %d", rc);
     char *latest0 = slurp_sealed("r6/ckpt/LATEST"), *list0 = ckpt_listing("r6");
+    char *metrics0 = slurp("r6/metrics.jsonl"), *log0 = slurp("r6/logs/train.log");
     CHECK(latest0 && strcmp(latest0, "step-20\n") == 0);
+    CHECK(metrics0 && strstr(metrics0, "{\"step\":20,") && log0 && strstr(log0, "done: "));
     CHECK(list0 && strstr(list0, "./step-5/") && strstr(list0, "./step-15/"));
     rc = run("train --train ds/train --eval ds/eval --model mlp --batch 512 --max-steps 20 "
              "--checkpoint-every 5 --dense-lr 1e30 --out r6 --no-progress");
@@ -588,6 +590,21 @@ int main(void)
     rc = run("train --train ds/train --eval ds/eval --model mlp --batch 512 --max-steps 25 "
              "--checkpoint-every 5 --resume --out r6 --no-progress");
     CHECK_MSG(rc == 0 && jnum(last_line(), "steps") == 25, "resume after the failed run: exit %d", rc);
+    /* It continues the metrics and log of the run whose checkpoint it resumed: the failed fresh
+     * run had truncated both, leaving the resumed run without its first 20 steps' lines. */
+    char *metrics1 = slurp("r6/metrics.jsonl"), *log1 = slurp("r6/logs/train.log");
+    CHECK_MSG(metrics0 && metrics1 && strncmp(metrics0, metrics1, strlen(metrics0)) == 0 &&
+                  strstr(metrics1, "{\"step\":25,"),
+              "r6/metrics.jsonl after the resume:\n%s\n--- before the failed run:\n%s",
+              metrics1 ? metrics1 : "(missing)", metrics0 ? metrics0 : "(missing)");
+    CHECK_MSG(log0 && log1 && strncmp(log0, log1, strlen(log0)) == 0 && strstr(log1, "non-finite"),
+              "r6/logs/train.log lost the first run's lines or the failed run's: %s",
+              log1 ? log1 : "(missing)");
+    CHECK(!exists("r6/metrics.jsonl.prev"));
+    free(metrics0);
+    free(metrics1);
+    free(log0);
+    free(log1);
 
     /* --resume with other settings than the checkpoint's: refused before anything runs, every
      * difference named (another batch size would silently replay rows; another model would be
