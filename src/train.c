@@ -1004,7 +1004,7 @@ static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final,
 
 /* ---- checkpoints ---- */
 
-static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **errptr);
+static void prune_checkpoints(setup *S, uint32_t keep, uint64_t latest);
 
 static int ckpt_dir(const setup *S, uint64_t step, char *out, size_t n)
 {
@@ -1204,23 +1204,43 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
         snprintf(path, sizeof path, "%s/LATEST", S->ckpt_root);
         len = snprintf(text, sizeof text, "step-%" PRIu64 "\n", tag);
         rc = cm_write_sealed(path, text, (size_t)len, errptr);
-        if (rc == CM_OK) rc = prune_checkpoints(S, S->o->keep_checkpoints, tag, errptr);
+        if (rc == CM_OK) prune_checkpoints(S, S->o->keep_checkpoints, tag);
     }
     return rc;
+}
+
+/* Removes one directory prune_checkpoints gave up, saying why (what), or says why it could not
+ * and returns false. */
+static bool prune_one(setup *S, const char *dir, const char *what)
+{
+    if (what != NULL) {
+        fprintf(stderr, "ember train: removing %s: %s\n", dir, what);
+        train_log(S, "removing %s: %s", dir, what);
+    }
+    char *err = NULL;
+    if (cm_rmtree(dir, &err) == CM_OK) return true;
+    fprintf(stderr, "ember train: warning: %s (kept; tried again at the next checkpoint)\n", err);
+    train_log(S, "warning: %s (kept; tried again at the next checkpoint)", err);
+    free(err);
+    return false;
 }
 
 /* Runs once step-<latest> is complete and LATEST names it, so the checkpoint a resume would use
  * is never touched and a crash midway leaves only extra checkpoints. No checkpoint newer than it
  * survives (an earlier, longer run's in the same directory; left there, a later prune would
  * delete this run's checkpoints before them), nor what a save that never completed assembled
- * (step-<n>.tmp), and of the rest only the
- * newest `keep` (0: all). A fresh run's first checkpoint also removes every older one: they are
- * an earlier run's (kept until now, so a fresh run that fails first leaves them as they were). */
-static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **errptr)
+ * (step-<n>.tmp), and of the rest only the newest `keep` (0: all). A fresh run's first
+ * checkpoint also removes every older one: they are an earlier run's (kept until now, so a fresh
+ * run that fails first leaves them as they were).
+ *
+ * Best effort: the checkpoint is in place, and a directory that cannot be removed (permissions,
+ * a busy or read-only mount) costs disk, not the run, which a failed prune used to end after
+ * its checkpoint had been written. Each failure is a warning, and the next checkpoint's prune
+ * tries again (an earlier run's too: they stay "earlier" until all are gone). */
+static void prune_checkpoints(setup *S, uint32_t keep, uint64_t latest)
 {
     bool earlier = !S->o->resume && !S->o->rejoin && !S->pruned_foreign;
     if (earlier) {
-        S->pruned_foreign = true;
         keep = 1;
         /* The earlier run's metrics go with its checkpoints (metrics_set_aside). */
         char prev[2300];
@@ -1228,15 +1248,19 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
         unlink(prev);
     }
     DIR *d = opendir(S->ckpt_root);
-    if (d == NULL) return cm_err_errno(errptr, CM_EIO, "cannot read %s", S->ckpt_root);
+    if (d == NULL) {
+        fprintf(stderr, "ember train: warning: cannot read %s to prune it: %s\n", S->ckpt_root,
+                strerror(errno));
+        return;
+    }
     /* Every step-<n>, however many: a fixed 4096 left the rest unlisted, so neither pruned
      * (--keep-checkpoints takes up to 100000) nor removed as an earlier run's. */
     uint64_t *steps = NULL;
     size_t n = 0, cap = 0;
     struct dirent *e;
-    int rc = CM_OK;
+    bool all = true, listed = true;
     char dir[2400]; /* ckpt_root, a slash and a directory entry's name */
-    while (rc == CM_OK && (e = readdir(d)) != NULL) {
+    while ((e = readdir(d)) != NULL) {
         unsigned long long v;
         char tail;
         int got = sscanf(e->d_name, "step-%llu%c", &v, &tail);
@@ -1247,40 +1271,40 @@ static int prune_checkpoints(setup *S, uint32_t keep, uint64_t latest, char **er
             got = 0;
         if (got == 1 && n == cap) {
             uint64_t *more = realloc(steps, (cap = cap ? 2 * cap : 256) * sizeof *steps);
-            if (more == NULL)
-                rc = cm_err(errptr, CM_ENOMEM, "out of memory listing %s", S->ckpt_root);
-            else
-                steps = more;
+            if (more == NULL) {
+                listed = false;
+                break;
+            }
+            steps = more;
         }
-        if (got == 1 && rc == CM_OK) steps[n++] = v;
+        if (got == 1) steps[n++] = v;
         /* What a save that failed or was killed was assembling (checkpoint): no checkpoint is
          * being assembled now, this one is in place. */
         if (got == 2 && is_staging(e->d_name)) {
             snprintf(dir, sizeof dir, "%s/%s", S->ckpt_root, e->d_name);
-            rc = cm_rmtree(dir, errptr);
+            all &= prune_one(S, dir, NULL);
         }
     }
     closedir(d);
+    if (!listed) {
+        fprintf(stderr, "ember train: warning: out of memory listing %s to prune it\n",
+                S->ckpt_root);
+        n = 0;
+        all = false;
+    }
     if (n > 0) qsort(steps, n, sizeof steps[0], cm_u64_cmp);
-    while (rc == CM_OK && n > 0 && steps[n - 1] > latest) {
-        if (ckpt_dir(S, steps[--n], dir, sizeof dir) != CM_OK) continue;
-        fprintf(stderr,
-                "ember train: removing %s: newer than this run's checkpoint step-%" PRIu64
-                " (left by an earlier run in this directory, or a save that never completed)\n",
-                dir, latest);
-        train_log(S, "removing %s: newer than this run's checkpoint step-%" PRIu64, dir, latest);
-        rc = cm_rmtree(dir, errptr);
-    }
-    for (size_t i = 0; rc == CM_OK && keep > 0 && i + keep < n; i++) {
-        if (ckpt_dir(S, steps[i], dir, sizeof dir) != CM_OK) continue;
-        if (earlier) {
-            fprintf(stderr, "ember train: removing %s: an earlier run's, in this directory\n", dir);
-            train_log(S, "removing %s: an earlier run's", dir);
-        }
-        rc = cm_rmtree(dir, errptr);
-    }
+    char why[160];
+    snprintf(why, sizeof why,
+             "newer than this run's checkpoint step-%" PRIu64
+             " (left by an earlier run in this directory, or a save that never completed)",
+             latest);
+    while (n > 0 && steps[n - 1] > latest)
+        if (ckpt_dir(S, steps[--n], dir, sizeof dir) == CM_OK) all &= prune_one(S, dir, why);
+    for (size_t i = 0; keep > 0 && i + keep < n; i++)
+        if (ckpt_dir(S, steps[i], dir, sizeof dir) == CM_OK)
+            all &= prune_one(S, dir, earlier ? "an earlier run's, in this directory" : NULL);
+    if (earlier && all) S->pruned_foreign = true;
     free(steps);
-    return rc;
 }
 
 /* Reads "<prefix><number>" from a small file; the whole text goes to *keep (the caller frees

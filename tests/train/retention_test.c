@@ -5,7 +5,29 @@
  * removes those newer than its own, so they can neither outlive its own nor be resumed, however
  * many there are.
  */
+#include <fcntl.h>
+#include <sys/stat.h>
+
 #include "cli_util.h"
+
+/* A chain of directories under parent deeper than PATH_MAX: nothing that works by whole paths
+ * (cm_rmtree) can remove it, which stands in for a checkpoint that cannot be removed (a
+ * read-only or busy mount, permissions) for a test that runs as root. */
+static int make_deep(const char *parent)
+{
+    char name[201];
+    memset(name, 'd', 200);
+    name[200] = '\0';
+    int fd = open(parent, O_RDONLY | O_DIRECTORY);
+    for (int i = 0; fd >= 0 && i < 25; i++) {
+        int next = mkdirat(fd, name, 0755) == 0 ? openat(fd, name, O_RDONLY | O_DIRECTORY) : -1;
+        close(fd);
+        fd = next;
+    }
+    if (fd < 0) return -1;
+    close(fd);
+    return 0;
+}
 
 int main(void)
 {
@@ -79,5 +101,23 @@ int main(void)
     }
     CHECK_MSG(left == 0 && exists("many/ckpt/step-5/model.txt"),
               "%d of an earlier run's 4200 checkpoints left beside a fresh run's step-5", left);
+    /* A prune that fails is a warning, not the run's end: the checkpoint is in place (a run
+     * that had trained to the end failed on it). The earlier run's checkpoint it could not
+     * remove is tried again at the next checkpoint, and the rest are pruned as usual. */
+    snprintf(path, sizeof path, "%s/stuck/ckpt/step-1", dir);
+    CHECK(cm_mkdirs(path, NULL) == CM_OK && make_deep(path) == 0);
+    CHECK_MSG(run("train --train ds/train --model lr --batch 256 --no-progress --device cpu "
+                  "--checkpoint-every 5 --max-steps 15 --keep-checkpoints 1 --out stuck") == 0,
+              "a run whose prune failed: %s", err_text);
+    CHECK_MSG(err_has("warning") && err_has("step-1") && err_has("tried again"),
+              "the failed prune not named: %s", err_text);
+    latest = slurp_sealed("stuck/ckpt/LATEST");
+    CHECK(latest && strcmp(latest, "step-15\n") == 0);
+    free(latest);
+    CHECK(exists("stuck/ckpt/step-15/model.txt") && !exists("stuck/ckpt/step-10") &&
+          !exists("stuck/ckpt/step-5") && exists("stuck/ckpt/step-1"));
+    char cmd[8300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s/stuck'", dir);
+    CHECK(system(cmd) == 0);
     return check_done();
 }
