@@ -10,6 +10,8 @@
 #include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,6 +79,7 @@ typedef struct ingest {
     uint64_t bytes_in;
     worker *workers;
     int n_workers;
+    int shrank; /* 1 + the input that shrank while mapped (map_guard); 0: none (atomic) */
 } ingest;
 
 static chunk *slot_of(ingest *g, uint64_t seq)
@@ -179,6 +182,102 @@ static int skip_line(ingest *g, ds_input *in, uint8_t *tmp, uint8_t *carry, size
     }
 }
 
+/* ---- a mapped input that shrinks ----
+ * Another process that truncates an input file while it is mapped here turns every access past
+ * the new end into SIGBUS, which kills the process. While a file is mapped, its range is
+ * registered here; a SIGBUS inside a registered range maps a page of zeros over the faulting
+ * page, so the access completes, and flags the ingest, which then fails naming the file: the
+ * zeros never reach a shard, since the writer checks the flag before each chunk and a failed
+ * run's outputs are removed. A SIGBUS anywhere else goes to the handler there was before (the
+ * default one: the process ends as it would have). The handler is installed once, at the first
+ * mapped input, and stays (a later one installed over it by the program is its own business). */
+#define MAP_GUARDS 64
+typedef struct map_guard {
+    uintptr_t lo, hi;
+    int *flag;
+    int value;
+    int used; /* atomic: lo, hi, flag and value are set before it */
+} map_guard;
+static map_guard map_guards[MAP_GUARDS];
+static struct sigaction bus_prev;
+static uintptr_t bus_page;
+static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
+static int bus_installed;
+
+static void bus_handler(int sig, siginfo_t *si, void *uc)
+{
+    uintptr_t a = (uintptr_t)si->si_addr;
+    for (int i = 0; i < MAP_GUARDS; i++) {
+        map_guard *m = &map_guards[i];
+        if (!__atomic_load_n(&m->used, __ATOMIC_ACQUIRE) || a < m->lo || a >= m->hi) continue;
+        void *page = (void *)(a & ~(bus_page - 1));
+        if (mmap(page, bus_page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
+            MAP_FAILED)
+            break;
+        __atomic_store_n(m->flag, m->value, __ATOMIC_RELEASE);
+        return;
+    }
+    if ((bus_prev.sa_flags & SA_SIGINFO) && bus_prev.sa_sigaction != NULL) {
+        bus_prev.sa_sigaction(sig, si, uc);
+    } else if (bus_prev.sa_handler != SIG_DFL && bus_prev.sa_handler != SIG_IGN) {
+        bus_prev.sa_handler(sig);
+    } else {
+        /* The faulting access runs again on return and gets the default action. */
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigaction(SIGBUS, &dfl, NULL);
+    }
+}
+
+static void bus_install(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = bus_handler;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    bus_page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    bus_installed = sigaction(SIGBUS, &sa, &bus_prev) == 0;
+}
+
+/* Registers a mapping of input f; the index of its guard, or -1 (then the file is read, not
+ * mapped). */
+static int map_guard_add(ingest *g, uint32_t f, const void *map, size_t size)
+{
+    pthread_once(&bus_once, bus_install);
+    if (!bus_installed) return -1;
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    int at = -1;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAP_GUARDS && at < 0; i++) {
+        map_guard *m = &map_guards[i];
+        if (__atomic_load_n(&m->used, __ATOMIC_ACQUIRE)) continue;
+        m->lo = (uintptr_t)map;
+        m->hi = (uintptr_t)map + size;
+        m->flag = &g->shrank;
+        m->value = (int)f + 1;
+        __atomic_store_n(&m->used, 1, __ATOMIC_RELEASE);
+        at = i;
+    }
+    pthread_mutex_unlock(&mu);
+    return at;
+}
+
+static void map_guard_remove(int at)
+{
+    __atomic_store_n(&map_guards[at].used, 0, __ATOMIC_RELEASE);
+}
+
+/* The error of an input that shrank while it was read (map_guard). */
+static int shrank_error(const ingest *g, uint32_t f, char **errptr)
+{
+    return cm_err(errptr, CM_EIO,
+                  "%s: the file shrank while it was read (another process truncated or rewrote "
+                  "it): nothing written; ingest it again once it is complete",
+                  g->o->inputs[f]);
+}
+
 /* An uncompressed regular file is mapped and its chunks point into the mapping: no copy into
  * the slot buffers (about 3% of the CPU of an ingest). Chunks are cut exactly where
  * read_file cuts them (a full chunk_bytes window that holds no line end is an over-long line,
@@ -194,6 +293,11 @@ static int read_mapped(ingest *g, uint32_t f, int fd, char **errptr)
     size_t size = (size_t)st.st_size, pos = 0, cb = g->chunk_bytes;
     const uint8_t *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (map == MAP_FAILED) return 1;
+    int guard = map_guard_add(g, f, map, size);
+    if (guard < 0) {
+        munmap((void *)map, size);
+        return 1;
+    }
     madvise((void *)map, size, MADV_SEQUENTIAL);
     const char *path = g->o->inputs[f];
     int rc = CM_OK;
@@ -271,6 +375,11 @@ static int read_mapped(ingest *g, uint32_t f, int fd, char **errptr)
     }
     pthread_mutex_unlock(&g->mu);
 out:
+    /* The size checked too: a file cut at a page boundary past every access faults nowhere. */
+    if (rc == CM_OK && (__atomic_load_n(&g->shrank, __ATOMIC_ACQUIRE) == (int)f + 1 ||
+                        fstat(fd, &st) != 0 || (uint64_t)st.st_size < size))
+        rc = shrank_error(g, f, errptr);
+    map_guard_remove(guard);
     munmap((void *)map, size);
     return rc;
 }
@@ -606,6 +715,13 @@ static int run_writer(ingest *g, outset *os, ds_ingest_result *res, double t0, c
         int finished = !(c->state == SLOT_DONE && c->seq == seq);
         pthread_mutex_unlock(&g->mu);
         if (finished) break;
+        /* Before anything of the chunk is reported or written: its text may be the zeros that
+         * stand for a cut file's missing pages. */
+        int cut = __atomic_load_n(&g->shrank, __ATOMIC_ACQUIRE);
+        if (cut != 0) {
+            rc = shrank_error(g, (uint32_t)cut - 1, errptr);
+            break;
+        }
         if (c->err != CM_OK) {
             rc = cm_err(errptr, c->err, "%s: %s", o->inputs[c->file],
                         c->errmsg ? c->errmsg : "out of memory");
