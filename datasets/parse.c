@@ -586,6 +586,10 @@ static int parse_sparse(ds_pctx *c, const char *s, size_t len, ds_rows *r)
     int junk = 0, rc;
     uint32_t nf = pl->n_fields;
     memset(c->cnt, 0, ((size_t)nf + 1) * sizeof *c->cnt);
+    /* SVMlight's own additions to libsvm lines: "# info" to the end of the line, and a query id
+     * right after the label ("qid:17", for ranking data), neither of them a feature. */
+    const char *hash = ffm ? NULL : memchr(s, '#', len);
+    if (hash != NULL) end = hash;
     const char *tok = sparse_token(s, end, &te, &junk);
     if (junk) return reject(c, DS_REJ_JUNK, 1);
     if ((rc = sparse_label(c, tok, (size_t)(te - tok), r)) != 0) return rc;
@@ -593,6 +597,11 @@ static int parse_sparse(ds_pctx *c, const char *s, size_t len, ds_rows *r)
         tok = sparse_token(te, end, &te, &junk);
         if (junk) return reject(c, DS_REJ_JUNK, feat);
         if (tok == te) break;
+        if (feat == 2 && !ffm && te - tok > 4 && !memcmp(tok, "qid:", 4)) {
+            if (!all_digits(tok + 4, (size_t)(te - tok - 4)))
+                return reject(c, DS_REJ_FEATURE, feat);
+            continue;
+        }
         if ((size_t)(te - tok) > DS_MAX_TOKEN) return reject(c, DS_REJ_TOKEN_LONG, feat);
         const char *c1 = memchr(tok, ':', (size_t)(te - tok));
         if (c1 == NULL) return reject(c, DS_REJ_FEATURE, feat);

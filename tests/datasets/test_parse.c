@@ -292,6 +292,23 @@ static void test_sparse(void)
             CHECK(b.offsets[1] == 2 && b.keys[0] == K("3", 0) && b.weights[0] == 0.5f);
             CHECK(b.keys[2] == K("2", 0) && b.weights[2] == 100.0f && b.offsets[3] == 3);
         }
+        /* SVMlight's ranking lines: a qid after the label, and a comment to the end of the
+         * line, both once `feature` rejects (a LETOR file lost every row). Neither is a
+         * feature: a qid elsewhere still is a reject, as is one without a number. */
+        parse(p,
+              "2 qid:17 3:0.5 10:1 # doc 4 of q17\n0 qid:17 2:1e2#x\n1 3:1 qid:3\n1 qid:x 3:1\n"
+              "1 # all comment\n",
+              &b, &rep);
+        CHECK_MSG(rep.rows == 3 && rep.rejected == 2 && rep.first_bad == 3 &&
+                      rep.first_reason == DS_REJ_FEATURE,
+                  "rows %llu rejected %llu first_bad %llu", (unsigned long long)rep.rows,
+                  (unsigned long long)rep.rejected, (unsigned long long)rep.first_bad);
+        if (b.n_rows == 3) {
+            CHECK(b.labels[0] == 1.0f && b.labels[1] == 0.0f && b.labels[2] == 1.0f);
+            CHECK(b.offsets[1] == 2 && b.keys[0] == K("3", 0) && b.keys[1] == K("10", 0));
+            CHECK(b.offsets[2] == 3 && b.keys[2] == K("2", 0) && b.weights[2] == 100.0f);
+            CHECK(b.offsets[3] == 3);
+        }
         ds_parser_destroy(p);
     }
     p = make(DS_FMT_LIBFFM, NULL, 0);
