@@ -1,6 +1,7 @@
 /* ember ingest: a thin shell over ds_ingest_run (datasets/datasets.h). */
 #include <dlfcn.h>
 #include <errno.h>
+#include <getopt.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,91 +55,113 @@ static void stop_blas_threads(void)
 
 int cmd_ingest(int argc, char **argv)
 {
+    /* getopt_long, as every other command: "--flag=value", inputs between options, "--" before
+     * inputs named like options (a hand-written loop had none of the first, and listed the
+     * flags a second time for its messages). */
+    enum {
+        O_FORMAT = 1,
+        O_SCHEMA,
+        O_OUT,
+        O_SHARDS,
+        O_THREADS,
+        O_BLOCK_ROWS,
+        O_FFM_FIELDS,
+        O_SPLIT_SEED,
+        O_EVAL_FRACTION,
+        O_STRICT,
+        O_BUFFERED,
+        O_BUCKETIZE,
+        O_NO_LABEL,
+        O_HELP
+    };
+    static const struct option opts[] = {{"format", 1, 0, O_FORMAT},
+                                         {"schema", 1, 0, O_SCHEMA},
+                                         {"out", 1, 0, O_OUT},
+                                         {"shards", 1, 0, O_SHARDS},
+                                         {"threads", 1, 0, O_THREADS},
+                                         {"block-rows", 1, 0, O_BLOCK_ROWS},
+                                         {"ffm-fields", 1, 0, O_FFM_FIELDS},
+                                         {"split-seed", 1, 0, O_SPLIT_SEED},
+                                         {"eval-fraction", 1, 0, O_EVAL_FRACTION},
+                                         {"strict", 0, 0, O_STRICT},
+                                         {"buffered", 0, 0, O_BUFFERED},
+                                         {"bucketize", 0, 0, O_BUCKETIZE},
+                                         {"no-label", 0, 0, O_NO_LABEL},
+                                         {"help", 0, 0, O_HELP},
+                                         {0, 0, 0, 0}};
     ds_ingest_opts o;
     ds_ingest_opts_init(&o);
     const char *format = NULL;
-    const char **inputs = calloc((size_t)argc + 1, sizeof *inputs);
-    size_t n_inputs = 0;
-    int rc = 2;
-    if (inputs == NULL) {
-        fprintf(stderr, "ember ingest: out of memory\n");
-        return 1;
-    }
-    bool files_only = false; /* after "--": every argument is an input, "--x" too */
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        unsigned long long n;
-        if (files_only) {
-            inputs[n_inputs++] = a;
-            continue;
-        } else if (strcmp(a, "--") == 0) {
-            files_only = true;
-            continue;
-        } else if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-            ingest_usage(stdout);
-            rc = 0;
-            goto out;
-        } else if (strcmp(a, "--strict") == 0) {
-            o.strict = 1;
-            continue;
-        } else if (strcmp(a, "--buffered") == 0) {
-            o.buffered_output = 1;
-            continue;
-        } else if (strcmp(a, "--bucketize") == 0) {
-            o.parser.bucketize = 1;
-            continue;
-        } else if (strcmp(a, "--no-label") == 0) {
-            o.parser.no_label = 1;
-            continue;
-        } else if (strncmp(a, "--", 2) != 0) {
-            inputs[n_inputs++] = a;
-            continue;
-        }
-        if (v == NULL) {
-            fprintf(stderr, "ember ingest: %s needs a value\n", a);
-            goto usage;
-        }
-        i++;
-        if (strcmp(a, "--format") == 0) {
-            format = v;
-        } else if (strcmp(a, "--schema") == 0) {
-            o.parser.schema_path = v;
-        } else if (strcmp(a, "--out") == 0) {
-            o.out_dir = v;
-        } else if (strcmp(a, "--shards") == 0 && parse_u64(v, 100000, &n) && n > 0) {
+    int rc = 2, c;
+    optind = 1;
+    while ((c = cli_getopt("ingest", argc, argv, opts)) != -1) {
+        unsigned long long n = 0;
+        bool ok = true;
+        switch (c) {
+        case O_FORMAT:
+            format = optarg;
+            break;
+        case O_SCHEMA:
+            o.parser.schema_path = optarg;
+            break;
+        case O_OUT:
+            o.out_dir = optarg;
+            break;
+        case O_SHARDS:
+            ok = parse_u64(optarg, 100000, &n) && n > 0;
             o.n_shards = (uint32_t)n;
-        } else if (strcmp(a, "--threads") == 0 && parse_u64(v, 4096, &n)) {
+            break;
+        case O_THREADS:
+            ok = parse_u64(optarg, 4096, &n);
             o.threads = (int)n;
-        } else if (strcmp(a, "--block-rows") == 0 && parse_u64(v, 1u << 24, &n) && n > 0) {
+            break;
+        case O_BLOCK_ROWS:
+            ok = parse_u64(optarg, 1u << 24, &n) && n > 0;
             o.block_rows = (uint32_t)n;
-        } else if (strcmp(a, "--ffm-fields") == 0 && parse_u64(v, 1u << 20, &n) && n > 0) {
+            break;
+        case O_FFM_FIELDS:
+            ok = parse_u64(optarg, 1u << 20, &n) && n > 0;
             o.parser.ffm_fields = (uint32_t)n;
-        } else if (strcmp(a, "--split-seed") == 0 && parse_u64(v, UINT64_MAX, &n)) {
+            break;
+        case O_SPLIT_SEED:
+            ok = parse_u64(optarg, UINT64_MAX, &n);
             o.split_seed = n;
-        } else if (strcmp(a, "--eval-fraction") == 0) {
+            break;
+        case O_EVAL_FRACTION: {
             char *end;
-            o.eval_fraction = strtod(v, &end);
-            /* end == v: an empty value, which strtod reads as 0 */
-            if (end == v || *end != '\0' || !(o.eval_fraction >= 0 && o.eval_fraction < 1)) {
+            o.eval_fraction = strtod(optarg, &end);
+            /* end == optarg: an empty value, which strtod reads as 0 */
+            if (end == optarg || *end != '\0' || !(o.eval_fraction >= 0 && o.eval_fraction < 1)) {
                 fprintf(stderr, "ember ingest: --eval-fraction takes a number in [0, 1)\n");
                 goto usage;
             }
-        } else {
-            /* Every flag, to tell a bad value from a flag misspelt. */
-            static const char *const flags[] = {
-                "format",     "schema",     "out",        "shards",        "threads",
-                "block-rows", "ffm-fields", "split-seed", "eval-fraction", "strict",
-                "buffered",   "bucketize",  "no-label"};
-            const size_t n_flags = sizeof flags / sizeof flags[0];
-            if (cm_ini_key_find(a + 2, flags, n_flags) >= 0) {
-                fprintf(stderr, "ember ingest: bad value '%s' for %s\n", v, a);
-            } else {
-                cli_unknown_flag("ingest", a, flags, n_flags);
-            }
+            break;
+        }
+        case O_STRICT:
+            o.strict = 1;
+            break;
+        case O_BUFFERED:
+            o.buffered_output = 1;
+            break;
+        case O_BUCKETIZE:
+            o.parser.bucketize = 1;
+            break;
+        case O_NO_LABEL:
+            o.parser.no_label = 1;
+            break;
+        case O_HELP:
+            ingest_usage(stdout);
+            return 0;
+        default:
+            goto usage;
+        }
+        if (!ok) {
+            fprintf(stderr, "ember ingest: bad value '%s' for --%s\n", optarg, opts[c - 1].name);
             goto usage;
         }
     }
+    const char *const *inputs = (const char *const *)argv + optind;
+    size_t n_inputs = (size_t)(argc - optind);
     if (format == NULL || ds_format_from_name(format, &o.parser.format) != CM_OK) {
         fprintf(stderr, "ember ingest: --format must be criteo, criteo-csv, avazu, libsvm, "
                         "libffm or csv\n");
@@ -182,6 +205,5 @@ usage:
     ingest_usage(stderr);
     rc = 2;
 out:
-    free(inputs);
     return rc;
 }

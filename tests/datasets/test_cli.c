@@ -89,6 +89,17 @@ int main(void)
     CHECK_MSG(run("ingest --fromat criteo --out x y", NULL) == 2 &&
                   strstr(stderr_text(), "unknown option '--fromat': did you mean '--format'?"),
               "stderr: %s", stderr_text());
+    /* "--flag=value" as every other command takes it, and inputs before the options (both
+     * were refused: "unknown option '--format=criteo'"). */
+    char eq[8192];
+    snprintf(eq, sizeof eq,
+             "cd '%s' && printf '0\\t1\\t\\t\\t\\t\\t\\t\\t\\t\\t\\t\\t\\t\\ta\\n' > eq.tsv && "
+             "'%s' ingest eq.tsv --format=criteo --out=eq --shards=2 >/dev/null 2>&1",
+             tmp, bin);
+    CHECK_MSG(system(eq) == 0 && count_files(join(tmp, "eq/train"), ".shard") == 2,
+              "ingest eq.tsv --format=criteo --out=eq --shards=2 failed");
+    CHECK(run("ingest --format criteo --out x --strict=1 y", NULL) == 2 &&
+          strstr(stderr_text(), "'--strict' takes no value") != NULL);
     /* After "--" every argument is an input: a file named "--odd.tsv" can be given. */
     char *odd = join(tmp, "--odd.tsv");
     FILE *fo = fopen(odd, "w");
