@@ -1476,7 +1476,7 @@ typedef struct worker {
     double t_pf[3];                                    /* its puller's t_early, t_push, t_late */
     double t_handover; /* handing batches to the backend (stage_begin, stage_send) */
     train_result res;                                  /* worker 0: eval */
-    void *eval_be;   /* worker 0 with --eval-every: the backend state evaluations step on */
+    void *eval_be;   /* worker 0: the state evaluations step on (eval_backend), or NULL */
     ps_client *live; /* its client while it may be waiting (S->abort_mu): job_abort's to stop */
     uint64_t job_samples; /* worker 0: every worker's rows this run (job_totals) */
     double job_loss;      /* ... and their summed loss */
@@ -1538,21 +1538,41 @@ static void job_abort(worker *W)
     pthread_mutex_unlock(&S->abort_mu);
 }
 
-/* A backend state for worker batches (the run's device, batch and flags). */
-static int backend_open(const setup *S, void **be, char **errptr)
+/* A backend state for worker batches (the run's device, batch and flags). Evaluation's (eval)
+ * runs the tower in fp32 whatever --bf16 and --tf32 say: what it reports (AUC, logloss,
+ * eval_predictions.txt) is then what the exported bundle serves, which is fp32; on bf16 GEMMs
+ * the two differed by up to ~2e-3 a prediction. */
+static int backend_open(const setup *S, bool eval, void **be, char **errptr)
 {
     const train_opts *o = S->o;
+    unsigned flags = eval ? 0 : (o->tf32 ? BACKEND_TF32 : 0) | (o->bf16 ? BACKEND_BF16 : 0);
     return S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024, o->threads,
-                         (o->tf32 ? BACKEND_TF32 : 0) | (o->bf16 ? BACKEND_BF16 : 0), be, errptr);
+                         flags, be, errptr);
 }
 
-/* A periodic evaluation mid-run. It steps on a state of its own: the training state may have
- * the next batches pending (backend_ops.prefetch), which a step without a ticket would drop. */
+/* The state an evaluation steps on: its own (W->eval_be, opened on first use), since the
+ * training state may have the next batches pending (backend_ops.prefetch), which a step without
+ * a ticket would drop, and may compute in lower precision; after the last step (final), the
+ * training state where its precision is fp32. */
+static int eval_backend(worker *W, void *be, bool final, void **out, char **errptr)
+{
+    const train_opts *o = W->S->o;
+    if (final && !o->bf16 && !o->tf32) {
+        *out = be;
+        return CM_OK;
+    }
+    int rc = W->eval_be ? CM_OK : backend_open(W->S, true, &W->eval_be, errptr);
+    *out = W->eval_be;
+    return rc;
+}
+
+/* A periodic evaluation mid-run. */
 static int evaluate_periodic(worker *W, ps_client *c, uint64_t step, char **errptr)
 {
-    int rc = W->eval_be ? CM_OK : backend_open(W->S, &W->eval_be, errptr);
+    void *ebe = NULL;
+    int rc = eval_backend(W, NULL, false, &ebe, errptr);
     train_result r = {0};
-    return rc == CM_OK ? evaluate(W->S, c, W->eval_be, step, false, &r, errptr) : rc;
+    return rc == CM_OK ? evaluate(W->S, c, ebe, step, false, &r, errptr) : rc;
 }
 
 /* Worker 0's progress: a bar on a terminal (redrawn in place), a log line otherwise, and a
@@ -1781,7 +1801,7 @@ static void *worker_main(void *arg)
                          .timeout_ms = o->ps_timeout_ms};
     int rc = ps_client_create(&co, &c, errptr);
     if (rc == CM_OK) job_client(W, c);
-    if (rc == CM_OK) rc = backend_open(S, &be, errptr);
+    if (rc == CM_OK) rc = backend_open(S, false, &be, errptr);
     if (rc == CM_OK && W->index == 0 && S->l.n_params > 0) {
         float *p = malloc(S->l.n_params * sizeof(float));
         int assigned;
@@ -1829,8 +1849,10 @@ static void *worker_main(void *arg)
     if (rc == CM_OK)
         rc = checkpoint(S, c, W->index, S->max_steps, W->steps, W->samples, W->loss_sum, errptr);
     if (rc == CM_OK && W->index == 0) rc = job_totals(S, &W->job_samples, &W->job_loss, errptr);
+    void *ebe = NULL;
+    if (rc == CM_OK && W->index == 0 && o->eval_path) rc = eval_backend(W, be, true, &ebe, errptr);
     if (rc == CM_OK && W->index == 0 && o->eval_path)
-        rc = evaluate(S, c, be, W->steps, true, &W->res, errptr);
+        rc = evaluate(S, c, ebe, W->steps, true, &W->res, errptr);
     /* Nobody leaves before worker 0's evaluation is done: then worker 0 may stop the PS. */
     if (rc == CM_OK) ps_client_barrier_seek(c, barrier_base(S->max_steps) + 7);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
