@@ -1770,6 +1770,7 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
         t->elided += ss.elided;
         t->elided_misses += ss.elided_misses;
         t->keylist_bytes += ss.keylist_bytes;
+        t->superseded += ss.superseded;
         t->duplicates += ss.duplicates;
         t->replicated += ss.replicated;
         t->replica_dropped += ss.replica_dropped;

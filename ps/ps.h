@@ -180,7 +180,9 @@ typedef struct ps_server_opts {
     const ps_config *cfg; /* borrowed for the server's life */
     const char *listen;   /* nng URL, e.g. tcp://127.0.0.1:7000, ipc:///tmp/ps0 */
     uint32_t shard;
-    uint32_t n_contexts;     /* concurrent requests in service; 0 = 64 */
+    /* Concurrent requests in service; 0 = 64 + 2 x workers. Shard 0 needs more than 2 x
+     * workers: each worker's clock and barrier wait holds one while it waits. */
+    uint32_t n_contexts;
     const char *replica_url; /* primary with a backup: the backup's URL (NULL: none) */
     bool backup;             /* this process is the backup of its shard (see Replication) */
     /* SAVE and LOAD only within this directory (created if missing): a request naming a path
@@ -230,6 +232,9 @@ typedef struct ps_server_stats {
     uint64_t elided_misses;          /* ... answered PS_STATUS_NO_KEYS (list not held) */
     uint64_t keylist_bytes;          /* memory the recent pulls' key lists (and, on the server,
                                         their row slot hints) take */
+    uint64_t superseded;             /* shard 0: CLOCK and BARRIER waits answered with an error
+                                        because a newer one of the same worker took their place
+                                        (at most one of each waits per worker) */
 } ps_server_stats;
 void ps_server_stats_get(ps_server *s, ps_server_stats *out);
 

@@ -1,7 +1,10 @@
 /*
  * The PS server: one rep socket, many contexts, each a recv -> handle -> send loop run from
  * nng's completion callbacks. CLOCK and BARRIER replies may be deferred: the context parks on
- * a wait list (it stops receiving) and whoever completes the condition sends its reply.
+ * a wait list (it stops receiving) and whoever completes the condition sends its reply. A
+ * worker has at most one of each parked (a newer one takes an older one's place: park), so
+ * waits hold at most 2 x workers contexts, and the pool has more (ps_server_create): however
+ * many waits a sender piles up under one worker id, the other workers are still served.
  *
  * Tables sit behind a read-write lock: every request holds it shared; LOAD takes it exclusive
  * only to swap in tables it has already built and verified, so a bad checkpoint never
@@ -204,6 +207,52 @@ static bool clock_ready(const struct ps_server *s, uint64_t c)
     return lo > UINT64_MAX - k || c <= lo + k;
 }
 
+/* Sends a parked context's reply; with none (out of memory) the context goes back to
+ * receiving, its request unanswered (the client's timeout tells), rather than leave the pool. */
+static void ctx_send_deferred(srv_ctx *c, nng_msg *reply)
+{
+    if (reply != NULL) {
+        ctx_send(c, reply);
+        return;
+    }
+    c->state = ST_RECV;
+    nng_ctx_recv(c->ctx, c->aio);
+}
+
+/* Parks c, serving request h, on *list (the clock or the barrier waiters); s->mu held.
+ * A worker waits on one clock and one barrier at a time (ps_client_clock and ps_client_barrier
+ * return only once answered), so a wait of the same kind from the same worker that is parked
+ * already is one its sender no longer waits for: a copy of this very request (the same request
+ * id: nng resends it on the new connection after a reconnect, a client sends it again as a new
+ * nng request after a failover; ps/client.c sends these ops with nng's resend timer off, so no
+ * copy comes on the same connection as the same nng request), whose old copy's reply nobody
+ * takes; or the wait of a worker restarted since. The old one is answered with an error and
+ * counted (superseded); the new one parks in its place. So at most one clock and one barrier wait per worker hold a context (2 x workers
+ * in all, beside those that serve: ps_server_create), however many a hostile or broken sender
+ * sends under one worker id. */
+static void park(struct ps_server *s, srv_ctx *c, const ps_hdr *h, srv_ctx **list)
+{
+    for (srv_ctx **pp = list; *pp; pp = &(*pp)->next) {
+        srv_ctx *old = *pp;
+        if (old->req.worker != h->worker) continue;
+        *pp = old->next;
+        const char *what = h->op == PS_OP_CLOCK ? "clock" : "barrier";
+        char msg[256];
+        snprintf(msg, sizeof msg,
+                 "%s request %" PRIu64 " (%s %u) of worker %u superseded by its request %" PRIu64
+                 " (%s %u): a worker has at most 1 %s request waiting at shard 0",
+                 what, old->req.req_id, what, old->req.clock, h->worker, h->req_id, what, h->clock,
+                 what);
+        STAT_ADD(s, superseded, 1);
+        ctx_send_deferred(old, reply_error(s, &old->req, CM_ERR, msg));
+        break; /* there was at most one */
+    }
+    c->state = ST_PARKED;
+    c->req = *h;
+    c->next = *list;
+    *list = c;
+}
+
 /* Sends the replies of parked contexts whose condition now holds; s->mu held. */
 static void release_clock_waiters(struct ps_server *s)
 {
@@ -215,8 +264,7 @@ static void release_clock_waiters(struct ps_server *s)
             continue;
         }
         *pp = c->next;
-        nng_msg *m = reply_ok(&c->req, 0, NULL);
-        if (m) ctx_send(c, m);
+        ctx_send_deferred(c, reply_ok(&c->req, 0, NULL));
     }
 }
 
@@ -237,17 +285,14 @@ static bool handle_clock(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_m
     pthread_mutex_lock(&s->mu);
     note_clock(s, h->worker, h->clock);
     release_clock_waiters(s);
-    bool park = !clock_ready(s, h->clock);
-    if (park) {
-        c->state = ST_PARKED;
+    bool parked = !clock_ready(s, h->clock);
+    if (parked) {
         c->wait_for = h->clock;
-        c->req = *h;
-        c->next = s->clock_waiters;
-        s->clock_waiters = c;
+        park(s, c, h, &s->clock_waiters);
     }
     pthread_mutex_unlock(&s->mu);
-    if (!park) *reply = reply_ok(h, 0, NULL);
-    return park;
+    if (!parked) *reply = reply_ok(h, 0, NULL);
+    return parked;
 }
 
 /* Barriers are named by increasing ids (the trainer derives them from its schedule). A
@@ -262,8 +307,7 @@ static void barrier_release_all(struct ps_server *s)
 {
     for (srv_ctx *w = s->barrier_waiters, *next; w; w = next) {
         next = w->next;
-        nng_msg *m = reply_ok(&w->req, 0, NULL);
-        if (m) ctx_send(w, m);
+        ctx_send_deferred(w, reply_ok(&w->req, 0, NULL));
     }
     s->barrier_waiters = NULL;
     s->barrier_done = s->barrier_want;
@@ -294,10 +338,7 @@ static bool handle_barrier(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng
         if (s->barrier_want != 0 && id > s->barrier_want) barrier_release_all(s);
         s->barrier_want = id;
         s->arrived[h->worker] = 1;
-        c->state = ST_PARKED;
-        c->req = *h;
-        c->next = s->barrier_waiters;
-        s->barrier_waiters = c;
+        park(s, c, h, &s->barrier_waiters);
         barrier_try_release(s);
         parked = true;
     }
@@ -1506,6 +1547,14 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     if (o->shard >= o->cfg->n_shards)
         return cm_err(errptr, CM_EINVAL, "shard %u out of range (the cluster has %u)", o->shard,
                       o->cfg->n_shards);
+    /* Shard 0 parks up to one clock and one barrier wait per worker (park), each holding a
+     * context: with no more contexts than that, waiting workers would leave none to receive
+     * the request that releases them. */
+    if (o->shard == 0 && o->n_contexts != 0 && o->n_contexts <= 2 * o->cfg->n_workers)
+        return cm_err(errptr, CM_EINVAL,
+                      "%u contexts for shard 0 of %u workers: it needs more than 2 x workers "
+                      "(each worker's clock and barrier wait holds one while it waits)",
+                      o->n_contexts, o->cfg->n_workers);
     struct ps_server *s = calloc(1, sizeof *s);
     if (s == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     s->cfg = *o->cfg;

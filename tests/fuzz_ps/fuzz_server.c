@@ -35,7 +35,6 @@
  */
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/req.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +43,7 @@
 #include <unistd.h>
 
 #include "../fuzz_input.h"
+#include "../req_flight.h"
 #include "ps/wire.h"
 
 #define MAX_REQS 8
@@ -404,10 +404,7 @@ static void build(fz_in *in, req *r, int depth)
  * defers can stay parked (until the other worker catches up or times out) while later requests
  * and inputs go on; it must still be answered within REPLY_WAIT_MS. */
 typedef struct flight {
-    nng_ctx ctx;
-    nng_aio *aio;
-    int stage; /* 0 sending, 1 receiving, 2 done (under F.mu) */
-    int rv;
+    rf_flight w;
     double sent;
     req *r;
 } flight;
@@ -415,30 +412,8 @@ typedef struct flight {
 #define MAX_PARKED 4
 
 static struct {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
     flight *parked[MAX_PARKED];
-} F = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {0}};
-
-static void flight_cb(void *arg)
-{
-    flight *f = arg;
-    int rv = nng_aio_result(f->aio);
-    if (f->stage == 0 && rv == 0) {
-        f->stage = 1;
-        nng_ctx_recv(f->ctx, f->aio);
-        return;
-    }
-    if (f->stage == 0) {
-        nng_msg_free(nng_aio_get_msg(f->aio));
-        nng_aio_set_msg(f->aio, NULL);
-    }
-    pthread_mutex_lock(&F.mu);
-    f->rv = rv;
-    f->stage = 2;
-    pthread_cond_broadcast(&F.cv);
-    pthread_mutex_unlock(&F.mu);
-}
+} F;
 
 static flight *flight_start(nng_socket sock, const req *r)
 {
@@ -448,31 +423,15 @@ static flight *flight_start(nng_socket sock, const req *r)
         die("out of memory");
     memcpy(f->r, r, sizeof *r);
     memcpy(nng_msg_body(m), r->buf, r->len);
-    if (nng_ctx_open(&f->ctx, sock) != 0 || nng_aio_alloc(&f->aio, flight_cb, f) != 0)
-        die("cannot open a context");
     f->sent = cm_now();
-    nng_aio_set_msg(f->aio, m);
-    nng_ctx_send(f->ctx, f->aio);
+    if (rf_start(&f->w, sock, m) != 0) die("cannot open a context");
     return f;
 }
 
 /* Whether f is answered by `until` (cm_now() seconds). */
 static bool flight_wait(flight *f, double until)
 {
-    pthread_mutex_lock(&F.mu);
-    while (f->stage != 2) {
-        double left = until - cm_now();
-        if (left <= 0) break;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        long ns = ts.tv_nsec + (long)(left * 1e9);
-        ts.tv_sec += ns / 1000000000L;
-        ts.tv_nsec = ns % 1000000000L;
-        pthread_cond_timedwait(&F.cv, &F.mu, &ts);
-    }
-    bool done = f->stage == 2;
-    pthread_mutex_unlock(&F.mu);
-    return done;
+    return rf_wait(&f->w, until);
 }
 
 static ps_hdr check_reply(const req *r, nng_msg *rep);
@@ -481,11 +440,10 @@ static ps_hdr check_reply(const req *r, nng_msg *rep);
  * flight is freed. No reply at all is a failure. */
 static ps_hdr flight_end(flight *f, nng_msg **rep)
 {
-    if (f->rv != 0) die("no reply to op %u: %s", f->r->h.op, nng_strerror(f->rv));
-    *rep = nng_aio_get_msg(f->aio);
+    if (f->w.rv != 0) die("no reply to op %u: %s", f->r->h.op, nng_strerror(f->w.rv));
+    *rep = rf_reply(&f->w);
     const ps_hdr h = check_reply(f->r, *rep);
-    nng_aio_free(f->aio);
-    nng_ctx_close(f->ctx);
+    rf_end(&f->w);
     free(f->r);
     free(f);
     return h;
@@ -494,10 +452,7 @@ static ps_hdr flight_end(flight *f, nng_msg **rep)
 /* Drops a flight that will never be answered (its server was shut down). */
 static void flight_drop(flight *f)
 {
-    nng_aio_stop(f->aio);
-    if (nng_aio_get_msg(f->aio) != NULL) nng_msg_free(nng_aio_get_msg(f->aio));
-    nng_aio_free(f->aio);
-    nng_ctx_close(f->ctx);
+    rf_end(&f->w);
     free(f->r);
     free(f);
 }
