@@ -334,7 +334,8 @@ static int read_mapped(ingest *g, uint32_t f, int fd, char **errptr)
         pos += used;
         __atomic_add_fetch(&g->bytes_in, used, __ATOMIC_RELAXED);
     }
-    while (pos < size) {
+    /* A file found cut (map_guard) is read no further: each page past its end costs a signal. */
+    while (pos < size && __atomic_load_n(&g->shrank, __ATOMIC_ACQUIRE) == 0) {
         chunk *c = acquire_slot(g);
         if (c == NULL) break;
         size_t len = size - pos < cb ? size - pos : cb, used = len;
@@ -354,7 +355,10 @@ static int read_mapped(ingest *g, uint32_t f, int fd, char **errptr)
 #ifdef MADV_POPULATE_READ
         if (len) {
             uintptr_t a = (uintptr_t)(map + pos) & ~(uintptr_t)4095;
-            madvise((void *)a, (uintptr_t)(map + pos + len) - a, MADV_POPULATE_READ);
+            /* EFAULT: pages past the file's end, which would raise SIGBUS when read */
+            if (madvise((void *)a, (uintptr_t)(map + pos + len) - a, MADV_POPULATE_READ) != 0 &&
+                errno == EFAULT)
+                __atomic_store_n(&g->shrank, (int)f + 1, __ATOMIC_RELEASE);
         }
 #endif
         c->len = len;
