@@ -676,6 +676,7 @@ int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr)
 void ember_serve_close(ember_serve *h)
 {
     if (h == NULL) return;
+    serve_model_fini(h);
     for (int i = 0; i < h->n_layers; i++)
         layer_close(&h->layers[i]);
     free(h);

@@ -29,9 +29,27 @@
  * training, so predictions match the trainer's).
  *
  * Concurrency: after open (and any apply_delta), lookup and predict may be called from any
- * number of threads at once; they only read the mappings. apply_delta and close must not run
- * concurrently with anything else on the handle. Opening a bundle (or applying a delta) that an
- * export is replacing meanwhile gets the old one or the new one, whole.
+ * number of threads at once: they only read the mappings, and each predict call works in a
+ * scratch of its own (the CPU backend's state and the batch's staging), taken from the handle's
+ * idle ones (or made) and given back: made once, not per call (its allocations, and its page
+ * faults where the allocator returns the memory, on every call). A handle so keeps as many
+ * scratches as predict calls have run on it at once, each sized for the largest batch it has
+ * taken (the forward pass touches ~B x (the tower's input width + its layers' widths) floats
+ * of a B-row one), until close. A scratch changes no bit of a result: the backend cuts its work
+ * by the batch alone. apply_delta and close must not run concurrently with anything else on
+ * the handle. Opening a bundle (or applying a delta) that an export is replacing meanwhile gets
+ * the old one or the new one, whole.
+ *
+ * Threads: predict runs on the calling thread and leaves OpenBLAS's thread count, which is
+ * process-wide, as the program has it (every call set it to 1 before: a program running
+ * OpenBLAS on several threads for its own work lost them). Setting it for the call and putting
+ * it back after is no way out: concurrent predicts, and the program's own threads, would set
+ * and restore the one global over each other. Where ember's own GEMM runs (CPUs with AVX-512)
+ * predict calls OpenBLAS only where that GEMM runs out of memory, and the count changes no
+ * bit. Elsewhere its GEMMs are OpenBLAS's: on one OpenBLAS thread (OPENBLAS_NUM_THREADS=1,
+ * openblas_set_num_threads(1); `ember predict` sets it) they give the trainer's bits; on more
+ * OpenBLAS may split a GEMM over them and sum in another order (as correct, not the same
+ * bits).
  *
  * Speed: predict's tower runs on OpenBLAS, whose kernels are chosen when the library loads. A
  * DYNAMIC_ARCH OpenBLAS that does not know the CPU falls back to SSE3 kernels (Debian 12's

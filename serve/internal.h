@@ -2,6 +2,7 @@
 #ifndef EMBER_SERVE_INTERNAL_H
 #define EMBER_SERVE_INTERNAL_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -41,6 +42,23 @@ typedef struct serve_layer {
     serve_table tables[SERVE_MAX_TABLES];
 } serve_layer;
 
+/* What one predict call works in: the CPU backend's state, made for batches of up to max_b
+ * rows and max_u distinct keys (state NULL: none yet), and the staging the batch is built in. */
+typedef struct serve_scratch {
+    struct serve_scratch *next;
+    void *state;
+    uint32_t max_b, max_u;
+    model_staging ms;
+} serve_scratch;
+
+/* The scratches of a handle's predict calls not running now (a stack: the one used last is
+ * taken first). There are as many as calls have run at once, each grown to the largest batch it
+ * has taken. */
+typedef struct serve_scratch_pool {
+    pthread_mutex_t mu;
+    serve_scratch *idle;
+} serve_scratch_pool;
+
 struct ember_serve {
     int n_layers;
     serve_layer layers[SERVE_MAX_LAYERS];
@@ -48,10 +66,15 @@ struct ember_serve {
     model_layout l;
     int mean_pool;
     int table_of[MODEL_MAX_TABLES]; /* layout table -> bundle table */
+    /* Taken and given back by predict, which gets a const handle: hence a pointer (predict.c;
+     * NULL until serve_model_init). */
+    serve_scratch_pool *scratch;
 };
 
 /* Parses the model config and checks the bundle's tables and tower fit it (predict.c); dir
- * (the bundle) names where in its messages. */
+ * (the bundle) names where in its messages. Makes the handle's (empty) scratch pool too. */
 int serve_model_init(ember_serve *h, const char *dir, char **errptr);
+/* Releases what serve_model_init and predict made (close). */
+void serve_model_fini(ember_serve *h);
 
 #endif

@@ -8,6 +8,9 @@
 int serve_model_init(ember_serve *h, const char *dir, char **errptr)
 {
     const serve_layer *L = &h->layers[0];
+    h->scratch = calloc(1, sizeof *h->scratch);
+    if (h->scratch == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    pthread_mutex_init(&h->scratch->mu, NULL);
     int rc = model_cfg_parse(L->model, &h->m, &h->mean_pool, errptr);
     if (rc == CM_OK) rc = model_layout_make(&h->m, &h->l, errptr);
     /* The model code says what is wrong ("model config: ..."), not in which file: a server
@@ -29,6 +32,73 @@ int serve_model_init(ember_serve *h, const char *dir, char **errptr)
     return CM_OK;
 }
 
+static void scratch_free(serve_scratch *s)
+{
+    if (s->state != NULL) backend_cpu_ops.destroy(s->state);
+    model_staging_fini(&s->ms);
+    free(s);
+}
+
+void serve_model_fini(ember_serve *h)
+{
+    serve_scratch_pool *p = h->scratch;
+    if (p == NULL) return;
+    for (serve_scratch *s = p->idle, *next; s != NULL; s = next) {
+        next = s->next;
+        scratch_free(s);
+    }
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+    h->scratch = NULL;
+}
+
+/* An idle scratch of the handle's, or a new empty one; NULL when out of memory. */
+static serve_scratch *scratch_take(serve_scratch_pool *p)
+{
+    pthread_mutex_lock(&p->mu);
+    serve_scratch *s = p->idle;
+    if (s != NULL) p->idle = s->next;
+    pthread_mutex_unlock(&p->mu);
+    return s != NULL ? s : calloc(1, sizeof *s);
+}
+
+static void scratch_give(serve_scratch_pool *p, serve_scratch *s)
+{
+    pthread_mutex_lock(&p->mu);
+    s->next = p->idle;
+    p->idle = s;
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* A capacity of at least need: have where it suffices, else need or twice have, the larger (a
+ * caller whose batches grow a little at a time remakes the state a few times, not every call). */
+static uint32_t grow(uint32_t have, uint32_t need)
+{
+    if (need <= have) return have;
+    return have > UINT32_MAX / 2 || need > 2 * have ? need : 2 * have;
+}
+
+/* Makes s's backend state take batches of B rows and U distinct keys: a new one where it is too
+ * small. The results do not depend on the state's size: the backend cuts its GEMMs by the
+ * batch's shape and picks its first layer's form from the batch alone. */
+static int scratch_fit(const ember_serve *h, serve_scratch *s, uint32_t B, uint32_t U,
+                       char **errptr)
+{
+    if (s->state != NULL && B <= s->max_b && U <= s->max_u) return CM_OK;
+    const uint32_t max_b = grow(s->max_b, B), max_u = grow(s->max_u, U);
+    if (s->state != NULL) backend_cpu_ops.destroy(s->state);
+    s->state = NULL;
+    s->max_b = s->max_u = 0;
+    /* One thread: the caller's (concurrent callers each have their own scratch). */
+    int rc = backend_cpu_ops.create(&h->m, &h->l, max_b, max_u, 1, BACKEND_KEEP_BLAS_THREADS,
+                                    &s->state, errptr);
+    if (rc == CM_OK) {
+        s->max_b = max_b;
+        s->max_u = max_u;
+    }
+    return rc;
+}
+
 int ember_serve_predict(const ember_serve *h, const ember_serve_batch *b, float *out,
                         char **errptr)
 {
@@ -44,24 +114,23 @@ int ember_serve_predict(const ember_serve *h, const ember_serve_batch *b, float 
             return cm_err(errptr, CM_EINVAL,
                           "batch offsets go back at row %zu field %zu (%u after %u)",
                           r / b->n_fields, r % b->n_fields, b->offsets[r + 1], b->offsets[r]);
-    model_staging ms;
-    memset(&ms, 0, sizeof ms);
+    serve_scratch *s = scratch_take(h->scratch);
+    if (s == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    model_staging *ms = &s->ms;
     model_input in = {b->n_rows, b->n_dense, b->n_fields, NULL, b->dense, b->offsets, b->keys,
                       b->weights};
-    void *state = NULL;
-    int rc = model_staging_build(&ms, &h->m, &h->l, h->mean_pool, &in, errptr);
+    int rc = model_staging_build(ms, &h->m, &h->l, h->mean_pool, &in, errptr);
     for (uint32_t t = 0; rc == CM_OK && t < h->l.n_tables; t++)
-        rc = ember_serve_lookup(h, h->table_of[t], ms.ukeys, ms.U, ms.emb[t], NULL);
-    if (rc == CM_OK) rc = backend_cpu_ops.create(&h->m, &h->l, ms.B, ms.U, 1, 0, &state, errptr);
+        rc = ember_serve_lookup(h, h->table_of[t], ms->ukeys, ms->U, ms->emb[t], NULL);
+    if (rc == CM_OK) rc = scratch_fit(h, s, ms->B, ms->U, errptr);
     if (rc == CM_OK) {
         model_batch mb;
-        model_staging_view(&ms, &mb);
+        model_staging_view(ms, &mb);
         mb.labels = NULL;
         /* The newest layer carries the current tower. */
         const float *params = h->layers[h->n_layers - 1].dense;
-        rc = backend_cpu_ops.step(state, params, &mb, out, NULL, NULL, NULL, errptr);
+        rc = backend_cpu_ops.step(s->state, params, &mb, out, NULL, NULL, NULL, errptr);
     }
-    if (state) backend_cpu_ops.destroy(state);
-    model_staging_fini(&ms);
+    scratch_give(h->scratch, s);
     return rc;
 }

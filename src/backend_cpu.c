@@ -654,7 +654,9 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
     if (c == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     pthread_mutex_init(&c->jmu, NULL);
     pthread_cond_init(&c->jcv, NULL);
-    openblas_set_num_threads(1);
+    /* Each GEMM tile one single-threaded OpenBLAS call (above), unless the caller may not
+     * change the process's setting (serve). */
+    if (!(flags & BACKEND_KEEP_BLAS_THREADS)) openblas_set_num_threads(1);
     if (pool_init(&c->pool, (int)threads) != CM_OK) {
         cpu_destroy(c);
         return cm_err(errptr, CM_ERR, "cannot start %u compute threads", threads);

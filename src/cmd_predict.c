@@ -1,4 +1,5 @@
 /* ember predict: click probabilities for every row of some shards, from a serving bundle. */
+#include <cblas.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -59,6 +60,10 @@ int cmd_predict(int argc, char **argv)
                                         : NULL,
                                 optind, argc, argv, predict_usage);
     if (bad != 0) return bad;
+    /* ember_serve_predict leaves OpenBLAS's threads as the process has them; this process is
+     * ember's own, and scores as the trainer evaluates: one OpenBLAS thread a GEMM tile (the
+     * trainer's bits where OpenBLAS computes the GEMMs; see serve/ember_serve.h, "Threads"). */
+    openblas_set_num_threads(1);
     char *err = NULL;
     ember_serve *h = NULL;
     ds_reader *r = NULL;

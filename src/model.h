@@ -197,6 +197,12 @@ void model_staging_view(const model_staging *s, model_batch *mb);
 /* cpu: OpenBLAS's sgemm for the GEMMs even where ember's own AVX-512 GEMM runs (measurements:
  * tools/bench step --openblas). */
 #define BACKEND_OPENBLAS 32u
+/* cpu: leave OpenBLAS's thread count alone. Without it create sets it to 1, process-wide: every
+ * GEMM tile is to be one single-threaded call (backend_cpu.c), which the trainer, owning its
+ * process, may ask. A library inside another program's process may not (serve: a server that
+ * runs OpenBLAS on several threads for its own work kept losing them to every predict); its
+ * GEMMs then run as that program has OpenBLAS set (see serve/ember_serve.h, "Threads"). */
+#define BACKEND_KEEP_BLAS_THREADS 64u
 
 /* A compute backend: a static ops table per variant (cpu, cuda). */
 typedef struct backend backend;

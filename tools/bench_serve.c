@@ -11,7 +11,11 @@
  *     noise hits both sides of the ratio alike;
  *   - the random 64-byte-row gather rate over a plain 10M x 64 B array (uniform indices, batches
  *     of 4096, plain and prefetching loops, best of 3): the physical limit for a lookup that
- *     returns 64 bytes per key.
+ *     returns 64 bytes per key;
+ *   - the latency of ember_serve_predict on one thread for batches of 1, 16 and 256 rows of the
+ *     bundle's model (26 one-hot fields with keys drawn as above, 13 dense values; its tower of
+ *     zeros costs what any weights would), p50 and p99 over distinct batches in turn, after a
+ *     tenth as many untimed calls.
  * All key streams are generated before any timing; each (batch, threads) pair has its own keys.
  * Goal: lookups/s at batch 4096 >= 50% of the gather limit.
  *
@@ -43,6 +47,9 @@
 #define N_BATCHES 3
 
 static const uint32_t batch_sizes[N_BATCHES] = {1, 64, 4096};
+
+#define N_PREDICT 3
+static const uint32_t predict_sizes[N_PREDICT] = {1, 16, 256};
 
 /* The serving model the bundle claims: an mlp over 26 fields of dim 16 (its tower is zeros;
  * only lookups are timed). */
@@ -197,6 +204,56 @@ typedef struct lookup_result {
     uint64_t calls;
 } lookup_result;
 
+typedef struct predict_result {
+    double p50_us, p99_us, rows_per_s;
+    uint64_t calls;
+} predict_result;
+
+/* ember_serve_predict over `calls` batches of n rows (8 distinct ones in turn), on this thread,
+ * after calls / 10 untimed ones. */
+static predict_result time_predict(const ember_serve *h, uint64_t rows, uint32_t n, uint64_t calls,
+                                   uint64_t *rng)
+{
+    enum { F = 26, D = 13, DISTINCT = 8 };
+    uint32_t *offsets = bench_xmalloc(((size_t)n * F + 1) * sizeof *offsets);
+    uint64_t *keys = bench_xmalloc((size_t)DISTINCT * n * F * sizeof *keys);
+    float *dense = bench_xmalloc((size_t)DISTINCT * n * D * sizeof *dense);
+    float *out = bench_xmalloc(n * sizeof *out);
+    double *lat = bench_xmalloc(calls * sizeof *lat);
+    for (size_t i = 0; i <= (size_t)n * F; i++)
+        offsets[i] = (uint32_t)i;
+    for (size_t i = 0; i < (size_t)DISTINCT * n * F; i++) {
+        uint64_t r = bench_rng_next(rng);
+        int miss = (double)(r >> 11) * (1.0 / 9007199254740992.0) < MISS_FRAC;
+        keys[i] = row_key(bench_rng_next(rng) % rows + (miss ? rows : 0));
+    }
+    for (size_t i = 0; i < (size_t)DISTINCT * n * D; i++)
+        dense[i] = (float)(bench_rng_next(rng) % 1000);
+    const uint64_t warm = calls / 10;
+    char *err = NULL;
+    double t_all = 0;
+    for (uint64_t c = 0; c < warm + calls; c++) {
+        size_t k = c % DISTINCT;
+        ember_serve_batch b = {n, D, F, dense + k * n * D, offsets, keys + k * n * F, NULL};
+        double t0 = now_ns();
+        bench_check(ember_serve_predict(h, &b, out, &err), err, "predict");
+        double dt = now_ns() - t0;
+        if (c >= warm) {
+            lat[c - warm] = dt;
+            t_all += dt;
+        }
+    }
+    qsort(lat, calls, sizeof *lat, bench_dbl_cmp_);
+    predict_result r = {pct(lat, calls, 0.50) / 1e3, pct(lat, calls, 0.99) / 1e3,
+                        (double)calls * n / (t_all / 1e9), calls};
+    free(offsets);
+    free(keys);
+    free(dense);
+    free(out);
+    free(lat);
+    return r;
+}
+
 /* ---- main ---- */
 
 static void usage(void)
@@ -350,6 +407,12 @@ int main(int argc, char **argv)
                 r->p99_us = pct(lat, w.calls, 0.99) / 1e3;
             }
         }
+    /* predict: calls of about a second each (--quick: a quarter) */
+    predict_result pr[N_PREDICT];
+    for (int b = 0; b < N_PREDICT; b++) {
+        uint64_t calls = predict_sizes[b] == 1 ? 20000 : predict_sizes[b] == 16 ? 10000 : 1000;
+        pr[b] = time_predict(h, o.rows, predict_sizes[b], o.quick ? calls / 4 : calls, &rng);
+    }
     ember_serve_close(h);
     cm_rmtree(dir, NULL);
 
@@ -372,6 +435,12 @@ int main(int argc, char **argv)
         printf("gather 64 B rows, %u thread%s   %12.2f (plain %.2f, prefetch %.2f)\n", nt,
                nt > 1 ? "s" : " ", glimit[nt - 1] / 1e6, gather[0][nt - 1] / 1e6,
                gather[1][nt - 1] / 1e6);
+    for (int b = 0; b < N_PREDICT; b++) {
+        char name[64];
+        snprintf(name, sizeof name, "predict batch %u, 1 thread", predict_sizes[b]);
+        printf("%-30s %12.4f %12" PRIu64 " %10.2f %10.2f   (M rows/s)\n", name,
+               pr[b].rows_per_s / 1e6, pr[b].calls, pr[b].p50_us, pr[b].p99_us);
+    }
     double ratio[MAX_THREADS];
     for (uint32_t i = 0; i < MAX_THREADS; i++)
         ratio[i] = glimit[i] > 0 ? lr[2][i].rate / glimit[i] : 0;
@@ -391,11 +460,15 @@ int main(int argc, char **argv)
         "\"p50_us_batch64_2t\":%.3f,\"p99_us_batch64_2t\":%.3f,"
         "\"gather_limit_rows_per_s\":%.0f,\"gather_limit_rows_per_s_2t\":%.0f,"
         "\"lookup_over_gather\":%.4f,\"lookup_over_gather_2t\":%.4f,"
+        "\"predict_p50_us_batch1\":%.2f,\"predict_p99_us_batch1\":%.2f,"
+        "\"predict_p50_us_batch16\":%.2f,\"predict_p99_us_batch16\":%.2f,"
+        "\"predict_p50_us_batch256\":%.2f,\"predict_p99_us_batch256\":%.2f,"
         "\"goal_lookup_over_gather\":%.2f,\"goal_met\":%s}\n",
         o.quick ? "true" : "false", o.rows, DIM, MISS_FRAC, o.keys, build_s, open_s, lr[2][0].rate,
         lr[2][1].rate, lr[1][0].rate, lr[1][1].rate, lr[0][0].rate, lr[0][1].rate, lr[0][0].p50_us,
         lr[0][0].p99_us, lr[1][0].p50_us, lr[1][0].p99_us, lr[2][0].p50_us, lr[2][0].p99_us,
-        lr[1][1].p50_us, lr[1][1].p99_us, glimit[0], glimit[1], ratio[0], ratio[1],
+        lr[1][1].p50_us, lr[1][1].p99_us, glimit[0], glimit[1], ratio[0], ratio[1], pr[0].p50_us,
+        pr[0].p99_us, pr[1].p50_us, pr[1].p99_us, pr[2].p50_us, pr[2].p99_us,
         GOAL_LOOKUP_OVER_GATHER, goal ? "true" : "false");
     for (size_t m = 0; m < n_meas; m++)
         free(streams[m]);

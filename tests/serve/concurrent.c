@@ -7,8 +7,6 @@
  * versions in turn, while another opens it): every open succeeds and serves one version whole;
  * and two exports into one bundle at once both succeed, leaving one of them whole in place.
  */
-#include <pthread.h>
-
 #include "serve_util.h"
 
 #define N_THREADS 4
@@ -27,7 +25,6 @@ static ember_serve *h;
 static su_data eval;
 static ref_table refs[2];
 static float *ref_pred;
-static pthread_barrier_t start;
 
 typedef struct worker {
     int id;
@@ -41,7 +38,6 @@ static void *run_worker(void *arg)
     float *out = malloc(8192 * maxdim * sizeof(float));
     uint8_t *found = malloc(8192);
     float *pred = malloc(eval.rows * sizeof(float) + 4);
-    pthread_barrier_wait(&start);
     for (int round = 0; round < ROUNDS; round++) {
         for (int ti = 0; ti < 2; ti++) {
             const ref_table *r = &refs[(ti + w->id) % 2];
@@ -249,15 +245,10 @@ int main(void)
     if (su_predict_all(h, &eval, ref_pred) != 0) return check_done();
 
     double t0 = cm_now();
-    pthread_barrier_init(&start, NULL, N_THREADS);
-    pthread_t th[N_THREADS];
     worker ws[N_THREADS];
-    for (int i = 0; i < N_THREADS; i++) {
+    for (int i = 0; i < N_THREADS; i++)
         ws[i] = (worker){.id = i};
-        CHECK(pthread_create(&th[i], NULL, run_worker, &ws[i]) == 0);
-    }
-    for (int i = 0; i < N_THREADS; i++) pthread_join(th[i], NULL);
-    pthread_barrier_destroy(&start);
+    su_run_threads(N_THREADS, run_worker, ws, sizeof ws[0]);
     for (int i = 0; i < N_THREADS; i++) {
         fprintf(stderr, "    thread %d: %zu calls, %zu lookup chunks differ, %zu prediction rounds "
                         "differ, %zu errors\n", i, ws[i].calls, ws[i].lookup_bad, ws[i].pred_bad,

@@ -6,6 +6,7 @@
 #ifndef EMBER_TESTS_SERVE_UTIL_H
 #define EMBER_TESTS_SERVE_UTIL_H
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <sys/stat.h>
@@ -246,6 +247,55 @@ static inline float *su_labels(const su_data *d)
         at += d->b[i].n_rows;
     }
     return l;
+}
+
+/* ---- threads sharing a handle ---- */
+
+typedef struct su_gate {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int open;
+} su_gate;
+
+typedef struct su_thread {
+    su_gate *gate;
+    void *(*fn)(void *);
+    void *arg;
+} su_thread;
+
+static inline void *su_thread_main(void *p)
+{
+    su_thread *t = p;
+    pthread_mutex_lock(&t->gate->mu);
+    while (!t->gate->open)
+        pthread_cond_wait(&t->gate->cv, &t->gate->mu);
+    pthread_mutex_unlock(&t->gate->mu);
+    return t->fn(t->arg);
+}
+
+/* Runs fn((char *)args + i * size) for each i < n on a thread of its own, all released at once
+ * when every one has started (so that their calls overlap), and joins them. 0, or -1 (reported)
+ * when a thread did not start (those that did still run). */
+static inline int su_run_threads(int n, void *(*fn)(void *), void *args, size_t size)
+{
+    su_gate gate = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+    pthread_t *th = calloc((size_t)n, sizeof *th);
+    su_thread *ts = calloc((size_t)n, sizeof *ts);
+    int started = 0;
+    for (; th && ts && started < n; started++) {
+        ts[started] = (su_thread){&gate, fn, (char *)args + (size_t)started * size};
+        if (pthread_create(&th[started], NULL, su_thread_main, &ts[started]) != 0) break;
+    }
+    CHECK_MSG(started == n, "%d of %d threads started", started, n);
+    pthread_mutex_lock(&gate.mu);
+    gate.open = 1;
+    pthread_cond_broadcast(&gate.cv);
+    pthread_mutex_unlock(&gate.mu);
+    for (int i = 0; i < started; i++)
+        pthread_join(th[i], NULL);
+    free(th);
+    free(ts);
+    return started == n ? 0 : -1;
 }
 
 /* ---- the table file layout documented in serve/ember_serve.h ---- */
