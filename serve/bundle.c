@@ -573,27 +573,33 @@ out:
     return rc;
 }
 
-/* Whether two stats are of one directory, untouched: a rename changes its ctime. */
-static bool same_dir(const struct stat *a, const struct stat *b)
-{
-    return a->st_dev == b->st_dev && a->st_ino == b->st_ino &&
-           a->st_ctim.tv_sec == b->st_ctim.tv_sec && a->st_ctim.tv_nsec == b->st_ctim.tv_nsec;
-}
+/* How long layer_open keeps retrying while exports replace the bundle under it (a storm of
+ * exports into one folder: each retry follows a replacement). */
+#define LAYER_OPEN_RETRY_S 10.0
 
 /* layer_read, again when the folder at dir was replaced meanwhile. An export puts a new bundle
  * in place by exchanging folders and then removing the old one (cm_dir_swap): an open that
  * read one's MANIFEST and the other's files, or found them removed, refused a good bundle as
- * damaged ("checksum mismatch"). A failure with the same folder still at dir stands. */
+ * damaged ("checksum mismatch", "no MANIFEST"). A failure with the same folder at dir
+ * throughout stands. That folder is held open while it is read, so no other can take its inode
+ * number meanwhile (ext4 hands a removed folder's number to the next one made, and ctime is
+ * coarse: compared by inode and ctime alone, an export's new folder could pass for the one a
+ * failed read had started on; not seen in a test, which the held folder rules out); and the
+ * retries are bounded by time rather than by a count of 8, which a tight loop of exports into
+ * one folder could use up. */
 static int layer_open(const char *dir, serve_layer *L, char **errptr)
 {
-    enum { TRIES = 8 }; /* each retry follows a replacement: only a storm of exports runs out */
-    for (int i = 0;; i++) {
-        struct stat before, after;
+    const double give_up = cm_now() + LAYER_OPEN_RETRY_S;
+    for (;;) {
         char *err = NULL;
-        bool had = stat(dir, &before) == 0;
+        int held = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         int rc = layer_read(dir, L, &err);
-        if (rc == CM_OK || i + 1 == TRIES || !had || stat(dir, &after) != 0 ||
-            same_dir(&before, &after)) {
+        struct stat was, now;
+        bool replaced = rc != CM_OK && held >= 0 && fstat(held, &was) == 0 &&
+                        stat(dir, &now) == 0 &&
+                        (was.st_dev != now.st_dev || was.st_ino != now.st_ino);
+        if (held >= 0) close(held);
+        if (!replaced || cm_now() > give_up) {
             if (err != NULL && errptr != NULL) {
                 free(*errptr); /* as cm_err does */
                 *errptr = err;

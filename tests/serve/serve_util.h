@@ -37,8 +37,11 @@ static inline int su_init(const char *name)
 /* su_dir/name */
 static inline const char *su_path(const char *name)
 {
-    static char buf[4][8192];
-    static int k;
+    /* Per thread: serve_concurrent's export thread and its opening thread both call this, and
+     * with one ring for both the export's calls overwrote the path the other was opening (read
+     * as "" or half a path: "no MANIFEST", 1 open in ~90,000). */
+    static __thread char buf[4][8192];
+    static __thread int k;
     k = (k + 1) % 4;
     snprintf(buf[k], sizeof buf[k], "%s/%s", su_dir, name);
     return buf[k];
