@@ -180,6 +180,15 @@ typedef struct stream {
     char **errptr;
 } stream;
 
+/* rc of an add to (or flush of) s's key check: a key twice named as the checkpoint's. */
+static int key_check_err(stream *s, int rc)
+{
+    uint64_t key;
+    if (rc != CM_OK && cm_keyidx_dup(s->check->ix, &key))
+        rc = dup_err(s->ckpt, s->name, key, s->errptr);
+    return rc;
+}
+
 static int stream_row(const emb_row *r, void *arg)
 {
     stream *s = arg;
@@ -187,10 +196,9 @@ static int stream_row(const emb_row *r, void *arg)
     s->rows++;
     s->sum += XXH3_64bits_withSeed(r->weights, bytes, r->key);
     s->order = XXH3_64bits_withSeed(&r->key, sizeof r->key, s->order);
-    if (s->check != NULL && cm_keyidx_add(s->check->ix, r->key, 0, s->errptr) != CM_OK) {
-        uint64_t key;
-        return cm_keyidx_dup(s->check->ix, &key) ? dup_err(s->ckpt, s->name, key, s->errptr)
-                                                 : CM_EIO;
+    if (s->check != NULL) {
+        int rc = key_check_err(s, cm_keyidx_add(s->check->ix, r->key, 0, s->errptr));
+        if (rc != CM_OK) return rc;
     }
     if (s->old != NULL) {
         int64_t i = fp_map_find(s->old, r->key);
@@ -230,10 +238,8 @@ static int stream_table(stream *s, char **errptr)
     }
     if (rc == CM_OK) rc = ps_checkpoint_foreach_row(s->ckpt, s->name, stream_row, s, errptr);
     if (rc == CM_OK && s->fn != NULL && s->c.n > 0) rc = s->fn(&s->c, s->arg, errptr);
-    if (rc == CM_OK && s->check != NULL && cm_keyidx_flush(s->check->ix, errptr) != CM_OK) {
-        uint64_t key;
-        rc = cm_keyidx_dup(s->check->ix, &key) ? dup_err(s->ckpt, s->name, key, errptr) : CM_EIO;
-    }
+    if (rc == CM_OK && s->check != NULL)
+        rc = key_check_err(s, cm_keyidx_flush(s->check->ix, errptr));
     if (rc == CM_ENOMEM) rc = cm_err(errptr, rc, "out of memory reading table %s", s->name);
     free(s->c.keys);
     free(s->c.w);
