@@ -218,6 +218,41 @@ int cm_dir_other_entry(const char *dir, const char *const *names, char **other, 
 
 /* Writes all n bytes to fd, retrying on EINTR and short writes. 0 or CM_EIO (errno set). */
 int cm_write_full(int fd, const void *buf, size_t n);
+/* cm_write_full at file offset off (pwrite). */
+int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off);
+
+/*
+ * A key -> u32 open-addressing index in a region of a file: `slots` (a power of two, at most
+ * 2^40) 16-byte entries {u64 key, u32 val (CM_KEYIDX_EMPTY: none), u32 0}, each key in the
+ * first empty entry probing linearly (wrapping) from xxh3-64(the key's 8 bytes) & (slots - 1).
+ * It is the serving bundle's table index (serve/ember_serve.h), and export's check that no key
+ * is in a table twice.
+ * Why a file: the index of a table larger than memory is larger than memory too. Keys are
+ * buffered and added in batches sorted by home slot, so each batch sweeps the region once in
+ * file order, and the pages behind the sweep are handed back to the page cache as it goes
+ * (madvise MADV_DONTNEED on the shared mapping: the kernel writes them back when it needs the
+ * memory). The process holds one batch and a window of pages, however many keys there are.
+ * Keys land where linear probing puts them inserted in that order: a valid index for any reader
+ * probing from the hash, not byte for byte what adding them one at a time would give.
+ */
+#define CM_KEYIDX_EMPTY UINT32_MAX
+typedef struct cm_keyidx cm_keyidx;
+/* Slots for n keys at a load factor of at most 0.8 (at least 16). */
+uint64_t cm_keyidx_slots(uint64_t n);
+/* Fills [off, off + 16 * slots) of fd (open for reading and writing, at least that long) with
+ * empty entries and maps it; *out is the caller's (cm_keyidx_close). path names fd in messages. */
+int cm_keyidx_open(int fd, const char *path, uint64_t off, uint64_t slots, cm_keyidx **out,
+                   char **errptr);
+/* Adds key -> val (val != CM_KEYIDX_EMPTY). A key added before is refused ("key K twice",
+ * CM_EINVAL) here or at a later add or flush, whichever sweeps it; cm_keyidx_dup names it.
+ * More keys than slots - 1 are refused too. */
+int cm_keyidx_add(cm_keyidx *x, uint64_t key, uint32_t val, char **errptr);
+/* Puts the keys still buffered into the file. */
+int cm_keyidx_flush(cm_keyidx *x, char **errptr);
+/* 1 with the key in *key when a key was refused as added twice, else 0. */
+int cm_keyidx_dup(const cm_keyidx *x, uint64_t *key);
+/* Unmaps (what was flushed stays in the file). NULL is fine. */
+void cm_keyidx_close(cm_keyidx *x);
 
 /* The running program's own binary (readlink of /proc/self/exe) into buf, NUL-terminated. */
 int cm_self_exe(char *buf, size_t n, char **errptr);

@@ -176,6 +176,22 @@ int cm_write_full(int fd, const void *buf, size_t n)
     return CM_OK;
 }
 
+int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off)
+{
+    const char *p = buf;
+    while (n > 0) {
+        ssize_t w = pwrite(fd, p, n, (off_t)off);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return CM_EIO;
+        }
+        p += w;
+        n -= (size_t)w;
+        off += (uint64_t)w;
+    }
+    return CM_OK;
+}
+
 int cm_self_exe(char *buf, size_t n, char **errptr)
 {
     ssize_t got = n > 1 ? readlink("/proc/self/exe", buf, n - 1) : -1;

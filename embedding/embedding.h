@@ -316,6 +316,9 @@ int emb_snapshot_read_config(const char *dir, emb_table_config *cfg, char **errp
 
 /* The table step a snapshot was taken at (manifest verified). */
 int emb_snapshot_step(const char *dir, uint64_t *step, char **errptr);
+/* The rows a snapshot holds, as its manifest says (verified; its rows.bin is not read: a
+ * reader of the rows checks that they are that many). */
+int emb_snapshot_rows(const char *dir, uint64_t *rows, char **errptr);
 
 /* Calls cb once per row of a snapshot without building a table (export). The manifest and
  * the rows file are verified in full before the first call. */

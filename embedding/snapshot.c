@@ -598,6 +598,14 @@ int emb_snapshot_step(const char *dir, uint64_t *step, char **errptr)
     return rc;
 }
 
+int emb_snapshot_rows(const char *dir, uint64_t *rows, char **errptr)
+{
+    manifest m;
+    int rc = manifest_read(dir, &m, errptr);
+    if (rc == CM_OK) *rows = m.rows;
+    return rc;
+}
+
 int emb_snapshot_sketch_add(const char *dir, uint16_t **acc, size_t *n, char **errptr)
 {
     manifest m;

@@ -97,6 +97,22 @@ int ps_checkpoint_table_config(const char *ckpt, const char *table, emb_table_co
     return emb_snapshot_read_config(path, cfg, errptr);
 }
 
+int ps_checkpoint_table_rows(const char *ckpt, const char *table, uint64_t *rows, char **errptr)
+{
+    uint32_t n;
+    uint64_t sum = 0;
+    int rc = ps_checkpoint_shards(ckpt, &n, errptr);
+    for (uint32_t i = 0; rc == CM_OK && i < n; i++) {
+        char path[4200];
+        uint64_t r = 0;
+        snprintf(path, sizeof path, "%s/shard-%u/table-%s", ckpt, i, table);
+        rc = emb_snapshot_rows(path, &r, errptr);
+        sum += r;
+    }
+    if (rc == CM_OK) *rows = sum;
+    return rc;
+}
+
 /* The caller's row callback behind a check that each row is on the shard its key hashes to: a
  * row on another (a snapshot copied or damaged, checksums and all) would be exported twice, or
  * resharded as whichever copy came last. */

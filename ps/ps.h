@@ -380,7 +380,11 @@ int ps_checkpoint_names(const char *ckpt, char (*tables)[PS_NAME_MAX], uint32_t 
 /* The model config of a table as saved. */
 int ps_checkpoint_table_config(const char *ckpt, const char *table, emb_table_config *cfg,
                                char **errptr);
-/* Calls cb for every row of a table across all shards (each shard verified first). */
+/* The rows of a table across all shards, as the snapshots' manifests say (no rows read: what
+ * export sizes its output by before streaming them). */
+int ps_checkpoint_table_rows(const char *ckpt, const char *table, uint64_t *rows, char **errptr);
+/* Calls cb for every row of a table across all shards (each shard verified first). The rows are
+ * read in chunks: memory does not grow with the table. */
 int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb, void *arg,
                               char **errptr);
 /* Writes checkpoint `from` redistributed over n_new shards into `to`, a directory that must not

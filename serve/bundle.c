@@ -31,10 +31,12 @@ typedef struct tab_hdr {
 } tab_hdr;
 _Static_assert(sizeof(tab_hdr) == 64, "table header is 64 bytes");
 
+/* The layout cm_keyidx writes (the writer fills the index with one). */
 typedef struct slot_ent {
     uint64_t key;
     uint32_t row, pad;
 } slot_ent;
+_Static_assert(sizeof(slot_ent) == 16 && EMPTY_ROW == CM_KEYIDX_EMPTY, "cm_keyidx's entries");
 
 typedef struct dns_hdr {
     char magic[8];
@@ -85,6 +87,9 @@ struct ember_serve_writer {
     int n_tables; /* at most SERVE_MAX_TABLES: what layer_open maps */
     bool has_model, has_dense; /* each once, and both before commit: layer_read needs them */
     char table_names[SERVE_MAX_TABLES][65]; /* each once: layer_open refuses a file listed twice */
+    struct open_table *table;               /* between _table_begin and _table_end */
+    bool has_dup;                           /* the last table refused dup as a key twice */
+    uint64_t dup;
 };
 
 static void manifest_add(ember_serve_writer *w, const char *fmt, ...)
@@ -159,9 +164,12 @@ int ember_serve_writer_source(ember_serve_writer *w, uint64_t source, uint64_t b
     return CM_OK;
 }
 
+static void table_close(ember_serve_writer *w, bool keep);
+
 void ember_serve_writer_abort(ember_serve_writer *w)
 {
     if (w == NULL) return;
+    table_close(w, false);
     if (w->tmp) cm_rmtree(w->tmp, NULL);
     free(w->dir);
     free(w->tmp);
@@ -239,78 +247,221 @@ static uint32_t row_unfit(ember_serve_precision p, const float *x, uint32_t dim)
     return dim;
 }
 
-int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t dim,
-                             const uint64_t *keys, const float *rows, uint64_t n,
-                             const uint64_t *deleted, uint64_t n_deleted, char **errptr)
+/* The table being written (ember_serve_writer_table_begin .. _end): its file is made at full
+ * size up front, the index filled through a cm_keyidx over its region and the rows written in
+ * place as they come, so the writer holds a batch of keys and a chunk of rows, not the table. */
+struct open_table {
+    char name[65], path[4200], part[4208];
+    uint32_t dim;
+    size_t rb;
+    uint64_t max_rows, n, slots;
+    int fd;
+    cm_keyidx *ix;
+    uint8_t *enc; /* encoded rows not yet written: chunk rows of rb bytes */
+    size_t chunk, held;
+};
+typedef struct open_table open_table;
+
+#define ENC_CHUNK (1u << 20)
+
+static uint64_t rows_offset(const open_table *t)
+{
+    return sizeof(tab_hdr) + t->slots * sizeof(slot_ent);
+}
+
+/* Writes the encoded rows held (they follow the t->n - t->held rows already in the file). */
+static int enc_flush(open_table *t, char **errptr)
+{
+    if (t->held == 0) return CM_OK;
+    if (cm_pwrite_full(t->fd, t->enc, t->held * t->rb, rows_offset(t) + (t->n - t->held) * t->rb) !=
+        CM_OK)
+        return cm_err_errno(errptr, CM_EIO, "cannot write %s", t->part);
+    t->held = 0;
+    return CM_OK;
+}
+
+static void table_close(ember_serve_writer *w, bool keep)
+{
+    open_table *t = w->table;
+    if (t == NULL) return;
+    cm_keyidx_close(t->ix);
+    if (t->fd >= 0) close(t->fd);
+    if (!keep) unlink(t->part);
+    free(t->enc);
+    free(t);
+    w->table = NULL;
+}
+
+int ember_serve_writer_table_begin(ember_serve_writer *w, const char *name, uint32_t dim,
+                                   uint64_t max_rows, char **errptr)
 {
     /* What table_check would refuse is refused here, not written as a bundle no one opens. */
-    if (dim == 0 || dim > MAX_DIM || n >= EMPTY_ROW || strlen(name) > 64)
+    if (dim == 0 || dim > MAX_DIM || max_rows >= EMPTY_ROW || strlen(name) > 64)
         return cm_err(errptr, CM_EINVAL, "table %s: dim %u or %" PRIu64 " rows out of range", name,
-                      dim, n);
+                      dim, max_rows);
+    if (w->table != NULL)
+        return cm_err(errptr, CM_EINVAL, "table %s: table %s is not ended", name, w->table->name);
     if (w->n_tables == SERVE_MAX_TABLES)
         return cm_err(errptr, CM_EINVAL, "table %s: a bundle holds at most %d tables", name,
                       SERVE_MAX_TABLES);
     for (int i = 0; i < w->n_tables; i++)
         if (!strcmp(w->table_names[i], name))
             return cm_err(errptr, CM_EINVAL, "table %s: written twice", name);
-    uint64_t slots = 16;
-    while (slots < n + n / 4 + 1)
-        slots <<= 1; /* load factor at most 0.8 */
-    size_t rb = row_bytes_of(w->prec, dim);
-    slot_ent *index = malloc(slots * sizeof *index);
-    uint8_t *enc = malloc(n * rb + 1);
-    uint64_t *del = malloc(n_deleted * sizeof *del + 1);
-    int rc = CM_OK;
-    if (index == NULL || enc == NULL || del == NULL) {
-        rc = cm_err(errptr, CM_ENOMEM, "out of memory exporting table %s (%" PRIu64 " rows)", name,
-                    n);
-        goto out;
+    open_table *t = calloc(1, sizeof *t);
+    if (t == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    w->table = t;
+    w->has_dup = false;
+    snprintf(t->name, sizeof t->name, "%s", name);
+    snprintf(t->path, sizeof t->path, "%s/table-%s.bin", w->tmp, name);
+    snprintf(t->part, sizeof t->part, "%s.part", t->path);
+    t->dim = dim;
+    t->rb = row_bytes_of(w->prec, dim);
+    t->max_rows = max_rows;
+    t->slots = cm_keyidx_slots(max_rows);
+    t->chunk = ENC_CHUNK / t->rb + 1;
+    t->enc = malloc(t->chunk * t->rb);
+    t->fd = open(t->part, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int rc = t->enc ? CM_OK : cm_err(errptr, CM_ENOMEM, "out of memory");
+    if (rc == CM_OK && t->fd < 0) rc = cm_err_errno(errptr, CM_EIO, "cannot create %s", t->part);
+    if (rc == CM_OK && ftruncate(t->fd, (off_t)(rows_offset(t) + max_rows * t->rb)) != 0)
+        rc = cm_err_errno(errptr, CM_EIO, "cannot size %s", t->part);
+    if (rc == CM_OK) rc = cm_keyidx_open(t->fd, t->part, sizeof(tab_hdr), t->slots, &t->ix, errptr);
+    if (rc != CM_OK) table_close(w, false);
+    return rc;
+}
+
+/* The index's refusal of a key twice, naming the table (and kept for _dup). */
+static int table_dup(ember_serve_writer *w, int rc, char **errptr)
+{
+    uint64_t key;
+    if (rc == CM_EINVAL && cm_keyidx_dup(w->table->ix, &key)) {
+        w->has_dup = true;
+        w->dup = key;
+        rc = cm_err(errptr, CM_EINVAL, "table %s: key %" PRIu64 " twice", w->table->name, key);
     }
-    for (uint64_t i = 0; i < slots; i++)
-        index[i] = (slot_ent){0, EMPTY_ROW, 0};
-    for (uint64_t i = 0; i < n; i++) {
-        uint64_t s = key_slot(keys[i], slots - 1);
-        while (index[s].row != EMPTY_ROW) {
-            if (index[s].key == keys[i]) {
-                rc = cm_err(errptr, CM_EINVAL, "table %s: key %" PRIu64 " twice", name, keys[i]);
-                goto out;
-            }
-            s = (s + 1) & (slots - 1);
-        }
+    return rc;
+}
+
+int ember_serve_writer_table_rows(ember_serve_writer *w, const uint64_t *keys, const float *rows,
+                                  uint64_t n, char **errptr)
+{
+    open_table *t = w->table;
+    if (t == NULL) return cm_err(errptr, CM_EINVAL, "%s: rows before a table is begun", w->dir);
+    const uint32_t dim = t->dim;
+    int rc = n > t->max_rows - t->n
+                 ? cm_err(errptr, CM_EINVAL, "table %s: more than the %" PRIu64 " rows begun with",
+                          t->name, t->max_rows)
+                 : CM_OK;
+    for (uint64_t i = 0; rc == CM_OK && i < n; i++) {
         uint32_t bad = row_unfit(w->prec, rows + i * dim, dim);
         if (bad < dim) {
             rc = cm_err(errptr, CM_EINVAL,
                         "table %s key %" PRIu64 ": value %g (column %u) cannot be stored as %s; "
                         "export it as fp32",
-                        name, keys[i], (double)rows[i * dim + bad], bad, prec_names[w->prec]);
-            goto out;
+                        t->name, keys[i], (double)rows[i * dim + bad], bad, prec_names[w->prec]);
+            break;
         }
-        index[s] = (slot_ent){keys[i], (uint32_t)i, 0};
-        encode_row(w->prec, rows + i * dim, dim, enc + i * rb);
+        rc = table_dup(w, cm_keyidx_add(t->ix, keys[i], (uint32_t)t->n, errptr), errptr);
+        if (rc != CM_OK) break;
+        encode_row(w->prec, rows + i * dim, dim, t->enc + t->held * t->rb);
+        t->n++;
+        if (++t->held == t->chunk) rc = enc_flush(t, errptr);
     }
-    if (n_deleted) memcpy(del, deleted, n_deleted * sizeof *del);
-    qsort(del, n_deleted, sizeof *del, cm_u64_cmp);
+    if (rc != CM_OK) table_close(w, false);
+    return rc;
+}
+
+/* A table file's trailer, the xxh3 of its first len bytes read back (the index was written out
+ * of order), and the manifest's digest of the file with that trailer appended. */
+static int file_digest(int fd, const char *path, uint64_t len, uint64_t *trailer, uint64_t *whole,
+                       char **errptr)
+{
+    uint8_t *buf = malloc(ENC_CHUNK);
+    XXH3_state_t *hs = XXH3_createState();
+    int rc = buf && hs ? CM_OK : cm_err(errptr, CM_ENOMEM, "out of memory");
+    if (rc == CM_OK) XXH3_64bits_reset(hs);
+    for (uint64_t at = 0; rc == CM_OK && at < len;) {
+        size_t k = len - at < ENC_CHUNK ? (size_t)(len - at) : ENC_CHUNK;
+        ssize_t got = pread(fd, buf, k, (off_t)at);
+        if (got <= 0) {
+            rc = cm_err_errno(errptr, CM_EIO, "cannot read back %s", path);
+            break;
+        }
+        XXH3_64bits_update(hs, buf, (size_t)got);
+        at += (uint64_t)got;
+    }
+    if (rc == CM_OK) {
+        *trailer = XXH3_64bits_digest(hs);
+        XXH3_64bits_update(hs, trailer, sizeof *trailer);
+        *whole = XXH3_64bits_digest(hs);
+    }
+    if (hs) XXH3_freeState(hs);
+    free(buf);
+    return rc;
+}
+
+int ember_serve_writer_table_end(ember_serve_writer *w, const uint64_t *deleted, uint64_t n_deleted,
+                                 char **errptr)
+{
+    open_table *t = w->table;
+    if (t == NULL) return cm_err(errptr, CM_EINVAL, "%s: no table begun", w->dir);
+    int rc = enc_flush(t, errptr);
+    if (rc == CM_OK) rc = table_dup(w, cm_keyidx_flush(t->ix, errptr), errptr);
+    for (uint64_t i = 1; rc == CM_OK && i < n_deleted; i++)
+        if (deleted[i] < deleted[i - 1])
+            rc = cm_err(errptr, CM_EINVAL, "table %s: deleted keys not ascending", t->name);
     tab_hdr h = {.version = BUNDLE_VERSION,
-                 .dim = dim,
+                 .dim = t->dim,
                  .precision = (uint32_t)w->prec,
-                 .row_bytes = (uint32_t)rb,
-                 .rows = n,
-                 .slots = slots,
+                 .row_bytes = (uint32_t)t->rb,
+                 .rows = t->n,
+                 .slots = t->slots,
                  .deleted = n_deleted,
                  .step = w->step};
     memcpy(h.magic, TAB_MAGIC, 8);
-    char fname[96];
-    snprintf(fname, sizeof fname, "table-%s.bin", name);
-    const void *parts[4] = {&h, index, enc, del};
-    size_t lens[4] = {sizeof h, slots * sizeof *index, n * rb, n_deleted * sizeof *del};
-    rc = write_parts(w, fname, parts, lens, 4, true, errptr);
+    const uint64_t del_at = rows_offset(t) + t->n * t->rb, end = del_at + n_deleted * 8;
+    uint64_t trailer = 0, digest = 0;
+    if (rc == CM_OK && (cm_pwrite_full(t->fd, &h, sizeof h, 0) != CM_OK ||
+                        (n_deleted && cm_pwrite_full(t->fd, deleted, n_deleted * 8, del_at)) ||
+                        ftruncate(t->fd, (off_t)end) != 0))
+        rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", t->part);
+    if (rc == CM_OK) rc = file_digest(t->fd, t->part, end, &trailer, &digest, errptr);
+    if (rc == CM_OK && (cm_pwrite_full(t->fd, &trailer, 8, end) != CM_OK || fsync(t->fd) != 0))
+        rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", t->part);
     if (rc == CM_OK) {
-        manifest_add(w, "table %s %u %" PRIu64 "\n", name, dim, n);
-        snprintf(w->table_names[w->n_tables++], sizeof w->table_names[0], "%s", name);
+        cm_keyidx_close(t->ix);
+        t->ix = NULL;
+        if (close(t->fd) != 0) rc = cm_err_errno(errptr, CM_EIO, "cannot close %s", t->part);
+        t->fd = -1;
     }
-out:
-    free(index);
-    free(enc);
+    if (rc == CM_OK && rename(t->part, t->path) != 0)
+        rc = cm_err_errno(errptr, CM_EIO, "cannot rename %s", t->part);
+    if (rc == CM_OK) {
+        manifest_add(w, "file table-%s.bin %" PRIu64 " %016" PRIx64 "\n", t->name, end + 8, digest);
+        manifest_add(w, "table %s %u %" PRIu64 "\n", t->name, t->dim, t->n);
+        snprintf(w->table_names[w->n_tables++], sizeof w->table_names[0], "%s", t->name);
+    }
+    table_close(w, rc == CM_OK);
+    return rc;
+}
+
+int ember_serve_writer_table_dup(const ember_serve_writer *w, uint64_t *key)
+{
+    if (w->has_dup) *key = w->dup;
+    return w->has_dup;
+}
+
+int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t dim,
+                             const uint64_t *keys, const float *rows, uint64_t n,
+                             const uint64_t *deleted, uint64_t n_deleted, char **errptr)
+{
+    uint64_t *del = malloc(n_deleted * sizeof *del + 1);
+    if (del == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    if (n_deleted) memcpy(del, deleted, n_deleted * sizeof *del);
+    qsort(del, n_deleted, sizeof *del, cm_u64_cmp);
+    int rc = ember_serve_writer_table_begin(w, name, dim, n, errptr);
+    if (rc == CM_OK) rc = ember_serve_writer_table_rows(w, keys, rows, n, errptr);
+    if (rc == CM_OK) rc = ember_serve_writer_table_end(w, del, n_deleted, errptr);
     free(del);
     return rc;
 }
@@ -319,13 +470,14 @@ int ember_serve_writer_commit(ember_serve_writer *w, char **errptr)
 {
     /* ember_serve_open refuses a bundle without any of these (one written for lookups alone,
      * without its tower): refused here, not put in place over a good one. */
-    if (!w->has_model || !w->has_dense || w->n_tables == 0) {
+    if (!w->has_model || !w->has_dense || w->n_tables == 0 || w->table != NULL) {
         int rc = cm_err(errptr, CM_EINVAL,
                         "%s: a bundle needs model.txt, dense-tower.bin and a "
                         "table; it has no %s",
                         w->dir,
                         !w->has_model   ? "model.txt"
                         : !w->has_dense ? "dense-tower.bin"
+                        : w->table      ? "end to its last table"
                                         : "table");
         ember_serve_writer_abort(w);
         return rc;

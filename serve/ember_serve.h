@@ -138,8 +138,24 @@ int ember_serve_writer_source(ember_serve_writer *w, uint64_t source, uint64_t b
 int ember_serve_writer_model(ember_serve_writer *w, const char *model_text, char **errptr);
 int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_t n,
                              char **errptr);
-/* One table: n rows (keys unique) of dim fp32 values, converted to the bundle's precision;
- * deleted keys (delta bundles) are removed from what the base serves. */
+/* One table, streamed: begin with at most max_rows rows (the file is sized, and its index made,
+ * for that many: a table of fewer rows has a sparser index than it needs), add the rows (keys
+ * unique, dim fp32 values each, converted to the bundle's precision) in any number of calls,
+ * end with the deleted keys (delta bundles: removed from what the base serves), ascending.
+ * The writer holds a chunk of rows and a batch of keys, never the table: its index and rows go
+ * to the file as they come (cm_keyidx, common.h), so a table larger than memory is written.
+ * A key twice is refused (CM_EINVAL) by _rows or _end, whichever finds it, and
+ * ember_serve_writer_table_dup names it. After a failure the table is dropped (the bundle can
+ * still be aborted, or committed without it). */
+int ember_serve_writer_table_begin(ember_serve_writer *w, const char *name, uint32_t dim,
+                                   uint64_t max_rows, char **errptr);
+int ember_serve_writer_table_rows(ember_serve_writer *w, const uint64_t *keys, const float *rows,
+                                  uint64_t n, char **errptr);
+int ember_serve_writer_table_end(ember_serve_writer *w, const uint64_t *deleted, uint64_t n_deleted,
+                                 char **errptr);
+/* 1 with the key in *key when the last table begun was refused for a key twice, else 0. */
+int ember_serve_writer_table_dup(const ember_serve_writer *w, uint64_t *key);
+/* One table at once (begin, rows, end): n rows, deleted keys in any order. */
 int ember_serve_writer_table(ember_serve_writer *w, const char *name, uint32_t dim,
                              const uint64_t *keys, const float *rows, uint64_t n,
                              const uint64_t *deleted, uint64_t n_deleted, char **errptr);

@@ -3,6 +3,7 @@
  * A delta (--since OLD) holds the rows whose weights changed since OLD, the rows OLD had that
  * are gone, and the new tower: stacked on OLD's bundle it serves what a full export serves.
  */
+#include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <stdbool.h>
@@ -18,113 +19,241 @@
 #include "src/cli.h"
 #include "src/train.h"
 
-typedef struct rows {
+/*
+ * Memory: export streams each table (ps_checkpoint_foreach_row reads snapshots in chunks) into
+ * its output a chunk of rows at a time, so a table larger than memory (the PS spills cold rows
+ * to RocksDB) exports in memory that does not grow with its rows. What needs every key is kept
+ * on disk: the bundle writer's index, and for safetensors and RocksDB an index of the keys in a
+ * scratch file beside the output, both cm_keyidx (common.h), which refuse a key twice. Sizes
+ * come from the snapshots' manifests (ps_checkpoint_table_rows). The one thing in memory per
+ * row is a delta's map of the OLD checkpoint's keys to fingerprints (fp_map: ~17 bytes a row),
+ * which the new checkpoint's rows are compared against as they stream.
+ */
+
+/* A chunk of streamed rows, handed on when full (and last when the table ends). */
+typedef struct chunk {
     uint32_t dim;
-    uint64_t n, cap;
+    size_t cap, n;
     uint64_t *keys;
     float *w;
-} rows;
+} chunk;
 
-static int rows_add(const emb_row *r, void *arg)
-{
-    rows *t = arg;
-    if (t->n == t->cap) {
-        uint64_t cap = t->cap ? t->cap * 2 : 4096;
-        uint64_t *k = realloc(t->keys, cap * sizeof *k);
-        if (k) t->keys = k;
-        float *w = realloc(t->w, cap * t->dim * sizeof *w);
-        if (w) t->w = w;
-        if (!k || !w) return CM_ENOMEM;
-        t->cap = cap;
-    }
-    t->keys[t->n] = r->key;
-    memcpy(t->w + t->n * t->dim, r->weights, t->dim * sizeof(float));
-    t->n++;
-    return 0;
-}
+#define CHUNK_BYTES (1u << 20)
 
-static void rows_free(rows *t)
-{
-    free(t->keys);
-    free(t->w);
-    memset(t, 0, sizeof *t);
-}
+/* The delta's view of OLD: its rows' keys (ascending) with the xxh3 of their weights, a
+ * directory of where each value of the keys' top `bits` bits starts (keys of trained tables are
+ * hashes, so a few entries each; a binary search within copes with any), and which keys the new
+ * checkpoint has (seen). ~17 bytes a row of OLD: the one thing export keeps per row. */
+typedef struct fp_ent {
+    uint64_t key, fp;
+} fp_ent;
 
-/* Open-addressing map key -> xxh3 of the row's weights, for the delta comparison. */
 typedef struct fp_map {
-    uint64_t cap, *keys, *fps;
-    uint8_t *used, *seen;
+    fp_ent *e;
+    uint64_t n, cap, *dir;
+    unsigned bits;
+    uint8_t *seen;
 } fp_map;
 
 static void fp_map_free(fp_map *m)
 {
-    free(m->keys);
-    free(m->fps);
-    free(m->used);
+    free(m->e);
+    free(m->dir);
     free(m->seen);
+    memset(m, 0, sizeof *m);
 }
 
-static int fp_map_build(fp_map *m, const rows *old)
+/* Sorts a by key in place: glibc's qsort sorts through a copy of the array when it can get one
+ * (a merge sort), which doubled the map's memory. Quicksort, median of three, the smaller side
+ * recursed (depth log n), insertion sort below 16. */
+static void fp_sort(fp_ent *a, uint64_t n)
 {
-    m->cap = 16;
-    while (m->cap < old->n * 2) m->cap <<= 1;
-    m->keys = malloc(m->cap * 8);
-    m->fps = malloc(m->cap * 8);
-    m->used = calloc(m->cap, 1);
-    m->seen = calloc(m->cap, 1);
-    if (!m->keys || !m->fps || !m->used || !m->seen) return CM_ENOMEM;
-    for (uint64_t i = 0; i < old->n; i++) {
-        uint64_t s = XXH3_64bits(&old->keys[i], 8) & (m->cap - 1);
-        while (m->used[s]) s = (s + 1) & (m->cap - 1);
-        m->used[s] = 1;
-        m->keys[s] = old->keys[i];
-        m->fps[s] = XXH3_64bits(old->w + i * old->dim, old->dim * sizeof(float));
-    }
-    return CM_OK;
-}
-
-/* Keeps only rows new or changed since old; fills deleted with old keys now gone. */
-static int delta_rows(rows *cur, const rows *old, uint64_t **deleted, uint64_t *n_deleted,
-                      char **errptr)
-{
-    fp_map m = {0};
-    int rc = fp_map_build(&m, old) == CM_OK ? CM_OK : cm_err(errptr, CM_ENOMEM, "out of memory");
-    uint64_t kept = 0;
-    for (uint64_t i = 0; rc == CM_OK && i < cur->n; i++) {
-        uint64_t s = XXH3_64bits(&cur->keys[i], 8) & (m.cap - 1);
-        bool changed = true;
-        while (m.used[s]) {
-            if (m.keys[s] == cur->keys[i]) {
-                m.seen[s] = 1;
-                changed = m.fps[s] != XXH3_64bits(cur->w + i * cur->dim, cur->dim * sizeof(float));
-                break;
-            }
-            s = (s + 1) & (m.cap - 1);
+    while (n > 16) {
+        const uint64_t m = n / 2;
+        fp_ent t;
+#define FP_SWAP(x, y) (t = a[x], a[x] = a[y], a[y] = t)
+        if (a[m].key < a[0].key) FP_SWAP(m, 0);
+        if (a[n - 1].key < a[0].key) FP_SWAP(n - 1, 0);
+        if (a[n - 1].key < a[m].key) FP_SWAP(n - 1, m);
+        const uint64_t p = a[m].key;
+        uint64_t i = 0, j = n - 1;
+        for (;;) { /* Hoare: the pivot's value stops both scans inside a */
+            while (a[i].key < p) i++;
+            while (a[j].key > p) j--;
+            if (i >= j) break;
+            FP_SWAP(i, j);
+            i++;
+            j--;
         }
-        if (!changed) continue;
-        cur->keys[kept] = cur->keys[i];
-        memmove(cur->w + kept * cur->dim, cur->w + i * cur->dim, cur->dim * sizeof(float));
-        kept++;
+#undef FP_SWAP
+        const uint64_t left = j + 1; /* [0, left) <= p <= [left, n) */
+        if (left < n - left) {
+            fp_sort(a, left);
+            a += left;
+            n -= left;
+        } else {
+            fp_sort(a + left, n - left);
+            n = left;
+        }
     }
-    cur->n = kept;
-    *n_deleted = 0;
-    *deleted = malloc((old->n + 1) * sizeof **deleted);
-    if (rc == CM_OK && *deleted == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-    for (uint64_t s = 0; rc == CM_OK && s < m.cap; s++)
-        if (m.used[s] && !m.seen[s]) (*deleted)[(*n_deleted)++] = m.keys[s];
-    fp_map_free(&m);
+    for (uint64_t i = 1; i < n; i++) {
+        fp_ent v = a[i];
+        uint64_t j = i;
+        for (; j > 0 && a[j - 1].key > v.key; j--) a[j] = a[j - 1];
+        a[j] = v;
+    }
+}
+
+/* The index of key in m, or -1. */
+static int64_t fp_map_find(const fp_map *m, uint64_t key)
+{
+    uint64_t b = m->bits ? key >> (64 - m->bits) : 0, lo = m->dir[b], hi = m->dir[b + 1];
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (m->e[mid].key == key) return (int64_t)mid;
+        if (m->e[mid].key < key)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return -1;
+}
+
+/* A key twice in a table: a snapshot is input (hand-made, another tool's), checksums and all,
+ * and the reader keeps no set of keys (ps_checkpoint_foreach_row). A row is read only from the
+ * shard its key hashes to, so both copies are in that shard's snapshot, which is named. */
+static int dup_err(const char *ckpt, const char *name, uint64_t key, char **errptr)
+{
+    uint32_t shards = 0;
+    int rc = ps_checkpoint_shards(ckpt, &shards, errptr);
+    if (rc == CM_OK)
+        rc = cm_err(errptr, CM_ECORRUPT, "%s/shard-%u/table-%s: key %" PRIu64 " twice", ckpt,
+                    ps_key_shard(key, shards), name, key);
+    return rc;
+}
+
+/* A scratch index of a table's keys beside the output (safetensors and RocksDB have none of
+ * their own), unlinked as soon as it is made: what refuses a key twice. */
+typedef struct key_check {
+    int fd;
+    cm_keyidx *ix;
+    char path[4300];
+} key_check;
+
+static int key_check_open(key_check *k, const char *out, uint64_t n, char **errptr)
+{
+    static unsigned seq;
+    snprintf(k->path, sizeof k->path, "%s.keys-%ld-%u", out, (long)getpid(), seq++);
+    k->ix = NULL;
+    k->fd = open(k->path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (k->fd < 0) return cm_err_errno(errptr, CM_EIO, "cannot create %s", k->path);
+    unlink(k->path);
+    uint64_t slots = cm_keyidx_slots(n);
+    if (ftruncate(k->fd, (off_t)(slots * 16)) != 0)
+        return cm_err_errno(errptr, CM_EIO, "cannot size %s", k->path);
+    return cm_keyidx_open(k->fd, k->path, 0, slots, &k->ix, errptr);
+}
+
+static void key_check_close(key_check *k)
+{
+    cm_keyidx_close(k->ix);
+    if (k->fd >= 0) close(k->fd);
+    k->ix = NULL;
+    k->fd = -1;
+}
+
+/* One pass over a table of a checkpoint. Every row is counted and summed into the table's
+ * order-free digest, and its key into an order-bound hash (two passes over one checkpoint see
+ * the rows in one order); with old, rows unchanged since old are passed over (and, with mark,
+ * the keys seen marked there); with check, keys go into it; with fn, the rows left are handed
+ * on in chunks. */
+typedef struct stream {
+    const char *ckpt, *name;
+    uint32_t dim;
+    uint64_t rows, sum, order, changed;
+    fp_map *old;
+    bool mark;
+    key_check *check;
+    int (*fn)(const chunk *c, void *arg, char **errptr);
+    void *arg;
+    chunk c;
+    char **errptr;
+} stream;
+
+/* rc of an add to (or flush of) s's key check: a key twice named as the checkpoint's. */
+static int key_check_err(stream *s, int rc)
+{
+    uint64_t key;
+    if (rc != CM_OK && cm_keyidx_dup(s->check->ix, &key))
+        rc = dup_err(s->ckpt, s->name, key, s->errptr);
+    return rc;
+}
+
+static int stream_row(const emb_row *r, void *arg)
+{
+    stream *s = arg;
+    const size_t bytes = s->dim * sizeof(float);
+    s->rows++;
+    s->sum += XXH3_64bits_withSeed(r->weights, bytes, r->key);
+    s->order = XXH3_64bits_withSeed(&r->key, sizeof r->key, s->order);
+    if (s->check != NULL) {
+        int rc = key_check_err(s, cm_keyidx_add(s->check->ix, r->key, 0, s->errptr));
+        if (rc != CM_OK) return rc;
+    }
+    if (s->old != NULL) {
+        int64_t i = fp_map_find(s->old, r->key);
+        if (i >= 0 && s->mark) {
+            /* A key the old checkpoint has, twice in the new: the writer never sees an
+             * unchanged row, so it is caught here. */
+            uint8_t *b = &s->old->seen[i / 8], bit = (uint8_t)(1u << (i % 8));
+            if (*b & bit) return dup_err(s->ckpt, s->name, r->key, s->errptr);
+            *b |= bit;
+        }
+        if (i >= 0 && s->old->e[i].fp == XXH3_64bits(r->weights, bytes)) return 0;
+        s->changed++;
+    }
+    if (s->fn == NULL) return 0;
+    s->c.keys[s->c.n] = r->key;
+    memcpy(s->c.w + s->c.n * s->dim, r->weights, bytes);
+    if (++s->c.n < s->c.cap) return 0;
+    int rc = s->fn(&s->c, s->arg, s->errptr);
+    s->c.n = 0;
+    return rc;
+}
+
+/* Streams table name of ckpt through s (set up by the caller past ckpt, name and errptr). */
+static int stream_table(stream *s, char **errptr)
+{
+    emb_table_config cfg;
+    int rc = ps_checkpoint_table_config(s->ckpt, s->name, &cfg, errptr);
+    if (rc != CM_OK) return rc;
+    s->dim = cfg.dim;
+    s->rows = s->sum = s->order = s->changed = 0;
+    s->errptr = errptr;
+    s->c = (chunk){.dim = cfg.dim, .cap = CHUNK_BYTES / (8 + 4 * (size_t)cfg.dim) + 1};
+    if (s->fn != NULL) {
+        s->c.keys = malloc(s->c.cap * sizeof *s->c.keys);
+        s->c.w = malloc(s->c.cap * cfg.dim * sizeof *s->c.w);
+        if (s->c.keys == NULL || s->c.w == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    }
+    if (rc == CM_OK) rc = ps_checkpoint_foreach_row(s->ckpt, s->name, stream_row, s, errptr);
+    if (rc == CM_OK && s->fn != NULL && s->c.n > 0) rc = s->fn(&s->c, s->arg, errptr);
+    if (rc == CM_OK && s->check != NULL)
+        rc = key_check_err(s, cm_keyidx_flush(s->check->ix, errptr));
+    if (rc == CM_ENOMEM) rc = cm_err(errptr, rc, "out of memory reading table %s", s->name);
+    free(s->c.keys);
+    free(s->c.w);
+    s->c.keys = NULL;
+    s->c.w = NULL;
     return rc;
 }
 
 /* A table's part of a checkpoint's identity: its name, dim, row count and the sum of its rows'
  * hashes (free of order: a resharded checkpoint holds the same). */
-static uint64_t table_digest(const char *name, const rows *t)
+static uint64_t table_digest(const stream *s)
 {
-    uint64_t sum = 0;
-    for (uint64_t i = 0; i < t->n; i++)
-        sum += XXH3_64bits_withSeed(t->w + i * t->dim, t->dim * sizeof(float), t->keys[i]);
-    uint64_t v[3] = {t->dim, t->n, sum};
-    return XXH3_64bits_withSeed(v, sizeof v, XXH3_64bits(name, strlen(name)));
+    uint64_t v[3] = {s->dim, s->rows, s->sum};
+    return XXH3_64bits_withSeed(v, sizeof v, XXH3_64bits(s->name, strlen(s->name)));
 }
 
 /* A checkpoint's identity (ember_serve_writer_source): its tables' digests and its tower. */
@@ -135,46 +264,135 @@ static uint64_t content_id(const uint64_t *digests, uint32_t n, const float *tow
                                 XXH3_64bits(tower, n_tower * sizeof *tower));
 }
 
-/* A key twice in a table's rows: a snapshot is input (hand-made, another tool's), checksums and
- * all, and the reader keeps no set of keys (ps_checkpoint_foreach_row), so safetensors held the
- * key twice, RocksDB its last copy, and the bundle's writer refused it naming no file. A row is
- * read only from the shard its key hashes to, so both copies are in that shard's snapshot,
- * which is named. The rows are all in memory here anyway: a sorted copy of the keys is cheap. */
-static int keys_unique(const char *ckpt, const char *name, const rows *t, char **errptr)
+static int fp_add(const emb_row *r, void *arg)
 {
-    uint64_t *k = malloc(t->n * sizeof *k + 1);
-    if (k == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory checking table %s's keys", name);
-    memcpy(k, t->keys, t->n * sizeof *k);
-    qsort(k, t->n, sizeof *k, cm_u64_cmp);
-    uint64_t i = 1;
-    while (i < t->n && k[i] != k[i - 1])
-        i++;
-    int rc = CM_OK;
-    uint32_t shards = 0;
-    if (i < t->n && (rc = ps_checkpoint_shards(ckpt, &shards, errptr)) == CM_OK)
-        rc = cm_err(errptr, CM_ECORRUPT, "%s/shard-%u/table-%s: key %" PRIu64 " twice", ckpt,
-                    ps_key_shard(k[i], shards), name, k[i]);
-    free(k);
-    return rc;
+    stream *s = arg;
+    fp_map *m = s->old;
+    const size_t bytes = s->dim * sizeof(float);
+    if (m->n == m->cap) /* more rows than the manifests say: the reader refuses that */
+        return cm_err(s->errptr, CM_ECORRUPT, "%s: table %s has more rows than its manifests say",
+                      s->ckpt, s->name);
+    m->e[m->n++] = (fp_ent){r->key, XXH3_64bits(r->weights, bytes)};
+    s->rows++;
+    s->sum += XXH3_64bits_withSeed(r->weights, bytes, r->key);
+    return 0;
 }
 
-static int load_table(const char *ckpt, const char *name, rows *t, char **errptr)
+/* Reads table name of the old checkpoint into m; its digest into *digest. */
+static int fp_map_load(const char *ckpt, const char *name, fp_map *m, uint64_t *digest,
+                       char **errptr)
 {
     emb_table_config cfg;
+    stream s = {.ckpt = ckpt, .name = name, .old = m, .errptr = errptr};
     int rc = ps_checkpoint_table_config(ckpt, name, &cfg, errptr);
+    if (rc == CM_OK) rc = ps_checkpoint_table_rows(ckpt, name, &m->cap, errptr);
+    s.dim = cfg.dim;
+    if (rc == CM_OK && (m->e = malloc(m->cap * sizeof *m->e + 1)) == NULL)
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory for %" PRIu64 " keys of %s", m->cap, ckpt);
+    if (rc == CM_OK) rc = ps_checkpoint_foreach_row(ckpt, name, fp_add, &s, errptr);
     if (rc != CM_OK) return rc;
-    t->dim = cfg.dim;
-    rc = ps_checkpoint_foreach_row(ckpt, name, rows_add, t, errptr);
-    if (rc == CM_ENOMEM) rc = cm_err(errptr, rc, "out of memory reading table %s", name);
-    if (rc == CM_OK) rc = keys_unique(ckpt, name, t, errptr);
+    *digest = table_digest(&s);
+    fp_sort(m->e, m->n);
+    for (uint64_t i = 1; i < m->n; i++)
+        if (m->e[i].key == m->e[i - 1].key) return dup_err(ckpt, name, m->e[i].key, errptr);
+    while (m->bits < 40 && (m->n >> m->bits) > 8)
+        m->bits++;
+    const uint64_t nb = 1ull << m->bits;
+    m->dir = malloc((nb + 1) * sizeof *m->dir);
+    m->seen = calloc(m->n / 8 + 1, 1);
+    if (m->dir == NULL || m->seen == NULL)
+        return cm_err(errptr, CM_ENOMEM, "out of memory for %" PRIu64 " keys of %s", m->n, ckpt);
+    for (uint64_t b = 0, i = 0; b <= nb; b++) {
+        while (i < m->n && (m->bits ? m->e[i].key >> (64 - m->bits) : 0) < b)
+            i++;
+        m->dir[b] = b == nb ? m->n : i;
+    }
+    return CM_OK;
+}
+
+/* The old keys the new checkpoint does not have, ascending, in place of m's entries. */
+static uint64_t *fp_map_unseen(fp_map *m, uint64_t *n)
+{
+    uint64_t *out = (uint64_t *)m->e, k = 0;
+    for (uint64_t i = 0; i < m->n; i++)
+        if (!(m->seen[i / 8] & (1u << (i % 8)))) out[k++] = m->e[i].key;
+    *n = k;
+    return out;
+}
+
+static int bundle_rows(const chunk *c, void *arg, char **errptr)
+{
+    return ember_serve_writer_table_rows(arg, c->keys, c->w, c->n, errptr);
+}
+
+/* One table into the bundle: every row, or (old) those new or changed since old's, and the
+ * keys old had that are gone. The stream's digest and rows are the checkpoint table's. */
+static int bundle_table(ember_serve_writer *w, const char *ckpt, const char *name,
+                        const char *old_ckpt, uint64_t *digest, uint64_t *old_digest,
+                        uint64_t *exported, uint64_t *deleted, char **errptr)
+{
+    fp_map m = {0};
+    stream s = {.ckpt = ckpt, .name = name};
+    uint64_t n = 0, n_del = 0, *del = NULL;
+    int rc = CM_OK;
+    if (old_ckpt) {
+        /* Two passes over the new table: the changed rows counted (and old's keys seen
+         * marked), then written; the bundle's file is sized by the count. */
+        rc = fp_map_load(old_ckpt, name, &m, old_digest, errptr);
+        s.old = &m;
+        s.mark = true;
+        if (rc == CM_OK) rc = stream_table(&s, errptr);
+        n = s.changed;
+        s.mark = false;
+    } else {
+        rc = ps_checkpoint_table_rows(ckpt, name, &n, errptr);
+    }
+    emb_table_config cfg;
+    if (rc == CM_OK) rc = ps_checkpoint_table_config(ckpt, name, &cfg, errptr);
+    if (rc == CM_OK) rc = ember_serve_writer_table_begin(w, name, cfg.dim, n, errptr);
+    s.fn = bundle_rows;
+    s.arg = w;
+    if (rc == CM_OK) rc = stream_table(&s, errptr);
+    if (rc == CM_OK && (old_ckpt ? s.changed : s.rows) != n)
+        rc = cm_err(errptr, CM_ECORRUPT, "%s: table %s changed while it was exported", ckpt, name);
+    if (rc == CM_OK && old_ckpt) del = fp_map_unseen(&m, &n_del);
+    if (rc == CM_OK) rc = ember_serve_writer_table_end(w, del, n_del, errptr);
+    uint64_t key;
+    if (rc != CM_OK && ember_serve_writer_table_dup(w, &key)) rc = dup_err(ckpt, name, key, errptr);
+    *digest = table_digest(&s);
+    *exported = n;
+    *deleted = n_del;
+    fp_map_free(&m);
     return rc;
 }
 
-/* safetensors: u64 header length, JSON header, then the tensors' bytes. */
-static int write_safetensors(const char *out, const char *model, char (*names)[PS_NAME_MAX],
-                             const rows *tabs, uint32_t n_tabs, const float *tower, uint64_t n_tower,
-                             uint64_t step, char **errptr)
+static int write_afile(const chunk *c, void *arg, char **errptr)
 {
+    return cm_afile_write(arg, c->keys, c->n * sizeof *c->keys, errptr);
+}
+
+static int write_afile_w(const chunk *c, void *arg, char **errptr)
+{
+    return cm_afile_write(arg, c->w, c->n * c->dim * sizeof *c->w, errptr);
+}
+
+/* safetensors: u64 header length, JSON header, then the tensors' bytes. The header gives every
+ * table's rows before any data, from the manifests; each table is then streamed twice (its
+ * keys, then its weights: two tensors), the rows checked to come in one order both times. */
+static int write_safetensors(const char *out, const char *model, const char *ckpt,
+                             char (*names)[PS_NAME_MAX], uint32_t n_tabs, const float *tower,
+                             uint64_t n_tower, uint64_t step, uint64_t *total, char **errptr)
+{
+    uint64_t rows[PS_MAX_TABLES];
+    uint32_t dims[PS_MAX_TABLES];
+    int rc = CM_OK;
+    for (uint32_t i = 0; rc == CM_OK && i < n_tabs; i++) {
+        emb_table_config cfg;
+        rc = ps_checkpoint_table_config(ckpt, names[i], &cfg, errptr);
+        dims[i] = cfg.dim;
+        if (rc == CM_OK) rc = ps_checkpoint_table_rows(ckpt, names[i], &rows[i], errptr);
+    }
+    if (rc != CM_OK) return rc;
     char *hdr = NULL;
     size_t len = 0;
     FILE *h = open_memstream(&hdr, &len);
@@ -182,18 +400,18 @@ static int write_safetensors(const char *out, const char *model, char (*names)[P
     uint64_t off = 0;
     fputc('{', h);
     for (uint32_t i = 0; i < n_tabs; i++) {
-        uint64_t kb = tabs[i].n * 8, wb = tabs[i].n * tabs[i].dim * 4;
+        uint64_t kb = rows[i] * 8, wb = rows[i] * dims[i] * 4;
         fputc('"', h);
         cm_json_escape(h, names[i]);
         fprintf(h,
                 ".keys\":{\"dtype\":\"U64\",\"shape\":[%" PRIu64 "],\"data_offsets\":[%" PRIu64
                 ",%" PRIu64 "]},\"",
-                tabs[i].n, off, off + kb);
+                rows[i], off, off + kb);
         cm_json_escape(h, names[i]);
         fprintf(h,
                 ".weights\":{\"dtype\":\"F32\",\"shape\":[%" PRIu64
                 ",%u],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]},",
-                tabs[i].n, tabs[i].dim, off + kb, off + kb + wb);
+                rows[i], dims[i], off + kb, off + kb + wb);
         off += kb + wb;
     }
     fprintf(h,
@@ -212,12 +430,25 @@ static int write_safetensors(const char *out, const char *model, char (*names)[P
     }
     cm_afile f;
     uint64_t hl = len;
-    int rc = cm_afile_open(&f, out, errptr);
+    rc = cm_afile_open(&f, out, errptr);
     if (rc == CM_OK) rc = cm_afile_write(&f, &hl, 8, errptr);
     if (rc == CM_OK) rc = cm_afile_write(&f, hdr, len, errptr);
     for (uint32_t i = 0; rc == CM_OK && i < n_tabs; i++) {
-        rc = cm_afile_write(&f, tabs[i].keys, tabs[i].n * 8, errptr);
-        if (rc == CM_OK) rc = cm_afile_write(&f, tabs[i].w, tabs[i].n * tabs[i].dim * 4, errptr);
+        key_check kc = {.fd = -1};
+        stream s = {.ckpt = ckpt, .name = names[i], .check = &kc, .fn = write_afile, .arg = &f};
+        rc = key_check_open(&kc, out, rows[i], errptr);
+        if (rc == CM_OK) rc = stream_table(&s, errptr);
+        key_check_close(&kc);
+        const uint64_t order = s.order;
+        s.check = NULL;
+        s.fn = write_afile_w;
+        if (rc == CM_OK && s.rows == rows[i]) rc = stream_table(&s, errptr);
+        if (rc == CM_OK && (s.rows != rows[i] || s.order != order))
+            rc = cm_err(errptr, CM_ECORRUPT,
+                        "%s: table %s changed while it was exported (%" PRIu64
+                        " rows, the manifests say %" PRIu64 ")",
+                        ckpt, names[i], s.rows, rows[i]);
+        *total += s.rows;
     }
     if (rc == CM_OK) rc = cm_afile_write(&f, tower, n_tower * 4, errptr);
     if (rc == CM_OK) rc = cm_afile_commit(&f, errptr);
@@ -226,13 +457,29 @@ static int write_safetensors(const char *out, const char *model, char (*names)[P
     return rc;
 }
 
+typedef struct rdb_sink {
+    emb_store *st;
+    uint8_t *buf; /* a chunk's records */
+} rdb_sink;
+
+static int rdb_put(const chunk *c, void *arg, char **errptr)
+{
+    rdb_sink *k = arg;
+    const size_t rec = 8 + 4 * (size_t)c->dim;
+    for (size_t j = 0; j < c->n; j++) {
+        memcpy(k->buf + j * rec, &c->keys[j], 8);
+        memcpy(k->buf + j * rec + 8, c->w + j * c->dim, rec - 8);
+    }
+    return emb_store_put(k->st, k->buf, c->n, errptr);
+}
+
 /* RocksDB: out/<table>/ maps the key (8 bytes big-endian) to a record {key, dim fp32};
  * out/model.txt and out/tower.f32 beside them. Built in a folder beside out and swapped in
  * whole (cm_dir_swap), as a bundle is: a failed export leaves out as it was, and a table of an
  * earlier export into out does not stay beside this one's. */
-static int write_rocksdb(const char *out, const char *model, char (*names)[PS_NAME_MAX],
-                         const rows *tabs, uint32_t n_tabs, const float *tower, uint64_t n_tower,
-                         char **errptr)
+static int write_rocksdb(const char *out, const char *model, const char *ckpt,
+                         char (*names)[PS_NAME_MAX], uint32_t n_tabs, const float *tower,
+                         uint64_t n_tower, uint64_t *total, char **errptr)
 {
     char dir[4200], tmp[4200], path[8400];
     /* The folder beside out, not in it ("rdb/" + ".tmp-<pid>" cannot be swapped with rdb). */
@@ -244,22 +491,24 @@ static int write_rocksdb(const char *out, const char *model, char (*names)[PS_NA
     int rc = cm_rmtree(tmp, errptr);
     if (rc == CM_OK) rc = cm_mkdirs(tmp, errptr);
     for (uint32_t i = 0; rc == CM_OK && i < n_tabs; i++) {
-        size_t rec = 8 + 4 * (size_t)tabs[i].dim;
+        emb_table_config cfg;
+        uint64_t n = 0;
+        key_check kc = {.fd = -1};
+        rdb_sink k = {0};
+        stream s = {.ckpt = ckpt, .name = names[i], .check = &kc, .fn = rdb_put, .arg = &k};
+        rc = ps_checkpoint_table_config(ckpt, names[i], &cfg, errptr);
+        if (rc == CM_OK) rc = ps_checkpoint_table_rows(ckpt, names[i], &n, errptr);
+        if (rc == CM_OK) rc = key_check_open(&kc, dir, n, errptr);
+        const size_t rec = 8 + 4 * (size_t)cfg.dim;
         snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
-        emb_store *st = NULL;
-        rc = emb_store_create("rocksdb", path, rec, &st, errptr);
-        uint8_t *buf = rc == CM_OK ? malloc(4096 * rec) : NULL;
-        if (rc == CM_OK && buf == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-        for (uint64_t r = 0; rc == CM_OK && r < tabs[i].n; r += 4096) {
-            uint64_t k = tabs[i].n - r < 4096 ? tabs[i].n - r : 4096;
-            for (uint64_t j = 0; j < k; j++) {
-                memcpy(buf + j * rec, &tabs[i].keys[r + j], 8);
-                memcpy(buf + j * rec + 8, tabs[i].w + (r + j) * tabs[i].dim, rec - 8);
-            }
-            rc = emb_store_put(st, buf, k, errptr);
-        }
-        free(buf);
-        emb_store_destroy(st);
+        if (rc == CM_OK) rc = emb_store_create("rocksdb", path, rec, &k.st, errptr);
+        if (rc == CM_OK && (k.buf = malloc((CHUNK_BYTES / rec + 1) * rec)) == NULL)
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        if (rc == CM_OK) rc = stream_table(&s, errptr);
+        *total += s.rows;
+        free(k.buf);
+        emb_store_destroy(k.st);
+        key_check_close(&kc);
     }
     snprintf(path, sizeof path, "%s/model.txt", tmp);
     if (rc == CM_OK) rc = cm_write_file_atomic(path, model, strlen(model), errptr);
@@ -334,8 +583,6 @@ int cmd_export(int argc, char **argv)
     char *err = NULL, *model = NULL;
     size_t mlen;
     float *tower = NULL;
-    rows tabs[PS_MAX_TABLES];
-    memset(tabs, 0, sizeof tabs);
     ember_serve_writer *w = NULL;
     /* --out is checked before the checkpoint is read: a RocksDB export is swapped in as a
      * whole folder (the bundle writer, created here, checks its own), safetensors is one file
@@ -355,28 +602,15 @@ int cmd_export(int argc, char **argv)
     if (rc == CM_OK) rc = cm_read_sealed(path, &model, &mlen, &err);
     if (rc == CM_OK) rc = ps_checkpoint_dense(ckpt, "tower", &tower, &n_tower, &err);
     uint64_t dig[PS_MAX_TABLES], old_dig[PS_MAX_TABLES];
-    for (uint32_t i = 0; rc == CM_OK && i < n_t; i++) {
-        rc = load_table(ckpt, tnames[i], &tabs[i], &err);
-        dig[i] = rc == CM_OK ? table_digest(tnames[i], &tabs[i]) : 0;
-    }
     if (rc == CM_OK && bundle) rc = ember_serve_writer_model(w, model, &err);
     if (rc == CM_OK && bundle) rc = ember_serve_writer_dense(w, tower, n_tower, &err);
     uint64_t total = 0, total_deleted = 0;
     for (uint32_t i = 0; rc == CM_OK && bundle && i < n_t; i++) {
-        uint64_t *deleted = NULL, n_deleted = 0;
-        if (since) {
-            rows old = {0};
-            rc = load_table(old_ckpt, tnames[i], &old, &err);
-            old_dig[i] = rc == CM_OK ? table_digest(tnames[i], &old) : 0;
-            if (rc == CM_OK) rc = delta_rows(&tabs[i], &old, &deleted, &n_deleted, &err);
-            rows_free(&old);
-        }
-        if (rc == CM_OK)
-            rc = ember_serve_writer_table(w, tnames[i], tabs[i].dim, tabs[i].keys, tabs[i].w, tabs[i].n,
-                                          deleted, n_deleted, &err);
-        total += tabs[i].n;
+        uint64_t n = 0, n_deleted = 0;
+        rc = bundle_table(w, ckpt, tnames[i], since ? old_ckpt : NULL, &dig[i], &old_dig[i], &n,
+                          &n_deleted, &err);
+        total += n;
         total_deleted += n_deleted;
-        free(deleted);
     }
     if (rc == CM_OK && bundle) {
         /* The base's tower too: the delta's base is the whole checkpoint it was taken against. */
@@ -393,11 +627,11 @@ int cmd_export(int argc, char **argv)
         rc = ember_serve_writer_commit(w, &err);
         w = NULL;
     }
-    if (rc == CM_OK && st) rc = write_safetensors(out, model, tnames, tabs, n_t, tower, n_tower, step, &err);
-    if (rc == CM_OK && rdb) rc = write_rocksdb(out, model, tnames, tabs, n_t, tower, n_tower, &err);
-    for (uint32_t i = 0; !bundle && i < n_t; i++) total += tabs[i].n;
+    if (rc == CM_OK && st)
+        rc = write_safetensors(out, model, ckpt, tnames, n_t, tower, n_tower, step, &total, &err);
+    if (rc == CM_OK && rdb)
+        rc = write_rocksdb(out, model, ckpt, tnames, n_t, tower, n_tower, &total, &err);
     ember_serve_writer_abort(w);
-    for (uint32_t i = 0; i < PS_MAX_TABLES; i++) rows_free(&tabs[i]);
     free(tower);
     free(model);
     if (rc != CM_OK) {

@@ -10,7 +10,7 @@
  *   - a checkpoint copied under another name exports at worker 0's step, not 0; a staging
  *     folder (step-N.tmp, an interrupted save's) is refused by export and reshard;
  *   - a key twice in one shard's snapshot (every checksum made to match) is refused by export
- *     in each format, naming the snapshot and the key, and nothing is written;
+ *     in each format and as a delta, naming the snapshot and the key, and nothing is written;
  *   - export, reshard and predict name paths holding a quote and a backslash as JSON strings;
  *   - predict on shards of another schema than the bundle's model names both.
  */
@@ -144,12 +144,15 @@ int main(void)
     CHECK(rc == 0 && key_twice("twice/shard-0/table-lin", &key) == 0);
     char keyname[64];
     snprintf(keyname, sizeof keyname, "key %" PRIu64 " ", key);
-    static const char *const fmts[] = {"bundle", "safetensors", "rocksdb"};
-    for (int i = 0; i < 3; i++) {
-        rc = su_ember("export --checkpoint twice --out twice-%s --format %s", fmts[i], fmts[i]);
+    /* The delta too: a key of the old checkpoint twice in the new is caught by the comparison
+     * (an unchanged row never reaches the bundle's writer). */
+    static const char *const fmts[] = {"bundle", "safetensors", "rocksdb",
+                                       "bundle --since run/ckpt/step-20"};
+    for (int i = 0; i < 4; i++) {
+        rc = su_ember("export --checkpoint twice --out twice-%d --format %s", i, fmts[i]);
         CHECK_MSG(rc == 1 && err_names("twice/shard-0/table-lin") && err_names(keyname),
                   "export --format %s of a key twice: exit %d", fmts[i], rc);
-        snprintf(v0, sizeof v0, "twice-%s", fmts[i]);
+        snprintf(v0, sizeof v0, "twice-%d", i);
         CHECK_MSG(access(su_path(v0), F_OK) != 0, "%s written", v0);
     }
 
