@@ -218,6 +218,8 @@ int cm_dir_other_entry(const char *dir, const char *const *names, char **other, 
 
 /* Writes all n bytes to fd, retrying on EINTR and short writes. 0 or CM_EIO (errno set). */
 int cm_write_full(int fd, const void *buf, size_t n);
+/* pwrite of all n bytes at off, retrying on EINTR and short writes; 0 or an errno value. */
+int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off);
 
 /* The running program's own binary (readlink of /proc/self/exe) into buf, NUL-terminated. */
 int cm_self_exe(char *buf, size_t n, char **errptr);
