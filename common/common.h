@@ -218,7 +218,7 @@ int cm_dir_other_entry(const char *dir, const char *const *names, char **other, 
 
 /* Writes all n bytes to fd, retrying on EINTR and short writes. 0 or CM_EIO (errno set). */
 int cm_write_full(int fd, const void *buf, size_t n);
-/* cm_write_full at file offset off (pwrite). */
+/* pwrite of all n bytes at off, retrying on EINTR and short writes; 0 or an errno value. */
 int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off);
 
 /*

@@ -176,22 +176,6 @@ int cm_write_full(int fd, const void *buf, size_t n)
     return CM_OK;
 }
 
-int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off)
-{
-    const char *p = buf;
-    while (n > 0) {
-        ssize_t w = pwrite(fd, p, n, (off_t)off);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return CM_EIO;
-        }
-        p += w;
-        n -= (size_t)w;
-        off += (uint64_t)w;
-    }
-    return CM_OK;
-}
-
 int cm_self_exe(char *buf, size_t n, char **errptr)
 {
     ssize_t got = n > 1 ? readlink("/proc/self/exe", buf, n - 1) : -1;
@@ -289,9 +273,9 @@ int cm_afile_open(cm_afile *f, const char *path, char **errptr)
  * outruns it. Every stage write names its file offset, so the file position is set only when
  * direct I/O is left (the file system refused it) and buffered writes continue. */
 
-/* pwrite of all n bytes at off; 0 or an errno value. */
-static int pwrite_all(int fd, const uint8_t *p, size_t n, uint64_t off)
+int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off)
 {
+    const uint8_t *p = buf;
     while (n > 0) {
         ssize_t k = pwrite(fd, p, n, (off_t)off);
         if (k < 0 && errno == EINTR) continue;
@@ -316,8 +300,8 @@ static int aio_finish(cm_afile *f)
     ssize_t k = aio_return(cb);
     if (e != 0) return e;
     size_t n = cb->aio_nbytes;
-    return (size_t)k < n ? pwrite_all(f->fd, (const uint8_t *)cb->aio_buf + k, n - (size_t)k,
-                                      (uint64_t)cb->aio_offset + (uint64_t)k)
+    return (size_t)k < n ? cm_pwrite_full(f->fd, (const uint8_t *)cb->aio_buf + k, n - (size_t)k,
+                                          (uint64_t)cb->aio_offset + (uint64_t)k)
                          : 0;
 }
 
@@ -330,9 +314,9 @@ static int direct_leave(cm_afile *f, int failed)
     if (fl < 0 || fcntl(f->fd, F_SETFL, fl & ~O_DIRECT) != 0) e = errno;
     struct aiocb *cb = f->aio;
     if (e == 0 && failed)
-        e = pwrite_all(f->fd, (const uint8_t *)cb->aio_buf, cb->aio_nbytes,
-                       (uint64_t)cb->aio_offset);
-    if (e == 0) e = pwrite_all(f->fd, f->stage, f->staged, f->off);
+        e = cm_pwrite_full(f->fd, (const uint8_t *)cb->aio_buf, cb->aio_nbytes,
+                           (uint64_t)cb->aio_offset);
+    if (e == 0) e = cm_pwrite_full(f->fd, f->stage, f->staged, f->off);
     if (e == 0 && lseek(f->fd, (off_t)(f->off + f->staged), SEEK_SET) < 0) e = errno;
     free(f->stage);
     free(f->spare);
@@ -351,7 +335,7 @@ static int stage_flush(cm_afile *f, int final, char **errptr)
         e = direct_leave(f, 1);
     } else if (e == 0 && final) {
         size_t whole = f->staged & ~(size_t)(CM_DIRECT_ALIGN - 1);
-        e = pwrite_all(f->fd, f->stage, whole, f->off);
+        e = cm_pwrite_full(f->fd, f->stage, whole, f->off);
         if (e == 0) {
             f->off += whole;
             f->staged -= whole;
@@ -366,7 +350,7 @@ static int stage_flush(cm_afile *f, int final, char **errptr)
         cb->aio_nbytes = f->staged;
         cb->aio_offset = (off_t)f->off;
         if (aio_write(cb) != 0) { /* no background write to be had (EAGAIN): write it now */
-            e = pwrite_all(f->fd, f->stage, f->staged, f->off);
+            e = cm_pwrite_full(f->fd, f->stage, f->staged, f->off);
             if (e == EINVAL) e = direct_leave(f, 0);
         } else {
             f->in_flight = 1;

@@ -316,13 +316,41 @@ int emb_snapshot_read_config(const char *dir, emb_table_config *cfg, char **errp
 
 /* The table step a snapshot was taken at (manifest verified). */
 int emb_snapshot_step(const char *dir, uint64_t *step, char **errptr);
-/* The rows a snapshot holds, as its manifest says (verified; its rows.bin is not read: a
- * reader of the rows checks that they are that many). */
-int emb_snapshot_rows(const char *dir, uint64_t *rows, char **errptr);
+
+/* Snapshot files are read (and a snapshot writer's rows hashed) in chunks of this many bytes:
+ * what emb_snapshot_foreach holds, one row more, however large the snapshot. */
+#define EMB_SNAPSHOT_CHUNK (1u << 20)
 
 /* Calls cb once per row of a snapshot without building a table (export). The manifest and
- * the rows file are verified in full before the first call. */
+ * the rows file are verified in full before the first call. Memory: one chunk
+ * (EMB_SNAPSHOT_CHUNK and a row), read twice (a verifying pass, then the calls). */
 int emb_snapshot_foreach(const char *dir, emb_row_cb cb, void *arg, char **errptr);
+
+/* The number of rows a snapshot holds (manifest verified, and rows.bin's size against it). */
+int emb_snapshot_rows(const char *dir, uint64_t *rows, char **errptr);
+
+/* Writing a snapshot row by row, with no table behind it (resharding: a table whose rows come
+ * from other snapshots, and which built in memory would need their memory, or their spill's).
+ * What it writes is what emb_table_snapshot writes for a table of cfg's model at `step`
+ * holding exactly the rows added, in the order added, with admission sketch `sketch` (n
+ * counters, borrowed until the commit; NULL for none, else a table's size: CM_EINVAL
+ * otherwise). Rows are staged in a buffer of buf_bytes (at least one row is taken), appended to
+ * a temporary directory beside dir whenever it fills, and hashed by reading them back at the
+ * commit, which swaps the snapshot into dir as emb_table_snapshot does (dir: as there). The
+ * writer keeps no file open between calls, so any number may be open at once. Memory: the
+ * buffer and a few hundred bytes, and during the commit one chunk (EMB_SNAPSHOT_CHUNK) more to
+ * hash the rows with. A row emb_table_snapshot would refuse (a weight not finite,
+ * NaN state) is refused (CM_EINVAL naming the key). */
+typedef struct emb_snapshot_writer emb_snapshot_writer;
+int emb_snapshot_writer_open(const char *dir, const emb_table_config *cfg, uint64_t step,
+                             const uint16_t *sketch, size_t n, size_t buf_bytes,
+                             emb_snapshot_writer **out, char **errptr);
+int emb_snapshot_writer_add(emb_snapshot_writer *w, const emb_row *row, char **errptr);
+/* Writes the snapshot into dir and frees w, whether or not it succeeds (on failure dir is as
+ * it was and the temporary directory is gone). */
+int emb_snapshot_writer_commit(emb_snapshot_writer *w, char **errptr);
+/* Removes what w wrote and frees it. NULL is fine. */
+void emb_snapshot_writer_abort(emb_snapshot_writer *w);
 
 /* Admission sketches across snapshots (resharding: one table's rows from several shards).
  * Count-min sketches of one width, depth and hashing are additive: the sum of the shards'

@@ -267,6 +267,8 @@ int emb_table_load_records(emb_table *t, const uint8_t *recs, size_t n, char **e
 const uint16_t *emb_table_sketch(const emb_table *t, size_t *n);
 /* acc[i] += c[i] for n counters, saturating at UINT16_MAX (summing shards' sketches). */
 void emb_sketch_add(uint16_t *acc, const uint16_t *c, size_t n);
+/* CM_OK when n counters are a table's admission sketch (its size), else CM_EINVAL saying so. */
+int emb_sketch_fits(size_t n, char **errptr);
 
 /* ---- snapshot files (snapshot.c) ---- */
 #define EMB_SNAP_ROWS "rows.bin"

@@ -11,6 +11,9 @@
  * is one, and last "checksum XXH3" over every byte before that line. Both are built in
  * "<dir>.tmp.<pid>.<n>" and swapped into place with one rename (RENAME_EXCHANGE when dir already
  * exists), so a crash leaves the old snapshot or the new one, never a mixture.
+ * A snapshot writer (emb_snapshot_writer_*: no table behind it) builds the same files from rows
+ * handed to it one at a time: rows.bin gets its header, whose row count is known only at the
+ * end, last, and is then read back once to be hashed (xxh3 is over the header first).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -27,7 +30,6 @@
 #define ROWS_VERSION 1u
 #define ROWS_HDR 32u
 #define MANIFEST_TAG "ember-embedding-snapshot 1"
-#define IO_CHUNK (1u << 20)
 
 typedef struct rows_hdr {
     char magic[8];
@@ -74,18 +76,23 @@ static int writer_flush(struct writer *w)
     return rc;
 }
 
+/* CM_EINVAL naming the key when a record to be written is one no restore takes (rec_unstorable):
+ * refused now, it never becomes part of a checkpoint. */
+static int rec_refuse(const uint8_t *rec, size_t dim, size_t slots, char **errptr)
+{
+    const char *bad = rec_unstorable(rec, dim, slots);
+    if (bad == NULL) return CM_OK;
+    return cm_err(errptr, CM_EINVAL,
+                  "key %" PRIu64 " holds %s (the training diverged): not snapshotted",
+                  emb_rec_key(rec), bad);
+}
+
 static int write_rec(const void *rec, void *arg)
 {
     struct writer *w = arg;
-    const char *bad = rec_unstorable(rec, w->dim, w->slots);
-    if (bad != NULL) {
-        /* Refused now, naming the key: written, it would be a checkpoint no restore takes. */
-        w->rc = cm_err(w->errptr, CM_EINVAL,
-                       "key %" PRIu64 " holds %s (the training diverged): not snapshotted",
-                       emb_rec_key(rec), bad);
-        return w->rc;
-    }
-    if (w->len + w->rec > IO_CHUNK) {
+    w->rc = rec_refuse(rec, w->dim, w->slots, w->errptr);
+    if (w->rc != CM_OK) return w->rc;
+    if (w->len + w->rec > EMB_SNAPSHOT_CHUNK) {
         w->rc = writer_flush(w);
         if (w->rc != CM_OK) return w->rc;
     }
@@ -93,6 +100,16 @@ static int write_rec(const void *rec, void *arg)
     w->len += w->rec;
     w->rows++;
     return 0;
+}
+
+static void hdr_fill(rows_hdr *hdr, const emb_table_config *cfg, uint64_t rows)
+{
+    *hdr = (rows_hdr){.version = ROWS_VERSION,
+                      .dim = cfg->dim,
+                      .slots = emb_row_slots(cfg),
+                      .row_bytes = (uint32_t)emb_row_bytes(cfg),
+                      .rows = rows};
+    memcpy(hdr->magic, ROWS_MAGIC, 8);
 }
 
 /* dir/name into out; a path too long for out is an error the caller reports. */
@@ -111,16 +128,15 @@ static int write_rows(emb_table *t, const char *tmpdir, uint64_t rows, uint64_t 
     if (path_join(path, sizeof path, tmpdir, EMB_SNAP_ROWS, errptr) != CM_OK) return CM_EINVAL;
     struct writer w = {
         .rec = emb_row_bytes(cfg), .dim = cfg->dim, .slots = emb_row_slots(cfg), .errptr = errptr};
-    w.buf = malloc(IO_CHUNK);
+    w.buf = malloc(EMB_SNAPSHOT_CHUNK);
     if (w.buf == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     int rc = cm_afile_open(&w.f, path, errptr);
     if (rc != CM_OK) {
         free(w.buf);
         return rc;
     }
-    rows_hdr hdr = {.version = ROWS_VERSION, .dim = cfg->dim, .slots = emb_row_slots(cfg),
-                    .row_bytes = (uint32_t)w.rec, .rows = rows};
-    memcpy(hdr.magic, ROWS_MAGIC, 8);
+    rows_hdr hdr;
+    hdr_fill(&hdr, cfg, rows);
     memcpy(w.buf, &hdr, sizeof hdr);
     w.len = sizeof hdr;
     rc = emb_table_foreach_record_locked(t, write_rec, &w, errptr);
@@ -186,13 +202,15 @@ static int check_replaceable(const char *dir, char **errptr)
     return rc;
 }
 
-int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
+/* The start of every snapshot write: dir (trailing slashes trimmed, a symbolic link followed)
+ * into dcopy, checked replaceable, and an empty temporary directory beside it into tmpdir. */
+static int snap_begin(const char *dir, char *dcopy, size_t dn, char *tmpdir, size_t tn,
+                      char **errptr)
 {
-    char tmpdir[4096], mpath[4096], manifest[2048], dcopy[4096];
     size_t dlen = strlen(dir);
     while (dlen > 1 && dir[dlen - 1] == '/') dlen--;
-    if (dlen >= sizeof dcopy) return cm_err(errptr, CM_EINVAL, "snapshot path too long: %s", dir);
-    snprintf(dcopy, sizeof dcopy, "%.*s", (int)dlen, dir);
+    if (dlen >= dn) return cm_err(errptr, CM_EINVAL, "snapshot path too long: %s", dir);
+    snprintf(dcopy, dn, "%.*s", (int)dlen, dir);
     /* A symbolic link to a directory (a snapshot area on another disk) is followed, as
      * cm_afile_open follows one to a file: swapped in at the link's own path, the snapshot
      * replaced the link with a directory on the link's disk and left the target stale. */
@@ -201,21 +219,59 @@ int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
         char *real = realpath(dcopy, NULL);
         if (real == NULL)
             return cm_err_errno(errptr, CM_EIO, "cannot follow the symbolic link %s", dcopy);
-        int n = snprintf(dcopy, sizeof dcopy, "%s", real);
+        int n = snprintf(dcopy, dn, "%s", real);
         free(real);
-        if (n < 0 || (size_t)n >= sizeof dcopy)
+        if (n < 0 || (size_t)n >= dn)
             return cm_err(errptr, CM_EINVAL, "snapshot path too long: %s", dir);
     }
     /* The temporary directory is this call's own: two threads snapshotting into one dir at
      * once would otherwise remove and fill each other's files (the pid alone is shared). */
     static unsigned snap_seq; /* atomic */
     unsigned seq = __atomic_fetch_add(&snap_seq, 1, __ATOMIC_RELAXED);
-    int tlen = snprintf(tmpdir, sizeof tmpdir, "%s.tmp.%ld.%u", dcopy, (long)getpid(), seq);
-    if (tlen < 0 || (size_t)tlen >= sizeof tmpdir)
+    int tlen = snprintf(tmpdir, tn, "%s.tmp.%ld.%u", dcopy, (long)getpid(), seq);
+    if (tlen < 0 || (size_t)tlen >= tn)
         return cm_err(errptr, CM_EINVAL, "snapshot path too long: %s", dir);
     int rc = check_replaceable(dcopy, errptr);
     if (rc == CM_OK) rc = cm_rmtree(tmpdir, errptr);
     if (rc == CM_OK) rc = cm_mkdirs(tmpdir, errptr);
+    return rc;
+}
+
+/* Writes the n counters of an admission sketch to tmpdir's sketch.bin; its size and xxh3 go
+ * into the manifest. */
+static int sketch_write(const char *tmpdir, const uint16_t *sk, size_t n, uint64_t *size,
+                        uint64_t *hash, char **errptr)
+{
+    char path[4096];
+    *size = n * sizeof *sk;
+    *hash = cm_xxh3(sk, *size);
+    int rc = path_join(path, sizeof path, tmpdir, EMB_SNAP_SKETCH, errptr);
+    if (rc == CM_OK) rc = cm_write_file_atomic(path, sk, *size, errptr);
+    return rc;
+}
+
+/* The end of every snapshot write, once tmpdir holds the rows (and sketch): the MANIFEST, then
+ * tmpdir swapped into dcopy. The caller removes tmpdir when this fails. */
+static int snap_finish(const char *tmpdir, const char *dcopy, const emb_table_config *cfg,
+                       uint64_t step, uint64_t rows, uint64_t size, uint64_t hash, uint64_t sk_size,
+                       uint64_t sk_hash, char **errptr)
+{
+    char mpath[4096], manifest[2048];
+    int len =
+        manifest_format(cfg, step, rows, size, hash, sk_size, sk_hash, manifest, sizeof manifest);
+    int rc = path_join(mpath, sizeof mpath, tmpdir, EMB_SNAP_MANIFEST, errptr);
+    if (rc == CM_OK)
+        rc = len < 0 ? cm_err(errptr, CM_ERR, "manifest too long")
+                     : cm_write_file_atomic(mpath, manifest, (size_t)len, errptr);
+    if (rc == CM_OK) rc = cm_fsync_dir(tmpdir, errptr);
+    if (rc == CM_OK) rc = cm_dir_swap(tmpdir, dcopy, errptr);
+    return rc;
+}
+
+int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
+{
+    char tmpdir[4096], dcopy[4096];
+    int rc = snap_begin(dir, dcopy, sizeof dcopy, tmpdir, sizeof tmpdir, errptr);
     if (rc != CM_OK) return rc;
     uint64_t size = 0, hash = 0, sk_size = 0, sk_hash = 0, rows, step;
     emb_table_pause(t);
@@ -224,25 +280,180 @@ int emb_table_snapshot(emb_table *t, const char *dir, char **errptr)
     rc = write_rows(t, tmpdir, rows, &size, &hash, errptr);
     size_t nc = 0;
     const uint16_t *sk = emb_table_sketch(t, &nc);
-    if (rc == CM_OK && sk != NULL) {
-        sk_size = nc * sizeof *sk;
-        sk_hash = cm_xxh3(sk, sk_size);
-        rc = path_join(mpath, sizeof mpath, tmpdir, EMB_SNAP_SKETCH, errptr);
-        if (rc == CM_OK) rc = cm_write_file_atomic(mpath, sk, sk_size, errptr);
-    }
+    if (rc == CM_OK && sk != NULL) rc = sketch_write(tmpdir, sk, nc, &sk_size, &sk_hash, errptr);
     emb_table_resume(t);
-    if (rc == CM_OK) {
-        int len = manifest_format(emb_table_get_config(t), step, rows, size, hash, sk_size, sk_hash,
-                                  manifest, sizeof manifest);
-        rc = path_join(mpath, sizeof mpath, tmpdir, EMB_SNAP_MANIFEST, errptr);
-        if (rc == CM_OK)
-            rc = len < 0 ? cm_err(errptr, CM_ERR, "manifest too long")
-                     : cm_write_file_atomic(mpath, manifest, (size_t)len, errptr);
-    }
-    if (rc == CM_OK) rc = cm_fsync_dir(tmpdir, errptr);
-    if (rc == CM_OK) rc = cm_dir_swap(tmpdir, dcopy, errptr);
+    if (rc == CM_OK)
+        rc = snap_finish(tmpdir, dcopy, emb_table_get_config(t), step, rows, size, hash, sk_size,
+                         sk_hash, errptr);
     if (rc != CM_OK) cm_rmtree(tmpdir, NULL);
     return rc;
+}
+
+/* ---- writing without a table ---- */
+
+struct emb_snapshot_writer {
+    emb_table_config cfg; /* the model; storage fields unused */
+    const uint16_t *sketch;
+    size_t sketch_n;
+    uint64_t step, rows;
+    uint64_t size; /* bytes of rows.bin so far, the header's 32 (written at the commit) included */
+    char *dir, *tmpdir, *path; /* dir as snap_begin resolved it; path: tmpdir's rows.bin */
+    uint8_t *buf;
+    size_t len, cap, rec, slots;
+};
+
+static void writer_free(emb_snapshot_writer *w)
+{
+    free(w->dir);
+    free(w->tmpdir);
+    free(w->path);
+    free(w->buf);
+    free(w);
+}
+
+int emb_snapshot_writer_open(const char *dir, const emb_table_config *cfg, uint64_t step,
+                             const uint16_t *sketch, size_t n, size_t buf_bytes,
+                             emb_snapshot_writer **out, char **errptr)
+{
+    char dcopy[4096], tmpdir[4096], path[4096];
+    *out = NULL;
+    int rc = emb_table_config_check(cfg, errptr);
+    if (rc == CM_OK && sketch != NULL) rc = emb_sketch_fits(n, errptr);
+    if (rc == CM_OK) rc = snap_begin(dir, dcopy, sizeof dcopy, tmpdir, sizeof tmpdir, errptr);
+    if (rc != CM_OK) return rc;
+    emb_snapshot_writer *w = calloc(1, sizeof *w);
+    rc = w ? path_join(path, sizeof path, tmpdir, EMB_SNAP_ROWS, errptr) : CM_ENOMEM;
+    if (w != NULL) {
+        w->cfg = *cfg;
+        w->cfg.spill_path = NULL;
+        w->sketch = sketch;
+        w->sketch_n = n;
+        w->step = step;
+        w->size = ROWS_HDR;
+        w->rec = emb_row_bytes(cfg);
+        w->slots = emb_row_slots(cfg);
+        w->cap = buf_bytes > w->rec ? buf_bytes / w->rec * w->rec : w->rec;
+        w->buf = malloc(w->cap);
+        w->dir = strdup(dcopy);
+        w->tmpdir = strdup(tmpdir);
+        w->path = rc == CM_OK ? strdup(path) : NULL;
+        if (rc == CM_OK && (!w->buf || !w->dir || !w->tmpdir || !w->path)) rc = CM_ENOMEM;
+    }
+    if (rc == CM_ENOMEM) cm_err(errptr, rc, "out of memory for a snapshot writer");
+    if (rc != CM_OK) {
+        if (w) writer_free(w);
+        cm_rmtree(tmpdir, NULL);
+        return rc;
+    }
+    *out = w;
+    return CM_OK;
+}
+
+/* Appends the buffered rows to rows.bin, opened for this write only. */
+static int writer_append(emb_snapshot_writer *w, char **errptr)
+{
+    if (w->len == 0) return CM_OK;
+    int fd = open(w->path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return cm_err_errno(errptr, CM_EIO, "cannot open %s", w->path);
+    int e = cm_pwrite_full(fd, w->buf, w->len, w->size);
+    if (close(fd) != 0 && e == 0) e = errno;
+    if (e != 0) {
+        errno = e;
+        return cm_err_errno(errptr, CM_EIO, "cannot write %s", w->path);
+    }
+    w->size += w->len;
+    w->len = 0;
+    return CM_OK;
+}
+
+int emb_snapshot_writer_add(emb_snapshot_writer *w, const emb_row *row, char **errptr)
+{
+    if (w->len + w->rec > w->cap) {
+        int rc = writer_append(w, errptr);
+        if (rc != CM_OK) return rc;
+    }
+    uint8_t *rec = w->buf + w->len;
+    emb_rec_hdr hdr = {row->key, row->updates, row->last_step};
+    size_t wb = w->cfg.dim * sizeof(float), sb = w->slots * sizeof(float);
+    memcpy(rec, &hdr, sizeof hdr);
+    memcpy(rec + EMB_REC_HDR, row->weights, wb);
+    memcpy(rec + EMB_REC_HDR + wb, row->state, sb);
+    memset(rec + EMB_REC_HDR + wb + sb, 0, w->rec - EMB_REC_HDR - wb - sb); /* padding */
+    int rc = rec_refuse(rec, w->cfg.dim, w->slots, errptr);
+    if (rc != CM_OK) return rc;
+    w->len += w->rec;
+    w->rows++;
+    return CM_OK;
+}
+
+/* Completes rows.bin: the header (the row count known at last), then the xxh3 of all of it,
+ * read back a chunk at a time, as its trailer; fsync'd. *hash gets the xxh3. */
+static int writer_seal(emb_snapshot_writer *w, uint64_t *hash, char **errptr)
+{
+    rows_hdr hdr;
+    hdr_fill(&hdr, &w->cfg, w->rows);
+    uint8_t *chunk = malloc(EMB_SNAPSHOT_CHUNK);
+    void *hs = XXH3_createState();
+    int fd = open(w->path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    int rc = CM_OK, e = 0;
+    if (chunk == NULL || hs == NULL) {
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+        goto out;
+    }
+    if (fd < 0 || (e = cm_pwrite_full(fd, &hdr, sizeof hdr, 0)) != 0) {
+        if (e) errno = e;
+        rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", w->path);
+        goto out;
+    }
+    XXH3_64bits_reset(hs);
+    for (uint64_t off = 0; off < w->size;) {
+        size_t n =
+            w->size - off < EMB_SNAPSHOT_CHUNK ? (size_t)(w->size - off) : EMB_SNAPSHOT_CHUNK;
+        ssize_t k = pread(fd, chunk, n, (off_t)off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            rc = cm_err_errno(errptr, CM_EIO, "cannot read back %s at offset %" PRIu64, w->path,
+                              off);
+            goto out;
+        }
+        XXH3_64bits_update(hs, chunk, (size_t)k);
+        off += (uint64_t)k;
+    }
+    *hash = XXH3_64bits_digest(hs);
+    if ((e = cm_pwrite_full(fd, hash, sizeof *hash, w->size)) != 0 || fsync(fd) != 0) {
+        if (e) errno = e;
+        rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", w->path);
+        goto out;
+    }
+    w->size += sizeof *hash;
+out:
+    if (fd >= 0 && close(fd) != 0 && rc == CM_OK)
+        rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", w->path);
+    if (hs) XXH3_freeState(hs);
+    free(chunk);
+    return rc;
+}
+
+int emb_snapshot_writer_commit(emb_snapshot_writer *w, char **errptr)
+{
+    uint64_t hash = 0, sk_size = 0, sk_hash = 0;
+    int rc = writer_append(w, errptr);
+    if (rc == CM_OK) rc = writer_seal(w, &hash, errptr);
+    if (rc == CM_OK && w->sketch != NULL)
+        rc = sketch_write(w->tmpdir, w->sketch, w->sketch_n, &sk_size, &sk_hash, errptr);
+    if (rc == CM_OK)
+        rc = snap_finish(w->tmpdir, w->dir, &w->cfg, w->step, w->rows, w->size, hash, sk_size,
+                         sk_hash, errptr);
+    if (rc != CM_OK) cm_rmtree(w->tmpdir, NULL);
+    writer_free(w);
+    return rc;
+}
+
+void emb_snapshot_writer_abort(emb_snapshot_writer *w)
+{
+    if (w == NULL) return;
+    cm_rmtree(w->tmpdir, NULL);
+    writer_free(w);
 }
 
 /* ---- reading ---- */
@@ -431,6 +642,23 @@ static int recs_check(const manifest *m, const char *path, const uint8_t *buf, s
     return CM_OK;
 }
 
+/* Whether rows.bin (fd, from rows_open) is as large as the manifest's row count says. */
+static int rows_size_check(int fd, const char *path, const manifest *m, char **errptr)
+{
+    /* A row count whose size wraps around 2^64 would match a small file, and the passes would
+     * then read on for rows that are not there. */
+    if (m->rows > (UINT64_MAX - ROWS_HDR - 8) / m->row_bytes)
+        return cm_err(errptr, CM_ECORRUPT,
+                      "%s: %" PRIu64 " rows of %" PRIu64 " bytes: more than a file can hold", path,
+                      m->rows, m->row_bytes);
+    uint64_t expect = ROWS_HDR + m->rows * m->row_bytes + 8;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != expect || m->size != expect)
+        return cm_err(errptr, CM_ECORRUPT, "%s: size %lld, expected %" PRIu64 " (truncated?)", path,
+                      (long long)st.st_size, expect);
+    return CM_OK;
+}
+
 /* Reads rows.bin (fd, from rows_open) in chunks; with sink NULL it only verifies size, header,
  * checksum and records (recs_check). */
 static int rows_pass(int fd, const char *path, const manifest *m, const rows_sink *sink,
@@ -439,22 +667,9 @@ static int rows_pass(int fd, const char *path, const manifest *m, const rows_sin
     int rc = CM_OK;
     uint8_t *buf = NULL;
     void *hs = NULL;
-    struct stat st;
-    /* A row count whose size wraps around 2^64 would match a small file, and the passes would
-     * then read on for rows that are not there. */
-    if (m->rows > (UINT64_MAX - ROWS_HDR - 8) / m->row_bytes) {
-        rc = cm_err(errptr, CM_ECORRUPT,
-                    "%s: %" PRIu64 " rows of %" PRIu64 " bytes: more than a file can hold", path,
-                    m->rows, m->row_bytes);
-        goto out;
-    }
-    uint64_t expect = ROWS_HDR + m->rows * m->row_bytes + 8;
-    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != expect || m->size != expect) {
-        rc = cm_err(errptr, CM_ECORRUPT, "%s: size %lld, expected %" PRIu64 " (truncated?)", path,
-                    (long long)st.st_size, expect);
-        goto out;
-    }
-    size_t chunk_rows = IO_CHUNK / m->row_bytes + 1;
+    rc = rows_size_check(fd, path, m, errptr);
+    if (rc != CM_OK) goto out;
+    size_t chunk_rows = EMB_SNAPSHOT_CHUNK / m->row_bytes + 1;
     buf = malloc(chunk_rows * m->row_bytes + ROWS_HDR);
     hs = XXH3_createState();
     if (buf == NULL || hs == NULL) {
@@ -601,7 +816,12 @@ int emb_snapshot_step(const char *dir, uint64_t *step, char **errptr)
 int emb_snapshot_rows(const char *dir, uint64_t *rows, char **errptr)
 {
     manifest m;
+    char path[4096];
+    int fd = -1;
     int rc = manifest_read(dir, &m, errptr);
+    if (rc == CM_OK) rc = rows_open(dir, path, sizeof path, &fd, errptr);
+    if (rc == CM_OK) rc = rows_size_check(fd, path, &m, errptr);
+    if (fd >= 0) close(fd);
     if (rc == CM_OK) *rows = m.rows;
     return rc;
 }

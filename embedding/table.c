@@ -1587,18 +1587,24 @@ const uint16_t *emb_table_sketch(const emb_table *t, size_t *n)
     return t->cms;
 }
 
-int emb_table_set_sketch(emb_table *t, const uint16_t *c, size_t n, char **errptr)
+int emb_sketch_fits(size_t n, char **errptr)
 {
-    size_t have = t->cms ? (size_t)CMS_DEPTH << CMS_BITS : 0;
-    if (t->cms == NULL)
-        return cm_err(errptr, CM_EINVAL, "the table has no admission sketch (admission is off)");
+    size_t have = (size_t)CMS_DEPTH << CMS_BITS;
     if (n != have)
         return cm_err(errptr, CM_EINVAL,
                       "an admission sketch of %zu counters, the table's has %zu: count-min "
                       "sketches of other dimensions do not fit",
                       n, have);
-    memcpy(t->cms, c, n * sizeof *c);
     return CM_OK;
+}
+
+int emb_table_set_sketch(emb_table *t, const uint16_t *c, size_t n, char **errptr)
+{
+    if (t->cms == NULL)
+        return cm_err(errptr, CM_EINVAL, "the table has no admission sketch (admission is off)");
+    int rc = emb_sketch_fits(n, errptr);
+    if (rc == CM_OK) memcpy(t->cms, c, n * sizeof *c);
+    return rc;
 }
 
 void emb_sketch_add(uint16_t *acc, const uint16_t *c, size_t n)

@@ -392,10 +392,26 @@ int ps_checkpoint_foreach_row(const char *ckpt, const char *table, emb_row_cb cb
  * and swaps it into place (ember reshard), so no checkpoint in place is ever half written. Every
  * row to the shard its key hashes to (jump consistent hash moves
  * only ~1/n of them when growing by one), dense blocks to their new owners, manifests
- * rewritten. Rows are identical; tables are rebuilt in memory one at a time. A table with
- * admission gives every new shard the sum of its old shards' sketches (no key counted less
- * than before); sketches of other sizes are refused (CM_EINVAL) and nothing is written. */
-int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, char **errptr);
+ * rewritten. Rows are identical: weights, optimizer state, update count and last step, bit for
+ * bit, at the old shards' step. A table with admission gives every new shard the sum of its
+ * old shards' sketches (no key counted less than before); sketches of other sizes are refused
+ * (CM_EINVAL) and nothing is written. A key twice in a table is a damaged checkpoint
+ * (CM_ECORRUPT naming it).
+ * Memory: at most about `mem` bytes (0: PS_RESHARD_MEMORY_DEFAULT) whatever the tables' sizes,
+ * since rows are streamed from the old snapshots into the new ones (emb_snapshot_writer), never
+ * held: per table, one read chunk (EMB_SNAPSHOT_CHUNK), the admission sketch (2 MiB, summed),
+ * a write buffer per new shard (up to a chunk each, a quarter of the rest between them), and
+ * the rest for the table's keys (8 bytes a row, 16 while sorted), which find a key twice. Keys
+ * that do not fit are spread over files in to/PS_RESHARD_SCRATCH, read back one part at a time
+ * and removed before the call returns; the output does not depend on mem. A budget too small
+ * for that (under ~1.2 MiB, a row per new shard and the sketch; or, for the keys to go in parts
+ * of 4 KiB or more, under sqrt(81920 x rows) bytes: 9 MB for 10^9 rows) is CM_EINVAL saying
+ * how much is needed, before any row is read. Rows in a new rows.bin come in the old shards'
+ * order (shard 0's first), not a rebuilt table's. */
+#define PS_RESHARD_MEMORY_DEFAULT (256ull << 20)
+#define PS_RESHARD_SCRATCH "keys.tmp"
+int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, uint64_t mem,
+                          char **errptr);
 /* The values of a dense block (caller frees *values). */
 int ps_checkpoint_dense(const char *ckpt, const char *name, float **values, uint64_t *n,
                         char **errptr);

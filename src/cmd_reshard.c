@@ -14,11 +14,17 @@
 
 static void reshard_usage(FILE *to)
 {
-    fprintf(to, "usage: ember reshard --from RUNDIR|CKPT --shards N --out RUNDIR\n"
-                "  writes RUNDIR/ckpt/step-S (rows identical, spread over N shards) and points\n"
-                "  RUNDIR/ckpt/LATEST at it; continue with ember train --out RUNDIR --shards N\n"
-                "  --resume. RUNDIR must be absent, empty, or an earlier reshard of the same\n"
-                "  checkpoint (replaced): never --from's or another run's directory.\n");
+    fprintf(to,
+            "usage: ember reshard --from RUNDIR|CKPT --shards N --out RUNDIR [--memory BYTES]\n"
+            "  writes RUNDIR/ckpt/step-S (rows identical, spread over N shards) and points\n"
+            "  RUNDIR/ckpt/LATEST at it; continue with ember train --out RUNDIR --shards N\n"
+            "  --resume. RUNDIR must be absent, empty, or an earlier reshard of the same\n"
+            "  checkpoint (replaced): never --from's or another run's directory.\n"
+            "  Rows are streamed, never all held: --memory (K/M/G suffixes; default %lluM)\n"
+            "  bounds what the reshard holds, however large the tables; less only spreads\n"
+            "  each table's keys (8 bytes a row, to find a key twice) over more scratch\n"
+            "  files. The output is the same bytes with any --memory.\n",
+            (unsigned long long)(PS_RESHARD_MEMORY_DEFAULT >> 20));
 }
 
 /* Copies the trainer's files that sit beside the shards (model.txt, worker-<i>.pos, and
@@ -136,10 +142,10 @@ static int check_out(const char *out, const char *mark, const char *from, const 
 int cmd_reshard(int argc, char **argv)
 {
     static const struct option opts[] = {{"from", 1, 0, 'f'}, {"shards", 1, 0, 'n'},
-                                         {"out", 1, 0, 'o'},  {"help", 0, 0, 'h'},
-                                         {0, 0, 0, 0}};
+                                         {"out", 1, 0, 'o'},  {"memory", 1, 0, 'm'},
+                                         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     const char *from = NULL, *out = NULL;
-    uint64_t shards = 0;
+    uint64_t shards = 0, memory = PS_RESHARD_MEMORY_DEFAULT;
     int o;
     optind = 1;
     while ((o = cli_getopt("reshard", argc, argv, opts)) != -1) {
@@ -149,6 +155,12 @@ int cmd_reshard(int argc, char **argv)
         case 'n':
             if (cm_parse_size(optarg, &shards) != 0 || shards == 0 || shards > PS_MAX_SHARDS) {
                 fprintf(stderr, "ember reshard: bad --shards '%s'\n", optarg);
+                return 2;
+            }
+            break;
+        case 'm':
+            if (cm_parse_size(optarg, &memory) != 0 || memory == 0) {
+                fprintf(stderr, "ember reshard: bad --memory '%s'\n", optarg);
                 return 2;
             }
             break;
@@ -206,7 +218,7 @@ int cmd_reshard(int argc, char **argv)
     char tmp[4500];
     snprintf(tmp, sizeof tmp, "%s" TRAIN_CKPT_STAGING, dst);
     if (rc == CM_OK) rc = cm_rmtree(tmp, &err);
-    if (rc == CM_OK) rc = ps_checkpoint_reshard(ckpt, tmp, (uint32_t)shards, &err);
+    if (rc == CM_OK) rc = ps_checkpoint_reshard(ckpt, tmp, (uint32_t)shards, memory, &err);
     if (rc == CM_OK) rc = copy_side_files(ckpt, tmp, (uint32_t)shards, &err);
     if (rc == CM_OK) rc = cm_fsync_dir(tmp, &err);
     if (rc == CM_OK) rc = cm_dir_swap(tmp, dst, &err);

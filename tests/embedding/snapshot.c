@@ -14,8 +14,10 @@
  *    the load (a restore into a small budget).
  *  - a model-config mismatch is refused naming the field.
  *  - a snapshot path that is a symbolic link is followed and stays a link.
+ *  - a snapshot writer given a table's rows writes that table's snapshot, byte for byte.
  */
 #include <dirent.h>
+#include <math.h>
 #include <sys/stat.h>
 
 #include "emb_util.h"
@@ -415,6 +417,78 @@ static void diverged_case(void)
     emb_table_destroy(s);
 }
 
+static int writer_add_cb(const emb_row *row, void *arg)
+{
+    char *err = NULL;
+    int rc = emb_snapshot_writer_add(arg, row, &err);
+    CHECK_OK(rc, err);
+    return rc;
+}
+
+static int same_file(const char *a, const char *b, const char *name)
+{
+    char pa[4400], pb[4400];
+    void *x = NULL, *y = NULL;
+    size_t lx = 0, ly = 0;
+    path_in(pa, sizeof pa, a, name);
+    path_in(pb, sizeof pb, b, name);
+    int same = cm_read_file(pa, &x, &lx, NULL) == CM_OK &&
+               cm_read_file(pb, &y, &ly, NULL) == CM_OK && lx == ly && memcmp(x, y, lx) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+/* A snapshot writer handed a table's rows in the order its snapshot holds them (the order of
+ * emb_table_foreach) writes the table's snapshot byte for byte: rows.bin, MANIFEST and the
+ * admission sketch, with a buffer of a few rows (many appends) and of a chunk. A row that is not
+ * finite is refused naming its key, and an aborted writer leaves nothing. */
+static void writer_case(emb_table *t, const char *name)
+{
+    char ref[4200], out[4300];
+    char *err = NULL;
+    path_in(ref, sizeof ref, g_dir, name);
+    CHECK_OK(emb_table_snapshot(t, ref, &err), err);
+    uint16_t *sketch = NULL;
+    size_t n = 0;
+    CHECK_OK(emb_snapshot_sketch_add(ref, &sketch, &n, &err), err);
+    const emb_table_config *cfg = emb_table_get_config(t);
+    static const size_t bufs[2] = {100, EMB_SNAPSHOT_CHUNK};
+    for (int b = 0; b < 2; b++) {
+        emb_snapshot_writer *w = NULL;
+        snprintf(out, sizeof out, "%s.written%d", ref, b);
+        CHECK_OK(
+            emb_snapshot_writer_open(out, cfg, emb_table_step(t), sketch, n, bufs[b], &w, &err),
+            err);
+        CHECK_OK(emb_table_foreach(t, writer_add_cb, w, &err), err);
+        CHECK_OK(emb_snapshot_writer_commit(w, &err), err);
+        CHECK_MSG(same_file(ref, out, "rows.bin") && same_file(ref, out, "MANIFEST"),
+                  "%s: the writer's snapshot (buffer %zu) differs from the table's", name, bufs[b]);
+        CHECK_MSG(sketch == NULL || same_file(ref, out, "sketch.bin"),
+                  "%s: the writer's sketch.bin differs", name);
+    }
+    /* refused rows, and an abort */
+    emb_snapshot_writer *w = NULL;
+    snprintf(out, sizeof out, "%s.aborted", ref);
+    CHECK_OK(emb_snapshot_writer_open(out, cfg, emb_table_step(t), NULL, 0, 0, &w, &err), err);
+    float *v = eu_xcalloc(cfg->dim + emb_row_slots(cfg), sizeof *v);
+    v[0] = NAN;
+    emb_row bad = {77, 0, 0, v, v + cfg->dim};
+    int rc = emb_snapshot_writer_add(w, &bad, &err);
+    CHECK_MSG(rc == CM_EINVAL && eu_has(err, "77") && eu_has(err, "finite"),
+              "a NaN weight: rc=%d err=%s", rc, err ? err : "(none)");
+    free(err);
+    err = NULL;
+    emb_snapshot_writer_abort(w);
+    DIR *d = opendir(g_dir);
+    struct dirent *e;
+    while (d && (e = readdir(d)) != NULL)
+        CHECK_MSG(strstr(e->d_name, ".aborted") == NULL, "an aborted writer left %s", e->d_name);
+    if (d) closedir(d);
+    free(v);
+    free(sketch);
+}
+
 int main(void)
 {
     g_dir = check_tmpdir("emb_snapshot");
@@ -583,6 +657,16 @@ int main(void)
         CHECK(eu_diff_tables(orig, t, 1) == 0);
         emb_table_destroy(t);
     }
+
+    /* a snapshot writer writes a table's snapshot: a spilled one, and one with admission */
+    writer_case(orig, "by_writer");
+    emb_table_config adm_cfg = model;
+    adm_cfg.admit_threshold = 2;
+    emb_table *adm = eu_create(&adm_cfg);
+    eu_pull(adm, keys, 1000, w);
+    eu_pull(adm, keys, 2000, w);
+    writer_case(adm, "by_writer_admit");
+    emb_table_destroy(adm);
 
     /* an empty table round-trips too */
     emb_table *empty = eu_create(&model);

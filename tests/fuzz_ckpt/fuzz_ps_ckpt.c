@@ -322,7 +322,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
 
     cm_rmtree(g_out, NULL);
-    rc = ps_checkpoint_reshard(g_ckpt, g_out, n_new, &err);
+    rc = ps_checkpoint_reshard(g_ckpt, g_out, n_new, 0, &err);
     fz_check_err(rc, &err, g_base);
     if (rc != CM_OK) {
         if (access(g_out, F_OK) == 0) abort(); /* a failed reshard leaves nothing */

@@ -121,45 +121,15 @@ static int count_row(const emb_row *row, void *arg)
     return 0;
 }
 
-/* Sets the key of record `rec` of shard-0's table t to key, every checksum made to match (a
- * consistent lie), runs check on the checkpoint, then puts the files back; the rows read again. */
+/* pt_with_key_lie on table t, then its rows read again. */
 static void with_key_lie(const char *ckpt, size_t rec, uint64_t key,
                          void (*check)(const char *ckpt, const char *what), const char *what)
 {
-    char rows[1024], mfp[1024];
-    snprintf(rows, sizeof rows, "%s/shard-0/table-t/rows.bin", ckpt);
-    snprintf(mfp, sizeof mfp, "%s/shard-0/table-t/MANIFEST", ckpt);
-    uint8_t *b = NULL, *keep = NULL;
-    char *mf = NULL, *err = NULL;
-    size_t len = 0, mlen = 0, body = 0;
-    CHECK_OK(cm_read_file(rows, (void **)&b, &len, &err), err);
-    CHECK_OK(cm_read_file(rows, (void **)&keep, &len, &err), err);
-    CHECK_OK(cm_read_file(mfp, (void **)&mf, &mlen, &err), err);
-    CHECK(len > 32 + (rec + 1) * 40 + 8 && mf &&
-          cm_seal_check(mf, mlen, "checksum", &body) == CM_OK);
-    uint32_t rb;
-    memcpy(&rb, b + 20, 4);
-    memcpy(b + 32 + rec * rb, &key, 8);
-    uint64_t h = cm_xxh3(b, len - 8);
-    memcpy(b + len - 8, &h, 8);
-    CHECK_OK(cm_write_file_atomic(rows, b, len, &err), err);
-    char out[4096];
-    const char *file = strstr(mf, "\nfile rows.bin ");
-    CHECK(file != NULL);
-    size_t at = (size_t)(file - mf) + 1, end = at + strcspn(mf + at, "\n") + 1;
-    int n = snprintf(out, sizeof out, "%.*sfile rows.bin %zu %016" PRIx64 "\n%.*s", (int)at, mf,
-                     len, h, (int)(body - end), mf + end);
-    n = cm_seal_append(out, (size_t)n, sizeof out, "checksum");
-    CHECK_OK(cm_write_file_atomic(mfp, out, (size_t)n, &err), err);
-    check(ckpt, what);
-    CHECK_OK(cm_write_file_atomic(rows, keep, len, &err), err);
-    CHECK_OK(cm_write_file_atomic(mfp, mf, mlen, &err), err);
+    pt_with_key_lie(ckpt, "t", rec, key, check, what);
+    char *err = NULL;
     uint64_t seen = 0;
     CHECK_OK(ps_checkpoint_foreach_row(ckpt, "t", count_row, &seen, &err), err);
     CHECK(seen == NK);
-    free(b);
-    free(keep);
-    free(mf);
 }
 
 /* Export refuses the lie naming shard-0's snapshot of t. */
@@ -180,7 +150,7 @@ static void reshard_refuses(const char *ckpt, const char *what)
     char *err = NULL;
     char to[1024];
     snprintf(to, sizeof to, "%s.resharded", ckpt);
-    int rc = ps_checkpoint_reshard(ckpt, to, 1, &err);
+    int rc = ps_checkpoint_reshard(ckpt, to, 1, 0, &err);
     CHECK_MSG(rc == CM_ECORRUPT && err && strstr(err, ckpt) && strstr(err, "table t") &&
                   access(to, F_OK) != 0,
               "%s: reshard rc=%d err=%s", what, rc, err ? err : "(none)");

@@ -3,6 +3,7 @@
 #ifndef EMBER_TESTS_PS_TEST_UTIL_H
 #define EMBER_TESTS_PS_TEST_UTIL_H
 
+#include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -137,6 +138,45 @@ static inline void pt_keys_of_shard(uint32_t shard, uint32_t n_shards, uint64_t 
 
 /* Ends a test: kills leftover children, removes its directory (ipc sockets included), and
  * returns check_done()'s verdict. */
+/* Sets the key of record `rec` of shard-0's snapshot of table to key, every checksum made to
+ * match (a consistent lie), runs check on the checkpoint, then puts the files back. */
+static inline void pt_with_key_lie(const char *ckpt, const char *table, size_t rec, uint64_t key,
+                                   void (*check)(const char *ckpt, const char *what),
+                                   const char *what)
+{
+    char rows[1024], mfp[1024];
+    snprintf(rows, sizeof rows, "%s/shard-0/table-%s/rows.bin", ckpt, table);
+    snprintf(mfp, sizeof mfp, "%s/shard-0/table-%s/MANIFEST", ckpt, table);
+    uint8_t *b = NULL, *keep = NULL;
+    char *mf = NULL, *err = NULL;
+    size_t len = 0, mlen = 0, body = 0;
+    CHECK_OK(cm_read_file(rows, (void **)&b, &len, &err), err);
+    CHECK_OK(cm_read_file(rows, (void **)&keep, &len, &err), err);
+    CHECK_OK(cm_read_file(mfp, (void **)&mf, &mlen, &err), err);
+    CHECK(len > 32 + (rec + 1) * 40 + 8 && mf &&
+          cm_seal_check(mf, mlen, "checksum", &body) == CM_OK);
+    uint32_t rb;
+    memcpy(&rb, b + 20, 4);
+    memcpy(b + 32 + rec * rb, &key, 8);
+    uint64_t h = cm_xxh3(b, len - 8);
+    memcpy(b + len - 8, &h, 8);
+    CHECK_OK(cm_write_file_atomic(rows, b, len, &err), err);
+    char out[4096];
+    const char *file = strstr(mf, "\nfile rows.bin ");
+    CHECK(file != NULL);
+    size_t at = (size_t)(file - mf) + 1, end = at + strcspn(mf + at, "\n") + 1;
+    int n = snprintf(out, sizeof out, "%.*sfile rows.bin %zu %016" PRIx64 "\n%.*s", (int)at, mf,
+                     len, h, (int)(body - end), mf + end);
+    n = cm_seal_append(out, (size_t)n, sizeof out, "checksum");
+    CHECK_OK(cm_write_file_atomic(mfp, out, (size_t)n, &err), err);
+    check(ckpt, what);
+    CHECK_OK(cm_write_file_atomic(rows, keep, len, &err), err);
+    CHECK_OK(cm_write_file_atomic(mfp, mf, mlen, &err), err);
+    free(b);
+    free(keep);
+    free(mf);
+}
+
 static inline int pt_finish(const char *dir)
 {
     psp_stop_all();

@@ -175,9 +175,9 @@ int main(void)
     }
     check_after(dir, c2, 2, twice, once, want, "no reshard");
 
-    CHECK_OK(ps_checkpoint_reshard(c2, c1, 1, &err), err);
+    CHECK_OK(ps_checkpoint_reshard(c2, c1, 1, 0, &err), err);
     check_after(dir, c1, 1, twice, once, want, "reshard 2 -> 1");
-    CHECK_OK(ps_checkpoint_reshard(c1, c2b, 2, &err), err);
+    CHECK_OK(ps_checkpoint_reshard(c1, c2b, 2, 0, &err), err);
     check_after(dir, c2b, 2, twice, once, want, "reshard 2 -> 1 -> 2");
 
     /* Two shards' sketches summed are the sketch one shard that counted every key keeps. */
@@ -192,9 +192,9 @@ int main(void)
     free(b);
 
     /* Sketches of other dimensions do not add: refused by name, nothing written. */
-    CHECK_OK(ps_checkpoint_reshard(c2, bad, 2, &err), err);
+    CHECK_OK(ps_checkpoint_reshard(c2, bad, 2, 0, &err), err);
     halve_sketch(bad);
-    int rc = ps_checkpoint_reshard(bad, badout, 1, &err);
+    int rc = ps_checkpoint_reshard(bad, badout, 1, 0, &err);
     CHECK_MSG(rc == CM_EINVAL && err && strstr(err, "shard-1/table-t/sketch.bin") &&
                   strstr(err, "counters"),
               "sketches of two sizes: rc %d, %s", rc, err ? err : "(no message)");
