@@ -14,6 +14,7 @@
 #ifndef EMBER_COMMON_H
 #define EMBER_COMMON_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdint.h>
@@ -253,6 +254,27 @@ int cm_keyidx_flush(cm_keyidx *x, char **errptr);
 int cm_keyidx_dup(const cm_keyidx *x, uint64_t *key);
 /* Unmaps (what was flushed stays in the file). NULL is fine. */
 void cm_keyidx_close(cm_keyidx *x);
+
+/*
+ * Whether a key comes twice among a stream of keys (a table's rows read from a checkpoint: a
+ * damaged one, checksums and all, could hold a key twice), in bounded memory: keys are spread
+ * over partitions by a hash, each gathered in a buffer that is appended to a file of its own
+ * under dir whenever it fills; at the end each partition is read back whole, sorted and scanned
+ * for equal neighbours. Memory: the budget given, however many keys; disk: 8 bytes a key, only
+ * when they do not fit. With room for every key no file is touched. Unlike cm_keyidx, which
+ * must place keys where readers probe for them, the writes and reads here are sequential.
+ */
+typedef struct cm_keyset cm_keyset;
+/* A set for up to n keys in mem bytes (CM_EINVAL, naming the least that would do, when mem is
+ * too small); its files go under dir, which destroy removes. *out is the caller's. */
+int cm_keyset_create(const char *dir, uint64_t n, uint64_t mem, cm_keyset **out, char **errptr);
+/* The least memory a set for n keys takes (~sqrt(80,000 n) bytes once they do not fit). */
+uint64_t cm_keyset_least(uint64_t n);
+int cm_keyset_add(cm_keyset *ks, uint64_t key, char **errptr);
+/* After the last add: *twice, and one such key in *key. */
+int cm_keyset_twice(cm_keyset *ks, bool *twice, uint64_t *key, char **errptr);
+/* Frees the set and removes dir. NULL is fine. */
+void cm_keyset_destroy(cm_keyset *ks);
 
 /* The running program's own binary (readlink of /proc/self/exe) into buf, NUL-terminated. */
 int cm_self_exe(char *buf, size_t n, char **errptr);

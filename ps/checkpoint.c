@@ -5,7 +5,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -242,184 +241,49 @@ static int manifest_body(const char *ckpt, char *body, size_t n, char **errptr)
 
 /* ---- resharding ---- */
 
-/* Whether a key comes twice among a table's rows, found in bounded memory: keys are spread over
- * `parts` partitions by a hash, each gathered in a buffer of `cap` keys that is appended to a
- * file of its own under dir whenever it fills; at the end each partition is read back whole,
- * sorted and scanned for equal neighbours. One partition with room for every key touches no
- * file. */
-typedef struct keyset {
-    uint32_t parts;
-    size_t cap;
-    uint64_t *buf;   /* parts x cap */
-    size_t *len;     /* keys in each buffer */
-    uint64_t *filed; /* keys in each partition's file */
-    const char *dir;
-} keyset;
-
-static int keyset_init(keyset *ks, const char *dir, uint32_t parts, size_t cap, char **errptr)
-{
-    *ks = (keyset){parts, cap, NULL, NULL, NULL, dir};
-    ks->buf = malloc((size_t)parts * cap * sizeof *ks->buf);
-    ks->len = calloc(parts, sizeof *ks->len);
-    ks->filed = calloc(parts, sizeof *ks->filed);
-    if (ks->buf == NULL || ks->len == NULL || ks->filed == NULL)
-        return cm_err(errptr, CM_ENOMEM, "out of memory for the keys of a table");
-    return CM_OK;
-}
-
-static void keyset_path(const keyset *ks, uint32_t p, char *out, size_t n)
-{
-    snprintf(out, n, "%s/keys-%u", ks->dir, p);
-}
-
-/* Appends partition p's buffer to its file (opened for this write only: there may be many). */
-static int keyset_spill(keyset *ks, uint32_t p, char **errptr)
-{
-    char path[4600];
-    if (ks->len[p] == 0) return CM_OK;
-    keyset_path(ks, p, path, sizeof path);
-    int rc = ks->filed[p] == 0 ? cm_mkdirs(ks->dir, errptr) : CM_OK;
-    int fd = rc == CM_OK ? open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644) : -1;
-    if (rc == CM_OK && (fd < 0 || cm_write_full(fd, ks->buf + (size_t)p * ks->cap,
-                                                ks->len[p] * sizeof *ks->buf) != CM_OK))
-        rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", path);
-    if (fd >= 0 && close(fd) != 0 && rc == CM_OK)
-        rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", path);
-    if (rc == CM_OK) {
-        ks->filed[p] += ks->len[p];
-        ks->len[p] = 0;
-    }
-    return rc;
-}
-
-static int keyset_add(keyset *ks, uint64_t key, char **errptr)
-{
-    uint32_t p = (uint32_t)(((cm_xxh3(&key, sizeof key) >> 32) * ks->parts) >> 32);
-    if (ks->len[p] == ks->cap) {
-        int rc = keyset_spill(ks, p, errptr);
-        if (rc != CM_OK) return rc;
-    }
-    ks->buf[(size_t)p * ks->cap + ks->len[p]++] = key;
-    return CM_OK;
-}
-
-/* Sorts n keys and sets *twice (and *key) when two are equal. */
-static void sorted_twice(uint64_t *k, size_t n, bool *twice, uint64_t *key)
-{
-    qsort(k, n, sizeof *k, cm_u64_cmp);
-    for (size_t i = 1; i < n && !*twice; i++)
-        if (k[i] == k[i - 1]) {
-            *twice = true;
-            *key = k[i];
-        }
-}
-
-/* Whether any key was added twice (*twice, the key into *key). The buffers are written out and
- * freed first, so that one partition at a time is in memory, unless they never were. */
-static int keyset_twice(keyset *ks, bool *twice, uint64_t *key, char **errptr)
-{
-    *twice = false;
-    if (ks->parts == 1 && ks->filed[0] == 0) {
-        sorted_twice(ks->buf, ks->len[0], twice, key);
-        return CM_OK;
-    }
-    int rc = CM_OK;
-    for (uint32_t p = 0; rc == CM_OK && p < ks->parts; p++)
-        rc = keyset_spill(ks, p, errptr);
-    free(ks->buf);
-    ks->buf = NULL;
-    for (uint32_t p = 0; rc == CM_OK && !*twice && p < ks->parts; p++) {
-        char path[4600];
-        void *keys = NULL;
-        size_t len = 0;
-        if (ks->filed[p] == 0) continue;
-        keyset_path(ks, p, path, sizeof path);
-        rc = cm_read_file(path, &keys, &len, errptr);
-        if (rc == CM_OK && len != ks->filed[p] * sizeof(uint64_t))
-            rc = cm_err(errptr, CM_EIO, "%s: %zu bytes, %" PRIu64 " keys were written", path, len,
-                        ks->filed[p]);
-        if (rc == CM_OK) sorted_twice(keys, ks->filed[p], twice, key);
-        free(keys);
-    }
-    return rc;
-}
-
-/* Frees the keyset and removes its files. */
-static void keyset_fini(keyset *ks)
-{
-    free(ks->buf);
-    free(ks->len);
-    free(ks->filed);
-    if (ks->dir) cm_rmtree(ks->dir, NULL);
-}
-
 /* How one table's reshard spends its memory budget (ps_checkpoint_reshard says on what). */
 typedef struct reshard_plan {
-    size_t wbuf;    /* each new shard's snapshot writer buffer */
-    uint32_t parts; /* keyset partitions */
-    size_t cap;     /* keys each partition buffers */
+    size_t wbuf;   /* each new shard's snapshot writer buffer */
+    uint64_t keys; /* the table's keys' (cm_keyset) */
 } reshard_plan;
 
-/* The fewest keys a partition buffers when there are several (4 KiB writes), and what the
- * reshard holds beside its plan's buffers: the shard manifests, the writers' own state, paths. */
-#define KEYS_LEAST 512u
+/* What the reshard holds beside its plan's buffers: the shard manifests, the writers' own
+ * state, paths. */
 #define PLAN_SLACK (64u << 10)
 
 static int reshard_plan_of(uint64_t mem, uint32_t n_new, size_t row, size_t sketch_bytes,
-                           uint64_t rows, const char *table, reshard_plan *p, char **errptr)
+                           const char *table, reshard_plan *p, char **errptr)
 {
     /* One chunk read at a time (emb_snapshot_foreach; a writer's commit hashes with one once
      * the reading is done) and the summed sketch while one old shard's is added to it. */
     uint64_t fixed =
         EMB_SNAPSHOT_CHUNK + row + 2 * (uint64_t)sketch_bytes + PLAN_SLACK + (uint64_t)n_new * 512;
-    uint64_t least = fixed + (uint64_t)n_new * row + KEYS_LEAST * sizeof(uint64_t);
-    if (rows > UINT64_MAX / 64) /* not on any disk: 2^58 rows */
-        return cm_err(errptr, CM_EINVAL, "table %s: %" PRIu64 " rows is more than a reshard takes",
-                      table, rows);
+    uint64_t least = fixed + (uint64_t)n_new * row;
     if (mem < least)
         return cm_err(errptr, CM_EINVAL,
                       "a memory budget of %" PRIu64 " bytes is too small to reshard table %s "
                       "(rows of %zu bytes) over %u shards: it needs at least %" PRIu64
-                      " bytes (a read chunk, a row per new shard, the admission sketch)",
+                      " bytes (a read chunk, a row per new shard, the admission sketch) and "
+                      "room for its keys",
                       mem, table, row, n_new, least);
     uint64_t avail = mem - fixed, wbuf = avail / 4 / n_new;
     if (wbuf > EMB_SNAPSHOT_CHUNK) wbuf = EMB_SNAPSHOT_CHUNK;
     p->wbuf = wbuf < row ? row : (size_t)(wbuf / row * row);
-    /* Sorting n keys takes 2n x 8 bytes: glibc's qsort merges through a copy. */
-    uint64_t kb = avail - (uint64_t)n_new * p->wbuf, need = 2 * rows * sizeof(uint64_t);
-    if (need <= kb) {
-        p->parts = 1;
-        p->cap = rows > 0 ? (size_t)rows : 1;
-        return CM_OK;
-    }
-    /* Each partition is read back whole and sorted: 5/4 of an even share leaves room for the
-     * spread of a hash (a partition of 512 keys or more is within a few percent of its share). */
-    double parts = ceil((double)need * 1.25 / (double)kb);
-    double cap = (double)kb / sizeof(uint64_t) / parts;
-    if (parts > UINT32_MAX || cap < KEYS_LEAST) {
-        /* kb / 8 / (1.25 need / kb) >= KEYS_LEAST, solved for kb. */
-        double kb_least = sqrt(1.25 * (double)need * KEYS_LEAST * sizeof(uint64_t));
-        return cm_err(errptr, CM_EINVAL,
-                      "a memory budget of %" PRIu64 " bytes is too small to reshard table %s "
-                      "of %" PRIu64 " rows over %u shards: it needs at least %.0f bytes",
-                      mem, table, rows, n_new, (double)(mem - kb) + kb_least);
-    }
-    p->parts = (uint32_t)parts;
-    p->cap = (size_t)cap;
+    p->keys = avail - (uint64_t)n_new * p->wbuf;
     return CM_OK;
 }
 
 typedef struct reshard_arg {
     emb_snapshot_writer **w;
     uint32_t n;
-    keyset *keys;
+    cm_keyset *keys;
     char **errptr;
 } reshard_arg;
 
 static int reshard_row(const emb_row *row, void *arg)
 {
     reshard_arg *ra = arg;
-    int rc = keyset_add(ra->keys, row->key, ra->errptr);
+    int rc = cm_keyset_add(ra->keys, row->key, ra->errptr);
     if (rc == CM_OK)
         rc = emb_snapshot_writer_add(ra->w[ps_key_shard(row->key, ra->n)], row, ra->errptr);
     return rc;
@@ -479,7 +343,7 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, uint
                          : cm_write_file_atomic(path, text, (size_t)len, errptr);
     }
     /* Every row goes to the shard the key hashes to among n_new, streamed from the old shards'
-     * snapshots into the new ones' writers, table by table; its key goes to a keyset that finds
+     * snapshots into the new ones' writers, table by table; its key goes to a key set that finds
      * one twice (a damaged checkpoint, checksums and all, would otherwise carry both). */
     char scratch[4400];
     snprintf(scratch, sizeof scratch, "%s/" PS_RESHARD_SCRATCH, to);
@@ -503,10 +367,13 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, uint
         }
         reshard_plan plan = {0};
         if (rc == CM_OK)
-            rc = reshard_plan_of(mem, n_new, emb_row_bytes(&cfg), sketch_n * sizeof *sketch, rows,
+            rc = reshard_plan_of(mem, n_new, emb_row_bytes(&cfg), sketch_n * sizeof *sketch,
                                  tables[t], &plan, errptr);
-        keyset ks = {0};
-        if (rc == CM_OK) rc = keyset_init(&ks, scratch, plan.parts, plan.cap, errptr);
+        cm_keyset *ks = NULL;
+        char *why = NULL;
+        if (rc == CM_OK && (rc = cm_keyset_create(scratch, rows, plan.keys, &ks, &why)) != CM_OK)
+            cm_err(errptr, rc, "cannot reshard table %s over %u shards: %s", tables[t], n_new, why);
+        free(why);
         emb_snapshot_writer **w = calloc(n_new, sizeof *w);
         if (rc == CM_OK && w == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         for (uint32_t i = 0; rc == CM_OK && i < n_new; i++) {
@@ -514,15 +381,15 @@ int ps_checkpoint_reshard(const char *from, const char *to, uint32_t n_new, uint
             rc = emb_snapshot_writer_open(path, &cfg, step, sketch, sketch_n, plan.wbuf, &w[i],
                                           errptr);
         }
-        reshard_arg ra = {w, n_new, &ks, errptr};
+        reshard_arg ra = {w, n_new, ks, errptr};
         if (rc == CM_OK) rc = ps_checkpoint_foreach_row(from, tables[t], reshard_row, &ra, errptr);
         bool twice = false;
         uint64_t key = 0;
-        if (rc == CM_OK) rc = keyset_twice(&ks, &twice, &key, errptr);
+        if (rc == CM_OK) rc = cm_keyset_twice(ks, &twice, &key, errptr);
         if (rc == CM_OK && twice)
             rc = cm_err(errptr, CM_ECORRUPT, "%s: table %s: key %" PRIu64 " twice", from, tables[t],
                         key);
-        keyset_fini(&ks);
+        cm_keyset_destroy(ks);
         /* A commit frees its writer whatever happens; after a failure the rest are dropped. */
         for (uint32_t i = 0; w && i < n_new; i++) {
             if (rc == CM_OK)

@@ -23,8 +23,9 @@
  * Memory: export streams each table (ps_checkpoint_foreach_row reads snapshots in chunks) into
  * its output a chunk of rows at a time, so a table larger than memory (the PS spills cold rows
  * to RocksDB) exports in memory that does not grow with its rows. What needs every key is kept
- * on disk: the bundle writer's index, and for safetensors and RocksDB an index of the keys in a
- * scratch file beside the output, both cm_keyidx (common.h), which refuse a key twice. Sizes
+ * on disk: the bundle writer's index (cm_keyidx, common.h), which refuses a key twice, and for
+ * safetensors and RocksDB a cm_keyset of the keys, in a few MiB and scratch files beside the
+ * output when they do not fit. Sizes
  * come from the snapshots' manifests (ps_checkpoint_table_rows). The one thing in memory per
  * row is a delta's map of the OLD checkpoint's keys to fingerprints (fp_map: ~17 bytes a row),
  * which the new checkpoint's rows are compared against as they stream.
@@ -132,34 +133,19 @@ static int dup_err(const char *ckpt, const char *name, uint64_t key, char **errp
     return rc;
 }
 
-/* A scratch index of a table's keys beside the output (safetensors and RocksDB have none of
- * their own), unlinked as soon as it is made: what refuses a key twice. */
-typedef struct key_check {
-    int fd;
-    cm_keyidx *ix;
-    char path[4300];
-} key_check;
+/* What refuses a key twice where the output has no index of its own (safetensors, RocksDB):
+ * a cm_keyset of the table's keys in EXPORT_KEYS_MEMORY (or the least it takes), its files,
+ * when they do not fit, in a scratch folder beside the output. */
+#define EXPORT_KEYS_MEMORY (1u << 20)
 
-static int key_check_open(key_check *k, const char *out, uint64_t n, char **errptr)
+static int keys_open(const char *out, uint64_t n, cm_keyset **ks, char **errptr)
 {
     static unsigned seq;
-    snprintf(k->path, sizeof k->path, "%s.keys-%ld-%u", out, (long)getpid(), seq++);
-    k->ix = NULL;
-    k->fd = open(k->path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (k->fd < 0) return cm_err_errno(errptr, CM_EIO, "cannot create %s", k->path);
-    unlink(k->path);
-    uint64_t slots = cm_keyidx_slots(n);
-    if (ftruncate(k->fd, (off_t)(slots * 16)) != 0)
-        return cm_err_errno(errptr, CM_EIO, "cannot size %s", k->path);
-    return cm_keyidx_open(k->fd, k->path, 0, slots, &k->ix, errptr);
-}
-
-static void key_check_close(key_check *k)
-{
-    cm_keyidx_close(k->ix);
-    if (k->fd >= 0) close(k->fd);
-    k->ix = NULL;
-    k->fd = -1;
+    char dir[4300];
+    snprintf(dir, sizeof dir, "%s.keys-%ld-%u", out, (long)getpid(), seq++);
+    uint64_t least = cm_keyset_least(n);
+    return cm_keyset_create(dir, n, least > EXPORT_KEYS_MEMORY ? least : EXPORT_KEYS_MEMORY, ks,
+                            errptr);
 }
 
 /* One pass over a table of a checkpoint. Every row is counted and summed into the table's
@@ -173,21 +159,12 @@ typedef struct stream {
     uint64_t rows, sum, order, changed;
     fp_map *old;
     bool mark;
-    key_check *check;
+    cm_keyset *check;
     int (*fn)(const chunk *c, void *arg, char **errptr);
     void *arg;
     chunk c;
     char **errptr;
 } stream;
-
-/* rc of an add to (or flush of) s's key check: a key twice named as the checkpoint's. */
-static int key_check_err(stream *s, int rc)
-{
-    uint64_t key;
-    if (rc != CM_OK && cm_keyidx_dup(s->check->ix, &key))
-        rc = dup_err(s->ckpt, s->name, key, s->errptr);
-    return rc;
-}
 
 static int stream_row(const emb_row *r, void *arg)
 {
@@ -197,7 +174,7 @@ static int stream_row(const emb_row *r, void *arg)
     s->sum += XXH3_64bits_withSeed(r->weights, bytes, r->key);
     s->order = XXH3_64bits_withSeed(&r->key, sizeof r->key, s->order);
     if (s->check != NULL) {
-        int rc = key_check_err(s, cm_keyidx_add(s->check->ix, r->key, 0, s->errptr));
+        int rc = cm_keyset_add(s->check, r->key, s->errptr);
         if (rc != CM_OK) return rc;
     }
     if (s->old != NULL) {
@@ -238,8 +215,10 @@ static int stream_table(stream *s, char **errptr)
     }
     if (rc == CM_OK) rc = ps_checkpoint_foreach_row(s->ckpt, s->name, stream_row, s, errptr);
     if (rc == CM_OK && s->fn != NULL && s->c.n > 0) rc = s->fn(&s->c, s->arg, errptr);
-    if (rc == CM_OK && s->check != NULL)
-        rc = key_check_err(s, cm_keyidx_flush(s->check->ix, errptr));
+    bool twice = false;
+    uint64_t key = 0;
+    if (rc == CM_OK && s->check != NULL) rc = cm_keyset_twice(s->check, &twice, &key, errptr);
+    if (rc == CM_OK && twice) rc = dup_err(s->ckpt, s->name, key, errptr);
     if (rc == CM_ENOMEM) rc = cm_err(errptr, rc, "out of memory reading table %s", s->name);
     free(s->c.keys);
     free(s->c.w);
@@ -434,11 +413,11 @@ static int write_safetensors(const char *out, const char *model, const char *ckp
     if (rc == CM_OK) rc = cm_afile_write(&f, &hl, 8, errptr);
     if (rc == CM_OK) rc = cm_afile_write(&f, hdr, len, errptr);
     for (uint32_t i = 0; rc == CM_OK && i < n_tabs; i++) {
-        key_check kc = {.fd = -1};
-        stream s = {.ckpt = ckpt, .name = names[i], .check = &kc, .fn = write_afile, .arg = &f};
-        rc = key_check_open(&kc, out, rows[i], errptr);
+        cm_keyset *ks = NULL;
+        rc = keys_open(out, rows[i], &ks, errptr);
+        stream s = {.ckpt = ckpt, .name = names[i], .check = ks, .fn = write_afile, .arg = &f};
         if (rc == CM_OK) rc = stream_table(&s, errptr);
-        key_check_close(&kc);
+        cm_keyset_destroy(ks);
         const uint64_t order = s.order;
         s.check = NULL;
         s.fn = write_afile_w;
@@ -493,12 +472,12 @@ static int write_rocksdb(const char *out, const char *model, const char *ckpt,
     for (uint32_t i = 0; rc == CM_OK && i < n_tabs; i++) {
         emb_table_config cfg;
         uint64_t n = 0;
-        key_check kc = {.fd = -1};
+        cm_keyset *ks = NULL;
         rdb_sink k = {0};
-        stream s = {.ckpt = ckpt, .name = names[i], .check = &kc, .fn = rdb_put, .arg = &k};
         rc = ps_checkpoint_table_config(ckpt, names[i], &cfg, errptr);
         if (rc == CM_OK) rc = ps_checkpoint_table_rows(ckpt, names[i], &n, errptr);
-        if (rc == CM_OK) rc = key_check_open(&kc, dir, n, errptr);
+        if (rc == CM_OK) rc = keys_open(dir, n, &ks, errptr);
+        stream s = {.ckpt = ckpt, .name = names[i], .check = ks, .fn = rdb_put, .arg = &k};
         const size_t rec = 8 + 4 * (size_t)cfg.dim;
         snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
         if (rc == CM_OK) rc = emb_store_create("rocksdb", path, rec, &k.st, errptr);
@@ -508,7 +487,7 @@ static int write_rocksdb(const char *out, const char *model, const char *ckpt,
         *total += s.rows;
         free(k.buf);
         emb_store_destroy(k.st);
-        key_check_close(&kc);
+        cm_keyset_destroy(ks);
     }
     snprintf(path, sizeof path, "%s/model.txt", tmp);
     if (rc == CM_OK) rc = cm_write_file_atomic(path, model, strlen(model), errptr);
