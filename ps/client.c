@@ -42,6 +42,7 @@
 #include "ps/keycache.h"
 #include "ps/net.h"
 #include "ps/replica.h"
+#include "ps/residual.h"
 #include "ps/wire.h"
 
 enum { SL_FREE, SL_SEND, SL_RECV, SL_DONE };
@@ -114,7 +115,7 @@ struct ps_client {
     int async_rc;
     char *async_err;
     uint64_t clock, barrier_gen;
-    emb_store *residual[PS_MAX_TABLES]; /* int8 error feedback, per table */
+    emb_store *residual[PS_MAX_TABLES]; /* int8 error feedback, per table (ps/residual.h) */
     ps_keycache *pulled; /* recent pulls' key lists per (shard, table); NULL: never elide */
     ps_client_stats st;
     /* Dense mirrors, per block (NULL: none); mirror_mu serialises their calls (taken before
@@ -680,12 +681,7 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto fail;
     }
-    for (uint32_t i = 0; i < c->cfg.n_tables && rc == CM_OK; i++) {
-        if (c->cfg.tables[i].push_codec != PS_CODEC_INT8) continue;
-        size_t rec = (8 + 4 * (size_t)c->cfg.tables[i].cfg.dim + 7) & ~(size_t)7;
-        rc = emb_store_create("memory", NULL, rec, &c->residual[i], errptr);
-    }
-    if (rc == CM_OK && !o->explicit_keys &&
+    if (!o->explicit_keys &&
         (c->pulled = ps_keycache_create(c->cfg.n_shards, c->cfg.n_tables)) == NULL)
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
@@ -792,8 +788,7 @@ void ps_client_destroy(ps_client *c)
             free(sc->backup_url);
         }
     }
-    for (uint32_t i = 0; i < PS_MAX_TABLES; i++)
-        emb_store_destroy(c->residual[i]);
+    ps_resid_clear(c->residual);
     for (uint32_t b = 0; b < PS_MAX_DENSE; b++)
         mirror_drop(c, b);
     pthread_mutex_destroy(&c->mirror_mu);
@@ -1263,9 +1258,9 @@ int ps_client_lookup(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
 static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
                           float *g, const float *back, int phase, char **errptr)
 {
-    emb_store *st = c->residual[table];
+    if (phase == 0 && c->residual[table] == NULL) return CM_OK; /* none kept yet */
     const uint32_t dim = c->cfg.tables[table].cfg.dim;
-    const size_t rec = (8 + 4 * (size_t)dim + 7) & ~(size_t)7;
+    const size_t rec = ps_resid_rec_bytes(dim);
     uint8_t *recs = calloc(n, rec), *found = malloc(n);
     int rc = CM_OK;
     if (recs == NULL || found == NULL) {
@@ -1273,7 +1268,7 @@ static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *k
         goto out;
     }
     if (phase == 0) {
-        rc = emb_store_get(st, keys, n, recs, found, errptr);
+        rc = emb_store_get(c->residual[table], keys, n, recs, found, errptr);
         for (size_t i = 0; rc == CM_OK && i < n; i++) {
             if (!found[i]) continue;
             const float *r = (const float *)(recs + i * rec + 8);
@@ -1293,7 +1288,8 @@ static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *k
         }
         c->st.push_sq_error += sq_error;
         c->st.push_sq_norm += sq_norm;
-        rc = emb_store_put(st, recs, n, errptr);
+        rc = ps_resid_store(&c->residual[table], dim, errptr);
+        if (rc == CM_OK) rc = emb_store_put(c->residual[table], recs, n, errptr);
     }
 out:
     free(recs);
@@ -1733,7 +1729,21 @@ int ps_client_load(ps_client *c, const char *dir, char **errptr)
     for (uint32_t b = 0; b < PS_MAX_DENSE; b++)
         mirror_drop(c, b);
     pthread_mutex_unlock(&c->mirror_mu);
+    /* Likewise the int8 residuals: they are what this client's pushes to the old rows left
+     * unsent, and added into the loaded rows' next pushes they would carry updates from a
+     * timeline the checkpoint never saw. */
+    ps_resid_clear(c->residual);
     return checkpoint(c, PS_OP_LOAD, dir, errptr);
+}
+
+int ps_client_residuals_save(ps_client *c, const char *path, char **errptr)
+{
+    return ps_resid_save(c->residual, &c->cfg, c->worker, path, errptr);
+}
+
+int ps_client_residuals_load(ps_client *c, const char *path, char **errptr)
+{
+    return ps_resid_load(c->residual, &c->cfg, c->worker, path, errptr);
 }
 
 int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
