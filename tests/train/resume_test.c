@@ -551,33 +551,33 @@ static void put_bytes(const char *name, const void *b, size_t n)
 /* --push-codec int8: the worker keeps each row's quantisation residual and adds it into that
  * row's next push (error feedback), so the checkpoint holds them (worker-<w>.ef) and a resume
  * continues bit for bit: with zero residuals it did not (AUC and logloss differed in the last
- * digits). A one-table and a two-table model. An fp32 checkpoint has no such file. A damaged or
- * truncated one is refused, naming it; ember reshard carries it along, and refuses it damaged.
- * An int8 checkpoint without it (written before it was) resumes with zero residuals, saying so. */
+ * digits). deepfm: two tables, so two sets of residuals. An fp32 checkpoint has no such file. A
+ * damaged or truncated one is refused, naming it; ember reshard carries it along, and refuses it
+ * damaged. An int8 checkpoint without it (written before it was) resumes with zero residuals,
+ * saying so. */
 static void int8_resume(void)
 {
     resume_extra = "--push-codec int8";
     resume_tag = "int8";
-    resume_case("mlp", 512, 1, 20, 40);
     resume_case("deepfm", 512, 1, 20, 40);
     resume_extra = resume_tag = "";
-    CHECK_MSG(exists("A-mlp-512-20-int8/ckpt/step-20/worker-0.ef") &&
-                  exists("B-mlp-512-20-int8/ckpt/step-40/worker-0.ef"),
+    CHECK_MSG(exists("A-deepfm-512-20-int8/ckpt/step-20/worker-0.ef") &&
+                  exists("B-deepfm-512-20-int8/ckpt/step-40/worker-0.ef"),
               "an int8 run's checkpoint has no worker-0.ef");
-    CHECK_MSG(!exists("A-mlp-512-20/ckpt/step-40/worker-0.ef"), "an fp32 checkpoint has a .ef");
+    CHECK_MSG(!exists("A-deepfm-512-20/ckpt/step-40/worker-0.ef"), "an fp32 checkpoint has a .ef");
     /* Straight through and resumed, the last checkpoint's residuals are the same bytes. */
-    CHECK(same_bytes("A-mlp-512-20-int8/ckpt/step-40/worker-0.ef",
-                     "B-mlp-512-20-int8/ckpt/step-40/worker-0.ef"));
+    CHECK(same_bytes("A-deepfm-512-20-int8/ckpt/step-40/worker-0.ef",
+                     "B-deepfm-512-20-int8/ckpt/step-40/worker-0.ef"));
 
-    const char *ef = "B-mlp-512-20-int8/ckpt/step-40/worker-0.ef";
+    const char *ef = "B-deepfm-512-20-int8/ckpt/step-40/worker-0.ef";
     size_t n = 0;
     unsigned char *good = bytes_of(ef, &n);
     CHECK_MSG(good != NULL && n > 64, "%s: %zu bytes", ef, n);
     if (good == NULL || n <= 64) return;
-    fprintf(stderr, "    worker-0.ef of mlp after 40 steps: %zu bytes\n", n);
-    const char *resume = "train --train ds/train --eval ds/eval --no-progress --model mlp "
-                         "--batch 512 --epochs 1 --push-codec int8 --resume --max-steps 60 "
-                         "--out B-mlp-512-20-int8";
+    fprintf(stderr, "    worker-0.ef of deepfm after 40 steps: %zu bytes\n", n);
+    const char *resume = "train --train ds/train --eval ds/eval --no-progress --model deepfm "
+                         "--batch 512 --epochs 1 --push-codec int8 --resume --max-steps 42 "
+                         "--out B-deepfm-512-20-int8";
     unsigned char *bad = malloc(n);
     memcpy(bad, good, n);
     bad[n / 2] ^= 0x10;
@@ -591,11 +591,11 @@ static void int8_resume(void)
               err_text);
     put_bytes(ef, good, n);
 
-    CHECK_MSG(run("reshard --from B-mlp-512-20-int8 --shards 2 --out R-int8") == 0, "reshard: %s",
-              err_text);
+    CHECK_MSG(run("reshard --from B-deepfm-512-20-int8 --shards 2 --out R-int8") == 0,
+              "reshard: %s", err_text);
     CHECK(same_bytes(ef, "R-int8/ckpt/step-40/worker-0.ef"));
     put_bytes(ef, bad, n);
-    rc = run("reshard --from B-mlp-512-20-int8 --shards 3 --out R3-int8");
+    rc = run("reshard --from B-deepfm-512-20-int8 --shards 3 --out R3-int8");
     CHECK_MSG(rc == 1 && err_has("worker-0.ef"), "reshard of a damaged worker-0.ef: exit %d, %s",
               rc, err_text);
     /* A checkpoint written before residuals were saved: resumed with none, and said so. */
