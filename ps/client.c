@@ -40,6 +40,7 @@
 
 #include "ps/dense.h"
 #include "ps/keycache.h"
+#include "ps/keysort.h"
 #include "ps/net.h"
 #include "ps/replica.h"
 #include "ps/residual.h"
@@ -804,98 +805,6 @@ void ps_client_destroy(ps_client *c)
 
 /* ---- batching: sort, dedup, split by shard ---- */
 
-typedef struct kv {
-    uint64_t key;
-    uint32_t idx;
-} kv;
-
-/* LSD radix sort of a[0..n) by the key bits [0, bits), stable: 11-bit digits, a pass skipped
- * where all keys share its digit, the two buffers taking turns. Small digits keep the 2048
- * counters and scatter targets in L1 (16-bit digits cleared and scanned 65536 counters a pass,
- * and were a fifth of a pull's client CPU). */
-#define LSD_BITS 11
-static void lsd_sort(kv *a, kv *tmp, size_t n, int bits)
-{
-    uint32_t c[1u << LSD_BITS];
-    const uint64_t mask = (1u << LSD_BITS) - 1;
-    kv *src = a, *dst = tmp;
-    for (int shift = 0; shift < bits; shift += LSD_BITS) {
-        memset(c, 0, sizeof c);
-        for (size_t i = 0; i < n; i++)
-            c[(src[i].key >> shift) & mask]++;
-        if (c[(src[0].key >> shift) & mask] == n) continue; /* one digit value */
-        uint32_t sum = 0;
-        for (size_t v = 0; v <= mask; v++) {
-            uint32_t x = c[v];
-            c[v] = sum;
-            sum += x;
-        }
-        for (size_t i = 0; i < n; i++)
-            dst[c[(src[i].key >> shift) & mask]++] = src[i];
-        kv *t = src;
-        src = dst;
-        dst = t;
-    }
-    if (src != a) memcpy(a, src, n * sizeof *a);
-}
-
-/* Buckets of at most this many keys are insertion-sorted; larger ones get LSD passes. */
-#define SORT_SMALL 32
-
-/*
- * Sorts a[0..n) by key, stably (tmp: n entries of scratch). Keys are hashes, so the highest bits
- * in which they differ spread them evenly: one counting pass on the top d of those bits (d about
- * log2(n) - 1, at most 14: ~2 keys a bucket) leaves buckets that an insertion sort finishes,
- * with LSD passes over the bits below for a bucket of more than SORT_SMALL keys. Keys that
- * differ only in their low 22 bits take the two LSD passes alone. 40K random keys: 13.5-17 ns
- * a key, against 24-30 for LSD passes over all 64 bits (all six had distinct digits).
- */
-#define SORT_MSD_MAX 14
-static void key_sort(kv *a, kv *tmp, size_t n)
-{
-    if (n < 2) return;
-    uint64_t diff = 0;
-    for (size_t i = 1; i < n; i++)
-        diff |= a[i].key ^ a[0].key;
-    if (diff == 0) return;
-    int top = 64 - __builtin_clzll(diff); /* keys agree on every bit from top up */
-    int d = 63 - __builtin_clzll((uint64_t)n) - 1;
-    d = d < 1 ? 1 : d > SORT_MSD_MAX ? SORT_MSD_MAX : d;
-    uint32_t *c = top > 2 * LSD_BITS ? malloc(((2u << d) + 1) * sizeof *c) : NULL;
-    if (c == NULL) { /* (or out of memory: no bucket pass, the same order) */
-        lsd_sort(a, tmp, n, top);
-        return;
-    }
-    int shift = top - d;
-    const uint64_t mask = (1u << d) - 1;
-    uint32_t *pos = c + (1u << d) + 1;
-    memset(c, 0, ((1u << d) + 1) * sizeof *c);
-    for (size_t i = 0; i < n; i++)
-        c[((a[i].key >> shift) & mask) + 1]++;
-    for (size_t v = 1; v <= mask + 1; v++)
-        c[v] += c[v - 1];
-    memcpy(pos, c, (mask + 1) * sizeof *pos);
-    for (size_t i = 0; i < n; i++)
-        tmp[pos[(a[i].key >> shift) & mask]++] = a[i];
-    memcpy(a, tmp, n * sizeof *a);
-    for (size_t v = 0; v <= mask; v++) {
-        size_t b0 = c[v], m = c[v + 1] - b0;
-        kv *s = a + b0;
-        if (m > SORT_SMALL) {
-            lsd_sort(s, tmp + b0, m, shift);
-            continue;
-        }
-        for (size_t i = 1; i < m; i++) {
-            kv x = s[i];
-            size_t j = i;
-            for (; j > 0 && s[j - 1].key > x.key; j--)
-                s[j] = s[j - 1];
-            s[j] = x;
-        }
-    }
-    free(c);
-}
-
 /* A batch split by shard: skeys are the distinct keys grouped by shard (shard s owns positions
  * start[s] .. start[s+1]), each group sorted; inv[i] is the position of the caller's key i
  * there, so rows and gradients are laid out in the order the messages carry them. identity:
@@ -982,7 +891,7 @@ static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n,
         return CM_OK;
     }
     if (sp->start != NULL) memset(sp->start, 0, (ns + 1) * sizeof *sp->start);
-    kv *a = malloc(n * sizeof *a), *tmp = malloc(n * sizeof *tmp);
+    ps_kv *a = malloc(n * sizeof *a), *tmp = malloc(n * sizeof *tmp);
     uint64_t *uniq = malloc(n * sizeof *uniq);
     uint32_t *owner = malloc(n * sizeof *owner), *fill = malloc((ns + 1) * sizeof *fill);
     sp->inv = malloc(n * sizeof *sp->inv);
@@ -993,8 +902,8 @@ static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n,
         goto out;
     }
     for (size_t i = 0; i < n; i++)
-        a[i] = (kv){keys[i], (uint32_t)i};
-    key_sort(a, tmp, n);
+        a[i] = (ps_kv){keys[i], (uint32_t)i};
+    ps_kv_sort(a, tmp, n);
     size_t u = 0;
     for (size_t i = 0; i < n; i++) {
         if (u == 0 || uniq[u - 1] != a[i].key) uniq[u++] = a[i].key;
@@ -1019,7 +928,7 @@ out:
 int ps_keys_order(uint32_t ns, const uint64_t *keys, size_t n, uint32_t *perm, char **errptr)
 {
     if (ns == 0) return cm_err(errptr, CM_EINVAL, "no shards");
-    kv *a = malloc(n * sizeof *a + 1), *tmp = malloc(n * sizeof *tmp + 1);
+    ps_kv *a = malloc(n * sizeof *a + 1), *tmp = malloc(n * sizeof *tmp + 1);
     uint64_t *sorted = malloc(n * sizeof *sorted + 1);
     uint32_t *place = malloc(n * sizeof *place + 1), *start = calloc(ns + 1, sizeof *start),
              *fill = malloc((ns + 1) * sizeof *fill);
@@ -1029,8 +938,8 @@ int ps_keys_order(uint32_t ns, const uint64_t *keys, size_t n, uint32_t *perm, c
         goto out;
     }
     for (size_t i = 0; i < n; i++)
-        a[i] = (kv){keys[i], (uint32_t)i};
-    key_sort(a, tmp, n);
+        a[i] = (ps_kv){keys[i], (uint32_t)i};
+    ps_kv_sort(a, tmp, n);
     for (size_t i = 0; i < n; i++) {
         if (i > 0 && a[i].key == a[i - 1].key) {
             rc = cm_err(errptr, CM_EINVAL, "key %" PRIu64 " appears twice", a[i].key);

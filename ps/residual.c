@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ps/keysort.h"
 #include "ps/residual.h"
 
 #define RESID_MAGIC "EMBRESD1"
@@ -52,14 +53,15 @@ static bool pushes_int8(const ps_config *cfg, uint32_t t)
 }
 
 typedef struct key_list {
-    uint64_t *keys;
+    ps_kv *kv;
     size_t n;
 } key_list;
 
 static int collect_key(const void *record, void *arg)
 {
     key_list *l = arg;
-    memcpy(&l->keys[l->n++], record, 8);
+    memcpy(&l->kv[l->n].key, record, 8);
+    l->kv[l->n++].idx = 0;
     return 0;
 }
 
@@ -72,27 +74,35 @@ static int save_table(cm_afile *f, emb_store *st, const ps_config *cfg, uint32_t
     uint64_t n = st ? emb_store_count(st) : 0;
     uint8_t *recs = malloc(RESID_CHUNK * rec), *found = malloc(RESID_CHUNK),
             *out = malloc(RESID_CHUNK * row);
-    l.keys = malloc(n * sizeof *l.keys + 1);
+    /* The keys are sorted, then their records fetched a chunk at a time: sorting the records
+     * themselves would copy the whole store. */
+    ps_kv *tmp = malloc(n * sizeof *tmp + 1);
+    uint64_t *keys = malloc(RESID_CHUNK * sizeof *keys);
+    l.kv = malloc(n * sizeof *l.kv + 1);
     int rc = CM_OK;
-    if (!recs || !found || !out || !l.keys) {
+    if (!recs || !found || !out || !tmp || !keys || !l.kv) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory saving %" PRIu64 " residuals", n);
         goto out;
     }
     if (st) rc = emb_store_foreach(st, collect_key, &l, errptr);
     if (rc != CM_OK) goto out;
-    qsort(l.keys, l.n, sizeof *l.keys, cm_u64_cmp);
+    ps_kv_sort(l.kv, tmp, l.n);
     resid_sec sec = {.table = t, .dim = dim, .rows = l.n};
     snprintf(sec.name, sizeof sec.name, "%s", cfg->tables[t].name);
     rc = cm_afile_write(f, &sec, sizeof sec, errptr);
     for (size_t at = 0; rc == CM_OK && at < l.n; at += RESID_CHUNK) {
         size_t k = l.n - at < RESID_CHUNK ? l.n - at : RESID_CHUNK;
-        rc = emb_store_get(st, l.keys + at, k, recs, found, errptr);
+        for (size_t i = 0; i < k; i++)
+            keys[i] = l.kv[at + i].key;
+        rc = emb_store_get(st, keys, k, recs, found, errptr);
         for (size_t i = 0; rc == CM_OK && i < k; i++)
             memcpy(out + i * row, recs + i * rec, row); /* the key, then the floats */
         if (rc == CM_OK) rc = cm_afile_write(f, out, k * row, errptr);
     }
 out:
-    free(l.keys);
+    free(l.kv);
+    free(tmp);
+    free(keys);
     free(recs);
     free(found);
     free(out);
