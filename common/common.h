@@ -330,6 +330,10 @@ uint64_t cm_afile_digest(const cm_afile *f);
 int cm_afile_commit(cm_afile *f, char **errptr);
 /* Closes and removes the temporary; releases f. Safe after a failed open or commit. */
 void cm_afile_abort(cm_afile *f);
+/* Ends a binary file whose last 8 bytes are the xxh3-64 of every byte before them: when rc (the
+ * writes' outcome) is CM_OK, appends that digest and commits; otherwise aborts. Returns the
+ * outcome (rc, or the append's or commit's error). */
+int cm_afile_commit_digest(cm_afile *f, int rc, char **errptr);
 
 /* Writes a whole buffer atomically (open + write + commit). */
 int cm_write_file_atomic(const char *path, const void *buf, size_t n, char **errptr);

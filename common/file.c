@@ -475,6 +475,17 @@ fail:
     return rc;
 }
 
+int cm_afile_commit_digest(cm_afile *f, int rc, char **errptr)
+{
+    if (rc == CM_OK) {
+        uint64_t digest = cm_afile_digest(f);
+        rc = cm_afile_write(f, &digest, sizeof digest, errptr);
+    }
+    if (rc == CM_OK) return cm_afile_commit(f, errptr);
+    cm_afile_abort(f);
+    return rc;
+}
+
 void cm_afile_abort(cm_afile *f)
 {
     aio_finish(f); /* its buffer is about to be freed */

@@ -40,8 +40,10 @@
 
 #include "ps/dense.h"
 #include "ps/keycache.h"
+#include "ps/keysort.h"
 #include "ps/net.h"
 #include "ps/replica.h"
+#include "ps/residual.h"
 #include "ps/wire.h"
 
 enum { SL_FREE, SL_SEND, SL_RECV, SL_DONE };
@@ -114,7 +116,7 @@ struct ps_client {
     int async_rc;
     char *async_err;
     uint64_t clock, barrier_gen;
-    emb_store *residual[PS_MAX_TABLES]; /* int8 error feedback, per table */
+    emb_store *residual[PS_MAX_TABLES]; /* int8 error feedback, per table (ps/residual.h) */
     ps_keycache *pulled; /* recent pulls' key lists per (shard, table); NULL: never elide */
     ps_client_stats st;
     /* Dense mirrors, per block (NULL: none); mirror_mu serialises their calls (taken before
@@ -680,12 +682,7 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto fail;
     }
-    for (uint32_t i = 0; i < c->cfg.n_tables && rc == CM_OK; i++) {
-        if (c->cfg.tables[i].push_codec != PS_CODEC_INT8) continue;
-        size_t rec = (8 + 4 * (size_t)c->cfg.tables[i].cfg.dim + 7) & ~(size_t)7;
-        rc = emb_store_create("memory", NULL, rec, &c->residual[i], errptr);
-    }
-    if (rc == CM_OK && !o->explicit_keys &&
+    if (!o->explicit_keys &&
         (c->pulled = ps_keycache_create(c->cfg.n_shards, c->cfg.n_tables)) == NULL)
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
     for (uint32_t i = 0; i < c->cfg.n_shards && rc == CM_OK; i++) {
@@ -792,8 +789,7 @@ void ps_client_destroy(ps_client *c)
             free(sc->backup_url);
         }
     }
-    for (uint32_t i = 0; i < PS_MAX_TABLES; i++)
-        emb_store_destroy(c->residual[i]);
+    ps_resid_clear(c->residual);
     for (uint32_t b = 0; b < PS_MAX_DENSE; b++)
         mirror_drop(c, b);
     pthread_mutex_destroy(&c->mirror_mu);
@@ -808,98 +804,6 @@ void ps_client_destroy(ps_client *c)
 }
 
 /* ---- batching: sort, dedup, split by shard ---- */
-
-typedef struct kv {
-    uint64_t key;
-    uint32_t idx;
-} kv;
-
-/* LSD radix sort of a[0..n) by the key bits [0, bits), stable: 11-bit digits, a pass skipped
- * where all keys share its digit, the two buffers taking turns. Small digits keep the 2048
- * counters and scatter targets in L1 (16-bit digits cleared and scanned 65536 counters a pass,
- * and were a fifth of a pull's client CPU). */
-#define LSD_BITS 11
-static void lsd_sort(kv *a, kv *tmp, size_t n, int bits)
-{
-    uint32_t c[1u << LSD_BITS];
-    const uint64_t mask = (1u << LSD_BITS) - 1;
-    kv *src = a, *dst = tmp;
-    for (int shift = 0; shift < bits; shift += LSD_BITS) {
-        memset(c, 0, sizeof c);
-        for (size_t i = 0; i < n; i++)
-            c[(src[i].key >> shift) & mask]++;
-        if (c[(src[0].key >> shift) & mask] == n) continue; /* one digit value */
-        uint32_t sum = 0;
-        for (size_t v = 0; v <= mask; v++) {
-            uint32_t x = c[v];
-            c[v] = sum;
-            sum += x;
-        }
-        for (size_t i = 0; i < n; i++)
-            dst[c[(src[i].key >> shift) & mask]++] = src[i];
-        kv *t = src;
-        src = dst;
-        dst = t;
-    }
-    if (src != a) memcpy(a, src, n * sizeof *a);
-}
-
-/* Buckets of at most this many keys are insertion-sorted; larger ones get LSD passes. */
-#define SORT_SMALL 32
-
-/*
- * Sorts a[0..n) by key, stably (tmp: n entries of scratch). Keys are hashes, so the highest bits
- * in which they differ spread them evenly: one counting pass on the top d of those bits (d about
- * log2(n) - 1, at most 14: ~2 keys a bucket) leaves buckets that an insertion sort finishes,
- * with LSD passes over the bits below for a bucket of more than SORT_SMALL keys. Keys that
- * differ only in their low 22 bits take the two LSD passes alone. 40K random keys: 13.5-17 ns
- * a key, against 24-30 for LSD passes over all 64 bits (all six had distinct digits).
- */
-#define SORT_MSD_MAX 14
-static void key_sort(kv *a, kv *tmp, size_t n)
-{
-    if (n < 2) return;
-    uint64_t diff = 0;
-    for (size_t i = 1; i < n; i++)
-        diff |= a[i].key ^ a[0].key;
-    if (diff == 0) return;
-    int top = 64 - __builtin_clzll(diff); /* keys agree on every bit from top up */
-    int d = 63 - __builtin_clzll((uint64_t)n) - 1;
-    d = d < 1 ? 1 : d > SORT_MSD_MAX ? SORT_MSD_MAX : d;
-    uint32_t *c = top > 2 * LSD_BITS ? malloc(((2u << d) + 1) * sizeof *c) : NULL;
-    if (c == NULL) { /* (or out of memory: no bucket pass, the same order) */
-        lsd_sort(a, tmp, n, top);
-        return;
-    }
-    int shift = top - d;
-    const uint64_t mask = (1u << d) - 1;
-    uint32_t *pos = c + (1u << d) + 1;
-    memset(c, 0, ((1u << d) + 1) * sizeof *c);
-    for (size_t i = 0; i < n; i++)
-        c[((a[i].key >> shift) & mask) + 1]++;
-    for (size_t v = 1; v <= mask + 1; v++)
-        c[v] += c[v - 1];
-    memcpy(pos, c, (mask + 1) * sizeof *pos);
-    for (size_t i = 0; i < n; i++)
-        tmp[pos[(a[i].key >> shift) & mask]++] = a[i];
-    memcpy(a, tmp, n * sizeof *a);
-    for (size_t v = 0; v <= mask; v++) {
-        size_t b0 = c[v], m = c[v + 1] - b0;
-        kv *s = a + b0;
-        if (m > SORT_SMALL) {
-            lsd_sort(s, tmp + b0, m, shift);
-            continue;
-        }
-        for (size_t i = 1; i < m; i++) {
-            kv x = s[i];
-            size_t j = i;
-            for (; j > 0 && s[j - 1].key > x.key; j--)
-                s[j] = s[j - 1];
-            s[j] = x;
-        }
-    }
-    free(c);
-}
 
 /* A batch split by shard: skeys are the distinct keys grouped by shard (shard s owns positions
  * start[s] .. start[s+1]), each group sorted; inv[i] is the position of the caller's key i
@@ -987,7 +891,7 @@ static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n,
         return CM_OK;
     }
     if (sp->start != NULL) memset(sp->start, 0, (ns + 1) * sizeof *sp->start);
-    kv *a = malloc(n * sizeof *a), *tmp = malloc(n * sizeof *tmp);
+    ps_kv *a = malloc(n * sizeof *a), *tmp = malloc(n * sizeof *tmp);
     uint64_t *uniq = malloc(n * sizeof *uniq);
     uint32_t *owner = malloc(n * sizeof *owner), *fill = malloc((ns + 1) * sizeof *fill);
     sp->inv = malloc(n * sizeof *sp->inv);
@@ -998,8 +902,8 @@ static int split_keys(const struct ps_client *c, const uint64_t *keys, size_t n,
         goto out;
     }
     for (size_t i = 0; i < n; i++)
-        a[i] = (kv){keys[i], (uint32_t)i};
-    key_sort(a, tmp, n);
+        a[i] = (ps_kv){keys[i], (uint32_t)i};
+    ps_kv_sort(a, tmp, n);
     size_t u = 0;
     for (size_t i = 0; i < n; i++) {
         if (u == 0 || uniq[u - 1] != a[i].key) uniq[u++] = a[i].key;
@@ -1024,7 +928,7 @@ out:
 int ps_keys_order(uint32_t ns, const uint64_t *keys, size_t n, uint32_t *perm, char **errptr)
 {
     if (ns == 0) return cm_err(errptr, CM_EINVAL, "no shards");
-    kv *a = malloc(n * sizeof *a + 1), *tmp = malloc(n * sizeof *tmp + 1);
+    ps_kv *a = malloc(n * sizeof *a + 1), *tmp = malloc(n * sizeof *tmp + 1);
     uint64_t *sorted = malloc(n * sizeof *sorted + 1);
     uint32_t *place = malloc(n * sizeof *place + 1), *start = calloc(ns + 1, sizeof *start),
              *fill = malloc((ns + 1) * sizeof *fill);
@@ -1034,8 +938,8 @@ int ps_keys_order(uint32_t ns, const uint64_t *keys, size_t n, uint32_t *perm, c
         goto out;
     }
     for (size_t i = 0; i < n; i++)
-        a[i] = (kv){keys[i], (uint32_t)i};
-    key_sort(a, tmp, n);
+        a[i] = (ps_kv){keys[i], (uint32_t)i};
+    ps_kv_sort(a, tmp, n);
     for (size_t i = 0; i < n; i++) {
         if (i > 0 && a[i].key == a[i - 1].key) {
             rc = cm_err(errptr, CM_EINVAL, "key %" PRIu64 " appears twice", a[i].key);
@@ -1263,9 +1167,9 @@ int ps_client_lookup(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
 static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
                           float *g, const float *back, int phase, char **errptr)
 {
-    emb_store *st = c->residual[table];
+    if (phase == 0 && c->residual[table] == NULL) return CM_OK; /* none kept yet */
     const uint32_t dim = c->cfg.tables[table].cfg.dim;
-    const size_t rec = (8 + 4 * (size_t)dim + 7) & ~(size_t)7;
+    const size_t rec = ps_resid_rec_bytes(dim);
     uint8_t *recs = calloc(n, rec), *found = malloc(n);
     int rc = CM_OK;
     if (recs == NULL || found == NULL) {
@@ -1273,7 +1177,7 @@ static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *k
         goto out;
     }
     if (phase == 0) {
-        rc = emb_store_get(st, keys, n, recs, found, errptr);
+        rc = emb_store_get(c->residual[table], keys, n, recs, found, errptr);
         for (size_t i = 0; rc == CM_OK && i < n; i++) {
             if (!found[i]) continue;
             const float *r = (const float *)(recs + i * rec + 8);
@@ -1293,7 +1197,8 @@ static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *k
         }
         c->st.push_sq_error += sq_error;
         c->st.push_sq_norm += sq_norm;
-        rc = emb_store_put(st, recs, n, errptr);
+        rc = ps_resid_store(&c->residual[table], dim, errptr);
+        if (rc == CM_OK) rc = emb_store_put(c->residual[table], recs, n, errptr);
     }
 out:
     free(recs);
@@ -1733,7 +1638,21 @@ int ps_client_load(ps_client *c, const char *dir, char **errptr)
     for (uint32_t b = 0; b < PS_MAX_DENSE; b++)
         mirror_drop(c, b);
     pthread_mutex_unlock(&c->mirror_mu);
+    /* Likewise the int8 residuals: they are what this client's pushes to the old rows left
+     * unsent, and added into the loaded rows' next pushes they would carry updates from a
+     * timeline the checkpoint never saw. */
+    ps_resid_clear(c->residual);
     return checkpoint(c, PS_OP_LOAD, dir, errptr);
+}
+
+int ps_client_residuals_save(ps_client *c, const char *path, char **errptr)
+{
+    return ps_resid_save(c->residual, &c->cfg, c->worker, path, errptr);
+}
+
+int ps_client_residuals_load(ps_client *c, const char *path, char **errptr)
+{
+    return ps_resid_load(c->residual, &c->cfg, c->worker, path, errptr);
 }
 
 int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)

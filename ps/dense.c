@@ -229,13 +229,7 @@ int ps_dense_save(ps_dense *d, const char *path, char **errptr)
     if (rc == CM_OK && d->s1) rc = cm_afile_write(&f, d->s1, bytes, errptr);
     if (rc == CM_OK && d->s2) rc = cm_afile_write(&f, d->s2, bytes, errptr);
     pthread_mutex_unlock(&d->mu);
-    if (rc == CM_OK) {
-        uint64_t digest = cm_afile_digest(&f);
-        rc = cm_afile_write(&f, &digest, sizeof digest, errptr);
-    }
-    if (rc == CM_OK) return cm_afile_commit(&f, errptr);
-    cm_afile_abort(&f);
-    return rc;
+    return cm_afile_commit_digest(&f, rc, errptr);
 }
 
 /* Reads and verifies a dense file; *buf (caller frees) holds it, *h its header. */

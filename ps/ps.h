@@ -344,8 +344,29 @@ void ps_client_barrier_seek(ps_client *c, uint64_t id);
  * snapshot into dir/shard-<i>; all meet again and continue. The result is one consistent cut.
  * dir is 1..PS_CKPT_DIR_MAX bytes. */
 int ps_client_save(ps_client *c, const char *dir, char **errptr);
-/* Collective like save: every shard replaces its tables and dense blocks with a checkpoint's. */
+/* Collective like save: every shard replaces its tables and dense blocks with a checkpoint's.
+ * This client's int8 residuals are emptied first, whatever the outcome (see below): they belong
+ * to pushes to rows the checkpoint replaces. */
 int ps_client_load(ps_client *c, const char *dir, char **errptr);
+
+/*
+ * int8 error feedback (Codecs above) keeps, in the client, each pushed row's quantisation
+ * residual for that row's next push: training state that a PS checkpoint does not hold, so a
+ * run resumed without it pushes other values than one that never stopped. A trainer writes
+ * each worker's beside the checkpoint and loads them after ps_client_load.
+ * save writes them to path (temp + fsync + rename; magic, version, the worker, every int8
+ * table's name, dim and rows in key order, an xxh3 trailer: ps/residual.h), so the same
+ * residuals are the same bytes; a client none of whose tables pushes int8 writes no file.
+ * load replaces them with path's: the file must be this worker's and hold exactly the tables
+ * this config pushes int8, with their dims (CM_EINVAL naming the file otherwise); a damaged or
+ * truncated file is CM_ECORRUPT naming it, a missing one CM_ENOTFOUND. On any error the
+ * residuals are left empty. Neither call may overlap a push on c. A new client starts empty.
+ */
+int ps_client_residuals_save(ps_client *c, const char *path, char **errptr);
+int ps_client_residuals_load(ps_client *c, const char *path, char **errptr);
+/* The check load makes of a residual file, without a client: buf[0, len) read from path (which
+ * messages name). CM_OK, or CM_ECORRUPT. For a tool that copies one (ember reshard). */
+int ps_residuals_check(const void *buf, size_t len, const char *path, char **errptr);
 
 typedef struct ps_client_stats {
     uint64_t bytes_sent, bytes_received;

@@ -27,7 +27,20 @@ static void reshard_usage(FILE *to)
             (unsigned long long)(PS_RESHARD_MEMORY_DEFAULT >> 20));
 }
 
-/* Copies the trainer's files that sit beside the shards (model.txt, worker-<i>.pos, and
+/* Copies a worker's int8 residuals (worker-<i>.ef) as they are, verified: they are keyed by row,
+ * not by shard, so any shard count takes them. */
+static int copy_residuals(const char *src, const char *dst, char **errptr)
+{
+    void *buf = NULL;
+    size_t len = 0;
+    int rc = cm_read_file(src, &buf, &len, errptr);
+    if (rc == CM_OK) rc = ps_residuals_check(buf, len, src, errptr);
+    if (rc == CM_OK) rc = cm_write_file_atomic(dst, buf, len, errptr);
+    free(buf);
+    return rc;
+}
+
+/* Copies the trainer's files that sit beside the shards (model.txt, worker-<i>.pos and .ef, and
  * run.txt with its shard count made the new one, so that a resume still checks the other
  * settings against it), each checksum verified on the way. */
 static int copy_side_files(const char *from, const char *to, uint32_t shards, char **errptr)
@@ -41,13 +54,17 @@ static int copy_side_files(const char *from, const char *to, uint32_t shards, ch
         /* A checkpoint written before ember train cleared its staging directory may hold a
          * killed save's worker temporary, cut short, which is no part of the checkpoint. */
         uint32_t w;
-        if (!train_ckpt_worker_pos(e->d_name, &w) && strcmp(e->d_name, "model.txt") && !run)
-            continue;
+        train_worker_file kind = train_ckpt_worker_file(e->d_name, &w);
+        if (kind == TRAIN_WF_NONE && strcmp(e->d_name, "model.txt") && !run) continue;
         char src[4400], dst[4400];
         if (snprintf(src, sizeof src, "%s/%s", from, e->d_name) >= (int)sizeof src ||
             snprintf(dst, sizeof dst, "%s/%s", to, e->d_name) >= (int)sizeof dst) {
             rc = cm_err(errptr, CM_EINVAL, "path too long under %s", to);
             break;
+        }
+        if (kind == TRAIN_WF_EF) {
+            rc = copy_residuals(src, dst, errptr);
+            continue;
         }
         char *text = NULL, *out = NULL;
         size_t len;

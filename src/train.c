@@ -1117,14 +1117,18 @@ static int resume_check(const setup *S, char **errptr)
  * unreadable (two copies of a row), and the temporaries that save was writing (a position cut
  * short, which reshard refuses; a shard's half-written tables), which stayed in the checkpoint
  * for good. Only this checkpoint's own entries stay. */
-bool train_ckpt_worker_pos(const char *name, uint32_t *w)
+train_worker_file train_ckpt_worker_file(const char *name, uint32_t *w)
 {
+    static const char *const ext[] = {[TRAIN_WF_POS] = "pos", [TRAIN_WF_EF] = "ef"};
     unsigned i;
     char own[32];
-    if (sscanf(name, "worker-%u", &i) != 1) return false;
-    snprintf(own, sizeof own, "worker-%u.pos", i);
+    if (sscanf(name, "worker-%u", &i) != 1) return TRAIN_WF_NONE;
     *w = i;
-    return strcmp(own, name) == 0;
+    for (int k = TRAIN_WF_POS; k <= TRAIN_WF_EF; k++) {
+        snprintf(own, sizeof own, "worker-%u.%s", i, ext[k]);
+        if (strcmp(own, name) == 0) return (train_worker_file)k;
+    }
+    return TRAIN_WF_NONE;
 }
 
 static int drop_foreign(const setup *S, const char *dir, char **errptr)
@@ -1142,7 +1146,7 @@ static int drop_foreign(const setup *S, const char *dir, char **errptr)
             snprintf(own, sizeof own, "shard-%u", i);
         bool ours = !strcmp(n, ".") || !strcmp(n, "..") || !strcmp(n, "model.txt") ||
                     !strcmp(n, "run.txt") || !strcmp(n, own) ||
-                    (train_ckpt_worker_pos(n, &w) && w < S->o->workers);
+                    (train_ckpt_worker_file(n, &w) != TRAIN_WF_NONE && w < S->o->workers);
         if (!ours) {
             char path[2600];
             snprintf(path, sizeof path, "%s/%s", dir, n);
@@ -1160,9 +1164,10 @@ static bool is_staging(const char *name)
     return len > sl && strcmp(name + len - sl, TRAIN_CKPT_STAGING) == 0;
 }
 
-/* Collective: PS snapshot named by tag (the same for every worker), each worker's own data
- * position (batches consumed, the kernels that computed them, and the rows and summed loss of
- * this run so far: job_totals), then LATEST (worker 0).
+/* Collective: PS snapshot named by tag (the same for every worker), each worker's int8 residuals
+ * (worker-<w>.ef, from a run that pushes int8: without them a resume would push other values)
+ * and own data position (batches consumed, the kernels that computed them, and the rows and
+ * summed loss of this run so far: job_totals), then LATEST (worker 0).
  *
  * Everybody writes into step-<tag>.tmp, which worker 0 swaps into step-<tag> whole once every
  * file is there: a fresh run's checkpoint may have the step of the one LATEST names (an earlier
@@ -1179,13 +1184,17 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
     ps_client_barrier_seek(c, barrier_base(tag) + 1);
     int rc = ps_client_save(c, dir, errptr);
     if (rc != CM_OK) return rc;
+    /* Every push of this worker before the cut has left its residual, and none after: the
+     * puller pushes the next batch only once the checkpoint is through (prefetch_grant). */
+    snprintf(path, sizeof path, "%s/worker-%u.ef", dir, w);
+    rc = ps_client_residuals_save(c, path, errptr);
     snprintf(path, sizeof path, "%s/worker-%u.pos", dir, w);
     char kern[64];
     kernels_tag(S, kern, sizeof kern);
     int len = snprintf(text, sizeof text,
                        "step %" PRIu64 "\nkernels %s\nsamples %" PRIu64 "\nloss_sum %.17g\n", own,
                        kern, samples, loss_sum);
-    rc = cm_write_sealed(path, text, (size_t)len, errptr);
+    if (rc == CM_OK) rc = cm_write_sealed(path, text, (size_t)len, errptr);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
     if (rc == CM_OK && w == 0) {
         /* The model's shape travels with its weights: export and serving read it. */
@@ -1785,6 +1794,29 @@ out:
     return rc;
 }
 
+/* --resume: worker w's int8 residuals from checkpoint dir (ps_client_load emptied them). A
+ * checkpoint without them (of an fp32 run, or written before they were saved) leaves them
+ * empty; one of an int8 run says that the resume is not bit for bit. */
+static int load_residuals(const setup *S, ps_client *c, const char *dir, uint32_t w, char **errptr)
+{
+    char path[2400];
+    snprintf(path, sizeof path, "%s/worker-%u.ef", dir, w);
+    char *err = NULL;
+    int rc = ps_client_residuals_load(c, path, &err);
+    if (rc != CM_OK && rc != CM_ENOTFOUND) cm_err(errptr, rc, "--resume: %s", err);
+    free(err);
+    if (rc != CM_ENOTFOUND) return rc;
+    if (S->o->push_codec == PS_CODEC_INT8) {
+        fprintf(stderr,
+                "ember train: worker %u: %s is missing (a checkpoint written before residuals "
+                "were saved): its int8 residuals start at zero, and the run continues, but not "
+                "bit for bit\n",
+                w, path);
+        train_log(S, "worker %u: %s missing: int8 residuals start at zero", w, path);
+    }
+    return CM_OK;
+}
+
 /* A whole worker: connect, initialise the tower, (resume), train, checkpoint, evaluate. */
 static void *worker_main(void *arg)
 {
@@ -1813,7 +1845,9 @@ static void *worker_main(void *arg)
         free(p);
     }
     if (rc == CM_OK && o->rejoin) {
-        /* The others are mid-run: nothing to load, no start barrier to meet. */
+        /* The others are mid-run: nothing to load, no start barrier to meet. Its int8 residuals
+         * start empty (a new client's): the PS kept the rows its pushes after its last
+         * checkpoint made, and those pushes already carried that checkpoint's residuals. */
         const char *from;
         W->start = rejoin_position(S, W->index, &from);
         fprintf(stderr, "ember train: worker %u rejoins at batch %" PRIu64 " (from %s)\n", W->index,
@@ -1834,6 +1868,7 @@ static void *worker_main(void *arg)
                         pos, W->start, S->resume_step, S->steps_of[W->index]);
         if (rc == CM_OK) warn_kernels(S, pos_text);
         free(pos_text);
+        if (rc == CM_OK) rc = load_residuals(S, c, dir, W->index, errptr);
     }
     /* Clocks count batches, so a rejoined worker's clock is where the others expect it. */
     if (rc == CM_OK) ps_client_clock_seek(c, W->start);

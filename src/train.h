@@ -158,9 +158,17 @@ typedef struct train_result {
  * removes those an interrupted save left. */
 #define TRAIN_CKPT_STAGING ".tmp"
 
-/* Whether name is a worker's position in a checkpoint, worker-<w>.pos spelled exactly as the
- * trainer writes it (*w gets w): not a killed save's worker-<w>.pos.tmp.<pid>. */
-bool train_ckpt_worker_pos(const char *name, uint32_t *w);
+/* A checkpoint's own files of each worker w: worker-<w>.pos, its data position (and kernels,
+ * rows and summed loss), and worker-<w>.ef, its int8 error-feedback residuals
+ * (ps_client_residuals_save; only from a run that pushes int8). */
+typedef enum train_worker_file {
+    TRAIN_WF_NONE = 0, /* none of them */
+    TRAIN_WF_POS,
+    TRAIN_WF_EF,
+} train_worker_file;
+/* Which of them name is, spelled exactly as the trainer writes it (*w gets w): a killed save's
+ * worker-<w>.pos.tmp.<pid> is none. */
+train_worker_file train_ckpt_worker_file(const char *name, uint32_t *w);
 
 /* A checkpoint directory from `in`: in itself when it holds shard-0/, else the run directory's
  * ckpt/LATEST. *step is parsed from the "step-N" name; under another name it is worker 0's

@@ -267,6 +267,95 @@ static void check_bad_names(const char *ckpt)
     free(mf);
 }
 
+/* Pushes a zero gradient to every key of table q (int8, adagrad) and pulls its rows into q:
+ * what goes out is just the client's residuals (a zero row where it has none, which leaves
+ * the row as it was). */
+static void push_zeros(ps_client *c, const uint64_t *keys, float *q)
+{
+    static float zero[NK * 4];
+    char *err = NULL;
+    CHECK_OK(ps_client_push(c, 1, keys, NK, zero, &err), err);
+    CHECK_OK(ps_client_pull(c, 1, keys, NK, q, &err), err);
+}
+
+/* The bytes of a file (NULL when unreadable). */
+static void *file_bytes(const char *path, size_t *n)
+{
+    void *b = NULL;
+    return cm_read_file(path, &b, n, NULL) == CM_OK ? b : NULL;
+}
+
+static void write_bytes(const char *path, const void *b, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    CHECK(f != NULL && fwrite(b, 1, n, f) == n && fclose(f) == 0);
+}
+
+/* A load of a residual file that must fail with `want`, naming the file, and leave none. */
+static void load_refused(ps_client *c, const char *path, int want, const char *ckpt,
+                         const uint64_t *keys, const float *saved)
+{
+    static float q[NK * 4];
+    char *err = NULL;
+    int rc = ps_client_residuals_load(c, path, &err);
+    CHECK_MSG(rc == want && err && strstr(err, path), "load of %s: %d, %s", path, rc,
+              err ? err : "(no message)");
+    free(err), err = NULL;
+    CHECK_OK(ps_client_load(c, ckpt, &err), err);
+    push_zeros(c, keys, q);
+    CHECK_MSG(memcmp(q, saved, sizeof q) == 0, "a refused residual file left residuals");
+}
+
+/* int8 error feedback (table q): a push leaves residuals in the client. ps_client_load empties
+ * them, so a zero push to the loaded rows leaves them as saved (before, the residuals of
+ * pushes to the replaced rows went out with it and moved them). Their file round-trips to the
+ * same bytes, and loaded they go out with the next push; a damaged, truncated or missing file is
+ * refused naming it, and leaves none. */
+static void check_residuals(ps_client *c, const char *ckpt, const char *dir, const uint64_t *keys,
+                            const float *saved)
+{
+    static float g[NK * 4], q[NK * 4];
+    char *err = NULL;
+    for (uint32_t i = 0; i < NK * 4; i++)
+        g[i] = (float)((i * 11) % 23) * 0.013f - 0.1f;
+    CHECK_OK(ps_client_push(c, 1, keys, NK, g, &err), err);
+    const char *ef = pt_path(dir, "w0.ef"), *ef2 = pt_path(dir, "w0-again.ef");
+    CHECK_OK(ps_client_residuals_save(c, ef, &err), err);
+    CHECK_OK(ps_client_load(c, ckpt, &err), err);
+    push_zeros(c, keys, q);
+    CHECK_MSG(memcmp(q, saved, sizeof q) == 0,
+              "a zero push after LOAD changed table q: the old rows' residuals went out");
+
+    CHECK_OK(ps_client_load(c, ckpt, &err), err);
+    CHECK_OK(ps_client_residuals_load(c, ef, &err), err);
+    CHECK_OK(ps_client_residuals_save(c, ef2, &err), err);
+    size_t n = 0, n2 = 0;
+    unsigned char *b = file_bytes(ef, &n), *b2 = file_bytes(ef2, &n2);
+    CHECK_MSG(b && b2 && n == n2 && n > (size_t)NK * (8 + 16) && memcmp(b, b2, n) == 0,
+              "residuals saved, loaded and saved again: %zu bytes, then %zu", n, n2);
+    push_zeros(c, keys, q);
+    CHECK_MSG(memcmp(q, saved, sizeof q) != 0, "loaded residuals did not go out with a push");
+
+    CHECK(ps_client_residuals_load(c, pt_path(dir, "none.ef"), &err) == CM_ENOTFOUND);
+    free(err), err = NULL;
+    if (b == NULL || n < 64) goto out;
+    const char *bad = pt_path(dir, "bad.ef");
+    b[n / 2] ^= 0x40;
+    write_bytes(bad, b, n);
+    b[n / 2] ^= 0x40;
+    load_refused(c, bad, CM_ECORRUPT, ckpt, keys, saved);
+    write_bytes(bad, b, n - 5);
+    load_refused(c, bad, CM_ECORRUPT, ckpt, keys, saved);
+    CHECK(ps_residuals_check(b, n, ef, &err) == CM_OK);
+    CHECK(ps_residuals_check(b, 20, ef, &err) == CM_ECORRUPT);
+    CHECK_MSG(err && strstr(err, "w0.ef") && strstr(err, "truncated"), "%s", err ? err : "-");
+    free(err), err = NULL;
+out:
+    CHECK_OK(ps_client_load(c, ckpt, &err), err);
+    free(b);
+    free(b2);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -337,6 +426,7 @@ int main(void)
     CHECK_OK(ps_client_pull(c, 0, keys, 1, row, &err), err);
     for (int j = 0; j < 8; j++)
         CHECK(row[j] == (float)(before.t[j] - (double)0.1f * 1.0));
+    check_residuals(c, ckpt, dir, keys, before.q);
     /* More LOADs: each restored table takes the other of its two spill names (it used to append
      * ".load" every time, until the name was too long and LOAD failed). */
     for (int i = 0; i < 5; i++)

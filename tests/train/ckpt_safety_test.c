@@ -7,11 +7,15 @@
  *   the other shard into LATEST's directory, leaving a mixture of two runs to resume from).
  * - A checkpoint without its run.txt is refused by --resume, the file named (it was resumed
  *   without the batch, shard and worker checks run.txt carries).
- * - What a killed save left in a checkpoint's staging directory (temporaries) does not become
- *   part of the checkpoint the resumed run saves there.
+ * - What a killed save left in a checkpoint's staging directory (temporaries, another worker
+ *   count's files) does not become part of the checkpoint the resumed run saves there; the
+ *   worker's own files (its position, its int8 residuals) do.
  * - Runs killed (SIGKILL) at several moments while checkpointing every step, each resumed, end
- *   with the same evaluation and the same tables (every row's bytes, in any order, and the table
- *   step) as a run straight through: a one-worker run resumes bit for bit.
+ *   with the same evaluation, the same tables (every row's bytes, in any order, and the table
+ *   step) and the same int8 residuals as a run straight through: a one-worker run resumes bit
+ *   for bit. int8 pushes, so that the checkpoints hold every kind of file a worker writes (its
+ *   residuals besides its position); fp32 ones write a subset of them (train_resume resumes
+ *   those bit for bit too).
  */
 #include <sys/stat.h>
 
@@ -110,27 +114,31 @@ static void missing_run_txt(void)
  * and `ember reshard` refused the checkpoint over the cut temporary. */
 static void killed_save_leftovers(void)
 {
-    const char *c = "--train ds/train --model lr --batch 256 --no-progress --device cpu";
+    const char *c = "--train ds/train --model lr --batch 256 --no-progress --device cpu "
+                    "--push-codec int8";
     int rc = run("train %s --max-steps 5 --out r3", c);
     CHECK_MSG(rc == 0, "r3: exit %d, %s", rc, err_text);
     char path[8192], *err = NULL;
     snprintf(path, sizeof path, "%s/r3/ckpt/step-10.tmp/shard-1.tmp/table-lin", dir);
     CHECK(cm_mkdirs(path, &err) == CM_OK);
     free(err);
-    const char *left[2] = {"worker-0.pos.tmp.99999", "shard-1.tmp/table-lin/rows.bin.tmp.99999"};
-    for (int i = 0; i < 2; i++) {
+    const char *left[4] = {"worker-0.pos.tmp.99999", "shard-1.tmp/table-lin/rows.bin.tmp.99999",
+                           "worker-0.ef.tmp.99999", "worker-1.ef"};
+    for (int i = 0; i < 4; i++) {
         snprintf(path, sizeof path, "%s/r3/ckpt/step-10.tmp/%s", dir, left[i]);
         FILE *f = fopen(path, "w");
         CHECK(f != NULL && fputs("step 1", f) >= 0 && fclose(f) == 0);
     }
     rc = run("train %s --max-steps 10 --resume --out r3", c);
     CHECK_MSG(rc == 0, "r3 resumed: exit %d, %s", rc, err_text);
-    CHECK_MSG(exists("r3/ckpt/step-10/worker-0.pos") &&
+    CHECK_MSG(exists("r3/ckpt/step-10/worker-0.pos") && exists("r3/ckpt/step-10/worker-0.ef") &&
                   !exists("r3/ckpt/step-10/worker-0.pos.tmp.99999") &&
-                  !exists("r3/ckpt/step-10/shard-1.tmp"),
-              "a killed save's temporaries became part of r3/ckpt/step-10");
+                  !exists("r3/ckpt/step-10/worker-0.ef.tmp.99999") &&
+                  !exists("r3/ckpt/step-10/worker-1.ef") && !exists("r3/ckpt/step-10/shard-1.tmp"),
+              "a killed save's temporaries became part of r3/ckpt/step-10, or its own files not");
     rc = run("reshard --from r3 --shards 2 --out r3-2");
-    CHECK_MSG(rc == 0, "reshard of the resumed checkpoint: exit %d, %s", rc, err_text);
+    CHECK_MSG(rc == 0 && exists("r3-2/ckpt/step-10/worker-0.ef"),
+              "reshard of the resumed checkpoint: exit %d, %s", rc, err_text);
     /* A checkpoint an older ember left such a temporary in still reshards: the temporary is no
      * part of it, and is not carried over. */
     snprintf(path, sizeof path, "%s/r3/ckpt/step-10/worker-0.pos.tmp.99999", dir);
@@ -171,11 +179,20 @@ static char *sorted_rows(const char *name, size_t *n, uint32_t *rb)
     return recs;
 }
 
-static void killed_runs(void)
+/* codec: the --push-codec of every run, and the suffix of its run directories (int8 also
+ * compares the residuals). */
+static void killed_runs(const char *codec)
 {
-    const char *c = "--train ds/train --eval ds/eval --model mlp --batch 256 --no-progress "
-                    "--device cpu --shards 2 --epochs 3 --checkpoint-every 1 --keep-checkpoints 2";
-    int rc = run("train %s --out straight", c);
+    char c[512];
+    snprintf(c, sizeof c,
+             "--train ds/train --eval ds/eval --model mlp --batch 256 --no-progress --device cpu "
+             "--shards 2 --epochs 3 --checkpoint-every 1 --keep-checkpoints 2 --push-codec %s",
+             codec);
+    char straight[64], killed[64], latest[96];
+    snprintf(straight, sizeof straight, "straight-%s", codec);
+    snprintf(killed, sizeof killed, "killed-%s", codec);
+    snprintf(latest, sizeof latest, "%s/ckpt/LATEST", killed);
+    int rc = run("train %s --out %s", c, straight);
     CHECK_MSG(rc == 0, "straight: exit %d", rc);
     char a[8192];
     snprintf(a, sizeof a, "%s", last_line());
@@ -191,18 +208,18 @@ static void killed_runs(void)
     for (int i = 0; i < 3; i++) {
         char cmd[16384];
         snprintf(cmd, sizeof cmd,
-                 "cd '%s' && { '%s' train %s %s --out killed >/dev/null 2>&1 & p=$!; "
-                 "s0=$(cat killed/ckpt/LATEST 2>/dev/null); n=0; "
+                 "cd '%s' && { '%s' train %s %s --out %s >/dev/null 2>&1 & p=$!; "
+                 "s0=$(cat %s 2>/dev/null); n=0; "
                  "while [ $n -lt 1200 ] && kill -0 $p 2>/dev/null; do "
-                 "s=$(cat killed/ckpt/LATEST 2>/dev/null); "
+                 "s=$(cat %s 2>/dev/null); "
                  "[ -n \"$s\" ] && [ \"$s\" != \"$s0\" ] && break; sleep 0.05; n=$((n+1)); done; "
                  "sleep 0.%03d; kill -9 $p; wait $p; } 2>/dev/null; true",
-                 dir, bin, c, resumes ? "--resume" : "", at_ms[i]);
+                 dir, bin, c, resumes ? "--resume" : "", killed, latest, latest, at_ms[i]);
         CHECK(system(cmd) != -1);
-        resumes += exists("killed/ckpt/LATEST");
+        resumes += exists(latest);
     }
-    CHECK_MSG(resumes > 0, "no run was killed after its first checkpoint");
-    rc = run("train %s --out killed %s", c, resumes ? "--resume" : "");
+    CHECK_MSG(resumes > 0, "%s: no run was killed after its first checkpoint", codec);
+    rc = run("train %s --out %s %s", c, killed, resumes ? "--resume" : "");
     CHECK_MSG(rc == 0, "the last resume: exit %d, %s", rc, err_text);
     const char *b = last_line();
     CHECK_MSG(jnum(b, "steps") == steps, "killed runs end at step %g, not %g", jnum(b, "steps"),
@@ -211,12 +228,14 @@ static void killed_runs(void)
     for (int k = 0; k < 3; k++) {
         char x[64] = "?", y[64] = "?";
         CHECK(json_raw(a, keys[k], x, sizeof x) == 0 && json_raw(b, keys[k], y, sizeof y) == 0);
-        CHECK_MSG(strcmp(x, y) == 0, "%s: %s straight through, %s after kills", keys[k], x, y);
+        CHECK_MSG(strcmp(x, y) == 0, "%s: %s %s straight through, %s after kills", codec, keys[k],
+                  x, y);
     }
     for (int s = 0; s < 2; s++) {
         char pa[256], pb[256];
-        snprintf(pa, sizeof pa, "straight/ckpt/step-%.0f/shard-%d/table-emb/rows.bin", steps, s);
-        snprintf(pb, sizeof pb, "killed/ckpt/step-%.0f/shard-%d/table-emb/rows.bin", steps, s);
+        snprintf(pa, sizeof pa, "%s/ckpt/step-%.0f/shard-%d/table-emb/rows.bin", straight, steps,
+                 s);
+        snprintf(pb, sizeof pb, "%s/ckpt/step-%.0f/shard-%d/table-emb/rows.bin", killed, steps, s);
         size_t na = 0, nb = 0;
         uint32_t ra = 0, rb = 0;
         char *x = sorted_rows(pa, &na, &ra), *y = sorted_rows(pb, &nb, &rb);
@@ -226,8 +245,9 @@ static void killed_runs(void)
         free(x);
         free(y);
         /* The table step too (the "step" line of the snapshot's MANIFEST). */
-        snprintf(pa, sizeof pa, "straight/ckpt/step-%.0f/shard-%d/table-emb/MANIFEST", steps, s);
-        snprintf(pb, sizeof pb, "killed/ckpt/step-%.0f/shard-%d/table-emb/MANIFEST", steps, s);
+        snprintf(pa, sizeof pa, "%s/ckpt/step-%.0f/shard-%d/table-emb/MANIFEST", straight, steps,
+                 s);
+        snprintf(pb, sizeof pb, "%s/ckpt/step-%.0f/shard-%d/table-emb/MANIFEST", killed, steps, s);
         char *ma = slurp(pa), *mb = slurp(pb);
         const char *sa = ma ? strstr(ma, "\nstep ") : NULL, *sb = mb ? strstr(mb, "\nstep ") : NULL;
         unsigned long long ta = sa ? strtoull(sa + 6, NULL, 10) : 0,
@@ -236,6 +256,19 @@ static void killed_runs(void)
                   "shard %d: table step %llu straight through, %llu after kills", s, ta, tb);
         free(ma);
         free(mb);
+    }
+    if (strcmp(codec, "int8") == 0) { /* and the residuals, byte for byte */
+        char pa[8400], pb[8400];
+        snprintf(pa, sizeof pa, "%s/%s/ckpt/step-%.0f/worker-0.ef", dir, straight, steps);
+        snprintf(pb, sizeof pb, "%s/%s/ckpt/step-%.0f/worker-0.ef", dir, killed, steps);
+        void *x = NULL, *y = NULL;
+        size_t nx = 0, ny = 0;
+        CHECK_MSG(cm_read_file(pa, &x, &nx, NULL) == CM_OK &&
+                      cm_read_file(pb, &y, &ny, NULL) == CM_OK && nx == ny && !memcmp(x, y, nx),
+                  "the residuals after kills differ from those straight through (%zu, %zu bytes)",
+                  nx, ny);
+        free(x);
+        free(y);
     }
 }
 
@@ -246,7 +279,7 @@ int main(void)
     failed_save();
     missing_run_txt();
     killed_save_leftovers();
-    killed_runs();
+    killed_runs("int8");
     free(out_text);
     free(err_text);
     return check_done();

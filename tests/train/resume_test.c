@@ -35,13 +35,15 @@ static void same_field(const char *a, const char *b, const char *key, const char
     CHECK_MSG(strcmp(x, y) == 0, "%s: %s %s straight through, %s resumed", model, key, x, y);
 }
 
-/* More arguments for every run of resume_case ("--bf16" for its bf16 round). */
-static const char *resume_extra = "";
+/* More arguments for every run of resume_case ("--bf16" for its bf16 round), and what its run
+ * directories' names get for them (each round its own). */
+static const char *resume_extra = "", *resume_tag = "";
 
 static void resume_case(const char *model, unsigned batch, unsigned epochs, unsigned mid, unsigned total)
 {
     char tag[64];
-    snprintf(tag, sizeof tag, "%s-%u-%u%s", model, batch, mid, *resume_extra ? "-x" : "");
+    snprintf(tag, sizeof tag, "%s-%u-%u%s%s", model, batch, mid, *resume_extra ? "-" : "",
+             resume_tag);
     char a[4096] = "", b[4096] = "", common[256];
     snprintf(common, sizeof common, "--train ds/train --eval ds/eval --no-progress %s",
              resume_extra);
@@ -528,6 +530,85 @@ static void uneven_final_resume(void)
     CHECK(pos_of("U/ckpt/step-20", 0) == 20 && pos_of("U/ckpt/step-20", 1) == 10);
 }
 
+/* The bytes of dir/name (NULL when missing; *n its length). */
+static void *bytes_of(const char *name, size_t *n)
+{
+    char p[8300];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    void *b = NULL;
+    return cm_read_file(p, &b, n, NULL) == CM_OK ? b : NULL;
+}
+
+/* Writes n bytes to dir/name (plainly: a damaged copy). */
+static void put_bytes(const char *name, const void *b, size_t n)
+{
+    char p[8300];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    FILE *f = fopen(p, "wb");
+    CHECK(f != NULL && fwrite(b, 1, n, f) == n && fclose(f) == 0);
+}
+
+/* --push-codec int8: the worker keeps each row's quantisation residual and adds it into that
+ * row's next push (error feedback), so the checkpoint holds them (worker-<w>.ef) and a resume
+ * continues bit for bit: with zero residuals it did not (AUC and logloss differed in the last
+ * digits). deepfm: two tables, so two sets of residuals. An fp32 checkpoint has no such file. A
+ * damaged or truncated one is refused, naming it; ember reshard carries it along, and refuses it
+ * damaged. An int8 checkpoint without it (written before it was) resumes with zero residuals,
+ * saying so. */
+static void int8_resume(void)
+{
+    resume_extra = "--push-codec int8";
+    resume_tag = "int8";
+    resume_case("deepfm", 512, 1, 20, 40);
+    resume_extra = resume_tag = "";
+    CHECK_MSG(exists("A-deepfm-512-20-int8/ckpt/step-20/worker-0.ef") &&
+                  exists("B-deepfm-512-20-int8/ckpt/step-40/worker-0.ef"),
+              "an int8 run's checkpoint has no worker-0.ef");
+    CHECK_MSG(!exists("A-deepfm-512-20/ckpt/step-40/worker-0.ef"), "an fp32 checkpoint has a .ef");
+    /* Straight through and resumed, the last checkpoint's residuals are the same bytes. */
+    CHECK(same_bytes("A-deepfm-512-20-int8/ckpt/step-40/worker-0.ef",
+                     "B-deepfm-512-20-int8/ckpt/step-40/worker-0.ef"));
+
+    const char *ef = "B-deepfm-512-20-int8/ckpt/step-40/worker-0.ef";
+    size_t n = 0;
+    unsigned char *good = bytes_of(ef, &n);
+    CHECK_MSG(good != NULL && n > 64, "%s: %zu bytes", ef, n);
+    if (good == NULL || n <= 64) return;
+    fprintf(stderr, "    worker-0.ef of deepfm after 40 steps: %zu bytes\n", n);
+    const char *resume = "train --train ds/train --eval ds/eval --no-progress --model deepfm "
+                         "--batch 512 --epochs 1 --push-codec int8 --resume --max-steps 42 "
+                         "--out B-deepfm-512-20-int8";
+    unsigned char *bad = malloc(n);
+    memcpy(bad, good, n);
+    bad[n / 2] ^= 0x10;
+    put_bytes(ef, bad, n);
+    int rc = run("%s", resume);
+    CHECK_MSG(rc == 1 && err_has("worker-0.ef"), "a damaged worker-0.ef: exit %d, %s", rc,
+              err_text);
+    put_bytes(ef, good, n - 7);
+    rc = run("%s", resume);
+    CHECK_MSG(rc == 1 && err_has("worker-0.ef"), "a truncated worker-0.ef: exit %d, %s", rc,
+              err_text);
+    put_bytes(ef, good, n);
+
+    CHECK_MSG(run("reshard --from B-deepfm-512-20-int8 --shards 2 --out R-int8") == 0,
+              "reshard: %s", err_text);
+    CHECK(same_bytes(ef, "R-int8/ckpt/step-40/worker-0.ef"));
+    put_bytes(ef, bad, n);
+    rc = run("reshard --from B-deepfm-512-20-int8 --shards 3 --out R3-int8");
+    CHECK_MSG(rc == 1 && err_has("worker-0.ef"), "reshard of a damaged worker-0.ef: exit %d, %s",
+              rc, err_text);
+    /* A checkpoint written before residuals were saved: resumed with none, and said so. */
+    char p[8300];
+    snprintf(p, sizeof p, "%s/%s", dir, ef);
+    CHECK(unlink(p) == 0);
+    rc = run("%s", resume);
+    CHECK_MSG(rc == 0 && err_has("worker-0.ef is missing") && err_has("not bit for bit"),
+              "resume without worker-0.ef: exit %d, %s", rc, err_text);
+    free(bad);
+    free(good);
+}
+
 int main(void)
 {
     if (cli_init("train_resume") != 0) return 1;
@@ -544,9 +625,11 @@ int main(void)
     /* bf16 GEMMs resume bit for bit too. */
     if (cm_gemm_bf16_available()) {
         resume_extra = "--bf16";
+        resume_tag = "bf16";
         resume_case("mlp", 512, 1, 20, 40);
-        resume_extra = "";
+        resume_extra = resume_tag = "";
     }
+    int8_resume();
     repeatable();
     kernels_warning();
     reshard_case();
