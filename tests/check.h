@@ -14,23 +14,24 @@
 
 #include "common/common.h"
 
+/* Counted atomically: tests check from several threads at once (serve_predict_state). */
 static int check_failures_;
 static int check_count_;
 
 #define CHECK(cond)                                                                                \
     do {                                                                                           \
-        check_count_++;                                                                            \
+        __atomic_add_fetch(&check_count_, 1, __ATOMIC_RELAXED);                                    \
         if (!(cond)) {                                                                             \
-            check_failures_++;                                                                     \
+            __atomic_add_fetch(&check_failures_, 1, __ATOMIC_RELAXED);                             \
             fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);               \
         }                                                                                          \
     } while (0)
 
 #define CHECK_MSG(cond, ...)                                                                       \
     do {                                                                                           \
-        check_count_++;                                                                            \
+        __atomic_add_fetch(&check_count_, 1, __ATOMIC_RELAXED);                                    \
         if (!(cond)) {                                                                             \
-            check_failures_++;                                                                     \
+            __atomic_add_fetch(&check_failures_, 1, __ATOMIC_RELAXED);                             \
             fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond);               \
             fprintf(stderr, __VA_ARGS__);                                                          \
             fputc('\n', stderr);                                                                   \

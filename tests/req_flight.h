@@ -27,12 +27,16 @@ static void rf_cb(void *arg)
 {
     rf_flight *f = arg;
     int rv = nng_aio_result(f->aio);
-    if (f->stage == 0 && rv == 0) {
-        f->stage = 1;
+    /* stage moves under rf_mu: the test thread polls it (rf_stage) while this runs. */
+    pthread_mutex_lock(&rf_mu);
+    const int stage = f->stage;
+    if (stage == 0 && rv == 0) f->stage = 1;
+    pthread_mutex_unlock(&rf_mu);
+    if (stage == 0 && rv == 0) {
         nng_ctx_recv(f->ctx, f->aio);
         return;
     }
-    if (f->stage == 0) {
+    if (stage == 0) {
         nng_msg_free(nng_aio_get_msg(f->aio));
         nng_aio_set_msg(f->aio, NULL);
     }
