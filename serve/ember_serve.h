@@ -51,7 +51,8 @@
  * OpenBLAS may split a GEMM over them and sum in another order (as correct, not the same
  * bits).
  *
- * Speed: predict's tower runs on OpenBLAS, whose kernels are chosen when the library loads. A
+ * Speed: predict's tower runs on ember's own AVX-512 GEMM where the CPU has it (the trainer's:
+ * the same bits), else on OpenBLAS, whose kernels are chosen when the library loads. A
  * DYNAMIC_ARCH OpenBLAS that does not know the CPU falls back to SSE3 kernels (Debian 12's
  * 0.3.21 on a Sapphire Rapids: ~4.5x slower GEMMs); `ember predict` fixes that by itself, a
  * program linking this library should set OPENBLAS_CORETYPE (`ember version` names the
