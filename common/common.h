@@ -221,6 +221,11 @@ int cm_dir_other_entry(const char *dir, const char *const *names, char **other, 
 int cm_write_full(int fd, const void *buf, size_t n);
 /* pwrite of all n bytes at off, retrying on EINTR and short writes; 0 or an errno value. */
 int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off);
+/* Reads the first len bytes of fd back (pread, a MiB at a time), handing each piece to fn in
+ * order: how a file written out of order (its header last, an index in place) gets its checksum,
+ * in the caller's own xxh3 state (the library's, or one XXH_INLINE_ALL makes its own type). */
+int cm_fd_each_chunk(int fd, const char *path, uint64_t len,
+                     void (*fn)(void *arg, const void *buf, size_t n), void *arg, char **errptr);
 
 /*
  * A key -> u32 open-addressing index in a region of a file: `slots` (a power of two, at most

@@ -176,6 +176,42 @@ int cm_write_full(int fd, const void *buf, size_t n)
     return CM_OK;
 }
 
+int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off)
+{
+    const uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = pwrite(fd, p, n, (off_t)off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) return errno;
+        p += k;
+        n -= (size_t)k;
+        off += (uint64_t)k;
+    }
+    return 0;
+}
+
+int cm_fd_each_chunk(int fd, const char *path, uint64_t len,
+                     void (*fn)(void *arg, const void *buf, size_t n), void *arg, char **errptr)
+{
+    enum { CHUNK = 1 << 20 };
+    uint8_t *buf = malloc(CHUNK);
+    if (buf == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    int rc = CM_OK;
+    for (uint64_t off = 0; off < len;) {
+        size_t n = len - off < CHUNK ? (size_t)(len - off) : CHUNK;
+        ssize_t k = pread(fd, buf, n, (off_t)off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            rc = cm_err_errno(errptr, CM_EIO, "cannot read back %s at offset %" PRIu64, path, off);
+            break;
+        }
+        fn(arg, buf, (size_t)k);
+        off += (uint64_t)k;
+    }
+    free(buf);
+    return rc;
+}
+
 int cm_self_exe(char *buf, size_t n, char **errptr)
 {
     ssize_t got = n > 1 ? readlink("/proc/self/exe", buf, n - 1) : -1;
@@ -272,20 +308,6 @@ int cm_afile_open(cm_afile *f, const char *path, char **errptr)
  * (glibc runs it on its own thread), so the caller never waits on the device unless it
  * outruns it. Every stage write names its file offset, so the file position is set only when
  * direct I/O is left (the file system refused it) and buffered writes continue. */
-
-int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off)
-{
-    const uint8_t *p = buf;
-    while (n > 0) {
-        ssize_t k = pwrite(fd, p, n, (off_t)off);
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0) return errno;
-        p += k;
-        n -= (size_t)k;
-        off += (uint64_t)k;
-    }
-    return 0;
-}
 
 /* Waits for the stage write in flight, if any; 0 or an errno value (EINVAL: direct refused). A
  * short write is finished synchronously. */

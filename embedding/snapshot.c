@@ -386,17 +386,22 @@ int emb_snapshot_writer_add(emb_snapshot_writer *w, const emb_row *row, char **e
     return CM_OK;
 }
 
+/* cm_fd_each_chunk's step: this file's (inlined) xxh3 over one piece. */
+static void hash_chunk(void *st, const void *buf, size_t n)
+{
+    XXH3_64bits_update(st, buf, n);
+}
+
 /* Completes rows.bin: the header (the row count known at last), then the xxh3 of all of it,
  * read back a chunk at a time, as its trailer; fsync'd. *hash gets the xxh3. */
 static int writer_seal(emb_snapshot_writer *w, uint64_t *hash, char **errptr)
 {
     rows_hdr hdr;
     hdr_fill(&hdr, &w->cfg, w->rows);
-    uint8_t *chunk = malloc(EMB_SNAPSHOT_CHUNK);
-    void *hs = XXH3_createState();
+    XXH3_state_t *hs = XXH3_createState();
     int fd = open(w->path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     int rc = CM_OK, e = 0;
-    if (chunk == NULL || hs == NULL) {
+    if (hs == NULL) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto out;
     }
@@ -406,19 +411,8 @@ static int writer_seal(emb_snapshot_writer *w, uint64_t *hash, char **errptr)
         goto out;
     }
     XXH3_64bits_reset(hs);
-    for (uint64_t off = 0; off < w->size;) {
-        size_t n =
-            w->size - off < EMB_SNAPSHOT_CHUNK ? (size_t)(w->size - off) : EMB_SNAPSHOT_CHUNK;
-        ssize_t k = pread(fd, chunk, n, (off_t)off);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) {
-            rc = cm_err_errno(errptr, CM_EIO, "cannot read back %s at offset %" PRIu64, w->path,
-                              off);
-            goto out;
-        }
-        XXH3_64bits_update(hs, chunk, (size_t)k);
-        off += (uint64_t)k;
-    }
+    rc = cm_fd_each_chunk(fd, w->path, w->size, hash_chunk, hs, errptr);
+    if (rc != CM_OK) goto out;
     *hash = XXH3_64bits_digest(hs);
     if ((e = cm_pwrite_full(fd, hash, sizeof *hash, w->size)) != 0 || fsync(fd) != 0) {
         if (e) errno = e;
@@ -430,7 +424,6 @@ out:
     if (fd >= 0 && close(fd) != 0 && rc == CM_OK)
         rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", w->path);
     if (hs) XXH3_freeState(hs);
-    free(chunk);
     return rc;
 }
 

@@ -371,32 +371,27 @@ int ember_serve_writer_table_rows(ember_serve_writer *w, const uint64_t *keys, c
     return rc;
 }
 
+/* cm_fd_each_chunk's step: this file's (inlined) xxh3 over one piece. */
+static void hash_chunk(void *st, const void *buf, size_t n)
+{
+    XXH3_64bits_update(st, buf, n);
+}
+
 /* A table file's trailer, the xxh3 of its first len bytes read back (the index was written out
  * of order), and the manifest's digest of the file with that trailer appended. */
 static int file_digest(int fd, const char *path, uint64_t len, uint64_t *trailer, uint64_t *whole,
                        char **errptr)
 {
-    uint8_t *buf = malloc(ENC_CHUNK);
     XXH3_state_t *hs = XXH3_createState();
-    int rc = buf && hs ? CM_OK : cm_err(errptr, CM_ENOMEM, "out of memory");
+    int rc = hs ? CM_OK : cm_err(errptr, CM_ENOMEM, "out of memory");
     if (rc == CM_OK) XXH3_64bits_reset(hs);
-    for (uint64_t at = 0; rc == CM_OK && at < len;) {
-        size_t k = len - at < ENC_CHUNK ? (size_t)(len - at) : ENC_CHUNK;
-        ssize_t got = pread(fd, buf, k, (off_t)at);
-        if (got <= 0) {
-            rc = cm_err_errno(errptr, CM_EIO, "cannot read back %s", path);
-            break;
-        }
-        XXH3_64bits_update(hs, buf, (size_t)got);
-        at += (uint64_t)got;
-    }
+    if (rc == CM_OK) rc = cm_fd_each_chunk(fd, path, len, hash_chunk, hs, errptr);
     if (rc == CM_OK) {
         *trailer = XXH3_64bits_digest(hs);
         XXH3_64bits_update(hs, trailer, sizeof *trailer);
         *whole = XXH3_64bits_digest(hs);
     }
     if (hs) XXH3_freeState(hs);
-    free(buf);
     return rc;
 }
 
