@@ -41,6 +41,18 @@ static inline float *emb_rec_weights(void *rec)
 {
     return (float *)((char *)rec + EMB_REC_HDR);
 }
+/* A row into a record of rec_bytes (its header, dim weights, slots of optimizer state, the
+ * padding zeroed): what a table stores and a snapshot holds. */
+static inline void emb_rec_pack(uint8_t *rec, size_t rec_bytes, const emb_row *row, size_t dim,
+                                size_t slots)
+{
+    const emb_rec_hdr hdr = {row->key, row->updates, row->last_step};
+    const size_t wb = dim * sizeof(float), sb = slots * sizeof(float);
+    memcpy(rec, &hdr, sizeof hdr);
+    memcpy(rec + EMB_REC_HDR, row->weights, wb);
+    memcpy(rec + EMB_REC_HDR + wb, row->state, sb);
+    memset(rec + EMB_REC_HDR + wb + sb, 0, rec_bytes - EMB_REC_HDR - wb - sb);
+}
 
 /* The one hash of a key: its low half picks the sub-shard, its high half the slot, bits 8..13
  * the ctrl tag. Inlined: it runs once per key on the hot path. */

@@ -373,12 +373,7 @@ int emb_snapshot_writer_add(emb_snapshot_writer *w, const emb_row *row, char **e
         if (rc != CM_OK) return rc;
     }
     uint8_t *rec = w->buf + w->len;
-    emb_rec_hdr hdr = {row->key, row->updates, row->last_step};
-    size_t wb = w->cfg.dim * sizeof(float), sb = w->slots * sizeof(float);
-    memcpy(rec, &hdr, sizeof hdr);
-    memcpy(rec + EMB_REC_HDR, row->weights, wb);
-    memcpy(rec + EMB_REC_HDR + wb, row->state, sb);
-    memset(rec + EMB_REC_HDR + wb + sb, 0, w->rec - EMB_REC_HDR - wb - sb); /* padding */
+    emb_rec_pack(rec, w->rec, row, w->cfg.dim, w->slots);
     int rc = rec_refuse(rec, w->cfg.dim, w->slots, errptr);
     if (rc != CM_OK) return rc;
     w->len += w->rec;

@@ -1643,12 +1643,7 @@ int emb_table_put_row(emb_table *t, const emb_row *row, char **errptr)
     int rc = stamp_check(t, row->key, row->last_step, errptr);
     if (rc != CM_OK) return rc;
     uint8_t rec[t->rec];
-    memset(rec, 0, t->rec);
-    emb_rec_hdr hdr = {row->key, row->updates, row->last_step};
-    memcpy(rec, &hdr, sizeof hdr);
-    memcpy(rec + EMB_REC_HDR, row->weights, t->dim * sizeof(float));
-    memcpy(rec + EMB_REC_HDR + t->dim * sizeof(float), row->state,
-           emb_row_slots(&t->cfg) * sizeof(float));
+    emb_rec_pack(rec, t->rec, row, t->dim, emb_row_slots(&t->cfg));
     uint64_t h = emb_key_hash(row->key);
     sub *s = &t->subs[sub_of(t, h)];
     scratch sc = {0};
