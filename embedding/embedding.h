@@ -403,6 +403,11 @@ int emb_store_put(emb_store *s, const void *recs, size_t n, char **errptr);
 int emb_store_del(emb_store *s, const uint64_t *keys, size_t n, char **errptr);
 /* Number of records held. */
 uint64_t emb_store_count(const emb_store *s);
+/* The most records of record_bytes a "memory" store holds without its emb_store_mem_bytes
+ * exceeding `bytes` (its hash table doubles as it fills, and while it doubles the old half-size
+ * table is briefly held beside the new one); 0 when not even the smallest table fits. A caller
+ * keeping a store under this many records keeps it within `bytes`. */
+uint64_t emb_store_mem_max_records(size_t record_bytes, uint64_t bytes);
 /* Bytes of memory the store holds: "memory" its hash table; "rocksdb" its memtables and the
  * index and filter blocks of its open tables, by RocksDB's own estimates (its data blocks are
  * read through mmap, as page cache, and are not counted). */

@@ -174,6 +174,20 @@ void emb_mem_delete(emb_mem *m, int64_t slot)
     m->count--;
 }
 
+/* A store opens with this many slots (mem_open) and doubles from there (emb_mem_grow). */
+#define MEM_FIRST_CAP 16u
+
+uint64_t emb_store_mem_max_records(size_t record_bytes, uint64_t bytes)
+{
+    const uint64_t slot = record_bytes + 1; /* emb_mem_bytes: a record and its ctrl byte */
+    uint64_t cap = MEM_FIRST_CAP;
+    if (cap * slot > bytes) return 0;
+    while (cap <= bytes / slot / 2)
+        cap *= 2;
+    /* emb_mem_insert grows only an insert that finds the table at its limit. */
+    return emb_mem_limit_of(cap);
+}
+
 /* ---- emb_store ops for the memory kind ---- */
 
 static int mem_open(const char *path, size_t rec, void **impl, char **errptr)
@@ -181,7 +195,7 @@ static int mem_open(const char *path, size_t rec, void **impl, char **errptr)
     (void)path;
     emb_mem *m = malloc(sizeof *m);
     if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-    int rc = emb_mem_init(m, rec, 16, UINT64_MAX, errptr);
+    int rc = emb_mem_init(m, rec, MEM_FIRST_CAP, UINT64_MAX, errptr);
     if (rc != CM_OK) {
         free(m);
         return rc;

@@ -116,7 +116,7 @@ struct ps_client {
     int async_rc;
     char *async_err;
     uint64_t clock, barrier_gen;
-    emb_store *residual[PS_MAX_TABLES]; /* int8 error feedback, per table (ps/residual.h) */
+    ps_resid residual[PS_MAX_TABLES]; /* int8 error feedback, per table (ps/residual.h) */
     ps_keycache *pulled; /* recent pulls' key lists per (shard, table); NULL: never elide */
     ps_client_stats st;
     /* Dense mirrors, per block (NULL: none); mirror_mu serialises their calls (taken before
@@ -666,6 +666,10 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
     c->worker = o->worker;
     c->window = o->window ? o->window : 8;
     c->timeout_ms = o->timeout_ms ? o->timeout_ms : 30000;
+    ps_resid_bound(c->residual, &c->cfg,
+                   o->resid_memory == 0            ? PS_RESID_MEMORY_DEFAULT
+                   : o->resid_memory == UINT64_MAX ? 0
+                                                   : o->resid_memory);
     /* Request ids start at a random base, so a restarted worker's ids are new to the server's
      * duplicate check. */
     double t = cm_now();
@@ -1167,7 +1171,8 @@ int ps_client_lookup(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
 static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *keys, size_t n,
                           float *g, const float *back, int phase, char **errptr)
 {
-    if (phase == 0 && c->residual[table] == NULL) return CM_OK; /* none kept yet */
+    ps_resid *res = &c->residual[table];
+    if (phase == 0 && res->st == NULL) return CM_OK; /* none kept yet */
     const uint32_t dim = c->cfg.tables[table].cfg.dim;
     const size_t rec = ps_resid_rec_bytes(dim);
     uint8_t *recs = calloc(n, rec), *found = malloc(n);
@@ -1177,18 +1182,20 @@ static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *k
         goto out;
     }
     if (phase == 0) {
-        rc = emb_store_get(c->residual[table], keys, n, recs, found, errptr);
+        rc = emb_store_get(res->st, keys, n, recs, found, errptr);
         for (size_t i = 0; rc == CM_OK && i < n; i++) {
             if (!found[i]) continue;
-            const float *r = (const float *)(recs + i * rec + 8);
+            const float *r = (const float *)(recs + i * rec + PS_RESID_FLOATS);
             for (uint32_t j = 0; j < dim; j++)
                 g[i * dim + j] += r[j];
         }
     } else {
         double sq_error = 0, sq_norm = 0; /* in registers, not through c on every value */
+        const uint64_t stamp = ++res->clock;
         for (size_t i = 0; i < n; i++) {
             memcpy(recs + i * rec, &keys[i], 8);
-            float *r = (float *)(recs + i * rec + 8);
+            memcpy(recs + i * rec + 16, &stamp, 8);
+            float *r = (float *)(recs + i * rec + PS_RESID_FLOATS);
             for (uint32_t j = 0; j < dim; j++) {
                 r[j] = g[i * dim + j] - back[i * dim + j];
                 sq_error += (double)r[j] * r[j];
@@ -1197,8 +1204,10 @@ static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *k
         }
         c->st.push_sq_error += sq_error;
         c->st.push_sq_norm += sq_norm;
-        rc = ps_resid_store(&c->residual[table], dim, errptr);
-        if (rc == CM_OK) rc = emb_store_put(c->residual[table], recs, n, errptr);
+        rc = ps_resid_store(res, dim, errptr);
+        /* Room first: the store then never grows past its bound, even for a moment. */
+        if (rc == CM_OK) rc = ps_resid_make_room(res, n, errptr);
+        if (rc == CM_OK) rc = emb_store_put(res->st, recs, n, errptr);
     }
 out:
     free(recs);
@@ -1658,6 +1667,12 @@ int ps_client_residuals_load(ps_client *c, const char *path, char **errptr)
 int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
 {
     *out = c->st;
+    for (uint32_t t = 0; t < c->cfg.n_tables; t++) {
+        const ps_resid *r = &c->residual[t];
+        out->resid_rows += r->st ? emb_store_count(r->st) : 0;
+        out->resid_bytes += r->st ? emb_store_mem_bytes(r->st) : 0;
+        out->resid_dropped += r->dropped;
+    }
     memset(&out->shard_total, 0, sizeof out->shard_total);
     memset(out->table_total, 0, sizeof out->table_total);
     for (uint32_t s = 0; s < c->cfg.n_shards; s++) {

@@ -259,7 +259,15 @@ typedef struct ps_client_opts {
                                        (an entry may be NULL: that shard has none) */
     bool explicit_keys; /* every push carries its keys, none names a pull (key elision off:
                            benchmarks and tests compare the two) */
+    /* Bytes the int8 error-feedback residuals may take, all tables together (0 =
+     * PS_RESID_MEMORY_DEFAULT; UINT64_MAX: no bound). Each int8 table gets an even share; one
+     * about to pass its share first drops the residuals of the rows it pushed least recently
+     * (ps_client_stats.resid_dropped): those rows' unsent quantisation error, at most half an
+     * int8 step a value, is lost. The same pushes drop the same rows, so a resumed run still
+     * matches an uninterrupted one bit for bit. */
+    uint64_t resid_memory;
 } ps_client_opts;
+#define PS_RESID_MEMORY_DEFAULT (256ull << 20)
 
 /* Connects to every shard and runs the HELLO handshake (protocol version, shard index and
  * count, table configs); a mismatch is an error naming the shard and field. */
@@ -355,12 +363,16 @@ int ps_client_load(ps_client *c, const char *dir, char **errptr);
  * run resumed without it pushes other values than one that never stopped. A trainer writes
  * each worker's beside the checkpoint and loads them after ps_client_load.
  * save writes them to path (temp + fsync + rename; magic, version, the worker, every int8
- * table's name, dim and rows in key order, an xxh3 trailer: ps/residual.h), so the same
- * residuals are the same bytes; a client none of whose tables pushes int8 writes no file.
+ * table's name, dim, push clock and rows in key order with the push each was last in, an
+ * xxh3 trailer: ps/residual.h), so the same residuals are the same bytes; a client none of
+ * whose tables pushes int8 writes no file.
  * load replaces them with path's: the file must be this worker's and hold exactly the tables
  * this config pushes int8, with their dims (CM_EINVAL naming the file otherwise); a damaged or
- * truncated file is CM_ECORRUPT naming it, a missing one CM_ENOTFOUND. On any error the
- * residuals are left empty. Neither call may overlap a push on c. A new client starts empty.
+ * truncated file is CM_ECORRUPT naming it, a missing one CM_ENOTFOUND. A file holding more
+ * than this client's resid_memory allows is cut to it as pushes would (the oldest go). A file
+ * of the first version (no push clock) loads as if every row were from before the first push.
+ * On any error the residuals are left empty. Neither call may overlap a push on c. A new client
+ * starts empty.
  */
 int ps_client_residuals_save(ps_client *c, const char *path, char **errptr);
 int ps_client_residuals_load(ps_client *c, const char *path, char **errptr);
@@ -376,6 +388,8 @@ typedef struct ps_client_stats {
     uint64_t push_bytes;                        /* bytes of PUSH requests sent, resends included */
     uint64_t pushes_elided;                     /* per-shard pushes sent naming a pull's key list */
     uint64_t push_fallbacks;                    /* ... sent again with keys (PS_STATUS_NO_KEYS) */
+    uint64_t resid_rows, resid_bytes;           /* int8 residuals held, and their memory */
+    uint64_t resid_dropped;                     /* ... dropped to keep within resid_memory */
     ps_server_stats shard_total;                /* counters summed over shards; clocks and
                                                    staleness shard 0's, which serves them;
                                                    replica_diverged_seq the highest */

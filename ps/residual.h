@@ -1,14 +1,27 @@
 /*
- * Private to ps/: the int8 error-feedback residuals of a client (ps_client_push), one "memory"
- * emb_store per table that pushes int8, created on the first push (NULL until then, and again
- * after ps_resid_clear), holding records {u64 key, dim f32} padded to 8 bytes; and their file
+ * Private to ps/: the int8 error-feedback residuals of a client (ps_client_push), and their file
  * (ps_client_residuals_save).
  *
+ * Each table that pushes int8 has a ps_resid: a "memory" emb_store (created on the first push,
+ * NULL until then and again after ps_resid_clear) of records laid out like a table's, so the
+ * store's own expiry can drop them: {u64 key, u64 0, u64 stamp, dim f32}, padded to 8 bytes.
+ * The stamp is the table's push clock (pushes of it so far, in this client's order) at the
+ * record's last push.
+ *
+ * Bounded: a client is given bytes for its residuals (ps_client_opts.resid_memory), shared
+ * evenly by its int8 tables. A table whose next push might pass its share first drops the rows
+ * stamped longest ago, down to three quarters of what the share holds, so the walk that finds
+ * them runs once per quarter of the share's rows, not per push. A dropped residual is at most
+ * half an int8 step of a row's gradient that is never sent: the price of the bound, paid by
+ * the rows pushed least recently. Which rows go depends only on the stamps, and the stamps
+ * and clock are in the file, so a resumed run drops exactly what an uninterrupted one does.
+ *
  * File, host byte order like the PS's own checkpoint files:
- *   header   {magic "EMBRESD1", u32 version, u32 worker, u32 n_tables, u32 0}
- *   n_tables x {name[PS_NAME_MAX] (NUL-padded), u32 table id, u32 dim, u64 rows,
- *               rows x {u64 key, dim f32} packed, keys strictly ascending}
- *   trailer  u64 xxh3-64 of every byte before it
+ *   header   {magic "EMBRESD1", u32 version (2), u32 worker, u32 n_tables, u32 0}
+ *   n_tables x {name[PS_NAME_MAX] (NUL-padded), u32 table id, u32 dim, u64 rows, u64 clock,
+ *               rows x {u64 key, u64 stamp, dim f32} packed, keys strictly ascending,
+ *               stamps at most clock}
+ * Version 1 (before the bound) had no clock and no stamps; it is read with both 0.
  * One section per table the config pushes int8, in id order, empty ones included, so a load
  * can tell a file of another configuration from one of a worker that had pushed nothing. Keys
  * ascending make the bytes a function of the residuals alone, not of the hash table's history
@@ -19,20 +32,36 @@
 
 #include "ps/ps.h"
 
+/* A table's residuals and their bound. */
+typedef struct ps_resid {
+    emb_store *st;     /* NULL until the table's first int8 push */
+    uint64_t clock;    /* the table's pushes so far: the newest records' stamp */
+    uint64_t max_rows; /* the bound: 0 none */
+    uint64_t dropped;  /* rows dropped to keep to it, over the client's life */
+} ps_resid;
+
+/* Where a record's floats start. */
+#define PS_RESID_FLOATS 24u
 /* Bytes of one stored record of a dim-wide table. */
 size_t ps_resid_rec_bytes(uint32_t dim);
-/* *slot, the table's store, created empty when NULL. */
-int ps_resid_store(emb_store **slot, uint32_t dim, char **errptr);
-/* Drops every table's residuals (stores[PS_MAX_TABLES], each left NULL). Allocates nothing, so
- * it cannot fail. */
-void ps_resid_clear(emb_store **stores);
-/* Writes the residuals of cfg's int8 tables (stores indexed by table id) to path, atomically.
+/* Sets each int8 table's max_rows from the client's byte budget (0: none). */
+void ps_resid_bound(ps_resid *r, const ps_config *cfg, uint64_t bytes);
+/* r->st, created empty when NULL. */
+int ps_resid_store(ps_resid *r, uint32_t dim, char **errptr);
+/* Makes room for n more rows under r's bound: when the rows held plus n would pass it, drops
+ * the rows stamped longest ago (every row of the oldest stamps taken), down to three quarters
+ * of it or to the bound less n, whichever is lower. n over the bound drops all. */
+int ps_resid_make_room(ps_resid *r, size_t n, char **errptr);
+/* Drops every table's residuals (rs[PS_MAX_TABLES]: stores freed and NULL, clocks 0; bounds and
+ * dropped counts stay). Allocates nothing, so it cannot fail. */
+void ps_resid_clear(ps_resid *rs);
+/* Writes the residuals of cfg's int8 tables (rs indexed by table id) to path, atomically.
  * Nothing is written, CM_OK, when no table pushes int8. */
-int ps_resid_save(emb_store *const *stores, const ps_config *cfg, uint32_t worker, const char *path,
+int ps_resid_save(const ps_resid *rs, const ps_config *cfg, uint32_t worker, const char *path,
                   char **errptr);
-/* Replaces stores' contents with path's (see ps_client_residuals_load); on error they are
- * left empty. */
-int ps_resid_load(emb_store **stores, const ps_config *cfg, uint32_t worker, const char *path,
+/* Replaces rs's contents with path's (see ps_client_residuals_load), each table then kept to
+ * its bound; on error they are left empty. */
+int ps_resid_load(ps_resid *rs, const ps_config *cfg, uint32_t worker, const char *path,
                   char **errptr);
 
 #endif

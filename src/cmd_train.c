@@ -28,7 +28,7 @@ static void train_usage(FILE *to)
         "                       push_codec, memory, shuffle, staleness, checkpoint_every,\n"
         "                       eval_every, tf32, bf16, expected_rows, dense_mirror,\n"
         "                       dense_optimizer, worker_timeout, keep_checkpoints,\n"
-        "                       max_message); every\n"
+        "                       max_message, residual_memory); every\n"
         "                       key under its section's header\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
         "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
@@ -60,6 +60,9 @@ static void train_usage(FILE *to)
         "  --max-message BYTES  largest message between workers and PS (default: what a batch's\n"
         "                       pull or push to one shard needs with one key a field, at\n"
         "                       least 256 MiB; raise it for multi-valued fields)\n"
+        "  --residual-memory BYTES  --push-codec int8: memory for each worker's error-feedback\n"
+        "                       residuals (default 256M; 0: no bound); past it the residuals\n"
+        "                       of the rows pushed least recently are dropped\n"
         "  --progress | --no-progress\n"
         "  --cluster FILE --role ps|backup|worker --index I   one role of a multi-process job\n"
         "                       (the three together)\n");
@@ -128,6 +131,7 @@ int cmd_train(int argc, char **argv)
         O_NOMIRROR,
         O_EXPECTED,
         O_MAXMSG,
+        O_RESIDMEM,
         O_HELP
     };
     static const struct option opts[] = {{"train", 1, 0, O_TRAIN},
@@ -171,6 +175,7 @@ int cmd_train(int argc, char **argv)
                                          {"no-dense-mirror", 0, 0, O_NOMIRROR},
                                          {"expected-rows", 1, 0, O_EXPECTED},
                                          {"max-message", 1, 0, O_MAXMSG},
+                                         {"residual-memory", 1, 0, O_RESIDMEM},
                                          {"help", 0, 0, O_HELP},
                                          {0, 0, 0, 0}};
     train_opts o;
@@ -243,6 +248,9 @@ int cmd_train(int argc, char **argv)
         }
         case O_CKPT:
             bad = parse_uint(optarg, UINT64_MAX, &o.ckpt_every);
+            break;
+        case O_RESIDMEM:
+            bad = parse_uint(optarg, UINT64_MAX, &o.resid_memory);
             break;
         case O_EVAL_EVERY:
             bad = parse_uint(optarg, UINT64_MAX, &o.eval_every);

@@ -48,6 +48,7 @@ void train_opts_init(train_opts *o)
     o->model.kind = MODEL_MLP;
     o->expected_rows = -1;
     o->dense_mirror = 1;
+    o->resid_memory = PS_RESID_MEMORY_DEFAULT;
 }
 
 /* ---- config file ---- */
@@ -78,6 +79,7 @@ enum {
     RK_DENSE_MIRROR,
     RK_EXPECTED_ROWS,
     RK_MAX_MESSAGE,
+    RK_RESID_MEMORY,
     RK_N_
 };
 static const char *const train_keys[RK_N_] = {[RK_BATCH] = "batch",
@@ -98,7 +100,8 @@ static const char *const train_keys[RK_N_] = {[RK_BATCH] = "batch",
                                               [RK_BF16] = "bf16",
                                               [RK_DENSE_MIRROR] = "dense_mirror",
                                               [RK_EXPECTED_ROWS] = "expected_rows",
-                                              [RK_MAX_MESSAGE] = "max_message"};
+                                              [RK_MAX_MESSAGE] = "max_message",
+                                              [RK_RESID_MEMORY] = "residual_memory"};
 
 static int train_entry(void *arg, int line, const char *section, const char *sarg, const char *k,
                        const char *v, char **errptr)
@@ -202,6 +205,9 @@ static int train_entry(void *arg, int line, const char *section, const char *sar
             break;
         case RK_MAX_MESSAGE:
             bad = cm_parse_size(v, &o->max_message) || o->max_message < 4096;
+            break;
+        case RK_RESID_MEMORY:
+            bad = cm_parse_size(v, &o->resid_memory);
             break;
         default:
             return cm_ini_unknown_key(errptr, k, "[train]", train_keys, RK_N_);
@@ -1188,6 +1194,12 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
      * puller pushes the next batch only once the checkpoint is through (prefetch_grant). */
     snprintf(path, sizeof path, "%s/worker-%u.ef", dir, w);
     rc = ps_client_residuals_save(c, path, errptr);
+    ps_client_stats cs;
+    if (rc == CM_OK && S->o->push_codec == PS_CODEC_INT8 && ps_client_stats_get(c, &cs, NULL) == 0)
+        train_log(S,
+                  "worker %u: int8 residuals: %" PRIu64 " rows, %" PRIu64 " bytes, %" PRIu64
+                  " dropped to stay within --residual-memory",
+                  w, cs.resid_rows, cs.resid_bytes, cs.resid_dropped);
     snprintf(path, sizeof path, "%s/worker-%u.pos", dir, w);
     char kern[64];
     kernels_tag(S, kern, sizeof kern);
@@ -1830,7 +1842,8 @@ static void *worker_main(void *arg)
                          .urls = (const char *const *)S->urls,
                          .worker = W->index,
                          .backup_urls = (const char *const *)S->backups,
-                         .timeout_ms = o->ps_timeout_ms};
+                         .timeout_ms = o->ps_timeout_ms,
+                         .resid_memory = o->resid_memory ? o->resid_memory : UINT64_MAX};
     int rc = ps_client_create(&co, &c, errptr);
     if (rc == CM_OK) job_client(W, c);
     if (rc == CM_OK) rc = backend_open(S, false, &be, errptr);

@@ -89,6 +89,8 @@ typedef struct train_opts {
     int32_t staleness;          /* -1 async */
     uint64_t ckpt_every, max_steps, shuffle_rows, seed, memory;
     uint64_t max_message; /* the PS messages' size limit; 0: what a batch needs (setup) */
+    uint64_t resid_memory; /* bytes for each worker's int8 residuals (default
+                              PS_RESID_MEMORY_DEFAULT); 0: no bound */
     uint64_t eval_every; /* worker 0 evaluates every N of its steps (needs eval_path); 0: at the
                             end only */
     uint32_t hidden_override, dim_override; /* 0 = preset */

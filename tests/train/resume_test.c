@@ -557,10 +557,24 @@ static void put_bytes(const char *name, const void *b, size_t n)
  * saying so. */
 static void int8_resume(void)
 {
-    resume_extra = "--push-codec int8";
+    /* A residual budget that binds (8 MiB a table: ~52K rows of the emb table's dim 16, a few
+     * steps' keys), so rows are dropped before and after the resume, and the same ones. */
+    resume_extra = "--push-codec int8 --residual-memory 16M";
     resume_tag = "int8";
     resume_case("deepfm", 512, 1, 20, 40);
     resume_extra = resume_tag = "";
+    size_t ln = 0;
+    char *log = (char *)bytes_of("A-deepfm-512-20-int8/logs/train.log", &ln), *at = NULL;
+    for (char *p = log; p && (p = strstr(p, "int8 residuals: ")) != NULL; p++)
+        at = p; /* the last checkpoint's */
+    unsigned long long held = 0, bytes = 0, dropped = 0;
+    CHECK_MSG(at &&
+                  sscanf(at, "int8 residuals: %llu rows, %llu bytes, %llu dropped", &held, &bytes,
+                         &dropped) == 3 &&
+                  held > 0 && bytes <= (16ull << 20) && dropped > 0,
+              "train.log of an int8 run with --residual-memory 16M: %s",
+              at ? at : "(no residual line)");
+    free(log);
     CHECK_MSG(exists("A-deepfm-512-20-int8/ckpt/step-20/worker-0.ef") &&
                   exists("B-deepfm-512-20-int8/ckpt/step-40/worker-0.ef"),
               "an int8 run's checkpoint has no worker-0.ef");
