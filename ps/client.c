@@ -1204,10 +1204,7 @@ static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *k
         }
         c->st.push_sq_error += sq_error;
         c->st.push_sq_norm += sq_norm;
-        rc = ps_resid_store(res, dim, errptr);
-        /* Room first: the store then never grows past its bound, even for a moment. */
-        if (rc == CM_OK) rc = ps_resid_make_room(res, n, errptr);
-        if (rc == CM_OK) rc = emb_store_put(res->st, recs, n, errptr);
+        rc = ps_resid_put(res, dim, recs, n, errptr);
     }
 out:
     free(recs);

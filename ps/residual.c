@@ -61,7 +61,7 @@ void ps_resid_bound(ps_resid *r, const ps_config *cfg, uint64_t bytes)
     }
 }
 
-int ps_resid_store(ps_resid *r, uint32_t dim, char **errptr)
+static int resid_store(ps_resid *r, uint32_t dim, char **errptr)
 {
     return r->st != NULL
                ? CM_OK
@@ -147,7 +147,8 @@ static uint64_t keep_mark(uint64_t *s, uint64_t have, uint64_t keep)
     return select_kth(s, have, have - keep - 1) + 1;
 }
 
-int ps_resid_make_room(ps_resid *r, size_t n, char **errptr)
+/* Makes room for n more rows under r's bound (ps_resid_put). */
+static int make_room(ps_resid *r, size_t n, char **errptr)
 {
     if (r->st == NULL) return CM_OK;
     const uint64_t have = emb_store_count(r->st), keep = rows_to_keep(have, r->max_rows, n);
@@ -158,6 +159,16 @@ int ps_resid_make_room(ps_resid *r, size_t n, char **errptr)
     if (rc == CM_OK) rc = emb_store_set_dead_below(r->st, keep_mark(l.s, l.n, keep), errptr);
     if (rc == CM_OK) r->dropped += have - emb_store_count(r->st);
     free(l.s);
+    return rc;
+}
+
+int ps_resid_put(ps_resid *r, uint32_t dim, const void *recs, size_t n, char **errptr)
+{
+    const size_t keep = r->max_rows != 0 && n > r->max_rows ? (size_t)r->max_rows : n;
+    int rc = resid_store(r, dim, errptr);
+    if (rc == CM_OK) rc = make_room(r, keep, errptr);
+    if (rc == CM_OK) rc = emb_store_put(r->st, recs, keep, errptr);
+    if (rc == CM_OK) r->dropped += n - keep;
     return rc;
 }
 
@@ -373,8 +384,7 @@ static int load_table(ps_resid *r, const resid_view *v, char **errptr)
     const uint64_t keep = rows_to_keep(v->sec.rows, r->max_rows, 0);
     uint64_t mark = 0, put = 0;
     uint8_t *recs = calloc(RESID_CHUNK, rec); /* zeroed: the padding is never written */
-    int rc =
-        recs ? ps_resid_store(r, v->sec.dim, errptr) : cm_err(errptr, CM_ENOMEM, "out of memory");
+    int rc = recs ? resid_store(r, v->sec.dim, errptr) : cm_err(errptr, CM_ENOMEM, "out of memory");
     if (rc == CM_OK && keep < v->sec.rows) {
         uint64_t *s = malloc(v->sec.rows * sizeof *s);
         if (s == NULL) rc = cm_err(errptr, CM_ENOMEM, "out of memory bounding the residuals");

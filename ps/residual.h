@@ -46,12 +46,13 @@ typedef struct ps_resid {
 size_t ps_resid_rec_bytes(uint32_t dim);
 /* Sets each int8 table's max_rows from the client's byte budget (0: none). */
 void ps_resid_bound(ps_resid *r, const ps_config *cfg, uint64_t bytes);
-/* r->st, created empty when NULL. */
-int ps_resid_store(ps_resid *r, uint32_t dim, char **errptr);
-/* Makes room for n more rows under r's bound: when the rows held plus n would pass it, drops
- * the rows stamped longest ago (every row of the oldest stamps taken), down to three quarters
- * of it or to the bound less n, whichever is lower. n over the bound drops all. */
-int ps_resid_make_room(ps_resid *r, size_t n, char **errptr);
+/* Stores one push's n records (distinct keys, stamped with r->clock) in r, creating its store
+ * when NULL, within its bound: when the rows held plus n would pass it, the rows stamped
+ * longest ago go first (every row of the oldest stamps taken), down to three quarters of the
+ * bound or to the bound less n, whichever is lower, so the store never grows past the bound
+ * even for a moment. A push of more rows than the bound keeps only its first max_rows records
+ * (the rest count as dropped). */
+int ps_resid_put(ps_resid *r, uint32_t dim, const void *recs, size_t n, char **errptr);
 /* Drops every table's residuals (rs[PS_MAX_TABLES]: stores freed and NULL, clocks 0; bounds and
  * dropped counts stay). Allocates nothing, so it cannot fail. */
 void ps_resid_clear(ps_resid *rs);

@@ -6,7 +6,8 @@
  * bound nothing is dropped. Because what is dropped depends only on the pushes, a client that
  * loads a residual file mid-way and pushes the rest ends with the same file, byte for byte, as
  * one that never stopped. A file holding more than a smaller budget is cut to it on load, the
- * newest kept; and a file of the first version (no stamps) still loads.
+ * newest kept; a budget below one push keeps part of it; and a file of the first version (no
+ * stamps) still loads.
  *
  * One in-process shard; residuals are the client's alone (the PS's rows do not enter them).
  */
@@ -182,6 +183,17 @@ int main(void)
     CHECK_OK(ps_client_residuals_save(c, cut, &err), err);
     ef_file fc = ef_read(cut);
     check_newest_kept(&fc, ROUNDS, "cut on load");
+    ps_client_destroy(c);
+
+    /* A budget smaller than one push: the push keeps what fits, and says it dropped the rest. */
+    o.resid_memory = 2048;
+    c = pt_client_with(&o);
+    push_rounds(c, 0, 3, 2048);
+    CHECK_OK(ps_client_stats_get(c, &st, &err), err);
+    CHECK_MSG(st.resid_rows > 0 && st.resid_rows < ROUND &&
+                  st.resid_rows + st.resid_dropped == 3 * ROUND,
+              "a 2 KiB budget: %" PRIu64 " rows kept, %" PRIu64 " dropped of %u", st.resid_rows,
+              st.resid_dropped, 3 * ROUND);
     ps_client_destroy(c);
 
     /* A version-1 file (no clock, no stamps) loads: its rows are kept, then aged out first. */
