@@ -666,10 +666,7 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
     c->worker = o->worker;
     c->window = o->window ? o->window : 8;
     c->timeout_ms = o->timeout_ms ? o->timeout_ms : 30000;
-    ps_resid_bound(c->residual, &c->cfg,
-                   o->resid_memory == 0            ? PS_RESID_MEMORY_DEFAULT
-                   : o->resid_memory == UINT64_MAX ? 0
-                                                   : o->resid_memory);
+    ps_resid_bound(c->residual, &c->cfg, o->resid_memory);
     /* Request ids start at a random base, so a restarted worker's ids are new to the server's
      * duplicate check. */
     double t = cm_now();

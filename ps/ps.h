@@ -171,6 +171,10 @@ typedef struct ps_plan_row {
     double initial_bytes; /* allocated when the shard starts (reserve_rows; else small) */
 } ps_plan_row;
 void ps_plan(const ps_config *cfg, uint32_t table, uint64_t rows, ps_plan_row *out);
+/* The most rows of table whose int8 error-feedback residuals a worker keeps within
+ * resid_memory bytes (ps_client_opts.resid_memory's meaning, 0 the default); 0 for a table
+ * that does not push int8, UINT64_MAX for no bound. The worker-side line of a memory plan. */
+uint64_t ps_plan_resid_rows(const ps_config *cfg, uint32_t table, uint64_t resid_memory);
 
 /* ---------------- server ---------------- */
 

@@ -47,8 +47,11 @@ static bool pushes_int8(const ps_config *cfg, uint32_t t)
     return cfg->tables[t].push_codec == PS_CODEC_INT8;
 }
 
-void ps_resid_bound(ps_resid *r, const ps_config *cfg, uint64_t bytes)
+void ps_resid_bound(ps_resid *r, const ps_config *cfg, uint64_t resid_memory)
 {
+    const uint64_t bytes = resid_memory == 0            ? PS_RESID_MEMORY_DEFAULT
+                           : resid_memory == UINT64_MAX ? 0
+                                                        : resid_memory;
     uint32_t n = 0;
     for (uint32_t t = 0; t < cfg->n_tables; t++)
         n += pushes_int8(cfg, t);
@@ -59,6 +62,14 @@ void ps_resid_bound(ps_resid *r, const ps_config *cfg, uint64_t bytes)
          * "no bound" is 0. */
         r[t].max_rows = bytes == 0 ? 0 : rows > 0 ? rows : 1;
     }
+}
+
+uint64_t ps_plan_resid_rows(const ps_config *cfg, uint32_t table, uint64_t resid_memory)
+{
+    if (!pushes_int8(cfg, table)) return 0;
+    ps_resid r[PS_MAX_TABLES]; /* bounds only: no store is made */
+    ps_resid_bound(r, cfg, resid_memory);
+    return r[table].max_rows == 0 ? UINT64_MAX : r[table].max_rows;
 }
 
 static int resid_store(ps_resid *r, uint32_t dim, char **errptr)

@@ -44,8 +44,9 @@ typedef struct ps_resid {
 #define PS_RESID_FLOATS 24u
 /* Bytes of one stored record of a dim-wide table. */
 size_t ps_resid_rec_bytes(uint32_t dim);
-/* Sets each int8 table's max_rows from the client's byte budget (0: none). */
-void ps_resid_bound(ps_resid *r, const ps_config *cfg, uint64_t bytes);
+/* Sets each int8 table's max_rows from the client's budget (ps_client_opts.resid_memory: 0 the
+ * default, UINT64_MAX none, which max_rows 0 says). */
+void ps_resid_bound(ps_resid *r, const ps_config *cfg, uint64_t resid_memory);
 /* Stores one push's n records (distinct keys, stamped with r->clock) in r, creating its store
  * when NULL, within its bound: when the rows held plus n would pass it, the rows stamped
  * longest ago go first (every row of the oldest stamps taken), down to three quarters of the

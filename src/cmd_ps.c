@@ -53,6 +53,15 @@ static int print_plan(const ps_config *cfg, uint64_t rows)
                p.rows_in_memory, p.rows_spilled, p.mem_bytes / (1 << 30), p.disk_bytes / (1 << 30),
                p.initial_bytes / (1 << 30));
     }
+    /* The workers' side: what int8 error feedback keeps in each of them. */
+    for (uint32_t i = 0; i < cfg->n_tables; i++) {
+        uint64_t r = ps_plan_resid_rows(cfg, i, 0);
+        if (r > 0)
+            printf("table %s pushes int8: each worker keeps error-feedback residuals for at most "
+                   "%" PRIu64 " of its rows (ember train --residual-memory, default %llu MiB a "
+                   "worker, shared by the int8 tables)\n",
+                   cfg->tables[i].name, r, PS_RESID_MEMORY_DEFAULT >> 20);
+    }
     return 0;
 }
 

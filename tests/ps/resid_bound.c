@@ -147,6 +147,12 @@ int main(void)
     CHECK_MSG(st.resid_dropped > 0 && st.resid_rows + st.resid_dropped >= (uint64_t)ROUNDS * ROUND,
               "bounded: %" PRIu64 " rows kept, %" PRIu64 " dropped of %u", st.resid_rows,
               st.resid_dropped, ROUNDS * ROUND);
+    /* The plan names the bound the client kept to: after 40 rounds it is full to within the
+     * quarter a drop frees. */
+    const uint64_t plan = ps_plan_resid_rows(&cfg, 0, BUDGET);
+    CHECK_MSG(st.resid_rows <= plan && st.resid_rows >= plan - plan / 4 - ROUND,
+              "bounded: %" PRIu64 " rows held, the plan's bound %" PRIu64, st.resid_rows, plan);
+    CHECK(ps_plan_resid_rows(&cfg, 0, UINT64_MAX) == UINT64_MAX);
     const char *ref = pt_path(dir, "ref.ef"), *half = pt_path(dir, "half.ef");
     CHECK_OK(ps_client_residuals_save(c, ref, &err), err);
     ps_client_destroy(c);
