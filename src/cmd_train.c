@@ -28,7 +28,7 @@ static void train_usage(FILE *to)
         "                       push_codec, memory, shuffle, staleness, checkpoint_every,\n"
         "                       eval_every, tf32, bf16, expected_rows, dense_mirror,\n"
         "                       dense_optimizer, worker_timeout, keep_checkpoints,\n"
-        "                       max_message, residual_memory); every\n"
+        "                       max_message, residual_memory, admit, ttl); every\n"
         "                       key under its section's header\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
         "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
@@ -63,6 +63,12 @@ static void train_usage(FILE *to)
         "  --residual-memory BYTES  --push-codec int8: memory for each worker's error-feedback\n"
         "                       residuals (default 256M; 0: no bound); past it the residuals\n"
         "                       of the rows pushed least recently are dropped\n"
+        "  --admit N            feature admission: a key gets an embedding row once it was in N\n"
+        "                       batches (a count-min sketch on each shard, in checkpoints);\n"
+        "                       until then it reads as zeros and its gradients are dropped\n"
+        "                       (default 0: at once)\n"
+        "  --ttl STEPS          a row no batch touched for about STEPS of the job's steps is\n"
+        "                       dropped, in memory and spilled (default 0: never)\n"
         "  --progress | --no-progress\n"
         "  --cluster FILE --role ps|backup|worker --index I   one role of a multi-process job\n"
         "                       (the three together)\n");
@@ -132,6 +138,8 @@ int cmd_train(int argc, char **argv)
         O_EXPECTED,
         O_MAXMSG,
         O_RESIDMEM,
+        O_ADMIT,
+        O_TTL,
         O_HELP
     };
     static const struct option opts[] = {{"train", 1, 0, O_TRAIN},
@@ -176,6 +184,8 @@ int cmd_train(int argc, char **argv)
                                          {"expected-rows", 1, 0, O_EXPECTED},
                                          {"max-message", 1, 0, O_MAXMSG},
                                          {"residual-memory", 1, 0, O_RESIDMEM},
+                                         {"admit", 1, 0, O_ADMIT},
+                                         {"ttl", 1, 0, O_TTL},
                                          {"help", 0, 0, O_HELP},
                                          {0, 0, 0, 0}};
     train_opts o;
@@ -251,6 +261,13 @@ int cmd_train(int argc, char **argv)
             break;
         case O_RESIDMEM:
             bad = parse_uint(optarg, UINT64_MAX, &o.resid_memory);
+            break;
+        case O_ADMIT:
+            bad = parse_uint(optarg, UINT16_MAX, &u);
+            o.admit = (uint32_t)u;
+            break;
+        case O_TTL:
+            bad = parse_uint(optarg, TRAIN_TTL_MAX, &o.ttl);
             break;
         case O_EVAL_EVERY:
             bad = parse_uint(optarg, UINT64_MAX, &o.eval_every);

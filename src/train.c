@@ -80,6 +80,8 @@ enum {
     RK_EXPECTED_ROWS,
     RK_MAX_MESSAGE,
     RK_RESID_MEMORY,
+    RK_ADMIT,
+    RK_TTL,
     RK_N_
 };
 static const char *const train_keys[RK_N_] = {[RK_BATCH] = "batch",
@@ -101,7 +103,9 @@ static const char *const train_keys[RK_N_] = {[RK_BATCH] = "batch",
                                               [RK_DENSE_MIRROR] = "dense_mirror",
                                               [RK_EXPECTED_ROWS] = "expected_rows",
                                               [RK_MAX_MESSAGE] = "max_message",
-                                              [RK_RESID_MEMORY] = "residual_memory"};
+                                              [RK_RESID_MEMORY] = "residual_memory",
+                                              [RK_ADMIT] = "admit",
+                                              [RK_TTL] = "ttl"};
 
 static int train_entry(void *arg, int line, const char *section, const char *sarg, const char *k,
                        const char *v, char **errptr)
@@ -208,6 +212,12 @@ static int train_entry(void *arg, int line, const char *section, const char *sar
             break;
         case RK_RESID_MEMORY:
             bad = cm_parse_size(v, &o->resid_memory);
+            break;
+        case RK_ADMIT:
+            bad = cm_parse_size(v, &u) || u > UINT16_MAX, o->admit = (uint32_t)u;
+            break;
+        case RK_TTL:
+            bad = cm_parse_size(v, &o->ttl) || o->ttl > TRAIN_TTL_MAX;
             break;
         default:
             return cm_ini_unknown_key(errptr, k, "[train]", train_keys, RK_N_);
@@ -1170,6 +1180,29 @@ static bool is_staging(const char *name)
     return len > sl && strcmp(name + len - sl, TRAIN_CKPT_STAGING) == 0;
 }
 
+/* What the log says at each checkpoint: the tables' rows and what admission and TTL did with
+ * them (worker 0: the counts are the whole cluster's), and this worker's int8 residuals. */
+static void log_tables(const setup *S, ps_client *c, uint32_t w)
+{
+    const bool int8 = S->o->push_codec == PS_CODEC_INT8;
+    ps_client_stats cs;
+    if ((w != 0 && !int8) || ps_client_stats_get(c, &cs, NULL) != CM_OK) return;
+    for (uint32_t t = 0; w == 0 && t < S->ps.n_tables; t++) {
+        const emb_table_stats *ts = &cs.table_total[t];
+        train_log(S,
+                  "table %s: %" PRIu64 " rows (%" PRIu64 " spilled), %" PRIu64 " admitted, %" PRIu64
+                  " pulled keys and %" PRIu64 " pushed held back by --admit, %" PRIu64
+                  " expired by --ttl",
+                  S->ps.tables[t].name, ts->rows_mem + ts->rows_spilled, ts->rows_spilled,
+                  ts->admissions, ts->admit_rejects, ts->push_dropped, ts->ttl_evictions);
+    }
+    if (int8)
+        train_log(S,
+                  "worker %u: int8 residuals: %" PRIu64 " rows, %" PRIu64 " bytes, %" PRIu64
+                  " dropped to stay within --residual-memory",
+                  w, cs.resid_rows, cs.resid_bytes, cs.resid_dropped);
+}
+
 /* Collective: PS snapshot named by tag (the same for every worker), each worker's int8 residuals
  * (worker-<w>.ef, from a run that pushes int8: without them a resume would push other values)
  * and own data position (batches consumed, the kernels that computed them, and the rows and
@@ -1194,12 +1227,7 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
      * puller pushes the next batch only once the checkpoint is through (prefetch_grant). */
     snprintf(path, sizeof path, "%s/worker-%u.ef", dir, w);
     rc = ps_client_residuals_save(c, path, errptr);
-    ps_client_stats cs;
-    if (rc == CM_OK && S->o->push_codec == PS_CODEC_INT8 && ps_client_stats_get(c, &cs, NULL) == 0)
-        train_log(S,
-                  "worker %u: int8 residuals: %" PRIu64 " rows, %" PRIu64 " bytes, %" PRIu64
-                  " dropped to stay within --residual-memory",
-                  w, cs.resid_rows, cs.resid_bytes, cs.resid_dropped);
+    if (rc == CM_OK) log_tables(S, c, w);
     snprintf(path, sizeof path, "%s/worker-%u.pos", dir, w);
     char kern[64];
     kernels_tag(S, kern, sizeof kern);
@@ -2084,6 +2112,9 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         ts->cfg.seed = o->seed;
         ts->cfg.mem_budget_bytes = o->memory;
         ts->cfg.reserve_rows = reserve;
+        ts->cfg.admit_threshold = o->admit;
+        /* A shard's table counts a step per push it receives: one per worker per job step. */
+        ts->cfg.ttl_steps = o->ttl * o->workers;
         ts->push_codec = o->push_codec;
         ts->pull_codec = PS_CODEC_F32;
     }

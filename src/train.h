@@ -72,6 +72,10 @@
 #include "ps/ps.h"
 #include "src/model.h"
 
+/* The largest --ttl: far beyond any run, and ttl x workers (PS_MAX_WORKERS at most) stays far
+ * inside 64 bits. */
+#define TRAIN_TTL_MAX (1ull << 40)
+
 typedef struct train_opts {
     const char *train_path, *eval_path; /* shard directories or files */
     const char *out_dir;
@@ -91,6 +95,9 @@ typedef struct train_opts {
     uint64_t max_message; /* the PS messages' size limit; 0: what a batch needs (setup) */
     uint64_t resid_memory; /* bytes for each worker's int8 residuals (default
                               PS_RESID_MEMORY_DEFAULT); 0: no bound */
+    uint32_t admit; /* a key's row is created once it was in this many batches (0, 1: at once) */
+    uint64_t ttl;   /* a row no batch touched for this many of the job's steps is dropped (0:
+                       never): ttl x workers pushes to its shard (emb_table_config.ttl_steps) */
     uint64_t eval_every; /* worker 0 evaluates every N of its steps (needs eval_path); 0: at the
                             end only */
     uint32_t hidden_override, dim_override; /* 0 = preset */

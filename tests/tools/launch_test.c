@@ -291,7 +291,20 @@ int main(int argc, char **argv)
                       run_kill,        "--",   "--train",  train,       "--model",  "mlp",
                       "--batch",       "64",   "--epochs", "1000",      "--device", "cpu",
                       "--no-progress", NULL};
+    /* Its socket folder (mktemp under $TMPDIR) outlives it, as nothing runs its cleanup: it
+     * goes in a folder of the test's own, removed below, not in /tmp for good. A short path:
+     * a unix socket's name has room for ~107 bytes. */
+    char sock_tmp[] = "/tmp/ember-launch-test.XXXXXX";
+    const char *old_tmp = getenv("TMPDIR");
+    char *saved_tmp = old_tmp ? strdup(old_tmp) : NULL;
+    CHECK(mkdtemp(sock_tmp) != NULL);
+    setenv("TMPDIR", sock_tmp, 1);
     pid = spawn(killed, "/dev/null");
+    if (saved_tmp)
+        setenv("TMPDIR", saved_tmp, 1);
+    else
+        unsetenv("TMPDIR");
+    free(saved_tmp);
     before = wait_listed(run_kill, 2, &listed);
     quiet = 1;
     CHECK_MSG(before == 2, "%d of the job's %d processes running before SIGKILL", before, listed);
@@ -306,6 +319,9 @@ int main(int argc, char **argv)
     CHECK_MSG(left == 0, "%d processes still running 5 s after launch was killed",
               alive_from(run_kill, &listed));
     kill_listed(run_kill);
+    char rm[200];
+    snprintf(rm, sizeof rm, "rm -rf '%s'", sock_tmp);
+    CHECK(system(rm) == 0);
 
     /* 4. SIGTERM while launch stops a failed job: worker 0 fails, the others ignore TERM (as
      * one busy writing a checkpoint may). The signal must KILL them at once; launch used to
