@@ -36,7 +36,7 @@ static void train_usage(FILE *to)
         "  --bf16               cpu: GEMMs on AMX tiles, operands rounded to bfloat16 and\n"
         "                       summed in fp32 (~3x faster GEMMs; needs AMX-BF16; default fp32)\n"
         "  --batch N --epochs N --workers N --shards N --staleness K (-1 async)\n"
-        "  --checkpoint-every N --keep-checkpoints K (default 0 = all) --resume\n"
+        "  --checkpoint-every N --keep-checkpoints K (default 5; 0 = all) --resume\n"
         "  --rejoin             cluster worker: restart into the running job from its last\n"
         "                       progress note (run dir progress/worker-<i>)\n"
         "  --ps-timeout MS      a PS request unanswered this long fails the worker (30000)\n"

@@ -37,7 +37,7 @@ void train_opts_init(train_opts *o)
      * the same bits for any count). */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     o->threads = ncpu < 1 ? 1 : ncpu > 8 ? 8 : (uint32_t)ncpu;
-    o->keep_checkpoints = 0;
+    o->keep_checkpoints = TRAIN_KEEP_DEFAULT;
     o->staleness = -1;
     o->emb_lr = 0.05f;
     o->dense_lr = 0; /* the optimizer's default (setup_make) */

@@ -75,6 +75,9 @@
 /* The largest --ttl: far beyond any run, and ttl x workers (PS_MAX_WORKERS at most) stays far
  * inside 64 bits. */
 #define TRAIN_TTL_MAX (1ull << 40)
+/* Checkpoints a run keeps by default, as TensorFlow's Saver does: a table's checkpoint is as
+ * large as the table, and keeping every one fills a disk in a long run. */
+#define TRAIN_KEEP_DEFAULT 5u
 
 typedef struct train_opts {
     const char *train_path, *eval_path; /* shard directories or files */
@@ -88,7 +91,7 @@ typedef struct train_opts {
     int model_set;            /* model.kind given */
     uint32_t batch, epochs, workers, shards;
     uint32_t threads;           /* compute threads per worker */
-    uint32_t keep_checkpoints;  /* newest checkpoints kept; 0 (default) keeps all */
+    uint32_t keep_checkpoints;  /* newest checkpoints kept (TRAIN_KEEP_DEFAULT); 0 keeps all */
     uint32_t worker_timeout_ms; /* a silent worker stops holding back clocks and barriers */
     int32_t staleness;          /* -1 async */
     uint64_t ckpt_every, max_steps, shuffle_rows, seed, memory;

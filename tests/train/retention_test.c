@@ -1,9 +1,9 @@
 /*
  * Checkpoint retention: --keep-checkpoints K keeps the newest K step-N directories and never
- * the one LATEST points at loses; the default keeps every checkpoint; a resume from the pruned
- * run continues from the newest. A fresh run into a directory with an older run's checkpoints
- * removes those newer than its own, so they can neither outlive its own nor be resumed, however
- * many there are.
+ * the one LATEST points at loses; the default keeps the newest five and 0 every one; a resume
+ * from the pruned run continues from the newest. A fresh run into a directory with an older run's
+ * checkpoints removes those newer than its own, so they can neither outlive its own nor be resumed,
+ * however many there are.
  */
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -41,11 +41,19 @@ int main(void)
     free(latest);
     CHECK(exists("keep2/ckpt/step-30/shard-0/MANIFEST") && exists("keep2/ckpt/step-25/model.txt"));
     CHECK(!exists("keep2/ckpt/step-20") && !exists("keep2/ckpt/step-5"));
-    CHECK(run("%s --out all", common) == 0);
+    CHECK(run("%s --keep-checkpoints 0 --out all", common) == 0);
     for (int s = 5; s <= 30; s += 5) {
         char name[64];
         snprintf(name, sizeof name, "all/ckpt/step-%d/model.txt", s);
-        CHECK_MSG(exists(name), "default run lost %s", name);
+        CHECK_MSG(exists(name), "--keep-checkpoints 0 lost %s", name);
+    }
+    /* The default keeps the newest five. */
+    CHECK(run("%s --out five", common) == 0);
+    for (int s = 5; s <= 30; s += 5) {
+        char name[64];
+        snprintf(name, sizeof name, "five/ckpt/step-%d/model.txt", s);
+        CHECK_MSG(exists(name) == (s > 5), "default run: %s %s", name,
+                  exists(name) ? "kept" : "gone");
     }
     /* Resuming the pruned run continues from its newest checkpoint. */
     CHECK(run("train --train ds/train --model lr --batch 256 --no-progress --device cpu "
