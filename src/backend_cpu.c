@@ -885,11 +885,23 @@ static void spmm_t(pool *p, const model_batch *b, const float *dX, uint32_t d, u
         pool_run_threads(p, spmm_t_part, &j);
 }
 
+/* Layer weight matrices handed to a GEMM on this thread as they lie in params (which the GEMM
+ * packs into its own layout in the call: ember's, or OpenBLAS's), plus one for each step that
+ * laid out the factorized first layer's blocks from them (backend_cpu_weight_packs). A thread
+ * counts its own: the forward pass's all fall to the stepping thread. */
+static __thread uint64_t weight_packs;
+
+uint64_t backend_cpu_weight_packs(void)
+{
+    return weight_packs;
+}
+
 /* Y = act(X W^T + b) for B rows. */
 static void layer_fwd(pool *pl, const model_layer *ly, const float *P, const float *X, float *Y,
                       uint32_t B)
 {
     rows_op epi = {bias_act, Y, P + ly->b, ly->out, ly->relu ? 0.0f : -INFINITY};
+    weight_packs++;
     sgemm(pl, CblasNoTrans, CblasTrans, (int)B, (int)ly->out, (int)ly->in, X, (int)ly->in,
           P + ly->w, (int)ly->in, Y, (int)ly->out, &epi);
 }
@@ -900,6 +912,7 @@ static void layer_bwd_dx(pool *pl, const model_layer *ly, const float *P, const 
                          float *dX, const model_layer *below, const float *Y_below, uint32_t B)
 {
     rows_op epi = {relu_mask, dX, Y_below, ly->in, 0.0f};
+    weight_packs++;
     sgemm(pl, CblasNoTrans, CblasNoTrans, (int)B, (int)ly->in, (int)ly->out, dY, (int)ly->out,
           P + ly->w, (int)ly->in, dX, (int)ly->in, below && below->relu ? &epi : NULL);
 }
@@ -1905,6 +1918,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
         }
         const float *out;
         if (fact) {
+            weight_packs++;
             fact_job fj = {c, P, b, NULL, NULL, false, 0};
             pool_run_threads(&c->pool, fact_fwd_part, &fj);
             out = stack_fwd(&c->pool, l->top + 1, l->n_top - 1, c->act + 1, P, c->act[0], B);

@@ -280,6 +280,11 @@ const char *backend_cpu_kernels(void);
 /* The core OpenBLAS detected or was given (OPENBLAS_CORETYPE). Static storage. */
 const char *backend_cpu_blas_core(void);
 
+/* Tests: how many times steps on the calling thread have packed a layer's weight matrix (a
+ * GEMM over the weights as they lie in params, or the factorized first layer's blocks of them),
+ * since the thread started. */
+uint64_t backend_cpu_weight_packs(void);
+
 /* Whether this build has the cuda backend (nvcc was found). */
 bool backend_cuda_built(void);
 
