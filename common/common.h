@@ -121,6 +121,21 @@ int cm_gemm_f32(int simd, int ta, int tb, int M, int N, int K, const float *A, i
                 const float *B, int ldb, float *C, int ldc);
 /* 1 when this build and CPU run cm_gemm_f32's AVX-512 path. */
 int cm_gemm_f32_simd_available(void);
+/* op(B) (K x N) packed once for the cm_gemm_f32_pre calls that share it (a layer's weights
+ * that do not change: serving), so that they skip the packing cm_gemm_f32 does in every call
+ * (for a GEMM of few rows, most of its time). The layout is fixed: panels of
+ * CM_GEMM_F32_PANEL columns, op(B)'s inner index k of column j at
+ * out[(j / 32) * 32 * K + k * 32 + j % 32], columns past N zero; out holds
+ * cm_gemm_f32_packed_floats(N, K) floats and is 64-byte aligned. tb, B, ldb as cm_gemm_f32's. */
+#define CM_GEMM_F32_PANEL 32
+size_t cm_gemm_f32_packed_floats(int N, int K);
+void cm_gemm_f32_pack(int tb, int N, int K, const float *B, int ldb, float *out);
+/* cm_gemm_f32 (simd 1) with op(B) from pb, packed over all its K inner indexes: C (M x N) =
+ * op(A) times op(B)'s columns [j0, j0 + N), j0 a multiple of CM_GEMM_F32_PANEL. The same bits as
+ * cm_gemm_f32 on the same values. CM_EINVAL (C untouched) where cm_gemm_f32_simd_available()
+ * is 0 or j0 is not so; else as cm_gemm_f32. */
+int cm_gemm_f32_pre(int ta, int M, int N, int K, const float *A, int lda, const float *pb, int j0,
+                    float *C, int ldc);
 
 /* int8 quantisation, shared by serving bundles (fp32 scale) and the PS wire (bf16 scale).
  * cm_int8_quantize: q[j] = x[j] * inv rounded to nearest and clamped to +-127, where inv is the

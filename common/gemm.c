@@ -551,18 +551,23 @@ AVX512_TARGET static void f32_kernel(int kc, const float *restrict a, const floa
         }
 }
 
+/* pb: op(B) packed by cm_gemm_f32_pack (its panel holding this call's column 0), B not read;
+ * NULL: B packed here, a K block at a time. */
 AVX512_TARGET static int f32_simd(int ta, int tb, int M, int N, int K, const float *A, int lda,
-                                  const float *B, int ldb, float *C, int ldc)
+                                  const float *B, int ldb, const float *pb, float *C, int ldc)
 {
     int NP = (N + F32_NR - 1) / F32_NR, kcmax = K < F32_KC ? K : F32_KC;
     int mcmax = M < F32_MC ? (M + F32_MR - 1) / F32_MR * F32_MR : F32_MC;
     scratch *s = scratch_get((size_t)mcmax * kcmax * sizeof(float),
-                             (size_t)NP * F32_NR * kcmax * sizeof(float));
+                             pb ? 0 : (size_t)NP * F32_NR * kcmax * sizeof(float));
     if (s == NULL) return CM_ENOMEM;
-    float *ap = s->a, *bp = s->b;
+    float *ap = s->a;
     for (int k0 = 0; k0 < K; k0 += F32_KC) {
         int kc = K - k0 < F32_KC ? K - k0 : F32_KC;
-        f32_pack_b(tb, N, B, ldb, k0, kc, bp);
+        /* Panel q's rows of this K block at bp + q * pstride. */
+        const float *bp = pb ? pb + (size_t)k0 * F32_NR : s->b;
+        const size_t pstride = (size_t)(pb ? K : kc) * F32_NR;
+        if (pb == NULL) f32_pack_b(tb, N, B, ldb, k0, kc, s->b);
         for (int i0 = 0; i0 < M; i0 += F32_MC) {
             int mc = M - i0 < F32_MC ? M - i0 : F32_MC;
             f32_pack_a(ta, M, A, lda, i0, mc, k0, kc, ap);
@@ -570,7 +575,7 @@ AVX512_TARGET static int f32_simd(int ta, int tb, int M, int N, int K, const flo
                 int j0 = q * F32_NR, nr = N - j0 < F32_NR ? N - j0 : F32_NR;
                 for (int p = 0; p * F32_MR < mc; p++) {
                     int r0 = p * F32_MR, mr = mc - r0 < F32_MR ? mc - r0 : F32_MR;
-                    f32_kernel(kc, ap + (size_t)p * kc * F32_MR, bp + (size_t)q * kc * F32_NR,
+                    f32_kernel(kc, ap + (size_t)p * kc * F32_MR, bp + (size_t)q * pstride,
                                C + (size_t)(i0 + r0) * ldc + j0, ldc, mr, nr, k0 > 0);
                 }
             }
@@ -600,9 +605,43 @@ int cm_gemm_f32(int simd, int ta, int tb, int M, int N, int K, const float *A, i
     }
 #ifdef CM_HAVE_F32_SIMD
     if (simd && cm_gemm_f32_simd_available())
-        return f32_simd(ta != 0, tb != 0, M, N, K, A, lda, B, ldb, C, ldc);
+        return f32_simd(ta != 0, tb != 0, M, N, K, A, lda, B, ldb, NULL, C, ldc);
 #endif
     (void)simd;
     f32_portable(ta != 0, tb != 0, M, N, K, A, lda, B, ldb, C, ldc);
     return CM_OK;
+}
+
+/* The AVX-512 path's own layout of a whole op(B), so that f32_simd reads it in place: each
+ * F32_NR-column panel is its K blocks' panels (f32_pack_b's) one after another. */
+size_t cm_gemm_f32_packed_floats(int N, int K)
+{
+    return N <= 0 || K <= 0 ? 0 : (size_t)(N + F32_NR - 1) / F32_NR * F32_NR * (size_t)K;
+}
+
+void cm_gemm_f32_pack(int tb, int N, int K, const float *B, int ldb, float *out)
+{
+    for (int j0 = 0; j0 < N; j0 += F32_NR) {
+        float *o = out + (size_t)j0 * K;
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < F32_NR; j++)
+                o[(size_t)k * F32_NR + j] = j0 + j < N ? f32_op(B, ldb, !tb, j0 + j, k) : 0.0f;
+    }
+}
+
+int cm_gemm_f32_pre(int ta, int M, int N, int K, const float *A, int lda, const float *pb, int j0,
+                    float *C, int ldc)
+{
+    if (!cm_gemm_f32_simd_available() || j0 % F32_NR != 0) return CM_EINVAL;
+    if (M <= 0 || N <= 0) return CM_OK;
+    if (K <= 0) {
+        zero_block(M, N, C, ldc);
+        return CM_OK;
+    }
+#ifdef CM_HAVE_F32_SIMD
+    return f32_simd(ta != 0, 0, M, N, K, A, lda, NULL, 0, pb + (size_t)j0 * K, C, ldc);
+#else
+    (void)ta, (void)A, (void)lda, (void)pb, (void)C, (void)ldc;
+    return CM_EINVAL;
+#endif
 }

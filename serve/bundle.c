@@ -822,6 +822,12 @@ int ember_serve_apply_delta(ember_serve *h, const char *delta, char **errptr)
                           "--precision %s)",
                           delta, name, prec_names[is], prec_names[was], prec_names[was]);
         }
+    /* The newest layer carries the current tower. */
+    rc = serve_model_tower(h, L.dense, errptr);
+    if (rc != CM_OK) {
+        layer_close(&L);
+        return rc;
+    }
     h->layers[h->n_layers++] = L;
     return CM_OK;
 }

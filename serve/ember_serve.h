@@ -36,7 +36,9 @@
  * scratches as predict calls have run on it at once, each sized for the largest batch it has
  * taken (the forward pass touches ~B x (the tower's input width + its layers' widths) floats
  * of a B-row one), until close. A scratch changes no bit of a result: the backend cuts its work
- * by the batch alone. apply_delta and close must not run concurrently with anything else on
+ * by the batch alone. Beside them the handle keeps one copy of the newest tower laid out for
+ * the backend's kernels (the mlp preset's: 573 KiB), made by open and apply_delta and read by
+ * every call at once. apply_delta and close must not run concurrently with anything else on
  * the handle. Opening a bundle (or applying a delta) that an export is replacing meanwhile gets
  * the old one or the new one, whole.
  *
@@ -52,7 +54,11 @@
  * bits).
  *
  * Speed: predict's tower runs on ember's own AVX-512 GEMM where the CPU has it (the trainer's:
- * the same bits), else on OpenBLAS, whose kernels are chosen when the library loads. A
+ * the same bits), else on OpenBLAS, whose kernels are chosen when the library loads. The
+ * tower's weights are laid out for those kernels once, by open and apply_delta: a training
+ * step lays them out on every call (its weights change every step), which was ~60% of
+ * predict's time for one-row batches and ~35% for 16 rows (OpenBLAS packs inside its own
+ * calls, so there only the factorized first layer's blocks are laid out ahead). A
  * DYNAMIC_ARCH OpenBLAS that does not know the CPU falls back to SSE3 kernels (Debian 12's
  * 0.3.21 on a Sapphire Rapids: ~4.5x slower GEMMs); `ember predict` fixes that by itself, a
  * program linking this library should set OPENBLAS_CORETYPE (`ember version` names the

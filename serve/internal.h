@@ -69,11 +69,19 @@ struct ember_serve {
     /* Taken and given back by predict, which gets a const handle: hence a pointer (predict.c;
      * NULL until serve_model_init). */
     serve_scratch_pool *scratch;
+    /* The newest layer's tower laid out for the backend once, shared read only by every
+     * scratch's state (predict.c); remade by serve_model_tower when a delta brings another. */
+    backend_cpu_tower *tower;
 };
 
 /* Parses the model config and checks the bundle's tables and tower fit it (predict.c); dir
- * (the bundle) names where in its messages. Makes the handle's (empty) scratch pool too. */
+ * (the bundle) names where in its messages. Makes the handle's (empty) scratch pool and its
+ * laid out tower too. */
 int serve_model_init(ember_serve *h, const char *dir, char **errptr);
+/* Lays out the tower at dense (the newest layer's, or a delta's about to be) for predict, in
+ * place of the handle's current one, which stays on failure (apply_delta: before it stacks the
+ * layer, so that a delta refused for want of memory leaves the handle as it was). */
+int serve_model_tower(ember_serve *h, const float *dense, char **errptr);
 /* Releases what serve_model_init and predict made (close). */
 void serve_model_fini(ember_serve *h);
 

@@ -5,6 +5,29 @@
 #include "common/common.h"
 #include "serve/internal.h"
 
+/* How predict runs the backend. One thread: the caller's (concurrent callers each have their
+ * own scratch). The process's OpenBLAS setting left alone (ember_serve.h, "Threads"). */
+#define SERVE_THREADS 1
+#define SERVE_FLAGS BACKEND_KEEP_BLAS_THREADS
+
+/*
+ * The tower is laid out for the backend's kernels once (backend_cpu_tower), at open and when a
+ * delta brings a new one: a backend step lays it out on every call (~60% of a one-row batch's
+ * predict, ~35% of a 16-row one's). One copy for the handle, read only by every call at once,
+ * rather than one a scratch: there are as many of those as calls have run at once, and each
+ * would hold the same bytes (the mlp preset's: 586,752; backend_cpu_tower_bytes). Making it at
+ * open rather than on the first call keeps that call as fast as the rest and needs no lock.
+ */
+int serve_model_tower(ember_serve *h, const float *dense, char **errptr)
+{
+    backend_cpu_tower *t = NULL;
+    int rc = backend_cpu_tower_make(&h->m, &h->l, SERVE_FLAGS, dense, &t, errptr);
+    if (rc != CM_OK) return rc;
+    backend_cpu_tower_free(h->tower);
+    h->tower = t;
+    return CM_OK;
+}
+
 int serve_model_init(ember_serve *h, const char *dir, char **errptr)
 {
     const serve_layer *L = &h->layers[0];
@@ -29,7 +52,7 @@ int serve_model_init(ember_serve *h, const char *dir, char **errptr)
                           "%s: the bundle lacks table '%s' of dim %u that model.txt needs", dir,
                           name, h->l.table_dim[t]);
     }
-    return CM_OK;
+    return serve_model_tower(h, L->dense, errptr);
 }
 
 static void scratch_free(serve_scratch *s)
@@ -41,6 +64,8 @@ static void scratch_free(serve_scratch *s)
 
 void serve_model_fini(ember_serve *h)
 {
+    backend_cpu_tower_free(h->tower);
+    h->tower = NULL;
     serve_scratch_pool *p = h->scratch;
     if (p == NULL) return;
     for (serve_scratch *s = p->idle, *next; s != NULL; s = next) {
@@ -89,8 +114,7 @@ static int scratch_fit(const ember_serve *h, serve_scratch *s, uint32_t B, uint3
     if (s->state != NULL) backend_cpu_ops.destroy(s->state);
     s->state = NULL;
     s->max_b = s->max_u = 0;
-    /* One thread: the caller's (concurrent callers each have their own scratch). */
-    int rc = backend_cpu_ops.create(&h->m, &h->l, max_b, max_u, 1, BACKEND_KEEP_BLAS_THREADS,
+    int rc = backend_cpu_ops.create(&h->m, &h->l, max_b, max_u, SERVE_THREADS, SERVE_FLAGS,
                                     &s->state, errptr);
     if (rc == CM_OK) {
         s->max_b = max_b;
@@ -127,9 +151,7 @@ int ember_serve_predict(const ember_serve *h, const ember_serve_batch *b, float 
         model_batch mb;
         model_staging_view(ms, &mb);
         mb.labels = NULL;
-        /* The newest layer carries the current tower. */
-        const float *params = h->layers[h->n_layers - 1].dense;
-        rc = backend_cpu_ops.step(s->state, params, &mb, out, NULL, NULL, NULL, errptr);
+        rc = backend_cpu_forward(s->state, h->tower, &mb, out, errptr);
     }
     scratch_give(h->scratch, s);
     return rc;

@@ -326,6 +326,9 @@ typedef struct gemm {
     /* bf16: the operand all tiles share (A when by_cols, else B), packed over the whole K by
      * gemm_share; NULL: each call packs both */
     const void *pk;
+    /* GEMM_OWN, a forward layer of a packed tower: op(B), the layer's W^T, as cm_gemm_f32_pack
+     * lays it out (backend_cpu_tower); NULL: each call packs B */
+    const float *pw;
 } gemm;
 
 /* Below this many multiply-adds a GEMM is one call: not worth waking threads for. */
@@ -381,6 +384,8 @@ static void gemm_tile_part(const gemm *g, int t, int k0, int k1, float *C)
     if (g->kind == GEMM_BF16)
         rc = cm_gemm_bf16_pre(ta, tb, M, N, k1 - k0, A, g->lda, pa, B, g->ldb, pb, g->K, k0, C,
                               g->ldc);
+    else if (g->pw != NULL && (!g->by_cols || i0 % CM_GEMM_F32_PANEL == 0)) /* else pack B */
+        rc = cm_gemm_f32_pre(ta, M, N, k1 - k0, A, g->lda, g->pw, g->by_cols ? i0 : 0, C, g->ldc);
     else if (g->kind != GEMM_BLAS)
         rc = cm_gemm_f32(g->kind == GEMM_OWN, ta, tb, M, N, k1 - k0, A, g->lda, B, g->ldb, C,
                          g->ldc);
@@ -464,11 +469,12 @@ static void gemm_run(pool *p, const gemm *g0)
     if (g.epi != NULL && g.by_cols) rows_run(p, g.epi, (size_t)g.M);
 }
 
+/* pw: B packed (gemm.pw), or NULL. */
 static void sgemm(pool *p, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int M, int N, int K,
                   const float *A, int lda, const float *B, int ldb, float *C, int ldc,
-                  const rows_op *epi)
+                  const rows_op *epi, const float *pw)
 {
-    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, epi, 1, 0, p->kind, NULL};
+    gemm g = {ta, tb, M, N, K, lda, ldb, ldc, A, B, C, epi, 1, 0, p->kind, NULL, pw};
     gemm_tiles(&g);
     gemm_run(p, &g);
 }
@@ -642,6 +648,16 @@ const char *backend_cpu_kernels(void)
 
 static void *gap_main(void *arg);
 
+/* The GEMMs a state created with these flags runs (backend_cpu_kernels). */
+static gemm_kind gemm_kind_of(uint32_t flags)
+{
+    bool own = cm_gemm_f32_simd_available() && !(flags & BACKEND_OPENBLAS);
+    return (flags & BACKEND_BF16)             ? GEMM_BF16
+           : own && (flags & BACKEND_NO_SIMD) ? GEMM_OWN_PORTABLE
+           : own                              ? GEMM_OWN
+                                              : GEMM_BLAS;
+}
+
 static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b, uint32_t max_u,
                       uint32_t threads, uint32_t flags, void **state, char **errptr)
 {
@@ -661,11 +677,7 @@ static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b,
         cpu_destroy(c);
         return cm_err(errptr, CM_ERR, "cannot start %u compute threads", threads);
     }
-    bool own = cm_gemm_f32_simd_available() && !(flags & BACKEND_OPENBLAS);
-    c->pool.kind = (flags & BACKEND_BF16)             ? GEMM_BF16
-                   : own && (flags & BACKEND_NO_SIMD) ? GEMM_OWN_PORTABLE
-                   : own                              ? GEMM_OWN
-                                                      : GEMM_BLAS;
+    c->pool.kind = gemm_kind_of(flags);
     c->m = *m;
     c->l = *l;
     c->max_b = max_b;
@@ -885,13 +897,25 @@ static void spmm_t(pool *p, const model_batch *b, const float *dX, uint32_t d, u
         pool_run_threads(p, spmm_t_part, &j);
 }
 
-/* Y = act(X W^T + b) for B rows. */
+/* Layer weight matrices handed to a GEMM on this thread as they lie in params (which the GEMM
+ * packs into its own layout in the call: ember's, or OpenBLAS's), plus one for each step that
+ * laid out the factorized first layer's blocks from them (backend_cpu_weight_packs). A thread
+ * counts its own: the forward pass's all fall to the stepping thread. */
+static __thread uint64_t weight_packs;
+
+uint64_t backend_cpu_weight_packs(void)
+{
+    return weight_packs;
+}
+
+/* Y = act(X W^T + b) for B rows; pw: W^T packed (gemm.pw), or NULL. */
 static void layer_fwd(pool *pl, const model_layer *ly, const float *P, const float *X, float *Y,
-                      uint32_t B)
+                      uint32_t B, const float *pw)
 {
     rows_op epi = {bias_act, Y, P + ly->b, ly->out, ly->relu ? 0.0f : -INFINITY};
+    if (pw == NULL) weight_packs++;
     sgemm(pl, CblasNoTrans, CblasTrans, (int)B, (int)ly->out, (int)ly->in, X, (int)ly->in,
-          P + ly->w, (int)ly->in, Y, (int)ly->out, &epi);
+          P + ly->w, (int)ly->in, Y, (int)ly->out, &epi, pw);
 }
 
 /* The layer's input gradient dX (B x in) from its masked dY (B x out); `below`, when dX is the
@@ -900,8 +924,9 @@ static void layer_bwd_dx(pool *pl, const model_layer *ly, const float *P, const 
                          float *dX, const model_layer *below, const float *Y_below, uint32_t B)
 {
     rows_op epi = {relu_mask, dX, Y_below, ly->in, 0.0f};
+    weight_packs++;
     sgemm(pl, CblasNoTrans, CblasNoTrans, (int)B, (int)ly->in, (int)ly->out, dY, (int)ly->out,
-          P + ly->w, (int)ly->in, dX, (int)ly->in, below && below->relu ? &epi : NULL);
+          P + ly->w, (int)ly->in, dX, (int)ly->in, below && below->relu ? &epi : NULL, NULL);
 }
 
 /* db[j] = sum over rows of dY[., j], each column summed in row order by one part. */
@@ -946,13 +971,14 @@ static void layer_bwd_dw(pool *pl, const model_layer *ly, const float *X, const 
         pool_run(pl, colsum_part, &j);
 }
 
-/* Runs the MLP stack ly[0..n) on X; returns the last layer's output buffer. */
+/* Runs the MLP stack ly[0..n) on X; returns the last layer's output buffer. pw: the layers'
+ * W^T packed (gemm.pw), or NULL. */
 static const float *stack_fwd(pool *pl, const model_layer *ly, uint32_t n, float *const *act,
-                              const float *P, const float *X, uint32_t B)
+                              const float *P, const float *X, uint32_t B, float *const *pw)
 {
     const float *in = X;
     for (uint32_t i = 0; i < n; i++) {
-        layer_fwd(pl, &ly[i], P, in, act[i], B);
+        layer_fwd(pl, &ly[i], P, in, act[i], B, pw ? pw[i] : NULL);
         in = act[i];
     }
     return in;
@@ -1140,16 +1166,14 @@ static void fact_free(fact *x)
     memset(x, 0, sizeof *x);
 }
 
-static int fact_init(cpu *c, uint32_t flags)
+/* The factorized layer's shape for the model and flags, no buffers (x->on false: not taken). */
+static void fact_shape(fact *x, const model_cfg *m, const model_layout *l, uint32_t flags)
 {
-    fact *x = &c->fx;
-    const model_layout *l = &c->l;
-    const model_cfg *m = &c->m;
     memset(x, 0, sizeof *x);
     x->on = !(flags & (BACKEND_PLAIN | BACKEND_BF16)) &&
             (m->kind == MODEL_MLP || m->kind == MODEL_DEEPFM) && l->emb_table >= 0 &&
             l->n_top >= 2 && l->top[0].in == m->n_fields * m->dim + m->n_dense;
-    if (!x->on) return CM_OK;
+    if (!x->on) return;
     x->force = (flags & BACKEND_FACTORED) != 0;
     x->F = m->n_fields;
     x->d = m->dim;
@@ -1169,6 +1193,13 @@ static int fact_init(cpu *c, uint32_t flags)
     x->simd = !(flags & BACKEND_NO_SIMD) && __builtin_cpu_supports("avx512f") && x->d == 16 &&
               x->H % FACT_COLS == 0;
 #endif
+}
+
+static int fact_init(cpu *c, uint32_t flags)
+{
+    fact *x = &c->fx;
+    fact_shape(x, &c->m, &c->l, flags);
+    if (!x->on) return CM_OK;
     x->wt = malloc((size_t)x->in * x->H * sizeof *x->wt);
     x->wf = aligned_alloc(64, ((size_t)x->F * x->H * x->d * sizeof *x->wf + 63) / 64 * 64);
     if (!x->wt || !x->wf) return CM_ENOMEM;
@@ -1234,18 +1265,18 @@ static bool fact_plan(cpu *c, const model_batch *b)
     return true;
 }
 
-/* W1^T's column block blk (wb columns of W1's rows) into wt, and those rows' field blocks
- * into wf, for the backward. */
-static void fact_wt_block(const fact *x, const float *W, uint32_t blk)
+/* W1^T's column block blk (wb columns of W1's rows) into wt (fact.wt's layout), and those
+ * rows' field blocks into wf (fact.wf's), for the backward, unless wf is NULL. */
+static void fact_wt_block(const fact *x, const float *W, uint32_t blk, float *wt, float *wf)
 {
-    float *w = x->wt + (size_t)blk * x->in * x->wb;
+    float *w = wt + (size_t)blk * x->in * x->wb;
     for (uint32_t o = 0; o < x->wb; o++) {
         const uint32_t h = blk * x->wb + o;
         const float *row = W + (size_t)h * x->in;
         for (uint32_t i = 0; i < x->in; i++)
             w[(size_t)i * x->wb + o] = row[i];
-        for (uint32_t f = 0; f < x->F; f++)
-            memcpy(x->wf + ((size_t)f * x->H + h) * x->d, row + (size_t)f * x->d,
+        for (uint32_t f = 0; wf != NULL && f < x->F; f++)
+            memcpy(wf + ((size_t)f * x->H + h) * x->d, row + (size_t)f * x->d,
                    x->d * sizeof(float));
     }
 }
@@ -1540,6 +1571,7 @@ typedef struct fact_job {
     float *dP;   /* backward: the parameters' gradients (dW_f) */
     bool add;    /* backward: demb holds the FM term's part, to add to (deepfm) */
     uint32_t next; /* forward: the next column block to take */
+    const float *wt; /* forward: W1^T laid out as fact.wt already (backend_cpu_tower), or NULL */
 } fact_job;
 
 /* The forward by column blocks, taken in turn by the threads: each block's W1^T, P and Y1
@@ -1558,8 +1590,8 @@ static void fact_fwd_part(void *arg, int part, int nparts)
     for (;;) {
         const uint32_t blk = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (blk >= x->nblk) break;
-        fact_wt_block(x, j->P + ly->w, blk);
-        const float *w = x->wt + (size_t)blk * x->in * x->wb;
+        const float *w = (j->wt ? j->wt : x->wt) + (size_t)blk * x->in * x->wb;
+        if (j->wt == NULL) fact_wt_block(x, j->P + ly->w, blk, x->wt, x->wf);
 #ifdef FACT_AVX512
         if (x->simd) {
             fact_p_avx512(x, E, w, Pb);
@@ -1857,10 +1889,93 @@ static void dw_phase_run(cpu *c, const float *P, const model_batch *b, float *dP
     pool_run(&c->pool, dw_sum_part, &ph);
 }
 
-static int cpu_step(void *state, const float *P, const model_batch *b, float *probs, double *loss,
-                    float *dP, float *const *demb, char **errptr)
+/*
+ * A tower packed once (backend_cpu_tower; serving, whose tower does not change). A step lays
+ * out its weights from params every time: each forward GEMM's cm_gemm_f32 packs W^T in the call
+ * (every tile of it), and the factorized layer lays out W1's column blocks; for a batch of a
+ * few rows that is most of the work. The tower holds them laid out already: each forward
+ * layer's W^T in cm_gemm_f32_pack's layout where the GEMMs are ember's (GEMM_OWN; OpenBLAS packs
+ * inside its own calls), and W1^T in the factorized layer's blocks where the model takes it.
+ * Blocks FACT_COLS wide are the first layer's packed W^T to the float (cm_gemm_f32_pack's panels
+ * are as wide), so then the two forms share one copy. Read only once made: any number of states
+ * may step on it at once.
+ */
+struct backend_cpu_tower {
+    const float *params;
+    gemm_kind kind;   /* the GEMMs of the states it serves */
+    uint32_t fact_wb; /* their factorized layer's block width; 0: not taken */
+    float *top[MODEL_MAX_LAYERS + 1], *bot[MODEL_MAX_LAYERS]; /* W^T packed, or NULL */
+    const float *wt; /* W1^T as fact.wt; NULL where fact_wb is 0 */
+    float *own_wt;   /* wt's buffer where it is not top[0] */
+    size_t bytes;
+};
+
+/* The layer's W^T packed for cm_gemm_f32_pre (64-byte aligned); NULL when out of memory. */
+static float *tower_layer(const model_layer *ly, const float *P, size_t *bytes)
 {
-    cpu *c = state;
+    const size_t n = cm_gemm_f32_packed_floats((int)ly->out, (int)ly->in) * sizeof(float);
+    float *w = aligned_alloc(64, (n + 63) / 64 * 64);
+    if (w == NULL) return NULL;
+    cm_gemm_f32_pack(1, (int)ly->out, (int)ly->in, P + ly->w, (int)ly->in, w);
+    *bytes += n;
+    return w;
+}
+
+void backend_cpu_tower_free(backend_cpu_tower *t)
+{
+    if (t == NULL) return;
+    for (int i = 0; i < MODEL_MAX_LAYERS + 1; i++)
+        free(t->top[i]);
+    for (int i = 0; i < MODEL_MAX_LAYERS; i++)
+        free(t->bot[i]);
+    free(t->own_wt);
+    free(t);
+}
+
+int backend_cpu_tower_make(const model_cfg *m, const model_layout *l, uint32_t flags,
+                           const float *params, backend_cpu_tower **out, char **errptr)
+{
+    *out = NULL;
+    backend_cpu_tower *t = calloc(1, sizeof *t);
+    if (t == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    t->params = params;
+    t->kind = gemm_kind_of(flags);
+    bool ok = true;
+    for (uint32_t i = 0; ok && t->kind == GEMM_OWN && i < l->n_top; i++)
+        ok = (t->top[i] = tower_layer(&l->top[i], params, &t->bytes)) != NULL;
+    for (uint32_t i = 0; ok && t->kind == GEMM_OWN && i < l->n_bot; i++)
+        ok = (t->bot[i] = tower_layer(&l->bot[i], params, &t->bytes)) != NULL;
+    fact x;
+    fact_shape(&x, m, l, flags);
+    if (ok && x.on) {
+        t->fact_wb = x.wb;
+        t->wt = x.wb == CM_GEMM_F32_PANEL ? t->top[0] : NULL;
+        if (t->wt == NULL) {
+            const size_t n = (size_t)x.in * x.H * sizeof(float);
+            ok = (t->own_wt = aligned_alloc(64, (n + 63) / 64 * 64)) != NULL;
+            for (uint32_t blk = 0; ok && blk < x.nblk; blk++)
+                fact_wt_block(&x, params + l->top[0].w, blk, t->own_wt, NULL);
+            t->wt = t->own_wt;
+            t->bytes += n;
+        }
+    }
+    if (!ok) {
+        backend_cpu_tower_free(t);
+        return cm_err(errptr, CM_ENOMEM, "out of memory for the packed tower");
+    }
+    *out = t;
+    return CM_OK;
+}
+
+size_t backend_cpu_tower_bytes(const backend_cpu_tower *t)
+{
+    return t->bytes;
+}
+
+/* A step (backend_ops.step); t: the tower packed from P, or NULL (P laid out as it goes). */
+static int cpu_run(cpu *c, const float *P, const backend_cpu_tower *t, const model_batch *b,
+                   float *probs, double *loss, float *dP, float *const *demb, char **errptr)
+{
     const model_cfg *m = &c->m;
     const model_layout *l = &c->l;
     const uint32_t B = b->B, F = m->n_fields, D = m->n_dense, d = m->dim;
@@ -1895,7 +2010,7 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
         /* Build the top MLP's input. */
         uint32_t ti = l->top_in;
         if (m->kind == MODEL_DLRM) {
-            z0 = stack_fwd(&c->pool, l->bot, l->n_bot, c->bact, P, b->dense, B);
+            z0 = stack_fwd(&c->pool, l->bot, l->n_bot, c->bact, P, b->dense, B, t ? t->bot : NULL);
             inter_run(c, INTER_DLRM_FWD, B, z0, NULL);
         } else if (!fact) {
             /* The pooled embeddings are in place already (cpu_create). */
@@ -1905,11 +2020,13 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
         }
         const float *out;
         if (fact) {
-            fact_job fj = {c, P, b, NULL, NULL, false, 0};
+            fact_job fj = {c, P, b, NULL, NULL, false, 0, t ? t->wt : NULL};
+            if (fj.wt == NULL) weight_packs++;
             pool_run_threads(&c->pool, fact_fwd_part, &fj);
-            out = stack_fwd(&c->pool, l->top + 1, l->n_top - 1, c->act + 1, P, c->act[0], B);
+            out = stack_fwd(&c->pool, l->top + 1, l->n_top - 1, c->act + 1, P, c->act[0], B,
+                            t ? t->top + 1 : NULL);
         } else {
-            out = stack_fwd(&c->pool, l->top, l->n_top, c->act, P, c->in, B);
+            out = stack_fwd(&c->pool, l->top, l->n_top, c->act, P, c->in, B, t ? t->top : NULL);
         }
         for (uint32_t i = 0; i < B; i++)
             logit[i] += out[i];
@@ -1951,13 +2068,28 @@ static int cpu_step(void *state, const float *P, const model_batch *b, float *pr
     if (m->kind == MODEL_DEEPFM) inter_run(c, fact ? INTER_FM_BWD_SET : INTER_FM_BWD, B, NULL, g);
     if (pooled) spmm_t(&c->pool, b, c->dxe, d, c->ldxe, demb[l->emb_table]);
     if (fact) {
-        fact_job fj = {c, P, b, demb[l->emb_table], dP, pooled, 0};
+        fact_job fj = {c, P, b, demb[l->emb_table], dP, pooled, 0, NULL};
         pool_run_parts(&c->pool, fact_bwd_g_part, &fj, (int)(c->fx.ngb * c->fx.F));
         pool_run(&c->pool, fact_bwd_e_part, &fj);
     }
     /* The dense gradients: nothing above reads them. */
     dw_phase_run(c, P, b, dP, fact);
     return CM_OK;
+}
+
+static int cpu_step(void *state, const float *P, const model_batch *b, float *probs, double *loss,
+                    float *dP, float *const *demb, char **errptr)
+{
+    return cpu_run(state, P, NULL, b, probs, loss, dP, demb, errptr);
+}
+
+int backend_cpu_forward(void *state, const backend_cpu_tower *t, const model_batch *b, float *probs,
+                        char **errptr)
+{
+    cpu *c = state;
+    if (t->kind != c->pool.kind || t->fact_wb != (c->fx.on ? c->fx.wb : 0))
+        return cm_err(errptr, CM_EINVAL, "the tower was packed for other backend flags");
+    return cpu_run(c, t->params, t, b, probs, NULL, NULL, NULL, errptr);
 }
 
 /* Releases the rest of the threads into the current dense-gradient phase. */

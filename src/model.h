@@ -280,6 +280,26 @@ const char *backend_cpu_kernels(void);
 /* The core OpenBLAS detected or was given (OPENBLAS_CORETYPE). Static storage. */
 const char *backend_cpu_blas_core(void);
 
+/* The cpu backend's forward pass over a tower that does not change (serving): its weights
+ * laid out for the backend's kernels once (backend_cpu_tower_make), where a step lays them out
+ * again on every call. Made from params (n_params floats, which must stay as they are while the
+ * tower is used) for states created with this model, layout and flags; read only, so any number
+ * of states may step on it at once. backend_cpu_tower_bytes: what it holds (the params are not
+ * copied). backend_cpu_forward: backend_ops.step without labels or gradients (probs only) on
+ * the tower's params, the same bits; CM_EINVAL for a tower made with other flags. */
+typedef struct backend_cpu_tower backend_cpu_tower;
+int backend_cpu_tower_make(const model_cfg *m, const model_layout *l, uint32_t flags,
+                           const float *params, backend_cpu_tower **out, char **errptr);
+void backend_cpu_tower_free(backend_cpu_tower *t);
+size_t backend_cpu_tower_bytes(const backend_cpu_tower *t);
+int backend_cpu_forward(void *state, const backend_cpu_tower *t, const model_batch *b, float *probs,
+                        char **errptr);
+
+/* Tests: how many times steps on the calling thread have packed a layer's weight matrix (a
+ * GEMM over the weights as they lie in params, or the factorized first layer's blocks of them),
+ * since the thread started. */
+uint64_t backend_cpu_weight_packs(void);
+
 /* Whether this build has the cuda backend (nvcc was found). */
 bool backend_cuda_built(void);
 

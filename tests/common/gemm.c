@@ -11,7 +11,8 @@
  * cm_gemm_bf16_pre over inner sub-ranges with A, B or both packed (the float operand then
  * poisoned) giving cm_gemm_bf16's bits on the sub-matrices. Where AMX is missing, only the
  * bf16 refusal is checked; where AVX-512 is, cm_gemm_f32's two paths give the same bits on the
- * training shapes (the portable one is run on the small shapes and NaNs only: it is slow).
+ * training shapes (the portable one is run on the small shapes and NaNs only: it is slow), and
+ * cm_gemm_f32_pre on an operand cm_gemm_f32_pack packed gives cm_gemm_f32's bits.
  */
 #include <math.h>
 #include <pthread.h>
@@ -619,6 +620,59 @@ static void check_pre(void)
                     check_pre_shape(t >> 1, t & 1, Ms[mx], Ns[nx], K0s[kx]);
 }
 
+/* cm_gemm_f32_pack writes the documented layout (zeros past N); cm_gemm_f32_pre gives
+ * cm_gemm_f32's bits over all columns and over column ranges from a panel's start, and refuses
+ * (C untouched) a range that starts inside a panel. */
+static void check_f32_pre_shape(int ta, int tb, int M, int N, int K)
+{
+    gcase g;
+    case_init(&g, ta, tb, M, N, K, (int)rndu(2) * 3, (int)rndu(2) * 5, (int)rndu(2) * 2, 0);
+    const size_t np = cm_gemm_f32_packed_floats(N, K);
+    float *pb = aligned_alloc(64, (np * sizeof(float) + 63) / 64 * 64);
+    cm_gemm_f32_pack(tb, N, K, g.B, g.ldb, pb);
+    size_t misplaced = 0;
+    for (int j = 0; j < (N + 31) / 32 * 32; j++)
+        for (int k = 0; k < K; k++) {
+            float want = j < N ? *b_at(&g, k, j) : 0.0f;
+            misplaced += check_u32_of(pb[(size_t)(j / 32) * 32 * K + (size_t)k * 32 + j % 32]) !=
+                         check_u32_of(want);
+        }
+    CHECK_MSG(np == (size_t)(N + 31) / 32 * 32 * K && misplaced == 0,
+              "%s: packed %zu floats, %zu not where the layout puts them", g.desc, np, misplaced);
+    float *want = c_new(g.nc), *got = c_new(g.nc);
+    const int j0s[3] = {0, N > 32 ? 32 * (int)rndu((uint32_t)(N - 1) / 32 + 1) : 0, 1};
+    for (int x = 0; x < 3; x++) {
+        const int j0 = j0s[x], n = j0 >= N ? 1 : N - j0;
+        for (size_t c = 0; c < g.nc; c++)
+            want[c] = got[c] = check_f32_of(SENTINEL);
+        int rc = cm_gemm_f32_pre(ta, M, n, K, g.A, g.lda, pb, j0, got + j0 % 32, g.ldc);
+        if (j0 % 32 != 0) {
+            CHECK_MSG(rc == CM_EINVAL && memcmp(want, got, g.nc * sizeof(float)) == 0,
+                      "%s: columns from %d: rc=%d, want CM_EINVAL and C untouched", g.desc, j0, rc);
+            continue;
+        }
+        const float *B = g.B + (tb ? (size_t)j0 * g.ldb : (size_t)j0);
+        int rc0 = cm_gemm_f32(1, ta, tb, M, n, K, g.A, g.lda, B, g.ldb, want, g.ldc);
+        CHECK_MSG(rc == 0 && rc0 == 0 && memcmp(want, got, g.nc * sizeof(float)) == 0,
+                  "%s: columns [%d, %d): pre gives other bits than cm_gemm_f32 (rc %d, %d)", g.desc,
+                  j0, j0 + n, rc, rc0);
+    }
+    free(want);
+    free(got);
+    free(pb);
+    case_free(&g);
+}
+
+static void check_f32_pre(void)
+{
+    static const int Ms[3] = {1, 9, 100}, Ns[5] = {1, 17, 32, 54, 256}, Ks[4] = {1, 100, 256, 429};
+    for (int t = 0; t < 4; t++)
+        for (int kx = 0; kx < 4; kx++)
+            for (int mx = 0; mx < 3; mx++)
+                for (int nx = 0; nx < 5; nx++)
+                    check_f32_pre_shape(t >> 1, t & 1, Ms[mx], Ns[nx], Ks[kx]);
+}
+
 /* Everything but the bf16 packing for the GEMM under `mode`. */
 static void check_mode(void)
 {
@@ -692,10 +746,12 @@ int main(void)
     mode = MODE_F32_PORTABLE;
     check_mode();
     mode = MODE_F32_SIMD;
-    if (cm_gemm_f32_simd_available())
+    if (cm_gemm_f32_simd_available()) {
         check_mode();
-    else
+        check_f32_pre();
+    } else {
         fprintf(stderr, "common_gemm: SKIP cm_gemm_f32's AVX-512 path: this CPU has no AVX-512\n");
+    }
     CHECK_MSG(n_unfused == 0, "cm_gemm_f32: %ld outputs not the in-order fmaf sum's bits",
               n_unfused);
     fprintf(stderr, "common_gemm: %ld outputs compared, worst |C - ref| / bound = %.4g\n",
