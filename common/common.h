@@ -400,6 +400,50 @@ const char *cm_nearest_name(const char *name, const char *const *names, size_t n
 int cm_ini_unknown_key(char **errptr, const char *key, const char *where, const char *const *keys,
                        size_t n);
 
+/* Defines `static void NAME(T *a, uint64_t n)`, sorting a in place, ascending by LESS(x, y) (x
+ * and y two T values): glibc's qsort sorts through a copy of the array when it can get one (a
+ * merge sort), which doubles the memory of what is sorted, and calls a comparator each time.
+ * Quicksort, median of three, the smaller side recursed (depth log n), insertion sort below 16. */
+#define CM_SORT_DEFINE(NAME, T, LESS)                                                              \
+    static void NAME(T *a, uint64_t n)                                                             \
+    {                                                                                              \
+        T t_;                                                                                      \
+        while (n > 16) {                                                                           \
+            const uint64_t m = n / 2;                                                              \
+            if (LESS(a[m], a[0])) t_ = a[m], a[m] = a[0], a[0] = t_;                               \
+            if (LESS(a[n - 1], a[0])) t_ = a[n - 1], a[n - 1] = a[0], a[0] = t_;                   \
+            if (LESS(a[n - 1], a[m])) t_ = a[n - 1], a[n - 1] = a[m], a[m] = t_;                   \
+            const T p_ = a[m];                                                                     \
+            uint64_t i = 0, j = n - 1;                                                             \
+            for (;;) { /* Hoare: the pivot's value stops both scans inside a */                    \
+                while (LESS(a[i], p_))                                                             \
+                    i++;                                                                           \
+                while (LESS(p_, a[j]))                                                             \
+                    j--;                                                                           \
+                if (i >= j) break;                                                                 \
+                t_ = a[i], a[i] = a[j], a[j] = t_;                                                 \
+                i++;                                                                               \
+                j--;                                                                               \
+            }                                                                                      \
+            const uint64_t left = j + 1; /* [0, left) <= pivot <= [left, n) */                     \
+            if (left < n - left) {                                                                 \
+                NAME(a, left);                                                                     \
+                a += left;                                                                         \
+                n -= left;                                                                         \
+            } else {                                                                               \
+                NAME(a + left, n - left);                                                          \
+                n = left;                                                                          \
+            }                                                                                      \
+        }                                                                                          \
+        for (uint64_t i = 1; i < n; i++) {                                                         \
+            T v_ = a[i];                                                                           \
+            uint64_t j = i;                                                                        \
+            for (; j > 0 && LESS(v_, a[j - 1]); j--)                                               \
+                a[j] = a[j - 1];                                                                   \
+            a[j] = v_;                                                                             \
+        }                                                                                          \
+    }
+
 /* qsort and bsearch order of uint64_t values, ascending. */
 static inline int cm_u64_cmp(const void *a, const void *b)
 {

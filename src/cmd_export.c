@@ -64,46 +64,9 @@ static void fp_map_free(fp_map *m)
     memset(m, 0, sizeof *m);
 }
 
-/* Sorts a by key in place: glibc's qsort sorts through a copy of the array when it can get one
- * (a merge sort), which doubled the map's memory. Quicksort, median of three, the smaller side
- * recursed (depth log n), insertion sort below 16. */
-static void fp_sort(fp_ent *a, uint64_t n)
-{
-    while (n > 16) {
-        const uint64_t m = n / 2;
-        fp_ent t;
-#define FP_SWAP(x, y) (t = a[x], a[x] = a[y], a[y] = t)
-        if (a[m].key < a[0].key) FP_SWAP(m, 0);
-        if (a[n - 1].key < a[0].key) FP_SWAP(n - 1, 0);
-        if (a[n - 1].key < a[m].key) FP_SWAP(n - 1, m);
-        const uint64_t p = a[m].key;
-        uint64_t i = 0, j = n - 1;
-        for (;;) { /* Hoare: the pivot's value stops both scans inside a */
-            while (a[i].key < p) i++;
-            while (a[j].key > p) j--;
-            if (i >= j) break;
-            FP_SWAP(i, j);
-            i++;
-            j--;
-        }
-#undef FP_SWAP
-        const uint64_t left = j + 1; /* [0, left) <= p <= [left, n) */
-        if (left < n - left) {
-            fp_sort(a, left);
-            a += left;
-            n -= left;
-        } else {
-            fp_sort(a + left, n - left);
-            n = left;
-        }
-    }
-    for (uint64_t i = 1; i < n; i++) {
-        fp_ent v = a[i];
-        uint64_t j = i;
-        for (; j > 0 && a[j - 1].key > v.key; j--) a[j] = a[j - 1];
-        a[j] = v;
-    }
-}
+/* Sorts a by key in place (CM_SORT_DEFINE: glibc's qsort would double the map's memory). */
+#define FP_LESS(x, y) ((x).key < (y).key)
+CM_SORT_DEFINE(fp_sort, fp_ent, FP_LESS)
 
 /* The index of key in m, or -1. */
 static int64_t fp_map_find(const fp_map *m, uint64_t key)
