@@ -248,31 +248,43 @@ int cm_fd_each_chunk(int fd, const char *path, uint64_t len,
  * first empty entry probing linearly (wrapping) from xxh3-64(the key's 8 bytes) & (slots - 1).
  * It is the serving bundle's table index (serve/ember_serve.h), and export's check that no key
  * is in a table twice.
- * Why a file: the index of a table larger than memory is larger than memory too. Keys are
- * buffered and added in batches sorted by home slot, so each batch sweeps the region once in
- * file order, and the pages behind the sweep are handed back to the page cache as it goes
- * (madvise MADV_DONTNEED on the shared mapping: the kernel writes them back when it needs the
- * memory). The process holds one batch and a window of pages, however many keys there are.
- * Keys land where linear probing puts them inserted in that order: a valid index for any reader
- * probing from the hash, not byte for byte what adding them one at a time would give.
+ * Why a file, written in order: the index of a table larger than memory is larger than memory
+ * too, and filling it in place (random writes) faults its pages in from disk over and over.
+ * Keys are buffered, up to a memory budget, as (home slot, key, val); a full buffer is sorted by
+ * (home slot, key) and appended to a scratch file in the directory given (unlinked as soon as it
+ * is made: nothing is left behind, whatever happens) as a sorted run. cm_keyidx_finish merges
+ * the runs (or sorts the buffer, when no run was written) in home-slot order and writes the
+ * region front to back in chunks, empty entries included, each key at max(its home, the
+ * previous key's entry + 1): where linear probing puts keys inserted in that order. The keys
+ * that run past the last slot then take the first empty entries from slot 0. A key twice meets
+ * itself as a neighbour in that order. Memory: the budget, however many keys; disk: 16 bytes a
+ * key for the runs, only when the keys do not fit. Not byte for byte what adding the keys one at
+ * a time would give (keys sharing a cluster sit in another order): a valid index for any reader
+ * probing from the hash.
  */
 #define CM_KEYIDX_EMPTY UINT32_MAX
 typedef struct cm_keyidx cm_keyidx;
 /* Slots for n keys at a load factor of at most 0.8 (at least 16). */
 uint64_t cm_keyidx_slots(uint64_t n);
-/* Fills [off, off + 16 * slots) of fd (open for reading and writing, at least that long) with
- * empty entries and maps it; *out is the caller's (cm_keyidx_close). path names fd in messages. */
-int cm_keyidx_open(int fd, const char *path, uint64_t off, uint64_t slots, cm_keyidx **out,
-                   char **errptr);
+/* The least memory budget an index of `slots` slots is built in: 64 KiB, or once its keys do
+ * not fit, ~sqrt(110,000 x slots) bytes (each run is read back 4 KiB at a time or more): 15 MiB
+ * for 2^31 slots (10^9 keys), 317 MiB for the most, 2^40. */
+uint64_t cm_keyidx_least(uint64_t slots);
+/* An index to be written to [off, off + 16 * slots) of fd (open for reading and writing, at
+ * least that long; nothing is written before cm_keyidx_finish), holding at most `mem` bytes
+ * (CM_EINVAL, naming cm_keyidx_least, when that is too little), its sorted runs in a scratch
+ * file under dir. *out is the caller's (cm_keyidx_close). path names fd in messages. */
+int cm_keyidx_open(int fd, const char *path, uint64_t off, uint64_t slots, uint64_t mem,
+                   const char *dir, cm_keyidx **out, char **errptr);
 /* Adds key -> val (val != CM_KEYIDX_EMPTY). A key added before is refused ("key K twice",
- * CM_EINVAL) here or at a later add or flush, whichever sweeps it; cm_keyidx_dup names it.
- * More keys than slots - 1 are refused too. */
+ * CM_EINVAL) here, when a run holding both is sorted, or at cm_keyidx_finish; cm_keyidx_dup
+ * names it. More keys than slots - 1 are refused too, and any key after finish. */
 int cm_keyidx_add(cm_keyidx *x, uint64_t key, uint32_t val, char **errptr);
-/* Puts the keys still buffered into the file. */
-int cm_keyidx_flush(cm_keyidx *x, char **errptr);
+/* After the last add: writes the whole region (the keys, and every other entry empty). Once. */
+int cm_keyidx_finish(cm_keyidx *x, char **errptr);
 /* 1 with the key in *key when a key was refused as added twice, else 0. */
 int cm_keyidx_dup(const cm_keyidx *x, uint64_t *key);
-/* Unmaps (what was flushed stays in the file). NULL is fine. */
+/* Frees the index and closes its scratch file (what finish wrote stays). NULL is fine. */
 void cm_keyidx_close(cm_keyidx *x);
 
 /*
@@ -414,6 +426,50 @@ const char *cm_nearest_name(const char *name, const char *const *names, size_t n
  * you mean 'memory'?") and every key the section has. Returns CM_EINVAL. */
 int cm_ini_unknown_key(char **errptr, const char *key, const char *where, const char *const *keys,
                        size_t n);
+
+/* Defines `static void NAME(T *a, uint64_t n)`, sorting a in place, ascending by LESS(x, y) (x
+ * and y two T values): glibc's qsort sorts through a copy of the array when it can get one (a
+ * merge sort), which doubles the memory of what is sorted, and calls a comparator each time.
+ * Quicksort, median of three, the smaller side recursed (depth log n), insertion sort below 16. */
+#define CM_SORT_DEFINE(NAME, T, LESS)                                                              \
+    static void NAME(T *a, uint64_t n)                                                             \
+    {                                                                                              \
+        T t_;                                                                                      \
+        while (n > 16) {                                                                           \
+            const uint64_t m = n / 2;                                                              \
+            if (LESS(a[m], a[0])) t_ = a[m], a[m] = a[0], a[0] = t_;                               \
+            if (LESS(a[n - 1], a[0])) t_ = a[n - 1], a[n - 1] = a[0], a[0] = t_;                   \
+            if (LESS(a[n - 1], a[m])) t_ = a[n - 1], a[n - 1] = a[m], a[m] = t_;                   \
+            const T p_ = a[m];                                                                     \
+            uint64_t i = 0, j = n - 1;                                                             \
+            for (;;) { /* Hoare: the pivot's value stops both scans inside a */                    \
+                while (LESS(a[i], p_))                                                             \
+                    i++;                                                                           \
+                while (LESS(p_, a[j]))                                                             \
+                    j--;                                                                           \
+                if (i >= j) break;                                                                 \
+                t_ = a[i], a[i] = a[j], a[j] = t_;                                                 \
+                i++;                                                                               \
+                j--;                                                                               \
+            }                                                                                      \
+            const uint64_t left = j + 1; /* [0, left) <= pivot <= [left, n) */                     \
+            if (left < n - left) {                                                                 \
+                NAME(a, left);                                                                     \
+                a += left;                                                                         \
+                n -= left;                                                                         \
+            } else {                                                                               \
+                NAME(a + left, n - left);                                                          \
+                n = left;                                                                          \
+            }                                                                                      \
+        }                                                                                          \
+        for (uint64_t i = 1; i < n; i++) {                                                         \
+            T v_ = a[i];                                                                           \
+            uint64_t j = i;                                                                        \
+            for (; j > 0 && LESS(v_, a[j - 1]); j--)                                               \
+                a[j] = a[j - 1];                                                                   \
+            a[j] = v_;                                                                             \
+        }                                                                                          \
+    }
 
 /* qsort and bsearch order of uint64_t values, ascending. */
 static inline int cm_u64_cmp(const void *a, const void *b)

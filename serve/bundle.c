@@ -90,6 +90,7 @@ struct ember_serve_writer {
     struct open_table *table;               /* between _table_begin and _table_end */
     bool has_dup;                           /* the last table refused dup as a key twice */
     uint64_t dup;
+    uint64_t mem; /* a table's index's budget */
 };
 
 static void manifest_add(ember_serve_writer *w, const char *fmt, ...)
@@ -139,6 +140,7 @@ int ember_serve_writer_create(const char *dir, ember_serve_precision precision, 
     snprintf(w->tmp, n, "%s.tmp-%ld-%u", w->dir, (long)getpid(),
              __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
     w->prec = precision;
+    w->mem = EMBER_SERVE_INDEX_MEMORY_DEFAULT;
     w->delta = delta;
     w->step = step;
     w->base_step = base_step;
@@ -162,6 +164,11 @@ int ember_serve_writer_source(ember_serve_writer *w, uint64_t source, uint64_t b
     manifest_add(w, "source %016" PRIx64 "\n", source);
     if (w->delta) manifest_add(w, "base_source %016" PRIx64 "\n", base_source);
     return CM_OK;
+}
+
+void ember_serve_writer_memory(ember_serve_writer *w, uint64_t bytes)
+{
+    w->mem = bytes;
 }
 
 static void table_close(ember_serve_writer *w, bool keep);
@@ -248,8 +255,8 @@ static uint32_t row_unfit(ember_serve_precision p, const float *x, uint32_t dim)
 }
 
 /* The table being written (ember_serve_writer_table_begin .. _end): its file is made at full
- * size up front, the index filled through a cm_keyidx over its region and the rows written in
- * place as they come, so the writer holds a batch of keys and a chunk of rows, not the table. */
+ * size up front, the rows written in place as they come and the index region by a cm_keyidx at
+ * _end, so the writer holds the index's budget and a chunk of rows, not the table. */
 struct open_table {
     char name[65], path[4200], part[4208];
     uint32_t dim;
@@ -325,7 +332,15 @@ int ember_serve_writer_table_begin(ember_serve_writer *w, const char *name, uint
     if (rc == CM_OK && t->fd < 0) rc = cm_err_errno(errptr, CM_EIO, "cannot create %s", t->part);
     if (rc == CM_OK && ftruncate(t->fd, (off_t)(rows_offset(t) + max_rows * t->rb)) != 0)
         rc = cm_err_errno(errptr, CM_EIO, "cannot size %s", t->part);
-    if (rc == CM_OK) rc = cm_keyidx_open(t->fd, t->part, sizeof(tab_hdr), t->slots, &t->ix, errptr);
+    /* Named by the table, not by the file in the writer's folder. */
+    if (rc == CM_OK && w->mem < cm_keyidx_least(t->slots))
+        rc = cm_err(errptr, CM_EINVAL,
+                    "table %s: a memory budget of %" PRIu64 " bytes is too small for the index of "
+                    "%" PRIu64 " rows: it needs at least %" PRIu64 " bytes",
+                    name, w->mem, max_rows, cm_keyidx_least(t->slots));
+    if (rc == CM_OK)
+        rc = cm_keyidx_open(t->fd, t->part, sizeof(tab_hdr), t->slots, w->mem, w->tmp, &t->ix,
+                            errptr);
     if (rc != CM_OK) table_close(w, false);
     return rc;
 }
@@ -377,7 +392,7 @@ static void hash_chunk(void *st, const void *buf, size_t n)
     XXH3_64bits_update(st, buf, n);
 }
 
-/* A table file's trailer, the xxh3 of its first len bytes read back (the index was written out
+/* A table file's trailer, the xxh3 of its first len bytes read back (the index is written after
  * of order), and the manifest's digest of the file with that trailer appended. */
 static int file_digest(int fd, const char *path, uint64_t len, uint64_t *trailer, uint64_t *whole,
                        char **errptr)
@@ -401,7 +416,7 @@ int ember_serve_writer_table_end(ember_serve_writer *w, const uint64_t *deleted,
     open_table *t = w->table;
     if (t == NULL) return cm_err(errptr, CM_EINVAL, "%s: no table begun", w->dir);
     int rc = enc_flush(t, errptr);
-    if (rc == CM_OK) rc = table_dup(w, cm_keyidx_flush(t->ix, errptr), errptr);
+    if (rc == CM_OK) rc = table_dup(w, cm_keyidx_finish(t->ix, errptr), errptr);
     for (uint64_t i = 1; rc == CM_OK && i < n_deleted; i++)
         if (deleted[i] < deleted[i - 1])
             rc = cm_err(errptr, CM_EINVAL, "table %s: deleted keys not ascending", t->name);

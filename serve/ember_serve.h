@@ -142,6 +142,13 @@ int ember_serve_writer_create(const char *dir, ember_serve_precision precision, 
  * Optional: bundles without it are stacked by step and model alone. */
 int ember_serve_writer_source(ember_serve_writer *w, uint64_t source, uint64_t base_source,
                               char **errptr);
+/* The memory a table's index may take while it is written (cm_keyidx, common.h): from the next
+ * table begun on; EMBER_SERVE_INDEX_MEMORY_DEFAULT until set. Less only spreads the keys of a
+ * large table over more sorted runs in a scratch file beside the bundle (16 bytes a key); a
+ * table whose index needs more than that (cm_keyidx_least: ~15 MiB for 10^9 rows) is refused
+ * by _table_begin saying how much. The bundle is the same whatever the budget. */
+#define EMBER_SERVE_INDEX_MEMORY_DEFAULT (256ull << 20)
+void ember_serve_writer_memory(ember_serve_writer *w, uint64_t bytes);
 int ember_serve_writer_model(ember_serve_writer *w, const char *model_text, char **errptr);
 int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_t n,
                              char **errptr);
@@ -149,8 +156,10 @@ int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_
  * for that many: a table of fewer rows has a sparser index than it needs), add the rows (keys
  * unique, dim fp32 values each, converted to the bundle's precision) in any number of calls,
  * end with the deleted keys (delta bundles: removed from what the base serves), ascending.
- * The writer holds a chunk of rows and a batch of keys, never the table: its index and rows go
- * to the file as they come (cm_keyidx, common.h), so a table larger than memory is written.
+ * The writer holds a chunk of rows and the index's memory budget (ember_serve_writer_memory),
+ * never the table: rows go to the file as they come, the index's keys to sorted runs on disk
+ * when they do not fit, and the index is written in order at _end (cm_keyidx, common.h), so a
+ * table larger than memory is written.
  * A key twice is refused (CM_EINVAL) by _rows or _end, whichever finds it, and
  * ember_serve_writer_table_dup names it. After a failure the table is dropped (the bundle can
  * still be aborted, or committed without it). */

@@ -24,8 +24,8 @@
  * its output a chunk of rows at a time, so a table larger than memory (the PS spills cold rows
  * to RocksDB) exports in memory that does not grow with its rows. What needs every key is kept
  * on disk: the bundle writer's index (cm_keyidx, common.h), which refuses a key twice, and for
- * safetensors and RocksDB a cm_keyset of the keys, in a few MiB and scratch files beside the
- * output when they do not fit. Sizes
+ * safetensors and RocksDB a cm_keyset of the keys, in --memory bytes and scratch files beside
+ * the output when they do not fit. Sizes
  * come from the snapshots' manifests (ps_checkpoint_table_rows). The one thing in memory per
  * row is a delta's map of the OLD checkpoint's keys to fingerprints (fp_map: ~17 bytes a row),
  * which the new checkpoint's rows are compared against as they stream.
@@ -64,46 +64,9 @@ static void fp_map_free(fp_map *m)
     memset(m, 0, sizeof *m);
 }
 
-/* Sorts a by key in place: glibc's qsort sorts through a copy of the array when it can get one
- * (a merge sort), which doubled the map's memory. Quicksort, median of three, the smaller side
- * recursed (depth log n), insertion sort below 16. */
-static void fp_sort(fp_ent *a, uint64_t n)
-{
-    while (n > 16) {
-        const uint64_t m = n / 2;
-        fp_ent t;
-#define FP_SWAP(x, y) (t = a[x], a[x] = a[y], a[y] = t)
-        if (a[m].key < a[0].key) FP_SWAP(m, 0);
-        if (a[n - 1].key < a[0].key) FP_SWAP(n - 1, 0);
-        if (a[n - 1].key < a[m].key) FP_SWAP(n - 1, m);
-        const uint64_t p = a[m].key;
-        uint64_t i = 0, j = n - 1;
-        for (;;) { /* Hoare: the pivot's value stops both scans inside a */
-            while (a[i].key < p) i++;
-            while (a[j].key > p) j--;
-            if (i >= j) break;
-            FP_SWAP(i, j);
-            i++;
-            j--;
-        }
-#undef FP_SWAP
-        const uint64_t left = j + 1; /* [0, left) <= p <= [left, n) */
-        if (left < n - left) {
-            fp_sort(a, left);
-            a += left;
-            n -= left;
-        } else {
-            fp_sort(a + left, n - left);
-            n = left;
-        }
-    }
-    for (uint64_t i = 1; i < n; i++) {
-        fp_ent v = a[i];
-        uint64_t j = i;
-        for (; j > 0 && a[j - 1].key > v.key; j--) a[j] = a[j - 1];
-        a[j] = v;
-    }
-}
+/* Sorts a by key in place (CM_SORT_DEFINE: glibc's qsort would double the map's memory). */
+#define FP_LESS(x, y) ((x).key < (y).key)
+CM_SORT_DEFINE(fp_sort, fp_ent, FP_LESS)
 
 /* The index of key in m, or -1. */
 static int64_t fp_map_find(const fp_map *m, uint64_t key)
@@ -134,18 +97,14 @@ static int dup_err(const char *ckpt, const char *name, uint64_t key, char **errp
 }
 
 /* What refuses a key twice where the output has no index of its own (safetensors, RocksDB):
- * a cm_keyset of the table's keys in EXPORT_KEYS_MEMORY (or the least it takes), its files,
- * when they do not fit, in a scratch folder beside the output. */
-#define EXPORT_KEYS_MEMORY (1u << 20)
-
-static int keys_open(const char *out, uint64_t n, cm_keyset **ks, char **errptr)
+ * a cm_keyset of the table's keys in mem bytes (--memory), its files, when they do not fit, in
+ * a scratch folder beside the output. */
+static int keys_open(const char *out, uint64_t n, uint64_t mem, cm_keyset **ks, char **errptr)
 {
     static unsigned seq;
     char dir[4300];
     snprintf(dir, sizeof dir, "%s.keys-%ld-%u", out, (long)getpid(), seq++);
-    uint64_t least = cm_keyset_least(n);
-    return cm_keyset_create(dir, n, least > EXPORT_KEYS_MEMORY ? least : EXPORT_KEYS_MEMORY, ks,
-                            errptr);
+    return cm_keyset_create(dir, n, mem, ks, errptr);
 }
 
 /* One pass over a table of a checkpoint. Every row is counted and summed into the table's
@@ -360,7 +319,8 @@ static int write_afile_w(const chunk *c, void *arg, char **errptr)
  * keys, then its weights: two tensors), the rows checked to come in one order both times. */
 static int write_safetensors(const char *out, const char *model, const char *ckpt,
                              char (*names)[PS_NAME_MAX], uint32_t n_tabs, const float *tower,
-                             uint64_t n_tower, uint64_t step, uint64_t *total, char **errptr)
+                             uint64_t n_tower, uint64_t step, uint64_t mem, uint64_t *total,
+                             char **errptr)
 {
     uint64_t rows[PS_MAX_TABLES];
     uint32_t dims[PS_MAX_TABLES];
@@ -414,7 +374,7 @@ static int write_safetensors(const char *out, const char *model, const char *ckp
     if (rc == CM_OK) rc = cm_afile_write(&f, hdr, len, errptr);
     for (uint32_t i = 0; rc == CM_OK && i < n_tabs; i++) {
         cm_keyset *ks = NULL;
-        rc = keys_open(out, rows[i], &ks, errptr);
+        rc = keys_open(out, rows[i], mem, &ks, errptr);
         stream s = {.ckpt = ckpt, .name = names[i], .check = ks, .fn = write_afile, .arg = &f};
         if (rc == CM_OK) rc = stream_table(&s, errptr);
         cm_keyset_destroy(ks);
@@ -458,7 +418,7 @@ static int rdb_put(const chunk *c, void *arg, char **errptr)
  * earlier export into out does not stay beside this one's. */
 static int write_rocksdb(const char *out, const char *model, const char *ckpt,
                          char (*names)[PS_NAME_MAX], uint32_t n_tabs, const float *tower,
-                         uint64_t n_tower, uint64_t *total, char **errptr)
+                         uint64_t n_tower, uint64_t mem, uint64_t *total, char **errptr)
 {
     char dir[4200], tmp[4200], path[8400];
     /* The folder beside out, not in it ("rdb/" + ".tmp-<pid>" cannot be swapped with rdb). */
@@ -476,7 +436,7 @@ static int write_rocksdb(const char *out, const char *model, const char *ckpt,
         rdb_sink k = {0};
         rc = ps_checkpoint_table_config(ckpt, names[i], &cfg, errptr);
         if (rc == CM_OK) rc = ps_checkpoint_table_rows(ckpt, names[i], &n, errptr);
-        if (rc == CM_OK) rc = keys_open(dir, n, &ks, errptr);
+        if (rc == CM_OK) rc = keys_open(dir, n, mem, &ks, errptr);
         stream s = {.ckpt = ckpt, .name = names[i], .check = ks, .fn = rdb_put, .arg = &k};
         const size_t rec = 8 + 4 * (size_t)cfg.dim;
         snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
@@ -503,18 +463,25 @@ static void export_usage(FILE *to)
     fprintf(to,
             "usage: ember export --checkpoint DIR --out PATH [--precision fp32|fp16|int8]\n"
             "                    [--since OLD_CHECKPOINT] [--format bundle|safetensors|rocksdb]\n"
+            "                    [--memory BYTES]\n"
             "  DIR is a checkpoint (ckpt/step-N) or a run directory (its ckpt/LATEST)\n"
-            "  --precision and --since are for bundles (safetensors and RocksDB hold fp32)\n");
+            "  --precision and --since are for bundles (safetensors and RocksDB hold fp32)\n"
+            "  Rows are streamed, never all held: --memory (K/M/G suffixes; default %lluM)\n"
+            "  bounds what export holds for a table's keys (a bundle's index, or the check\n"
+            "  that no key comes twice), however large the table; less only spreads them\n"
+            "  over more scratch files beside --out. The output is the same with any --memory.\n",
+            (unsigned long long)(EMBER_SERVE_INDEX_MEMORY_DEFAULT >> 20));
 }
 
 int cmd_export(int argc, char **argv)
 {
     static const struct option opts[] = {{"checkpoint", 1, 0, 'c'}, {"out", 1, 0, 'o'},
                                          {"precision", 1, 0, 'p'},  {"since", 1, 0, 's'},
-                                         {"format", 1, 0, 'f'},     {"help", 0, 0, 'h'},
-                                         {0, 0, 0, 0}};
+                                         {"format", 1, 0, 'f'},     {"memory", 1, 0, 'm'},
+                                         {"help", 0, 0, 'h'},       {0, 0, 0, 0}};
     const char *in = NULL, *out = NULL, *since = NULL, *format = "bundle", *prec_name = NULL;
     ember_serve_precision prec = EMBER_SERVE_FP32;
+    uint64_t memory = EMBER_SERVE_INDEX_MEMORY_DEFAULT;
     int o;
     optind = 1;
     while ((o = cli_getopt("export", argc, argv, opts)) != -1) {
@@ -529,6 +496,12 @@ int cmd_export(int argc, char **argv)
                 return 2;
             }
             prec_name = optarg;
+            break;
+        case 'm':
+            if (cm_parse_size(optarg, &memory) != 0 || memory == 0) {
+                fprintf(stderr, "ember export: bad --memory '%s'\n", optarg);
+                return 2;
+            }
             break;
         case 'h': export_usage(stdout); return 0;
         default: export_usage(stderr); return 2;
@@ -576,6 +549,7 @@ int cmd_export(int argc, char **argv)
     if (rc == CM_OK && since) rc = train_resolve_checkpoint(since, old_ckpt, sizeof old_ckpt, &old_step, &err);
     if (rc == CM_OK && bundle)
         rc = ember_serve_writer_create(out, prec, since != NULL, step, old_step, &w, &err);
+    if (rc == CM_OK && bundle) ember_serve_writer_memory(w, memory);
     if (rc == CM_OK) rc = ps_checkpoint_names(ckpt, tnames, &n_t, dnames, &n_d, &err);
     snprintf(path, sizeof path, "%s/model.txt", ckpt);
     if (rc == CM_OK) rc = cm_read_sealed(path, &model, &mlen, &err);
@@ -607,9 +581,10 @@ int cmd_export(int argc, char **argv)
         w = NULL;
     }
     if (rc == CM_OK && st)
-        rc = write_safetensors(out, model, ckpt, tnames, n_t, tower, n_tower, step, &total, &err);
+        rc = write_safetensors(out, model, ckpt, tnames, n_t, tower, n_tower, step, memory, &total,
+                               &err);
     if (rc == CM_OK && rdb)
-        rc = write_rocksdb(out, model, ckpt, tnames, n_t, tower, n_tower, &total, &err);
+        rc = write_rocksdb(out, model, ckpt, tnames, n_t, tower, n_tower, memory, &total, &err);
     ember_serve_writer_abort(w);
     free(tower);
     free(model);

@@ -5,9 +5,11 @@
  * ran out of memory.
  *   - the "emb" table of a small trained checkpoint is replaced by one of ROWS rows (new) and of
  *     ROWS rows a tenth of them other keys and a quarter other weights (old);
- *   - each export (bundle, safetensors, RocksDB, and a delta new since old) runs in a child,
- *     whose peak RSS may exceed that of the same export of the small checkpoint by far less
- *     than the table's ROWS x (8 + 4 dim) bytes (relative, so it holds under ASan too); the
+ *   - each export (bundle, safetensors, RocksDB, and a delta new since old) runs in a child
+ *     with --memory 2M (what it may hold for a table's keys: less than they take, so the
+ *     bundle's index goes through sorted runs on disk), whose peak RSS may exceed that of the
+ *     same export of the small checkpoint by far less than the table's ROWS x (8 + 4 dim)
+ *     bytes (relative, so it holds under ASan too); the
  *     delta may keep ~20 bytes a row of the old checkpoint (its key -> fingerprint map), and
  *     RocksDB its memtables;
  *   - the bundle serves every row as the checkpoint holds it, and old's bundle with the delta
@@ -217,7 +219,8 @@ int main(void)
         char args[4][1024], opt[256];
         for (int big = 0; big < 2; big++) {
             snprintf(opt, sizeof opt, ex[i].args, big ? "old" : "run/ckpt/step-10");
-            snprintf(args[big], sizeof args[big], "export --checkpoint %s --out %s-%s %s",
+            snprintf(args[big], sizeof args[big],
+                     "export --checkpoint %s --out %s-%s --memory 2M %s",
                      big ? "new" : "run/ckpt/step-20", big ? "big" : "small", ex[i].name, opt);
         }
         const long small = export_rss(args[0]), big = export_rss(args[1]);

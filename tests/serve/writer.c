@@ -9,7 +9,10 @@
  *   - a ninth table (a bundle maps at most 8), and one table name written twice;
  *   - a bundle without model.txt, dense tower or table, or with the model or tower twice;
  *   - a delta that does not go forward (step <= base_step): refused by the writer and, edited
- *     into a bundle, by ember_serve_apply_delta.
+ *     into a bundle, by ember_serve_apply_delta;
+ *   - a table of 100,000 rows written in the least index memory its index takes (its keys in
+ *     sorted runs on disk) is the same file as in the default budget and serves every row; a
+ *     budget below that is refused naming the table and the least.
  * Every bundle is a logistic regression ("kind lr", one "lin" table of dim 1, a tower of
  * dense + 1 values), so each case writes a few KB and runs in milliseconds.
  */
@@ -22,16 +25,19 @@ static const char *model = "kind lr\nfields 2\ndense 1\ndim 1\n";
 static const float tower[2] = {0.5f, -0.25f};
 
 /* Writes dir at prec with the lin table plus, when extra_dim, a table "x" of extra_dim holding
- * n_extra rows (keys 1..n_extra) of extra. The writer's code; its message in *err. */
-static int write_lr(const char *dir, ember_serve_precision prec, uint32_t extra_dim,
-                    const float *extra, uint64_t n_extra, char **err)
+ * n_extra rows (keys 1..n_extra) of extra, its index in mem bytes. The writer's code; its
+ * message in *err. */
+static int write_lr_mem(const char *dir, ember_serve_precision prec, uint32_t extra_dim,
+                        const float *extra, uint64_t n_extra, uint64_t mem, char **err)
 {
-    uint64_t keys[64];
-    for (uint64_t i = 0; i < 64; i++)
+    const uint64_t n_keys = n_extra > 2 ? n_extra : 2;
+    uint64_t *keys = malloc(n_keys * sizeof *keys);
+    for (uint64_t i = 0; keys && i < n_keys; i++)
         keys[i] = i + 1;
     const float lin[2] = {1.0f, 2.0f};
     ember_serve_writer *w = NULL;
-    int rc = ember_serve_writer_create(dir, prec, 0, 7, 0, &w, err);
+    int rc = keys ? ember_serve_writer_create(dir, prec, 0, 7, 0, &w, err) : -1;
+    if (rc == 0) ember_serve_writer_memory(w, mem);
     if (rc == 0) rc = ember_serve_writer_model(w, model, err);
     if (rc == 0) rc = ember_serve_writer_dense(w, tower, 2, err);
     if (rc == 0) rc = ember_serve_writer_table(w, "lin", 1, keys, lin, 2, NULL, 0, err);
@@ -42,7 +48,15 @@ static int write_lr(const char *dir, ember_serve_precision prec, uint32_t extra_
         w = NULL;
     }
     ember_serve_writer_abort(w);
+    free(keys);
     return rc;
+}
+
+static int write_lr(const char *dir, ember_serve_precision prec, uint32_t extra_dim,
+                    const float *extra, uint64_t n_extra, char **err)
+{
+    return write_lr_mem(dir, prec, extra_dim, extra, n_extra, EMBER_SERVE_INDEX_MEMORY_DEFAULT,
+                        err);
 }
 
 /* What the writer refused (rc < 0; rc >= 0 is accepted): its message names needle, and no
@@ -374,6 +388,47 @@ static void trailing_slash(void)
     }
 }
 
+/* Table x of 100,000 rows (key i + 1: i / 4) in the least index budget and the default. */
+static void index_budget(void)
+{
+    const uint64_t n = 100000, least = cm_keyidx_least(cm_keyidx_slots(n));
+    float *x = malloc(n * sizeof *x);
+    for (uint64_t i = 0; x && i < n; i++)
+        x[i] = (float)i / 4;
+    char *err = NULL;
+    CHECK_OK(write_lr(su_path("budget-all"), EMBER_SERVE_FP32, 1, x, n, &err), err);
+    CHECK_OK(write_lr_mem(su_path("budget-least"), EMBER_SERVE_FP32, 1, x, n, least, &err), err);
+    size_t la = 0, lb = 0;
+    char *a = su_slurp(su_path("budget-all/table-x.bin"), &la);
+    char *b = su_slurp(su_path("budget-least/table-x.bin"), &lb);
+    CHECK_MSG(a && b && la == lb && !memcmp(a, b, la),
+              "table x in %llu bytes is not the file written in the default budget",
+              (unsigned long long)least);
+    free(a);
+    free(b);
+    ember_serve *h = su_open(su_path("budget-least"), NULL);
+    int t = h ? ember_serve_table(h, "x") : -1;
+    CHECK(t >= 0);
+    uint64_t bad = 0;
+    for (uint64_t i = 0; t >= 0 && i < n + 10; i++) {
+        const uint64_t key = i + 1;
+        float v = -1;
+        uint8_t found = 0;
+        CHECK(ember_serve_lookup(h, t, &key, 1, &v, &found) == 0);
+        bad += i < n ? !found || v != (float)i / 4 : found || v != 0;
+    }
+    CHECK_MSG(bad == 0, "%llu keys served wrong from the index built in runs",
+              (unsigned long long)bad);
+    ember_serve_close(h);
+    char want[128];
+    snprintf(want, sizeof want, "table x: a memory budget of %llu bytes is too small",
+             (unsigned long long)(least - 1));
+    int rc = write_lr_mem(su_path("budget-small"), EMBER_SERVE_FP32, 1, x, n, least - 1, &err);
+    expect_writer_refused("an index budget below the least", su_path("budget-small"), rc, err,
+                          want);
+    free(x);
+}
+
 int main(void)
 {
     if (su_init("serve_writer") != 0) return check_done();
@@ -404,5 +459,6 @@ int main(void)
     backward_delta();
     foreign_folder();
     trailing_slash();
+    index_budget();
     return check_done();
 }
