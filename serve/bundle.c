@@ -171,6 +171,11 @@ void ember_serve_writer_memory(ember_serve_writer *w, uint64_t bytes)
     w->mem = bytes;
 }
 
+const char *ember_serve_writer_scratch(const ember_serve_writer *w)
+{
+    return w->tmp;
+}
+
 static void table_close(ember_serve_writer *w, bool keep);
 
 void ember_serve_writer_abort(ember_serve_writer *w)

@@ -149,6 +149,10 @@ int ember_serve_writer_source(ember_serve_writer *w, uint64_t source, uint64_t b
  * by _table_begin saying how much. The bundle is the same whatever the budget. */
 #define EMBER_SERVE_INDEX_MEMORY_DEFAULT (256ull << 20)
 void ember_serve_writer_memory(ember_serve_writer *w, uint64_t bytes);
+/* The folder the bundle is written in before commit puts it in place: a caller's scratch
+ * files go in a folder of their own under it, removed with the bundle's when it is aborted
+ * (and by the caller before commit: what is left then is in the bundle). */
+const char *ember_serve_writer_scratch(const ember_serve_writer *w);
 int ember_serve_writer_model(ember_serve_writer *w, const char *model_text, char **errptr);
 int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_t n,
                              char **errptr);
