@@ -173,6 +173,10 @@ int ember_serve_writer_table_rows(ember_serve_writer *w, const uint64_t *keys, c
                                   uint64_t n, char **errptr);
 int ember_serve_writer_table_end(ember_serve_writer *w, const uint64_t *deleted, uint64_t n_deleted,
                                  char **errptr);
+/* Deleted keys of the table begun, after its last rows and before _end, in any number of calls:
+ * ascending across them all (and _end's after them). For more keys than are held at once. */
+int ember_serve_writer_table_deleted(ember_serve_writer *w, const uint64_t *deleted, uint64_t n,
+                                     char **errptr);
 /* 1 with the key in *key when the last table begun was refused for a key twice, else 0. */
 int ember_serve_writer_table_dup(const ember_serve_writer *w, uint64_t *key);
 /* One table at once (begin, rows, end): n rows, deleted keys in any order. */

@@ -38,10 +38,11 @@
  * keys not seen, the deleted ones. The new checkpoint's rows are then streamed a second time,
  * as they are with the map, each taking the next flag of its key's partition: the changed rows
  * reach the writer in the same order as with the map, and the bundle is the same bytes.
- * Memory: --memory for the pairs' buffers, then a partition of OLD, then the flags' buffers;
- * disk: 16 bytes a row of both checkpoints and a byte a row of the new one. What stays in
- * memory per row is the deleted keys (the writer takes them at once, ascending): 8 bytes a row
- * OLD had and the new one does not.
+ * OLD's keys not seen, ascending within each partition, go to a scratch file and reach the
+ * writer merged (ember_serve_writer_table_deleted, a piece at a time). Memory: --memory for
+ * the pairs' buffers, then a partition of OLD, then the flags' (and the deleted keys') buffers
+ * of at most 64 KiB a partition beside the bundle's index; disk: 16 bytes a row of both
+ * checkpoints, a byte a row of the new one and 8 a deleted key.
  */
 
 /* A chunk of streamed rows, handed on when full (and last when the table ends). */
@@ -141,7 +142,7 @@ typedef struct stream {
 
 /* The delta's view of OLD spread over partitions (the design above). */
 typedef struct fp_parts {
-    uint32_t n;
+    uint32_t n;          /* partitions (0: OLD is held whole, as an fp_map) */
     cm_parts *old, *new; /* (key, fingerprint) pairs of each checkpoint */
     bool flagged;        /* the flags are made: the second pass over the new rows takes them */
     char flags_path[4400];
@@ -150,8 +151,28 @@ typedef struct fp_parts {
     uint64_t *at;  /* flags of each partition taken into its buffer */
     uint8_t *buf;  /* n x cap flags */
     size_t cap, *pos, *len;
-    uint64_t *del, n_del, cap_del; /* OLD's keys the new checkpoint has not */
+    /* OLD's keys the new checkpoint has not: each partition's, ascending, one after the other
+     * in a scratch file, merged to the writer at the end. */
+    char del_path[4400];
+    int del_fd;
+    uint64_t *del_off, *del_n, n_del;
 } fp_parts;
+
+/* Refills partition p's part of f->buf (f->cap bytes: items of `size` bytes) from fd, where its
+ * `count` items start at item `first`: f->len[p] of them (0 when none is left). */
+static int part_refill(fp_parts *f, uint32_t p, int fd, const char *path, size_t size,
+                       uint64_t first, uint64_t count, char **errptr)
+{
+    const size_t per = f->cap / size;
+    const uint64_t left = count - f->at[p];
+    f->len[p] = left < per ? (size_t)left : per;
+    f->pos[p] = 0;
+    if (f->len[p] && cm_pread_full(fd, f->buf + (size_t)p * per * size, f->len[p] * size,
+                                   (first + f->at[p]) * size))
+        return cm_err_errno(errptr, CM_EIO, "cannot read %s", path);
+    f->at[p] += f->len[p];
+    return CM_OK;
+}
 
 /* Whether the next row of s's table, of key `key`, changed (*changed): the next flag of its
  * partition. CM_ECORRUPT when the partition has none left (the rows changed since they were
@@ -161,15 +182,12 @@ static int fp_parts_flag(const stream *s, uint64_t key, bool *changed)
     fp_parts *f = s->parts;
     const uint32_t p = cm_part_of(key, f->n);
     if (f->pos[p] == f->len[p]) {
-        const uint64_t left = cm_parts_count(f->new, p) - f->at[p];
-        f->len[p] = left < f->cap ? (size_t)left : f->cap;
-        f->pos[p] = 0;
+        int rc = part_refill(f, p, f->fd, f->flags_path, 1, f->off[p], cm_parts_count(f->new, p),
+                             s->errptr);
+        if (rc != CM_OK) return rc;
         if (f->len[p] == 0)
             return cm_err(s->errptr, CM_ECORRUPT, "%s: table %s changed while it was exported",
                           s->ckpt, s->name);
-        if (cm_pread_full(f->fd, f->buf + (size_t)p * f->cap, f->len[p], f->off[p] + f->at[p]))
-            return cm_err_errno(s->errptr, CM_EIO, "cannot read %s", f->flags_path);
-        f->at[p] += f->len[p];
     }
     *changed = f->buf[(size_t)p * f->cap + f->pos[p]++];
     return CM_OK;
@@ -370,9 +388,11 @@ static void fp_parts_free(fp_parts *f)
     free(f->buf);
     free(f->pos);
     free(f->len);
-    free(f->del);
+    if (f->del_fd >= 0) close(f->del_fd);
+    free(f->del_off);
+    free(f->del_n);
     memset(f, 0, sizeof *f);
-    f->fd = -1;
+    f->fd = f->del_fd = -1;
 }
 
 /* Reads table name of the old checkpoint: into m when its map fits mem, else (f->n > 1) over
@@ -408,6 +428,7 @@ static int old_load(const char *ckpt, const char *name, uint64_t mem, const char
         if (rc == CM_OK)
             rc = cm_parts_create(dir, f->n, sizeof(fp_ent), cap / sizeof(fp_ent), &f->new, errptr);
         snprintf(f->flags_path, sizeof f->flags_path, "%s/delta-flags", scratch);
+        snprintf(f->del_path, sizeof f->del_path, "%s/delta-deleted", scratch);
     }
     if (rc == CM_OK) rc = ps_checkpoint_foreach_row(ckpt, name, fp_add, &s, errptr);
     if (rc == CM_OK && f->n == 0) rc = fp_map_index(m, ckpt, name, errptr);
@@ -417,7 +438,7 @@ static int old_load(const char *ckpt, const char *name, uint64_t mem, const char
 }
 
 /* Partition p of the new checkpoint (ckpt) against OLD's (old_ckpt), both table name: its
- * flags appended to f's file, OLD's keys it does not have to f->del; the changed rows counted
+ * flags appended to f's file, OLD's keys it does not have to f's; the changed rows counted
  * in *changed. */
 static int fp_part(fp_parts *f, uint32_t p, const char *ckpt, const char *old_ckpt,
                    const char *name, fp_ent *ents, uint8_t *flags, uint64_t *changed, char **errptr)
@@ -450,22 +471,23 @@ static int fp_part(fp_parts *f, uint32_t p, const char *ckpt, const char *old_ck
         at += k;
     }
     uint64_t n_del = 0, *del = rc == CM_OK ? fp_map_unseen(&m, &n_del) : NULL;
-    if (rc == CM_OK && f->n_del + n_del > f->cap_del) {
-        uint64_t c = f->cap_del * 2 > f->n_del + n_del ? f->cap_del * 2 : f->n_del + n_del;
-        uint64_t *d = realloc(f->del, c * sizeof *d);
-        if (d == NULL)
-            rc = cm_err(errptr, CM_ENOMEM, "out of memory for the keys deleted since %s", old_ckpt);
-        else
-            f->del = d, f->cap_del = c;
-    }
-    if (rc == CM_OK && n_del) memcpy(f->del + f->n_del, del, n_del * sizeof *del);
-    f->n_del += rc == CM_OK ? n_del : 0;
+    if (rc == CM_OK && cm_write_full(f->del_fd, del, n_del * sizeof *del) != CM_OK)
+        rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", f->del_path);
+    f->del_off[p] = f->n_del;
+    f->del_n[p] = n_del;
+    f->n_del += n_del;
     fp_map_free(&m);
     return rc;
 }
 
-#define U64_LESS(x, y) ((x) < (y))
-CM_SORT_DEFINE(u64_sort, uint64_t, U64_LESS)
+/* A scratch file at path, open for reading and writing in *fd and unlinked at once: nothing is
+ * left behind, however the export ends. */
+static int scratch_open(const char *path, int *fd, char **errptr)
+{
+    *fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (*fd < 0 || unlink(path) != 0) return cm_err_errno(errptr, CM_EIO, "cannot create %s", path);
+    return CM_OK;
+}
 
 /* After the new checkpoint's pairs are spread: every partition compared (fp_part), the flags'
  * buffers made for the second pass, the deleted keys sorted. The changed rows into *changed. */
@@ -478,13 +500,13 @@ static int fp_parts_flags(fp_parts *f, const char *ckpt, const char *old_ckpt, c
     f->at = calloc(f->n, sizeof *f->at);
     f->pos = calloc(f->n, sizeof *f->pos);
     f->len = calloc(f->n, sizeof *f->len);
-    int rc = ents && flags && f->off && f->at && f->pos && f->len
+    f->del_off = calloc(f->n, sizeof *f->del_off);
+    f->del_n = calloc(f->n, sizeof *f->del_n);
+    int rc = ents && flags && f->off && f->at && f->pos && f->len && f->del_off && f->del_n
                  ? cm_parts_flush(f->new, errptr)
                  : cm_err(errptr, CM_ENOMEM, "out of memory");
-    /* Unlinked once open: nothing is left behind, however the export ends. */
-    f->fd = rc == CM_OK ? open(f->flags_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600) : -1;
-    if (rc == CM_OK && (f->fd < 0 || unlink(f->flags_path) != 0))
-        rc = cm_err_errno(errptr, CM_EIO, "cannot create %s", f->flags_path);
+    if (rc == CM_OK) rc = scratch_open(f->flags_path, &f->fd, errptr);
+    if (rc == CM_OK) rc = scratch_open(f->del_path, &f->del_fd, errptr);
     *changed = 0;
     for (uint32_t p = 0; rc == CM_OK && p < f->n; p++) {
         f->off[p] = p ? f->off[p - 1] + cm_parts_count(f->new, p - 1) : 0;
@@ -497,7 +519,6 @@ static int fp_parts_flags(fp_parts *f, const char *ckpt, const char *old_ckpt, c
     f->cap = f->cap < FLAG_READ ? f->cap : FLAG_READ;
     if (rc == CM_OK && (f->buf = malloc((size_t)f->n * f->cap)) == NULL)
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
-    if (rc == CM_OK) u64_sort(f->del, f->n_del);
     f->flagged = true;
     return rc;
 }
@@ -505,6 +526,73 @@ static int fp_parts_flags(fp_parts *f, const char *ckpt, const char *old_ckpt, c
 static int bundle_rows(const chunk *c, void *arg, char **errptr)
 {
     return ember_serve_writer_table_rows(arg, c->keys, c->w, c->n, errptr);
+}
+
+/* Partition p's next deleted key: 1, or 0 when it has none left; -1 (*rc) when it cannot be
+ * read. */
+static int del_next(fp_parts *f, uint32_t p, uint64_t *key, int *rc, char **errptr)
+{
+    if (f->pos[p] == f->len[p]) {
+        *rc = part_refill(f, p, f->del_fd, f->del_path, sizeof *key, f->del_off[p], f->del_n[p],
+                          errptr);
+        if (*rc != CM_OK) return -1;
+        if (f->len[p] == 0) return 0;
+    }
+    const size_t per = f->cap / sizeof *key;
+    memcpy(key, f->buf + ((size_t)p * per + f->pos[p]++) * sizeof *key, sizeof *key);
+    return 1;
+}
+
+/* OLD's keys the new checkpoint has not, to the writer ascending: the partitions' runs merged
+ * through a heap of their next keys, each read through its part of the flags' buffers (done
+ * with by now), so memory does not grow with the keys deleted. */
+static int fp_parts_deleted(fp_parts *f, ember_serve_writer *w, char **errptr)
+{
+    enum { OUT = 4096 };
+    typedef struct {
+        uint64_t key;
+        uint32_t p;
+    } head;
+    head *h = malloc(f->n * sizeof *h);
+    uint64_t *out = malloc(OUT * sizeof *out);
+    uint32_t n = 0;
+    size_t k = 0;
+    int rc = h && out ? CM_OK : cm_err(errptr, CM_ENOMEM, "out of memory");
+    for (uint32_t p = 0; rc == CM_OK && p < f->n; p++)
+        f->pos[p] = f->len[p] = f->at[p] = 0;
+    for (uint32_t p = 0; rc == CM_OK && p < f->n; p++) {
+        uint64_t key;
+        if (del_next(f, p, &key, &rc, errptr) <= 0) continue;
+        uint32_t i = n++; /* sift up */
+        for (; i > 0 && h[(i - 1) / 2].key > key; i = (i - 1) / 2)
+            h[i] = h[(i - 1) / 2];
+        h[i] = (head){key, p};
+    }
+    while (rc == CM_OK && n > 0) {
+        out[k++] = h[0].key;
+        if (k == OUT) {
+            rc = ember_serve_writer_table_deleted(w, out, k, errptr);
+            k = 0;
+        }
+        head top = h[0];
+        const int got = rc == CM_OK ? del_next(f, top.p, &top.key, &rc, errptr) : -1;
+        if (got < 0) break;
+        if (got == 0) top = h[--n];    /* p is done: the last head takes its place */
+        for (uint32_t i = 0; n > 0;) { /* sift top down from the root */
+            uint32_t c = 2 * i + 1;
+            if (c + 1 < n && h[c + 1].key < h[c].key) c++;
+            if (c >= n || h[c].key >= top.key) {
+                h[i] = top;
+                break;
+            }
+            h[i] = h[c];
+            i = c;
+        }
+    }
+    if (rc == CM_OK) rc = ember_serve_writer_table_deleted(w, out, k, errptr);
+    free(h);
+    free(out);
+    return rc;
 }
 
 /* One table into the bundle: every row, or (old) those new or changed since old's, and the
@@ -515,7 +603,7 @@ static int bundle_table(ember_serve_writer *w, const char *ckpt, const char *nam
                         uint64_t *exported, uint64_t *deleted, char **errptr)
 {
     fp_map m = {0};
-    fp_parts f = {.fd = -1};
+    fp_parts f = {.fd = -1, .del_fd = -1};
     stream s = {.ckpt = ckpt, .name = name};
     uint64_t n = 0, n_del = 0, *del = NULL, order = 0;
     int rc = CM_OK;
@@ -548,12 +636,12 @@ static int bundle_table(ember_serve_writer *w, const char *ckpt, const char *nam
     if (rc == CM_OK && ((old_ckpt ? s.changed : s.rows) != n || (f.n > 0 && s.order != order)))
         rc = cm_err(errptr, CM_ECORRUPT, "%s: table %s changed while it was exported", ckpt, name);
     if (rc == CM_OK && old_ckpt && f.n > 0) {
-        del = f.del;
+        rc = fp_parts_deleted(&f, w, errptr);
         n_del = f.n_del;
     } else if (rc == CM_OK && old_ckpt) {
         del = fp_map_unseen(&m, &n_del);
     }
-    if (rc == CM_OK) rc = ember_serve_writer_table_end(w, del, n_del, errptr);
+    if (rc == CM_OK) rc = ember_serve_writer_table_end(w, del, del ? n_del : 0, errptr);
     uint64_t key;
     if (rc != CM_OK && ember_serve_writer_table_dup(w, &key)) rc = dup_err(ckpt, name, key, errptr);
     *digest = table_digest(&s);
