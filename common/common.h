@@ -236,6 +236,9 @@ int cm_dir_other_entry(const char *dir, const char *const *names, char **other, 
 int cm_write_full(int fd, const void *buf, size_t n);
 /* pwrite of all n bytes at off, retrying on EINTR and short writes; 0 or an errno value. */
 int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off);
+/* pread of all n bytes at off, retrying on EINTR and short reads; 0 or an errno value (EIO
+ * when the file ends first). */
+int cm_pread_full(int fd, void *buf, size_t n, uint64_t off);
 /* Reads the first len bytes of fd back (pread, a MiB at a time), handing each piece to fn in
  * order: how a file written out of order (its header last, an index in place) gets its checksum,
  * in the caller's own xxh3 state (the library's, or one XXH_INLINE_ALL makes its own type). */
@@ -297,6 +300,30 @@ void cm_keyidx_close(cm_keyidx *x);
  * must place keys where readers probe for them, the writes and reads here are sequential.
  */
 typedef struct cm_keyset cm_keyset;
+/* The partitions under it: fixed-size records, each starting with its u64 key (native order),
+ * spread over `parts` partitions by cm_part_of(key), each gathered in a buffer of `cap` records
+ * that is appended to the partition's file under dir whenever it fills. A delta export spreads
+ * two checkpoints' (key, fingerprint) pairs over the same partitions so that each partition of
+ * one is compared with the same partition of the other alone. Memory: parts x cap x rec bytes
+ * until cm_parts_flush, then none. */
+typedef struct cm_parts cm_parts;
+/* The partition of parts a key goes to: a hash's (the keys of trained tables are hashes, but
+ * a table's keys may be anything) high bits scaled, not the key's. */
+uint32_t cm_part_of(uint64_t key, uint32_t parts);
+int cm_parts_create(const char *dir, uint32_t parts, size_t rec, size_t cap, cm_parts **out,
+                    char **errptr);
+/* Adds one record of rec bytes (its first 8 the key). */
+int cm_parts_add(cm_parts *ps, const void *rec, char **errptr);
+/* Whether any partition has gone to its file. */
+bool cm_parts_filed(const cm_parts *ps);
+/* After the last add: every buffer to its file, and the buffers freed. */
+int cm_parts_flush(cm_parts *ps, char **errptr);
+/* The records added to partition p. */
+uint64_t cm_parts_count(const cm_parts *ps, uint32_t p);
+/* After cm_parts_flush: n records of partition p from record `at` on, in the order added. */
+int cm_parts_read(const cm_parts *ps, uint32_t p, void *buf, uint64_t at, size_t n, char **errptr);
+/* Frees the partitions and removes dir. NULL is fine. */
+void cm_parts_destroy(cm_parts *ps);
 /* A set for up to n keys in mem bytes (CM_EINVAL, naming the least that would do, when mem is
  * too small); its files go under dir, which destroy removes. *out is the caller's. */
 int cm_keyset_create(const char *dir, uint64_t n, uint64_t mem, cm_keyset **out, char **errptr);

@@ -190,6 +190,21 @@ int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off)
     return 0;
 }
 
+int cm_pread_full(int fd, void *buf, size_t n, uint64_t off)
+{
+    uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = pread(fd, p, n, (off_t)off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) return errno;
+        if (k == 0) return errno = EIO; /* the file is shorter than what was written to it */
+        p += k;
+        n -= (size_t)k;
+        off += (uint64_t)k;
+    }
+    return 0;
+}
+
 int cm_fd_each_chunk(int fd, const char *path, uint64_t len,
                      void (*fn)(void *arg, const void *buf, size_t n), void *arg, char **errptr)
 {

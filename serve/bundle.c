@@ -171,6 +171,11 @@ void ember_serve_writer_memory(ember_serve_writer *w, uint64_t bytes)
     w->mem = bytes;
 }
 
+const char *ember_serve_writer_scratch(const ember_serve_writer *w)
+{
+    return w->tmp;
+}
+
 static void table_close(ember_serve_writer *w, bool keep);
 
 void ember_serve_writer_abort(ember_serve_writer *w)
@@ -266,6 +271,7 @@ struct open_table {
     cm_keyidx *ix;
     uint8_t *enc; /* encoded rows not yet written: chunk rows of rb bytes */
     size_t chunk, held;
+    uint64_t n_del, last_del; /* deleted keys written (after the rows), the last of them */
 };
 typedef struct open_table open_table;
 
@@ -366,6 +372,8 @@ int ember_serve_writer_table_rows(ember_serve_writer *w, const uint64_t *keys, c
     int rc = n > t->max_rows - t->n
                  ? cm_err(errptr, CM_EINVAL, "table %s: more than the %" PRIu64 " rows begun with",
                           t->name, t->max_rows)
+             : t->n_del > 0
+                 ? cm_err(errptr, CM_EINVAL, "table %s: rows after deleted keys", t->name)
                  : CM_OK;
     for (uint64_t i = 0; rc == CM_OK && i < n; i++) {
         uint32_t bad = row_unfit(w->prec, rows + i * dim, dim);
@@ -410,6 +418,29 @@ static int file_digest(int fd, const char *path, uint64_t len, uint64_t *trailer
     return rc;
 }
 
+/* Appends n deleted keys, ascending after those written before, behind the rows. */
+static int deleted_add(open_table *t, const uint64_t *deleted, uint64_t n, char **errptr)
+{
+    for (uint64_t i = 0; i < n; i++)
+        if (i > 0 ? deleted[i] < deleted[i - 1] : t->n_del > 0 && deleted[0] < t->last_del)
+            return cm_err(errptr, CM_EINVAL, "table %s: deleted keys not ascending", t->name);
+    if (n && cm_pwrite_full(t->fd, deleted, n * 8, rows_offset(t) + t->n * t->rb + t->n_del * 8))
+        return cm_err_errno(errptr, CM_EIO, "cannot write %s", t->part);
+    if (n) t->last_del = deleted[n - 1];
+    t->n_del += n;
+    return CM_OK;
+}
+
+int ember_serve_writer_table_deleted(ember_serve_writer *w, const uint64_t *deleted, uint64_t n,
+                                     char **errptr)
+{
+    open_table *t = w->table;
+    if (t == NULL) return cm_err(errptr, CM_EINVAL, "%s: no table begun", w->dir);
+    int rc = deleted_add(t, deleted, n, errptr);
+    if (rc != CM_OK) table_close(w, false);
+    return rc;
+}
+
 int ember_serve_writer_table_end(ember_serve_writer *w, const uint64_t *deleted, uint64_t n_deleted,
                                  char **errptr)
 {
@@ -417,9 +448,8 @@ int ember_serve_writer_table_end(ember_serve_writer *w, const uint64_t *deleted,
     if (t == NULL) return cm_err(errptr, CM_EINVAL, "%s: no table begun", w->dir);
     int rc = enc_flush(t, errptr);
     if (rc == CM_OK) rc = table_dup(w, cm_keyidx_finish(t->ix, errptr), errptr);
-    for (uint64_t i = 1; rc == CM_OK && i < n_deleted; i++)
-        if (deleted[i] < deleted[i - 1])
-            rc = cm_err(errptr, CM_EINVAL, "table %s: deleted keys not ascending", t->name);
+    if (rc == CM_OK) rc = deleted_add(t, deleted, n_deleted, errptr);
+    n_deleted = t->n_del;
     tab_hdr h = {.version = BUNDLE_VERSION,
                  .dim = t->dim,
                  .precision = (uint32_t)w->prec,
@@ -431,9 +461,8 @@ int ember_serve_writer_table_end(ember_serve_writer *w, const uint64_t *deleted,
     memcpy(h.magic, TAB_MAGIC, 8);
     const uint64_t del_at = rows_offset(t) + t->n * t->rb, end = del_at + n_deleted * 8;
     uint64_t trailer = 0, digest = 0;
-    if (rc == CM_OK && (cm_pwrite_full(t->fd, &h, sizeof h, 0) != CM_OK ||
-                        (n_deleted && cm_pwrite_full(t->fd, deleted, n_deleted * 8, del_at)) ||
-                        ftruncate(t->fd, (off_t)end) != 0))
+    if (rc == CM_OK &&
+        (cm_pwrite_full(t->fd, &h, sizeof h, 0) != CM_OK || ftruncate(t->fd, (off_t)end) != 0))
         rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", t->part);
     if (rc == CM_OK) rc = file_digest(t->fd, t->part, end, &trailer, &digest, errptr);
     if (rc == CM_OK && (cm_pwrite_full(t->fd, &trailer, 8, end) != CM_OK || fsync(t->fd) != 0))

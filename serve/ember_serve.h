@@ -149,6 +149,10 @@ int ember_serve_writer_source(ember_serve_writer *w, uint64_t source, uint64_t b
  * by _table_begin saying how much. The bundle is the same whatever the budget. */
 #define EMBER_SERVE_INDEX_MEMORY_DEFAULT (256ull << 20)
 void ember_serve_writer_memory(ember_serve_writer *w, uint64_t bytes);
+/* The folder the bundle is written in before commit puts it in place: a caller's scratch
+ * files go in a folder of their own under it, removed with the bundle's when it is aborted
+ * (and by the caller before commit: what is left then is in the bundle). */
+const char *ember_serve_writer_scratch(const ember_serve_writer *w);
 int ember_serve_writer_model(ember_serve_writer *w, const char *model_text, char **errptr);
 int ember_serve_writer_dense(ember_serve_writer *w, const float *values, uint64_t n,
                              char **errptr);
@@ -169,6 +173,10 @@ int ember_serve_writer_table_rows(ember_serve_writer *w, const uint64_t *keys, c
                                   uint64_t n, char **errptr);
 int ember_serve_writer_table_end(ember_serve_writer *w, const uint64_t *deleted, uint64_t n_deleted,
                                  char **errptr);
+/* Deleted keys of the table begun, after its last rows and before _end, in any number of calls:
+ * ascending across them all (and _end's after them). For more keys than are held at once. */
+int ember_serve_writer_table_deleted(ember_serve_writer *w, const uint64_t *deleted, uint64_t n,
+                                     char **errptr);
 /* 1 with the key in *key when the last table begun was refused for a key twice, else 0. */
 int ember_serve_writer_table_dup(const ember_serve_writer *w, uint64_t *key);
 /* One table at once (begin, rows, end): n rows, deleted keys in any order. */

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,9 +27,22 @@
  * on disk: the bundle writer's index (cm_keyidx, common.h), which refuses a key twice, and for
  * safetensors and RocksDB a cm_keyset of the keys, in --memory bytes and scratch files beside
  * the output when they do not fit. Sizes
- * come from the snapshots' manifests (ps_checkpoint_table_rows). The one thing in memory per
- * row is a delta's map of the OLD checkpoint's keys to fingerprints (fp_map: ~17 bytes a row),
- * which the new checkpoint's rows are compared against as they stream.
+ * come from the snapshots' manifests (ps_checkpoint_table_rows). A delta compares the new
+ * checkpoint's rows, as they stream, against a map of the OLD checkpoint's keys to fingerprints
+ * of their weights (fp_map: ~17 bytes a row), held when it fits --memory. When it does not
+ * (fp_parts), both checkpoints' (key, fingerprint) pairs are spread over partitions by a hash
+ * of the key (cm_parts, common.h), into scratch files in the bundle's folder; each partition
+ * of OLD, sized to fit, is then held and the same partition of the new checkpoint streamed
+ * against it, which leaves a byte a row saying whether the row changed (in the new stream's
+ * order within the partition: the partition of a key is known from the key alone) and OLD's
+ * keys not seen, the deleted ones. The new checkpoint's rows are then streamed a second time,
+ * as they are with the map, each taking the next flag of its key's partition: the changed rows
+ * reach the writer in the same order as with the map, and the bundle is the same bytes.
+ * OLD's keys not seen, ascending within each partition, go to a scratch file and reach the
+ * writer merged (ember_serve_writer_table_deleted, a piece at a time). Memory: --memory for
+ * the pairs' buffers, then a partition of OLD, then the flags' (and the deleted keys') buffers
+ * of at most 64 KiB a partition beside the bundle's index; disk: 16 bytes a row of both
+ * checkpoints, a byte a row of the new one and 8 a deleted key.
  */
 
 /* A chunk of streamed rows, handed on when full (and last when the table ends). */
@@ -118,12 +132,66 @@ typedef struct stream {
     uint64_t rows, sum, order, changed;
     fp_map *old;
     bool mark;
+    struct fp_parts *parts;
     cm_keyset *check;
     int (*fn)(const chunk *c, void *arg, char **errptr);
     void *arg;
     chunk c;
     char **errptr;
 } stream;
+
+/* The delta's view of OLD spread over partitions (the design above). */
+typedef struct fp_parts {
+    uint32_t n;          /* partitions (0: OLD is held whole, as an fp_map) */
+    cm_parts *old, *new; /* (key, fingerprint) pairs of each checkpoint */
+    bool flagged;        /* the flags are made: the second pass over the new rows takes them */
+    char flags_path[4400];
+    int fd;        /* the flags: each partition's, one after the other */
+    uint64_t *off; /* where each partition's flags start in the file */
+    uint64_t *at;  /* flags of each partition taken into its buffer */
+    uint8_t *buf;  /* n x cap flags */
+    size_t cap, *pos, *len;
+    /* OLD's keys the new checkpoint has not: each partition's, ascending, one after the other
+     * in a scratch file, merged to the writer at the end. */
+    char del_path[4400];
+    int del_fd;
+    uint64_t *del_off, *del_n, n_del;
+} fp_parts;
+
+/* Refills partition p's part of f->buf (f->cap bytes: items of `size` bytes) from fd, where its
+ * `count` items start at item `first`: f->len[p] of them (0 when none is left). */
+static int part_refill(fp_parts *f, uint32_t p, int fd, const char *path, size_t size,
+                       uint64_t first, uint64_t count, char **errptr)
+{
+    const size_t per = f->cap / size;
+    const uint64_t left = count - f->at[p];
+    f->len[p] = left < per ? (size_t)left : per;
+    f->pos[p] = 0;
+    if (f->len[p] && cm_pread_full(fd, f->buf + (size_t)p * per * size, f->len[p] * size,
+                                   (first + f->at[p]) * size))
+        return cm_err_errno(errptr, CM_EIO, "cannot read %s", path);
+    f->at[p] += f->len[p];
+    return CM_OK;
+}
+
+/* Whether the next row of s's table, of key `key`, changed (*changed): the next flag of its
+ * partition. CM_ECORRUPT when the partition has none left (the rows changed since they were
+ * spread). */
+static int fp_parts_flag(const stream *s, uint64_t key, bool *changed)
+{
+    fp_parts *f = s->parts;
+    const uint32_t p = cm_part_of(key, f->n);
+    if (f->pos[p] == f->len[p]) {
+        int rc = part_refill(f, p, f->fd, f->flags_path, 1, f->off[p], cm_parts_count(f->new, p),
+                             s->errptr);
+        if (rc != CM_OK) return rc;
+        if (f->len[p] == 0)
+            return cm_err(s->errptr, CM_ECORRUPT, "%s: table %s changed while it was exported",
+                          s->ckpt, s->name);
+    }
+    *changed = f->buf[(size_t)p * f->cap + f->pos[p]++];
+    return CM_OK;
+}
 
 static int stream_row(const emb_row *r, void *arg)
 {
@@ -135,6 +203,17 @@ static int stream_row(const emb_row *r, void *arg)
     if (s->check != NULL) {
         int rc = cm_keyset_add(s->check, r->key, s->errptr);
         if (rc != CM_OK) return rc;
+    }
+    if (s->parts != NULL && !s->parts->flagged) {
+        /* The first pass: the pairs spread (and nothing handed on). */
+        const fp_ent e = {r->key, XXH3_64bits(r->weights, bytes)};
+        return cm_parts_add(s->parts->new, &e, s->errptr);
+    }
+    if (s->parts != NULL) {
+        bool changed = false;
+        int rc = fp_parts_flag(s, r->key, &changed);
+        if (rc != CM_OK || !changed) return rc;
+        s->changed++;
     }
     if (s->old != NULL) {
         int64_t i = fp_map_find(s->old, r->key);
@@ -205,36 +284,41 @@ static uint64_t content_id(const uint64_t *digests, uint32_t n, const float *tow
 static int fp_add(const emb_row *r, void *arg)
 {
     stream *s = arg;
-    fp_map *m = s->old;
     const size_t bytes = s->dim * sizeof(float);
-    if (m->n == m->cap) /* more rows than the manifests say: the reader refuses that */
+    const fp_ent e = {r->key, XXH3_64bits(r->weights, bytes)};
+    if (s->rows == s->changed) /* more rows than the manifests say: the reader refuses that */
         return cm_err(s->errptr, CM_ECORRUPT, "%s: table %s has more rows than its manifests say",
                       s->ckpt, s->name);
-    m->e[m->n++] = (fp_ent){r->key, XXH3_64bits(r->weights, bytes)};
     s->rows++;
     s->sum += XXH3_64bits_withSeed(r->weights, bytes, r->key);
+    if (s->parts != NULL) return cm_parts_add(s->parts->old, &e, s->errptr);
+    s->old->e[s->old->n++] = e;
     return 0;
 }
 
-/* Reads table name of the old checkpoint into m; its digest into *digest. */
-static int fp_map_load(const char *ckpt, const char *name, fp_map *m, uint64_t *digest,
-                       char **errptr)
+/* The directory's bits for n keys: a few keys a value. */
+static unsigned fp_bits(uint64_t n)
 {
-    emb_table_config cfg;
-    stream s = {.ckpt = ckpt, .name = name, .old = m, .errptr = errptr};
-    int rc = ps_checkpoint_table_config(ckpt, name, &cfg, errptr);
-    if (rc == CM_OK) rc = ps_checkpoint_table_rows(ckpt, name, &m->cap, errptr);
-    s.dim = cfg.dim;
-    if (rc == CM_OK && (m->e = malloc(m->cap * sizeof *m->e + 1)) == NULL)
-        rc = cm_err(errptr, CM_ENOMEM, "out of memory for %" PRIu64 " keys of %s", m->cap, ckpt);
-    if (rc == CM_OK) rc = ps_checkpoint_foreach_row(ckpt, name, fp_add, &s, errptr);
-    if (rc != CM_OK) return rc;
-    *digest = table_digest(&s);
+    unsigned bits = 0;
+    while (bits < 40 && (n >> bits) > 8)
+        bits++;
+    return bits;
+}
+
+/* The bytes an fp_map of n keys takes. */
+static uint64_t fp_map_bytes(uint64_t n)
+{
+    return n * sizeof(fp_ent) + 1 + ((1ull << fp_bits(n)) + 1) * sizeof(uint64_t) + n / 8 + 1;
+}
+
+/* Makes m's n entries (of table name of ckpt) a map: sorted, a key twice refused, the
+ * directory and the seen bits made. */
+static int fp_map_index(fp_map *m, const char *ckpt, const char *name, char **errptr)
+{
     fp_sort(m->e, m->n);
     for (uint64_t i = 1; i < m->n; i++)
         if (m->e[i].key == m->e[i - 1].key) return dup_err(ckpt, name, m->e[i].key, errptr);
-    while (m->bits < 40 && (m->n >> m->bits) > 8)
-        m->bits++;
+    m->bits = fp_bits(m->n);
     const uint64_t nb = 1ull << m->bits;
     m->dir = malloc((nb + 1) * sizeof *m->dir);
     m->seen = calloc(m->n / 8 + 1, 1);
@@ -258,30 +342,288 @@ static uint64_t *fp_map_unseen(fp_map *m, uint64_t *n)
     return out;
 }
 
+/* Pairs of the new checkpoint a partition streams against OLD's at once (with their flags:
+ * 68 KiB), and the least a partition buffers (4 KiB writes and reads). */
+#define FLAG_CHUNK 4096u
+#define FLAG_CHUNK_BYTES (FLAG_CHUNK * (sizeof(fp_ent) + 1))
+#define PART_LEAST 4096u
+#define FLAG_READ (64u << 10)
+
+/* How the delta's view of n rows of OLD keeps to mem bytes: 1 partition (the map, whole), or
+ * n_parts of a partition's buffers of *cap bytes each; 0 when mem is too little. A partition's
+ * map is given 5/4 of an even share: the spread of a hash. */
+static uint32_t fp_plan(uint64_t n, uint64_t mem, size_t *cap)
+{
+    *cap = 0;
+    if (fp_map_bytes(n) <= mem) return 1;
+    if (mem <= 2 * FLAG_CHUNK_BYTES) return 0;
+    const double parts = ceil(1.25 * (double)fp_map_bytes(n) / (double)(mem - FLAG_CHUNK_BYTES));
+    if (parts > UINT32_MAX || (double)mem / parts < PART_LEAST) return 0;
+    *cap = (size_t)((double)mem / parts);
+    return (uint32_t)parts;
+}
+
+/* The least mem fp_plan takes for n rows. */
+static uint64_t fp_least(uint64_t n)
+{
+    size_t cap;
+    uint64_t lo = 1, hi = fp_map_bytes(n);
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (fp_plan(n, mid, &cap) != 0)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return hi;
+}
+
+static void fp_parts_free(fp_parts *f)
+{
+    cm_parts_destroy(f->old);
+    cm_parts_destroy(f->new);
+    if (f->fd >= 0) close(f->fd);
+    free(f->off);
+    free(f->at);
+    free(f->buf);
+    free(f->pos);
+    free(f->len);
+    if (f->del_fd >= 0) close(f->del_fd);
+    free(f->del_off);
+    free(f->del_n);
+    memset(f, 0, sizeof *f);
+    f->fd = f->del_fd = -1;
+}
+
+/* Reads table name of the old checkpoint: into m when its map fits mem, else (f->n > 1) over
+ * f's partitions (their folders under scratch). Its digest into *digest. */
+static int old_load(const char *ckpt, const char *name, uint64_t mem, const char *scratch,
+                    fp_map *m, fp_parts *f, uint64_t *digest, char **errptr)
+{
+    emb_table_config cfg;
+    stream s = {.ckpt = ckpt, .name = name, .old = m, .errptr = errptr};
+    uint64_t rows = 0;
+    size_t cap = 0;
+    int rc = ps_checkpoint_table_config(ckpt, name, &cfg, errptr);
+    if (rc == CM_OK) rc = ps_checkpoint_table_rows(ckpt, name, &rows, errptr);
+    s.dim = cfg.dim;
+    s.changed = rows; /* fp_add's limit */
+    if (rc == CM_OK && (f->n = fp_plan(rows, mem, &cap)) == 0)
+        rc = cm_err(errptr, CM_EINVAL,
+                    "table %s: a memory budget of %" PRIu64 " bytes is too small for a delta "
+                    "against the %" PRIu64 " rows of %s: it needs at least %" PRIu64 " bytes",
+                    name, mem, rows, ckpt, fp_least(rows));
+    if (rc == CM_OK && f->n == 1) {
+        f->n = 0;
+        m->cap = rows;
+        if ((m->e = malloc(m->cap * sizeof *m->e + 1)) == NULL)
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory for %" PRIu64 " keys of %s", rows, ckpt);
+    } else if (rc == CM_OK) {
+        char dir[4400];
+        s.parts = f;
+        f->cap = cap;
+        snprintf(dir, sizeof dir, "%s/delta-old", scratch);
+        rc = cm_parts_create(dir, f->n, sizeof(fp_ent), cap / sizeof(fp_ent), &f->old, errptr);
+        snprintf(dir, sizeof dir, "%s/delta-new", scratch);
+        if (rc == CM_OK)
+            rc = cm_parts_create(dir, f->n, sizeof(fp_ent), cap / sizeof(fp_ent), &f->new, errptr);
+        snprintf(f->flags_path, sizeof f->flags_path, "%s/delta-flags", scratch);
+        snprintf(f->del_path, sizeof f->del_path, "%s/delta-deleted", scratch);
+    }
+    if (rc == CM_OK) rc = ps_checkpoint_foreach_row(ckpt, name, fp_add, &s, errptr);
+    if (rc == CM_OK && f->n == 0) rc = fp_map_index(m, ckpt, name, errptr);
+    if (rc == CM_OK && f->n > 0) rc = cm_parts_flush(f->old, errptr);
+    if (rc == CM_OK) *digest = table_digest(&s);
+    return rc;
+}
+
+/* Partition p of the new checkpoint (ckpt) against OLD's (old_ckpt), both table name: its
+ * flags appended to f's file, OLD's keys it does not have to f's; the changed rows counted
+ * in *changed. */
+static int fp_part(fp_parts *f, uint32_t p, const char *ckpt, const char *old_ckpt,
+                   const char *name, fp_ent *ents, uint8_t *flags, uint64_t *changed, char **errptr)
+{
+    fp_map m = {.n = cm_parts_count(f->old, p)};
+    int rc =
+        (m.e = malloc(m.n * sizeof *m.e + 1)) != NULL
+            ? CM_OK
+            : cm_err(errptr, CM_ENOMEM, "out of memory for %" PRIu64 " keys of %s", m.n, old_ckpt);
+    if (rc == CM_OK) rc = cm_parts_read(f->old, p, m.e, 0, m.n, errptr);
+    if (rc == CM_OK) rc = fp_map_index(&m, old_ckpt, name, errptr);
+    const uint64_t n = cm_parts_count(f->new, p);
+    for (uint64_t at = 0; rc == CM_OK && at < n;) {
+        const size_t k = n - at < FLAG_CHUNK ? (size_t)(n - at) : FLAG_CHUNK;
+        rc = cm_parts_read(f->new, p, ents, at, k, errptr);
+        for (size_t j = 0; rc == CM_OK && j < k; j++) {
+            const int64_t i = fp_map_find(&m, ents[j].key);
+            if (i >= 0) {
+                /* A key old has, twice in the new checkpoint: the writer never sees an
+                 * unchanged row, so it is caught here. */
+                uint8_t *b = &m.seen[i / 8], bit = (uint8_t)(1u << (i % 8));
+                if (*b & bit) rc = dup_err(ckpt, name, ents[j].key, errptr);
+                *b |= bit;
+            }
+            flags[j] = i < 0 || m.e[i].fp != ents[j].fp;
+            *changed += flags[j];
+        }
+        if (rc == CM_OK && cm_write_full(f->fd, flags, k) != CM_OK)
+            rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", f->flags_path);
+        at += k;
+    }
+    uint64_t n_del = 0, *del = rc == CM_OK ? fp_map_unseen(&m, &n_del) : NULL;
+    if (rc == CM_OK && cm_write_full(f->del_fd, del, n_del * sizeof *del) != CM_OK)
+        rc = cm_err_errno(errptr, CM_EIO, "cannot write %s", f->del_path);
+    f->del_off[p] = f->n_del;
+    f->del_n[p] = n_del;
+    f->n_del += n_del;
+    fp_map_free(&m);
+    return rc;
+}
+
+/* A scratch file at path, open for reading and writing in *fd and unlinked at once: nothing is
+ * left behind, however the export ends. */
+static int scratch_open(const char *path, int *fd, char **errptr)
+{
+    *fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (*fd < 0 || unlink(path) != 0) return cm_err_errno(errptr, CM_EIO, "cannot create %s", path);
+    return CM_OK;
+}
+
+/* After the new checkpoint's pairs are spread: every partition compared (fp_part), the flags'
+ * buffers made for the second pass, the deleted keys sorted. The changed rows into *changed. */
+static int fp_parts_flags(fp_parts *f, const char *ckpt, const char *old_ckpt, const char *name,
+                          uint64_t *changed, char **errptr)
+{
+    fp_ent *ents = malloc(FLAG_CHUNK * sizeof *ents);
+    uint8_t *flags = malloc(FLAG_CHUNK);
+    f->off = calloc(f->n, sizeof *f->off);
+    f->at = calloc(f->n, sizeof *f->at);
+    f->pos = calloc(f->n, sizeof *f->pos);
+    f->len = calloc(f->n, sizeof *f->len);
+    f->del_off = calloc(f->n, sizeof *f->del_off);
+    f->del_n = calloc(f->n, sizeof *f->del_n);
+    int rc = ents && flags && f->off && f->at && f->pos && f->len && f->del_off && f->del_n
+                 ? cm_parts_flush(f->new, errptr)
+                 : cm_err(errptr, CM_ENOMEM, "out of memory");
+    if (rc == CM_OK) rc = scratch_open(f->flags_path, &f->fd, errptr);
+    if (rc == CM_OK) rc = scratch_open(f->del_path, &f->del_fd, errptr);
+    *changed = 0;
+    for (uint32_t p = 0; rc == CM_OK && p < f->n; p++) {
+        f->off[p] = p ? f->off[p - 1] + cm_parts_count(f->new, p - 1) : 0;
+        rc = fp_part(f, p, ckpt, old_ckpt, name, ents, flags, changed, errptr);
+    }
+    free(ents);
+    free(flags);
+    /* The flags' buffers are held beside the bundle's index (its own --memory): a partition
+     * reads 64 KiB at a time at most, in what the pairs' buffers took. */
+    f->cap = f->cap < FLAG_READ ? f->cap : FLAG_READ;
+    if (rc == CM_OK && (f->buf = malloc((size_t)f->n * f->cap)) == NULL)
+        rc = cm_err(errptr, CM_ENOMEM, "out of memory");
+    f->flagged = true;
+    return rc;
+}
+
 static int bundle_rows(const chunk *c, void *arg, char **errptr)
 {
     return ember_serve_writer_table_rows(arg, c->keys, c->w, c->n, errptr);
 }
 
+/* Partition p's next deleted key: 1, or 0 when it has none left; -1 (*rc) when it cannot be
+ * read. */
+static int del_next(fp_parts *f, uint32_t p, uint64_t *key, int *rc, char **errptr)
+{
+    if (f->pos[p] == f->len[p]) {
+        *rc = part_refill(f, p, f->del_fd, f->del_path, sizeof *key, f->del_off[p], f->del_n[p],
+                          errptr);
+        if (*rc != CM_OK) return -1;
+        if (f->len[p] == 0) return 0;
+    }
+    const size_t per = f->cap / sizeof *key;
+    memcpy(key, f->buf + ((size_t)p * per + f->pos[p]++) * sizeof *key, sizeof *key);
+    return 1;
+}
+
+/* OLD's keys the new checkpoint has not, to the writer ascending: the partitions' runs merged
+ * through a heap of their next keys, each read through its part of the flags' buffers (done
+ * with by now), so memory does not grow with the keys deleted. */
+static int fp_parts_deleted(fp_parts *f, ember_serve_writer *w, char **errptr)
+{
+    enum { OUT = 4096 };
+    typedef struct {
+        uint64_t key;
+        uint32_t p;
+    } head;
+    head *h = malloc(f->n * sizeof *h);
+    uint64_t *out = malloc(OUT * sizeof *out);
+    uint32_t n = 0;
+    size_t k = 0;
+    int rc = h && out ? CM_OK : cm_err(errptr, CM_ENOMEM, "out of memory");
+    for (uint32_t p = 0; rc == CM_OK && p < f->n; p++)
+        f->pos[p] = f->len[p] = f->at[p] = 0;
+    for (uint32_t p = 0; rc == CM_OK && p < f->n; p++) {
+        uint64_t key;
+        if (del_next(f, p, &key, &rc, errptr) <= 0) continue;
+        uint32_t i = n++; /* sift up */
+        for (; i > 0 && h[(i - 1) / 2].key > key; i = (i - 1) / 2)
+            h[i] = h[(i - 1) / 2];
+        h[i] = (head){key, p};
+    }
+    while (rc == CM_OK && n > 0) {
+        out[k++] = h[0].key;
+        if (k == OUT) {
+            rc = ember_serve_writer_table_deleted(w, out, k, errptr);
+            k = 0;
+        }
+        head top = h[0];
+        const int got = rc == CM_OK ? del_next(f, top.p, &top.key, &rc, errptr) : -1;
+        if (got < 0) break;
+        if (got == 0) top = h[--n];    /* p is done: the last head takes its place */
+        for (uint32_t i = 0; n > 0;) { /* sift top down from the root */
+            uint32_t c = 2 * i + 1;
+            if (c + 1 < n && h[c + 1].key < h[c].key) c++;
+            if (c >= n || h[c].key >= top.key) {
+                h[i] = top;
+                break;
+            }
+            h[i] = h[c];
+            i = c;
+        }
+    }
+    if (rc == CM_OK) rc = ember_serve_writer_table_deleted(w, out, k, errptr);
+    free(h);
+    free(out);
+    return rc;
+}
+
 /* One table into the bundle: every row, or (old) those new or changed since old's, and the
- * keys old had that are gone. The stream's digest and rows are the checkpoint table's. */
+ * keys old had that are gone, in mem bytes (--memory) for old's keys. The stream's digest and
+ * rows are the checkpoint table's. */
 static int bundle_table(ember_serve_writer *w, const char *ckpt, const char *name,
-                        const char *old_ckpt, uint64_t *digest, uint64_t *old_digest,
+                        const char *old_ckpt, uint64_t mem, uint64_t *digest, uint64_t *old_digest,
                         uint64_t *exported, uint64_t *deleted, char **errptr)
 {
     fp_map m = {0};
+    fp_parts f = {.fd = -1, .del_fd = -1};
     stream s = {.ckpt = ckpt, .name = name};
-    uint64_t n = 0, n_del = 0, *del = NULL;
+    uint64_t n = 0, n_del = 0, *del = NULL, order = 0;
     int rc = CM_OK;
     if (old_ckpt) {
         /* Two passes over the new table: the changed rows counted (and old's keys seen
          * marked), then written; the bundle's file is sized by the count. */
-        rc = fp_map_load(old_ckpt, name, &m, old_digest, errptr);
-        s.old = &m;
-        s.mark = true;
-        if (rc == CM_OK) rc = stream_table(&s, errptr);
-        n = s.changed;
-        s.mark = false;
+        rc = old_load(old_ckpt, name, mem, ember_serve_writer_scratch(w), &m, &f, old_digest,
+                      errptr);
+        if (f.n > 0) {
+            s.parts = &f;
+            if (rc == CM_OK) rc = stream_table(&s, errptr);
+            if (rc == CM_OK) rc = fp_parts_flags(&f, ckpt, old_ckpt, name, &n, errptr);
+            order = s.order;
+        } else {
+            s.old = &m;
+            s.mark = true;
+            if (rc == CM_OK) rc = stream_table(&s, errptr);
+            n = s.changed;
+            s.mark = false;
+        }
     } else {
         rc = ps_checkpoint_table_rows(ckpt, name, &n, errptr);
     }
@@ -291,16 +633,22 @@ static int bundle_table(ember_serve_writer *w, const char *ckpt, const char *nam
     s.fn = bundle_rows;
     s.arg = w;
     if (rc == CM_OK) rc = stream_table(&s, errptr);
-    if (rc == CM_OK && (old_ckpt ? s.changed : s.rows) != n)
+    if (rc == CM_OK && ((old_ckpt ? s.changed : s.rows) != n || (f.n > 0 && s.order != order)))
         rc = cm_err(errptr, CM_ECORRUPT, "%s: table %s changed while it was exported", ckpt, name);
-    if (rc == CM_OK && old_ckpt) del = fp_map_unseen(&m, &n_del);
-    if (rc == CM_OK) rc = ember_serve_writer_table_end(w, del, n_del, errptr);
+    if (rc == CM_OK && old_ckpt && f.n > 0) {
+        rc = fp_parts_deleted(&f, w, errptr);
+        n_del = f.n_del;
+    } else if (rc == CM_OK && old_ckpt) {
+        del = fp_map_unseen(&m, &n_del);
+    }
+    if (rc == CM_OK) rc = ember_serve_writer_table_end(w, del, del ? n_del : 0, errptr);
     uint64_t key;
     if (rc != CM_OK && ember_serve_writer_table_dup(w, &key)) rc = dup_err(ckpt, name, key, errptr);
     *digest = table_digest(&s);
     *exported = n;
     *deleted = n_del;
     fp_map_free(&m);
+    fp_parts_free(&f);
     return rc;
 }
 
@@ -467,9 +815,10 @@ static void export_usage(FILE *to)
             "  DIR is a checkpoint (ckpt/step-N) or a run directory (its ckpt/LATEST)\n"
             "  --precision and --since are for bundles (safetensors and RocksDB hold fp32)\n"
             "  Rows are streamed, never all held: --memory (K/M/G suffixes; default %lluM)\n"
-            "  bounds what export holds for a table's keys (a bundle's index, or the check\n"
-            "  that no key comes twice), however large the table; less only spreads them\n"
-            "  over more scratch files beside --out. The output is the same with any --memory.\n",
+            "  bounds what export holds for a table's keys (a bundle's index, a delta's map\n"
+            "  of OLD, or the check that no key comes twice), however large the table; less\n"
+            "  only spreads them over more scratch files beside --out. The output is the\n"
+            "  same with any --memory.\n",
             (unsigned long long)(EMBER_SERVE_INDEX_MEMORY_DEFAULT >> 20));
 }
 
@@ -560,8 +909,8 @@ int cmd_export(int argc, char **argv)
     uint64_t total = 0, total_deleted = 0;
     for (uint32_t i = 0; rc == CM_OK && bundle && i < n_t; i++) {
         uint64_t n = 0, n_deleted = 0;
-        rc = bundle_table(w, ckpt, tnames[i], since ? old_ckpt : NULL, &dig[i], &old_dig[i], &n,
-                          &n_deleted, &err);
+        rc = bundle_table(w, ckpt, tnames[i], since ? old_ckpt : NULL, memory, &dig[i], &old_dig[i],
+                          &n, &n_deleted, &err);
         total += n;
         total_deleted += n_deleted;
     }

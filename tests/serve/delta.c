@@ -13,6 +13,9 @@
  *     serving as before after a refusal.
  *   - Deletions (TTL-like), built with ember_serve_writer_*: keys a delta deletes read as zeros
  *     with found = 0; a later delta can bring them back; deleting an absent key is harmless.
+ *   - A delta exported with a --memory the old checkpoint's key map does not fit in (spread
+ *     over partition files) is the same bundle, byte for byte, and base + it serves the full
+ *     export's rows; a --memory below the least that works is refused naming it.
  *   - ember_serve_predict refuses offsets that do not start at 0 or that go back.
  */
 #include "serve_util.h"
@@ -333,6 +336,30 @@ int main(void)
     CHECK_MSG(mf && strstr(mf, "\ntype delta\n") && strstr(mf, "\nstep 40\n") &&
                   strstr(mf, "\nbase_step 20\n"), "delta MANIFEST: %s", mf ? mf : "(missing)");
     free(mf);
+
+    /* the delta in a --memory old's key map does not fit: the same bytes, the same rows */
+    rc = su_ember("export --checkpoint run/ckpt/step-40 --since run/ckpt/step-20 --out d40-parts "
+                  "--memory 150K");
+    CHECK_MSG(rc == 0, "delta export in 150K: exit %d", rc);
+    rc = rc == 0 ? su_shell(60, "diff -r d40-fp32 d40-parts") : rc;
+    CHECK_MSG(rc == 0, "the delta differs when exported in 150K");
+    {
+        ember_serve *hf = su_open(su_path("full40-fp32"), NULL);
+        ember_serve *hd =
+            su_open(su_path("base20-fp32"), (const char *[]){su_path("d40-parts"), NULL});
+        CHECK(hf && hd);
+        if (hf && hd)
+            compare_all_keys(hd, hf, su_path("full40-fp32"), su_path("base20-fp32"), "150K");
+        ember_serve_close(hf);
+        ember_serve_close(hd);
+    }
+    rc = su_ember("export --checkpoint run/ckpt/step-40 --since run/ckpt/step-20 --out d40-small "
+                  "--memory 100K");
+    char *small = su_slurp(su_path("err.txt"), NULL);
+    CHECK_MSG(rc != 0 && small && strstr(small, "too small for a delta") &&
+                  strstr(small, "it needs at least"),
+              "a delta in 100K: exit %d, %s", rc, small ? small : "");
+    free(small);
 
     /* a chain of three deltas */
     rc = su_ember("export --checkpoint run/ckpt/step-10 --out base10");

@@ -13,6 +13,9 @@
  *   - a table of 100,000 rows written in the least index memory its index takes (its keys in
  *     sorted runs on disk) is the same file as in the default budget and serves every row; a
  *     budget below that is refused naming the table and the least.
+ *   - a delta's deleted keys given in pieces (ember_serve_writer_table_deleted, then _end's)
+ *     make the same bundle as given at once to _end; keys going back across pieces, and rows
+ *     after deleted keys, are refused.
  * Every bundle is a logistic regression ("kind lr", one "lin" table of dim 1, a tower of
  * dense + 1 values), so each case writes a few KB and runs in milliseconds.
  */
@@ -429,6 +432,48 @@ static void index_budget(void)
     free(x);
 }
 
+/* A delta of the lin table deleting keys 2, 5, 9, 12: in pieces (split) or at once. With bad,
+ * a piece goes back (1 after 5) or (bad == 2) a row follows the deleted keys. The writer's code. */
+static int write_deleted(const char *dir, int split, int bad, char **err)
+{
+    static const uint64_t del[4] = {2, 5, 9, 12}, back = 1, keys[2] = {1, 3};
+    const float lin[2] = {1.0f, 2.0f};
+    ember_serve_writer *w = NULL;
+    int rc = ember_serve_writer_create(dir, EMBER_SERVE_FP32, 1, 9, 7, &w, err);
+    if (rc == 0) rc = ember_serve_writer_model(w, model, err);
+    if (rc == 0) rc = ember_serve_writer_dense(w, tower, 2, err);
+    if (rc == 0) rc = ember_serve_writer_table_begin(w, "lin", 1, 3, err);
+    if (rc == 0) rc = ember_serve_writer_table_rows(w, keys, lin, 2, err);
+    if (rc == 0 && split) rc = ember_serve_writer_table_deleted(w, del, 2, err);
+    if (rc == 0 && bad == 1) rc = ember_serve_writer_table_deleted(w, &back, 1, err);
+    if (rc == 0 && bad == 2) rc = ember_serve_writer_table_rows(w, keys, lin, 1, err);
+    if (rc == 0 && split) rc = ember_serve_writer_table_deleted(w, del + 2, 1, err);
+    if (rc == 0) rc = ember_serve_writer_table_end(w, split ? del + 3 : del, split ? 1 : 4, err);
+    if (rc == 0) {
+        rc = ember_serve_writer_commit(w, err);
+        w = NULL;
+    }
+    ember_serve_writer_abort(w);
+    return rc;
+}
+
+static void deleted_in_pieces(void)
+{
+    char *err = NULL;
+    int rc = write_deleted(su_path("del-once"), 0, 0, &err);
+    CHECK_OK(rc, err);
+    rc = write_deleted(su_path("del-split"), 1, 0, &err);
+    CHECK_OK(rc, err);
+    CHECK_MSG(su_shell(10, "diff -r del-once del-split") == 0,
+              "deleted keys in pieces make another bundle");
+    rc = write_deleted(su_path("del-back"), 1, 1, &err);
+    expect_writer_refused("deleted keys going back", su_path("del-back"), rc, err, "not ascending");
+    err = NULL;
+    rc = write_deleted(su_path("del-rows"), 1, 2, &err);
+    expect_writer_refused("rows after deleted keys", su_path("del-rows"), rc, err,
+                          "rows after deleted keys");
+}
+
 int main(void)
 {
     if (su_init("serve_writer") != 0) return check_done();
@@ -460,5 +505,6 @@ int main(void)
     foreign_folder();
     trailing_slash();
     index_budget();
+    deleted_in_pieces();
     return check_done();
 }
