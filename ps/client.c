@@ -274,7 +274,16 @@ static int reply_check(slot *s, nng_msg *m, char **errptr)
     reply_from(s->c, s->shard, m, from, sizeof from);
     int rc = ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, &err);
     if (rc != CM_OK) {
-        rc = cm_err(errptr, rc, "%s sent a bad reply: %s", from, err);
+        /* What the damaged header says beside what was asked: whose header it carries (this
+         * request's, another's, none) is what tells a damaged reply from a misrouted one. */
+        char said[160] = "";
+        if (nng_msg_len(m) >= PS_HDR_BYTES)
+            snprintf(said, sizeof said,
+                     "; its header: op %u, request %" PRIu64 ", table %u, count %u, status %d",
+                     h.op, h.req_id, h.table, h.count, h.status);
+        rc =
+            cm_err(errptr, rc, "%s sent a bad reply to request %" PRIu64 " (op %u, count %u): %s%s",
+                   from, s->req_id, s->op, s->count, err, said);
         free(err);
         return rc;
     }

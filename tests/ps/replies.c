@@ -152,6 +152,10 @@ int main(void)
         int rc = ps_client_pull(c, bad[i].table, keys, K, got, &err);
         CHECK_MSG(rc != CM_OK && err && strstr(err, bad[i].what) && strstr(err, url),
                   "mode %d: rc %d, %.300s", bad[i].mode, rc, err ? err : "(no message)");
+        /* A reply that fails its checks says what its header claimed beside what was asked. */
+        if (bad[i].mode == CHECKSUM)
+            CHECK_MSG(err && strstr(err, "its header: op 2, request") && strstr(err, "(op 2,"),
+                      "a damaged reply's error: %.300s", err ? err : "(no message)");
         /* (A reply of another codec, taken, decodes to other values than the server's.) */
         CHECK_MSG(rc != CM_OK || got[0] == 0.5f, "mode %d: row value %g", bad[i].mode,
                   (double)got[0]);
