@@ -267,12 +267,15 @@ static void abort_recheck(slot *s)
     if (__atomic_load_n(&s->c->aborted, __ATOMIC_ACQUIRE)) nng_aio_cancel(s->aio);
 }
 
-static int reply_check(slot *s, nng_msg *m, char **errptr)
+/* *damaged: the reply failed the wire checks (its length or checksum), as a message damaged in
+ * transit would, rather than answering wrongly. */
+static int reply_check(slot *s, nng_msg *m, bool *damaged, char **errptr)
 {
     ps_hdr h;
     char *err = NULL, from[1024];
     reply_from(s->c, s->shard, m, from, sizeof from);
     int rc = ps_wire_open(nng_msg_body(m), nng_msg_len(m), &h, &err);
+    *damaged = rc != CM_OK;
     if (rc != CM_OK) {
         /* What the damaged header says beside what was asked: whose header it carries (this
          * request's, another's, none) is what tells a damaged reply from a misrouted one. */
@@ -399,12 +402,19 @@ static void slot_cb(void *arg)
     }
     nng_msg *m = ps_aio_msg_take(s->aio);
     __atomic_add_fetch(&s->c->st.bytes_received, nng_msg_len(m), __ATOMIC_RELAXED);
-    int rc = reply_check(s, m, &err);
-    if (rc == PS_STATUS_NO_KEYS && s->fb_keys && slot_send_with_keys(s)) {
+    bool damaged;
+    int rc = reply_check(s, m, &damaged, &err);
+    /* A damaged reply leaves unknown whether the push was applied; sent again (once: the keys
+     * are dropped with the resend), the shard applies it or, having applied it, recognises its
+     * request id and only acknowledges it (ps_dedup). Only an elided push keeps what a resend
+     * needs (its keys and rows, for PS_STATUS_NO_KEYS); others fail as before. */
+    if ((rc == PS_STATUS_NO_KEYS || damaged) && s->fb_keys && slot_send_with_keys(s)) {
+        if (damaged) __atomic_add_fetch(&s->c->st.replies_damaged, 1, __ATOMIC_RELAXED);
         nng_msg_free(m);
         free(err);
         return;
     }
+    if (damaged) __atomic_add_fetch(&s->c->st.replies_damaged, 1, __ATOMIC_RELAXED);
     s->reply = m;
     slot_finish(s, rc, err);
 }

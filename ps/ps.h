@@ -391,7 +391,10 @@ typedef struct ps_client_stats {
     uint64_t failovers;                         /* shards this client moved to their backup */
     uint64_t push_bytes;                        /* bytes of PUSH requests sent, resends included */
     uint64_t pushes_elided;                     /* per-shard pushes sent naming a pull's key list */
-    uint64_t push_fallbacks;                    /* ... sent again with keys (PS_STATUS_NO_KEYS) */
+    uint64_t push_fallbacks;                    /* ... sent again with keys (PS_STATUS_NO_KEYS,
+                                                   or a damaged reply: below) */
+    uint64_t replies_damaged; /* replies that failed the wire checks (length, checksum); an
+                                 elided push's is sent again with its keys, once */
     uint64_t resid_rows, resid_bytes;           /* int8 residuals held, and their memory */
     uint64_t resid_dropped;                     /* ... dropped to keep within resid_memory */
     ps_server_stats shard_total;                /* counters summed over shards; clocks and
@@ -401,7 +404,8 @@ typedef struct ps_client_stats {
                                                    (bytes_budget: the table's whole budget);
                                                    row_bytes one row's, step the highest */
 } ps_client_stats;
-/* Local counters plus every shard's STATS reply. */
+/* Local counters plus every shard's STATS reply. When a shard's STATS fails, *out still holds
+ * the local counters (the shards' sums are then partial). */
 int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr);
 
 /* Asks every shard to exit. */

@@ -459,6 +459,9 @@ static int stage_pull(stage *s, const setup *S, ps_client *c, bool lookup, char 
     return rc == CM_OK ? stage_pull_dense(s, S, c, errptr) : rc;
 }
 
+/* The push calls a table gets from one worker's step (push_rows), which --ttl counts in. */
+#define TRAIN_PUSH_PARTS 2u
+
 /* Pushes a stepped stage's row gradients (demb[t]: U x dim_t) in the two parts it was pulled
  * in (each names its pull: key elision). The second goes out once the first is applied: the
  * PS serves requests on many contexts at once, and each push call advances a table's step, so
@@ -1181,12 +1184,18 @@ static bool is_staging(const char *name)
 }
 
 /* What the log says at each checkpoint: the tables' rows and what admission and TTL did with
- * them (worker 0: the counts are the whole cluster's), and this worker's int8 residuals. */
+ * them (worker 0: the counts are the whole cluster's), this worker's int8 residuals, and any
+ * PS replies that arrived damaged (a transport fault the run survived, or a sign of one). */
 static void log_tables(const setup *S, ps_client *c, uint32_t w)
 {
     const bool int8 = S->o->push_codec == PS_CODEC_INT8;
     ps_client_stats cs;
-    if ((w != 0 && !int8) || ps_client_stats_get(c, &cs, NULL) != CM_OK) return;
+    if (ps_client_stats_get(c, &cs, NULL) != CM_OK) return;
+    if (cs.replies_damaged > 0)
+        train_log(S,
+                  "worker %u: %" PRIu64 " replies from the PS arrived damaged (failed their "
+                  "length or checksum check); pushes sent again: %" PRIu64,
+                  w, cs.replies_damaged, cs.push_fallbacks);
     for (uint32_t t = 0; w == 0 && t < S->ps.n_tables; t++) {
         const emb_table_stats *ts = &cs.table_total[t];
         train_log(S,
@@ -2113,8 +2122,9 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         ts->cfg.mem_budget_bytes = o->memory;
         ts->cfg.reserve_rows = reserve;
         ts->cfg.admit_threshold = o->admit;
-        /* A shard's table counts a step per push it receives: one per worker per job step. */
-        ts->cfg.ttl_steps = o->ttl * o->workers;
+        /* A shard's table counts a step per push it receives: each worker's job step pushes
+         * a table in push_rows' two parts. */
+        ts->cfg.ttl_steps = o->ttl * o->workers * TRAIN_PUSH_PARTS;
         ts->push_codec = o->push_codec;
         ts->pull_codec = PS_CODEC_F32;
     }

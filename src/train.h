@@ -72,7 +72,7 @@
 #include "ps/ps.h"
 #include "src/model.h"
 
-/* The largest --ttl: far beyond any run, and ttl x workers (PS_MAX_WORKERS at most) stays far
+/* The largest --ttl: far beyond any run, and ttl x workers (PS_MAX_WORKERS at most) x 2 stays far
  * inside 64 bits. */
 #define TRAIN_TTL_MAX (1ull << 40)
 /* Checkpoints a run keeps by default, as TensorFlow's Saver does: a table's checkpoint is as
@@ -100,7 +100,7 @@ typedef struct train_opts {
                               PS_RESID_MEMORY_DEFAULT); 0: no bound */
     uint32_t admit; /* a key's row is created once it was in this many batches (0, 1: at once) */
     uint64_t ttl;   /* a row no batch touched for this many of the job's steps is dropped (0:
-                       never): ttl x workers pushes to its shard (emb_table_config.ttl_steps) */
+                       never): ttl x workers x 2 pushes to its shard (ttl_steps; train.c) */
     uint64_t eval_every; /* worker 0 evaluates every N of its steps (needs eval_path); 0: at the
                             end only */
     uint32_t hidden_override, dim_override; /* 0 = preset */
