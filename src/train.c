@@ -1191,11 +1191,14 @@ static void log_tables(const setup *S, ps_client *c, uint32_t w)
     const bool int8 = S->o->push_codec == PS_CODEC_INT8;
     ps_client_stats cs;
     if (ps_client_stats_get(c, &cs, NULL) != CM_OK) return;
-    if (cs.replies_damaged > 0)
-        train_log(S,
-                  "worker %u: %" PRIu64 " replies from the PS arrived damaged (failed their "
-                  "length or checksum check); pushes sent again: %" PRIu64,
-                  w, cs.replies_damaged, cs.push_fallbacks);
+    if (cs.replies_damaged > 0) { /* rare, and a cluster worker's stderr is its log */
+        fprintf(stderr,
+                "ember train: worker %u: %" PRIu64 " replies from the PS arrived damaged (failed "
+                "their length or checksum check); pushes sent again: %" PRIu64 "\n",
+                w, cs.replies_damaged, cs.push_fallbacks);
+        train_log(S, "worker %u: %" PRIu64 " replies from the PS arrived damaged", w,
+                  cs.replies_damaged);
+    }
     for (uint32_t t = 0; w == 0 && t < S->ps.n_tables; t++) {
         const emb_table_stats *ts = &cs.table_total[t];
         train_log(S,
