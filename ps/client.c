@@ -1677,9 +1677,30 @@ int ps_client_residuals_load(ps_client *c, const char *path, char **errptr)
     return ps_resid_load(c->residual, &c->cfg, c->worker, path, errptr);
 }
 
+/* The client's own counters: those nng's callbacks and other threads add to atomically, read
+ * atomically (a plain copy of the struct raced with them). */
+static void local_stats(const struct ps_client *c, ps_client_stats *out)
+{
+    const ps_client_stats *st = &c->st;
+    memset(out, 0, sizeof *out);
+#define ST_LOAD(f) out->f = __atomic_load_n(&st->f, __ATOMIC_RELAXED)
+    ST_LOAD(bytes_sent);
+    ST_LOAD(bytes_received);
+    ST_LOAD(rows_pulled);
+    ST_LOAD(rows_pushed);
+    ST_LOAD(failovers);
+    ST_LOAD(push_bytes);
+    ST_LOAD(pushes_elided);
+    ST_LOAD(push_fallbacks);
+    ST_LOAD(replies_damaged);
+#undef ST_LOAD
+    out->push_sq_error = st->push_sq_error; /* the pushing thread's own (ps_client_push) */
+    out->push_sq_norm = st->push_sq_norm;
+}
+
 int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
 {
-    *out = c->st;
+    local_stats(c, out);
     for (uint32_t t = 0; t < c->cfg.n_tables; t++) {
         const ps_resid *r = &c->residual[t];
         out->resid_rows += r->st ? emb_store_count(r->st) : 0;
