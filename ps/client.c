@@ -404,17 +404,16 @@ static void slot_cb(void *arg)
     __atomic_add_fetch(&s->c->st.bytes_received, nng_msg_len(m), __ATOMIC_RELAXED);
     bool damaged;
     int rc = reply_check(s, m, &damaged, &err);
+    if (damaged) __atomic_add_fetch(&s->c->st.replies_damaged, 1, __ATOMIC_RELAXED);
     /* A damaged reply leaves unknown whether the push was applied; sent again (once: the keys
      * are dropped with the resend), the shard applies it or, having applied it, recognises its
      * request id and only acknowledges it (ps_dedup). Only an elided push keeps what a resend
      * needs (its keys and rows, for PS_STATUS_NO_KEYS); others fail as before. */
     if ((rc == PS_STATUS_NO_KEYS || damaged) && s->fb_keys && slot_send_with_keys(s)) {
-        if (damaged) __atomic_add_fetch(&s->c->st.replies_damaged, 1, __ATOMIC_RELAXED);
         nng_msg_free(m);
         free(err);
         return;
     }
-    if (damaged) __atomic_add_fetch(&s->c->st.replies_damaged, 1, __ATOMIC_RELAXED);
     s->reply = m;
     slot_finish(s, rc, err);
 }
@@ -1210,7 +1209,7 @@ static int error_feedback(struct ps_client *c, uint32_t table, const uint64_t *k
         const uint64_t stamp = ++res->clock;
         for (size_t i = 0; i < n; i++) {
             memcpy(recs + i * rec, &keys[i], 8);
-            memcpy(recs + i * rec + 16, &stamp, 8);
+            memcpy(recs + i * rec + PS_RESID_STAMP, &stamp, 8);
             float *r = (float *)(recs + i * rec + PS_RESID_FLOATS);
             for (uint32_t j = 0; j < dim; j++) {
                 r[j] = g[i * dim + j] - back[i * dim + j];
@@ -1677,9 +1676,9 @@ int ps_client_residuals_load(ps_client *c, const char *path, char **errptr)
     return ps_resid_load(c->residual, &c->cfg, c->worker, path, errptr);
 }
 
-/* The client's own counters: those nng's callbacks and other threads add to atomically, read
+/* The client's own counters: those nng's callbacks and other threads add to atomically are read
  * atomically (a plain copy of the struct raced with them). */
-static void local_stats(const struct ps_client *c, ps_client_stats *out)
+void ps_client_stats_local(ps_client *c, ps_client_stats *out)
 {
     const ps_client_stats *st = &c->st;
     memset(out, 0, sizeof *out);
@@ -1696,19 +1695,17 @@ static void local_stats(const struct ps_client *c, ps_client_stats *out)
 #undef ST_LOAD
     out->push_sq_error = st->push_sq_error; /* the pushing thread's own (ps_client_push) */
     out->push_sq_norm = st->push_sq_norm;
-}
-
-int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
-{
-    local_stats(c, out);
     for (uint32_t t = 0; t < c->cfg.n_tables; t++) {
         const ps_resid *r = &c->residual[t];
         out->resid_rows += r->st ? emb_store_count(r->st) : 0;
         out->resid_bytes += r->st ? emb_store_mem_bytes(r->st) : 0;
         out->resid_dropped += r->dropped;
     }
-    memset(&out->shard_total, 0, sizeof out->shard_total);
-    memset(out->table_total, 0, sizeof out->table_total);
+}
+
+int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
+{
+    ps_client_stats_local(c, out);
     for (uint32_t s = 0; s < c->cfg.n_shards; s++) {
         nng_msg *m = msg_simple(PS_OP_STATS, 0, 0, NULL, 0), *reply = NULL;
         if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");

@@ -407,6 +407,8 @@ typedef struct ps_client_stats {
 /* Local counters plus every shard's STATS reply. When a shard's STATS fails, *out still holds
  * the local counters (the shards' sums are then partial). */
 int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr);
+/* The local counters alone (shard_total and table_total zero): no request is sent. */
+void ps_client_stats_local(ps_client *c, ps_client_stats *out);
 
 /* Asks every shard to exit. */
 int ps_client_shutdown(ps_client *c, char **errptr);

@@ -91,7 +91,7 @@ void ps_resid_clear(ps_resid *rs)
 static uint64_t rec_stamp(const uint8_t *rec)
 {
     uint64_t s;
-    memcpy(&s, rec + 16, 8);
+    memcpy(&s, rec + PS_RESID_STAMP, 8);
     return s;
 }
 
@@ -230,7 +230,7 @@ static int save_table(cm_afile *f, const ps_resid *r, const ps_config *cfg, uint
         rc = emb_store_get(st, keys, k, recs, found, errptr);
         for (size_t i = 0; rc == CM_OK && i < k; i++) {
             memcpy(out + i * row, recs + i * rec, 8);          /* the key */
-            memcpy(out + i * row + 8, recs + i * rec + 16, 8); /* its stamp */
+            memcpy(out + i * row + 8, recs + i * rec + PS_RESID_STAMP, 8); /* its stamp */
             memcpy(out + i * row + 16, recs + i * rec + PS_RESID_FLOATS, row - 16);
         }
         if (rc == CM_OK) rc = cm_afile_write(f, out, k * row, errptr);
@@ -262,19 +262,31 @@ int ps_resid_save(const ps_resid *rs, const ps_config *cfg, uint32_t worker, con
     return cm_afile_commit_digest(&f, rc, errptr);
 }
 
-/* Whether a section's rows hold ascending keys, stamps at most its clock (version 2) and
- * finite values. */
-static bool rows_ok(const resid_view *v, uint32_t version, float *vals)
+/* Where a file row's floats start: after its key (8), and its stamp (8) from version 2 on. */
+static size_t file_floats_at(const resid_view *v)
 {
-    const size_t fl = v->row - 4 * (size_t)v->sec.dim; /* where a row's floats start */
+    return v->row - 4 * (size_t)v->sec.dim;
+}
+
+/* The stamp of a file's row (0 in version 1, which has none). */
+static uint64_t file_stamp(const resid_view *v, uint64_t i)
+{
+    uint64_t stamp = 0;
+    if (file_floats_at(v) > 8) memcpy(&stamp, v->rows + i * v->row + 8, 8);
+    return stamp;
+}
+
+/* Whether a section's rows hold ascending keys, stamps at most its clock and finite values. */
+static bool rows_ok(const resid_view *v, float *vals)
+{
+    const size_t fl = file_floats_at(v);
     const uint8_t *p = v->rows;
     uint64_t prev = 0;
     for (uint64_t i = 0; i < v->sec.rows; i++, p += v->row) {
-        uint64_t key, stamp = 0;
+        uint64_t key;
         memcpy(&key, p, 8);
-        if (version >= 2) memcpy(&stamp, p + 8, 8);
         memcpy(vals, p + fl, 4 * (size_t)v->sec.dim); /* the file's floats need not be aligned */
-        if ((i > 0 && key <= prev) || stamp > v->sec.clock ||
+        if ((i > 0 && key <= prev) || file_stamp(v, i) > v->sec.clock ||
             cm_f32_first_nonfinite(vals, v->sec.dim) < v->sec.dim)
             return false;
         prev = key;
@@ -326,7 +338,7 @@ static int resid_parse(const uint8_t *buf, size_t len, const char *path, resid_v
             snprintf(why, sizeof why, "table '%s': its rows run past the end", sec.name);
         else if ((more = realloc(vals, 4 * (size_t)sec.dim)) == NULL)
             snprintf(why, sizeof why, "out of memory");
-        else if (!rows_ok(&view[i], h.version, vals = more))
+        else if (!rows_ok(&view[i], vals = more))
             snprintf(why, sizeof why,
                      "table '%s': keys out of order, a stamp past its clock or a value not "
                      "finite",
@@ -378,20 +390,12 @@ static int match_config(const resid_view *view, uint32_t n, const ps_config *cfg
     return CM_OK;
 }
 
-/* The stamp of a file's row (0 in version 1, whose rows start their floats at 8). */
-static uint64_t file_stamp(const resid_view *v, uint64_t i)
-{
-    uint64_t stamp = 0;
-    if (v->row - 4 * (size_t)v->sec.dim > 8) memcpy(&stamp, v->rows + i * v->row + 8, 8);
-    return stamp;
-}
-
 /* Puts one section's rows into the table's store, RESID_CHUNK at a time, within r's bound: a
  * file written under a larger one may hold more, and then only the rows a bound applied at
  * that last push would have kept are loaded (the store never grows past the bound). */
 static int load_table(ps_resid *r, const resid_view *v, char **errptr)
 {
-    const size_t rec = ps_resid_rec_bytes(v->sec.dim), fl = v->row - 4 * (size_t)v->sec.dim;
+    const size_t rec = ps_resid_rec_bytes(v->sec.dim), fl = file_floats_at(v);
     const uint64_t keep = rows_to_keep(v->sec.rows, r->max_rows, 0);
     uint64_t mark = 0, put = 0;
     uint8_t *recs = calloc(RESID_CHUNK, rec); /* zeroed: the padding is never written */
@@ -411,7 +415,7 @@ static int load_table(ps_resid *r, const resid_view *v, char **errptr)
             const uint8_t *src = v->rows + i * v->row;
             uint8_t *dst = recs + k++ * rec;
             memcpy(dst, src, 8);
-            if (fl > 8) memcpy(dst + 16, src + 8, 8);
+            if (fl > 8) memcpy(dst + PS_RESID_STAMP, src + 8, 8);
             memcpy(dst + PS_RESID_FLOATS, src + fl, v->row - fl);
         }
         rc = emb_store_put(r->st, recs, k, errptr);

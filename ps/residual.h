@@ -40,7 +40,8 @@ typedef struct ps_resid {
     uint64_t dropped;  /* rows dropped to keep to it, over the client's life */
 } ps_resid;
 
-/* Where a record's floats start. */
+/* Where a record's stamp and floats start. */
+#define PS_RESID_STAMP 16u
 #define PS_RESID_FLOATS 24u
 /* Bytes of one stored record of a dim-wide table. */
 size_t ps_resid_rec_bytes(uint32_t dim);

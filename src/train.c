@@ -1190,7 +1190,11 @@ static void log_tables(const setup *S, ps_client *c, uint32_t w)
 {
     const bool int8 = S->o->push_codec == PS_CODEC_INT8;
     ps_client_stats cs;
-    if (ps_client_stats_get(c, &cs, NULL) != CM_OK) return;
+    /* Only worker 0 logs the tables, so only it asks the shards. */
+    if (w != 0)
+        ps_client_stats_local(c, &cs);
+    else if (ps_client_stats_get(c, &cs, NULL) != CM_OK)
+        return;
     if (cs.replies_damaged > 0) { /* rare, and a cluster worker's stderr is its log */
         fprintf(stderr,
                 "ember train: worker %u: %" PRIu64 " replies from the PS arrived damaged (failed "
