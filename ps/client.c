@@ -52,6 +52,9 @@ enum { SL_FREE, SL_SEND, SL_RECV, SL_DONE };
 enum { K_SYNC, K_ASYNC, K_MIRROR };
 /* The most of a request's timeout kept for its shard's backup (slot_send). */
 #define FAILOVER_RESERVE_MS 5000
+/* The largest request kept whole to send again after a damaged reply: copying it costs the
+ * sender a memcpy on every call for an event seen once in tens of runs. */
+#define PS_RESEND_COPY_MAX (64u << 10)
 
 typedef struct slot {
     struct ps_client *c;
@@ -81,6 +84,17 @@ typedef struct slot {
     uint64_t *fb_keys;
     uint8_t *fb_rows;
     size_t fb_row_bytes;
+    /* What sends a request again, once, when its reply arrives damaged (it fails the wire
+     * checks, so whether the shard served it is unknown; every request resent this way is one
+     * a shard may see twice: reads, and pushes it de-duplicates by request id). A pull is
+     * rebuilt from its header and its keys, the caller's, who waits for the reply (no copy on
+     * the hot path); another small request is kept whole (again). An elided push resends with
+     * its fb_ keys instead; a large one without them (a dense or keyed push of more than
+     * PS_RESEND_COPY_MAX) is not kept, and its damaged reply fails it. */
+    ps_hdr pull_hdr;
+    const uint64_t *pull_keys;
+    nng_msg *again;
+    bool resent;
     nng_msg *reply;
     int rc;
     char *err;
@@ -151,6 +165,7 @@ typedef struct dense_mirror {
 
 static void slot_send(slot *s, nng_msg *m, bool idempotent, uint64_t timeout);
 static void slot_transmit(slot *s, nng_msg *m, bool idempotent, double deadline);
+static bool slot_send_with_keys(slot *s);
 static nng_duration ms_until(double t);
 static void mirror_drop(ps_client *c, uint32_t block);
 static int mirrors_reap(ps_client *c, char **errptr);
@@ -174,6 +189,38 @@ static void slot_drop_fallback(slot *s)
     s->fb_rows = NULL;
 }
 
+static void slot_drop_resend(slot *s)
+{
+    if (s->again) nng_msg_free(s->again);
+    s->again = NULL;
+    s->pull_keys = NULL;
+}
+
+/* Sends a request whose reply arrived damaged again, once (see slot.pull_hdr). False when it
+ * keeps nothing to send or was sent again already: the reply's error then stands. */
+static bool slot_resend(slot *s)
+{
+    if (s->resent) return false;
+    if (s->fb_keys) {
+        if (!slot_send_with_keys(s)) return false;
+        __atomic_add_fetch(&s->c->st.replies_resent, 1, __ATOMIC_RELAXED);
+        return true;
+    }
+    nng_msg *m = s->again;
+    s->again = NULL;
+    if (m == NULL && s->pull_keys &&
+        ps_msg_rows(&s->pull_hdr, s->pull_keys, s->pull_hdr.count, NULL, 0, &m) != CM_OK)
+        m = NULL;
+    if (m == NULL) return false;
+    s->resent = true;
+    if (s->copy) nng_msg_free(s->copy);
+    s->copy = NULL;
+    __atomic_add_fetch(&s->c->st.replies_resent, 1, __ATOMIC_RELAXED);
+    slot_set_state(s, SL_SEND);
+    slot_transmit(s, m, true, s->deadline); /* what is left of the call's time */
+    return true;
+}
+
 /* The shard did not hold the key list an elided push named: sends the push again with its
  * keys. False when that cannot be built (the push then fails with the shard's error). */
 static bool slot_send_with_keys(slot *s)
@@ -185,6 +232,7 @@ static bool slot_send_with_keys(slot *s)
     slot_drop_fallback(s);
     if (s->copy) nng_msg_free(s->copy);
     s->copy = NULL;
+    s->resent = true; /* with its keys, it is an ordinary push: never sent a third time */
     __atomic_add_fetch(&s->c->st.push_fallbacks, 1, __ATOMIC_RELAXED);
     slot_set_state(s, SL_SEND);
     /* The same call: what is left of its time, not a fresh timeout. */
@@ -198,6 +246,7 @@ static void slot_finish(slot *s, int rc, char *err)
     if (s->copy) nng_msg_free(s->copy);
     s->copy = NULL;
     slot_drop_fallback(s);
+    slot_drop_resend(s);
     pthread_mutex_lock(&c->mu);
     if (s->kind == K_MIRROR) {
         dense_mirror *mi = s->mirror;
@@ -405,11 +454,11 @@ static void slot_cb(void *arg)
     bool damaged;
     int rc = reply_check(s, m, &damaged, &err);
     if (damaged) __atomic_add_fetch(&s->c->st.replies_damaged, 1, __ATOMIC_RELAXED);
-    /* A damaged reply leaves unknown whether the push was applied; sent again (once: the keys
-     * are dropped with the resend), the shard applies it or, having applied it, recognises its
-     * request id and only acknowledges it (ps_dedup). Only an elided push keeps what a resend
-     * needs (its keys and rows, for PS_STATUS_NO_KEYS); others fail as before. */
-    if ((rc == PS_STATUS_NO_KEYS || damaged) && s->fb_keys && slot_send_with_keys(s)) {
+    /* A damaged reply leaves unknown whether a push was applied; sent again (once), the shard
+     * applies it or, having applied it, recognises its request id and only acknowledges it
+     * (ps_dedup); a read is simply served again. */
+    if (((rc == PS_STATUS_NO_KEYS && s->fb_keys && slot_send_with_keys(s)) ||
+         (damaged && slot_resend(s)))) {
         nng_msg_free(m);
         free(err);
         return;
@@ -440,6 +489,7 @@ static slot *slot_acquire(struct ps_client *c, uint32_t shard, int kind)
     sc->busy++;
     if (kind == K_ASYNC) sc->pushing++;
     s->req_id = ++c->next_req;
+    s->resent = false;
     pthread_mutex_unlock(&c->mu);
     return s;
 }
@@ -487,6 +537,9 @@ static void slot_transmit(slot *s, nng_msg *m, bool idempotent, double deadline)
         slot_finish(s, CM_EINVAL, err);
         return;
     }
+    if (idempotent && !s->resent && !s->fb_keys && !s->pull_keys && s->again == NULL &&
+        nng_msg_len(m) <= PS_RESEND_COPY_MAX && nng_msg_dup(&s->again, m) != 0)
+        s->again = NULL;
     __atomic_add_fetch(&c->st.bytes_sent, nng_msg_len(m), __ATOMIC_RELAXED);
     if (h.op == PS_OP_PUSH) __atomic_add_fetch(&c->st.push_bytes, nng_msg_len(m), __ATOMIC_RELAXED);
     nng_ctx_set_ms(s->ctx, NNG_OPT_REQ_RESENDTIME,
@@ -1104,6 +1157,8 @@ static int pull_rows(ps_client *c, uint32_t table, const uint64_t *keys, size_t 
         }
         slots[s] = slot_acquire(c, s, K_SYNC);
         req_ids[s] = slots[s]->req_id;
+        slots[s]->pull_hdr = rows_hdr(PS_OP_PULL, table, codec, cnt, flags);
+        slots[s]->pull_keys = sp.skeys + sp.start[s];
         slot_send(slots[s], m, true, c->timeout_ms);
     }
     /* Every slot sent must be waited for, even after an error. */
@@ -1692,6 +1747,7 @@ void ps_client_stats_local(ps_client *c, ps_client_stats *out)
     ST_LOAD(pushes_elided);
     ST_LOAD(push_fallbacks);
     ST_LOAD(replies_damaged);
+    ST_LOAD(replies_resent);
 #undef ST_LOAD
     out->push_sq_error = st->push_sq_error; /* the pushing thread's own (ps_client_push) */
     out->push_sq_norm = st->push_sq_norm;

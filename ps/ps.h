@@ -393,8 +393,11 @@ typedef struct ps_client_stats {
     uint64_t pushes_elided;                     /* per-shard pushes sent naming a pull's key list */
     uint64_t push_fallbacks;                    /* ... sent again with keys (PS_STATUS_NO_KEYS,
                                                    or a damaged reply: below) */
-    uint64_t replies_damaged; /* replies that failed the wire checks (length, checksum); an
-                                 elided push's is sent again with its keys, once */
+    uint64_t replies_damaged; /* replies that failed the wire checks (length, checksum) */
+    uint64_t replies_resent;  /* requests sent again, once each, after a damaged reply: pulls,
+                                 small requests (up to 64 KiB), and elided pushes (with their
+                                 keys, also counted in push_fallbacks); a large dense or keyed
+                                 push is not kept, and its damaged reply fails it */
     uint64_t resid_rows, resid_bytes;           /* int8 residuals held, and their memory */
     uint64_t resid_dropped;                     /* ... dropped to keep within resid_memory */
     ps_server_stats shard_total;                /* counters summed over shards; clocks and

@@ -1198,8 +1198,8 @@ static void log_tables(const setup *S, ps_client *c, uint32_t w)
     if (cs.replies_damaged > 0) { /* rare, and a cluster worker's stderr is its log */
         fprintf(stderr,
                 "ember train: worker %u: %" PRIu64 " replies from the PS arrived damaged (failed "
-                "their length or checksum check); pushes sent again: %" PRIu64 "\n",
-                w, cs.replies_damaged, cs.push_fallbacks);
+                "their length or checksum check); requests sent again: %" PRIu64 "\n",
+                w, cs.replies_damaged, cs.replies_resent);
         train_log(S, "worker %u: %" PRIu64 " replies from the PS arrived damaged", w,
                   cs.replies_damaged);
     }

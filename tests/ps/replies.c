@@ -17,6 +17,8 @@
 #include "ps_test_util.h"
 
 #define DIM 8u
+/* keys of a push larger than the client keeps to send again (64 KiB): 96 KiB of rows */
+#define PS_RESEND_KEYS 3072u
 
 static const char conf[] = "[cluster]\nshards = 1\nworkers = 1\n"
                            "[table f32]\ndim = 8\noptimizer = sgd\nlr = 1\n"
@@ -36,6 +38,7 @@ enum {
     ERR_CTRL,     /* an error whose 1 MiB text holds terminal escapes and newlines, no NUL */
     DAMAGED,      /* a push's reply whose header claims 601,368 bytes more than arrive */
     DAMAGED_ONCE, /* ... the next push reply only, then GOOD */
+    CHECKSUM_ONCE /* CHECKSUM on the next reply but a HELLO's, then GOOD */
 };
 
 typedef struct fake {
@@ -43,6 +46,7 @@ typedef struct fake {
     pthread_t thread;
     volatile int mode;
     volatile int pushes; /* push requests received */
+    volatile int pulls;  /* pull requests received */
 } fake;
 
 static nng_msg *craft(const fake *f, const ps_hdr *req)
@@ -87,7 +91,7 @@ static nng_msg *craft(const fake *f, const ps_hdr *req)
     }
     memcpy(b, &h, sizeof h);
     ps_wire_seal(b, payload);
-    if (mode == CHECKSUM && payload > 0) p[payload - 1] ^= 1;
+    if ((mode == CHECKSUM || mode == CHECKSUM_ONCE) && payload > 0) p[payload - 1] ^= 1;
     if ((mode == DAMAGED || mode == DAMAGED_ONCE) && req->op == PS_OP_PUSH) {
         h.payload_len = payload + 601368; /* after the seal: the length check fails */
         memcpy(b, &h, sizeof h);
@@ -107,6 +111,8 @@ static void *fake_main(void *arg)
         if (ps_wire_open(nng_msg_body(req), nng_msg_len(req), &h, &err) == CM_OK) m = craft(f, &h);
         if (h.op == PS_OP_PUSH && f->mode == DAMAGED_ONCE) f->mode = GOOD;
         if (h.op == PS_OP_PUSH) f->pushes++;
+        if (h.op == PS_OP_PULL) f->pulls++;
+        if (h.op != PS_OP_HELLO && f->mode == CHECKSUM_ONCE) f->mode = GOOD;
         free(err);
         nng_msg_free(req);
         if (m != NULL && nng_sendmsg(f->sock, m, 0) != 0) nng_msg_free(m);
@@ -159,7 +165,11 @@ int main(void)
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         f.mode = bad[i].mode;
+        const int pulls = f.pulls;
         int rc = ps_client_pull(c, bad[i].table, keys, K, got, &err);
+        /* A damaged reply (checksum) is asked for again, once; a wrong answer is not. */
+        CHECK_MSG(f.pulls - pulls == (bad[i].mode == CHECKSUM ? 2 : 1), "mode %d: %d pull requests",
+                  bad[i].mode, f.pulls - pulls);
         CHECK_MSG(rc != CM_OK && err && strstr(err, bad[i].what) && strstr(err, url),
                   "mode %d: rc %d, %.300s", bad[i].mode, rc, err ? err : "(no message)");
         /* A reply that fails its checks says what its header claimed beside what was asked. */
@@ -173,6 +183,12 @@ int main(void)
     }
     f.mode = GOOD;
     CHECK_OK(ps_client_pull(c, 1, keys, K, got, &err), err);
+    /* A pull's reply damaged once: the pull is sent again and succeeds. */
+    f.mode = CHECKSUM_ONCE;
+    int pulls = f.pulls;
+    CHECK_OK(ps_client_pull(c, 0, keys, K, got, &err), err);
+    CHECK_MSG(f.pulls - pulls == 2 && got[0] == 0.5f && got[K * DIM - 1] == 0.5f,
+              "a pull damaged once: %d requests, row value %g", f.pulls - pulls, (double)got[0]);
 
     /* A server's error text is the operator's to read: no terminal escapes or line breaks of
      * the server's choosing reach it, and a long one is cut. */
@@ -211,11 +227,33 @@ int main(void)
                   round, f.pushes - before);
         free(err), err = NULL;
     }
+    /* A push with its keys (none of these was pulled), damaged once: kept whole while small,
+     * sent again and applied once (the shard's dedup); a large one is not kept, and fails. */
+    static uint64_t big[PS_RESEND_KEYS];
+    static float big_grads[PS_RESEND_KEYS * DIM];
+    for (size_t i = 0; i < PS_RESEND_KEYS; i++)
+        big[i] = 900000 + 13 * (uint64_t)i;
+    for (int round = 0; round < 2; round++) {
+        f.mode = DAMAGED_ONCE;
+        const int before = f.pushes;
+        rc = ps_client_push(c, 0, round ? big : big + 1, round ? PS_RESEND_KEYS : K,
+                            round ? big_grads : grads, &err);
+        if (rc == CM_OK) rc = ps_client_flush(c, &err);
+        CHECK_MSG(round == 0
+                      ? rc == CM_OK && f.pushes - before == 2
+                      : rc != CM_OK && err && strstr(err, "bad reply") && f.pushes - before == 1,
+                  "keyed push, %s: rc %d, %d requests, %.300s", round ? "large" : "small", rc,
+                  f.pushes - before, err ? err : "(no message)");
+        free(err), err = NULL;
+    }
     CHECK(ps_client_stats_get(c, &st, NULL) != CM_OK);
-    CHECK_MSG(st.replies_damaged - st0.replies_damaged == 3 &&
-                  st.push_fallbacks - st0.push_fallbacks == 2,
-              "%" PRIu64 " damaged replies, %" PRIu64 " pushes sent again",
-              st.replies_damaged - st0.replies_damaged, st.push_fallbacks - st0.push_fallbacks);
+    CHECK_MSG(st.replies_damaged - st0.replies_damaged == 5 &&
+                  st.push_fallbacks - st0.push_fallbacks == 2 &&
+                  st.replies_resent - st0.replies_resent == 3,
+              "%" PRIu64 " damaged replies, %" PRIu64 " pushes sent again with keys, %" PRIu64
+              " requests sent again",
+              st.replies_damaged - st0.replies_damaged, st.push_fallbacks - st0.push_fallbacks,
+              st.replies_resent - st0.replies_resent);
     f.mode = GOOD;
     ps_client_destroy(c);
 
