@@ -854,6 +854,7 @@ void ps_client_destroy(ps_client *c)
                 if (sc->slots[j].reply) nng_msg_free(sc->slots[j].reply);
                 if (sc->slots[j].copy) nng_msg_free(sc->slots[j].copy);
                 slot_drop_fallback(&sc->slots[j]);
+                slot_drop_resend(&sc->slots[j]);
                 free(sc->slots[j].err);
             }
             free(sc->slots);

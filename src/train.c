@@ -1229,21 +1229,51 @@ static void log_tables(const setup *S, ps_client *c, uint32_t w)
  * run's, in the same directory), and a save that failed on one shard, or was killed, after
  * another shard had replaced its part there left LATEST naming a mixture of two runs. A
  * step-<n> directory only ever holds a complete checkpoint. */
+typedef struct resid_job {
+    ps_client *c;
+    char path[2400];
+    int rc;
+    char *err;
+} resid_job;
+
+static void *resid_main(void *arg)
+{
+    resid_job *j = arg;
+    j->rc = ps_client_residuals_save(j->c, j->path, &j->err);
+    return NULL;
+}
+
 static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t own,
                       uint64_t samples, double loss_sum, char **errptr)
 {
     char final[2200], dir[2300], path[2400], text[256];
+    const double t_start = cm_now();
     if (ckpt_dir(S, tag, final, sizeof final) != CM_OK)
         return cm_err(errptr, CM_EINVAL, "path too long");
     snprintf(dir, sizeof dir, "%s" TRAIN_CKPT_STAGING, final);
     ps_client_barrier_seek(c, barrier_base(tag) + 1);
-    int rc = ps_client_save(c, dir, errptr);
+    /* The int8 residuals are written beside the PS's SAVE, not after it (training waits for
+     * both; at the default --residual-memory they take as long as the table): they are final
+     * already, every push of this worker before the cut having left its residual and none after
+     * (the last step's push is sent before this call, and the puller pushes the next batch only
+     * once the checkpoint is through: prefetch_grant), and the SAVE touches them not. */
+    resid_job rj = {.c = c, .rc = CM_OK};
+    pthread_t rt;
+    snprintf(rj.path, sizeof rj.path, "%s/worker-%u.ef", dir, w);
+    int rc = cm_mkdirs(dir, errptr);
+    const bool rj_started = rc == CM_OK && pthread_create(&rt, NULL, resid_main, &rj) == 0;
+    if (rc == CM_OK) rc = ps_client_save(c, dir, errptr);
+    if (rj_started)
+        pthread_join(rt, NULL);
+    else if (rc == CM_OK)
+        resid_main(&rj);
+    if (rc == CM_OK && rj.rc != CM_OK) {
+        rc = rj.rc;
+        cm_err(errptr, rc, "%s", rj.err ? rj.err : "cannot save the int8 residuals");
+    }
+    free(rj.err);
     if (rc != CM_OK) return rc;
-    /* Every push of this worker before the cut has left its residual, and none after: the
-     * puller pushes the next batch only once the checkpoint is through (prefetch_grant). */
-    snprintf(path, sizeof path, "%s/worker-%u.ef", dir, w);
-    rc = ps_client_residuals_save(c, path, errptr);
-    if (rc == CM_OK) log_tables(S, c, w);
+    log_tables(S, c, w);
     snprintf(path, sizeof path, "%s/worker-%u.pos", dir, w);
     char kern[64];
     kernels_tag(S, kern, sizeof kern);
@@ -1271,6 +1301,9 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
         rc = cm_write_sealed(path, text, (size_t)len, errptr);
         if (rc == CM_OK) prune_checkpoints(S, S->o->keep_checkpoints, tag);
     }
+    /* Training waits for a checkpoint whole: how long is the user's to know. */
+    if (rc == CM_OK && w == 0)
+        train_log(S, "checkpoint step-%" PRIu64 ": %.0f ms", tag, (cm_now() - t_start) * 1000.0);
     return rc;
 }
 
