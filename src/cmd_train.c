@@ -2,6 +2,7 @@
 #include <getopt.h>
 #include <inttypes.h>
 #include <math.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +38,9 @@ static void train_usage(FILE *to)
         "                       summed in fp32 (~3x faster GEMMs; needs AMX-BF16; default fp32)\n"
         "  --batch N --epochs N --workers N --shards N --staleness K (-1 async)\n"
         "  --checkpoint-every N --keep-checkpoints K (default 5; 0 = all) --resume\n"
+        "                       (a run without --cluster that gets SIGTERM or SIGINT\n"
+        "                       checkpoints at a step every worker reaches and exits with\n"
+        "                       128 + the signal's number; a second signal stops it at once)\n"
         "  --rejoin             cluster worker: restart into the running job from its last\n"
         "                       progress note (run dir progress/worker-<i>)\n"
         "  --ps-timeout MS      a PS request unanswered this long fails the worker (30000)\n"
@@ -436,6 +440,16 @@ int cmd_train(int argc, char **argv)
                 rmdir(path);
         }
         return 1;
+    }
+    if (r.stopped_at != 0) {
+        /* No JSON line: the run did not finish, and a script reading one must not take it for
+         * a result. The status a shell gives a process the signal ended. */
+        fprintf(stderr,
+                "ember train: stopped by %s at step %" PRIu64 ": checkpoint %s/ckpt/step-%" PRIu64
+                " written; --resume continues from it\n",
+                r.stop_signal == SIGINT ? "SIGINT" : "SIGTERM", r.stopped_at, o.out_dir,
+                r.stopped_at);
+        return 128 + r.stop_signal;
     }
     if (o.cluster_path && strcmp(o.role, "worker") == 0 && o.index != 0) return 0;
     if (o.cluster_path && strcmp(o.role, "worker") != 0) return 0;

@@ -260,6 +260,11 @@ typedef struct setup {
     uint32_t n_workers;
     int first_failed;
     pthread_mutex_t abort_mu;
+    /* A stop a signal asked for (stop_after): the step every worker of this process stops at,
+     * after a checkpoint there (UINT64_MAX: none; 0: asked too late, the run ends on its own).
+     * Under stop_mu with each worker's done_steps; read atomically (stop_at) off it. */
+    pthread_mutex_t stop_mu;
+    uint64_t stop_at;
     bool pruned_foreign; /* worker 0: a fresh run's first checkpoint removed the older ones */
     double t_eval;       /* worker 0's seconds in evaluate(), left out of the samples/s it logs */
     /* When worker 0's loop began (its setup, connection and first pull done) and t_eval then:
@@ -282,15 +287,32 @@ static bool ckpt_after(const setup *S, uint64_t steps)
 
 /* The log's descriptor for interrupt_note (-1: none): a signal handler may only write(2). */
 static volatile sig_atomic_t log_fd_for_signal = -1;
+/* The first SIGINT / SIGTERM an embedded run got (0: none): its workers stop at a step they all
+ * reach, after a checkpoint there (stop_after), as a scheduler's preemption or a Ctrl-C asks;
+ * without it a run without --checkpoint-every lost everything. */
+static int stop_signal; /* read and written with __atomic (lock-free: safe in a handler) */
 
-/* SIGINT / SIGTERM on an embedded run: a last line in train.log, then the default action (the
+/* SIGINT / SIGTERM on an embedded run: the first asks the workers to stop after a checkpoint;
+ * a second stops the process at once (a last line in train.log, then the default action: the
  * checkpoints are atomic, so the last complete one is what --resume takes). */
 static void interrupt_note(int sig)
 {
-    static const char text[] = "[ interrupted] stopped by a signal (SIGINT or SIGTERM): --resume "
+    static const char stopping[] = "[ stopping] signal: a checkpoint at a step every worker "
+                                   "reaches, then exit (a second signal stops at once)\n",
+                      text[] = "[ interrupted] stopped by a signal (SIGINT or SIGTERM): --resume "
                                "continues from ckpt/LATEST\n";
-    if (log_fd_for_signal >= 0 && write(log_fd_for_signal, text, sizeof text - 1) < 0) {
+    const bool first = __atomic_load_n(&stop_signal, __ATOMIC_RELAXED) == 0;
+    const char *t = first ? stopping : text;
+    size_t n = first ? sizeof stopping - 1 : sizeof text - 1;
+    if (log_fd_for_signal >= 0 && write(log_fd_for_signal, t, n) < 0) {
         /* nothing left to tell */
+    }
+    if (write(STDERR_FILENO, t, n) < 0) {
+        /* likewise */
+    }
+    if (first) {
+        __atomic_store_n(&stop_signal, sig, __ATOMIC_RELAXED);
+        return;
     }
     signal(sig, SIG_DFL);
     raise(sig);
@@ -321,9 +343,15 @@ static bool eval_after(const setup *S, uint32_t w, uint64_t steps)
 
 /* Whether the model is read once `steps` batches are done (a checkpoint, an evaluation): the
  * next batch's pull must not create its rows before that. */
+/* The step a signal's stop was fixed at (setup.stop_at). */
+static uint64_t stop_step(const setup *S)
+{
+    return __atomic_load_n(&S->stop_at, __ATOMIC_ACQUIRE);
+}
+
 static bool cut_after(const setup *S, uint32_t w, uint64_t steps)
 {
-    return ckpt_after(S, steps) || eval_after(S, w, steps);
+    return ckpt_after(S, steps) || eval_after(S, w, steps) || steps == stop_step(S);
 }
 
 /* ---- batches in the model's layout ---- */
@@ -1578,7 +1606,47 @@ typedef struct worker {
     ps_client *live; /* its client while it may be waiting (S->abort_mu): job_abort's to stop */
     uint64_t job_samples; /* worker 0: every worker's rows this run (job_totals) */
     double job_loss;      /* ... and their summed loss */
+    /* Under S->stop_mu: steps done (the loop's count), once its loop has begun (in_loop). */
+    uint64_t done_steps;
+    bool in_loop;
+    bool stopped; /* it stopped at S->stop_at, after that checkpoint */
 } worker;
+
+/* Records that W has done `step` steps and says whether it stops here (its caller then
+ * checkpoints and leaves the loop). A stop a signal asked for is fixed the first time a worker
+ * passes here with every worker of the process in its loop: at the most steps any has done plus
+ * three. Each worker's puller is at most two batches ahead of its steps (a stage being stepped,
+ * the next one pulled early), so none has yet decided how to pull or push around that step
+ * (cut_after), and each reaches it: the stop is a checkpoint like --checkpoint-every's, at a
+ * step no worker had passed. A stop past the steps every worker reaches (S->min_steps) is
+ * dropped: the run ends on its own by then, with its final checkpoint. */
+static bool stop_after(worker *W, uint64_t step)
+{
+    setup *S = W->S;
+    pthread_mutex_lock(&S->stop_mu);
+    W->done_steps = step;
+    W->in_loop = true;
+    if (__atomic_load_n(&stop_signal, __ATOMIC_RELAXED) != 0 && S->stop_at == UINT64_MAX) {
+        uint64_t most = 0;
+        bool all = true;
+        for (uint32_t i = 0; i < S->n_workers; i++) {
+            all = all && S->workers[i].in_loop;
+            if (S->workers[i].done_steps > most) most = S->workers[i].done_steps;
+        }
+        if (all) {
+            const uint64_t at = most + 3 < S->min_steps ? most + 3 : 0;
+            __atomic_store_n(&S->stop_at, at, __ATOMIC_RELEASE);
+            if (at != 0)
+                train_log(S, "stopping at step %" PRIu64 " (a signal asked): checkpoint, then exit",
+                          at);
+            else
+                train_log(S, "a signal asked to stop, within 3 steps of the end: the run finishes");
+        }
+    }
+    const bool here = S->stop_at == step;
+    pthread_mutex_unlock(&S->stop_mu);
+    return here;
+}
 
 /* Every worker's rows and summed loss this run, from the final checkpoint's position files
  * (each worker writes its own before the checkpoint's last barrier): in a cluster the other
@@ -1854,8 +1922,15 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         /* Checkpoint while this stage is still held: the prefetcher has pulled exactly batch
          * step+1 and nothing later, so the cut is the same on every run. A resumed run pulls
          * batch step+1 after the checkpoint; so does this one. */
-        if (rc == CM_OK && ckpt_after(S, step)) {
+        const bool stop = rc == CM_OK && stop_after(W, step);
+        if (rc == CM_OK && (ckpt_after(S, step) || stop)) {
             rc = checkpoint(S, c, w, step, step, W->samples, W->loss_sum, errptr);
+            if (rc == CM_OK && stop) {
+                W->stopped = true;
+                prefetch_grant(&pf, handed, false);
+                prefetch_release(&pf);
+                break;
+            }
             if (rc == CM_OK && o->stale_pull) rc = prefetch_refresh(&pf, errptr);
         }
         /* An evaluation at the same cut: it sees exactly what a checkpoint here would hold. */
@@ -1864,7 +1939,8 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         prefetch_release(&pf);
     }
     /* Synchronous mode: keep clocking until the slowest worker is through. */
-    for (uint64_t s = step; rc == CM_OK && o->staleness >= 0 && s < S->max_steps; s++)
+    for (uint64_t s = step; rc == CM_OK && !W->stopped && o->staleness >= 0 && s < S->max_steps;
+         s++)
         rc = ps_client_clock(c, NULL, errptr);
 out:
     if (pf_started) {
@@ -1970,6 +2046,7 @@ static void *worker_main(void *arg)
     if (rc == CM_OK) ps_client_barrier_seek(c, barrier_base(o->resume ? S->resume_step : 0) + 6);
     if (rc == CM_OK && !o->rejoin) rc = ps_client_barrier(c, errptr);
     if (rc == CM_OK) rc = worker_loop(W, c, be, errptr);
+    if (W->stopped) goto done; /* checkpointed where the stop was fixed: nothing more to do */
     /* The final checkpoint is named after the longest schedule, so every worker agrees. */
     if (rc == CM_OK)
         rc = checkpoint(S, c, W->index, S->max_steps, W->steps, W->samples, W->loss_sum, errptr);
@@ -1981,6 +2058,7 @@ static void *worker_main(void *arg)
     /* Nobody leaves before worker 0's evaluation is done: then worker 0 may stop the PS. */
     if (rc == CM_OK) ps_client_barrier_seek(c, barrier_base(S->max_steps) + 7);
     if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
+done:
     if (rc != CM_OK && rc != CM_ECANCELED) job_abort(W);
     if (be) S->be->destroy(be);
     if (W->eval_be) S->be->destroy(W->eval_be);
@@ -2385,6 +2463,8 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     S.last_auc = NAN;
     S.first_failed = -1;
     pthread_mutex_init(&S.abort_mu, NULL);
+    S.stop_at = UINT64_MAX;
+    pthread_mutex_init(&S.stop_mu, NULL);
     bool run_ps = !o->cluster_path, run_workers = !o->cluster_path, is_backup = false;
     uint32_t first_w = 0, first_s = 0, n_s = oc.shards;
     if (o->cluster_path) {
@@ -2504,7 +2584,17 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             samples += workers[i].samples;
             loss += workers[i].loss_sum;
         }
-        if (rc == CM_OK) {
+        if (rc == CM_OK && workers[0].stopped) {
+            /* Every worker stopped there (a checkpoint is collective): no final evaluation. */
+            memset(res, 0, sizeof *res);
+            res->stopped_at = S.stop_at;
+            res->stop_signal = __atomic_load_n(&stop_signal, __ATOMIC_RELAXED);
+            res->seconds = cm_now() - S.t0;
+            train_log(&S,
+                      "stopped at step %" PRIu64 " by a signal: ckpt/step-%" PRIu64
+                      " written, --resume continues from it",
+                      S.stop_at, S.stop_at);
+        } else if (rc == CM_OK) {
             *res = workers[0].res;
             res->seconds = cm_now() - S.t0;
             if (first_w == 0) { /* the job's figures, cluster workers included */
@@ -2548,7 +2638,9 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
                         first_s);
     }
 out:
-    if (rc == CM_OK && oc.eval_path)
+    if (rc == CM_OK && res->stopped_at != 0)
+        ; /* said above */
+    else if (rc == CM_OK && oc.eval_path)
         train_log(&S, "done: %" PRIu64 " rows in %.3f s, auc %.6f logloss %.6f", res->rows,
                   res->seconds, res->auc, res->logloss);
     else if (rc == CM_OK)

@@ -56,6 +56,13 @@
  * then, so a fresh run that fails first leaves them as they were). The process running worker 0
  * holds RUNDIR/lock (flock): a second job into the same directory is refused.
  *
+ * Stopping (embedded runs): the first SIGTERM or SIGINT fixes a step every worker of the process
+ * reaches (three past the furthest, within the schedule), and each checkpoints there as
+ * --checkpoint-every would, then exits (train_result.stopped_at; the CLI's status is 128 + the
+ * signal). A one-worker run resumed from it ends with the bits of the run straight through. A
+ * second signal stops the process at once. Cluster roles keep the default action: a launcher
+ * stops every process at once, and --resume takes the last periodic checkpoint.
+ *
  * Worker restart (cluster mode): each worker keeps progress/worker-<i> in the run directory,
  * the batch it is about to compute, rewritten in place whenever none of its pushes is in
  * flight (so every earlier batch is applied on every shard). `--rejoin` restarts one worker
@@ -163,6 +170,11 @@ typedef struct train_result {
     uint64_t rows, eval_rows, steps;
     uint32_t workers, shards; /* of the whole job (a cluster file may set them) */
     const char *device;       /* the backend that ran the dense math ("cpu", "cuda"); static */
+    /* An embedded run a SIGINT or SIGTERM stopped (stop_signal, its number): every worker
+     * checkpointed at step stopped_at (ckpt/LATEST names it) and nothing else above is set but
+     * seconds. 0 otherwise. */
+    uint64_t stopped_at;
+    int stop_signal;
 } train_result;
 
 /* The suffix of the directory a checkpoint is assembled in before it is swapped into place as
