@@ -239,6 +239,10 @@ int cm_pwrite_full(int fd, const void *buf, size_t n, uint64_t off);
 /* pread of all n bytes at off, retrying on EINTR and short reads; 0 or an errno value (EIO
  * when the file ends first). */
 int cm_pread_full(int fd, void *buf, size_t n, uint64_t off);
+/* A scratch file in dir (open for reading and writing, close-on-exec) into *fd, unlinked as
+ * soon as it is made: what is written there goes when fd is closed, on any way out. CM_OK, or
+ * CM_EIO naming dir. */
+int cm_scratch_open(const char *dir, int *fd, char **errptr);
 /* Reads the first len bytes of fd back (pread, a MiB at a time), handing each piece to fn in
  * order: how a file written out of order (its header last, an index in place) gets its checksum,
  * in the caller's own xxh3 state (the library's, or one XXH_INLINE_ALL makes its own type). */

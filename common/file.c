@@ -205,6 +205,20 @@ int cm_pread_full(int fd, void *buf, size_t n, uint64_t off)
     return 0;
 }
 
+int cm_scratch_open(const char *dir, int *fd, char **errptr)
+{
+    size_t len = strlen(dir) + 32;
+    char *name = malloc(len);
+    if (name == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
+    snprintf(name, len, "%s/scratch-XXXXXX", dir);
+    *fd = mkostemp(name, O_CLOEXEC);
+    int rc =
+        *fd >= 0 ? CM_OK : cm_err_errno(errptr, CM_EIO, "cannot create a scratch file in %s", dir);
+    if (rc == CM_OK) unlink(name);
+    free(name);
+    return rc;
+}
+
 int cm_fd_each_chunk(int fd, const char *path, uint64_t len,
                      void (*fn)(void *arg, const void *buf, size_t n), void *arg, char **errptr)
 {

@@ -1,6 +1,4 @@
 /* A key -> u32 index in a file region, built from sorted runs in order (design in common.h). */
-#define _GNU_SOURCE /* mkostemp */
-#include <fcntl.h>
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -157,28 +155,11 @@ static int buf_sort(cm_keyidx *x, char **errptr)
     return CM_OK;
 }
 
-/* The scratch file, made on the first run: unlinked at once, so the runs go when it is closed,
- * on any way out. */
-static int tmp_open(cm_keyidx *x, char **errptr)
-{
-    size_t len = strlen(x->dir) + 32;
-    char *name = malloc(len);
-    if (name == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
-    snprintf(name, len, "%s/keyidx-XXXXXX", x->dir);
-    x->tmp = mkostemp(name, O_CLOEXEC);
-    int rc = x->tmp >= 0
-                 ? CM_OK
-                 : cm_err_errno(errptr, CM_EIO, "cannot create a scratch file in %s", x->dir);
-    if (rc == CM_OK) unlink(name);
-    free(name);
-    return rc;
-}
-
 /* The buffer, sorted, appended to the scratch file as a run. */
 static int spill(cm_keyidx *x, char **errptr)
 {
     int rc = buf_sort(x, errptr);
-    if (rc == CM_OK && x->tmp < 0) rc = tmp_open(x, errptr);
+    if (rc == CM_OK && x->tmp < 0) rc = cm_scratch_open(x->dir, &x->tmp, errptr);
     if (rc == CM_OK && x->runs == x->runs_cap) {
         size_t c = x->runs_cap ? 2 * x->runs_cap : 16;
         uint64_t *r = realloc(x->run_end, c * sizeof *r);

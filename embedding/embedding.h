@@ -427,6 +427,45 @@ int emb_store_set_dead_below(emb_store *s, uint64_t step, char **errptr);
  * records; "memory": nothing). CM_OK or CM_EIO naming the database. */
 int emb_store_compact(emb_store *s, char **errptr);
 
+/*
+ * Writing a "rocksdb" store's database once, from records in any order, in bounded memory (an
+ * export of a table larger than memory). A store's puts go through RocksDB's memtables and
+ * compactions, tuned for the spill: its memory grows with the rows (memtables, open tables'
+ * filters, compaction inputs read through mmap). The writer instead sorts the records itself
+ * in runs of its budget, spilled to scratch files in the database's folder (unlinked as made:
+ * nothing stays, whatever happens), merges them (in several passes when there are too many runs
+ * to read back 4 KiB at a time each) into sorted table files, cut to a size whose filter and
+ * index fit the budget, and hands those to RocksDB whole (IngestExternalFile): no memtable, no
+ * compaction, every table file at the last level. Memory: the budget given, however many
+ * records, besides RocksDB's own fixed overhead while the database is open at the end; disk:
+ * twice the records at most (the runs beside the longer runs a pass merges them into, or
+ * beside the table files). Not thread-safe: one call at a time.
+ * What it writes is what a "rocksdb" store (emb_store_create) holds after emb_store_put of the
+ * same records: key = the record's key as 8 big-endian bytes, value = the whole record, the
+ * same table format, no compression; a database any RocksDB reader opens as usual.
+ */
+typedef struct emb_store_writer emb_store_writer;
+/* The least budget a writer of record_bytes records takes: 16 read buffers of 4 KiB (or of
+ * one record, when larger) and a little, ~66 KiB for records up to 4 KiB. */
+uint64_t emb_store_writer_least(size_t record_bytes);
+/* A writer of a database at path (created; a RocksDB database there is removed first, as
+ * emb_store_create does) holding at most mem bytes (CM_EINVAL naming emb_store_writer_least
+ * when that is too little). record_bytes >= 8 (the first 8 bytes of a record are its key).
+ * *out is the caller's (emb_store_writer_close). */
+int emb_store_writer_open(const char *path, size_t record_bytes, uint64_t mem,
+                          emb_store_writer **out, char **errptr);
+/* Adds n records (recs: n x record_bytes, borrowed for the call). */
+int emb_store_writer_add(emb_store_writer *w, const void *recs, size_t n, char **errptr);
+/* After the last add: writes the database. Once. A key added twice is refused ("key K
+ * twice", CM_EINVAL; emb_store_writer_twice names it), here or by the add that sorted both
+ * into one run, and nothing is written. */
+int emb_store_writer_finish(emb_store_writer *w, char **errptr);
+/* 1 with the key in *key when a key added twice was refused, else 0. */
+int emb_store_writer_twice(const emb_store_writer *w, uint64_t *key);
+/* Frees the writer. Unless finish succeeded, what it wrote at path goes too (RocksDB's files
+ * and its own; the folder when that leaves it empty). NULL is fine. */
+void emb_store_writer_close(emb_store_writer *w);
+
 #ifdef __cplusplus
 }
 #endif

@@ -24,9 +24,11 @@
  * Memory: export streams each table (ps_checkpoint_foreach_row reads snapshots in chunks) into
  * its output a chunk of rows at a time, so a table larger than memory (the PS spills cold rows
  * to RocksDB) exports in memory that does not grow with its rows. What needs every key is kept
- * on disk: the bundle writer's index (cm_keyidx, common.h), which refuses a key twice, and for
- * safetensors and RocksDB a cm_keyset of the keys, in --memory bytes and scratch files beside
- * the output when they do not fit. Sizes
+ * on disk: the bundle writer's index (cm_keyidx, common.h), which refuses a key twice, for
+ * safetensors a cm_keyset of the keys, and for RocksDB the sorted runs of the rows that its
+ * writer (emb_store_writer, embedding.h) merges into table files, which refuses a key twice
+ * too; each in --memory bytes and scratch files beside (or in) the output when they do not
+ * fit. Sizes
  * come from the snapshots' manifests (ps_checkpoint_table_rows). A delta compares the new
  * checkpoint's rows, as they stream, against a map of the OLD checkpoint's keys to fingerprints
  * of their weights (fp_map: ~17 bytes a row), held when it fits --memory. When it does not
@@ -110,7 +112,7 @@ static int dup_err(const char *ckpt, const char *name, uint64_t key, char **errp
     return rc;
 }
 
-/* What refuses a key twice where the output has no index of its own (safetensors, RocksDB):
+/* What refuses a key twice where the output has no index of its own (safetensors):
  * a cm_keyset of the table's keys in mem bytes (--memory), its files, when they do not fit, in
  * a scratch folder beside the output. */
 static int keys_open(const char *out, uint64_t n, uint64_t mem, cm_keyset **ks, char **errptr)
@@ -745,7 +747,7 @@ static int write_safetensors(const char *out, const char *model, const char *ckp
 }
 
 typedef struct rdb_sink {
-    emb_store *st;
+    emb_store_writer *w;
     uint8_t *buf; /* a chunk's records */
 } rdb_sink;
 
@@ -757,13 +759,14 @@ static int rdb_put(const chunk *c, void *arg, char **errptr)
         memcpy(k->buf + j * rec, &c->keys[j], 8);
         memcpy(k->buf + j * rec + 8, c->w + j * c->dim, rec - 8);
     }
-    return emb_store_put(k->st, k->buf, c->n, errptr);
+    return emb_store_writer_add(k->w, k->buf, c->n, errptr);
 }
 
 /* RocksDB: out/<table>/ maps the key (8 bytes big-endian) to a record {key, dim fp32};
  * out/model.txt and out/tower.f32 beside them. Built in a folder beside out and swapped in
  * whole (cm_dir_swap), as a bundle is: a failed export leaves out as it was, and a table of an
- * earlier export into out does not stay beside this one's. */
+ * earlier export into out does not stay beside this one's. Each table's database is written
+ * by an emb_store_writer in --memory (it sorts the rows itself, and so refuses a key twice). */
 static int write_rocksdb(const char *out, const char *model, const char *ckpt,
                          char (*names)[PS_NAME_MAX], uint32_t n_tabs, const float *tower,
                          uint64_t n_tower, uint64_t mem, uint64_t *total, char **errptr)
@@ -779,23 +782,22 @@ static int write_rocksdb(const char *out, const char *model, const char *ckpt,
     if (rc == CM_OK) rc = cm_mkdirs(tmp, errptr);
     for (uint32_t i = 0; rc == CM_OK && i < n_tabs; i++) {
         emb_table_config cfg;
-        uint64_t n = 0;
-        cm_keyset *ks = NULL;
         rdb_sink k = {0};
         rc = ps_checkpoint_table_config(ckpt, names[i], &cfg, errptr);
-        if (rc == CM_OK) rc = ps_checkpoint_table_rows(ckpt, names[i], &n, errptr);
-        if (rc == CM_OK) rc = keys_open(dir, n, mem, &ks, errptr);
-        stream s = {.ckpt = ckpt, .name = names[i], .check = ks, .fn = rdb_put, .arg = &k};
+        stream s = {.ckpt = ckpt, .name = names[i], .fn = rdb_put, .arg = &k};
         const size_t rec = 8 + 4 * (size_t)cfg.dim;
         snprintf(path, sizeof path, "%s/%s", tmp, names[i]);
-        if (rc == CM_OK) rc = emb_store_create("rocksdb", path, rec, &k.st, errptr);
+        if (rc == CM_OK) rc = emb_store_writer_open(path, rec, mem, &k.w, errptr);
         if (rc == CM_OK && (k.buf = malloc((CHUNK_BYTES / rec + 1) * rec)) == NULL)
             rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         if (rc == CM_OK) rc = stream_table(&s, errptr);
-        *total += s.rows;
         free(k.buf);
-        emb_store_destroy(k.st);
-        cm_keyset_destroy(ks);
+        uint64_t key = 0;
+        if (rc == CM_OK) rc = emb_store_writer_finish(k.w, errptr);
+        if (rc != CM_OK && k.w && emb_store_writer_twice(k.w, &key))
+            rc = dup_err(ckpt, names[i], key, errptr);
+        *total += s.rows;
+        emb_store_writer_close(k.w);
     }
     snprintf(path, sizeof path, "%s/model.txt", tmp);
     if (rc == CM_OK) rc = cm_write_file_atomic(path, model, strlen(model), errptr);
@@ -816,9 +818,10 @@ static void export_usage(FILE *to)
             "  --precision and --since are for bundles (safetensors and RocksDB hold fp32)\n"
             "  Rows are streamed, never all held: --memory (K/M/G suffixes; default %lluM)\n"
             "  bounds what export holds for a table's keys (a bundle's index, a delta's map\n"
-            "  of OLD, or the check that no key comes twice), however large the table; less\n"
-            "  only spreads them over more scratch files beside --out. The output is the\n"
-            "  same with any --memory.\n",
+            "  of OLD, the check that no key comes twice, or the sort of a RocksDB table's\n"
+            "  rows), however large the table; less only spreads them over more scratch\n"
+            "  files beside --out. The output is the same with any --memory (RocksDB: the\n"
+            "  same rows, in table files of a size that follows --memory).\n",
             (unsigned long long)(EMBER_SERVE_INDEX_MEMORY_DEFAULT >> 20));
 }
 
