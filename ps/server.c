@@ -83,6 +83,11 @@ struct ps_server {
     uint64_t *clocks;    /* per worker */
     uint64_t *last_seen; /* per worker: ms (monotonic) its last request arrived (liveness) */
     uint8_t *arrived;    /* per worker: entered the barrier being gathered */
+    /* worker_lost_ms (shard 0): per worker, the id of the nng pipe its latest request came on
+     * (read without mu, written under it, atomics), and when that pipe closed (ms, 0 while it
+     * is open or none was seen; under mu) */
+    uint32_t *pipe_of;
+    uint64_t *gone_ms;
     pthread_t reaper;    /* re-checks waiters when workers time out */
     bool reaper_running;
     /* set by ps_server_destroy: the reaper ends with the server, not at a stop request (the
@@ -253,6 +258,89 @@ static void park(struct ps_server *s, srv_ctx *c, const ps_hdr *h, srv_ctx **lis
     *list = c;
 }
 
+/*
+ * Lost workers (worker_lost_ms, shard 0). Silence (worker_timeout) cannot tell a dead worker
+ * from a live one busy elsewhere (a long save, an evaluation), so it only ever lets the others
+ * go on. A worker's connection can: its process dies, its sockets close, and the PS sees its
+ * pipe go within milliseconds; a live worker keeps its connection however long it computes. A
+ * worker's client has one pipe to shard 0 at a time (one dialer), so the pipe its latest
+ * request came on is its connection; once that closes and no request comes on another for
+ * worker_lost_ms (time for a restart with --rejoin to dial in), the clock and barrier waits
+ * that wait for it are answered with an error naming it, rather than hold the others until
+ * their own timeouts (20 x theirs) blame no one. Requests a tool may send under a worker's id
+ * (STATS) and the one a job's last client sends (SHUTDOWN) say nothing about the worker.
+ */
+static void note_pipe(struct ps_server *s, const ps_hdr *h, nng_msg *msg)
+{
+    if (s->pipe_of == NULL || h->worker >= s->cfg.n_workers || h->op == PS_OP_STATS ||
+        h->op == PS_OP_SHUTDOWN || h->op == PS_OP_REPLICATE)
+        return;
+    const uint32_t id = (uint32_t)nng_pipe_id(nng_msg_get_pipe(msg));
+    if (__atomic_load_n(&s->pipe_of[h->worker], __ATOMIC_RELAXED) == id) return;
+    pthread_mutex_lock(&s->mu);
+    __atomic_store_n(&s->pipe_of[h->worker], id, __ATOMIC_RELAXED);
+    s->gone_ms[h->worker] = 0;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* nng: a pipe closed. Its worker (if it was one's latest) is gone from now. */
+static void pipe_closed(nng_pipe p, nng_pipe_ev ev, void *arg)
+{
+    (void)ev;
+    struct ps_server *s = arg;
+    const uint32_t id = (uint32_t)nng_pipe_id(p);
+    pthread_mutex_lock(&s->mu);
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++)
+        if (s->pipe_of[w] == id && s->gone_ms[w] == 0) s->gone_ms[w] = now_ms();
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* The lost worker that parked context c (a clock or barrier wait) waits for, or -1; s->mu
+ * held. */
+static int64_t lost_holder(const struct ps_server *s, const srv_ctx *c, uint64_t now)
+{
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++) {
+        const uint64_t gone = s->gone_ms[w];
+        if (gone == 0 || now < gone || now - gone < s->cfg.worker_lost_ms || !alive(s, w)) continue;
+        if (c->req.op == PS_OP_CLOCK ? s->clocks[w] + (uint64_t)s->cfg.staleness < c->wait_for
+                                     : !s->arrived[w])
+            return w;
+    }
+    return -1;
+}
+
+/* Answers, with an error naming the lost worker, every parked wait that waits for one; s->mu
+ * held. */
+static void fail_lost_waits(struct ps_server *s)
+{
+    if (s->gone_ms == NULL) return;
+    const uint64_t now = now_ms();
+    for (srv_ctx **list = &s->clock_waiters;; list = &s->barrier_waiters) {
+        for (srv_ctx **pp = list; *pp;) {
+            srv_ctx *c = *pp;
+            const int64_t w = lost_holder(s, c, now);
+            if (w < 0) {
+                pp = &c->next;
+                continue;
+            }
+            *pp = c->next;
+            const char *what = c->req.op == PS_OP_CLOCK ? "clock" : "barrier";
+            char msg[512];
+            snprintf(msg, sizeof msg,
+                     "worker %u is gone: its connection to shard 0 closed %.1f s ago and it has "
+                     "not come back (worker_lost %u ms); worker %u's %s %u waits for it: restart "
+                     "it into the job (ember train --rejoin) or the whole job from its last "
+                     "checkpoint (--resume)",
+                     (unsigned)w, (double)(now - s->gone_ms[w]) / 1000.0, s->cfg.worker_lost_ms,
+                     c->req.worker, what, c->req.clock);
+            fprintf(stderr, "ember ps: shard %u: %s\n", s->shard, msg);
+            STAT_ADD(s, lost_waits, 1);
+            ctx_send_deferred(c, reply_error(s, &c->req, CM_ERR, msg));
+        }
+        if (list == &s->barrier_waiters) break;
+    }
+}
+
 /* Sends the replies of parked contexts whose condition now holds; s->mu held. */
 static void release_clock_waiters(struct ps_server *s)
 {
@@ -289,6 +377,7 @@ static bool handle_clock(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_m
     if (parked) {
         c->wait_for = h->clock;
         park(s, c, h, &s->clock_waiters);
+        fail_lost_waits(s);
     }
     pthread_mutex_unlock(&s->mu);
     if (!parked) *reply = reply_ok(h, 0, NULL);
@@ -339,7 +428,7 @@ static bool handle_barrier(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng
         s->barrier_want = id;
         s->arrived[h->worker] = 1;
         park(s, c, h, &s->barrier_waiters);
-        barrier_try_release(s);
+        if (!barrier_try_release(s)) fail_lost_waits(s);
         parked = true;
     }
     pthread_mutex_unlock(&s->mu);
@@ -356,6 +445,7 @@ static void *reaper_main(void *arg)
         pthread_mutex_lock(&s->mu);
         release_clock_waiters(s);
         if (s->barrier_waiters) barrier_try_release(s);
+        fail_lost_waits(s);
         pthread_mutex_unlock(&s->mu);
     }
     return NULL;
@@ -1449,6 +1539,7 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
     }
     if (h.worker < s->cfg.n_workers && h.op != PS_OP_REPLICATE)
         __atomic_store_n(&s->last_seen[h.worker], now_ms(), __ATOMIC_RELAXED);
+    note_pipe(s, &h, msg);
     char text[96];
     if (header_refused(s, &h, text, sizeof text)) {
         STAT_ADD(s, bad_messages, 1);
@@ -1575,13 +1666,19 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     s->clocks = calloc(s->cfg.n_workers, sizeof *s->clocks);
     s->last_seen = calloc(s->cfg.n_workers, sizeof *s->last_seen);
     s->arrived = calloc(s->cfg.n_workers, 1);
+    if (s->shard == 0 && s->cfg.worker_lost_ms > 0) {
+        s->pipe_of = calloc(s->cfg.n_workers, sizeof *s->pipe_of);
+        s->gone_ms = calloc(s->cfg.n_workers, sizeof *s->gone_ms);
+    }
     for (uint32_t w = 0; s->last_seen && w < s->cfg.n_workers; w++)
         s->last_seen[w] = now_ms();
     s->ctxs = calloc(s->n_ctx, sizeof *s->ctxs);
     s->dedup = ps_dedup_create(s->cfg.n_workers);
     s->pulled = ps_keycache_create(s->cfg.n_workers, s->cfg.n_tables);
     if (s->clocks == NULL || s->ctxs == NULL || s->last_seen == NULL || s->arrived == NULL ||
-        s->dedup == NULL || s->pulled == NULL) {
+        s->dedup == NULL || s->pulled == NULL ||
+        (s->shard == 0 && s->cfg.worker_lost_ms > 0 &&
+         (s->pipe_of == NULL || s->gone_ms == NULL))) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto fail;
     }
@@ -1654,13 +1751,18 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
                            (nng_duration)(s->cfg.replica_timeout_ms / 4 + 1));
         }
     }
+    if (s->gone_ms != NULL &&
+        (rv = nng_pipe_notify(s->sock, NNG_PIPE_EV_REM_POST, pipe_closed, s)) != 0) {
+        rc = cm_err(errptr, CM_EIO, "cannot watch the workers' connections: %s", nng_strerror(rv));
+        goto fail;
+    }
     rc = ps_net_listen(s->sock, o->listen, &s->cfg, errptr);
     if (rc != CM_OK) goto fail;
     for (uint32_t i = 0; i < s->n_ctx; i++) {
         s->ctxs[i].state = ST_RECV;
         nng_ctx_recv(s->ctxs[i].ctx, s->ctxs[i].aio);
     }
-    if (s->shard == 0 && s->cfg.worker_timeout_ms > 0) {
+    if (s->shard == 0 && (s->cfg.worker_timeout_ms > 0 || s->cfg.worker_lost_ms > 0)) {
         if (pthread_create(&s->reaper, NULL, reaper_main, s) != 0) {
             rc = cm_err(errptr, CM_ERR, "cannot start the worker-liveness thread");
             goto fail;
@@ -1819,6 +1921,8 @@ void ps_server_destroy(ps_server *s)
     free(s->clocks);
     free(s->last_seen);
     free(s->arrived);
+    free(s->pipe_of);
+    free(s->gone_ms);
     pthread_rwlock_destroy(&s->tables_lock);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->stop_cv);
