@@ -367,10 +367,64 @@ static void note_clock(struct ps_server *s, uint32_t worker, uint64_t c)
     if (hi - lo > s->st.staleness_max) s->st.staleness_max = hi - lo;
 }
 
+/*
+ * A clock no worker sends (s->mu held): true, with why, for a CLOCK that would move its worker
+ * far ahead. note_clock keeps the highest clock a worker sent, so one such CLOCK (2^32 - 1, a
+ * corrupt or hostile sender under that worker's id) would leave the worker counted far ahead
+ * for the rest of the run: it would never again hold the others back, and the staleness bound
+ * would be gone without a word.
+ *
+ * A worker sends its clocks one at a time, each once the one before was answered, so what it
+ * sends here is its last clock again (a resend) or the next one. The exceptions are the first
+ * clock this process sees from a worker: a worker resumed from a checkpoint (--resume; this
+ * PS is as fresh, every clock 0) or one whose clients failed over to this backup (which never
+ * saw a clock) starts where the job is. Its clock was answered by the process before, where
+ * it was within the staleness window of the slowest worker: so it is within k + 1 of the
+ * clocks the others send here. A rejoined worker (--rejoin) starts at its progress note, the
+ * batch after its last clock: the next one. So a clock is accepted when it is at most its
+ * worker's last clock here + 1, or within k + 1 of the fastest other worker seen here, or the
+ * first one here of a job none of whose other workers has clocked here yet (nothing to check
+ * it against; the first of a fresh process). With --worker-timeout a worker's first clock
+ * here is not checked: the others may have gone on far past one that was silent.
+ */
+static bool clock_refused(const struct ps_server *s, const ps_hdr *h, char *why, size_t n)
+{
+    if (s->cfg.staleness < 0) return false; /* clocks hold nobody back */
+    const uint64_t c = h->clock, own = s->clocks[h->worker], k = (uint64_t)s->cfg.staleness;
+    if (own > 0 && c <= own + 1) return false;
+    uint64_t top = 0;
+    bool others = false;
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++)
+        if (w != h->worker && s->clocks[w] > 0 && alive(s, w)) {
+            others = true;
+            if (s->clocks[w] > top) top = s->clocks[w];
+        }
+    if (others ? c <= top + k + 1 : own == 0) return false;
+    if (own == 0 && s->cfg.worker_timeout_ms > 0) return false;
+    int len = snprintf(
+        why, n, "clock %" PRIu64 " of worker %u is ahead of its last clock here (%" PRIu64 ")", c,
+        h->worker, own);
+    if (others && len > 0 && (size_t)len < n)
+        snprintf(why + len, n - (size_t)len,
+                 " by more than 1 and of the fastest other worker's (%" PRIu64
+                 ") by more than staleness + 1 (%" PRIu64 "): no worker sends it",
+                 top, k + 1);
+    else if (len > 0 && (size_t)len < n)
+        snprintf(why + len, n - (size_t)len, " by more than 1: no worker sends it");
+    return true;
+}
+
 /* Returns true when the context was parked (reply later). */
 static bool handle_clock(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_msg **reply)
 {
+    char why[320];
     pthread_mutex_lock(&s->mu);
+    if (clock_refused(s, h, why, sizeof why)) {
+        pthread_mutex_unlock(&s->mu);
+        STAT_ADD(s, bad_messages, 1);
+        *reply = reply_error(s, h, CM_EINVAL, why);
+        return false;
+    }
     note_clock(s, h->worker, h->clock);
     release_clock_waiters(s);
     bool parked = !clock_ready(s, h->clock);
