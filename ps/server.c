@@ -118,6 +118,8 @@ struct ps_server {
      * under repl_mu): the failed update and why, which every refusal says */
     char diverged_why[1024];
     uint32_t repl_inflight;         /* atomic: REPLICATEs the backup has not answered yet */
+    uint32_t backup_pipe;           /* atomic: the id of the open connection to the backup, 0:
+                                       none (it is down, or the dialer is between attempts) */
     uint64_t last_reply_ms;         /* atomic: when a reply was last handed to nng */
 };
 
@@ -1341,6 +1343,28 @@ bad:
     return m;
 }
 
+/* The dialer's longest wait between attempts to reach the backup: a backup that is up has a
+ * connection again within this of losing one. */
+#define PS_BACKUP_REDIAL_MS 500
+
+/* nng, primary: a connection to the backup opened or closed (there is one at a time: one
+ * dialer). */
+static void backup_pipe_event(nng_pipe p, nng_pipe_ev ev, void *arg)
+{
+    struct ps_server *s = arg;
+    uint32_t id = (uint32_t)nng_pipe_id(p);
+    if (ev == NNG_PIPE_EV_ADD_POST)
+        __atomic_store_n(&s->backup_pipe, id, __ATOMIC_RELEASE);
+    else
+        __atomic_compare_exchange_n(&s->backup_pipe, &id, 0, false, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_RELAXED);
+}
+
+static bool backup_connected(struct ps_server *s)
+{
+    return __atomic_load_n(&s->backup_pipe, __ATOMIC_ACQUIRE) != 0;
+}
+
 /* Primary: the backup did not acknowledge; the shard goes on unreplicated. */
 static void replica_lost(struct ps_server *s, const char *why)
 {
@@ -1482,6 +1506,13 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
                           size_t len, nng_msg **reply)
 {
     bool replicate = s->has_backup && !__atomic_load_n(&s->dropped, __ATOMIC_RELAXED), dup;
+    /* A SHUTDOWN is not held for a backup with no connection (dead: its process's sockets
+     * closed with it): the forward would wait replica_timeout for it, and the cluster's stop
+     * with it. Dropped, it is told to stop on the way out if it is back by then (stop_backup). */
+    if (replicate && h->op == PS_OP_SHUTDOWN && !backup_connected(s)) {
+        replica_lost(s, "no connection to it at SHUTDOWN");
+        replicate = false;
+    }
     const bool elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
     nng_msg *fwd = NULL, *with_keys = NULL;
     srv_ctx *original = NULL;
@@ -1784,7 +1815,13 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
         s->rsock_open = true;
         nng_socket_set_size(s->rsock, NNG_OPT_RECVMAXSZ, (size_t)s->cfg.max_msg_bytes);
         nng_socket_set_ms(s->rsock, NNG_OPT_RECONNMINT, 20);
-        nng_socket_set_ms(s->rsock, NNG_OPT_RECONNMAXT, 500);
+        nng_socket_set_ms(s->rsock, NNG_OPT_RECONNMAXT, PS_BACKUP_REDIAL_MS);
+        if ((rv = nng_pipe_notify(s->rsock, NNG_PIPE_EV_ADD_POST, backup_pipe_event, s)) != 0 ||
+            (rv = nng_pipe_notify(s->rsock, NNG_PIPE_EV_REM_POST, backup_pipe_event, s)) != 0) {
+            rc = cm_err(errptr, CM_EIO, "cannot watch the connection to the backup: %s",
+                        nng_strerror(rv));
+            goto fail;
+        }
         rc = ps_net_dial(s->rsock, s->replica_url, &s->cfg, NULL, errptr);
         if (rc != CM_OK) goto fail;
     }
@@ -1874,9 +1911,23 @@ void ps_server_stop(ps_server *s)
  * stream (dropped as unreachable or diverged, before or by that SHUTDOWN's forward): tells the
  * backup to stop with a SHUTDOWN of its own, which a backup serves in any state without taking
  * over (backup_refuses). Otherwise it would live on after its cluster stopped. Best effort and
- * bounded by replica_timeout (the backup may be gone): this process stops either way. */
+ * bounded by replica_timeout (the backup may be gone): this process stops either way. A backup
+ * with no connection (its process died, and its sockets with it) is known gone: after the
+ * dialer's longest wait between attempts with none, this one stops at once rather than wait
+ * replica_timeout for it. */
 static void stop_backup(struct ps_server *s)
 {
+    const uint64_t redial_end = now_ms() + PS_BACKUP_REDIAL_MS;
+    while (!backup_connected(s) && now_ms() < redial_end) {
+        struct timespec ts = {0, 5 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    if (!backup_connected(s)) {
+        fprintf(stderr,
+                "ember ps: shard %u: backup %s is gone (no connection to it): not told to stop\n",
+                s->shard, s->replica_url);
+        return;
+    }
     const uint64_t deadline = now_ms() + s->cfg.replica_timeout_ms;
     ps_hdr h;
     memset(&h, 0, sizeof h);
@@ -1923,8 +1974,9 @@ static void wait_quiet(struct ps_server *s)
     const uint64_t deadline = now_ms() + s->cfg.replica_timeout_ms;
     for (;;) {
         uint64_t last = __atomic_load_n(&s->last_reply_ms, __ATOMIC_RELAXED), now = now_ms();
-        bool replicating =
-            __atomic_load_n(&s->repl_inflight, __ATOMIC_RELAXED) > 0 && now < deadline;
+        /* A backup with no connection answers none of them. */
+        bool replicating = __atomic_load_n(&s->repl_inflight, __ATOMIC_RELAXED) > 0 &&
+                           now < deadline && backup_connected(s);
         bool replied = now - last < PS_CLOSE_SETTLE_MS;
         if (!replicating && !replied) return;
         struct timespec ts = {0, 5 * 1000 * 1000};
