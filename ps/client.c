@@ -736,7 +736,7 @@ int ps_client_create(const ps_client_opts *o, ps_client **out, char **errptr)
     c->cfg = *o->cfg;
     c->worker = o->worker;
     c->window = o->window ? o->window : 8;
-    c->timeout_ms = o->timeout_ms ? o->timeout_ms : 30000;
+    c->timeout_ms = o->timeout_ms ? o->timeout_ms : PS_TIMEOUT_DEFAULT_MS;
     ps_resid_bound(c->residual, &c->cfg, o->resid_memory);
     /* Request ids start at a random base, so a restarted worker's ids are new to the server's
      * duplicate check. */
@@ -1793,6 +1793,7 @@ int ps_client_stats_get(ps_client *c, ps_client_stats *out, char **errptr)
         t->elided_misses += ss.elided_misses;
         t->keylist_bytes += ss.keylist_bytes;
         t->superseded += ss.superseded;
+        t->lost_waits += ss.lost_waits;
         t->duplicates += ss.duplicates;
         t->replicated += ss.replicated;
         t->replica_dropped += ss.replica_dropped;

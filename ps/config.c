@@ -74,6 +74,7 @@ enum {
     CK_STALENESS,
     CK_MAX_MESSAGE,
     CK_WORKER_TIMEOUT,
+    CK_WORKER_LOST,
     CK_REPLICA_TIMEOUT,
     CK_SPILL_DIR,
     CK_TLS_CERT,
@@ -86,6 +87,7 @@ static const char *const cluster_keys[CK_N_] = {[CK_SHARDS] = "shards",
                                                 [CK_STALENESS] = "staleness",
                                                 [CK_MAX_MESSAGE] = "max_message",
                                                 [CK_WORKER_TIMEOUT] = "worker_timeout",
+                                                [CK_WORKER_LOST] = "worker_lost",
                                                 [CK_REPLICA_TIMEOUT] = "replica_timeout",
                                                 [CK_SPILL_DIR] = "spill_dir",
                                                 [CK_TLS_CERT] = "tls_cert",
@@ -151,6 +153,8 @@ static int set_cluster(ps_config *c, const char *k, const char *v)
         return parse_u64(v, &c->max_msg_bytes);
     case CK_WORKER_TIMEOUT:
         return parse_u32(v, &c->worker_timeout_ms);
+    case CK_WORKER_LOST:
+        return parse_u32(v, &c->worker_lost_ms);
     case CK_REPLICA_TIMEOUT:
         return parse_u32(v, &c->replica_timeout_ms);
     case CK_SPILL_DIR:

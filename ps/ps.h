@@ -63,6 +63,7 @@ extern "C" {
 #define PS_NAME_MAX 32u
 #define PS_CKPT_DIR_MAX 1024u /* bytes of a SAVE's or LOAD's directory (ps_client_save) */
 #define PS_MAX_MESSAGE_DEFAULT (256u << 20) /* ps_config_init's max_msg_bytes */
+#define PS_TIMEOUT_DEFAULT_MS 30000u        /* ps_client_opts.timeout_ms 0 */
 
 typedef enum ps_codec {
     PS_CODEC_F32 = 0,
@@ -130,6 +131,10 @@ typedef struct ps_config {
     uint64_t max_msg_bytes;      /* receive limit, default 256 MiB */
     uint32_t worker_timeout_ms;  /* a worker silent this long stops holding back clocks and
                                     barriers (shard 0); 0 = wait for it forever */
+    uint32_t worker_lost_ms;     /* a worker whose connection to shard 0 closed (its process
+                                    died) and has not come back this long fails the clocks and
+                                    barriers that wait for it, with an error naming it (shard
+                                    0); 0 = wait for it (until the clients' own timeouts) */
     uint32_t replica_timeout_ms; /* a primary whose backup has not acknowledged an update this
                                     long drops the backup and goes on unreplicated
                                     (1..2^31-1) */
@@ -147,14 +152,16 @@ void ps_config_init(ps_config *cfg);
 /*
  * Parses an INI-style config file:
  *   [cluster]  shards, workers, staleness, max_message (bytes; K/M/G suffixes), spill_dir,
- *              tls_cert, tls_key, tls_ca, worker_timeout (ms), replica_timeout (ms)
+ *              tls_cert, tls_key, tls_ca, worker_timeout (ms), worker_lost (ms),
+ *              replica_timeout (ms)
  *   [table NAME]  dim, optimizer, lr, l2, eps, beta1, beta2, adagrad_init, ftrl_beta, ftrl_l1,
  *              init_scale, seed, memory (per-shard budget, K/M/G), admit, ttl, push_codec,
  *              pull_codec, reserve_rows (rows a shard's table is created for, K/M/G; see
  *              emb_table_config.reserve_rows)
  *   [dense NAME]  size, optimizer (adam|adagrad|sgd), lr, beta1, beta2, eps
  * '#' starts a comment. An unknown section or key, a key given twice in a section, a bad
- * value, or a missing required field is an error naming the file and line. Tables and dense blocks get ids in file order.
+ * value, or a missing required field is an error naming the file and line. Tables and dense blocks
+ * get ids in file order.
  */
 int ps_config_load(const char *path, ps_config *cfg, char **errptr);
 /* Validates a config (also run by ps_config_load). */
@@ -239,6 +246,8 @@ typedef struct ps_server_stats {
     uint64_t superseded;             /* shard 0: CLOCK and BARRIER waits answered with an error
                                         because a newer one of the same worker took their place
                                         (at most one of each waits per worker) */
+    uint64_t lost_waits;             /* shard 0: CLOCK and BARRIER waits answered with an error
+                                        because a worker they wait for is lost (worker_lost) */
 } ps_server_stats;
 void ps_server_stats_get(ps_server *s, ps_server_stats *out);
 
@@ -251,8 +260,8 @@ typedef struct ps_client_opts {
     const char *const *urls;        /* cfg->n_shards URLs, shard order */
     uint32_t worker;                /* this worker's index < cfg->n_workers */
     uint32_t window;                /* in-flight requests per shard; 0 = 8; at most 1024 */
-    /* A call's bound on each shard, failover included (0 = 30000): a shard that cannot
-     * answer (its primary and backup both gone or hung) fails the call within about this
+    /* A call's bound on each shard, failover included (0 = PS_TIMEOUT_DEFAULT_MS): a shard that
+     * cannot answer (its primary and backup both gone or hung) fails the call within about this
      * long, with an error naming the shard and its URLs. A primary silent for this less
      * min(half of it, 5 s) is given up for its backup, which gets the rest. Clock, barrier,
      * save, load and shutdown wait 20 times as long (they wait for other workers). A call

@@ -83,6 +83,11 @@ struct ps_server {
     uint64_t *clocks;    /* per worker */
     uint64_t *last_seen; /* per worker: ms (monotonic) its last request arrived (liveness) */
     uint8_t *arrived;    /* per worker: entered the barrier being gathered */
+    /* worker_lost_ms (shard 0): per worker, the id of the nng pipe its latest request came on
+     * (read without mu, written under it, atomics), and when that pipe closed (ms, 0 while it
+     * is open or none was seen; under mu) */
+    uint32_t *pipe_of;
+    uint64_t *gone_ms;
     pthread_t reaper;    /* re-checks waiters when workers time out */
     bool reaper_running;
     /* set by ps_server_destroy: the reaper ends with the server, not at a stop request (the
@@ -113,6 +118,8 @@ struct ps_server {
      * under repl_mu): the failed update and why, which every refusal says */
     char diverged_why[1024];
     uint32_t repl_inflight;         /* atomic: REPLICATEs the backup has not answered yet */
+    uint32_t backup_pipe;           /* atomic: the id of the open connection to the backup, 0:
+                                       none (it is down, or the dialer is between attempts) */
     uint64_t last_reply_ms;         /* atomic: when a reply was last handed to nng */
 };
 
@@ -253,6 +260,89 @@ static void park(struct ps_server *s, srv_ctx *c, const ps_hdr *h, srv_ctx **lis
     *list = c;
 }
 
+/*
+ * Lost workers (worker_lost_ms, shard 0). Silence (worker_timeout) cannot tell a dead worker
+ * from a live one busy elsewhere (a long save, an evaluation), so it only ever lets the others
+ * go on. A worker's connection can: its process dies, its sockets close, and the PS sees its
+ * pipe go within milliseconds; a live worker keeps its connection however long it computes. A
+ * worker's client has one pipe to shard 0 at a time (one dialer), so the pipe its latest
+ * request came on is its connection; once that closes and no request comes on another for
+ * worker_lost_ms (time for a restart with --rejoin to dial in), the clock and barrier waits
+ * that wait for it are answered with an error naming it, rather than hold the others until
+ * their own timeouts (20 x theirs) blame no one. Requests a tool may send under a worker's id
+ * (STATS) and the one a job's last client sends (SHUTDOWN) say nothing about the worker.
+ */
+static void note_pipe(struct ps_server *s, const ps_hdr *h, nng_msg *msg)
+{
+    if (s->pipe_of == NULL || h->worker >= s->cfg.n_workers || h->op == PS_OP_STATS ||
+        h->op == PS_OP_SHUTDOWN || h->op == PS_OP_REPLICATE)
+        return;
+    const uint32_t id = (uint32_t)nng_pipe_id(nng_msg_get_pipe(msg));
+    if (__atomic_load_n(&s->pipe_of[h->worker], __ATOMIC_RELAXED) == id) return;
+    pthread_mutex_lock(&s->mu);
+    __atomic_store_n(&s->pipe_of[h->worker], id, __ATOMIC_RELAXED);
+    s->gone_ms[h->worker] = 0;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* nng: a pipe closed. Its worker (if it was one's latest) is gone from now. */
+static void pipe_closed(nng_pipe p, nng_pipe_ev ev, void *arg)
+{
+    (void)ev;
+    struct ps_server *s = arg;
+    const uint32_t id = (uint32_t)nng_pipe_id(p);
+    pthread_mutex_lock(&s->mu);
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++)
+        if (s->pipe_of[w] == id && s->gone_ms[w] == 0) s->gone_ms[w] = now_ms();
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* The lost worker that parked context c (a clock or barrier wait) waits for, or -1; s->mu
+ * held. */
+static int64_t lost_holder(const struct ps_server *s, const srv_ctx *c, uint64_t now)
+{
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++) {
+        const uint64_t gone = s->gone_ms[w];
+        if (gone == 0 || now < gone || now - gone < s->cfg.worker_lost_ms || !alive(s, w)) continue;
+        if (c->req.op == PS_OP_CLOCK ? s->clocks[w] + (uint64_t)s->cfg.staleness < c->wait_for
+                                     : !s->arrived[w])
+            return w;
+    }
+    return -1;
+}
+
+/* Answers, with an error naming the lost worker, every parked wait that waits for one; s->mu
+ * held. */
+static void fail_lost_waits(struct ps_server *s)
+{
+    if (s->gone_ms == NULL) return;
+    const uint64_t now = now_ms();
+    for (srv_ctx **list = &s->clock_waiters;; list = &s->barrier_waiters) {
+        for (srv_ctx **pp = list; *pp;) {
+            srv_ctx *c = *pp;
+            const int64_t w = lost_holder(s, c, now);
+            if (w < 0) {
+                pp = &c->next;
+                continue;
+            }
+            *pp = c->next;
+            const char *what = c->req.op == PS_OP_CLOCK ? "clock" : "barrier";
+            char msg[512];
+            snprintf(msg, sizeof msg,
+                     "worker %u is gone: its connection to shard 0 closed %.1f s ago and it has "
+                     "not come back (worker_lost %u ms); worker %u's %s %u waits for it: restart "
+                     "it into the job (ember train --rejoin) or the whole job from its last "
+                     "checkpoint (--resume)",
+                     (unsigned)w, (double)(now - s->gone_ms[w]) / 1000.0, s->cfg.worker_lost_ms,
+                     c->req.worker, what, c->req.clock);
+            fprintf(stderr, "ember ps: shard %u: %s\n", s->shard, msg);
+            STAT_ADD(s, lost_waits, 1);
+            ctx_send_deferred(c, reply_error(s, &c->req, CM_ERR, msg));
+        }
+        if (list == &s->barrier_waiters) break;
+    }
+}
+
 /* Sends the replies of parked contexts whose condition now holds; s->mu held. */
 static void release_clock_waiters(struct ps_server *s)
 {
@@ -279,16 +369,71 @@ static void note_clock(struct ps_server *s, uint32_t worker, uint64_t c)
     if (hi - lo > s->st.staleness_max) s->st.staleness_max = hi - lo;
 }
 
+/*
+ * A clock no worker sends (s->mu held): true, with why, for a CLOCK that would move its worker
+ * far ahead. note_clock keeps the highest clock a worker sent, so one such CLOCK (2^32 - 1, a
+ * corrupt or hostile sender under that worker's id) would leave the worker counted far ahead
+ * for the rest of the run: it would never again hold the others back, and the staleness bound
+ * would be gone without a word.
+ *
+ * A worker sends its clocks one at a time, each once the one before was answered, so what it
+ * sends here is its last clock again (a resend) or the next one. The exceptions are the first
+ * clock this process sees from a worker: a worker resumed from a checkpoint (--resume; this
+ * PS is as fresh, every clock 0) or one whose clients failed over to this backup (which never
+ * saw a clock) starts where the job is. Its clock was answered by the process before, where
+ * it was within the staleness window of the slowest worker: so it is within k + 1 of the
+ * clocks the others send here. A rejoined worker (--rejoin) starts at its progress note, the
+ * batch after its last clock: the next one. So a clock is accepted when it is at most its
+ * worker's last clock here + 1, or within k + 1 of the fastest other worker seen here, or the
+ * first one here of a job none of whose other workers has clocked here yet (nothing to check
+ * it against; the first of a fresh process). With --worker-timeout a worker's first clock
+ * here is not checked: the others may have gone on far past one that was silent.
+ */
+static bool clock_refused(const struct ps_server *s, const ps_hdr *h, char *why, size_t n)
+{
+    if (s->cfg.staleness < 0) return false; /* clocks hold nobody back */
+    const uint64_t c = h->clock, own = s->clocks[h->worker], k = (uint64_t)s->cfg.staleness;
+    if (own > 0 && c <= own + 1) return false;
+    uint64_t top = 0;
+    bool others = false;
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++)
+        if (w != h->worker && s->clocks[w] > 0 && alive(s, w)) {
+            others = true;
+            if (s->clocks[w] > top) top = s->clocks[w];
+        }
+    if (others ? c <= top + k + 1 : own == 0) return false;
+    if (own == 0 && s->cfg.worker_timeout_ms > 0) return false;
+    int len = snprintf(
+        why, n, "clock %" PRIu64 " of worker %u is ahead of its last clock here (%" PRIu64 ")", c,
+        h->worker, own);
+    if (others && len > 0 && (size_t)len < n)
+        snprintf(why + len, n - (size_t)len,
+                 " by more than 1 and of the fastest other worker's (%" PRIu64
+                 ") by more than staleness + 1 (%" PRIu64 "): no worker sends it",
+                 top, k + 1);
+    else if (len > 0 && (size_t)len < n)
+        snprintf(why + len, n - (size_t)len, " by more than 1: no worker sends it");
+    return true;
+}
+
 /* Returns true when the context was parked (reply later). */
 static bool handle_clock(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_msg **reply)
 {
+    char why[320];
     pthread_mutex_lock(&s->mu);
+    if (clock_refused(s, h, why, sizeof why)) {
+        pthread_mutex_unlock(&s->mu);
+        STAT_ADD(s, bad_messages, 1);
+        *reply = reply_error(s, h, CM_EINVAL, why);
+        return false;
+    }
     note_clock(s, h->worker, h->clock);
     release_clock_waiters(s);
     bool parked = !clock_ready(s, h->clock);
     if (parked) {
         c->wait_for = h->clock;
         park(s, c, h, &s->clock_waiters);
+        fail_lost_waits(s);
     }
     pthread_mutex_unlock(&s->mu);
     if (!parked) *reply = reply_ok(h, 0, NULL);
@@ -339,7 +484,7 @@ static bool handle_barrier(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng
         s->barrier_want = id;
         s->arrived[h->worker] = 1;
         park(s, c, h, &s->barrier_waiters);
-        barrier_try_release(s);
+        if (!barrier_try_release(s)) fail_lost_waits(s);
         parked = true;
     }
     pthread_mutex_unlock(&s->mu);
@@ -356,6 +501,7 @@ static void *reaper_main(void *arg)
         pthread_mutex_lock(&s->mu);
         release_clock_waiters(s);
         if (s->barrier_waiters) barrier_try_release(s);
+        fail_lost_waits(s);
         pthread_mutex_unlock(&s->mu);
     }
     return NULL;
@@ -1197,6 +1343,28 @@ bad:
     return m;
 }
 
+/* The dialer's longest wait between attempts to reach the backup: a backup that is up has a
+ * connection again within this of losing one. */
+#define PS_BACKUP_REDIAL_MS 500
+
+/* nng, primary: a connection to the backup opened or closed (there is one at a time: one
+ * dialer). */
+static void backup_pipe_event(nng_pipe p, nng_pipe_ev ev, void *arg)
+{
+    struct ps_server *s = arg;
+    uint32_t id = (uint32_t)nng_pipe_id(p);
+    if (ev == NNG_PIPE_EV_ADD_POST)
+        __atomic_store_n(&s->backup_pipe, id, __ATOMIC_RELEASE);
+    else
+        __atomic_compare_exchange_n(&s->backup_pipe, &id, 0, false, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_RELAXED);
+}
+
+static bool backup_connected(struct ps_server *s)
+{
+    return __atomic_load_n(&s->backup_pipe, __ATOMIC_ACQUIRE) != 0;
+}
+
 /* Primary: the backup did not acknowledge; the shard goes on unreplicated. */
 static void replica_lost(struct ps_server *s, const char *why)
 {
@@ -1338,6 +1506,13 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
                           size_t len, nng_msg **reply)
 {
     bool replicate = s->has_backup && !__atomic_load_n(&s->dropped, __ATOMIC_RELAXED), dup;
+    /* A SHUTDOWN is not held for a backup with no connection (dead: its process's sockets
+     * closed with it): the forward would wait replica_timeout for it, and the cluster's stop
+     * with it. Dropped, it is told to stop on the way out if it is back by then (stop_backup). */
+    if (replicate && h->op == PS_OP_SHUTDOWN && !backup_connected(s)) {
+        replica_lost(s, "no connection to it at SHUTDOWN");
+        replicate = false;
+    }
     const bool elided = h->op == PS_OP_PUSH && (h->flags & PS_FLAG_ELIDED);
     nng_msg *fwd = NULL, *with_keys = NULL;
     srv_ctx *original = NULL;
@@ -1449,6 +1624,7 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
     }
     if (h.worker < s->cfg.n_workers && h.op != PS_OP_REPLICATE)
         __atomic_store_n(&s->last_seen[h.worker], now_ms(), __ATOMIC_RELAXED);
+    note_pipe(s, &h, msg);
     char text[96];
     if (header_refused(s, &h, text, sizeof text)) {
         STAT_ADD(s, bad_messages, 1);
@@ -1575,13 +1751,19 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     s->clocks = calloc(s->cfg.n_workers, sizeof *s->clocks);
     s->last_seen = calloc(s->cfg.n_workers, sizeof *s->last_seen);
     s->arrived = calloc(s->cfg.n_workers, 1);
+    if (s->shard == 0 && s->cfg.worker_lost_ms > 0) {
+        s->pipe_of = calloc(s->cfg.n_workers, sizeof *s->pipe_of);
+        s->gone_ms = calloc(s->cfg.n_workers, sizeof *s->gone_ms);
+    }
     for (uint32_t w = 0; s->last_seen && w < s->cfg.n_workers; w++)
         s->last_seen[w] = now_ms();
     s->ctxs = calloc(s->n_ctx, sizeof *s->ctxs);
     s->dedup = ps_dedup_create(s->cfg.n_workers);
     s->pulled = ps_keycache_create(s->cfg.n_workers, s->cfg.n_tables);
     if (s->clocks == NULL || s->ctxs == NULL || s->last_seen == NULL || s->arrived == NULL ||
-        s->dedup == NULL || s->pulled == NULL) {
+        s->dedup == NULL || s->pulled == NULL ||
+        (s->shard == 0 && s->cfg.worker_lost_ms > 0 &&
+         (s->pipe_of == NULL || s->gone_ms == NULL))) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
         goto fail;
     }
@@ -1633,7 +1815,13 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
         s->rsock_open = true;
         nng_socket_set_size(s->rsock, NNG_OPT_RECVMAXSZ, (size_t)s->cfg.max_msg_bytes);
         nng_socket_set_ms(s->rsock, NNG_OPT_RECONNMINT, 20);
-        nng_socket_set_ms(s->rsock, NNG_OPT_RECONNMAXT, 500);
+        nng_socket_set_ms(s->rsock, NNG_OPT_RECONNMAXT, PS_BACKUP_REDIAL_MS);
+        if ((rv = nng_pipe_notify(s->rsock, NNG_PIPE_EV_ADD_POST, backup_pipe_event, s)) != 0 ||
+            (rv = nng_pipe_notify(s->rsock, NNG_PIPE_EV_REM_POST, backup_pipe_event, s)) != 0) {
+            rc = cm_err(errptr, CM_EIO, "cannot watch the connection to the backup: %s",
+                        nng_strerror(rv));
+            goto fail;
+        }
         rc = ps_net_dial(s->rsock, s->replica_url, &s->cfg, NULL, errptr);
         if (rc != CM_OK) goto fail;
     }
@@ -1654,13 +1842,18 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
                            (nng_duration)(s->cfg.replica_timeout_ms / 4 + 1));
         }
     }
+    if (s->gone_ms != NULL &&
+        (rv = nng_pipe_notify(s->sock, NNG_PIPE_EV_REM_POST, pipe_closed, s)) != 0) {
+        rc = cm_err(errptr, CM_EIO, "cannot watch the workers' connections: %s", nng_strerror(rv));
+        goto fail;
+    }
     rc = ps_net_listen(s->sock, o->listen, &s->cfg, errptr);
     if (rc != CM_OK) goto fail;
     for (uint32_t i = 0; i < s->n_ctx; i++) {
         s->ctxs[i].state = ST_RECV;
         nng_ctx_recv(s->ctxs[i].ctx, s->ctxs[i].aio);
     }
-    if (s->shard == 0 && s->cfg.worker_timeout_ms > 0) {
+    if (s->shard == 0 && (s->cfg.worker_timeout_ms > 0 || s->cfg.worker_lost_ms > 0)) {
         if (pthread_create(&s->reaper, NULL, reaper_main, s) != 0) {
             rc = cm_err(errptr, CM_ERR, "cannot start the worker-liveness thread");
             goto fail;
@@ -1718,9 +1911,23 @@ void ps_server_stop(ps_server *s)
  * stream (dropped as unreachable or diverged, before or by that SHUTDOWN's forward): tells the
  * backup to stop with a SHUTDOWN of its own, which a backup serves in any state without taking
  * over (backup_refuses). Otherwise it would live on after its cluster stopped. Best effort and
- * bounded by replica_timeout (the backup may be gone): this process stops either way. */
+ * bounded by replica_timeout (the backup may be gone): this process stops either way. A backup
+ * with no connection (its process died, and its sockets with it) is known gone: after the
+ * dialer's longest wait between attempts with none, this one stops at once rather than wait
+ * replica_timeout for it. */
 static void stop_backup(struct ps_server *s)
 {
+    const uint64_t redial_end = now_ms() + PS_BACKUP_REDIAL_MS;
+    while (!backup_connected(s) && now_ms() < redial_end) {
+        struct timespec ts = {0, 5 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    if (!backup_connected(s)) {
+        fprintf(stderr,
+                "ember ps: shard %u: backup %s is gone (no connection to it): not told to stop\n",
+                s->shard, s->replica_url);
+        return;
+    }
     const uint64_t deadline = now_ms() + s->cfg.replica_timeout_ms;
     ps_hdr h;
     memset(&h, 0, sizeof h);
@@ -1767,8 +1974,9 @@ static void wait_quiet(struct ps_server *s)
     const uint64_t deadline = now_ms() + s->cfg.replica_timeout_ms;
     for (;;) {
         uint64_t last = __atomic_load_n(&s->last_reply_ms, __ATOMIC_RELAXED), now = now_ms();
-        bool replicating =
-            __atomic_load_n(&s->repl_inflight, __ATOMIC_RELAXED) > 0 && now < deadline;
+        /* A backup with no connection answers none of them. */
+        bool replicating = __atomic_load_n(&s->repl_inflight, __ATOMIC_RELAXED) > 0 &&
+                           now < deadline && backup_connected(s);
         bool replied = now - last < PS_CLOSE_SETTLE_MS;
         if (!replicating && !replied) return;
         struct timespec ts = {0, 5 * 1000 * 1000};
@@ -1819,6 +2027,8 @@ void ps_server_destroy(ps_server *s)
     free(s->clocks);
     free(s->last_seen);
     free(s->arrived);
+    free(s->pipe_of);
+    free(s->gone_ms);
     pthread_rwlock_destroy(&s->tables_lock);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->stop_cv);

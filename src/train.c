@@ -2225,6 +2225,14 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
     p->n_workers = o->workers;
     p->staleness = o->staleness;
     p->worker_timeout_ms = o->worker_timeout_ms;
+    /* Without a --worker-timeout (wait for every worker), a worker that died fails the others'
+     * waits on it within --ps-timeout, naming it, as a dead PS fails their requests: unless it
+     * is back by then (--rejoin), the job cannot complete (every checkpoint and the job's
+     * totals need its position), and its peers would otherwise wait 20 x --ps-timeout at their
+     * next clock or barrier and then blame no one. */
+    p->worker_lost_ms = o->worker_timeout_ms != 0 ? 0
+                        : o->ps_timeout_ms        ? o->ps_timeout_ms
+                                                  : PS_TIMEOUT_DEFAULT_MS;
     snprintf(p->spill_dir, sizeof p->spill_dir, "%s/spill", o->out_dir);
     uint64_t reserve = expected_rows(o, S->m.n_fields) / p->n_shards;
     for (uint32_t t = 0; t < S->l.n_tables; t++) {

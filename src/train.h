@@ -69,7 +69,9 @@
  * into the running job from that batch (else from its position in ckpt/LATEST, else from the
  * start), without loading anything and without waiting at the start barrier. Guarantee: no
  * batch is skipped; the batches after the last progress note up to the death (at most the
- * window of pushes then in flight, normally one batch) may be applied twice.
+ * window of pushes then in flight, normally one batch) may be applied twice. Without
+ * --worker-timeout the others wait for it at their next clock or barrier for --ps-timeout from
+ * its death (ps_config.worker_lost_ms), then stop with an error naming it.
  */
 #ifndef EMBER_SRC_TRAIN_H
 #define EMBER_SRC_TRAIN_H

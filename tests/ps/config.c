@@ -133,8 +133,8 @@ static void test_errors(void)
     expect_error("[table t]\ndim = 4\nlr = 1\nopitmizer = sgd\n", 4, "did you mean 'optimizer'?");
     expect_error("[cluster]\nshards = 2\nshard = 2\n", 3,
                  "in [cluster]: did you mean 'shards'? (keys: shards, workers, staleness, "
-                 "max_message, worker_timeout, replica_timeout, spill_dir, tls_cert, tls_key, "
-                 "tls_ca)");
+                 "max_message, worker_timeout, worker_lost, replica_timeout, spill_dir, tls_cert, "
+                 "tls_key, tls_ca)");
     expect_error("[dense d]\nsize = 4\nmomentum = 1\n", 3,
                  "unknown key 'momentum' in [dense d] (keys: size, lr, beta1, beta2, eps, "
                  "optimizer)");

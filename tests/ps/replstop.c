@@ -11,6 +11,10 @@
  *      it served).
  *   2. Diverged: a LOAD the backup cannot apply (outside its --checkpoint-root) leaves it
  *      diverged, and its primary drops it. After SHUTDOWN both exit 0.
+ *   3. Dead: the backup killed (SIGKILL), its connection closed. SHUTDOWN through the primary
+ *      is answered, and the primary exits 0, well within replica_timeout (4 s here): there is
+ *      no backup to forward the SHUTDOWN to or to tell to stop. It waited replica_timeout for
+ *      each, 8 s.
  */
 #include <dirent.h>
 #include <signal.h>
@@ -23,6 +27,10 @@
 
 static const char conf[] = "[cluster]\nshards = 1\nworkers = 1\nreplica_timeout = 500\n"
                            "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n";
+
+/* replica_timeout long enough that waiting for it shows. */
+static const char conf_slow[] = "[cluster]\nshards = 1\nworkers = 1\nreplica_timeout = 4000\n"
+                                "[table t]\ndim = 4\noptimizer = sgd\nlr = 1\ninit_scale = 0\n";
 
 /* Starts `ember ps` for shard 0 on url with the extra flags (NULL-terminated, at most 4), its
  * stderr to log, and waits until it listens. */
@@ -197,6 +205,30 @@ static void diverged(const char *config, const ps_config *cfg, const char *dir)
     ps_client_destroy(r.c);
 }
 
+/* 3. A dead backup. */
+static void dead(const char *config, const ps_config *cfg, const char *dir)
+{
+    pair r = start_pair(config, cfg, dir, "3", NULL);
+    push_one(r.c);
+    CHECK(psp_stop(r.bp, SIGKILL, 5) != 0);
+    psp_sleep_ms(200); /* the primary sees the connection close */
+    const double t0 = psp_now();
+    char *err = NULL;
+    CHECK_OK(ps_client_shutdown(r.c, &err), err);
+    free(err);
+    const double answered = psp_now() - t0;
+    int pst = -1;
+    bool exited = exits_within(r.pp, 20, &pst);
+    const double took = psp_now() - t0;
+    fprintf(stderr, "dead backup: SHUTDOWN answered in %.2f s, the primary exited in %.2f s\n",
+            answered, took);
+    CHECK_MSG(exited && WIFEXITED(pst) && WEXITSTATUS(pst) == 0,
+              "dead backup: the primary did not exit 0 after SHUTDOWN (status 0x%x)", pst);
+    CHECK_MSG(took < 2.0, "dead backup: the primary took %.2f s to stop (replica_timeout 4 s)",
+              took);
+    ps_client_destroy(r.c);
+}
+
 int main(void)
 {
     psp_watchdog(PT_WATCHDOG_S);
@@ -206,5 +238,7 @@ int main(void)
     const char *config = pt_config(dir, "replstop.ini", conf, &cfg);
     dropped(config, &cfg, dir);
     diverged(config, &cfg, dir);
+    ps_config slow;
+    dead(pt_config(dir, "replstop-slow.ini", conf_slow, &slow), &slow, dir);
     return pt_finish(dir);
 }
