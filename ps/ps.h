@@ -357,6 +357,15 @@ void ps_client_clock_seek(ps_client *c, uint64_t clock);
  * completed passes at once, so ids derived from a schedule (ps_client_barrier_seek) keep a
  * restarted worker in step with the rest whatever moment it died at. */
 int ps_client_barrier(ps_client *c, char **errptr);
+/* ps_client_barrier with a vote: stop says this worker asks the job to stop after this barrier
+ * (it had a SIGTERM or SIGINT). On success *any says whether any worker entering this barrier
+ * voted so (stop included): shard 0 ORs the votes of the barrier it gathers and each reply
+ * releasing it carries the result, so every worker learns the same answer at the same barrier
+ * and can stop there together. A barrier that passes at once (a resend, a worker catching up, a
+ * backup that took over after the barrier: ps_client_barrier) answers with the votes shard 0
+ * knows of: for the last barrier it completed, all of them; otherwise this worker's own (the
+ * others, having gone on past it, cannot have voted). *any is false on failure. */
+int ps_client_barrier_vote(ps_client *c, bool stop, bool *any, char **errptr);
 /* The id the next barrier (or save/load's first of two) uses; ids must increase. */
 void ps_client_barrier_seek(ps_client *c, uint64_t id);
 

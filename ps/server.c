@@ -96,6 +96,9 @@ struct ps_server {
     srv_ctx *clock_waiters, *barrier_waiters;
     uint64_t barrier_done; /* the highest barrier id completed */
     uint64_t barrier_want; /* the id being gathered; 0: none */
+    /* PS_FLAG_STOP votes: the OR of those of the barrier being gathered, and barrier_done's
+     * (what a resend of it is answered) */
+    bool barrier_stop, done_stop;
     ps_server_stats st;    /* atomics */
     ps_dedup *dedup;
     ps_keycache *pulled; /* key lists of recent pulls, per (worker, table): key elision */
@@ -445,18 +448,41 @@ static bool handle_clock(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_m
  * which workers disagree: a worker asking for an id at or below one completed, or below the
  * one being gathered, is resending or catching up on a barrier that completed (a restarted
  * worker, or a client that failed over to a backup that never saw it): it passes at once; a
- * worker asking for a higher id than the one being gathered proves that one complete. */
+ * worker asking for a higher id than the one being gathered proves that one complete.
+ *
+ * Stop votes (PS_FLAG_STOP): every reply that releases a barrier carries the OR of the votes
+ * of the workers gathered in it. A resend of the last completed barrier gets that barrier's
+ * OR again; a request that passes at once for an older barrier, or one this shard never
+ * gathered (a backup that took over), gets only its own vote back: no other is known here.
+ * That answer agrees with what the others learned whenever they could go on past the barrier
+ * (had any voted there, none would have), so the one case it misses is a backup asked for the
+ * barrier after its primary released it with a stop: those already told stop do not come, and
+ * the asking worker waits at the backup until they count as gone (worker_timeout_ms) or the
+ * cluster is shut down (docs/PROTOCOL.md, "Stop votes"). */
+
+/* The reply releasing barrier request h: stop says whether any worker voted to stop there. */
+static nng_msg *barrier_reply(const ps_hdr *h, bool stop)
+{
+    nng_msg *m = reply_ok(h, 0, NULL);
+    if (m != NULL) {
+        ps_hdr *r = nng_msg_body(m);
+        r->flags = stop ? PS_FLAG_STOP : 0;
+    }
+    return m;
+}
 
 /* Answers every parked barrier request; s->mu held. */
 static void barrier_release_all(struct ps_server *s)
 {
     for (srv_ctx *w = s->barrier_waiters, *next; w; w = next) {
         next = w->next;
-        ctx_send_deferred(w, reply_ok(&w->req, 0, NULL));
+        ctx_send_deferred(w, barrier_reply(&w->req, s->barrier_stop));
     }
     s->barrier_waiters = NULL;
     s->barrier_done = s->barrier_want;
     s->barrier_want = 0;
+    s->done_stop = s->barrier_stop;
+    s->barrier_stop = false;
     memset(s->arrived, 0, s->cfg.n_workers);
 }
 
@@ -475,14 +501,16 @@ static bool barrier_try_release(struct ps_server *s)
 static bool handle_barrier(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng_msg **reply)
 {
     const uint64_t id = h->clock;
+    const bool vote = (h->flags & PS_FLAG_STOP) != 0;
     bool parked = false;
     pthread_mutex_lock(&s->mu);
     if (id <= s->barrier_done || (s->barrier_want != 0 && id < s->barrier_want)) {
-        *reply = reply_ok(h, 0, NULL);
+        *reply = barrier_reply(h, id == s->barrier_done ? s->done_stop || vote : vote);
     } else {
         if (s->barrier_want != 0 && id > s->barrier_want) barrier_release_all(s);
         s->barrier_want = id;
         s->arrived[h->worker] = 1;
+        s->barrier_stop = s->barrier_stop || vote;
         park(s, c, h, &s->barrier_waiters);
         if (!barrier_try_release(s)) fail_lost_waits(s);
         parked = true;

@@ -351,6 +351,8 @@ uint8_t ps_op_flags(uint16_t op)
         return PS_FLAG_READ_BACK | PS_FLAG_DIGEST;
     case PS_OP_PULL_DENSE:
         return PS_FLAG_STATE;
+    case PS_OP_BARRIER:
+        return PS_FLAG_STOP;
     default:
         return 0;
     }

@@ -54,6 +54,11 @@ typedef enum ps_op {
  * checks its own copy against. */
 #define PS_FLAG_DIGEST 0x10u
 #define PS_DIGEST_BYTES 16u
+/* BARRIER flag, request: this worker votes to stop the job after this barrier (it had a
+ * SIGTERM or SIGINT: ps_client_barrier_vote). Reply: some worker voted so at this barrier
+ * (shard 0 ORs the votes of the barrier it gathers; every reply releasing it carries the OR),
+ * so every worker that passes it learns the same answer at the same point. */
+#define PS_FLAG_STOP 0x20u
 /* Key lists of recent PULLs each server keeps per (worker, table), and each client per
  * (table, shard): enough for a worker that prefetches the next batch while pushing this one. */
 #define PS_KEYLIST_RING 4u

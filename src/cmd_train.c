@@ -40,7 +40,12 @@ static void train_usage(FILE *to)
         "  --checkpoint-every N --keep-checkpoints K (default 5; 0 = all) --resume\n"
         "                       (a run without --cluster that gets SIGTERM or SIGINT\n"
         "                       checkpoints at a step every worker reaches and exits with\n"
-        "                       128 + the signal's number; a second signal stops it at once)\n"
+        "                       128 + the signal's number; a second signal stops it at once.\n"
+        "                       A cluster job with --checkpoint-every: a worker that gets one\n"
+        "                       votes at the next periodic checkpoint, every worker stops\n"
+        "                       after it and exits 128 + its signal (143 if it had none), the\n"
+        "                       PS processes serve until worker 0 shuts them down; without\n"
+        "                       --checkpoint-every a cluster role stops at once)\n"
         "  --rejoin             cluster worker: restart into the running job from its last\n"
         "                       progress note (run dir progress/worker-<i>)\n"
         "  --ps-timeout MS      a PS request unanswered this long fails the worker (30000)\n"
@@ -444,14 +449,28 @@ int cmd_train(int argc, char **argv)
         }
         return 1;
     }
+    const char *sig_name = r.stop_signal == SIGINT ? "SIGINT" : "SIGTERM";
     if (r.stopped_at != 0) {
         /* No JSON line: the run did not finish, and a script reading one must not take it for
-         * a result. The status a shell gives a process the signal ended. */
+         * a result. The status a shell gives a process the signal ended; a cluster worker
+         * stopped by another's vote exits as if it had the SIGTERM a scheduler sends (the job
+         * stopped, to be resumed), not 0 (done) nor 1 (failed). */
+        if (r.stop_signal != 0)
+            fprintf(stderr, "ember train: stopped by %s at step %" PRIu64, sig_name, r.stopped_at);
+        else
+            fprintf(stderr,
+                    "ember train: stopped at step %" PRIu64 " (another process of the cluster "
+                    "had SIGTERM or SIGINT)",
+                    r.stopped_at);
         fprintf(stderr,
-                "ember train: stopped by %s at step %" PRIu64 ": checkpoint %s/ckpt/step-%" PRIu64
-                " written; --resume continues from it\n",
-                r.stop_signal == SIGINT ? "SIGINT" : "SIGTERM", r.stopped_at, o.out_dir,
-                r.stopped_at);
+                ": checkpoint %s/ckpt/step-%" PRIu64 " written; --resume continues from it\n",
+                o.out_dir, r.stopped_at);
+        return 128 + (r.stop_signal != 0 ? r.stop_signal : SIGTERM);
+    }
+    if (o.cluster_path && strcmp(o.role, "worker") != 0 && r.stop_signal != 0) {
+        /* A PS process that had a signal served on until worker 0 shut the cluster down. */
+        fprintf(stderr, "ember train: %s %u: stopped by %s once worker 0 shut the cluster down\n",
+                o.role, o.index, sig_name);
         return 128 + r.stop_signal;
     }
     if (o.cluster_path && strcmp(o.role, "worker") == 0 && o.index != 0) return 0;

@@ -287,23 +287,26 @@ static bool ckpt_after(const setup *S, uint64_t steps)
 
 /* The log's descriptor for interrupt_note (-1: none): a signal handler may only write(2). */
 static volatile sig_atomic_t log_fd_for_signal = -1;
-/* The first SIGINT / SIGTERM an embedded run got (0: none): its workers stop at a step they all
- * reach, after a checkpoint there (stop_after), as a scheduler's preemption or a Ctrl-C asks;
- * without it a run without --checkpoint-every lost everything. */
+/* The first SIGINT / SIGTERM the process got (0: none). An embedded run's workers stop at a step
+ * they all reach, after a checkpoint there (stop_after); a cluster worker votes to stop at its
+ * next periodic checkpoint's last barrier, and every worker stops after the first checkpoint
+ * one voted at (checkpoint); a PS process serves on until worker 0 shuts the cluster down after
+ * that checkpoint. As a scheduler's preemption or a Ctrl-C asks: without it a run lost
+ * everything since its last checkpoint. */
 static int stop_signal; /* read and written with __atomic (lock-free: safe in a handler) */
+/* What interrupt_note says at the first signal (stop_on_signal sets it before installing). */
+static const char *stop_note;
 
-/* SIGINT / SIGTERM on an embedded run: the first asks the workers to stop after a checkpoint;
- * a second stops the process at once (a last line in train.log, then the default action: the
+/* SIGINT / SIGTERM: the first asks for a stop after a checkpoint (stop_note says how); a second
+ * stops the process at once (a last line in train.log, then the default action: the
  * checkpoints are atomic, so the last complete one is what --resume takes). */
 static void interrupt_note(int sig)
 {
-    static const char stopping[] = "[ stopping] signal: a checkpoint at a step every worker "
-                                   "reaches, then exit (a second signal stops at once)\n",
-                      text[] = "[ interrupted] stopped by a signal (SIGINT or SIGTERM): --resume "
+    static const char text[] = "[ interrupted] stopped by a signal (SIGINT or SIGTERM): --resume "
                                "continues from ckpt/LATEST\n";
     const bool first = __atomic_load_n(&stop_signal, __ATOMIC_RELAXED) == 0;
-    const char *t = first ? stopping : text;
-    size_t n = first ? sizeof stopping - 1 : sizeof text - 1;
+    const char *t = first ? stop_note : text;
+    size_t n = first ? strlen(stop_note) : sizeof text - 1;
     if (log_fd_for_signal >= 0 && write(log_fd_for_signal, t, n) < 0) {
         /* nothing left to tell */
     }
@@ -316,6 +319,20 @@ static void interrupt_note(int sig)
     }
     signal(sig, SIG_DFL);
     raise(sig);
+}
+
+/* Installs interrupt_note for SIGINT and SIGTERM, whose first signal then says `note`. A
+ * cluster role (cluster) whose SIGINT was ignored when it started keeps ignoring it: it is a
+ * background job of a launcher's script, and a Ctrl-C at the terminal reaches the launcher,
+ * which passes a SIGTERM on; caught here too, it would be the second signal, which stops the
+ * process at once. */
+static void stop_on_signal(const char *note, bool cluster)
+{
+    struct sigaction old;
+    stop_note = note;
+    if (!cluster || sigaction(SIGINT, NULL, &old) != 0 || old.sa_handler != SIG_IGN)
+        signal(SIGINT, interrupt_note);
+    signal(SIGTERM, interrupt_note);
 }
 
 /* A line in the run's own log (embedded runs, where no launcher keeps the output), stamped with
@@ -1272,8 +1289,9 @@ static void *resid_main(void *arg)
 }
 
 static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t own,
-                      uint64_t samples, double loss_sum, char **errptr)
+                      uint64_t samples, double loss_sum, bool *stop, char **errptr)
 {
+    *stop = false;
     char final[2200], dir[2300], path[2400], text[256];
     const double t_start = cm_now();
     if (ckpt_dir(S, tag, final, sizeof final) != CM_OK)
@@ -1309,7 +1327,11 @@ static int checkpoint(setup *S, ps_client *c, uint32_t w, uint64_t tag, uint64_t
                        "step %" PRIu64 "\nkernels %s\nsamples %" PRIu64 "\nloss_sum %.17g\n", own,
                        kern, samples, loss_sum);
     if (rc == CM_OK) rc = cm_write_sealed(path, text, (size_t)len, errptr);
-    if (rc == CM_OK) rc = ps_client_barrier(c, errptr);
+    /* Every file is written: a cluster worker that had a signal votes here to stop after this
+     * checkpoint, and each learns the same answer (ps_client_barrier_vote), at the same
+     * checkpoint, whatever step the signals found each at. */
+    const bool vote = S->o->cluster_path && __atomic_load_n(&stop_signal, __ATOMIC_RELAXED);
+    if (rc == CM_OK) rc = ps_client_barrier_vote(c, vote, stop, errptr);
     if (rc == CM_OK && w == 0) {
         /* The model's shape travels with its weights: export and serving read it. */
         char model[1024];
@@ -1626,7 +1648,9 @@ static bool stop_after(worker *W, uint64_t step)
     pthread_mutex_lock(&S->stop_mu);
     W->done_steps = step;
     W->in_loop = true;
-    if (__atomic_load_n(&stop_signal, __ATOMIC_RELAXED) != 0 && S->stop_at == UINT64_MAX) {
+    /* A cluster's workers are other processes: they agree at a checkpoint instead. */
+    if (__atomic_load_n(&stop_signal, __ATOMIC_RELAXED) != 0 && S->stop_at == UINT64_MAX &&
+        !S->o->cluster_path) {
         uint64_t most = 0;
         bool all = true;
         for (uint32_t i = 0; i < S->n_workers; i++) {
@@ -1646,6 +1670,20 @@ static bool stop_after(worker *W, uint64_t step)
     const bool here = S->stop_at == step;
     pthread_mutex_unlock(&S->stop_mu);
     return here;
+}
+
+/* A cluster worker learnt at the checkpoint of `step` that a worker voted to stop there
+ * (checkpoint): it stops after it, as every other worker does. Returns true. */
+static bool cluster_stop(worker *W, uint64_t step)
+{
+    setup *S = W->S;
+    __atomic_store_n(&S->stop_at, step, __ATOMIC_RELEASE);
+    const int sig = __atomic_load_n(&stop_signal, __ATOMIC_RELAXED);
+    fprintf(stderr,
+            "ember train: worker %u: stopping after the checkpoint at step %" PRIu64 " (%s)\n",
+            W->index, step,
+            sig ? "this worker had a signal" : "another process of the cluster had a signal");
+    return true;
 }
 
 /* Every worker's rows and summed loss this run, from the final checkpoint's position files
@@ -1922,9 +1960,11 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
         /* Checkpoint while this stage is still held: the prefetcher has pulled exactly batch
          * step+1 and nothing later, so the cut is the same on every run. A resumed run pulls
          * batch step+1 after the checkpoint; so does this one. */
-        const bool stop = rc == CM_OK && stop_after(W, step);
+        bool stop = rc == CM_OK && stop_after(W, step);
         if (rc == CM_OK && (ckpt_after(S, step) || stop)) {
-            rc = checkpoint(S, c, w, step, step, W->samples, W->loss_sum, errptr);
+            bool voted;
+            rc = checkpoint(S, c, w, step, step, W->samples, W->loss_sum, &voted, errptr);
+            if (rc == CM_OK && voted) stop = cluster_stop(W, step);
             if (rc == CM_OK && stop) {
                 W->stopped = true;
                 prefetch_grant(&pf, handed, false);
@@ -2048,8 +2088,10 @@ static void *worker_main(void *arg)
     if (rc == CM_OK) rc = worker_loop(W, c, be, errptr);
     if (W->stopped) goto done; /* checkpointed where the stop was fixed: nothing more to do */
     /* The final checkpoint is named after the longest schedule, so every worker agrees. */
+    bool late = false; /* a vote at the final checkpoint: the job is done anyway */
     if (rc == CM_OK)
-        rc = checkpoint(S, c, W->index, S->max_steps, W->steps, W->samples, W->loss_sum, errptr);
+        rc = checkpoint(S, c, W->index, S->max_steps, W->steps, W->samples, W->loss_sum, &late,
+                        errptr);
     if (rc == CM_OK && W->index == 0) rc = job_totals(S, &W->job_samples, &W->job_loss, errptr);
     void *ebe = NULL;
     if (rc == CM_OK && W->index == 0 && o->eval_path) rc = eval_backend(W, be, true, &ebe, errptr);
@@ -2551,10 +2593,18 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             S.log = fopen(path, "a");
             if (S.log != NULL) {
                 log_fd_for_signal = fileno(S.log);
-                signal(SIGINT, interrupt_note);
-                signal(SIGTERM, interrupt_note);
+                stop_on_signal("[ stopping] signal: a checkpoint at a step every worker "
+                               "reaches, then exit (a second signal stops at once)\n",
+                               false);
             }
         }
+        /* A cluster worker's log is its stderr (tools/launch keeps it). Without
+         * --checkpoint-every there is no checkpoint to agree at: the default action. */
+        if (o->cluster_path && oc.ckpt_every > 0)
+            stop_on_signal("[ stopping] signal: this worker votes to stop at the next periodic "
+                           "checkpoint; every worker stops after it, then exits (a second "
+                           "signal stops at once)\n",
+                           true);
         train_log(&S,
                   "ember train %s: model %s, %u worker(s), %u shard(s), batch %u, epochs %u, "
                   "%" PRIu64 " steps, train %s, eval %s, device %s",
@@ -2640,7 +2690,15 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             ps_client_destroy(c);
         }
     } else if (rc == CM_OK && run_ps) {
+        /* The workers still need this shard for the checkpoint they stop after, and worker 0
+         * shuts the cluster down once it is written: a first signal only says so. */
+        if (oc.ckpt_every > 0)
+            stop_on_signal("[ stopping] signal: serving on until the workers have written their "
+                           "stop checkpoint and worker 0 shuts the cluster down (a second signal "
+                           "stops at once)\n",
+                           true);
         ps_server_wait(servers[first_s]);
+        res->stop_signal = __atomic_load_n(&stop_signal, __ATOMIC_RELAXED);
         if (ps_server_fenced(servers[first_s]))
             rc = cm_err(errptr, CM_ERR, "shard %u: its backup took over; this primary stopped",
                         first_s);

@@ -60,8 +60,21 @@
  * reaches (three past the furthest, within the schedule), and each checkpoints there as
  * --checkpoint-every would, then exits (train_result.stopped_at; the CLI's status is 128 + the
  * signal). A one-worker run resumed from it ends with the bits of the run straight through. A
- * second signal stops the process at once. Cluster roles keep the default action: a launcher
- * stops every process at once, and --resume takes the last periodic checkpoint.
+ * second signal stops the process at once.
+ *
+ * Stopping (cluster jobs with --checkpoint-every): the workers are separate processes, each
+ * maybe at another step when the signals come, so they agree at a collective point: a worker
+ * that had SIGTERM or SIGINT votes at the last barrier of its next periodic checkpoint (the one
+ * after every worker wrote its files; ps_client_barrier_vote), and every worker learns there
+ * whether any voted. All then stop after that checkpoint (worker 0 first completes it: swap,
+ * LATEST) with no final checkpoint or evaluation, worker 0 shuts the cluster down as at a job's
+ * end, and each exits 128 + its signal, or 143 (as if it had the SIGTERM a scheduler sends) one
+ * that stopped because another voted. A PS or backup process that had a signal serves on until
+ * that shutdown, then exits 128 + the signal. A signal after the last periodic checkpoint lets
+ * the job finish (exit 0). A second signal stops a process at once. A cluster role started
+ * with SIGINT ignored (a launcher script's background job) keeps it ignored: the launcher
+ * passes a SIGTERM on. Without --checkpoint-every there is nothing to agree at: every role
+ * keeps the default action, and --resume takes the last checkpoint there is.
  *
  * Worker restart (cluster mode): each worker keeps progress/worker-<i> in the run directory,
  * the batch it is about to compute, rewritten in place whenever none of its pushes is in
@@ -172,9 +185,10 @@ typedef struct train_result {
     uint64_t rows, eval_rows, steps;
     uint32_t workers, shards; /* of the whole job (a cluster file may set them) */
     const char *device;       /* the backend that ran the dense math ("cpu", "cuda"); static */
-    /* An embedded run a SIGINT or SIGTERM stopped (stop_signal, its number): every worker
-     * checkpointed at step stopped_at (ckpt/LATEST names it) and nothing else above is set but
-     * seconds. 0 otherwise. */
+    /* A run a SIGINT or SIGTERM stopped (stop_signal, its number; 0 for a cluster worker that
+     * stopped because another voted): every worker checkpointed at step stopped_at (ckpt/LATEST
+     * names it) and nothing else above is set but seconds. 0 otherwise. A PS role sets only
+     * stop_signal, when it had one (it served until worker 0 shut the cluster down). */
     uint64_t stopped_at;
     int stop_signal;
 } train_result;

@@ -4,7 +4,10 @@
  * SIGTERM (one of its PS processes stopped by SIGSTOP, as a hung one), must exit non-zero and
  * leave no process behind either, the latter within 4.5 s; nor may a job whose launch is killed
  * with SIGKILL (within 5 s). The PS processes run at
- * niceness 5 (--ps-nice), the workers at the caller's; a bad --ps-nice is refused.
+ * niceness 5 (--ps-nice), the workers at the caller's; a bad --ps-nice is refused. A job with
+ * --checkpoint-every stopped with SIGTERM stops gracefully: every process gone within 30 s,
+ * launch's status 143, LATEST naming a checkpoint newer than the one written when the signal
+ * came and before the end, and a --resume through launch completing the schedule.
  *
  * argv[1] is tools/launch; $EMBER_BIN the ember binary (set by ember_add_test). Every child runs
  * in its own process group under a watchdog, so a hung launch cannot outlive the test.
@@ -184,6 +187,87 @@ static double json_num(const char *line, const char *key)
     return p ? strtod(p + strlen(pat), NULL) : NAN;
 }
 
+/* The step dir/ckpt/LATEST names (0: none yet). */
+static unsigned long latest_step(const char *run_dir)
+{
+    char path[4400], buf[64] = "";
+    snprintf(path, sizeof path, "%s/ckpt/LATEST", run_dir);
+    FILE *f = fopen(path, "r");
+    unsigned long step = 0;
+    if (f != NULL && fgets(buf, sizeof buf, f) && sscanf(buf, "step-%lu", &step) != 1) step = 0;
+    if (f != NULL) fclose(f);
+    return step;
+}
+
+/* The last JSON line in file path, into line (n bytes; "" when none). */
+static void last_json(const char *path, char *line, size_t n)
+{
+    line[0] = '\0';
+    FILE *f = fopen(path, "r");
+    char buf[4096];
+    while (f != NULL && fgets(buf, sizeof buf, f))
+        if (buf[0] == '{') snprintf(line, n, "%s", buf);
+    if (f != NULL) fclose(f);
+}
+
+/* 5. SIGTERM to a job with --checkpoint-every (a scheduler's preemption): launch passes it on,
+ * the workers agree at their next periodic checkpoint and stop after it, worker 0 shuts the PS
+ * down, and a --resume through launch completes the schedule. Before, every process died at
+ * once and the steps since the last periodic checkpoint were lost. */
+static void graceful_stop(const char *train)
+{
+    char run_dir[4300], out[4400];
+    snprintf(run_dir, sizeof run_dir, "%s/run-grace", dir);
+    snprintf(out, sizeof out, "%s.json", run_dir);
+    const unsigned total = 400;
+    /* The job's command line, split at spaces (no path here has one) with room for one more
+     * argument (--resume). */
+    char line_buf[16384], *job[32];
+    snprintf(line_buf, sizeof line_buf,
+             "%s --ps 1 --workers 2 --out %s -- --train %s --model mlp --batch 64 --epochs 100 "
+             "--max-steps %u --checkpoint-every 20 --device cpu --no-progress",
+             launch, run_dir, train, total);
+    size_t n = 0;
+    for (char *save = NULL, *t = strtok_r(line_buf, " ", &save); t && n < 30;
+         t = strtok_r(NULL, " ", &save))
+        job[n++] = t;
+    job[n] = job[n + 1] = NULL;
+    pid_t pid = spawn(job, "/dev/null");
+    unsigned long before = 0;
+    for (int i = 0; i < 1200 && before == 0; i++) { /* its first checkpoint: it is training */
+        usleep(25000);
+        before = latest_step(run_dir);
+    }
+    CHECK_MSG(before > 0, "no checkpoint within 30 s (logs in %s/logs)", run_dir);
+    double t_term = now_s();
+    kill(pid, SIGTERM);
+    int rc = wait_bounded(pid, 60);
+    double took = now_s() - t_term;
+    int listed;
+    unsigned long at = latest_step(run_dir);
+    fprintf(stderr,
+            "launch_test: SIGTERM at LATEST step-%lu: launch exited %d after %.1f s, "
+            "LATEST step-%lu\n",
+            before, rc, took, at);
+    CHECK_MSG(rc == 143, "launch exited %d after SIGTERM, expected 143 (logs in %s/logs)", rc,
+              run_dir);
+    CHECK_MSG(took < 30, "the job took %.1f s to stop", took);
+    CHECK(alive_from(run_dir, &listed) == 0);
+    CHECK(listed == 3);
+    CHECK_MSG(at > before && at < total,
+              "LATEST names step %lu: expected a checkpoint after step %lu (written when the "
+              "signal came) and before the end (%u)",
+              at, before, total);
+    /* The --resume through launch completes the job. */
+    job[n] = "--resume";
+    rc = run(job, out, 120);
+    char line[4096];
+    last_json(out, line, sizeof line);
+    CHECK_MSG(rc == 0 && json_num(line, "steps") == total,
+              "--resume: launch exited %d, final JSON %s", rc, line[0] ? line : "(none)\n");
+    CHECK(alive_from(run_dir, &listed) == 0);
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -223,14 +307,8 @@ int main(int argc, char **argv)
     double t0 = now_s();
     int rc = run(ok, out, 120);
     CHECK_MSG(rc == 0, "launch exited %d (logs in %s/logs)", rc, run_ok);
-    char line[4096] = "";
-    FILE *f = fopen(out, "r");
-    if (f) {
-        char buf[4096];
-        while (fgets(buf, sizeof buf, f))
-            if (buf[0] == '{') snprintf(line, sizeof line, "%s", buf);
-        fclose(f);
-    }
+    char line[4096];
+    last_json(out, line, sizeof line);
     double auc = json_num(line, "auc");
     fprintf(stderr, "launch_test: good job took %.1f s: %s", now_s() - t0, line[0] ? line : "(no JSON)\n");
     CHECK_MSG(auc > 0.55, "auc %.4f", auc);
@@ -331,7 +409,7 @@ int main(int argc, char **argv)
     snprintf(fake, sizeof fake, "%s/ember", fake_dir); /* comm "ember", as alive_from wants */
     snprintf(run_stop, sizeof run_stop, "%s/run-stop", dir);
     mkdir(fake_dir, 0755);
-    f = fopen(fake, "w");
+    FILE *f = fopen(fake, "w");
     CHECK(f != NULL);
     if (f) {
         fputs("#!/bin/sh\n"
@@ -359,5 +437,7 @@ int main(int argc, char **argv)
     usleep(200000);
     CHECK(alive_from(run_stop, &listed) == 0);
     CHECK(listed == 3);
+
+    graceful_stop(train);
     return check_done();
 }

@@ -1,0 +1,87 @@
+/*
+ * Stop votes at a barrier (ps_client_barrier_vote), against an in-process shard 0 of 2 workers:
+ *   - one worker votes to stop, the other not: both learn that one voted, at that barrier;
+ *   - at the next barrier nobody votes: both learn none did (the OR is per barrier);
+ *   - a barrier entered again after it completed (a resend: the same id) answers its votes
+ *     again, whether the one entering it again voted or not;
+ *   - an older barrier entered again (passes at once) answers only the caller's own vote;
+ *   - ps_client_barrier still passes as before (a vote of false).
+ */
+#include <pthread.h>
+
+#include "ps_test_util.h"
+
+static const char conf[] = "[cluster]\nshards = 1\nworkers = 2\nstaleness = 0\n"
+                           "[table t]\ndim = 4\noptimizer = sgd\n";
+
+typedef struct voter {
+    ps_client *c;
+    uint64_t id;
+    bool stop, any;
+    int rc;
+    pthread_t th;
+} voter;
+
+static void *vote_main(void *arg)
+{
+    voter *v = arg;
+    char *err = NULL;
+    ps_client_barrier_seek(v->c, v->id);
+    v->rc = ps_client_barrier_vote(v->c, v->stop, &v->any, &err);
+    if (v->rc != CM_OK) fprintf(stderr, "barrier %" PRIu64 ": %s\n", v->id, err ? err : "?");
+    free(err);
+    return NULL;
+}
+
+/* Both workers enter barrier id with these votes; checks both learn `want`. */
+static void both(ps_client *a, ps_client *b, uint64_t id, bool stop_a, bool stop_b, bool want)
+{
+    voter va = {.c = a, .id = id, .stop = stop_a}, vb = {.c = b, .id = id, .stop = stop_b};
+    if (pthread_create(&va.th, NULL, vote_main, &va) != 0) pt_die("pthread_create", NULL);
+    vote_main(&vb);
+    pthread_join(va.th, NULL);
+    CHECK_MSG(va.rc == CM_OK && vb.rc == CM_OK && va.any == want && vb.any == want,
+              "barrier %" PRIu64 " (votes %d, %d): rc %d, %d, answers %d, %d; expected %d", id,
+              stop_a, stop_b, va.rc, vb.rc, va.any, vb.any, want);
+}
+
+/* One worker enters barrier id alone (it has completed: it passes at once). */
+static bool again(ps_client *c, uint64_t id, bool stop)
+{
+    voter v = {.c = c, .id = id, .stop = stop};
+    vote_main(&v);
+    CHECK_MSG(v.rc == CM_OK, "barrier %" PRIu64 " entered again: rc %d", id, v.rc);
+    return v.any;
+}
+
+int main(void)
+{
+    psp_watchdog(PT_WATCHDOG_S);
+    const char *dir = check_tmpdir("ps_vote");
+    ps_config cfg;
+    pt_config(dir, "vote.ini", conf, &cfg);
+    const char *urls[1] = {pt_ipc(dir, "ps0")};
+    ps_server *s = pt_server(&cfg, urls[0], 0);
+    ps_client *a = pt_client(&cfg, urls, 0, 5000), *b = pt_client(&cfg, urls, 1, 5000);
+
+    both(a, b, 10, true, false, true);
+    both(a, b, 11, false, false, false);
+    CHECK_MSG(!again(b, 11, false), "barrier 11 (no votes) entered again answered stop");
+    CHECK_MSG(!again(b, 10, false), "barrier 10 (older) entered again without a vote: stop");
+    CHECK_MSG(again(b, 10, true), "barrier 10 (older) entered again with a vote: no stop");
+    both(a, b, 12, false, true, true);
+    CHECK_MSG(again(a, 12, false), "barrier 12 (b voted) entered again by a: no stop");
+    /* The plain barrier: a vote of false, as before. */
+    ps_client_barrier_seek(a, 13);
+    ps_client_barrier_seek(b, 13);
+    voter vb = {.c = b, .id = 13};
+    if (pthread_create(&vb.th, NULL, vote_main, &vb) != 0) pt_die("pthread_create", NULL);
+    CHECK(ps_client_barrier(a, NULL) == CM_OK);
+    pthread_join(vb.th, NULL);
+    CHECK(vb.rc == CM_OK && !vb.any);
+
+    ps_client_destroy(a);
+    ps_client_destroy(b);
+    ps_server_destroy(s);
+    return pt_finish(dir);
+}
