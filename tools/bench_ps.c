@@ -180,7 +180,11 @@ static void *ps_thread(void *arg)
     shared *sh = a->sh;
     ps_client_opts co = {.cfg = sh->cfg,
                          .urls = sh->cl->url_ptrs,
-                         .worker = 0,
+                         /* each thread a worker of its own, as each training worker is:
+                          * the PS keeps a few recent key lists per worker, and threads
+                          * sharing one could push to a list the other's pulls pushed out
+                          * (a fallback with keys, counted in the bytes a row) */
+                         .worker = a->id,
                          .timeout_ms = 60000,
                          .explicit_keys = sh->op == OP_PUSH};
     ps_client *c = NULL;
@@ -466,8 +470,8 @@ int main(int argc, char **argv)
             /* The cluster: one table per push codec, pulls in fp32. */
             char cpath[600], text[2048];
             snprintf(cpath, sizeof cpath, "%s/ps%u.conf", dir, r->shards);
-            int len =
-                snprintf(text, sizeof text, "[cluster]\nshards = %u\nworkers = 1\n", r->shards);
+            int len = snprintf(text, sizeof text, "[cluster]\nshards = %u\nworkers = %u\n",
+                               r->shards, o.threads);
             for (int c = 0; c < 3; c++)
                 len += snprintf(
                     text + len, sizeof text - (size_t)len,
