@@ -14,6 +14,7 @@
  */
 #include <errno.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -210,14 +211,30 @@ static void last_json(const char *path, char *line, size_t n)
     if (f != NULL) fclose(f);
 }
 
+/* The pid dir/pids lists for role's process idx (0: none). */
+static pid_t listed_pid(const char *run_dir, const char *want, int want_idx)
+{
+    char path[4400], role[32];
+    snprintf(path, sizeof path, "%s/pids", run_dir);
+    FILE *f = fopen(path, "r");
+    int idx, pid;
+    pid_t found = 0;
+    while (f != NULL && fscanf(f, "%31s %d %d", role, &idx, &pid) == 3)
+        if (strcmp(role, want) == 0 && idx == want_idx) found = pid;
+    if (f != NULL) fclose(f);
+    return found;
+}
+
 /* 5. SIGTERM to a job with --checkpoint-every (a scheduler's preemption): launch passes it on,
  * the workers agree at their next periodic checkpoint and stop after it, worker 0 shuts the PS
  * down, and a --resume through launch completes the schedule. Before, every process died at
- * once and the steps since the last periodic checkpoint were lost. */
-static void graceful_stop(const char *train)
+ * once and the steps since the last periodic checkpoint were lost. With to_worker the signal
+ * goes to worker 1 alone (a scheduler's to one process): launch must take its stop for what it
+ * is and wait for the others, not fail the job and kill them (it did), and no resume is run. */
+static void graceful_stop(const char *train, bool to_worker)
 {
     char run_dir[4300], out[4400];
-    snprintf(run_dir, sizeof run_dir, "%s/run-grace", dir);
+    snprintf(run_dir, sizeof run_dir, "%s/run-grace%s", dir, to_worker ? "-w" : "");
     snprintf(out, sizeof out, "%s.json", run_dir);
     const unsigned total = 400;
     /* The job's command line, split at spaces (no path here has one) with room for one more
@@ -240,15 +257,17 @@ static void graceful_stop(const char *train)
     }
     CHECK_MSG(before > 0, "no checkpoint within 30 s (logs in %s/logs)", run_dir);
     double t_term = now_s();
-    kill(pid, SIGTERM);
+    pid_t target = to_worker ? listed_pid(run_dir, "worker", 1) : pid;
+    CHECK_MSG(target > 0, "no worker 1 in %s/pids", run_dir);
+    if (target > 0) kill(target, SIGTERM);
     int rc = wait_bounded(pid, 60);
     double took = now_s() - t_term;
     int listed;
     unsigned long at = latest_step(run_dir);
     fprintf(stderr,
-            "launch_test: SIGTERM at LATEST step-%lu: launch exited %d after %.1f s, "
+            "launch_test: SIGTERM to %s at LATEST step-%lu: launch exited %d after %.1f s, "
             "LATEST step-%lu\n",
-            before, rc, took, at);
+            to_worker ? "worker 1" : "launch", before, rc, took, at);
     CHECK_MSG(rc == 143, "launch exited %d after SIGTERM, expected 143 (logs in %s/logs)", rc,
               run_dir);
     CHECK_MSG(took < 30, "the job took %.1f s to stop", took);
@@ -258,6 +277,7 @@ static void graceful_stop(const char *train)
               "LATEST names step %lu: expected a checkpoint after step %lu (written when the "
               "signal came) and before the end (%u)",
               at, before, total);
+    if (to_worker) return;
     /* The --resume through launch completes the job. */
     job[n] = "--resume";
     rc = run(job, out, 120);
@@ -438,6 +458,7 @@ int main(int argc, char **argv)
     CHECK(alive_from(run_stop, &listed) == 0);
     CHECK(listed == 3);
 
-    graceful_stop(train);
+    graceful_stop(train, false);
+    graceful_stop(train, true);
     return check_done();
 }
