@@ -314,36 +314,79 @@ static int64_t lost_holder(const struct ps_server *s, const srv_ctx *c, uint64_t
     return -1;
 }
 
-/* Answers, with an error naming the lost worker, every parked wait that waits for one; s->mu
+/* Whether parked wait c must be answered with an error now, and why (into msg); s->mu held. */
+typedef bool wait_doomed(struct ps_server *s, const srv_ctx *c, uint64_t now, char *msg, size_t n);
+
+/* Answers, with an error saying why, every parked clock or barrier wait doomed() picks; s->mu
  * held. */
-static void fail_lost_waits(struct ps_server *s)
+static void fail_waits(struct ps_server *s, wait_doomed *doomed)
 {
-    if (s->gone_ms == NULL) return;
     const uint64_t now = now_ms();
     for (srv_ctx **list = &s->clock_waiters;; list = &s->barrier_waiters) {
         for (srv_ctx **pp = list; *pp;) {
             srv_ctx *c = *pp;
-            const int64_t w = lost_holder(s, c, now);
-            if (w < 0) {
+            char msg[512];
+            if (!doomed(s, c, now, msg, sizeof msg)) {
                 pp = &c->next;
                 continue;
             }
             *pp = c->next;
-            const char *what = c->req.op == PS_OP_CLOCK ? "clock" : "barrier";
-            char msg[512];
-            snprintf(msg, sizeof msg,
-                     "worker %u is gone: its connection to shard 0 closed %.1f s ago and it has "
-                     "not come back (worker_lost %u ms); worker %u's %s %u waits for it: restart "
-                     "it into the job (ember train --rejoin) or the whole job from its last "
-                     "checkpoint (--resume)",
-                     (unsigned)w, (double)(now - s->gone_ms[w]) / 1000.0, s->cfg.worker_lost_ms,
-                     c->req.worker, what, c->req.clock);
             fprintf(stderr, "ember ps: shard %u: %s\n", s->shard, msg);
-            STAT_ADD(s, lost_waits, 1);
             ctx_send_deferred(c, reply_error(s, &c->req, CM_ERR, msg));
         }
         if (list == &s->barrier_waiters) break;
     }
+}
+
+static const char *wait_name(const srv_ctx *c)
+{
+    return c->req.op == PS_OP_CLOCK ? "clock" : "barrier";
+}
+
+/* fail_waits: a wait that waits for a lost worker. */
+static bool lost_doomed(struct ps_server *s, const srv_ctx *c, uint64_t now, char *msg, size_t n)
+{
+    const int64_t w = lost_holder(s, c, now);
+    if (w < 0) return false;
+    snprintf(msg, n,
+             "worker %u is gone: its connection to shard 0 closed %.1f s ago and it has "
+             "not come back (worker_lost %u ms); worker %u's %s %u waits for it: restart "
+             "it into the job (ember train --rejoin) or the whole job from its last "
+             "checkpoint (--resume)",
+             (unsigned)w, (double)(now - s->gone_ms[w]) / 1000.0, s->cfg.worker_lost_ms,
+             c->req.worker, wait_name(c), c->req.clock);
+    STAT_ADD(s, lost_waits, 1);
+    return true;
+}
+
+/* Answers, with an error naming the lost worker, every parked wait that waits for one; s->mu
+ * held. */
+static void fail_lost_waits(struct ps_server *s)
+{
+    if (s->gone_ms != NULL) fail_waits(s, lost_doomed);
+}
+
+/* fail_waits: every wait, at a SHUTDOWN. */
+static bool shutdown_doomed(struct ps_server *s, const srv_ctx *c, uint64_t now, char *msg,
+                            size_t n)
+{
+    (void)now;
+    snprintf(msg, n,
+             "shard %u is shutting down (a SHUTDOWN ended the job): worker %u's %s %u cannot "
+             "complete here",
+             s->shard, c->req.worker, wait_name(c), c->req.clock);
+    return true;
+}
+
+/* A SHUTDOWN was accepted: the server stops, and a wait still parked here would never be
+ * answered (its worker would wait out its whole timeout, 20 x --ps-timeout for a barrier: a
+ * worker that re-entered a stop vote's barrier at a backup after the others had stopped). */
+static void stop_for_shutdown(struct ps_server *s)
+{
+    pthread_mutex_lock(&s->mu);
+    fail_waits(s, shutdown_doomed);
+    pthread_mutex_unlock(&s->mu);
+    ps_server_stop(s);
 }
 
 /* Sends the replies of parked contexts whose condition now holds; s->mu held. */
@@ -1509,7 +1552,7 @@ static void repl_cb(void *arg)
     }
     nng_msg *reply = c->held;
     c->held = NULL;
-    if (c->stop_after) ps_server_stop(s);
+    if (c->stop_after) stop_for_shutdown(s);
     ctx_send(c, reply);
     dups_release(dups, true);
 }
@@ -1596,7 +1639,7 @@ static bool handle_update(struct ps_server *s, srv_ctx *c, const ps_hdr *h, cons
     if (with_keys) nng_msg_free(with_keys);
     if (original != NULL) return true;
     if (fwd == NULL) {
-        if (h->op == PS_OP_SHUTDOWN) ps_server_stop(s);
+        if (h->op == PS_OP_SHUTDOWN) stop_for_shutdown(s);
         return false;
     }
     c->held = *reply;

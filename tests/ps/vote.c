@@ -5,7 +5,8 @@
  *   - a barrier entered again after it completed (a resend: the same id) answers its votes
  *     again, whether the one entering it again voted or not;
  *   - an older barrier entered again (passes at once) answers only the caller's own vote;
- *   - ps_client_barrier still passes as before (a vote of false).
+ *   - ps_client_barrier still passes as before (a vote of false);
+ *   - a barrier still parked when a SHUTDOWN comes is answered with an error at once.
  */
 #include <pthread.h>
 
@@ -79,6 +80,21 @@ int main(void)
     CHECK(ps_client_barrier(a, NULL) == CM_OK);
     pthread_join(vb.th, NULL);
     CHECK(vb.rc == CM_OK && !vb.any);
+
+    /* A SHUTDOWN answers every wait still parked, with an error, at once: a worker that entered
+     * a stop vote's barrier again at a backup after the others had stopped would otherwise
+     * wait out its barrier timeout (here 20 x 5 s) for workers that never come. */
+    voter late = {.c = b, .id = 20};
+    if (pthread_create(&late.th, NULL, vote_main, &late) != 0) pt_die("pthread_create", NULL);
+    usleep(300 * 1000); /* parked */
+    const double t0 = cm_now();
+    char *err = NULL;
+    CHECK_OK(ps_client_shutdown(a, &err), err);
+    pthread_join(late.th, NULL);
+    const double waited = cm_now() - t0;
+    CHECK_MSG(late.rc != CM_OK && waited < 5,
+              "a barrier parked at a SHUTDOWN: rc %d after %.1f s (expected an error at once)",
+              late.rc, waited);
 
     ps_client_destroy(a);
     ps_client_destroy(b);
