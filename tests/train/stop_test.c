@@ -139,15 +139,25 @@ int main(void)
               last_line());
 
     /* A second signal does not wait for the checkpoint (steps of 4096 rows: the stop, three
-     * steps away, comes well after the second signal). */
-    pid_t pid = start("--train ds/train --no-progress --model mlp --batch 4096 --epochs 10 "
-                      "--threads 1",
-                      "K");
-    CHECK(wait_log(pid, "K", "ember train started"));
-    CHECK(kill(pid, SIGTERM) == 0);
-    CHECK(wait_log(pid, "K", "[ stopping]")); /* two at once may arrive as one */
-    CHECK(kill(pid, SIGTERM) == 0);
-    int st = reap(pid);
+     * steps away, normally comes well after the second signal). On a loaded machine this test
+     * may see the first signal's note only once that stop is through (the process then exits
+     * 143): tried up to three times, each of which a second signal that waited would fail. */
+    int st = -1;
+    for (int attempt = 0; attempt < 3; attempt++) {
+        char out[16];
+        snprintf(out, sizeof out, "K%d", attempt);
+        pid_t pid = start("--train ds/train --no-progress --model mlp --batch 4096 --epochs 10 "
+                          "--threads 1",
+                          out);
+        CHECK(wait_log(pid, out, "ember train started"));
+        CHECK(kill(pid, SIGTERM) == 0);
+        CHECK(wait_log(pid, out, "[ stopping]")); /* two at once may arrive as one */
+        kill(pid, SIGTERM);                       /* ESRCH when it is gone already */
+        st = reap(pid);
+        if (st != -1 && WIFSIGNALED(st)) break;
+        fprintf(stderr, "stop_test: %s stopped before its second signal (status %d); again\n", out,
+                st);
+    }
     CHECK_MSG(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM,
               "a second SIGTERM: status %d (exit %d)", st, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
     return check_done();
