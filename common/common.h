@@ -502,6 +502,25 @@ int cm_ini_unknown_key(char **errptr, const char *key, const char *where, const 
         }                                                                                          \
     }
 
+/* Defines `static void NAME(const T *items, uint32_t *h, size_t k, size_t i)`, restoring the
+ * min-heap h[0, k) (indexes into items, ordered by LESS(x, y) of two T values) below position
+ * i: a k-way merge's heap of runs, whose heads move in place as they are taken. Build with
+ * i = k - 1 down to 0; after the top's run moves on (or ends: h[0] = h[--k]), i = 0. */
+#define CM_HEAP_SIFT_DEFINE(NAME, T, LESS)                                                         \
+    static void NAME(const T *items, uint32_t *h, size_t k, size_t i)                              \
+    {                                                                                              \
+        for (;;) {                                                                                 \
+            size_t c = 2 * i + 1;                                                                  \
+            if (c >= k) return;                                                                    \
+            if (c + 1 < k && LESS(items[h[c + 1]], items[h[c]])) c++;                              \
+            if (!LESS(items[h[c]], items[h[i]])) return;                                           \
+            const uint32_t t_ = h[c];                                                              \
+            h[c] = h[i];                                                                           \
+            h[i] = t_;                                                                             \
+            i = c;                                                                                 \
+        }                                                                                          \
+    }
+
 /* qsort and bsearch order of uint64_t values, ascending. */
 static inline int cm_u64_cmp(const void *a, const void *b)
 {

@@ -207,25 +207,8 @@ static int run_head(cm_keyidx *x, run *r, char **errptr)
     return CM_OK;
 }
 
-static bool run_less(const run *a, const run *b)
-{
-    return a->slot < b->slot || (a->slot == b->slot && a->key < b->key);
-}
-
-/* Restores the min-heap h[0, k) of runs below position i. */
-static void sift(run *runs, uint32_t *h, size_t k, size_t i)
-{
-    for (;;) {
-        size_t c = 2 * i + 1;
-        if (c >= k) return;
-        if (c + 1 < k && run_less(&runs[h[c + 1]], &runs[h[c]])) c++;
-        if (!run_less(&runs[h[c]], &runs[h[i]])) return;
-        uint32_t t = h[c];
-        h[c] = h[i];
-        h[i] = t;
-        i = c;
-    }
-}
+#define RUN_LESS(a, b) ((a).slot < (b).slot || ((a).slot == (b).slot && (a).key < (b).key))
+CM_HEAP_SIFT_DEFINE(sift, run, RUN_LESS)
 
 /* The region being written: entries [base, base + len) in chunk, the key last placed at next - 1.
  */

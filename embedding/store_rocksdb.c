@@ -636,20 +636,8 @@ static int wr_run_head(const emb_store_writer *w, int fd, wr_run *r, char **errp
     return CM_OK;
 }
 
-/* Restores the min-heap h[0, k) of runs below position i. */
-static void wr_sift(const wr_run *runs, uint32_t *h, size_t k, size_t i)
-{
-    for (;;) {
-        size_t c = 2 * i + 1;
-        if (c >= k) return;
-        if (c + 1 < k && runs[h[c + 1]].key < runs[h[c]].key) c++;
-        if (runs[h[c]].key >= runs[h[i]].key) return;
-        uint32_t t = h[c];
-        h[c] = h[i];
-        h[i] = t;
-        i = c;
-    }
-}
+#define WR_RUN_LESS(a, b) ((a).key < (b).key)
+CM_HEAP_SIFT_DEFINE(wr_sift, wr_run, WR_RUN_LESS)
 
 /* Merges runs [r0, r1) of fd into one run at *off of out, or (out < 0) into the table files. */
 static int wr_merge(emb_store_writer *w, int fd, size_t r0, size_t r1, int out, uint64_t *off,

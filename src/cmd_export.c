@@ -548,50 +548,37 @@ static int del_next(fp_parts *f, uint32_t p, uint64_t *key, int *rc, char **errp
 /* OLD's keys the new checkpoint has not, to the writer ascending: the partitions' runs merged
  * through a heap of their next keys, each read through its part of the flags' buffers (done
  * with by now), so memory does not grow with the keys deleted. */
+#define DEL_LESS(a, b) ((a) < (b))
+CM_HEAP_SIFT_DEFINE(del_sift, uint64_t, DEL_LESS)
+
 static int fp_parts_deleted(fp_parts *f, ember_serve_writer *w, char **errptr)
 {
     enum { OUT = 4096 };
-    typedef struct {
-        uint64_t key;
-        uint32_t p;
-    } head;
-    head *h = malloc(f->n * sizeof *h);
+    uint64_t *next = malloc(f->n * sizeof *next); /* partition p's next key */
+    uint32_t *h = malloc(f->n * sizeof *h);
     uint64_t *out = malloc(OUT * sizeof *out);
-    uint32_t n = 0;
-    size_t k = 0;
-    int rc = h && out ? CM_OK : cm_err(errptr, CM_ENOMEM, "out of memory");
+    size_t live = 0, k = 0;
+    int rc = next && h && out ? CM_OK : cm_err(errptr, CM_ENOMEM, "out of memory");
     for (uint32_t p = 0; rc == CM_OK && p < f->n; p++)
         f->pos[p] = f->len[p] = f->at[p] = 0;
-    for (uint32_t p = 0; rc == CM_OK && p < f->n; p++) {
-        uint64_t key;
-        if (del_next(f, p, &key, &rc, errptr) <= 0) continue;
-        uint32_t i = n++; /* sift up */
-        for (; i > 0 && h[(i - 1) / 2].key > key; i = (i - 1) / 2)
-            h[i] = h[(i - 1) / 2];
-        h[i] = (head){key, p};
-    }
-    while (rc == CM_OK && n > 0) {
-        out[k++] = h[0].key;
+    for (uint32_t p = 0; rc == CM_OK && p < f->n; p++)
+        if (del_next(f, p, &next[p], &rc, errptr) > 0) h[live++] = p;
+    for (size_t i = live; rc == CM_OK && i-- > 0;)
+        del_sift(next, h, live, i);
+    while (rc == CM_OK && live > 0) {
+        const uint32_t p = h[0];
+        out[k++] = next[p];
         if (k == OUT) {
             rc = ember_serve_writer_table_deleted(w, out, k, errptr);
             k = 0;
         }
-        head top = h[0];
-        const int got = rc == CM_OK ? del_next(f, top.p, &top.key, &rc, errptr) : -1;
+        const int got = rc == CM_OK ? del_next(f, p, &next[p], &rc, errptr) : -1;
         if (got < 0) break;
-        if (got == 0) top = h[--n];    /* p is done: the last head takes its place */
-        for (uint32_t i = 0; n > 0;) { /* sift top down from the root */
-            uint32_t c = 2 * i + 1;
-            if (c + 1 < n && h[c + 1].key < h[c].key) c++;
-            if (c >= n || h[c].key >= top.key) {
-                h[i] = top;
-                break;
-            }
-            h[i] = h[c];
-            i = c;
-        }
+        if (got == 0) h[0] = h[--live]; /* p is done: the last takes its place */
+        del_sift(next, h, live, 0);
     }
     if (rc == CM_OK) rc = ember_serve_writer_table_deleted(w, out, k, errptr);
+    free(next);
     free(h);
     free(out);
     return rc;
