@@ -13,20 +13,28 @@
 #include <signal.h>
 
 #include "cli_util.h"
+#include "ps/ps_proc.h"
 
-/* Starts `ember train <args> --out <out>` in dir, stdout and stderr to <out>.stdout/.stderr. */
+/* Starts `ember train <args> --out <out>` in dir, stdout and stderr to <out>.stdout/.stderr, as a
+ * registered child (ps_proc.h: killed and reaped on every way out, the watchdog's included); the
+ * shell execs ember, so the pid is ember's. */
 static pid_t start(const char *args, const char *out)
 {
     char cmd[8192];
     snprintf(cmd, sizeof cmd, "cd '%s' && exec '%s' train %s --out %s >%s.stdout 2>%s.stderr", dir,
              bin, args, out, out, out);
-    pid_t pid = fork();
-    if (pid == 0) {
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
-    }
+    char *argv[] = {"/bin/sh", "-c", cmd, NULL};
+    pid_t pid = psp_spawn_argv(argv, NULL, NULL);
     CHECK(pid > 0);
     return pid;
+}
+
+/* Whether pid has exited, leaving it to be reaped (psp_stop). */
+static bool exited(pid_t pid)
+{
+    siginfo_t si;
+    memset(&si, 0, sizeof si);
+    return waitid(P_PID, (id_t)pid, &si, WEXITED | WNOHANG | WNOWAIT) == 0 && si.si_pid == pid;
 }
 
 /* Waits until dir/<out>/logs/train.log holds `what` (true), or the process has ended or 60 s
@@ -35,28 +43,14 @@ static bool wait_log(pid_t pid, const char *out, const char *what)
 {
     char name[512];
     snprintf(name, sizeof name, "%s/logs/train.log", out);
-    for (int i = 0; i < 30000; i++) {
+    for (double end = psp_now() + 60; psp_now() < end; psp_sleep_ms(2)) {
         char *log = slurp(name);
         bool has = log && strstr(log, what);
         free(log);
         if (has) return true;
-        if (waitpid(pid, NULL, WNOHANG) == pid) return false;
-        usleep(2000);
+        if (exited(pid)) return false;
     }
     return false;
-}
-
-/* The process's wait status, after at most 120 s (then it is killed: -1). */
-static int reap(pid_t pid)
-{
-    int st = 0;
-    for (int i = 0; i < 12000; i++) {
-        if (waitpid(pid, &st, WNOHANG) == pid) return st;
-        usleep(10000);
-    }
-    kill(pid, SIGKILL);
-    waitpid(pid, &st, 0);
-    return -1;
 }
 
 /* The step LATEST names in dir/<out> (0: none). */
@@ -79,8 +73,7 @@ static unsigned long stopped_run(const char *args, const char *out, int sig, uns
     bool started = wait_log(pid, out, "ember train started");
     CHECK_MSG(started, "%s: never started", out);
     usleep(50000);
-    CHECK(kill(pid, sig) == 0);
-    int st = reap(pid);
+    int st = psp_stop(pid, sig, 120); /* -1: it had to be killed */
     char name[512];
     snprintf(name, sizeof name, "%s.stderr", out);
     char *err = slurp(name);
@@ -109,6 +102,7 @@ static unsigned long stopped_run(const char *args, const char *out, int sig, uns
 int main(void)
 {
     if (cli_init("train_stop") != 0) return 1;
+    psp_watchdog(220); /* inside ctest's 240 s: the children go with a hung test */
     if (make_criteo("ds", 20000, 11, 0.1) != 0) return check_done();
     const unsigned total = 800; /* 18K rows of batch 128: 141 steps an epoch, 6 epochs */
     const char *one = "--train ds/train --eval ds/eval --no-progress --model mlp --batch 128 "
@@ -152,8 +146,7 @@ int main(void)
         CHECK(wait_log(pid, out, "ember train started"));
         CHECK(kill(pid, SIGTERM) == 0);
         CHECK(wait_log(pid, out, "[ stopping]")); /* two at once may arrive as one */
-        kill(pid, SIGTERM);                       /* ESRCH when it is gone already */
-        st = reap(pid);
+        st = psp_stop(pid, SIGTERM, 120);         /* the second (none to a process gone already) */
         if (st != -1 && WIFSIGNALED(st)) break;
         fprintf(stderr, "stop_test: %s stopped before its second signal (status %d); again\n", out,
                 st);
