@@ -526,7 +526,9 @@ static int dw_chunks(const gemm *g)
 typedef struct fact {
     bool on;    /* the model and flags allow it (fact_init) */
     bool force; /* BACKEND_FACTORED: on every batch, whatever the cost model says */
-    bool simd;  /* the AVX-512 kernels (d 16, H a multiple of FACT_COLS, the CPU has them) */
+    /* the vector kernels that run (d 16, H a multiple of FACT_COLS, the CPU has them), or the
+     * portable ones */
+    enum { FACT_ISA_PORTABLE, FACT_ISA_AVX2, FACT_ISA_AVX512 } isa;
     uint32_t F, d, D, H, in, wb, nblk; /* wb: a forward column block's width; nblk = H / wb */
     uint32_t gb, ngb;                  /* the backward's column blocks: gb wide, ngb = H / gb */
     float *wt; /* W1^T in column blocks: W1[h][i] at wt[((h / wb) * in + i) * wb + h % wb] */
@@ -1135,8 +1137,8 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
  * stepping thread walked alone while the pool waited); a batch without them is indexed here.
  *
  * Each output element has one fixed summation order (below), so the results are the same bits
- * for any thread count; the AVX-512 kernels and the portable ones compute the same bits
- * (fmaf where the vectors fuse, the same orders; the test runs both):
+ * for any thread count; the AVX-512 kernels, the AVX2 ones and the portable ones compute the
+ * same bits (fmaf where the vectors fuse, the same orders; the test runs all three):
  *   P[(f,u)][h] = fma chain over q < d from 0 of E[u][q] * W1[h][f d + q];
  *   Y1[s][h]: from b1[h], fma over j < D of x[s][j] W1[h][F d + j], then over the sample's
  *     entries in CSR order of val[k] P[unit k][h]; then max(., 0) (NaN passes);
@@ -1147,9 +1149,8 @@ static void inter_run(cpu *c, inter_kind kind, uint32_t B, const float *z0, cons
  *   dW_f[h][q] = fma chain over f's units in unit order from 0 of G[unit][h] E[u][q].
  */
 #if defined(__x86_64__) && defined(__GNUC__)
-#define FACT_AVX512 1
+#define FACT_X86 1
 #include <immintrin.h>
-#define FACT_TARGET __attribute__((target("avx512f")))
 #endif
 
 /* A forward column block: its P rows for 13,000 units (1.6 MiB) stay in a core's 2 MiB L2
@@ -1189,9 +1190,13 @@ static void fact_shape(fact *x, const model_cfg *m, const model_layout *l, uint3
             break;
         }
     x->ngb = x->H / x->gb;
-#ifdef FACT_AVX512
-    x->simd = !(flags & BACKEND_NO_SIMD) && __builtin_cpu_supports("avx512f") && x->d == 16 &&
-              x->H % FACT_COLS == 0;
+#ifdef FACT_X86
+    if (!(flags & BACKEND_NO_SIMD) && x->d == 16 && x->H % FACT_COLS == 0) {
+        if (!(flags & BACKEND_NO_AVX512) && __builtin_cpu_supports("avx512f"))
+            x->isa = FACT_ISA_AVX512;
+        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+            x->isa = FACT_ISA_AVX2;
+    }
 #endif
 }
 
@@ -1204,6 +1209,15 @@ static int fact_init(cpu *c, uint32_t flags)
     x->wf = aligned_alloc(64, ((size_t)x->F * x->H * x->d * sizeof *x->wf + 63) / 64 * 64);
     if (!x->wt || !x->wf) return CM_ENOMEM;
     return CM_OK;
+}
+
+const char *backend_cpu_fact_kernels(uint32_t flags)
+{
+    const model_cfg m = {.kind = MODEL_MLP, .n_fields = 1, .dim = 16};
+    const model_layout l = {.emb_table = 0, .n_top = 2, .top = {{.in = 16, .out = FACT_COLS}}};
+    fact x;
+    fact_shape(&x, &m, &l, flags & ~(uint32_t)BACKEND_PLAIN);
+    return x.isa == FACT_ISA_AVX512 ? "avx512" : x.isa == FACT_ISA_AVX2 ? "avx2" : "portable";
 }
 
 /*
@@ -1348,7 +1362,7 @@ static void fact_gblk_scalar(const fact *x, const float *dY, const float *E, flo
         }
 }
 
-#ifdef FACT_AVX512
+#ifdef FACT_X86
 #define FACT_INLINE __attribute__((always_inline)) inline
 
 /* Entries ahead whose rows of dY the backward's gather asks the cache for: rows at random,
@@ -1356,211 +1370,25 @@ static void fact_gblk_scalar(const fact *x, const float *dY, const float *E, flo
  * measured slower). */
 #define FACT_AHEAD 4
 
-/* Units i..i+nu of field f's, all FACT_COLS columns of P's block: the units' chains
- * interleaved (one unit's 16 dependent FMAs at a time left the FMA units idle), and each
- * broadcast element of a unit's row serving all the block's columns. With one 16-column
- * vector at a time, W_f's 16 x 16 in registers, every FMA had a broadcast of its own and the
- * loads bound it; here W_f's rows come from L1, a load per 8 units (~30% less time alone). */
-FACT_TARGET static FACT_INLINE void fact_p_units(const fact *x, const float *E, const float *w,
-                                                 float *Pb, uint32_t i, const int nu)
-{
-    const float *e[8];
-    __m512 a[8][FACT_NV];
-#pragma GCC unroll 16
-    for (int t = 0; t < nu; t++) {
-        e[t] = E + (size_t)x->unit_key[i + t] * 16;
-#pragma GCC unroll 4
-        for (int v = 0; v < FACT_NV; v++)
-            a[t][v] = _mm512_setzero_ps();
-    }
-#pragma GCC unroll 16
-    for (int q = 0; q < 16; q++) {
-        __m512 wq[FACT_NV];
-#pragma GCC unroll 4
-        for (int v = 0; v < FACT_NV; v++)
-            wq[v] = _mm512_loadu_ps(w + (size_t)q * FACT_COLS + 16 * v);
-#pragma GCC unroll 16
-        for (int t = 0; t < nu; t++) {
-            __m512 eq = _mm512_set1_ps(e[t][q]);
-#pragma GCC unroll 4
-            for (int v = 0; v < FACT_NV; v++)
-                a[t][v] = _mm512_fmadd_ps(eq, wq[v], a[t][v]);
-        }
-    }
-#pragma GCC unroll 16
-    for (int t = 0; t < nu; t++)
-#pragma GCC unroll 4
-        for (int v = 0; v < FACT_NV; v++)
-            _mm512_storeu_ps(Pb + (size_t)(i + t) * FACT_COLS + 16 * v, a[t][v]);
-}
+/* The vector kernels, once per instruction set (backend_cpu_fact.h). The counts fill each
+ * set's registers: 32 of 16 floats, 16 of 8. */
+#define FV(name) name##_avx512
+#define FV_TARGET __attribute__((target("avx512f")))
+#define FV_AVX512 1
+#define FV_NU_P 8
+#define FV_NU_G 8
+#define FV_ROWS 4
+#define FV_GCH 8
+#include "backend_cpu_fact.h"
 
-/* fact_p_scalar for d 16 and wb FACT_COLS: field by field, eight units at a time. */
-FACT_TARGET static void fact_p_avx512(const fact *x, const float *E, const float *w, float *Pb)
-{
-    for (uint32_t f = 0; f < x->F; f++) {
-        const float *wf = w + (size_t)f * 16 * FACT_COLS;
-        uint32_t i = x->field_ptr[f];
-        for (; i + 8 <= x->field_ptr[f + 1]; i += 8)
-            fact_p_units(x, E, wf, Pb, i, 8);
-        for (; i < x->field_ptr[f + 1]; i++)
-            fact_p_units(x, E, wf, Pb, i, 1);
-    }
-}
-
-/* fact_y_scalar for d 16 and wb FACT_COLS. */
-FACT_TARGET static void fact_y_avx512(const fact *x, const model_batch *b, const float *bias,
-                                      const float *w, const float *Pb, float *Y, uint32_t col0)
-{
-    const uint32_t F = x->F, D = x->D;
-    const float *wd = w + (size_t)F * 16 * FACT_COLS;
-    const __m512 zero = _mm512_setzero_ps();
-    for (uint32_t s = 0; s < b->B; s++) {
-        __m512 a[FACT_NV];
-#pragma GCC unroll 16
-        for (int v = 0; v < FACT_NV; v++)
-            a[v] = _mm512_loadu_ps(bias + col0 + 16 * v);
-        for (uint32_t j = 0; j < D; j++) {
-            __m512 xj = _mm512_set1_ps(b->dense[(size_t)s * D + j]);
-#pragma GCC unroll 16
-            for (int v = 0; v < FACT_NV; v++)
-                a[v] =
-                    _mm512_fmadd_ps(xj, _mm512_loadu_ps(wd + (size_t)j * FACT_COLS + 16 * v), a[v]);
-        }
-        for (uint32_t k = b->row_ptr[(size_t)s * F]; k < b->row_ptr[(size_t)(s + 1) * F]; k++) {
-            __m512 vk = _mm512_set1_ps(b->val[k]);
-            const float *p = Pb + (size_t)x->ent_unit[k] * FACT_COLS;
-#pragma GCC unroll 16
-            for (int v = 0; v < FACT_NV; v++)
-                a[v] = _mm512_fmadd_ps(vk, _mm512_loadu_ps(p + 16 * v), a[v]);
-        }
-        float *y = Y + (size_t)s * x->H + col0;
-#pragma GCC unroll 16
-        for (int v = 0; v < FACT_NV; v++) {
-            __mmask16 neg = _mm512_cmp_ps_mask(a[v], zero, _CMP_LT_OQ);
-            _mm512_storeu_ps(y + 16 * v, _mm512_mask_mov_ps(a[v], neg, zero));
-        }
-    }
-}
-
-/* Unit un's G columns c0..c0+16 nv into gl (16 nv floats), 128 columns at a time (their
- * accumulators fill the registers). A block of dY's columns stays in L2 while the units gather
- * from it; its rows, which the units' entries take from anywhere, are asked for FACT_AHEAD
- * entries ahead (entries of consecutive units follow each other, to eend). */
-FACT_TARGET static FACT_INLINE void fact_g_unit(const fact *x, const float *dY, uint32_t un,
-                                                uint32_t c0, uint32_t eend, float *gl, const int nv)
-{
-    const uint32_t H = x->H;
-#pragma GCC unroll 4
-    for (int c = 0; c < nv; c += 8) {
-        const int cv = nv - c < 8 ? nv - c : 8;
-        __m512 a[8];
-#pragma GCC unroll 8
-        for (int v = 0; v < cv; v++)
-            a[v] = _mm512_setzero_ps();
-        for (uint32_t e = x->unit_ptr[un]; e < x->unit_ptr[un + 1]; e++) {
-            if (e + FACT_AHEAD < eend) {
-                const float *n = dY + (size_t)x->ue_s[e + FACT_AHEAD] * H + c0 + 16 * c;
-#pragma GCC unroll 8
-                for (int v = 0; v < cv; v++)
-                    _mm_prefetch((const char *)(n + 16 * v), _MM_HINT_T0);
-            }
-            __m512 ve = _mm512_set1_ps(x->ue_v[e]);
-            const float *g = dY + (size_t)x->ue_s[e] * H + c0 + 16 * c;
-#pragma GCC unroll 8
-            for (int v = 0; v < cv; v++)
-                a[v] = _mm512_fmadd_ps(ve, _mm512_loadu_ps(g + 16 * v), a[v]);
-        }
-#pragma GCC unroll 8
-        for (int v = 0; v < cv; v++)
-            _mm512_store_ps(gl + 16 * (c + v), a[v]);
-    }
-}
-
-/* Units i..i+nu of field f: their G columns of block b (in L1 only, never stored), the block's
- * parts of their row gradients as a small GEMM, G (nu x gb) times W_f's rows (gb x 16): a row
- * of W_f, one vector, serves the nu units' chains; and their terms of dW_f's block rows, dw
- * (gb x 16, in L1), each row's chain taking the units in order. */
-FACT_TARGET static FACT_INLINE void fact_gblk_units(const fact *x, const float *dY, const float *E,
-                                                    float *dw, uint32_t i, uint32_t f, uint32_t b,
-                                                    uint32_t eend, const int nu, const int nv)
-{
-    const uint32_t c0 = b * x->gb;
-    _Alignas(64) float gl[8][256];
-#pragma GCC unroll 8
-    for (int t = 0; t < nu; t++)
-        fact_g_unit(x, dY, i + (uint32_t)t, c0, eend, gl[t], nv);
-    __m512 acc[8], e[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < nu; t++) {
-        acc[t] = _mm512_setzero_ps();
-        e[t] = _mm512_loadu_ps(E + (size_t)x->unit_key[i + t] * 16);
-    }
-    const float *w = x->wf + ((size_t)f * x->H + c0) * 16;
-    /* Four rows of dW_f at a time: each row's chain is nu FMAs long, and four of them side by
-     * side keep the FMA units fed where one waited on its chain. */
-    for (int h = 0; h < 16 * nv; h += 4) {
-        __m512 wh[4], dh[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
-            wh[r] = _mm512_load_ps(w + (size_t)(h + r) * 16);
-            dh[r] = _mm512_load_ps(dw + (size_t)(h + r) * 16);
-        }
-#pragma GCC unroll 8
-        for (int t = 0; t < nu; t++)
-#pragma GCC unroll 4
-            for (int r = 0; r < 4; r++) {
-                __m512 g = _mm512_set1_ps(gl[t][h + r]);
-                acc[t] = _mm512_fmadd_ps(g, wh[r], acc[t]);
-                dh[r] = _mm512_fmadd_ps(g, e[t], dh[r]);
-            }
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++)
-            _mm512_store_ps(dw + (size_t)(h + r) * 16, dh[r]);
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < nu; t++)
-        _mm512_storeu_ps(x->dep + ((size_t)b * x->n_units + i + t) * 16, acc[t]);
-}
-
-/* fact_gblk_scalar for d 16, gb 16 nv (at most 256) and units u0..u1, all of field f: eight
- * units at a time, dW_f's block rows summed in dw and then stored into W. */
-FACT_TARGET static FACT_INLINE void fact_gblk_run(const fact *x, const float *dY, const float *E,
-                                                  float *W, uint32_t f, uint32_t b, const int nv)
-{
-    const uint32_t u0 = x->field_ptr[f], u1 = x->field_ptr[f + 1], eend = x->unit_ptr[u1];
-    _Alignas(64) float dw[256 * 16];
-#pragma GCC unroll 4
-    for (int h = 0; h < 16 * nv; h++)
-        _mm512_store_ps(dw + h * 16, _mm512_setzero_ps());
-    uint32_t i = u0;
-    for (; i + 8 <= u1; i += 8)
-        fact_gblk_units(x, dY, E, dw, i, f, b, eend, 8, nv);
-    for (; i < u1; i++)
-        fact_gblk_units(x, dY, E, dw, i, f, b, eend, 1, nv);
-    float *o = W + (size_t)b * x->gb * x->in + (size_t)f * 16;
-#pragma GCC unroll 4
-    for (int h = 0; h < 16 * nv; h++)
-        _mm512_storeu_ps(o + (size_t)h * x->in, _mm512_load_ps(dw + h * 16));
-}
-
-FACT_TARGET static void fact_gblk_avx512(const fact *x, const float *dY, const float *E, float *W,
-                                         uint32_t f, uint32_t b)
-{
-    switch (x->gb) { /* constant widths: the accumulators stay in registers */
-    case 256:
-        fact_gblk_run(x, dY, E, W, f, b, 16);
-        break;
-    case 128:
-        fact_gblk_run(x, dY, E, W, f, b, 8);
-        break;
-    case 64:
-        fact_gblk_run(x, dY, E, W, f, b, 4);
-        break;
-    default:
-        fact_gblk_run(x, dY, E, W, f, b, FACT_NV);
-        break;
-    }
-}
+#define FV(name) name##_avx2
+#define FV_TARGET __attribute__((target("avx2,fma")))
+#define FV_AVX512 0
+#define FV_NU_P 3
+#define FV_NU_G 2
+#define FV_ROWS 2
+#define FV_GCH 4
+#include "backend_cpu_fact.h"
 #endif
 
 typedef struct fact_job {
@@ -1592,10 +1420,15 @@ static void fact_fwd_part(void *arg, int part, int nparts)
         if (blk >= x->nblk) break;
         const float *w = (j->wt ? j->wt : x->wt) + (size_t)blk * x->in * x->wb;
         if (j->wt == NULL) fact_wt_block(x, j->P + ly->w, blk, x->wt, x->wf);
-#ifdef FACT_AVX512
-        if (x->simd) {
+#ifdef FACT_X86
+        if (x->isa == FACT_ISA_AVX512) {
             fact_p_avx512(x, E, w, Pb);
             fact_y_avx512(x, j->b, j->P + ly->b, w, Pb, c->act[0], blk * x->wb);
+            continue;
+        }
+        if (x->isa == FACT_ISA_AVX2) {
+            fact_p_avx2(x, E, w, Pb);
+            fact_y_avx2(x, j->b, j->P + ly->b, w, Pb, c->act[0], blk * x->wb);
             continue;
         }
 #endif
@@ -1618,9 +1451,13 @@ static void fact_bwd_g_part(void *arg, int part, int nparts)
     part_range((size_t)x->ngb * x->F, part, nparts, &t0, &t1);
     for (size_t t = t0; t < t1; t++) {
         const uint32_t b = (uint32_t)(t / x->F), f = (uint32_t)(t % x->F);
-#ifdef FACT_AVX512
-        if (x->simd) {
+#ifdef FACT_X86
+        if (x->isa == FACT_ISA_AVX512) {
             fact_gblk_avx512(x, c->gact[0], E, W, f, b);
+            continue;
+        }
+        if (x->isa == FACT_ISA_AVX2) {
+            fact_gblk_avx2(x, c->gact[0], E, W, f, b);
             continue;
         }
 #endif

@@ -194,6 +194,9 @@ void model_staging_view(const model_staging *s, model_batch *mb);
 /* cpu: the factorized layer's portable kernels even where its AVX-512 ones run (tests: they
  * must give the same bits). */
 #define BACKEND_NO_SIMD 16u
+/* cpu: the factorized layer's AVX2 kernels even where its AVX-512 ones run (tests: the same
+ * bits again). */
+#define BACKEND_NO_AVX512 128u
 /* cpu: OpenBLAS's sgemm for the GEMMs even where ember's own AVX-512 GEMM runs (measurements:
  * tools/bench step --openblas). */
 #define BACKEND_OPENBLAS 32u
@@ -277,6 +280,10 @@ extern const backend_ops backend_cpu_ops;
  * the CPU has AVX-512, else OpenBLAS's core ("Haswell"...). Results are the same bits for the
  * same kernels; another OpenBLAS core sums in another order. Static storage. */
 const char *backend_cpu_kernels(void);
+/* The vector kernels the factorized first layer runs with these backend flags on this CPU,
+ * for a dim-16 table and a first layer a multiple of 32 wide: "avx512", "avx2" or "portable"
+ * (all three give the same bits; tests say which they compared). Static storage. */
+const char *backend_cpu_fact_kernels(uint32_t flags);
 /* The core OpenBLAS detected or was given (OPENBLAS_CORETYPE). Static storage. */
 const char *backend_cpu_blas_core(void);
 

@@ -594,10 +594,16 @@ static void check_fact(model_kind kind)
     memset(&su, 0, sizeof su);
     model_units units;
     memset(&units, 0, sizeof units);
-    void *st[4] = {NULL, NULL, NULL, NULL}; /* plain, factorized, portable, the backend's choice */
-    const uint32_t flags[4] = {BACKEND_PLAIN, BACKEND_FACTORED, BACKEND_FACTORED | BACKEND_NO_SIMD,
-                               0};
-    const uint32_t threads[4] = {2, 2, 1, 2};
+    /* plain, factorized, portable, the backend's choice, factorized at most AVX2 */
+    void *st[5] = {NULL, NULL, NULL, NULL, NULL};
+    const uint32_t flags[5] = {BACKEND_PLAIN, BACKEND_FACTORED, BACKEND_FACTORED | BACKEND_NO_SIMD,
+                               0, BACKEND_FACTORED | BACKEND_NO_AVX512};
+    const uint32_t threads[5] = {2, 2, 1, 2, 2};
+    fprintf(stderr, "%s: factorized kernels %s, at most AVX2 %s, portable %s\n", name,
+            backend_cpu_fact_kernels(flags[1]), backend_cpu_fact_kernels(flags[4]),
+            backend_cpu_fact_kernels(flags[2]));
+    CHECK_MSG(strcmp(backend_cpu_fact_kernels(flags[2]), "portable") == 0,
+              "BACKEND_NO_SIMD runs the %s kernels", backend_cpu_fact_kernels(flags[2]));
     for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++)
         for (int var = 0; var < 3; var++) {
             key_pool = var < 2 ? 500 : 0;
@@ -611,12 +617,12 @@ static void check_fact(model_kind kind)
                 goto out;
             }
             if (st[0] == NULL) {
-                for (int i = 0; i < 4; i++) {
+                for (int i = 0; i < 5; i++) {
                     be_flags = flags[i];
                     st[i] = create(&t, threads[i]);
                 }
                 be_flags = 0;
-                if (!st[0] || !st[1] || !st[2] || !st[3] || outs_alloc(&ref, &t) != 0 ||
+                if (!st[0] || !st[1] || !st[2] || !st[3] || !st[4] || outs_alloc(&ref, &t) != 0 ||
                     outs_alloc(&o, &t) != 0 || outs_alloc(&sc, &t) != 0 ||
                     outs_alloc(&su, &t) != 0) {
                     CHECK_MSG(0, "%s: cannot create the backends", name);
@@ -658,8 +664,12 @@ static void check_fact(model_kind kind)
             fprintf(stderr, "%-56s probs %.2g, worst relative L2 %.2g\n", ctx, pmax, close_worst);
             close_worst = 0;
             char c2[256];
-            snprintf(c2, sizeof c2, "%s, portable kernels vs AVX-512", ctx);
+            snprintf(c2, sizeof c2, "%s, portable kernels vs %s", ctx,
+                     backend_cpu_fact_kernels(flags[1]));
             outs_same(&t, &o, &sc, c2);
+            snprintf(c2, sizeof c2, "%s, %s kernels vs %s", ctx, backend_cpu_fact_kernels(flags[4]),
+                     backend_cpu_fact_kernels(flags[1]));
+            if (step(st[4], &t, &sc) == 0) outs_same(&t, &o, &sc, c2);
             /* The backend's own choice, where it is clear: the factorized form for 2048
              * samples with keys from 500 (a unit per ~4 slots), the GEMM for keys from U/3
              * (more units than slots). */
@@ -687,7 +697,7 @@ static void check_fact(model_kind kind)
             }
         }
 out:
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
         if (st[i]) backend_cpu_ops.destroy(st[i]);
     outs_free(&ref);
     outs_free(&o);
