@@ -1198,6 +1198,10 @@ static void fact_shape(fact *x, const model_cfg *m, const model_layout *l, uint3
             x->isa = FACT_ISA_AVX2;
     }
 #endif
+    /* The portable kernels are the vector ones' reference, not a fast path (without FMA in
+     * the instruction set fmaf is a library call per multiply-add): where no vector set runs,
+     * the backend's own choice is the GEMM, whose BLAS kernels suit the CPU. */
+    if (x->isa == FACT_ISA_PORTABLE && !x->force && !(flags & BACKEND_NO_SIMD)) x->on = false;
 }
 
 static int fact_init(cpu *c, uint32_t flags)

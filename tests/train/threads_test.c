@@ -738,6 +738,38 @@ static void check_columns(void)
     be_flags = 0;
 }
 
+/* The backend's own choice takes the factorized layer only where vector kernels run it (dim 16
+ * on an AVX2 or AVX-512 CPU): the portable kernels are a reference, a library call per
+ * multiply-add without FMA instructions, and ran ~20x slower than the GEMM (dim 8 on any CPU,
+ * before). BACKEND_FACTORED still forces it. */
+static void check_fact_choice(void)
+{
+    static const uint32_t dims[] = {16, 8, 32};
+    for (size_t i = 0; i < sizeof dims / sizeof *dims; i++) {
+        model_cfg m;
+        model_layout l;
+        char *err = NULL;
+        model_cfg_preset(&m, MODEL_MLP, FIELDS, DENSE);
+        m.dim = dims[i];
+        int rc = model_layout_make(&m, &l, &err);
+        CHECK_OK(rc, err);
+        const bool vec = dims[i] == 16 && strcmp(backend_cpu_fact_kernels(0), "portable") != 0;
+        for (int forced = 0; rc == 0 && forced < 2; forced++) {
+            void *st = NULL;
+            rc = backend_cpu_ops.create(&m, &l, MAX_B, MAX_B * FIELDS + 1, 1,
+                                        forced ? BACKEND_FACTORED : 0, &st, &err);
+            CHECK_OK(rc, err);
+            if (rc != 0) break;
+            const bool fact = backend_cpu_ops.max_units(st, MAX_B, FIELDS) > 0;
+            CHECK_MSG(fact == (forced || vec),
+                      "mlp dim %u%s: the factorized layer %s (the CPU's kernels: %s)", dims[i],
+                      forced ? ", forced" : "", fact ? "taken" : "not taken",
+                      backend_cpu_fact_kernels(0));
+            backend_cpu_ops.destroy(st);
+        }
+    }
+}
+
 int main(void)
 {
     const model_kind kinds[] = {MODEL_MLP, MODEL_LR, MODEL_DLRM, MODEL_DEEPFM};
@@ -755,6 +787,7 @@ int main(void)
     be_flags = 0;
     check_fact(MODEL_MLP);
     check_fact(MODEL_DEEPFM);
+    check_fact_choice();
     /* The same properties for bf16 GEMMs (AMX), and their closeness to fp32. */
     if (cm_gemm_bf16_available()) {
         be_flags = BACKEND_BF16;
