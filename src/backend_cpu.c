@@ -1373,6 +1373,11 @@ static void fact_gblk_scalar(const fact *x, const float *dY, const float *E, flo
  * waited for otherwise (~8% of fact_gblk_avx512's time; the same for P's rows in the forward
  * measured slower). */
 #define FACT_AHEAD 4
+/* Units ahead whose embedding rows P's kernels ask the cache for (a forward column block takes
+ * every unit's row at random from E, which outgrows a 512 KiB L2). */
+#define FACT_P_AHEAD 16
+/* Units ahead whose row gradient parts the backward's sum by key asks the cache for. */
+#define FACT_E_AHEAD 8
 
 /* The vector kernels, once per instruction set (backend_cpu_fact.h). The counts fill each
  * set's registers: 32 of 16 floats, 16 of 8. */
@@ -1487,6 +1492,12 @@ static void fact_bwd_e_part(void *arg, int part, int nparts)
         if (!j->add) memset(row, 0, d * sizeof(float));
         for (uint32_t i = x->key_ptr[u]; i < x->key_ptr[u + 1]; i++) {
             const uint32_t un = x->key_units[i];
+#ifdef FACT_X86
+            /* A key's units are anywhere among the batch's: ask for a later one's part */
+            if (i + FACT_E_AHEAD < x->key_ptr[u1])
+                _mm_prefetch((const char *)(x->dep + (size_t)x->key_units[i + FACT_E_AHEAD] * d),
+                             _MM_HINT_T0);
+#endif
             for (uint32_t q = 0; q < d; q++) {
                 float t = x->dep[(size_t)un * d + q];
                 for (uint32_t b = 1; b < x->ngb; b++)

@@ -113,6 +113,9 @@ FV_TARGET static FACT_INLINE void FV(fact_p_units)(const fact *x, const float *E
     FV(v16) a[FV_NU_P][FACT_NV];
 #pragma GCC unroll 16
     for (int t = 0; t < nu; t++) {
+        if (i + t + FACT_P_AHEAD < x->n_units)
+            _mm_prefetch((const char *)(E + (size_t)x->unit_key[i + t + FACT_P_AHEAD] * 16),
+                         _MM_HINT_T0);
         e[t] = E + (size_t)x->unit_key[i + t] * 16;
 #pragma GCC unroll 4
         for (int v = 0; v < FACT_NV; v++)
