@@ -1608,25 +1608,25 @@ int ps_client_dense_init(ps_client *c, uint32_t block, const float *values, int 
 /* Waits on shard 0; a slow peer is not an error until the (long) barrier timeout. A wait that
  * fails says what it waited for: shard 0 is usually up, and the worker it waited for is the one
  * that died (a PS's death stops the others first), which the bare transport error hides. */
-static int coord(ps_client *c, uint16_t op, uint32_t value, uint8_t flags, uint8_t *got,
-                 char **errptr)
+static int coord(ps_client *c, uint16_t op, uint32_t value, uint32_t count, uint8_t flags,
+                 ps_hdr *got, char **errptr)
 {
     nng_msg *m = msg_simple(op, 0, value, NULL, 0), *reply = NULL;
     if (m == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     ((ps_hdr *)nng_msg_body(m))->flags = flags;
+    ((ps_hdr *)nng_msg_body(m))->count = count;
     char *err = NULL;
     int rc = request(c, 0, m, false, (uint64_t)c->timeout_ms * 20, &reply, &err);
-    if (rc == CM_OK && got != NULL) {
-        ps_hdr h;
-        memcpy(&h, nng_msg_body(reply), sizeof h);
-        *got = h.flags;
-    }
+    if (rc == CM_OK && got != NULL) memcpy(got, nng_msg_body(reply), sizeof *got);
     if (reply != NULL) nng_msg_free(reply);
+    const char *what = op == PS_OP_CLOCK        ? "clock"
+                       : (flags & PS_FLAG_POLL) ? "stop poll at step"
+                                                : "barrier";
     if (rc == CM_ECANCELED) /* aborted: the error that aborted it is the one reported */
         cm_err(errptr, rc, "%s", err ? err : "?");
     else if (rc != CM_OK)
         cm_err(errptr, rc, "%s %u (it waits for every worker at shard 0: did another fail?): %s",
-               op == PS_OP_CLOCK ? "clock" : "barrier", (unsigned)value, err ? err : "?");
+               what, (unsigned)value, err ? err : "?");
     free(err);
     return rc;
 }
@@ -1635,7 +1635,7 @@ int ps_client_clock(ps_client *c, uint64_t *clock, char **errptr)
 {
     int rc = ps_client_flush(c, errptr);
     if (rc != CM_OK) return rc;
-    rc = coord(c, PS_OP_CLOCK, (uint32_t)(c->clock + 1), 0, NULL, errptr);
+    rc = coord(c, PS_OP_CLOCK, (uint32_t)(c->clock + 1), 0, 0, NULL, errptr);
     if (rc != CM_OK) return rc;
     c->clock++;
     if (clock) *clock = c->clock;
@@ -1660,11 +1660,25 @@ int ps_client_barrier(ps_client *c, char **errptr)
 
 int ps_client_barrier_vote(ps_client *c, bool stop, bool *any, char **errptr)
 {
-    uint8_t got = 0;
+    ps_hdr got;
     int rc =
-        coord(c, PS_OP_BARRIER, (uint32_t)c->barrier_gen, stop ? PS_FLAG_STOP : 0, &got, errptr);
+        coord(c, PS_OP_BARRIER, (uint32_t)c->barrier_gen, 0, stop ? PS_FLAG_STOP : 0, &got, errptr);
     if (rc == CM_OK) c->barrier_gen++;
-    *any = rc == CM_OK && (stop || (got & PS_FLAG_STOP));
+    *any = rc == CM_OK && (stop || (got.flags & PS_FLAG_STOP));
+    return rc;
+}
+
+int ps_client_stop_poll(ps_client *c, uint64_t step, uint32_t every, bool stop, uint64_t *at,
+                        char **errptr)
+{
+    *at = 0;
+    if (every == 0 || every > PS_POLL_MAX_EVERY || step > PS_POLL_MAX_STEP)
+        return cm_err(errptr, CM_EINVAL, "stop poll: step %" PRIu64 " every %u steps: out of range",
+                      step, every);
+    ps_hdr got;
+    int rc = coord(c, PS_OP_BARRIER, (uint32_t)step, every,
+                   PS_FLAG_POLL | (stop ? PS_FLAG_STOP : 0), &got, errptr);
+    if (rc == CM_OK && (got.flags & PS_FLAG_STOP)) *at = got.clock;
     return rc;
 }
 

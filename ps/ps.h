@@ -368,6 +368,16 @@ int ps_client_barrier(ps_client *c, char **errptr);
 int ps_client_barrier_vote(ps_client *c, bool stop, bool *any, char **errptr);
 /* The id the next barrier (or save/load's first of two) uses; ids must increase. */
 void ps_client_barrier_seek(ps_client *c, uint64_t id);
+/* A stop poll, for a job without periodic checkpoints to vote at (ps_client_barrier_vote): this
+ * worker has done `step` steps, polls every `every` steps (every worker alike, at the multiples
+ * of it) and, with stop, votes to stop the job (it had a SIGTERM or SIGINT). Never waits for
+ * the others. On success *at is the step the job stops at, a multiple of every that no worker
+ * has passed (each one's next poll comes at or before it), or 0 while no worker has voted: the
+ * first vote fixes it at the most steps any worker polled at plus every. Every worker then
+ * checkpoints there together and stops. *at is 0 on failure. A backup taking shard 0 over
+ * does not know a stop fixed before: a job should not be stopped while it fails over. */
+int ps_client_stop_poll(ps_client *c, uint64_t step, uint32_t every, bool stop, uint64_t *at,
+                        char **errptr);
 
 /* Collective: every worker calls it at the same point. All flush and meet at a barrier, so
  * every update issued before the call is applied and none after; worker 0 then has every shard

@@ -83,6 +83,8 @@ struct ps_server {
     uint64_t *clocks;    /* per worker */
     uint64_t *last_seen; /* per worker: ms (monotonic) its last request arrived (liveness) */
     uint8_t *arrived;    /* per worker: entered the barrier being gathered */
+    uint64_t *polled;    /* per worker: the most steps it made a stop poll at (s->mu) */
+    uint64_t poll_stop_at; /* the step stop polls fixed the job's stop at; 0: none (s->mu) */
     /* worker_lost_ms (shard 0): per worker, the id of the nng pipe its latest request came on
      * (read without mu, written under it, atomics), and when that pipe closed (ms, 0 while it
      * is open or none was seen; under mu) */
@@ -560,6 +562,36 @@ static bool handle_barrier(struct ps_server *s, srv_ctx *c, const ps_hdr *h, nng
     }
     pthread_mutex_unlock(&s->mu);
     return parked;
+}
+
+/* A stop poll (PS_FLAG_POLL): answered at once with the stop step fixed so far. The first
+ * vote fixes it at the most steps any worker has polled at plus the interval: each worker is
+ * then short of its next poll, which is at most that step, so every one learns it in time and
+ * stops there, a checkpoint all of them reach (ps_client_stop_poll). */
+static nng_msg *handle_poll(struct ps_server *s, const ps_hdr *h)
+{
+    if (h->count == 0 || h->count > PS_POLL_MAX_EVERY || h->clock > PS_POLL_MAX_STEP) {
+        STAT_ADD(s, bad_messages, 1);
+        return reply_error(s, h, CM_EINVAL,
+                           "stop poll: an interval of 1 to 2^20 steps and a step up to 2^31");
+    }
+    pthread_mutex_lock(&s->mu);
+    if (h->clock > s->polled[h->worker]) s->polled[h->worker] = h->clock;
+    if ((h->flags & PS_FLAG_STOP) && s->poll_stop_at == 0) {
+        uint64_t most = 0;
+        for (uint32_t w = 0; w < s->cfg.n_workers; w++)
+            if (s->polled[w] > most) most = s->polled[w];
+        s->poll_stop_at = most + h->count;
+    }
+    const uint32_t at = (uint32_t)s->poll_stop_at; /* at most 2^31 + 2^20 */
+    pthread_mutex_unlock(&s->mu);
+    nng_msg *m = reply_ok(h, 0, NULL);
+    if (m != NULL) {
+        ps_hdr *r = nng_msg_body(m);
+        r->flags = at != 0 ? PS_FLAG_STOP : 0;
+        r->clock = at;
+    }
+    return m;
 }
 
 /* Wakes every 100 ms while some worker may time out, to release what a dead worker holds. */
@@ -1732,7 +1764,10 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
             parked = handle_clock(s, c, &h, reply);
             break;
         case PS_OP_BARRIER:
-            parked = handle_barrier(s, c, &h, reply);
+            if (h.flags & PS_FLAG_POLL)
+                *reply = handle_poll(s, &h);
+            else
+                parked = handle_barrier(s, c, &h, reply);
             break;
         case PS_OP_SAVE:
             *reply = handle_save_load(s, &h, p);
@@ -1822,6 +1857,7 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     s->clocks = calloc(s->cfg.n_workers, sizeof *s->clocks);
     s->last_seen = calloc(s->cfg.n_workers, sizeof *s->last_seen);
     s->arrived = calloc(s->cfg.n_workers, 1);
+    s->polled = calloc(s->cfg.n_workers, sizeof *s->polled);
     if (s->shard == 0 && s->cfg.worker_lost_ms > 0) {
         s->pipe_of = calloc(s->cfg.n_workers, sizeof *s->pipe_of);
         s->gone_ms = calloc(s->cfg.n_workers, sizeof *s->gone_ms);
@@ -1832,7 +1868,7 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     s->dedup = ps_dedup_create(s->cfg.n_workers);
     s->pulled = ps_keycache_create(s->cfg.n_workers, s->cfg.n_tables);
     if (s->clocks == NULL || s->ctxs == NULL || s->last_seen == NULL || s->arrived == NULL ||
-        s->dedup == NULL || s->pulled == NULL ||
+        s->polled == NULL || s->dedup == NULL || s->pulled == NULL ||
         (s->shard == 0 && s->cfg.worker_lost_ms > 0 &&
          (s->pipe_of == NULL || s->gone_ms == NULL))) {
         rc = cm_err(errptr, CM_ENOMEM, "out of memory");
@@ -2098,6 +2134,7 @@ void ps_server_destroy(ps_server *s)
     free(s->clocks);
     free(s->last_seen);
     free(s->arrived);
+    free(s->polled);
     free(s->pipe_of);
     free(s->gone_ms);
     pthread_rwlock_destroy(&s->tables_lock);

@@ -352,7 +352,7 @@ uint8_t ps_op_flags(uint16_t op)
     case PS_OP_PULL_DENSE:
         return PS_FLAG_STATE;
     case PS_OP_BARRIER:
-        return PS_FLAG_STOP;
+        return PS_FLAG_STOP | PS_FLAG_POLL;
     default:
         return 0;
     }

@@ -59,6 +59,15 @@ typedef enum ps_op {
  * (shard 0 ORs the votes of the barrier it gathers; every reply releasing it carries the OR),
  * so every worker that passes it learns the same answer at the same point. */
 #define PS_FLAG_STOP 0x20u
+/* BARRIER flag: a stop poll, which never waits (ps_client_stop_poll): clock is the worker's
+ * step, count the steps between its polls; with PS_FLAG_STOP it votes to stop. Shard 0 answers
+ * with the step the job stops at in the reply's clock and PS_FLAG_STOP (0: none fixed yet): the
+ * first vote fixes it at the most steps any worker has polled at plus that interval, a poll
+ * step every worker still reaches, and each learns it at its next poll. For a job without
+ * periodic checkpoints, whose workers have no barrier to vote at. */
+#define PS_FLAG_POLL 0x40u
+#define PS_POLL_MAX_EVERY (1u << 20)
+#define PS_POLL_MAX_STEP (1u << 31)
 /* Key lists of recent PULLs each server keeps per (worker, table), and each client per
  * (table, shard): enough for a worker that prefetches the next batch while pushing this one. */
 #define PS_KEYLIST_RING 4u

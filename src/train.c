@@ -285,6 +285,23 @@ static bool ckpt_after(const setup *S, uint64_t steps)
     return every && steps % every == 0 && steps > floor && steps < S->min_steps;
 }
 
+/* A cluster job without --checkpoint-every has no barrier its workers could vote to stop at
+ * (checkpoint): they poll shard 0 every TRAIN_STOP_POLL steps instead (ps_client_stop_poll,
+ * which never waits for the others), and a signal's stop is fixed at a later poll step that
+ * every worker reaches, where they checkpoint together. 100 steps: a poll is a cut (the next
+ * batch's pull waits for it, ~1-3 ms here), so ~0.3% of the loop, and a stop comes within
+ * ~200 steps of the signal. */
+#define TRAIN_STOP_POLL 100
+
+/* Whether the worker polls for a stop once `steps` batches are done: at the multiples of
+ * TRAIN_STOP_POLL every worker passes in this run, as ckpt_after's. */
+static bool poll_after(const setup *S, uint64_t steps)
+{
+    uint64_t floor = S->o->resume ? S->resume_step : 0;
+    return S->o->cluster_path && S->o->ckpt_every == 0 && steps % TRAIN_STOP_POLL == 0 &&
+           steps > floor && steps < S->min_steps;
+}
+
 /* The log's descriptor for interrupt_note (-1: none): a signal handler may only write(2). */
 static volatile sig_atomic_t log_fd_for_signal = -1;
 /* The first SIGINT / SIGTERM the process got (0: none). An embedded run's workers stop at a step
@@ -368,7 +385,8 @@ static uint64_t stop_step(const setup *S)
 
 static bool cut_after(const setup *S, uint32_t w, uint64_t steps)
 {
-    return ckpt_after(S, steps) || eval_after(S, w, steps) || steps == stop_step(S);
+    return ckpt_after(S, steps) || poll_after(S, steps) || eval_after(S, w, steps) ||
+           steps == stop_step(S);
 }
 
 /* ---- batches in the model's layout ---- */
@@ -1686,6 +1704,35 @@ static bool cluster_stop(worker *W, uint64_t step)
     return true;
 }
 
+/* A cluster worker's stop poll at `step` (poll_after): votes when this process had a signal,
+ * and takes the stop step shard 0 answers, once one is fixed, as its own (stop_after then stops
+ * there). A stop at or past the steps every worker reaches is left alone: the run ends first,
+ * with its final checkpoint. */
+static int stop_poll(worker *W, ps_client *c, uint64_t step, char **errptr)
+{
+    setup *S = W->S;
+    const bool vote = __atomic_load_n(&stop_signal, __ATOMIC_RELAXED) != 0;
+    uint64_t at = 0;
+    int rc = ps_client_stop_poll(c, step, TRAIN_STOP_POLL, vote, &at, errptr);
+    if (rc != CM_OK || at == 0 || at >= S->min_steps) return rc;
+    if (at < step) /* shard 0 broke its own rule: the others will wait at `at` for this one */
+        return cm_err(errptr, CM_ERR,
+                      "worker %u: shard 0 fixed the stop at step %" PRIu64
+                      ", which this worker has passed (step %" PRIu64 ")",
+                      W->index, at, step);
+    pthread_mutex_lock(&S->stop_mu);
+    const bool news = S->stop_at != at;
+    __atomic_store_n(&S->stop_at, at, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&S->stop_mu);
+    if (news)
+        fprintf(stderr,
+                "ember train: worker %u: stopping at step %" PRIu64
+                " (%s): checkpoint, then exit\n",
+                W->index, at,
+                vote ? "this worker had a signal" : "another process of the cluster had a signal");
+    return CM_OK;
+}
+
 /* Every worker's rows and summed loss this run, from the final checkpoint's position files
  * (each worker writes its own before the checkpoint's last barrier): in a cluster the other
  * workers are other processes, and the job's figures are theirs too. */
@@ -1957,6 +2004,7 @@ static int worker_loop(worker *W, ps_client *c, void *be, char **errptr)
             window_n = 0;
             last_log = cm_now();
         }
+        if (rc == CM_OK && poll_after(S, step)) rc = stop_poll(W, c, step, errptr);
         /* Checkpoint while this stage is still held: the prefetcher has pulled exactly batch
          * step+1 and nothing later, so the cut is the same on every run. A resumed run pulls
          * batch step+1 after the checkpoint; so does this one. */
@@ -2598,12 +2646,18 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
                                false);
             }
         }
-        /* A cluster worker's log is its stderr (tools/launch keeps it). Without
-         * --checkpoint-every there is no checkpoint to agree at: the default action. */
+        /* A cluster worker's log is its stderr (tools/launch keeps it). It votes at its next
+         * periodic checkpoint, or without --checkpoint-every at its next stop poll
+         * (poll_after). */
         if (o->cluster_path && oc.ckpt_every > 0)
             stop_on_signal("[ stopping] signal: this worker votes to stop at the next periodic "
                            "checkpoint; every worker stops after it, then exits (a second "
                            "signal stops at once)\n",
+                           true);
+        else if (o->cluster_path)
+            stop_on_signal("[ stopping] signal: this worker votes to stop at its next stop poll "
+                           "(every 100 steps); every worker checkpoints at a step they all "
+                           "reach and stops, then exits (a second signal stops at once)\n",
                            true);
         train_log(&S,
                   "ember train %s: model %s, %u worker(s), %u shard(s), batch %u, epochs %u, "
@@ -2692,11 +2746,10 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
     } else if (rc == CM_OK && run_ps) {
         /* The workers still need this shard for the checkpoint they stop after, and worker 0
          * shuts the cluster down once it is written: a first signal only says so. */
-        if (oc.ckpt_every > 0)
-            stop_on_signal("[ stopping] signal: serving on until the workers have written their "
-                           "stop checkpoint and worker 0 shuts the cluster down (a second signal "
-                           "stops at once)\n",
-                           true);
+        stop_on_signal("[ stopping] signal: serving on until the workers have written their "
+                       "stop checkpoint and worker 0 shuts the cluster down (a second signal "
+                       "stops at once)\n",
+                       true);
         ps_server_wait(servers[first_s]);
         res->stop_signal = __atomic_load_n(&stop_signal, __ATOMIC_RELAXED);
         if (ps_server_fenced(servers[first_s]))

@@ -302,6 +302,19 @@ static void test_other_ops(void)
     expect_error("barrier payload", m.buf, m.len, "no payload", 1);
     build(&m, PS_OP_SHUTDOWN, 0, 0, 0, junk, sizeof junk);
     expect_error("shutdown payload", m.buf, m.len, "no payload", 1);
+    /* A stop poll's interval (count) of 0 or over 2^20, or a step (clock) over 2^31, whose sum
+     * would not fit the reply's clock. */
+    static const struct {
+        uint32_t every, step;
+    } polls[] = {{0, 100}, {(1u << 20) + 1, 100}, {100, (1u << 31) + 1}};
+    for (size_t i = 0; i < sizeof polls / sizeof *polls; i++) {
+        build(&m, PS_OP_BARRIER, 0, polls[i].every, 0, NULL, 0);
+        m.buf[offsetof(ps_hdr, flags)] = PS_FLAG_POLL | PS_FLAG_STOP;
+        uint32_t clock = polls[i].step;
+        memcpy(m.buf + offsetof(ps_hdr, clock), &clock, sizeof clock);
+        ps_wire_seal(m.buf, 0);
+        expect_error("stop poll out of range", m.buf, m.len, "stop poll", 1);
+    }
     /* A read-back push and its resend: both replies carry the block after the one update. */
     float ones[8] = {1, 1, 1, 1, 1, 1, 1, 1};
     build(&m, PS_OP_PUSH_DENSE, 0, 0, 0, ones, sizeof ones);

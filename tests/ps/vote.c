@@ -6,6 +6,8 @@
  *     again, whether the one entering it again voted or not;
  *   - an older barrier entered again (passes at once) answers only the caller's own vote;
  *   - ps_client_barrier still passes as before (a vote of false);
+ *   - stop polls (ps_client_stop_poll) answer at once: none before a vote, then the step the
+ *     first vote fixed (the most steps polled at plus the interval), to every worker after;
  *   - a barrier still parked when a SHUTDOWN comes is answered with an error at once.
  */
 #include <pthread.h>
@@ -80,6 +82,33 @@ int main(void)
     CHECK(ps_client_barrier(a, NULL) == CM_OK);
     pthread_join(vb.th, NULL);
     CHECK(vb.rc == CM_OK && !vb.any);
+
+    /* Stop polls (ps_client_stop_poll) never wait for the other worker; the first vote fixes
+     * the stop at the most steps either polled at plus the interval, and every later poll,
+     * voting or not, answers that step. */
+    struct {
+        ps_client *c;
+        uint64_t step;
+        bool vote;
+        uint64_t want;
+    } polls[] = {{a, 100, false, 0},   {b, 300, false, 0},  {a, 200, true, 400},
+                 {b, 400, false, 400}, {a, 300, true, 400}, {b, 500, true, 400}};
+    for (size_t i = 0; i < sizeof polls / sizeof *polls; i++) {
+        uint64_t at = 99;
+        char *perr = NULL;
+        const double tp = cm_now();
+        int rc = ps_client_stop_poll(polls[i].c, polls[i].step, 100, polls[i].vote, &at, &perr);
+        CHECK_OK(rc, perr);
+        CHECK_MSG(rc == CM_OK && at == polls[i].want && cm_now() - tp < 2,
+                  "poll %zu (worker %d, step %" PRIu64 ", vote %d): stop at %" PRIu64
+                  " after %.2f s; expected %" PRIu64 " at once",
+                  i, polls[i].c == b, polls[i].step, polls[i].vote, at, cm_now() - tp,
+                  polls[i].want);
+    }
+    uint64_t at = 99;
+    char *perr = NULL;
+    CHECK(ps_client_stop_poll(a, 100, 0, true, &at, &perr) != CM_OK && at == 0 && perr != NULL);
+    free(perr);
 
     /* A SHUTDOWN answers every wait still parked, with an error, at once: a worker that entered
      * a stop vote's barrier again at a backup after the others had stopped would otherwise

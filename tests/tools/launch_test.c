@@ -7,7 +7,8 @@
  * niceness 5 (--ps-nice), the workers at the caller's; a bad --ps-nice is refused. A job with
  * --checkpoint-every stopped with SIGTERM stops gracefully: every process gone within 30 s,
  * launch's status 143, LATEST naming a checkpoint newer than the one written when the signal
- * came and before the end, and a --resume through launch completing the schedule.
+ * came and before the end, and a --resume through launch completing the schedule; so does one
+ * without it (its workers' stop polls fix the checkpoint's step).
  *
  * argv[1] is tools/launch; $EMBER_BIN the ember binary (set by ember_add_test). Every child runs
  * in its own process group under a watchdog, so a hung launch cannot outlive the test.
@@ -231,19 +232,23 @@ static pid_t listed_pid(const char *run_dir, const char *want, int want_idx)
  * once and the steps since the last periodic checkpoint were lost. With to_worker the signal
  * goes to worker 1 alone (a scheduler's to one process): launch must take its stop for what it
  * is and wait for the others, not fail the job and kill them (it did), and no resume is run. */
-static void graceful_stop(const char *train, bool to_worker)
+/* With polls, the job has no --checkpoint-every: the workers' stop polls of shard 0 (every 100
+ * steps) fix a step they all reach, and they checkpoint there and stop (before, every process
+ * died at once and the whole run was lost). */
+static void graceful_stop(const char *train, bool to_worker, bool polls)
 {
     char run_dir[4300], out[4400];
-    snprintf(run_dir, sizeof run_dir, "%s/run-grace%s", dir, to_worker ? "-w" : "");
+    snprintf(run_dir, sizeof run_dir, "%s/run-grace%s%s", dir, to_worker ? "-w" : "",
+             polls ? "-p" : "");
     snprintf(out, sizeof out, "%s.json", run_dir);
-    const unsigned total = 400;
+    const unsigned total = polls ? 2000 : 400;
     /* The job's command line, split at spaces (no path here has one) with room for one more
      * argument (--resume). */
     char line_buf[16384], *job[32];
     snprintf(line_buf, sizeof line_buf,
              "%s --ps 1 --workers 2 --out %s -- --train %s --model mlp --batch 64 --epochs 100 "
-             "--max-steps %u --checkpoint-every 20 --device cpu --no-progress",
-             launch, run_dir, train, total);
+             "--max-steps %u --device cpu --no-progress%s",
+             launch, run_dir, train, total, polls ? "" : " --checkpoint-every 20");
     size_t n = 0;
     for (char *save = NULL, *t = strtok_r(line_buf, " ", &save); t && n < 30;
          t = strtok_r(NULL, " ", &save))
@@ -251,11 +256,18 @@ static void graceful_stop(const char *train, bool to_worker)
     job[n] = job[n + 1] = NULL;
     pid_t pid = spawn(job, "/dev/null");
     unsigned long before = 0;
-    for (int i = 0; i < 1200 && before == 0; i++) { /* its first checkpoint: it is training */
+    char note[4400];
+    snprintf(note, sizeof note, "%s/progress/worker-1", run_dir);
+    bool training = false;
+    /* Its first checkpoint, or with polls worker 1's progress note (written as its loop
+     * starts): it is training. */
+    for (int i = 0; i < 1200 && !training; i++) {
         usleep(25000);
         before = latest_step(run_dir);
+        training = polls ? access(note, F_OK) == 0 : before > 0;
     }
-    CHECK_MSG(before > 0, "no checkpoint within 30 s (logs in %s/logs)", run_dir);
+    CHECK_MSG(training, "not training within 30 s (logs in %s/logs)", run_dir);
+    if (polls) usleep(300000);
     double t_term = now_s();
     pid_t target = to_worker ? listed_pid(run_dir, "worker", 1) : pid;
     CHECK_MSG(target > 0, "no worker 1 in %s/pids", run_dir);
@@ -273,10 +285,10 @@ static void graceful_stop(const char *train, bool to_worker)
     CHECK_MSG(took < 30, "the job took %.1f s to stop", took);
     CHECK(alive_from(run_dir, &listed) == 0);
     CHECK(listed == 3);
-    CHECK_MSG(at > before && at < total,
+    CHECK_MSG(at > before && at < total && (!polls || at % 100 == 0),
               "LATEST names step %lu: expected a checkpoint after step %lu (written when the "
-              "signal came) and before the end (%u)",
-              at, before, total);
+              "signal came) and before the end (%u)%s",
+              at, before, total, polls ? ", at a stop poll's step (a multiple of 100)" : "");
     if (to_worker) return;
     /* The --resume through launch completes the job. */
     job[n] = "--resume";
@@ -458,7 +470,9 @@ int main(int argc, char **argv)
     CHECK(alive_from(run_stop, &listed) == 0);
     CHECK(listed == 3);
 
-    graceful_stop(train, false);
-    graceful_stop(train, true);
+    graceful_stop(train, false, false);
+    graceful_stop(train, true, false);
+    graceful_stop(train, false, true);
+    graceful_stop(train, true, true);
     return check_done();
 }
