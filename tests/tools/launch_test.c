@@ -371,10 +371,32 @@ int main(int argc, char **argv)
                        "--train", train, NULL};
     CHECK_MSG(run(badnice, "/dev/null", 30) == 2, "--ps-nice x accepted");
 
-    /* 3. SIGTERM while the job runs (long enough not to finish first). */
-    char *term[] = {(char *)launch, "--ps", "2", "--workers", "2", "--out", run_term, "--", "--train", train,
-                    "--model", "mlp", "--batch", "64", "--epochs", "1000", "--device", "cpu",
-                    "--no-progress", NULL};
+    /* 3. SIGTERM while the job runs (long enough not to finish first). The workers then stop
+     * at a checkpoint their stop polls fix (graceful_stop tests that), which a sanitizer build
+     * with a hung PS can take longer than this test allows: --grace 2 bounds it, after which
+     * launch kills what is left, and a hung PS must not delay that. */
+    char *term[] = {(char *)launch,
+                    "--ps",
+                    "2",
+                    "--workers",
+                    "2",
+                    "--grace",
+                    "2",
+                    "--out",
+                    run_term,
+                    "--",
+                    "--train",
+                    train,
+                    "--model",
+                    "mlp",
+                    "--batch",
+                    "64",
+                    "--epochs",
+                    "1000",
+                    "--device",
+                    "cpu",
+                    "--no-progress",
+                    NULL};
     pid_t pid = spawn(term, "/dev/null");
     int before = wait_listed(run_term, 4, &listed);
     CHECK_MSG(before > 0, "no process of the job running before SIGTERM (%d listed)", listed);
