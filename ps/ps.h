@@ -214,6 +214,11 @@ uint32_t ps_apply_threads_default(uint32_t n);
 int ps_server_create(const ps_server_opts *opts, ps_server **out, char **errptr);
 /* Blocks until a SHUTDOWN request arrives or ps_server_stop is called. */
 int ps_server_wait(ps_server *s);
+/* ps_server_wait for at most ms milliseconds: true once the server has stopped. */
+bool ps_server_wait_for(ps_server *s, uint32_t ms);
+/* Milliseconds since a request was last in progress here (0 while one is: being handled,
+ * parked at a clock or barrier, or its reply being sent), or since the server started. */
+uint64_t ps_server_idle_ms(ps_server *s);
 /* Asks the server to stop (async-signal-safe apart from being a store). */
 void ps_server_stop(ps_server *s);
 /* Stops serving and frees everything. */

@@ -61,6 +61,7 @@ typedef struct srv_ctx {
     /* ST_REPL: resends of this update (ST_DUP, linked by next) whose replies wait for its
      * acknowledgement; state, req and dups move under repl_mu. */
     struct srv_ctx *dups;
+    bool in_req; /* a request is in progress: from its dispatch until this receives again */
 } srv_ctx;
 
 struct ps_server {
@@ -126,6 +127,10 @@ struct ps_server {
     uint32_t backup_pipe;           /* atomic: the id of the open connection to the backup, 0:
                                        none (it is down, or the dialer is between attempts) */
     uint64_t last_reply_ms;         /* atomic: when a reply was last handed to nng */
+    /* atomics: requests in progress (srv_ctx.in_req), and when one last finished (or the
+     * server started): ps_server_idle_ms */
+    uint32_t busy;
+    uint64_t last_done_ms;
 };
 
 #define STAT_ADD(s, field, v) __atomic_add_fetch(&(s)->st.field, (v), __ATOMIC_RELAXED)
@@ -219,6 +224,18 @@ static bool clock_ready(const struct ps_server *s, uint64_t c)
     return lo > UINT64_MAX - k || c <= lo + k;
 }
 
+/* c receives its next request: the one it served, if any, is finished. */
+static void ctx_recv(srv_ctx *c)
+{
+    if (c->in_req) {
+        c->in_req = false;
+        __atomic_store_n(&c->s->last_done_ms, now_ms(), __ATOMIC_RELAXED);
+        __atomic_sub_fetch(&c->s->busy, 1, __ATOMIC_RELAXED);
+    }
+    c->state = ST_RECV;
+    nng_ctx_recv(c->ctx, c->aio);
+}
+
 /* Sends a parked context's reply; with none (out of memory) the context goes back to
  * receiving, its request unanswered (the client's timeout tells), rather than leave the pool. */
 static void ctx_send_deferred(srv_ctx *c, nng_msg *reply)
@@ -227,8 +244,7 @@ static void ctx_send_deferred(srv_ctx *c, nng_msg *reply)
         ctx_send(c, reply);
         return;
     }
-    c->state = ST_RECV;
-    nng_ctx_recv(c->ctx, c->aio);
+    ctx_recv(c);
 }
 
 /* Parks c, serving request h, on *list (the clock or the barrier waiters); s->mu held.
@@ -1795,6 +1811,8 @@ static void ctx_cb(void *arg)
         if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) return;
         if (rv == 0) {
             nng_msg *reply = NULL;
+            c->in_req = true;
+            __atomic_add_fetch(&s->busy, 1, __ATOMIC_RELAXED);
             if (handle(s, c, ps_aio_msg_take(c->aio), &reply)) return; /* parked */
             if (reply != NULL) {
                 ctx_send(c, reply);
@@ -1803,8 +1821,7 @@ static void ctx_cb(void *arg)
         }
     }
     if (rv == NNG_ECLOSED) return;
-    c->state = ST_RECV;
-    nng_ctx_recv(c->ctx, c->aio);
+    ctx_recv(c);
 }
 
 /* ---- life cycle ---- */
@@ -1845,6 +1862,7 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
     s->is_backup = o->backup;
     s->has_backup = o->replica_url != NULL && !o->backup;
     s->next_seq = 1;
+    s->last_done_ms = now_ms();
     /* A primary has at most its contexts' updates in flight, each a message within
      * max_message; so a backup with as many contexts never holds more than this for it. */
     s->log_max =
@@ -1976,16 +1994,32 @@ fail:
 
 int ps_server_wait(ps_server *s)
 {
+    while (!ps_server_wait_for(s, 1000)) {
+    }
+    return CM_OK;
+}
+
+bool ps_server_wait_for(ps_server *s, uint32_t ms)
+{
+    const double end = cm_now() + ms / 1000.0;
     pthread_mutex_lock(&s->mu);
-    while (!__atomic_load_n(&s->stopping, __ATOMIC_RELAXED)) {
+    while (!__atomic_load_n(&s->stopping, __ATOMIC_RELAXED) && cm_now() < end) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000 * 1000;
+        ts.tv_nsec += 20 * 1000 * 1000;
         if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
         pthread_cond_timedwait(&s->stop_cv, &s->mu, &ts);
     }
+    const bool stopped = __atomic_load_n(&s->stopping, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&s->mu);
-    return CM_OK;
+    return stopped;
+}
+
+uint64_t ps_server_idle_ms(ps_server *s)
+{
+    if (__atomic_load_n(&s->busy, __ATOMIC_RELAXED) != 0) return 0;
+    const uint64_t done = __atomic_load_n(&s->last_done_ms, __ATOMIC_RELAXED), now = now_ms();
+    return now > done ? now - done : 0;
 }
 
 bool ps_server_fenced(ps_server *s)

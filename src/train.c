@@ -2750,7 +2750,22 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
                        "stop checkpoint and worker 0 shuts the cluster down (a second signal "
                        "stops at once)\n",
                        true);
-        ps_server_wait(servers[first_s]);
+        /* A signal with no worker there to stop (they are gone, or never came): a live worker
+         * sends requests every step, and one at a checkpoint or a barrier has a request in
+         * progress, so --ps-timeout without any after the signal means none is left to shut
+         * this shard down. */
+        const uint32_t lone_ms = oc.ps_timeout_ms ? oc.ps_timeout_ms : PS_TIMEOUT_DEFAULT_MS;
+        while (!ps_server_wait_for(servers[first_s], 100)) {
+            const uint64_t idle = ps_server_idle_ms(servers[first_s]);
+            if (__atomic_load_n(&stop_signal, __ATOMIC_RELAXED) != 0 && idle >= lone_ms) {
+                fprintf(stderr,
+                        "ember train: shard %u: no worker request for %" PRIu64
+                        " ms with a signal pending (--ps-timeout %u): no worker is left to shut "
+                        "it down; stopping\n",
+                        first_s, idle, lone_ms);
+                ps_server_stop(servers[first_s]);
+            }
+        }
         res->stop_signal = __atomic_load_n(&stop_signal, __ATOMIC_RELAXED);
         if (ps_server_fenced(servers[first_s]))
             rc = cm_err(errptr, CM_ERR, "shard %u: its backup took over; this primary stopped",

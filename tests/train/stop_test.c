@@ -8,6 +8,7 @@
  *   prediction for prediction, as the run straight through;
  * - two workers (asynchronous, so each may be at another step when the signal comes), SIGINT:
  *   both stop at one checkpoint (130), and the resumed run completes its schedule;
+ * - a cluster PS role with no worker left stops on its first signal after --ps-timeout;
  * - a second signal stops the process at once, by that signal.
  */
 #include <signal.h>
@@ -131,6 +132,41 @@ int main(void)
     CHECK(run("train %s --out W --resume", two) == 0);
     CHECK_MSG(jnum(last_line(), "steps") > (double)at, "resumed from step %lu: %s", at,
               last_line());
+
+    /* A cluster PS role whose workers are gone (here: never came) stops on its first signal
+     * once --ps-timeout passes with no worker request: before, it served on after the note
+     * "serving on until worker 0 shuts the cluster down", which nobody would send, until a
+     * second signal or a KILL. */
+    {
+        char ini[4200];
+        snprintf(ini, sizeof ini, "%s/lone.ini", dir);
+        FILE *f = fopen(ini, "w");
+        CHECK(f != NULL);
+        if (f != NULL) {
+            fprintf(f, "[cluster]\nps = ipc://%s/lone-ps0\nworkers = 1\n", dir);
+            fclose(f);
+        }
+        char cmd[8192];
+        snprintf(
+            cmd, sizeof cmd,
+            "cd '%s' && exec '%s' train --cluster lone.ini --role ps --index 0 --train ds/train "
+            "--model mlp --batch 128 --ps-timeout 1500 --no-progress --out L >L.stdout "
+            "2>L.stderr",
+            dir, bin);
+        char *argv[] = {"/bin/sh", "-c", cmd, NULL};
+        pid_t pid = psp_spawn_argv(argv, NULL, NULL);
+        CHECK(pid > 0);
+        usleep(500000); /* listening */
+        const double t0 = psp_now();
+        const int st = psp_stop(pid, SIGTERM, 20);
+        const double took = psp_now() - t0;
+        char *err = slurp("L.stderr");
+        CHECK_MSG(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 128 + SIGTERM && took < 10,
+                  "a lone PS role after SIGTERM: status %d (exit %d) after %.1f s; stderr: %.300s",
+                  st, WIFEXITED(st) ? WEXITSTATUS(st) : -1, took, err ? err : "");
+        CHECK_MSG(err && strstr(err, "no worker is left"), "stderr: %.300s", err ? err : "");
+        free(err);
+    }
 
     /* A second signal does not wait for the checkpoint (steps of 4096 rows: the stop, three
      * steps away, normally comes well after the second signal). On a loaded machine this test
