@@ -161,6 +161,8 @@ int main(void)
         const int st = psp_stop(pid, SIGTERM, 20);
         const double took = psp_now() - t0;
         char *err = slurp("L.stderr");
+        fprintf(stderr, "stop_test: a lone PS role stopped %.2f s after SIGTERM (status %d)\n",
+                took, st);
         CHECK_MSG(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 128 + SIGTERM && took < 10,
                   "a lone PS role after SIGTERM: status %d (exit %d) after %.1f s; stderr: %.300s",
                   st, WIFEXITED(st) ? WEXITSTATUS(st) : -1, took, err ? err : "");
