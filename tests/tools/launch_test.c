@@ -241,7 +241,7 @@ static void graceful_stop(const char *train, bool to_worker, bool polls)
     snprintf(run_dir, sizeof run_dir, "%s/run-grace%s%s", dir, to_worker ? "-w" : "",
              polls ? "-p" : "");
     snprintf(out, sizeof out, "%s.json", run_dir);
-    const unsigned total = polls ? 2000 : 400;
+    const unsigned total = polls ? 1000 : 400;
     /* The job's command line, split at spaces (no path here has one) with room for one more
      * argument (--resume). */
     char line_buf[16384], *job[32];
