@@ -601,12 +601,8 @@ static nng_msg *handle_poll(struct ps_server *s, const ps_hdr *h)
     }
     const uint32_t at = (uint32_t)s->poll_stop_at; /* at most 2^31 + 2^20 */
     pthread_mutex_unlock(&s->mu);
-    nng_msg *m = reply_ok(h, 0, NULL);
-    if (m != NULL) {
-        ps_hdr *r = nng_msg_body(m);
-        r->flags = at != 0 ? PS_FLAG_STOP : 0;
-        r->clock = at;
-    }
+    nng_msg *m = barrier_reply(h, at != 0);
+    if (m != NULL) ((ps_hdr *)nng_msg_body(m))->clock = at;
     return m;
 }
 

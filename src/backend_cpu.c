@@ -523,12 +523,15 @@ static int dw_chunks(const gemm *g)
  * are sized at create; the per-batch ones grow with the batch (a failed growth just leaves
  * that batch to the GEMM).
  */
+/* The factorized layer's kernel sets (fact_sets): each gives the portable set's bits. */
+typedef enum fact_isa { FACT_ISA_PORTABLE, FACT_ISA_AVX2, FACT_ISA_AVX512 } fact_isa;
+
 typedef struct fact {
     bool on;    /* the model and flags allow it (fact_init) */
     bool force; /* BACKEND_FACTORED: on every batch, whatever the cost model says */
     /* the vector kernels that run (d 16, H a multiple of FACT_COLS, the CPU has them), or the
      * portable ones */
-    enum { FACT_ISA_PORTABLE, FACT_ISA_AVX2, FACT_ISA_AVX512 } isa;
+    fact_isa isa;
     uint32_t F, d, D, H, in, wb, nblk; /* wb: a forward column block's width; nblk = H / wb */
     uint32_t gb, ngb;                  /* the backward's column blocks: gb wide, ngb = H / gb */
     float *wt; /* W1^T in column blocks: W1[h][i] at wt[((h / wb) * in + i) * wb + h % wb] */
@@ -1215,15 +1218,6 @@ static int fact_init(cpu *c, uint32_t flags)
     return CM_OK;
 }
 
-const char *backend_cpu_fact_kernels(uint32_t flags)
-{
-    const model_cfg m = {.kind = MODEL_MLP, .n_fields = 1, .dim = 16};
-    const model_layout l = {.emb_table = 0, .n_top = 2, .top = {{.in = 16, .out = FACT_COLS}}};
-    fact x;
-    fact_shape(&x, &m, &l, flags & ~(uint32_t)BACKEND_PLAIN);
-    return x.isa == FACT_ISA_AVX512 ? "avx512" : x.isa == FACT_ISA_AVX2 ? "avx2" : "portable";
-}
-
 /*
  * The cost model: the factorized layer's work grows with the units (P, the row gradients and
  * dW_f cost ~H d multiply-adds a unit, besides the gathers a slot), the GEMM's with the samples
@@ -1400,6 +1394,43 @@ static void fact_gblk_scalar(const fact *x, const float *dY, const float *E, flo
 #include "backend_cpu_fact.h"
 #endif
 
+/* fact_gblk_scalar over field f's units, column block b: dW_f's rows of the block from 0. */
+static void fact_gblk_portable(const fact *x, const float *dY, const float *E, float *W, uint32_t f,
+                               uint32_t b)
+{
+    for (uint32_t h = b * x->gb; h < (b + 1) * x->gb; h++)
+        memset(W + (size_t)h * x->in + (size_t)f * x->d, 0, x->d * sizeof(float));
+    for (uint32_t un = x->field_ptr[f]; un < x->field_ptr[f + 1]; un++)
+        fact_gblk_scalar(x, dY, E, W, un, b);
+}
+
+/* The kernel sets by fact.isa, one interface: a forward column block's P and Y1 columns, and
+ * a backward (column block, field) task. */
+typedef struct fact_kernels {
+    const char *name;
+    void (*p)(const fact *x, const float *E, const float *w, float *Pb);
+    void (*y)(const fact *x, const model_batch *b, const float *bias, const float *w,
+              const float *Pb, float *Y, uint32_t col0);
+    void (*gblk)(const fact *x, const float *dY, const float *E, float *W, uint32_t f, uint32_t b);
+} fact_kernels;
+
+static const fact_kernels fact_sets[] = {
+    [FACT_ISA_PORTABLE] = {"portable", fact_p_scalar, fact_y_scalar, fact_gblk_portable},
+#ifdef FACT_X86
+    [FACT_ISA_AVX2] = {"avx2", fact_p_avx2, fact_y_avx2, fact_gblk_avx2},
+    [FACT_ISA_AVX512] = {"avx512", fact_p_avx512, fact_y_avx512, fact_gblk_avx512},
+#endif
+};
+
+const char *backend_cpu_fact_kernels(uint32_t flags)
+{
+    const model_cfg m = {.kind = MODEL_MLP, .n_fields = 1, .dim = 16};
+    const model_layout l = {.emb_table = 0, .n_top = 2, .top = {{.in = 16, .out = FACT_COLS}}};
+    fact x;
+    fact_shape(&x, &m, &l, flags & ~(uint32_t)BACKEND_PLAIN);
+    return fact_sets[x.isa].name;
+}
+
 typedef struct fact_job {
     cpu *c;
     const float *P;
@@ -1429,20 +1460,8 @@ static void fact_fwd_part(void *arg, int part, int nparts)
         if (blk >= x->nblk) break;
         const float *w = (j->wt ? j->wt : x->wt) + (size_t)blk * x->in * x->wb;
         if (j->wt == NULL) fact_wt_block(x, j->P + ly->w, blk, x->wt, x->wf);
-#ifdef FACT_X86
-        if (x->isa == FACT_ISA_AVX512) {
-            fact_p_avx512(x, E, w, Pb);
-            fact_y_avx512(x, j->b, j->P + ly->b, w, Pb, c->act[0], blk * x->wb);
-            continue;
-        }
-        if (x->isa == FACT_ISA_AVX2) {
-            fact_p_avx2(x, E, w, Pb);
-            fact_y_avx2(x, j->b, j->P + ly->b, w, Pb, c->act[0], blk * x->wb);
-            continue;
-        }
-#endif
-        fact_p_scalar(x, E, w, Pb);
-        fact_y_scalar(x, j->b, j->P + ly->b, w, Pb, c->act[0], blk * x->wb);
+        fact_sets[x->isa].p(x, E, w, Pb);
+        fact_sets[x->isa].y(x, j->b, j->P + ly->b, w, Pb, c->act[0], blk * x->wb);
     }
 }
 
@@ -1460,20 +1479,7 @@ static void fact_bwd_g_part(void *arg, int part, int nparts)
     part_range((size_t)x->ngb * x->F, part, nparts, &t0, &t1);
     for (size_t t = t0; t < t1; t++) {
         const uint32_t b = (uint32_t)(t / x->F), f = (uint32_t)(t % x->F);
-#ifdef FACT_X86
-        if (x->isa == FACT_ISA_AVX512) {
-            fact_gblk_avx512(x, c->gact[0], E, W, f, b);
-            continue;
-        }
-        if (x->isa == FACT_ISA_AVX2) {
-            fact_gblk_avx2(x, c->gact[0], E, W, f, b);
-            continue;
-        }
-#endif
-        for (uint32_t h = b * x->gb; h < (b + 1) * x->gb; h++)
-            memset(W + (size_t)h * x->in + (size_t)f * x->d, 0, x->d * sizeof(float));
-        for (uint32_t un = x->field_ptr[f]; un < x->field_ptr[f + 1]; un++)
-            fact_gblk_scalar(x, c->gact[0], E, W, un, b);
+        fact_sets[x->isa].gblk(x, c->gact[0], E, W, f, b);
     }
 }
 

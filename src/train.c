@@ -1690,17 +1690,24 @@ static bool stop_after(worker *W, uint64_t step)
     return here;
 }
 
+/* Why a cluster worker stops, for its stderr. */
+static const char *stop_cause(void)
+{
+    return __atomic_load_n(&stop_signal, __ATOMIC_RELAXED) != 0
+               ? "this worker had a signal"
+               : "another process of the cluster had a signal";
+}
+
 /* A cluster worker learnt at the checkpoint of `step` that a worker voted to stop there
  * (checkpoint): it stops after it, as every other worker does. Returns true. */
 static bool cluster_stop(worker *W, uint64_t step)
 {
     setup *S = W->S;
     __atomic_store_n(&S->stop_at, step, __ATOMIC_RELEASE);
-    const int sig = __atomic_load_n(&stop_signal, __ATOMIC_RELAXED);
+    /* tools/launch reads this line: a worker that stopped here was not a failure */
     fprintf(stderr,
             "ember train: worker %u: stopping after the checkpoint at step %" PRIu64 " (%s)\n",
-            W->index, step,
-            sig ? "this worker had a signal" : "another process of the cluster had a signal");
+            W->index, step, stop_cause());
     return true;
 }
 
@@ -1728,8 +1735,7 @@ static int stop_poll(worker *W, ps_client *c, uint64_t step, char **errptr)
         fprintf(stderr,
                 "ember train: worker %u: stopping at step %" PRIu64
                 " (%s): checkpoint, then exit\n",
-                W->index, at,
-                vote ? "this worker had a signal" : "another process of the cluster had a signal");
+                W->index, at, stop_cause());
     return CM_OK;
 }
 
