@@ -113,14 +113,22 @@ int cm_gemm_bf16_pre(int ta, int tb, int M, int N, int K, const float *A, int ld
 /* C (M x N, leading dimension ldc) = op(A) op(B) in fp32, arguments as cm_gemm_bf16's. Each
  * element of C is its K products summed in order by fused multiply-adds from 0
  * (c = fmaf(a_k, b_k, c)), so the result depends on the values only: not on a cut of the GEMM
- * into tiles, nor on the thread, nor on the path. simd 1 takes the AVX-512 path where
- * cm_gemm_f32_simd_available(), else (and with simd 0) the portable loops, which give the same
- * bits (tests hold them equal) and are only slower. Packing scratch is the calling thread's
- * own, as cm_gemm_bf16's. Returns 0, or CM_ENOMEM (C untouched). */
-int cm_gemm_f32(int simd, int ta, int tb, int M, int N, int K, const float *A, int lda,
+ * into tiles, nor on the thread, nor on the path. path: CM_GEMM_F32_BEST takes the CPU's
+ * widest vector path (AVX-512, else AVX2 with FMA), CM_GEMM_F32_AVX2 the AVX2 one even where
+ * AVX-512 is (tests), CM_GEMM_F32_PORTABLE the plain loops; a path the CPU lacks falls back to
+ * the loops. All give the same bits (tests hold them equal); the loops are only slower.
+ * Packing scratch is the calling thread's own, as cm_gemm_bf16's. Returns 0, or CM_ENOMEM (C
+ * untouched). */
+#define CM_GEMM_F32_PORTABLE 0
+#define CM_GEMM_F32_BEST 1
+#define CM_GEMM_F32_AVX2 2
+int cm_gemm_f32(int path, int ta, int tb, int M, int N, int K, const float *A, int lda,
                 const float *B, int ldb, float *C, int ldc);
-/* 1 when this build and CPU run cm_gemm_f32's AVX-512 path. */
+/* 1 when this build and CPU run a vector path of cm_gemm_f32 (CM_GEMM_F32_BEST is not the
+ * loops). */
 int cm_gemm_f32_simd_available(void);
+/* What a path runs here: "avx512", "avx2" or "portable". Static storage. */
+const char *cm_gemm_f32_path_name(int path);
 /* op(B) (K x N) packed once for the cm_gemm_f32_pre calls that share it (a layer's weights
  * that do not change: serving), so that they skip the packing cm_gemm_f32 does in every call
  * (for a GEMM of few rows, most of its time). The layout is fixed: panels of
@@ -130,12 +138,12 @@ int cm_gemm_f32_simd_available(void);
 #define CM_GEMM_F32_PANEL 32
 size_t cm_gemm_f32_packed_floats(int N, int K);
 void cm_gemm_f32_pack(int tb, int N, int K, const float *B, int ldb, float *out);
-/* cm_gemm_f32 (simd 1) with op(B) from pb, packed over all its K inner indexes: C (M x N) =
+/* cm_gemm_f32 (on path) with op(B) from pb, packed over all its K inner indexes: C (M x N) =
  * op(A) times op(B)'s columns [j0, j0 + N), j0 a multiple of CM_GEMM_F32_PANEL. The same bits as
- * cm_gemm_f32 on the same values. CM_EINVAL (C untouched) where cm_gemm_f32_simd_available()
- * is 0 or j0 is not so; else as cm_gemm_f32. */
-int cm_gemm_f32_pre(int ta, int M, int N, int K, const float *A, int lda, const float *pb, int j0,
-                    float *C, int ldc);
+ * cm_gemm_f32 on the same values. CM_EINVAL (C untouched) where the path runs the loops here
+ * or j0 is not so; else as cm_gemm_f32. */
+int cm_gemm_f32_pre(int path, int ta, int M, int N, int K, const float *A, int lda, const float *pb,
+                    int j0, float *C, int ldc);
 
 /* int8 quantisation, shared by serving bundles (fp32 scale) and the PS wire (bf16 scale).
  * cm_int8_quantize: q[j] = x[j] * inv rounded to nearest and clamped to +-127, where inv is the

@@ -32,6 +32,14 @@
 #define CM_HAVE_F32_SIMD 1
 #include <immintrin.h>
 #define AVX512_TARGET __attribute__((target("avx512f")))
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+/* The register blocks' inner loops, left out of sanitizer builds' checks: each vector load would
+ * carry a shadow-memory check and each pointer step an overflow check, which made the kernels
+ * ~20x slower there and the suite's GEMM-heavy tests time out. What they read and write is
+ * bounded by their callers' arithmetic, which stays instrumented, and tests/common/gemm.c checks
+ * the bounds themselves (C's padding and tail left alone, operand slack holding NaNs never
+ * read). */
+#define KERNEL_UNCHECKED __attribute__((no_sanitize("address", "undefined")))
 
 /* Transposes 16 rows of 16 32-bit lanes in registers (r[i] lane j becomes r[j] lane i):
  * pairs of lanes, then pairs of pairs, then 128-bit quarters twice. */
@@ -394,13 +402,16 @@ int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, c
  * fp32 GEMM (cm_gemm_f32, contract in common.h).
  *
  * Every element of C is its K products summed in order by fused multiply-adds from 0, so the
- * AVX-512 path and the portable one agree bit for bit, and no cut of the GEMM into tiles or K
+ * AVX-512, AVX2 and portable paths agree bit for bit, and no cut of the GEMM into tiles or K
  * blocks changes a bit: a K block after the first starts its accumulators from C's partial
- * sums. The AVX-512 path is the classic packed one: op(B) in panels of F32_NR columns (each
- * inner index's 32 values in two cache lines), op(A) in panels of F32_MR rows, and an 8 x 32
- * register block (16 accumulators) that reads one B panel row and 8 broadcasts of A a step for
- * 16 FMAs. A B panel (KC x 32 floats, 32 KiB) stays in L1 while the A panels of an MC block (in
- * L2) stream past it. On an AMD EPYC (AVX-512) it runs at 0.96-1.07x OpenBLAS 0.3.21's
+ * sums. The vector paths are the classic packed one: op(B) in panels of F32_NR columns (each
+ * inner index's 32 values in two cache lines), op(A) in panels of F32_MR rows, and a register
+ * block per path. AVX-512: 8 x 32 (16 accumulators), one B panel row and 8 broadcasts of A a
+ * step for 16 FMAs. AVX2 (16 registers of 8 floats): 6 x 16 (12 accumulators), two of them
+ * over a 6 x 32 block, so A in panels of 6 rows; op(B)'s panels are laid out as for AVX-512, so
+ * one packed op(B) (cm_gemm_f32_pack) serves both. A B panel
+ * (KC x 32 floats, 32 KiB) stays in L1 while the A panels of an MC block (in L2) stream past
+ * it. On an AMD EPYC (AVX-512) the AVX-512 path runs at 0.96-1.07x OpenBLAS 0.3.21's
  * Cooperlake kernel and 1.5-2.0x its Haswell one on the mlp's shapes (docs/BENCHMARKS.md,
  * stop 26); 12- and 14-row blocks measured no faster.
  */
@@ -414,8 +425,10 @@ static inline float f32_op(const float *X, int ld, int trans, int r, int k)
     return trans ? X[(size_t)k * ld + r] : X[(size_t)r * ld + k];
 }
 
-static void f32_portable(int ta, int tb, int M, int N, int K, const float *A, int lda,
-                         const float *B, int ldb, float *C, int ldc)
+/* The portable path: each output's in-order fmaf chain, in plain loops. */
+static inline __attribute__((always_inline)) void f32_loops(int ta, int tb, int M, int N, int K,
+                                                            const float *A, int lda, const float *B,
+                                                            int ldb, float *C, int ldc)
 {
     for (int i = 0; i < M; i++) {
         float *c = C + (size_t)i * ldc;
@@ -429,10 +442,40 @@ static void f32_portable(int ta, int tb, int M, int N, int K, const float *A, in
     }
 }
 
+static void f32_portable_plain(int ta, int tb, int M, int N, int K, const float *A, int lda,
+                               const float *B, int ldb, float *C, int ldc)
+{
+    f32_loops(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+}
+
+#ifdef CM_HAVE_F32_SIMD
+/* The same loops where the CPU has FMA: fmaf is then one instruction (elsewhere a libm call per
+ * multiply-add, ~20x slower, which the tests that run this path as the reference feel). Its
+ * bits are the same: a fused multiply-add rounds once whatever computes it. */
+AVX2_TARGET static void f32_portable_fma(int ta, int tb, int M, int N, int K, const float *A,
+                                         int lda, const float *B, int ldb, float *C, int ldc)
+{
+    f32_loops(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+}
+#endif
+
+static void f32_portable(int ta, int tb, int M, int N, int K, const float *A, int lda,
+                         const float *B, int ldb, float *C, int ldc)
+{
+#ifdef CM_HAVE_F32_SIMD
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        f32_portable_fma(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+        return;
+    }
+#endif
+    f32_portable_plain(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+}
+
 #ifdef CM_HAVE_F32_SIMD
 
 /* 8 rows of 8 floats transposed in registers (r[i] lane j becomes r[j] lane i). */
-AVX512_TARGET static inline void transpose8(__m256 r[8])
+AVX2_TARGET static inline void transpose8(__m256 r[8])
 {
     __m256 t[8], u[8];
     for (int i = 0; i < 8; i += 2) {
@@ -455,8 +498,8 @@ AVX512_TARGET static inline void transpose8(__m256 r[8])
  * (rows past M zero): panel p's inner index k at out + (p * kc + k) * 8. Whole panels are
  * copied 8 values at a time (ta: a row of A holds a panel's 8 values of one k) or transposed
  * 8 x 8 in registers; the edges value by value. */
-AVX512_TARGET static void f32_pack_a(int ta, int M, const float *A, int lda, int i0, int mc, int k0,
-                                     int kc, float *out)
+AVX2_TARGET static void f32_pack_a(int ta, int M, const float *A, int lda, int i0, int mc, int k0,
+                                   int kc, float *out)
 {
     for (int p = 0; p * F32_MR < mc; p++) {
         float *o = out + (size_t)p * kc * F32_MR;
@@ -519,10 +562,11 @@ AVX512_TARGET static void f32_pack_b(int tb, int N, const float *B, int ldb, int
     }
 }
 
-/* C's mr x nr block (mr <= F32_MR, nr <= F32_NR) = (load ? itself : 0) + a panel x b panel
+/* C's mr x min(nr, F32_NR) block (mr <= F32_MR) = (load ? itself : 0) + a panel x b panel
  * over kc inner indexes, in order. */
-AVX512_TARGET static void f32_kernel(int kc, const float *restrict a, const float *restrict b,
-                                     float *C, int ldc, int mr, int nr, int load)
+KERNEL_UNCHECKED AVX512_TARGET static void f32_kernel(int kc, const float *restrict a,
+                                                      const float *restrict b, int bs, float *C,
+                                                      int ldc, int mr, int nr, int load)
 {
     __m512 c0[F32_MR], c1[F32_MR];
     const __mmask16 m0 = lanes16(nr), m1 = lanes16(nr - 16);
@@ -541,7 +585,7 @@ AVX512_TARGET static void f32_kernel(int kc, const float *restrict a, const floa
             c1[r] = _mm512_fmadd_ps(x, b1, c1[r]);
         }
         a += F32_MR;
-        b += F32_NR;
+        b += bs;
     }
 #pragma GCC unroll 8
     for (int r = 0; r < F32_MR; r++)
@@ -551,32 +595,183 @@ AVX512_TARGET static void f32_kernel(int kc, const float *restrict a, const floa
         }
 }
 
+/* The first n of 8 lanes (none for n <= 0, all for n >= 8), as AVX2's masked loads and
+ * stores take them. */
+AVX2_TARGET static inline __m256i lanes8(int n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* op(B) over inner indexes [k0, k0 + kc) for the AVX2 path: f32_pack_b's layout but in panels
+ * of F32_NR_AVX2 (16) columns, so that the part of a B panel that one register block reads is
+ * contiguous (in 32-column panels its rows sit 128 bytes apart, which uses only half of L1's
+ * sets). B's rows copied with masks; tb 8 x 8 blocks transposed. */
+#define F32_NR_AVX2 16
+AVX2_TARGET static void f32_pack_b_avx2(int tb, int N, const float *B, int ldb, int k0, int kc,
+                                        float *out)
+{
+    for (int q = 0; q * F32_NR_AVX2 < N; q++) {
+        float *o = out + (size_t)q * kc * F32_NR_AVX2;
+        int j0 = q * F32_NR_AVX2, n = N - j0 < F32_NR_AVX2 ? N - j0 : F32_NR_AVX2;
+        if (!tb) {
+            const __m256i m0 = lanes8(n), m1 = lanes8(n - 8);
+            for (int k = 0; k < kc; k++) {
+                const float *b = B + (size_t)(k0 + k) * ldb + j0;
+                _mm256_store_ps(o + (size_t)k * F32_NR_AVX2, _mm256_maskload_ps(b, m0));
+                _mm256_store_ps(o + (size_t)k * F32_NR_AVX2 + 8, _mm256_maskload_ps(b + 8, m1));
+            }
+            continue;
+        }
+        for (int h = 0; h < F32_NR_AVX2; h += 8) {
+            int k = 0;
+            if (n >= h + 8)
+                for (; k + 8 <= kc; k += 8) {
+                    __m256 v[8];
+                    for (int j = 0; j < 8; j++)
+                        v[j] = _mm256_loadu_ps(B + (size_t)(j0 + h + j) * ldb + k0 + k);
+                    transpose8(v);
+                    for (int t = 0; t < 8; t++)
+                        _mm256_store_ps(o + (size_t)(k + t) * F32_NR_AVX2 + h, v[t]);
+                }
+            for (; k < kc; k++)
+                for (int j = h; j < h + 8; j++)
+                    o[(size_t)k * F32_NR_AVX2 + j] =
+                        j < n ? B[(size_t)(j0 + j) * ldb + k0 + k] : 0.0f;
+        }
+    }
+}
+
+/* f32_pack_a's layout in panels of F32_MR_AVX2 (6) rows: panel p's inner index k at
+ * out + (p * kc + k) * 6. ta: 6 of a row of A a step; else 8 x 8 blocks of 6 rows (and 2 left
+ * zero) transposed. Each step's 6 values are stored as 8, in order, the next step's store
+ * overwriting the 2 extra: out has F32_PACK_SLACK floats past the last panel for them (masked
+ * stores would not need it, but AMD's cost ~10x a plain one). */
+#define F32_MR_AVX2 6
+#define F32_MC_AVX2 252 /* a multiple of F32_MR_AVX2 */
+#define F32_KC_AVX2 256
+#define F32_PACK_SLACK 8
+AVX2_TARGET static void f32_pack_a_avx2(int ta, int M, const float *A, int lda, int i0, int mc,
+                                        int k0, int kc, float *out)
+{
+    const __m256i six = lanes8(F32_MR_AVX2);
+    for (int p = 0; p * F32_MR_AVX2 < mc; p++) {
+        float *o = out + (size_t)p * kc * F32_MR_AVX2;
+        int r0 = i0 + p * F32_MR_AVX2, n = M - r0 < F32_MR_AVX2 ? M - r0 : F32_MR_AVX2, k = 0;
+        if (n == F32_MR_AVX2 && ta) {
+            for (; k < kc; k++)
+                _mm256_storeu_ps(o + (size_t)k * F32_MR_AVX2,
+                                 _mm256_maskload_ps(A + (size_t)(k0 + k) * lda + r0, six));
+        } else if (n == F32_MR_AVX2) {
+            for (; k + 8 <= kc; k += 8) {
+                __m256 v[8];
+                for (int r = 0; r < 8; r++)
+                    v[r] = r < F32_MR_AVX2 ? _mm256_loadu_ps(A + (size_t)(r0 + r) * lda + k0 + k)
+                                           : _mm256_setzero_ps();
+                transpose8(v);
+                for (int q = 0; q < 8; q++)
+                    _mm256_storeu_ps(o + (size_t)(k + q) * F32_MR_AVX2, v[q]);
+            }
+        }
+        for (; k < kc; k++)
+            for (int r = 0; r < F32_MR_AVX2; r++)
+                o[(size_t)k * F32_MR_AVX2 + r] = r < n ? f32_op(A, lda, ta, r0 + r, k0 + k) : 0.0f;
+    }
+}
+
+/* f32_kernel with AVX2: C's mr x min(cols, 16) block (mr <= 6) from a 6-row A panel and 16
+ * columns of a B panel (b: the first; F32_NR a step). 12 accumulators: more than the 8 that two
+ * FMA pipes of 4 cycles' latency need in flight. */
+KERNEL_UNCHECKED AVX2_TARGET static void f32_kernel_avx2_6x16(int kc, const float *restrict a,
+                                                              const float *restrict b, int bs,
+                                                              float *C, int ldc, int mr, int cols,
+                                                              int load)
+{
+    __m256 c0[F32_MR_AVX2], c1[F32_MR_AVX2];
+    /* Whole blocks load and store C plainly: AMD's masked stores cost ~10x a plain one. */
+    const bool whole = mr == F32_MR_AVX2 && cols >= 16;
+    const __m256i m0 = lanes8(cols), m1 = lanes8(cols - 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < F32_MR_AVX2; r++) {
+        const float *c = C + (size_t)r * ldc;
+        bool in = load && r < mr;
+        c0[r] = !in ? _mm256_setzero_ps() : whole ? _mm256_loadu_ps(c) : _mm256_maskload_ps(c, m0);
+        c1[r] = !in     ? _mm256_setzero_ps()
+                : whole ? _mm256_loadu_ps(c + 8)
+                        : _mm256_maskload_ps(c + 8, m1);
+    }
+    for (int k = 0; k < kc; k++) {
+        __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < F32_MR_AVX2; r++) {
+            __m256 x = _mm256_broadcast_ss(a + r);
+            c0[r] = _mm256_fmadd_ps(x, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(x, b1, c1[r]);
+        }
+        a += F32_MR_AVX2;
+        b += bs;
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < F32_MR_AVX2; r++) {
+        float *c = C + (size_t)r * ldc;
+        if (whole) {
+            _mm256_storeu_ps(c, c0[r]);
+            _mm256_storeu_ps(c + 8, c1[r]);
+        } else if (r < mr) {
+            _mm256_maskstore_ps(c, m0, c0[r]);
+            _mm256_maskstore_ps(c + 8, m1, c1[r]);
+        }
+    }
+}
+
+/* A vector path: its A panels' rows and rows a block, its register block's columns (of a B
+ * panel's F32_NR), its packings and its register block. */
+typedef struct f32_path_ops {
+    const char *name;
+    int mr, mc, nr, kc, pack_nr;
+    void (*pack_a)(int ta, int M, const float *A, int lda, int i0, int mc, int k0, int kc,
+                   float *out);
+    void (*pack_b)(int tb, int N, const float *B, int ldb, int k0, int kc, float *out);
+    void (*kernel)(int kc, const float *restrict a, const float *restrict b, int bs, float *C,
+                   int ldc, int mr, int nr, int load);
+} f32_path_ops;
+
+static const f32_path_ops f32_avx512 = {"avx512", F32_MR,     F32_MC,     F32_NR,    F32_KC,
+                                        F32_NR,   f32_pack_a, f32_pack_b, f32_kernel};
+static const f32_path_ops f32_avx2 = {"avx2",          F32_MR_AVX2,     F32_MC_AVX2,
+                                      F32_NR_AVX2,     F32_KC_AVX2,     F32_NR_AVX2,
+                                      f32_pack_a_avx2, f32_pack_b_avx2, f32_kernel_avx2_6x16};
+
 /* pb: op(B) packed by cm_gemm_f32_pack (its panel holding this call's column 0), B not read;
  * NULL: B packed here, a K block at a time. */
-AVX512_TARGET static int f32_simd(int ta, int tb, int M, int N, int K, const float *A, int lda,
-                                  const float *B, int ldb, const float *pb, float *C, int ldc)
+static int f32_simd(const f32_path_ops *ops, int ta, int tb, int M, int N, int K, const float *A,
+                    int lda, const float *B, int ldb, const float *pb, float *C, int ldc)
 {
-    int NP = (N + F32_NR - 1) / F32_NR, kcmax = K < F32_KC ? K : F32_KC;
-    int mcmax = M < F32_MC ? (M + F32_MR - 1) / F32_MR * F32_MR : F32_MC;
-    scratch *s = scratch_get((size_t)mcmax * kcmax * sizeof(float),
+    const int MR = ops->mr, MC = ops->mc, KC = ops->kc;
+    int NP = (N + F32_NR - 1) / F32_NR, kcmax = K < KC ? K : KC;
+    int mcmax = M < MC ? (M + MR - 1) / MR * MR : MC;
+    scratch *s = scratch_get(((size_t)mcmax * kcmax + F32_PACK_SLACK) * sizeof(float),
                              pb ? 0 : (size_t)NP * F32_NR * kcmax * sizeof(float));
     if (s == NULL) return CM_ENOMEM;
     float *ap = s->a;
-    for (int k0 = 0; k0 < K; k0 += F32_KC) {
-        int kc = K - k0 < F32_KC ? K - k0 : F32_KC;
-        /* Panel q's rows of this K block at bp + q * pstride. */
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        int kc = K - k0 < KC ? K - k0 : KC;
+        /* op(B)'s panels are pw columns wide (cm_gemm_f32_pack's, or the path's own packing);
+         * panel q's rows of this K block at bp + q * pstride. */
+        const int pw = pb ? F32_NR : ops->pack_nr;
         const float *bp = pb ? pb + (size_t)k0 * F32_NR : s->b;
-        const size_t pstride = (size_t)(pb ? K : kc) * F32_NR;
-        if (pb == NULL) f32_pack_b(tb, N, B, ldb, k0, kc, s->b);
-        for (int i0 = 0; i0 < M; i0 += F32_MC) {
-            int mc = M - i0 < F32_MC ? M - i0 : F32_MC;
-            f32_pack_a(ta, M, A, lda, i0, mc, k0, kc, ap);
-            for (int q = 0; q < NP; q++) {
-                int j0 = q * F32_NR, nr = N - j0 < F32_NR ? N - j0 : F32_NR;
-                for (int p = 0; p * F32_MR < mc; p++) {
-                    int r0 = p * F32_MR, mr = mc - r0 < F32_MR ? mc - r0 : F32_MR;
-                    f32_kernel(kc, ap + (size_t)p * kc * F32_MR, bp + (size_t)q * pstride,
-                               C + (size_t)(i0 + r0) * ldc + j0, ldc, mr, nr, k0 > 0);
+        const size_t pstride = (size_t)(pb ? K : kc) * pw;
+        if (pb == NULL) ops->pack_b(tb, N, B, ldb, k0, kc, s->b);
+        for (int i0 = 0; i0 < M; i0 += MC) {
+            int mc = M - i0 < MC ? M - i0 : MC;
+            ops->pack_a(ta, M, A, lda, i0, mc, k0, kc, ap);
+            /* A narrower register block runs over all A panels for each part of a B panel:
+             * its part (KC x 16 floats for AVX2) stays in L1 while they stream past. */
+            for (int j0 = 0; j0 < N; j0 += ops->nr) {
+                const float *b = bp + (size_t)(j0 / pw) * pstride + j0 % pw;
+                for (int p = 0; p * MR < mc; p++) {
+                    int r0 = p * MR, mr = mc - r0 < MR ? mc - r0 : MR;
+                    ops->kernel(kc, ap + (size_t)p * kc * MR, b, pw,
+                                C + (size_t)(i0 + r0) * ldc + j0, ldc, mr, N - j0, k0 > 0);
                 }
             }
         }
@@ -585,17 +780,36 @@ AVX512_TARGET static int f32_simd(int ta, int tb, int M, int N, int K, const flo
 }
 #endif
 
-int cm_gemm_f32_simd_available(void)
+/* The vector path a cm_gemm_f32 path runs on this build and CPU; NULL: the portable loops. */
+static const void *f32_path_of(int path)
 {
 #ifdef CM_HAVE_F32_SIMD
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
-#else
-    return 0;
+    if (path == CM_GEMM_F32_BEST && __builtin_cpu_supports("avx512f")) return &f32_avx512;
+    if (path != CM_GEMM_F32_PORTABLE && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma"))
+        return &f32_avx2;
 #endif
+    (void)path;
+    return NULL;
 }
 
-int cm_gemm_f32(int simd, int ta, int tb, int M, int N, int K, const float *A, int lda,
+const char *cm_gemm_f32_path_name(int path)
+{
+#ifdef CM_HAVE_F32_SIMD
+    const f32_path_ops *ops = f32_path_of(path);
+    if (ops != NULL) return ops->name;
+#endif
+    (void)path;
+    return "portable";
+}
+
+int cm_gemm_f32_simd_available(void)
+{
+    return f32_path_of(CM_GEMM_F32_BEST) != NULL;
+}
+
+int cm_gemm_f32(int path, int ta, int tb, int M, int N, int K, const float *A, int lda,
                 const float *B, int ldb, float *C, int ldc)
 {
     if (M <= 0 || N <= 0) return CM_OK;
@@ -604,15 +818,14 @@ int cm_gemm_f32(int simd, int ta, int tb, int M, int N, int K, const float *A, i
         return CM_OK;
     }
 #ifdef CM_HAVE_F32_SIMD
-    if (simd && cm_gemm_f32_simd_available())
-        return f32_simd(ta != 0, tb != 0, M, N, K, A, lda, B, ldb, NULL, C, ldc);
+    const f32_path_ops *ops = f32_path_of(path);
+    if (ops != NULL) return f32_simd(ops, ta != 0, tb != 0, M, N, K, A, lda, B, ldb, NULL, C, ldc);
 #endif
-    (void)simd;
     f32_portable(ta != 0, tb != 0, M, N, K, A, lda, B, ldb, C, ldc);
     return CM_OK;
 }
 
-/* The AVX-512 path's own layout of a whole op(B), so that f32_simd reads it in place: each
+/* The vector paths' layout of a whole op(B), so that f32_simd reads it in place: each
  * F32_NR-column panel is its K blocks' panels (f32_pack_b's) one after another. */
 size_t cm_gemm_f32_packed_floats(int N, int K)
 {
@@ -629,17 +842,18 @@ void cm_gemm_f32_pack(int tb, int N, int K, const float *B, int ldb, float *out)
     }
 }
 
-int cm_gemm_f32_pre(int ta, int M, int N, int K, const float *A, int lda, const float *pb, int j0,
-                    float *C, int ldc)
+int cm_gemm_f32_pre(int path, int ta, int M, int N, int K, const float *A, int lda, const float *pb,
+                    int j0, float *C, int ldc)
 {
-    if (!cm_gemm_f32_simd_available() || j0 % F32_NR != 0) return CM_EINVAL;
+    const void *ops = f32_path_of(path);
+    if (ops == NULL || j0 % F32_NR != 0) return CM_EINVAL;
     if (M <= 0 || N <= 0) return CM_OK;
     if (K <= 0) {
         zero_block(M, N, C, ldc);
         return CM_OK;
     }
 #ifdef CM_HAVE_F32_SIMD
-    return f32_simd(ta != 0, 0, M, N, K, A, lda, NULL, 0, pb + (size_t)j0 * K, C, ldc);
+    return f32_simd(ops, ta != 0, 0, M, N, K, A, lda, NULL, 0, pb + (size_t)j0 * K, C, ldc);
 #else
     (void)ta, (void)A, (void)lda, (void)pb, (void)C, (void)ldc;
     return CM_EINVAL;

@@ -53,8 +53,8 @@
  * OpenBLAS may split a GEMM over them and sum in another order (as correct, not the same
  * bits).
  *
- * Speed: predict's tower runs on ember's own AVX-512 GEMM where the CPU has it (the trainer's:
- * the same bits), else on OpenBLAS, whose kernels are chosen when the library loads. The
+ * Speed: predict's tower runs on ember's own GEMM where the CPU has AVX-512 or AVX2 (the
+ * trainer's: the same bits), else on OpenBLAS, whose kernels are chosen when the library loads. The
  * tower's weights are laid out for those kernels once, by open and apply_delta: a training
  * step lays them out on every call (its weights change every step), which was ~60% of
  * predict's time for one-row batches and ~35% for 16 rows (OpenBLAS packs inside its own

@@ -49,13 +49,29 @@ typedef struct pool_block {
 
 /*
  * Which code computes a GEMM's tiles. ember's own fp32 GEMM (cm_gemm_f32) where the CPU has
- * AVX-512: 1.5-2.0x the OpenBLAS kernels a user's OPENBLAS_CORETYPE=Haswell or an AVX2 build
- * gives, 0.96-1.07x OpenBLAS's own AVX-512 ones (docs/BENCHMARKS.md, stop 26), and its sums do
- * not depend on the tile sizes.
- * Elsewhere OpenBLAS, whose kernels for AVX2 and older CPUs ember does not try to beat.
- * GEMM_OWN_PORTABLE gives GEMM_OWN's bits with plain loops (BACKEND_NO_SIMD, tests).
+ * AVX-512 or AVX2 with FMA: its sums do not depend on the tile sizes, it takes the forward
+ * layers' weights packed once (serving's tower), and it is faster than OpenBLAS 0.3.21 on the
+ * mlp's shapes on both kinds of CPU: AVX-512 1.5-2.0x the Haswell kernels a user's
+ * OPENBLAS_CORETYPE=Haswell gives, 0.96-1.07x OpenBLAS's own AVX-512 ones (docs/BENCHMARKS.md,
+ * stop 26); AVX2 on an AMD EPYC (Zen 3) against OpenBLAS's Zen kernels, stop 38. Elsewhere
+ * OpenBLAS. GEMM_OWN_AVX2 (BACKEND_NO_AVX512) and GEMM_OWN_PORTABLE (BACKEND_NO_SIMD) give
+ * GEMM_OWN's bits with narrower vectors and with plain loops (tests).
  */
-typedef enum gemm_kind { GEMM_BLAS, GEMM_OWN, GEMM_OWN_PORTABLE, GEMM_BF16 } gemm_kind;
+typedef enum gemm_kind {
+    GEMM_BLAS,
+    GEMM_OWN,
+    GEMM_OWN_AVX2,
+    GEMM_OWN_PORTABLE,
+    GEMM_BF16
+} gemm_kind;
+
+/* cm_gemm_f32's path for an own kind. */
+static int own_path(gemm_kind k)
+{
+    return k == GEMM_OWN        ? CM_GEMM_F32_BEST
+           : k == GEMM_OWN_AVX2 ? CM_GEMM_F32_AVX2
+                                : CM_GEMM_F32_PORTABLE;
+}
 
 typedef struct pool {
     int n;
@@ -67,8 +83,8 @@ typedef struct pool {
     bool shared; /* the job's parts are dealt in blocks (else one part a thread) */
     bool open;   /* shared job: threads may still enter it */
     int nparts;
-    int pending;         /* threads jobs: pool threads still running their part */
-    int active;          /* shared jobs: pool threads inside the job */
+    int pending; /* threads jobs: pool threads still running their part */
+    int active;  /* shared jobs: pool threads inside the job */
     part_fn fn;
     void *arg;
     bool stop;
@@ -385,10 +401,10 @@ static void gemm_tile_part(const gemm *g, int t, int k0, int k1, float *C)
         rc = cm_gemm_bf16_pre(ta, tb, M, N, k1 - k0, A, g->lda, pa, B, g->ldb, pb, g->K, k0, C,
                               g->ldc);
     else if (g->pw != NULL && (!g->by_cols || i0 % CM_GEMM_F32_PANEL == 0)) /* else pack B */
-        rc = cm_gemm_f32_pre(ta, M, N, k1 - k0, A, g->lda, g->pw, g->by_cols ? i0 : 0, C, g->ldc);
+        rc = cm_gemm_f32_pre(own_path(g->kind), ta, M, N, k1 - k0, A, g->lda, g->pw,
+                             g->by_cols ? i0 : 0, C, g->ldc);
     else if (g->kind != GEMM_BLAS)
-        rc = cm_gemm_f32(g->kind == GEMM_OWN, ta, tb, M, N, k1 - k0, A, g->lda, B, g->ldb, C,
-                         g->ldc);
+        rc = cm_gemm_f32(own_path(g->kind), ta, tb, M, N, k1 - k0, A, g->lda, B, g->ldb, C, g->ldc);
     if (rc != CM_OK)
         cblas_sgemm(CblasRowMajor, g->ta, g->tb, M, N, k1 - k0, 1.0f, A, g->lda, B, g->ldb, 0.0f, C,
                     g->ldc);
@@ -587,7 +603,7 @@ typedef struct cpu {
     /* Their gradients, one buffer a layer: the backward pass computes every dX first (the
      * row gradients need only those) and the dW GEMMs after, from these. */
     float *gact[MODEL_MAX_LAYERS + 1], *gbact[MODEL_MAX_LAYERS];
-    float *logit, *dlogit; /* B */
+    float *logit, *dlogit;            /* B */
     float *dw_part[MODEL_MAX_LAYERS]; /* top layer i's dW chunks 1.. (dw_chunks) */
     /* bf16: top layer i's output gradient packed for its dW units (gemm_share), dw_pk_cap[i]
      * bytes */
@@ -648,7 +664,9 @@ const char *backend_cpu_blas_core(void)
 
 const char *backend_cpu_kernels(void)
 {
-    return cm_gemm_f32_simd_available() ? "ember-avx512" : openblas_get_corename();
+    if (!cm_gemm_f32_simd_available()) return openblas_get_corename();
+    return strcmp(cm_gemm_f32_path_name(CM_GEMM_F32_BEST), "avx512") == 0 ? "ember-avx512"
+                                                                          : "ember-avx2";
 }
 
 static void *gap_main(void *arg);
@@ -657,10 +675,11 @@ static void *gap_main(void *arg);
 static gemm_kind gemm_kind_of(uint32_t flags)
 {
     bool own = cm_gemm_f32_simd_available() && !(flags & BACKEND_OPENBLAS);
-    return (flags & BACKEND_BF16)             ? GEMM_BF16
-           : own && (flags & BACKEND_NO_SIMD) ? GEMM_OWN_PORTABLE
-           : own                              ? GEMM_OWN
-                                              : GEMM_BLAS;
+    return (flags & BACKEND_BF16)               ? GEMM_BF16
+           : own && (flags & BACKEND_NO_SIMD)   ? GEMM_OWN_PORTABLE
+           : own && (flags & BACKEND_NO_AVX512) ? GEMM_OWN_AVX2
+           : own                                ? GEMM_OWN
+                                                : GEMM_BLAS;
 }
 
 static int cpu_create(const model_cfg *m, const model_layout *l, uint32_t max_b, uint32_t max_u,
@@ -1435,10 +1454,10 @@ typedef struct fact_job {
     cpu *c;
     const float *P;
     const model_batch *b;
-    float *demb; /* backward: the row gradients */
-    float *dP;   /* backward: the parameters' gradients (dW_f) */
-    bool add;    /* backward: demb holds the FM term's part, to add to (deepfm) */
-    uint32_t next; /* forward: the next column block to take */
+    float *demb;     /* backward: the row gradients */
+    float *dP;       /* backward: the parameters' gradients (dW_f) */
+    bool add;        /* backward: demb holds the FM term's part, to add to (deepfm) */
+    uint32_t next;   /* forward: the next column block to take */
     const float *wt; /* forward: W1^T laid out as fact.wt already (backend_cpu_tower), or NULL */
 } fact_job;
 
@@ -1550,7 +1569,7 @@ typedef struct dw_phase {
     const model_batch *b;
     float *dP;
     gemm g[MODEL_MAX_LAYERS];
-    int chunks[MODEL_MAX_LAYERS];      /* dw_chunks of g */
+    int chunks[MODEL_MAX_LAYERS]; /* dw_chunks of g */
     struct dw_unit {
         uint16_t layer; /* top layer, or n_top: the bottom MLP */
         int16_t tile;   /* dW tile, or -1: the bias gradient */
@@ -1798,10 +1817,10 @@ int backend_cpu_tower_make(const model_cfg *m, const model_layout *l, uint32_t f
     if (t == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     t->params = params;
     t->kind = gemm_kind_of(flags);
-    bool ok = true;
-    for (uint32_t i = 0; ok && t->kind == GEMM_OWN && i < l->n_top; i++)
+    bool ok = true, packed = t->kind == GEMM_OWN || t->kind == GEMM_OWN_AVX2;
+    for (uint32_t i = 0; ok && packed && i < l->n_top; i++)
         ok = (t->top[i] = tower_layer(&l->top[i], params, &t->bytes)) != NULL;
-    for (uint32_t i = 0; ok && t->kind == GEMM_OWN && i < l->n_bot; i++)
+    for (uint32_t i = 0; ok && packed && i < l->n_bot; i++)
         ok = (t->bot[i] = tower_layer(&l->bot[i], params, &t->bytes)) != NULL;
     fact x;
     fact_shape(&x, m, l, flags);

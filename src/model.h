@@ -194,10 +194,10 @@ void model_staging_view(const model_staging *s, model_batch *mb);
 /* cpu: the factorized layer's portable kernels even where its AVX-512 ones run (tests: they
  * must give the same bits). */
 #define BACKEND_NO_SIMD 16u
-/* cpu: the factorized layer's AVX2 kernels even where its AVX-512 ones run (tests: the same
- * bits again). */
+/* cpu: the factorized layer's and the GEMMs' AVX2 kernels even where their AVX-512 ones run
+ * (tests: the same bits again). */
 #define BACKEND_NO_AVX512 128u
-/* cpu: OpenBLAS's sgemm for the GEMMs even where ember's own AVX-512 GEMM runs (measurements:
+/* cpu: OpenBLAS's sgemm for the GEMMs even where ember's own GEMM runs (measurements:
  * tools/bench step --openblas). */
 #define BACKEND_OPENBLAS 32u
 /* cpu: leave OpenBLAS's thread count alone. Without it create sets it to 1, process-wide: every
@@ -276,9 +276,9 @@ typedef struct backend_ops {
 
 extern const backend_ops backend_cpu_ops;
 
-/* The kernels the cpu backend's fp32 GEMMs run by default: "ember-avx512" (cm_gemm_f32) where
- * the CPU has AVX-512, else OpenBLAS's core ("Haswell"...). Results are the same bits for the
- * same kernels; another OpenBLAS core sums in another order. Static storage. */
+/* The kernels the cpu backend's fp32 GEMMs run by default: "ember-avx512" or "ember-avx2"
+ * (cm_gemm_f32, the same bits either way) where the CPU has AVX-512 or AVX2 with FMA, else
+ * OpenBLAS's core ("Haswell"...), whose sums are in another order. Static storage. */
 const char *backend_cpu_kernels(void);
 /* The vector kernels the factorized first layer runs with these backend flags on this CPU,
  * for a dim-16 table and a first layer a multiple of 32 wide: "avx512", "avx2" or "portable"

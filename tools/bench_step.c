@@ -17,7 +17,7 @@
  * With --bf16 the backend runs its GEMMs on AMX tiles (BACKEND_BF16, `ember train --bf16`).
  * --plain and --factored fix the mlp's and deepfm's first layer to one formulation
  * (BACKEND_PLAIN, BACKEND_FACTORED) instead of the backend's choice per batch. --openblas runs
- * the fp32 GEMMs on OpenBLAS even where ember's own AVX-512 GEMM would (BACKEND_OPENBLAS), for
+ * the fp32 GEMMs on OpenBLAS even where ember's own GEMM would (BACKEND_OPENBLAS), for
  * the two side by side.
  *
  * Usage: tools/bench step [--batch B] [--keys U] [--steps N] [--threads-list 1,2] [--bf16]

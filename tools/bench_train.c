@@ -42,7 +42,7 @@
  * every layer) give GFLOP/s; divided by the FLOPs a sample needs (6 * in * out summed over the
  * layers, model_flops_per_sample's formula) they give the samples/s the dense tower alone would
  * allow. Two GEMMs are measured: cblas_sgemm from OpenBLAS (dlopen'ed, 2 threads), and where
- * the CPU has AVX-512 ember's own (cm_gemm_f32, two threads over half the rows each); the
+ * the CPU has AVX-512 or AVX2 ember's own (cm_gemm_f32, two threads over half the rows each); the
  * roofline is the faster (roofline_samples_per_s; each apart in the JSON).
  *
  * Usage: tools/bench train [--quick] [--model M | --models M,M] [--rows N] [--eval-rows N]
@@ -101,15 +101,15 @@ typedef struct roofline {
     char lib[64];
     double gflops_model, gflops_peak, flops_per_sample, samples_per_s;
     double gflops_model_1t, samples_per_s_1t; /* OpenBLAS on 1 thread */
-    /* ember's own GEMM (cm_gemm_f32, where the CPU has AVX-512; own_ok 0 elsewhere): 2 threads,
-     * each over half the batch's rows, and 1 thread */
+    /* ember's own GEMM (cm_gemm_f32, where the CPU has AVX-512 or AVX2; own_ok 0 elsewhere): 2
+     * threads, each over half the batch's rows, and 1 thread */
     int own_ok;
     double own_gflops_model, own_samples_per_s, own_gflops_model_1t, own_samples_per_s_1t;
 } roofline;
 
 /* One GEMM as the roofline's step calls it (row-major, alpha 1, beta 0). */
 typedef struct rf_gemm {
-    sgemm_fn blas; /* OpenBLAS's cblas_sgemm; NULL: cm_gemm_f32's AVX-512 path */
+    sgemm_fn blas; /* OpenBLAS's cblas_sgemm; NULL: cm_gemm_f32's widest vector path */
 } rf_gemm;
 
 static void rf_call(const rf_gemm *g, int ta, int tb, int M, int N, int K, const float *A, int lda,
@@ -119,7 +119,7 @@ static void rf_call(const rf_gemm *g, int ta, int tb, int M, int N, int K, const
         g->blas(ROW_MAJOR, ta ? TRANS : NO_TRANS, tb ? TRANS : NO_TRANS, M, N, K, 1.0f, A, lda, B,
                 ldb, 0.0f, C, ldc);
     else
-        (void)cm_gemm_f32(1, ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+        (void)cm_gemm_f32(CM_GEMM_F32_BEST, ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
 }
 
 /* The mlp's GEMMs over `rows` samples, repeated for `seconds` (at least 3 times): every layer
@@ -323,7 +323,7 @@ static void loadavg(char *buf, size_t n)
 }
 
 /*
- * Like with like: ember's own GEMM (where the CPU has AVX-512) does not follow
+ * Like with like: ember's own GEMM (where the CPU has AVX-512 or AVX2) does not follow
  * OPENBLAS_CORETYPE, so a core the environment forces (this project's machines set Haswell)
  * would hold only PyTorch and the OpenBLAS roofline to it: PyTorch ran 30% faster without it
  * (80-93K against 104-125K samples/s, one machine, alternating). So the bench drops the variable
@@ -337,7 +337,7 @@ static void drop_coretype(int argc, char **argv)
         if (!strcmp(argv[i], "--keep-coretype")) return;
     if (forced == NULL || !cm_gemm_f32_simd_available()) return;
     fprintf(stderr,
-            "bench train: OPENBLAS_CORETYPE=%s dropped: ember's own AVX-512 GEMM does not follow "
+            "bench train: OPENBLAS_CORETYPE=%s dropped: ember's own GEMM does not follow "
             "it, so PyTorch and the roofline run the kernels OpenBLAS picks for this CPU too "
             "(--keep-coretype keeps it)\n",
             forced);

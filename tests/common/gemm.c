@@ -1,18 +1,19 @@
 /*
- * cm_gemm_bf16 (bf16 GEMM on AMX tiles) and cm_gemm_f32 (fp32, its AVX-512 and portable paths)
- * against a double reference of the (bf16-rounded) operands, and cm_gemm_f32 bit for bit against
- * its contract, the K products of each output summed in order by fmaf from 0:
- * all four transpose combinations over shapes that cross every 16 / 32 padding edge of M, N and
- * K, with leading-dimension slack (holding NaNs the kernel must never read) and C's padding
- * columns and tail left untouched; the training shapes (sampled); magnitudes over six decades; a
- * NaN in A (in B) reaching exactly its row (column); bit-identical repeats and concurrent calls
- * from two threads; K = 0 and empty outputs. Packed operands: cm_gemm_bf16_packed_size's zeros
- * and growth; packing in row ranges (in any order) writing every byte as one call does; and
- * cm_gemm_bf16_pre over inner sub-ranges with A, B or both packed (the float operand then
- * poisoned) giving cm_gemm_bf16's bits on the sub-matrices. Where AMX is missing, only the
- * bf16 refusal is checked; where AVX-512 is, cm_gemm_f32's two paths give the same bits on the
- * training shapes (the portable one is run on the small shapes and NaNs only: it is slow), and
- * cm_gemm_f32_pre on an operand cm_gemm_f32_pack packed gives cm_gemm_f32's bits.
+ * cm_gemm_bf16 (bf16 GEMM on AMX tiles) and cm_gemm_f32 (fp32, its AVX-512, AVX2 and portable
+ * paths) against a double reference of the (bf16-rounded) operands, and cm_gemm_f32 bit for bit
+ * against its contract, the K products of each output summed in order by fmaf from 0: all four
+ * transpose combinations over shapes that cross every 16 / 32 padding edge of M, N and K, with
+ * leading-dimension slack (holding NaNs the kernel must never read) and C's padding columns and
+ * tail left untouched; the training shapes (sampled); magnitudes over six decades; a NaN in A (in
+ * B) reaching exactly its row (column); bit-identical repeats and concurrent calls from two
+ * threads; K = 0 and empty outputs. Packed operands: cm_gemm_bf16_packed_size's zeros and growth;
+ * packing in row ranges (in any order) writing every byte as one call does; and cm_gemm_bf16_pre
+ * over inner sub-ranges with A, B or both packed (the float operand then poisoned) giving
+ * cm_gemm_bf16's bits on the sub-matrices. Where AMX is missing, only the bf16 refusal is checked;
+ * cm_gemm_f32's vector paths (AVX-512 and AVX2 where the CPU has it, AVX2 alone elsewhere) give the
+ * portable path's bits on the training shapes (the portable one is run on the small shapes and NaNs
+ * only: it is slow), and cm_gemm_f32_pre on an operand cm_gemm_f32_pack packed gives cm_gemm_f32's
+ * bits on each.
  */
 #include <math.h>
 #include <pthread.h>
@@ -36,9 +37,9 @@ static long n_compared;
 static long n_unfused; /* cm_gemm_f32 outputs not the bits of the in-order fmaf sum */
 
 /* Which GEMM is under test. */
-enum { MODE_BF16, MODE_F32_SIMD, MODE_F32_PORTABLE };
+enum { MODE_BF16, MODE_F32_SIMD, MODE_F32_PORTABLE, MODE_F32_AVX2 };
 static int mode;
-static const char *const mode_name[] = {"bf16", "f32 avx512", "f32 portable"};
+static const char *const mode_name[] = {"bf16", "f32 best", "f32 portable", "f32 avx2"};
 
 /* An operand value as the GEMM under test multiplies it. */
 static double bf(float x)
@@ -201,11 +202,19 @@ static void check_values(const gcase *g, const float *C, int skip_row, int skip_
               bad, n, bi, bj, bgot, bref, bbound);
 }
 
+/* cm_gemm_f32's path under test. */
+static int f32_path(void)
+{
+    return mode == MODE_F32_SIMD   ? CM_GEMM_F32_BEST
+           : mode == MODE_F32_AVX2 ? CM_GEMM_F32_AVX2
+                                   : CM_GEMM_F32_PORTABLE;
+}
+
 static int gemm_raw(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B,
                     int ldb, float *C, int ldc)
 {
     if (mode == MODE_BF16) return cm_gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
-    return cm_gemm_f32(mode == MODE_F32_SIMD, ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+    return cm_gemm_f32(f32_path(), ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
 }
 
 static int gemm(const gcase *g, float *C)
@@ -645,14 +654,14 @@ static void check_f32_pre_shape(int ta, int tb, int M, int N, int K)
         const int j0 = j0s[x], n = j0 >= N ? 1 : N - j0;
         for (size_t c = 0; c < g.nc; c++)
             want[c] = got[c] = check_f32_of(SENTINEL);
-        int rc = cm_gemm_f32_pre(ta, M, n, K, g.A, g.lda, pb, j0, got + j0 % 32, g.ldc);
+        int rc = cm_gemm_f32_pre(f32_path(), ta, M, n, K, g.A, g.lda, pb, j0, got + j0 % 32, g.ldc);
         if (j0 % 32 != 0) {
             CHECK_MSG(rc == CM_EINVAL && memcmp(want, got, g.nc * sizeof(float)) == 0,
                       "%s: columns from %d: rc=%d, want CM_EINVAL and C untouched", g.desc, j0, rc);
             continue;
         }
         const float *B = g.B + (tb ? (size_t)j0 * g.ldb : (size_t)j0);
-        int rc0 = cm_gemm_f32(1, ta, tb, M, n, K, g.A, g.lda, B, g.ldb, want, g.ldc);
+        int rc0 = cm_gemm_f32(f32_path(), ta, tb, M, n, K, g.A, g.lda, B, g.ldb, want, g.ldc);
         CHECK_MSG(rc == 0 && rc0 == 0 && memcmp(want, got, g.nc * sizeof(float)) == 0,
                   "%s: columns [%d, %d): pre gives other bits than cm_gemm_f32 (rc %d, %d)", g.desc,
                   j0, j0 + n, rc, rc0);
@@ -696,12 +705,13 @@ static void check_mode(void)
         train_p[s] = &train[s];
         train_c[s] = run_checked(&train[s], -1, -1);
     }
-    if (mode == MODE_F32_SIMD) /* the portable path's bits on every output */
+    const int vec_mode = mode;
+    if (mode != MODE_BF16) /* the portable path's bits on every output */
         for (int s = 0; s < 5; s++) {
             mode = MODE_F32_PORTABLE;
             float *C = c_new(train[s].nc);
             int rc = gemm(&train[s], C);
-            mode = MODE_F32_SIMD;
+            mode = vec_mode;
             CHECK_MSG(rc == 0 && memcmp(C, train_c[s], train[s].nc * sizeof(float)) == 0,
                       "%s: the portable path gives other bits (rc=%d)", train[s].desc, rc);
             free(C);
@@ -745,12 +755,23 @@ int main(void)
     }
     mode = MODE_F32_PORTABLE;
     check_mode();
+    /* The CPU's widest vector path, then AVX2 where that was AVX-512. */
     mode = MODE_F32_SIMD;
     if (cm_gemm_f32_simd_available()) {
+        fprintf(stderr, "common_gemm: cm_gemm_f32's %s path\n",
+                cm_gemm_f32_path_name(CM_GEMM_F32_BEST));
         check_mode();
         check_f32_pre();
     } else {
-        fprintf(stderr, "common_gemm: SKIP cm_gemm_f32's AVX-512 path: this CPU has no AVX-512\n");
+        fprintf(stderr, "common_gemm: SKIP cm_gemm_f32's vector paths: this CPU has neither "
+                        "AVX-512 nor AVX2 with FMA\n");
+    }
+    mode = MODE_F32_AVX2;
+    if (strcmp(cm_gemm_f32_path_name(CM_GEMM_F32_AVX2), "avx2") == 0 &&
+        strcmp(cm_gemm_f32_path_name(CM_GEMM_F32_BEST), "avx2") != 0) {
+        fprintf(stderr, "common_gemm: cm_gemm_f32's avx2 path\n");
+        check_mode();
+        check_f32_pre();
     }
     CHECK_MSG(n_unfused == 0, "cm_gemm_f32: %ld outputs not the in-order fmaf sum's bits",
               n_unfused);
