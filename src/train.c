@@ -270,7 +270,7 @@ typedef struct setup {
     /* When worker 0's loop began (its setup, connection and first pull done) and t_eval then:
      * the loop's own clock, the one a training-loop rate is measured on (loop_seconds). */
     double t_loop0, t_eval_loop0;
-    double last_auc;     /* worker 0's latest evaluation, NAN before the first */
+    double last_auc; /* worker 0's latest evaluation, NAN before the first */
 } setup;
 
 /* Whether the worker loop checkpoints once `steps` batches are done: every --checkpoint-every
@@ -1103,11 +1103,15 @@ static uint64_t barrier_base(uint64_t step)
 }
 
 /* What computed the run: the bits depend on it (another OpenBLAS core sums in another order;
- * bf16 and TF32 GEMMs round their operands). */
+ * bf16 and TF32 GEMMs round their operands). ember's own kernels give the same bits with AVX-512
+ * and with AVX2 (tests/train/threads_test.c holds them equal), so both are "cpu/ember": a run
+ * resumed on the other kind of CPU goes on bit for bit. */
 static void kernels_tag(const setup *S, char *out, size_t n)
 {
+    const char *k = backend_cpu_kernels();
     if (S->be == &backend_cpu_ops)
-        snprintf(out, n, "cpu/%s%s", backend_cpu_kernels(), S->o->bf16 ? "+bf16" : "");
+        snprintf(out, n, "cpu/%s%s", strncmp(k, "ember-", 6) == 0 ? "ember" : k,
+                 S->o->bf16 ? "+bf16" : "");
     else
         snprintf(out, n, "%s%s", S->be->name, S->o->tf32 ? "+tf32" : "");
 }
@@ -1501,7 +1505,12 @@ static void warn_kernels(const setup *S, const char *pos_text)
     char now[64], then[64];
     const char *k = strstr(pos_text, "\nkernels ");
     kernels_tag(S, now, sizeof now);
-    if (k != NULL && sscanf(k, "\nkernels %63s", then) == 1 && strcmp(then, now) != 0)
+    if (k == NULL || sscanf(k, "\nkernels %63s", then) != 1) return;
+    /* Checkpoints written before ember had an AVX2 GEMM name its AVX-512 kernels
+     * "cpu/ember-avx512". */
+    if (strncmp(then, "cpu/ember-avx512", 16) == 0)
+        memmove(then + 9, then + 16, strlen(then + 16) + 1);
+    if (strcmp(then, now) != 0)
         fprintf(stderr,
                 "ember train: resuming with %s kernels; the checkpoint was computed with %s: the "
                 "run goes on, but not bit for bit as it would have without the restart\n",
@@ -1641,9 +1650,9 @@ typedef struct worker {
     double t_step, t_wait_batch, t_wait_push, t_dense; /* seconds (train_result's *_ms) */
     double t_pf[3];                                    /* its puller's t_early, t_push, t_late */
     double t_handover; /* handing batches to the backend (stage_begin, stage_send) */
-    train_result res;                                  /* worker 0: eval */
-    void *eval_be;   /* worker 0: the state evaluations step on (eval_backend), or NULL */
-    ps_client *live; /* its client while it may be waiting (S->abort_mu): job_abort's to stop */
+    train_result res;  /* worker 0: eval */
+    void *eval_be;     /* worker 0: the state evaluations step on (eval_backend), or NULL */
+    ps_client *live;   /* its client while it may be waiting (S->abort_mu): job_abort's to stop */
     uint64_t job_samples; /* worker 0: every worker's rows this run (job_totals) */
     double job_loss;      /* ... and their summed loss */
     /* Under S->stop_mu: steps done (the loop's count), once its loop has begun (in_loop). */

@@ -576,10 +576,12 @@ static void close_l2(const float *a, const float *b, size_t n, double tol, const
  * output within 1e-5 (relative L2, each layer's dW and db and each table's row gradients on
  * their own; measured up to 3.3e-7: the two differ in summation order only), probabilities
  * within 1e-6 (measured 1.8e-7), the loss within 1e-6 relative. The portable kernels
- * (BACKEND_NO_SIMD) give the AVX-512 ones' bits. Batches: keys from a pool of 500 (a unit per ~4
- * slots, as in training) or of a third of U (nearly a unit a slot), mean pooling, with and without
- * key weights, B 2048, 1000, 33, 1. And the backend's own choice (no flag) gives the bits of one of
- * the two: the factorized where units are few, the GEMM where nearly every slot is its own unit.
+ * (BACKEND_NO_SIMD) and the AVX2 ones (BACKEND_NO_AVX512), the GEMMs' and the factorized
+ * layer's, give the whole step the bits of the CPU's widest (on an AVX-512 CPU, AVX-512's).
+ * Batches: keys from a pool of 500 (a unit per ~4 slots, as in training) or of a third of U (nearly
+ * a unit a slot), mean pooling, with and without key weights, B 2048, 1000, 33, 1. And the
+ * backend's own choice (no flag) gives the bits of one of the two: the factorized where units are
+ * few, the GEMM where nearly every slot is its own unit.
  */
 static void check_fact(model_kind kind)
 {
