@@ -314,6 +314,51 @@ static void periodic_eval(const char *model, const char *const *files)
     free(m);
 }
 
+/* Replaces the kernels line of dir/name (a worker's position file) with `tag`, sealed again. */
+static void set_kernels(const char *name, const char *tag)
+{
+    char *text = NULL, *err = NULL, path[8192];
+    size_t n = 0;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    CHECK_MSG(cm_read_sealed(path, &text, &n, &err) == CM_OK, "%s", err ? err : "");
+    const char *k = text ? strstr(text, "\nkernels ") : NULL;
+    CHECK_MSG(k != NULL, "%s has no kernels line", path);
+    if (k != NULL) {
+        const char *end = strchr(k + 1, '\n');
+        char out[4096];
+        int m = snprintf(out, sizeof out, "%.*s\nkernels %s%s", (int)(k - text), text, tag,
+                         end ? end : "\n");
+        CHECK(m > 0 && (size_t)m < sizeof out &&
+              cm_write_sealed(path, out, (size_t)m, &err) == CM_OK);
+    }
+    free(text);
+    free(err);
+}
+
+/* ember's own kernels are one tag, cpu/ember, with AVX-512 or AVX2 (the same bits): a checkpoint
+ * from before the AVX2 GEMM, which says cpu/ember-avx512, resumes silently; one computed by
+ * OpenBLAS's kernels does not. */
+static void kernels_own_tag(void)
+{
+    const char *common = "--train ds/train --model mlp --batch 512 --checkpoint-every 2 --out KT "
+                         "--no-progress";
+    CHECK(run("train %s --max-steps 2", common) == 0);
+    char *pos = slurp_sealed("KT/ckpt/step-2/worker-0.pos");
+    bool own = pos != NULL && strstr(pos, "\nkernels cpu/ember\n") != NULL;
+    free(pos);
+    if (!own) {
+        fprintf(stderr, "train_resume: SKIP the cpu/ember tag: ember's own GEMM does not run on "
+                        "this CPU\n");
+        return;
+    }
+    set_kernels("KT/ckpt/step-2/worker-0.pos", "cpu/ember-avx512");
+    CHECK(run("train %s --max-steps 4 --resume", common) == 0);
+    CHECK_MSG(!err_has("not bit for bit"), "a checkpoint tagged cpu/ember-avx512 warned");
+    set_kernels("KT/ckpt/step-4/worker-0.pos", "cpu/Haswell");
+    CHECK(run("train %s --max-steps 6 --resume", common) == 0);
+    CHECK_MSG(err_has("not bit for bit"), "a checkpoint of OpenBLAS's kernels did not warn");
+}
+
 /* A resume under the checkpoint's OpenBLAS kernels is silent; under others it says that the run
  * goes on but not bit for bit (OPENBLAS_CORETYPE, which ember keeps when it is set: Prescott
  * and Core2 run on any x86-64). Where ember's own GEMM runs (the kernels recorded as
@@ -654,6 +699,7 @@ int main(void)
     int8_resume();
     repeatable();
     kernels_warning();
+    kernels_own_tag();
     reshard_case();
     static const char *const one_table[] = {"shard-0/MANIFEST", "shard-0/dense-tower.bin",
                                             "shard-0/table-emb/MANIFEST",
