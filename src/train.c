@@ -322,8 +322,9 @@ static void interrupt_note(int sig)
     static const char text[] = "[ interrupted] stopped by a signal (SIGINT or SIGTERM): --resume "
                                "continues from ckpt/LATEST\n";
     const bool first = __atomic_load_n(&stop_signal, __ATOMIC_RELAXED) == 0;
-    const char *t = first ? stop_note : text;
-    size_t n = first ? strlen(stop_note) : sizeof text - 1;
+    const char *note = __atomic_load_n(&stop_note, __ATOMIC_RELAXED);
+    const char *t = first ? note : text;
+    size_t n = first ? strlen(note) : sizeof text - 1;
     if (log_fd_for_signal >= 0 && write(log_fd_for_signal, t, n) < 0) {
         /* nothing left to tell */
     }
@@ -346,10 +347,22 @@ static void interrupt_note(int sig)
 static void stop_on_signal(const char *note, bool cluster)
 {
     struct sigaction old;
-    stop_note = note;
+    __atomic_store_n(&stop_note, note, __ATOMIC_RELAXED);
     if (!cluster || sigaction(SIGINT, NULL, &old) != 0 || old.sa_handler != SIG_IGN)
         signal(SIGINT, interrupt_note);
     signal(SIGTERM, interrupt_note);
+}
+
+/* Once the final checkpoint is written only worker 0's evaluation is left, and a first signal
+ * has nothing to stop: its note says that the run finishes (before, it promised a checkpoint
+ * and an exit that never came, and the run ended as usual). */
+static void stop_note_finishing(void)
+{
+    __atomic_store_n(&stop_note,
+                     "[ finishing] signal: the training is done and its last checkpoint written; "
+                     "the final evaluation finishes and the run ends as usual (a second signal "
+                     "stops at once)\n",
+                     __ATOMIC_RELAXED);
 }
 
 /* A line in the run's own log (embedded runs, where no launcher keeps the output), stamped with
@@ -2156,6 +2169,7 @@ static void *worker_main(void *arg)
         rc = checkpoint(S, c, W->index, S->max_steps, W->steps, W->samples, W->loss_sum, &late,
                         errptr);
     if (rc == CM_OK && W->index == 0) rc = job_totals(S, &W->job_samples, &W->job_loss, errptr);
+    if (rc == CM_OK) stop_note_finishing();
     void *ebe = NULL;
     if (rc == CM_OK && W->index == 0 && o->eval_path) rc = eval_backend(W, be, true, &ebe, errptr);
     if (rc == CM_OK && W->index == 0 && o->eval_path)

@@ -9,6 +9,8 @@
  * - two workers (asynchronous, so each may be at another step when the signal comes), SIGINT:
  *   both stop at one checkpoint (130), and the resumed run completes its schedule;
  * - a cluster PS role with no worker left stops on its first signal after --ps-timeout;
+ * - a signal once the final checkpoint is written: the note says the run finishes, and it does
+ *   (exit 0, its result printed);
  * - a second signal stops the process at once, by that signal.
  */
 #include <signal.h>
@@ -168,6 +170,47 @@ int main(void)
                   st, WIFEXITED(st) ? WEXITSTATUS(st) : -1, took, err ? err : "");
         CHECK_MSG(err && strstr(err, "no worker is left"), "stderr: %.300s", err ? err : "");
         free(err);
+    }
+
+    /* A first signal once the final checkpoint is written has nothing left to stop: the note
+     * says the run finishes, and it does (exit 0, its result printed). Before, the note promised
+     * a checkpoint and an exit 128 + signal that never came. An evaluation of 96K rows gives the
+     * signal time to arrive; a run done before it is tried again, up to three times. */
+    if (make_criteo("dsE", 120000, 12, 0.8) == 0) {
+        bool seen = false;
+        for (int attempt = 0; attempt < 3 && !seen; attempt++) {
+            char out[16];
+            snprintf(out, sizeof out, "E%d", attempt);
+            pid_t pid = start("--train dsE/train --eval dsE/eval --no-progress --model mlp "
+                              "--batch 128 --max-steps 20 --threads 1",
+                              out);
+            bool ckpt = wait_log(pid, out, "checkpoint step-20:");
+            CHECK_MSG(ckpt || exited(pid), "%s: no final checkpoint in train.log", out);
+            int st = psp_stop(pid, SIGTERM, 120);
+            char name[64];
+            snprintf(name, sizeof name, "%s.stderr", out);
+            char *err = slurp(name);
+            snprintf(name, sizeof name, "%s.stdout", out);
+            char *std_out = slurp(name);
+            seen = err && strstr(err, "[ finishing]");
+            if (seen) {
+                CHECK_MSG(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+                          "%s: a signal during the final evaluation: status %d (exit %d); "
+                          "stderr: %.300s",
+                          out, st, WIFEXITED(st) ? WEXITSTATUS(st) : -1, err);
+                CHECK_MSG(std_out && strstr(std_out, "\"auc\""), "%s printed no result: %s", out,
+                          std_out ? std_out : "");
+                CHECK_MSG(!strstr(err, "[ stopping]"), "%s: stderr %.300s", out, err);
+            } else {
+                fprintf(stderr, "stop_test: %s: no '[ finishing]' note (status %d%s); again\n", out,
+                        st,
+                        err && strstr(err, "[ stopping]") ? "; it said '[ stopping]'"
+                                                          : ": ended before its signal?");
+            }
+            free(err);
+            free(std_out);
+        }
+        CHECK_MSG(seen, "no run saw its signal during the final evaluation");
     }
 
     /* A second signal does not wait for the checkpoint (steps of 4096 rows: the stop, three
