@@ -404,16 +404,17 @@ int cm_gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, c
  * Every element of C is its K products summed in order by fused multiply-adds from 0, so the
  * AVX-512, AVX2 and portable paths agree bit for bit, and no cut of the GEMM into tiles or K
  * blocks changes a bit: a K block after the first starts its accumulators from C's partial
- * sums. The vector paths are the classic packed one: op(B) in panels of F32_NR columns (each
- * inner index's 32 values in two cache lines), op(A) in panels of F32_MR rows, and a register
- * block per path. AVX-512: 8 x 32 (16 accumulators), one B panel row and 8 broadcasts of A a
- * step for 16 FMAs. AVX2 (16 registers of 8 floats): 6 x 16 (12 accumulators), two of them
- * over a 6 x 32 block, so A in panels of 6 rows; op(B)'s panels are laid out as for AVX-512, so
- * one packed op(B) (cm_gemm_f32_pack) serves both. A B panel
- * (KC x 32 floats, 32 KiB) stays in L1 while the A panels of an MC block (in L2) stream past
- * it. On an AMD EPYC (AVX-512) the AVX-512 path runs at 0.96-1.07x OpenBLAS 0.3.21's
- * Cooperlake kernel and 1.5-2.0x its Haswell one on the mlp's shapes (docs/BENCHMARKS.md,
- * stop 26); 12- and 14-row blocks measured no faster.
+ * sums. The vector paths are the classic packed one, each with its own register block (the
+ * ops table f32_path_ops): op(A) in panels of the block's rows, op(B) in panels of columns, and
+ * a B panel's part that one block reads stays in L1 while the A panels of an MC block (in L2)
+ * stream past it. AVX-512: 8 x 32 (16 accumulators), one B panel row (32 values, two cache
+ * lines) and 8 broadcasts of A a step for 16 FMAs, over 32-column B panels (KC x 32 floats,
+ * 32 KiB). On an AMD EPYC (AVX-512) it runs at 0.96-1.07x OpenBLAS 0.3.21's Cooperlake kernel
+ * and 1.5-2.0x its Haswell one on the mlp's shapes (docs/BENCHMARKS.md, stop 26); 12- and
+ * 14-row blocks measured no faster. AVX2 (16 registers of 8 floats): 6 x 16 (12 accumulators),
+ * A in panels of 6 rows, B packed in 16-column panels (16 KiB a K block); a B that
+ * cm_gemm_f32_pack laid out once (32-column panels) is read in place, two blocks a panel. On an
+ * AMD EPYC (Zen 3) about OpenBLAS's Zen kernel, both near the core's FMA peak (stop 38).
  */
 #define F32_MR 8
 #define F32_NR 32
