@@ -49,13 +49,14 @@ typedef struct pool_block {
 
 /*
  * Which code computes a GEMM's tiles. ember's own fp32 GEMM (cm_gemm_f32) where the CPU has
- * AVX-512 or AVX2 with FMA: its sums do not depend on the tile sizes, it takes the forward
- * layers' weights packed once (serving's tower), and it is faster than OpenBLAS 0.3.21 on the
- * mlp's shapes on both kinds of CPU: AVX-512 1.5-2.0x the Haswell kernels a user's
+ * AVX-512 or AVX2 with FMA: its sums do not depend on the tile sizes nor on the kind of CPU, it
+ * takes the forward layers' weights packed once (serving's tower), and on the mlp's shapes it
+ * runs at least as fast as OpenBLAS 0.3.21: AVX-512 1.5-2.0x the Haswell kernels a user's
  * OPENBLAS_CORETYPE=Haswell gives, 0.96-1.07x OpenBLAS's own AVX-512 ones (docs/BENCHMARKS.md,
- * stop 26); AVX2 on an AMD EPYC (Zen 3) against OpenBLAS's Zen kernels, stop 38. Elsewhere
- * OpenBLAS. GEMM_OWN_AVX2 (BACKEND_NO_AVX512) and GEMM_OWN_PORTABLE (BACKEND_NO_SIMD) give
- * GEMM_OWN's bits with narrower vectors and with plain loops (tests).
+ * stop 26); AVX2 on an AMD EPYC (Zen 3) about OpenBLAS's Zen kernels on one thread and 1.6-6.2%
+ * shorter training steps on two (stop 38). Elsewhere OpenBLAS. GEMM_OWN_AVX2 (BACKEND_NO_AVX512)
+ * and GEMM_OWN_PORTABLE (BACKEND_NO_SIMD) give GEMM_OWN's bits with narrower vectors and with plain
+ * loops (tests).
  */
 typedef enum gemm_kind {
     GEMM_BLAS,
