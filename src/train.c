@@ -1115,18 +1115,28 @@ static uint64_t barrier_base(uint64_t step)
     return 8 * step + 8;
 }
 
+/* A tag with ember's own kernels' instruction set left out ("cpu/ember-avx2+bf16" ->
+ * "cpu/ember+bf16"): the one rule for this run's tag and for a checkpoint's, which those
+ * written before the AVX2 GEMM spell "cpu/ember-avx512". */
+static void kernels_tag_collapse(char *tag)
+{
+    static const char own[] = "cpu/ember-";
+    if (strncmp(tag, own, sizeof own - 1) != 0) return;
+    char *isa = tag + sizeof own - 2, *rest = isa + strcspn(isa, "+");
+    memmove(isa, rest, strlen(rest) + 1);
+}
+
 /* What computed the run: the bits depend on it (another OpenBLAS core sums in another order;
  * bf16 and TF32 GEMMs round their operands). ember's own kernels give the same bits with AVX-512
  * and with AVX2 (tests/train/threads_test.c holds them equal), so both are "cpu/ember": a run
  * resumed on the other kind of CPU goes on bit for bit. */
 static void kernels_tag(const setup *S, char *out, size_t n)
 {
-    const char *k = backend_cpu_kernels();
     if (S->be == &backend_cpu_ops)
-        snprintf(out, n, "cpu/%s%s", strncmp(k, "ember-", 6) == 0 ? "ember" : k,
-                 S->o->bf16 ? "+bf16" : "");
+        snprintf(out, n, "cpu/%s%s", backend_cpu_kernels(), S->o->bf16 ? "+bf16" : "");
     else
         snprintf(out, n, "%s%s", S->be->name, S->o->tf32 ? "+tf32" : "");
+    kernels_tag_collapse(out);
 }
 
 /* --dense-lr, or the tower optimizer's default: Adam and Adagrad 0.001, SGD 0.1 (the best of
@@ -1519,10 +1529,7 @@ static void warn_kernels(const setup *S, const char *pos_text)
     const char *k = strstr(pos_text, "\nkernels ");
     kernels_tag(S, now, sizeof now);
     if (k == NULL || sscanf(k, "\nkernels %63s", then) != 1) return;
-    /* Checkpoints written before ember had an AVX2 GEMM name its AVX-512 kernels
-     * "cpu/ember-avx512". */
-    if (strncmp(then, "cpu/ember-avx512", 16) == 0)
-        memmove(then + 9, then + 16, strlen(then + 16) + 1);
+    kernels_tag_collapse(then);
     if (strcmp(then, now) != 0)
         fprintf(stderr,
                 "ember train: resuming with %s kernels; the checkpoint was computed with %s: the "
