@@ -646,7 +646,7 @@ AVX2_TARGET static void f32_pack_b_avx2(int tb, int N, const float *B, int ldb, 
  * out + (p * kc + k) * 6. ta: 6 of a row of A a step; else 8 x 8 blocks of 6 rows (and 2 left
  * zero) transposed. Each step's 6 values are stored as 8, in order, the next step's store
  * overwriting the 2 extra: out has F32_PACK_SLACK floats past the last panel for them (masked
- * stores would not need it, but AMD's cost ~10x a plain one). */
+ * stores would not need it; they are the slow kind on AMD CPUs, as the kernel's C showed). */
 #define F32_MR_AVX2 6
 #define F32_MC_AVX2 252 /* a multiple of F32_MR_AVX2 */
 #define F32_KC_AVX2 256
@@ -688,7 +688,8 @@ KERNEL_UNCHECKED AVX2_TARGET static void f32_kernel_avx2_6x16(int kc, const floa
                                                               int load)
 {
     __m256 c0[F32_MR_AVX2], c1[F32_MR_AVX2];
-    /* Whole blocks load and store C plainly: AMD's masked stores cost ~10x a plain one. */
+    /* Whole blocks load and store C plainly: on Zen 3 the kernel measured faster so than with
+     * masked moves for every block (docs/BENCHMARKS.md, stop 38). */
     const bool whole = mr == F32_MR_AVX2 && cols >= 16;
     const __m256i m0 = lanes8(cols), m1 = lanes8(cols - 8);
 #pragma GCC unroll 6
