@@ -24,11 +24,18 @@
  *   state on the GPU, so a table past the GPU's memory cannot be trained by the same script
  *   (the JSON says which case it was).
  *
+ * - --layouts (default 2x2): the mlp again with W worker threads and S embedded PS shards
+ *   sharing the GPU, each worker on its own part of the data, asynchronous (the default
+ *   staleness). The goal (1.5x PyTorch's samples/s at equal AUC, i.e. at least PyTorch's AUC -
+ *   0.001) is judged on the fastest mlp run that keeps the AUC, one worker or a layout; the JSON
+ *   keeps the one-worker figures under their old names (ember_samples_per_s, speedup).
+ *
  * No CUDA device: prints why and a JSON line with "error", exits 2, before touching any data.
  *
  * Usage: tools/bench gpu [--quick] [--rows N] [--eval-rows N] [--seed S] [--models M,M]
  *        [--big-rows N | --no-big | --big-only] [--big-dim D|auto] [--big-memory BYTES]
  *        [--no-torch] [--dir DIR] [--ember PATH] [--python PATH] [--train-arg ARG]...
+ *        [--layouts WxS,...|none]
  *   --quick       300K + 30K rows, big table 1M rows at dim 64, shorter SpMM timing
  *   --big-rows N  generated rows of the big-table run (default 10M; eval 1/10 of it on top)
  *   --big-memory  per-shard PS memory budget of the big-table run (--memory): rows past it spill
@@ -58,6 +65,75 @@
 #define MAX_MODELS 4
 #define N_SPMM_DIMS 3
 #define BIG_RATIO 1.25 /* --big-dim auto: the table this many times the GPU's memory */
+#define MAX_LAYOUTS 6
+/* "At equal AUC": ember's mlp at least PyTorch's AUC minus this (as bench train's goal). */
+#define AUC_SLACK 0.001
+
+/* One more mlp run of --layouts: worker threads x embedded PS shards, all on the one GPU. */
+typedef struct layout {
+    uint32_t workers, shards;
+} layout;
+
+/* "2x2,4x4" into out (at most MAX_LAYOUTS, each 1..64), "none" for no more runs: 0, or -1 on
+ * anything else. */
+static int parse_layouts(const char *v, layout *out, int *n)
+{
+    int k = 0;
+    if (!strcmp(v, "none")) {
+        *n = 0;
+        return 0;
+    }
+    const char *p = v;
+    while (*p) {
+        char *end;
+        unsigned long w = strtoul(p, &end, 10);
+        if (end == p || *end != 'x' || k == MAX_LAYOUTS) return -1;
+        p = end + 1;
+        unsigned long sh = strtoul(p, &end, 10);
+        if (end == p || (*end != ',' && *end != '\0')) return -1;
+        if (w < 1 || w > 64 || sh < 1 || sh > 64) return -1;
+        out[k].workers = (uint32_t)w, out[k].shards = (uint32_t)sh, k++;
+        p = *end ? end + 1 : end;
+    }
+    if (k == 0) return -1;
+    *n = k;
+    return 0;
+}
+
+/* A run's line of the table: loop and end-to-end samples/s, loop seconds, AUC, logloss. */
+static void print_run(const char *label, const bench_ember_run *r)
+{
+    if (!r->ok)
+        printf("%-26s %12s\n", label, "FAILED");
+    else
+        printf("%-26s %12.0f %12.0f %9.2f %9.4f %9.4f\n", label, r->loop_samples_per_s,
+               r->samples_per_s, r->loop_seconds, r->auc, r->logloss);
+}
+
+static void print_parts(const char *label, const bench_ember_run *r)
+{
+    printf("%-26s", label);
+    for (int k = 0; k < 8; k++)
+        printf(" %8.3f", r->step_parts[k]);
+    printf("\n");
+}
+
+/* line() for each model's run, then each layout's, labelled. */
+static void print_runs(void (*line)(const char *, const bench_ember_run *),
+                       const bench_ember_run *runs, int n_runs, const layout *layouts,
+                       const bench_ember_run *lay_runs, int n_layouts)
+{
+    char label[64];
+    for (int i = 0; i < n_runs; i++) {
+        snprintf(label, sizeof label, "ember %.15s (cuda)", runs[i].model);
+        line(label, &runs[i]);
+    }
+    for (int i = 0; i < n_layouts; i++) {
+        snprintf(label, sizeof label, "ember mlp %uw x %us (cuda)", layouts[i].workers,
+                 layouts[i].shards);
+        line(label, &lay_runs[i]);
+    }
+}
 
 /* A failed CUDA call ends the benchmark with the call and the runtime's words. */
 static void ck_cuda(cudaError_t e, const char *what)
@@ -437,7 +513,8 @@ static void usage(void)
         stderr,
         "usage: bench_gpu [--quick] [--rows N] [--eval-rows N] [--seed S] [--models M,M]\n"
         "       [--big-rows N | --no-big | --big-only] [--big-dim D|auto] [--big-memory BYTES]\n"
-        "       [--no-torch] [--dir DIR] [--ember PATH] [--python PATH] [--train-arg ARG]...\n");
+        "       [--no-torch] [--dir DIR] [--ember PATH] [--python PATH] [--train-arg ARG]...\n"
+        "       [--layouts WxS,...|none]\n");
     exit(64);
 }
 
@@ -466,6 +543,8 @@ int main(int argc, char **argv)
     uint32_t big_dim = 0; /* 0: auto */
     const char *big_memory = NULL;
     int no_big = 0, big_only = 0;
+    layout layouts[MAX_LAYOUTS] = {{2, 2}};
+    int n_layouts = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         /* Four --train-arg places stay free for the big-table run's own arguments. */
@@ -487,7 +566,10 @@ int main(int argc, char **argv)
             if (big_dim > 1024 || (strcmp(v, "auto") && big_dim == 0)) usage();
         } else if (!strcmp(a, "--big-memory"))
             big_memory = v, i++;
-        else
+        else if (!strcmp(a, "--layouts")) {
+            if (parse_layouts(v, layouts, &n_layouts) != 0) usage();
+            i++;
+        } else
             usage();
     }
     bench_train_opts_finish(&o);
@@ -521,12 +603,14 @@ int main(int argc, char **argv)
     double copy_gbs = 0, h2d_gbs = 0;
     bench_dataset ds;
     spmm_report sp;
-    bench_ember_run runs[MAX_MODELS];
+    bench_ember_run runs[MAX_MODELS], lay_runs[MAX_LAYOUTS];
     bench_torch_run tr;
     int n_runs = 0;
     memset(&ds, 0, sizeof ds);
     memset(&sp, 0, sizeof sp);
     memset(&tr, 0, sizeof tr);
+    memset(lay_runs, 0, sizeof lay_runs);
+    if (big_only) n_layouts = 0;
     snprintf(tr.why, sizeof tr.why, "skipped (--big-only)");
     if (!big_only) {
         measure_copy(secs, &copy_gbs, &h2d_gbs);
@@ -536,6 +620,11 @@ int main(int argc, char **argv)
         snprintf(ml, sizeof ml, "%s", o.models);
         for (char *s = strtok(ml, ","); s && n_runs < MAX_MODELS; s = strtok(NULL, ","))
             bench_train_ember(&o, &ds, s, threads, 1, 0, &runs[n_runs++]);
+        for (int i = 0; i < n_layouts; i++) {
+            o.workers = layouts[i].workers, o.shards = layouts[i].shards;
+            bench_train_ember(&o, &ds, "mlp", threads, 1, 0, &lay_runs[i]);
+        }
+        o.workers = o.shards = 0;
         bench_train_torch(&o, &ds, 1, &tr);
     }
     const bench_ember_run *mlp = NULL;
@@ -553,15 +642,7 @@ int main(int argc, char **argv)
                ds.rows_eval, o.seed, ds.cached ? "cached" : "generated now");
     printf("\n%-26s %12s %12s %9s %9s %9s\n", "run", "loop smp/s", "e2e smp/s", "train s", "auc",
            "logloss");
-    for (int i = 0; i < n_runs; i++) {
-        const bench_ember_run *r = &runs[i];
-        snprintf(buf, sizeof buf, "ember %.15s (cuda)", r->model);
-        if (!r->ok)
-            printf("%-26s %12s\n", buf, "FAILED");
-        else
-            printf("%-26s %12.0f %12.0f %9.2f %9.4f %9.4f\n", buf, r->loop_samples_per_s,
-                   r->samples_per_s, r->loop_seconds, r->auc, r->logloss);
-    }
+    print_runs(print_run, runs, n_runs, layouts, lay_runs, n_layouts);
     if (tr.ran)
         printf("%-26s %12.0f %12s %9.2f %9.4f %9.4f\n", "pytorch mlp (cuda)", tr.samples_per_s, "-",
                tr.seconds, tr.auc, tr.logloss);
@@ -572,21 +653,11 @@ int main(int argc, char **argv)
         for (int k = 0; k < 8; k++)
             printf(" %8.8s", bench_step_part_names[k]);
         printf("\n");
-        for (int i = 0; i < n_runs; i++) {
-            snprintf(buf, sizeof buf, "ember %.15s (cuda)", runs[i].model);
-            printf("%-26s", buf);
-            for (int k = 0; k < 8; k++)
-                printf(" %8.3f", runs[i].step_parts[k]);
-            printf("\n");
-        }
+        print_runs(print_parts, runs, n_runs, layouts, lay_runs, n_layouts);
     }
     if (br.ran) {
         snprintf(buf, sizeof buf, "ember mlp big (dim %u)", br.dim);
-        if (br.er.ok)
-            printf("%-26s %12.0f %12.0f %9.2f %9.4f %9.4f\n", buf, br.er.loop_samples_per_s,
-                   br.er.samples_per_s, br.er.loop_seconds, br.er.auc, br.er.logloss);
-        else
-            printf("%-26s %12s\n", buf, "FAILED");
+        print_run(buf, &br.er);
         printf("  big table: %" PRIu64 " keys x %.0f bytes = %.1f GiB on the PS, %.2fx the GPU's "
                "%.1f GiB; pytorch %s\n",
                br.keys, br.row_bytes, br.table_bytes / 1073741824.0, br.ratio,
@@ -606,11 +677,34 @@ int main(int argc, char **argv)
         printf("  dE = A^T dX, dim %u: %8.1f us, %7.0f GB/s effective\n", sp.bwd.dim,
                sp.bwd.seconds * 1e6, sp.bwd.gb_per_s);
     }
+    /* The goal is judged on the fastest mlp run at equal AUC: one worker, or a --layouts run
+     * (several workers sharing the GPU train asynchronously, which can cost AUC). */
     double speedup = mlp && tr.ran ? mlp->loop_samples_per_s / tr.samples_per_s : NAN;
-    if (mlp && tr.ran)
-        printf("goal ember >= 1.5x torch samples/s at equal auc: %s (%.2fx, auc %.4f vs %.4f)\n",
-               speedup >= 1.5 && mlp->auc >= tr.auc - 0.001 ? "met" : "NOT met", speedup, mlp->auc,
-               tr.auc);
+    double best = NAN;
+    const char *best_name = "none";
+    char best_buf[32];
+    for (int i = -1; tr.ran && i < n_layouts; i++) {
+        const bench_ember_run *r = i < 0 ? mlp : &lay_runs[i];
+        if (r == NULL || !r->ok || !(r->auc >= tr.auc - AUC_SLACK)) continue;
+        double x = r->loop_samples_per_s / tr.samples_per_s;
+        if (isfinite(best) && x <= best) continue;
+        best = x;
+        snprintf(best_buf, sizeof best_buf, "%ux%u", i < 0 ? 1 : layouts[i].workers,
+                 i < 0 ? 1 : layouts[i].shards);
+        best_name = best_buf;
+    }
+    int met = isfinite(best) && best >= 1.5;
+    if (mlp && tr.ran) {
+        printf("ember mlp / pytorch: 1 worker x 1 shard %.2fx (auc %.4f vs %.4f)", speedup,
+               mlp->auc, tr.auc);
+        for (int i = 0; i < n_layouts; i++)
+            if (lay_runs[i].ok)
+                printf("; %ux%u %.2fx (auc %.4f)", layouts[i].workers, layouts[i].shards,
+                       lay_runs[i].loop_samples_per_s / tr.samples_per_s, lay_runs[i].auc);
+        printf("\ngoal ember >= 1.5x torch samples/s at equal auc (>= torch - %.3f): %s (best "
+               "at equal auc: %s, %.2fx)\n",
+               AUC_SLACK, met ? "met" : "NOT met", best_name, best);
+    }
 
     printf("{\"bench\":\"gpu\",\"big_only\":%s,\"gpu\":\"%s\",\"gpu_mem_bytes\":%zu,\"gpu_sms\":%d,"
            "\"rows\":%" PRIu64 ",\"eval_rows\":%" PRIu64 ",\"seed\":%" PRIu64
@@ -626,6 +720,13 @@ int main(int argc, char **argv)
         printf("\"ember_%s_samples_per_s\":%.0f,\"ember_%s_auc\":%.6f,", runs[i].model,
                runs[i].ok ? JNUM(runs[i].loop_samples_per_s) : -1, runs[i].model,
                runs[i].ok ? JNUM(runs[i].auc) : -1);
+    for (int i = 0; i < n_layouts; i++) {
+        const bench_ember_run *r = &lay_runs[i];
+        snprintf(buf, sizeof buf, "ember_w%us%u_", layouts[i].workers, layouts[i].shards);
+        printf("\"%ssamples_per_s\":%.0f,\"%sauc\":%.6f,\"%sspeedup\":%.3f,", buf,
+               r->ok ? JNUM(r->loop_samples_per_s) : -1, buf, r->ok ? JNUM(r->auc) : -1, buf,
+               r->ok && tr.ran ? JNUM(r->loop_samples_per_s / tr.samples_per_s) : -1);
+    }
     for (int k = 0; mlp != NULL && k < 8; k++) /* where the mlp's step went, ms */
         printf("\"ember_%s\":%.3f,", bench_step_part_names[k], JNUM(mlp->step_parts[k]));
     printf("\"torch_ran\":%s,\"torch_why\":\"%s\",\"torch_version\":\"%s\","
@@ -648,12 +749,14 @@ int main(int argc, char **argv)
                br.rows, br.keys, br.dim, br.table_bytes, br.ratio, br.er.ok ? "true" : "false",
                br.er.ok ? JNUM(br.er.loop_samples_per_s) : -1, br.er.ok ? JNUM(br.er.auc) : -1,
                jstr(br.torch_why, buf2, sizeof buf2));
-    printf("\"goal_speedup_met\":%s,\"wall_seconds\":%.1f}\n",
-           isfinite(speedup) ? (speedup >= 1.5 && mlp->auc >= tr.auc - 0.001 ? "true" : "false")
-                             : "null",
+    printf("\"best_layout\":\"%s\",\"speedup_best\":%.3f,\"goal_speedup_met\":%s,"
+           "\"wall_seconds\":%.1f}\n",
+           best_name, JNUM(best), mlp && tr.ran ? (met ? "true" : "false") : "null",
            cm_now() - t_start);
     int ok = big_only || n_runs > 0;
     for (int i = 0; i < n_runs; i++)
         ok = ok && runs[i].ok;
+    for (int i = 0; i < n_layouts; i++)
+        ok = ok && lay_runs[i].ok;
     return ok && (!br.ran || br.er.ok) ? 0 : 1;
 }

@@ -377,10 +377,15 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
     er->threads = threads;
     const char *dev = o->device ? o->device : "cpu";
     int on_cpu = strcmp(dev, "cpu") == 0;
-    char out[4400], so[4500], se[4500], mj[4500], th[16], sd[16];
+    char out[4400], so[4500], se[4500], mj[4500], th[16], sd[16], wk[16], sh[16], lay[40] = "";
+    uint32_t workers = o->workers ? o->workers : 1, shards = o->shards ? o->shards : 1;
+    snprintf(wk, sizeof wk, "%u", workers);
+    snprintf(sh, sizeof sh, "%u", shards);
+    if (workers != 1 || shards != 1) snprintf(lay, sizeof lay, "-w%u-s%u", workers, shards);
     /* The CPU runs keep the directory names they always had. */
-    snprintf(out, sizeof out, "%s/run-%s%s%s-t%d-s%u%s%s", ds->dir, on_cpu ? "" : dev,
-             on_cpu ? "" : "-", model, threads, seed, ipc ? "-ipc" : "", o->bf16 ? "-bf16" : "");
+    snprintf(out, sizeof out, "%s/run-%s%s%s-t%d-s%u%s%s%s", ds->dir, on_cpu ? "" : dev,
+             on_cpu ? "" : "-", model, threads, seed, ipc ? "-ipc" : "", o->bf16 ? "-bf16" : "",
+             lay);
     snprintf(sd, sizeof sd, "%u", seed);
     snprintf(so, sizeof so, "%s.stdout", out);
     snprintf(se, sizeof se, "%s.stderr", out);
@@ -391,9 +396,9 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
     free(rm_err);
     const char *argv[80 + BENCH_MAX_EXTRA];
     int n = 0;
-    /* ipc: the same job as two processes, `ember ps` and a worker over ipc://, through
+    /* ipc: the same job as processes, `ember ps` shards and workers over ipc://, through
      * tools/launch (which adds --out and the cluster file to both). */
-    const char *launch[] = {o->launch, "--ps",    "1",      "--workers", "1", "--transport",
+    const char *launch[] = {o->launch, "--ps",    sh,       "--workers", wk,  "--transport",
                             "ipc",     "--ember", o->ember, "--out",     out, "--"};
     const char *fixed[] = {"--train",   ds->train,    "--eval",          ds->eval,
                            "--model",   model,        "--device",        dev,
@@ -401,7 +406,7 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
                            "--threads", th,           "--emb-optimizer", "adagrad",
                            "--emb-lr",  BENCH_EMB_LR, "--dense-lr",      BENCH_DENSE_LR,
                            "--seed",    sd,           "--no-progress"};
-    const char *embedded[] = {"--out", out, "--workers", "1", "--shards", "1"};
+    const char *embedded[] = {"--out", out, "--workers", wk, "--shards", sh};
     if (ipc) {
         for (size_t i = 0; i < sizeof launch / sizeof launch[0]; i++)
             argv[n++] = launch[i];
@@ -417,9 +422,9 @@ void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const
     for (int i = 0; i < o->n_extra; i++)
         argv[n++] = o->extra[i];
     argv[n] = NULL;
-    fprintf(stderr, "%s: ember train --device %s --model %s --threads %d --seed %u%s%s ...\n",
+    fprintf(stderr, "%s: ember train --device %s --model %s --threads %d --seed %u%s%s%s ...\n",
             bench_self()->name, dev, model, threads, seed, o->bf16 ? " --bf16" : "",
-            ipc ? " (tools/launch: 1 PS + 1 worker over ipc://)" : "");
+            ipc ? " (tools/launch: PS and worker processes over ipc://)" : "", lay);
     int rc = bench_run_cmd((char *const *)argv, so, se);
     if (rc != 0) {
         fprintf(stderr,

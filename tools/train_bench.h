@@ -37,6 +37,9 @@ typedef struct bench_train_opts {
     int torch_threads;  /* torch.set_num_threads */
     int bf16;           /* mixed precision: `ember train --bf16` (AMX GEMMs), bench_train.py --bf16
                          * (torch.autocast); runs go to directories named -bf16 */
+    /* The embedded run's layout: worker threads and PS shards (0 = 1 each); a run other than
+     * 1 x 1 gets its own directory (-wW-sS). */
+    uint32_t workers, shards;
     const char *extra[BENCH_MAX_EXTRA]; /* more arguments for every `ember train` */
     int n_extra;
 } bench_train_opts;
@@ -82,9 +85,10 @@ typedef struct bench_ember_run {
 /* The names of bench_ember_run.step_parts, as ember train's JSON has them. */
 extern const char *const bench_step_part_names[8];
 
-/* One `ember train` (1 worker, 1 shard, batch 2048, Adagrad embeddings, Adam tower, one epoch
- * in file order) on o->device, into <ds dir>/run-[device-]model-tT-sS[-ipc]: the embedded PS,
- * or with ipc an `ember ps` process and a worker process over ipc:// (tools/launch). */
+/* One `ember train` (o->workers x o->shards, 1 x 1 by default; batch 2048, Adagrad embeddings,
+ * Adam tower, one epoch in file order) on o->device, into
+ * <ds dir>/run-[device-]model-tT-sS[-ipc][-wW-sS]: the embedded PS, or with ipc `ember ps`
+ * processes and worker processes over ipc:// (tools/launch). */
 void bench_train_ember(const bench_train_opts *o, const bench_dataset *ds, const char *model,
                        int threads, uint32_t seed, int ipc, bench_ember_run *er);
 
