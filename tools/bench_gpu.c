@@ -30,12 +30,19 @@
  *   0.001) is judged on the fastest mlp run that keeps the AUC, one worker or a layout; the JSON
  *   keeps the one-worker figures under their old names (ember_samples_per_s, speedup).
  *
+ * - --big-gpu-free BYTES: the big run on a smaller GPU, made by this process holding all of the
+ *   device's free memory but BYTES (a ballast cudaMalloc) while the run goes on: a GPU whose
+ *   memory a lent host's RAM and disk could hold ten times over. Then PyTorch's side is tried
+ *   for real (an nn.Embedding of the table and its Adagrad state on cuda, in that memory) and
+ *   the JSON says whether it ran out of memory. Either way, the run's peak device memory is
+ *   sampled (the device's free memory every 20 ms while ember trains).
+ *
  * No CUDA device: prints why and a JSON line with "error", exits 2, before touching any data.
  *
  * Usage: tools/bench gpu [--quick] [--rows N] [--eval-rows N] [--seed S] [--models M,M]
  *        [--big-rows N | --no-big | --big-only] [--big-dim D|auto] [--big-memory BYTES]
  *        [--no-torch] [--dir DIR] [--ember PATH] [--python PATH] [--train-arg ARG]...
- *        [--layouts WxS,...|none]
+ *        [--layouts WxS,...|none] [--big-gpu-free BYTES]
  *   --quick       300K + 30K rows, big table 1M rows at dim 64, shorter SpMM timing
  *   --big-rows N  generated rows of the big-table run (default 10M; eval 1/10 of it on top)
  *   --big-memory  per-shard PS memory budget of the big-table run (--memory): rows past it spill
@@ -48,6 +55,8 @@
 #include <cusparse.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -444,10 +453,67 @@ typedef struct big_run {
     int ran;
     uint64_t rows, keys;
     uint32_t dim;
-    double row_bytes, table_bytes, ratio; /* ratio: table / GPU memory */
+    double row_bytes, table_bytes, ratio; /* ratio: table / the GPU memory the job had */
+    /* With --big-gpu-free: the device memory left to the run (the rest held by this process's
+     * ballast allocation); else the GPU's whole memory. */
+    double gpu_bytes, ballast_bytes;
+    double ember_peak_bytes;    /* device memory in use at the run's peak beyond its start */
+    int torch_tried, torch_oom; /* the same table as nn.Embedding + Adagrad state, on cuda */
+    char torch_why[512];
     bench_ember_run er;
-    char torch_why[256];
 } big_run;
+
+/* Samples the device's free memory while a run goes on (another process's use shows there). */
+typedef struct mem_watch {
+    pthread_t th;
+    atomic_int stop;
+    size_t min_free;
+} mem_watch;
+
+static void *mem_watch_main(void *arg)
+{
+    mem_watch *w = arg;
+    while (!atomic_load(&w->stop)) {
+        size_t fr = 0, tot = 0;
+        if (cudaMemGetInfo(&fr, &tot) == cudaSuccess && fr < w->min_free) w->min_free = fr;
+        usleep(20000);
+    }
+    return NULL;
+}
+
+/* PyTorch's side of the big table, for real: the rows and Adagrad's state (4 bytes each) as
+ * CUDA tensors in the memory the run had; torch_oom when that fails for want of memory. */
+static void torch_big_try(const bench_train_opts *o, const bench_dataset *ds, uint32_t dim,
+                          big_run *br)
+{
+    if (o->no_torch || o->python == NULL) {
+        snprintf(br->torch_why, sizeof br->torch_why, "not tried (--no-torch)");
+        return;
+    }
+    char code[1024], errp[4400];
+    snprintf(code, sizeof code,
+             "import torch\n"
+             "try:\n"
+             "    e = torch.nn.Embedding(%" PRIu64 ", %u, device='cuda')\n"
+             "    s = torch.zeros_like(e.weight)\n"
+             "    torch.cuda.synchronize()\n"
+             "    print('fits')\n"
+             "except Exception as x:\n"
+             "    m = (str(x).splitlines() or [''])[0][:300]\n"
+             "    print(('oom: ' if 'out of memory' in m.lower() else 'error: ') + m)\n",
+             ds->table_rows, dim);
+    snprintf(errp, sizeof errp, "%s/torch-big.out", ds->dir);
+    char *argv[] = {(char *)o->python, "-c", code, NULL};
+    int rc = bench_run_cmd(argv, errp, "/dev/null");
+    char line[480];
+    bench_last_line(errp, NULL, line, sizeof line);
+    br->torch_tried = 1;
+    br->torch_oom = rc == 0 && strncmp(line, "oom: ", 5) == 0;
+    snprintf(br->torch_why, sizeof br->torch_why, "%s",
+             rc != 0                 ? "python failed (no torch?)"
+             : !strcmp(line, "fits") ? "the table fits: nn.Embedding + Adagrad state allocated"
+                                     : line);
+}
 
 static double row_mem_bytes(uint32_t dim)
 {
@@ -459,7 +525,8 @@ static double row_mem_bytes(uint32_t dim)
 }
 
 static void run_big(const bench_train_opts *base, uint64_t rows, uint32_t dim_opt,
-                    const char *memory, const gpu_info *g, int threads, big_run *br)
+                    const char *memory, uint64_t gpu_free, const gpu_info *g, int threads,
+                    big_run *br)
 {
     memset(br, 0, sizeof *br);
     bench_train_opts o = *base;
@@ -478,15 +545,34 @@ static void run_big(const bench_train_opts *base, uint64_t rows, uint32_t dim_op
     br->dim = dim;
     br->row_bytes = row_mem_bytes(dim);
     br->table_bytes = (double)br->keys * br->row_bytes;
-    br->ratio = br->table_bytes / (double)g->mem_total;
-    /* What PyTorch would need on the GPU: the rows and Adagrad's state, 4 bytes each. */
-    double torch_bytes = (double)ds.table_rows * dim * 8.0;
-    snprintf(br->torch_why, sizeof br->torch_why,
-             torch_bytes > (double)g->mem_total
-                 ? "skipped: nn.Embedding + Adagrad state would need %.1f GiB on a %.1f GiB GPU"
-                 : "not run: the table (%.1f GiB as nn.Embedding + Adagrad state) fits the %.1f "
-                   "GiB GPU; raise --big-rows / --big-dim for the out-of-memory case",
-             torch_bytes / 1073741824.0, (double)g->mem_total / 1073741824.0);
+    br->gpu_bytes = (double)g->mem_total;
+    /* --big-gpu-free: a smaller GPU, made by holding the rest of this one. */
+    void *ballast = NULL;
+    size_t fr = 0, tot = 0;
+    if (gpu_free > 0) {
+        CK(cudaMemGetInfo(&fr, &tot));
+        if (fr > gpu_free) {
+            CK(cudaMalloc(&ballast, fr - gpu_free));
+            br->ballast_bytes = (double)(fr - gpu_free);
+        }
+        CK(cudaMemGetInfo(&fr, &tot));
+        br->gpu_bytes = (double)fr;
+    }
+    br->ratio = br->table_bytes / br->gpu_bytes;
+    if (gpu_free > 0)
+        torch_big_try(&o, &ds, dim, br);
+    else {
+        /* What PyTorch would need on the GPU: the rows and Adagrad's state, 4 bytes each. */
+        double torch_bytes = (double)ds.table_rows * dim * 8.0;
+        snprintf(br->torch_why, sizeof br->torch_why,
+                 torch_bytes > br->gpu_bytes
+                     ? "skipped: nn.Embedding + Adagrad state would need %.1f GiB on a %.1f GiB "
+                       "GPU"
+                     : "not run: the table (%.1f GiB as nn.Embedding + Adagrad state) fits the "
+                       "%.1f GiB GPU; --big-gpu-free or more --big-rows / --big-dim for the "
+                       "out-of-memory case",
+                 torch_bytes / 1073741824.0, br->gpu_bytes / 1073741824.0);
+    }
     char dim_s[16];
     snprintf(dim_s, sizeof dim_s, "%u", dim);
     if (o.n_extra + 4 > BENCH_MAX_EXTRA) bench_die("too many --train-arg", NULL);
@@ -498,10 +584,23 @@ static void run_big(const bench_train_opts *base, uint64_t rows, uint32_t dim_op
     }
     fprintf(stderr,
             "bench gpu: big table: %" PRIu64 " keys x %.0f bytes (dim %u) = %.1f GiB, %.2fx the "
-            "GPU's memory%s%s\n",
+            "%.2f GiB of GPU memory the run has%s%s\n",
             br->keys, br->row_bytes, dim, br->table_bytes / 1073741824.0, br->ratio,
-            memory ? "; PS memory per shard " : "", memory ? memory : "");
+            br->gpu_bytes / 1073741824.0, memory ? "; PS memory per shard " : "",
+            memory ? memory : "");
+    mem_watch w = {.min_free = SIZE_MAX};
+    CK(cudaMemGetInfo(&fr, &tot));
+    size_t free0 = fr;
+    atomic_init(&w.stop, 0);
+    int watching = pthread_create(&w.th, NULL, mem_watch_main, &w) == 0;
     bench_train_ember(&o, &ds, "mlp", threads, 1, 0, &br->er);
+    if (watching) {
+        atomic_store(&w.stop, 1);
+        pthread_join(w.th, NULL);
+        br->ember_peak_bytes = w.min_free < free0 ? (double)(free0 - w.min_free) : 0;
+    } else
+        br->ember_peak_bytes = NAN;
+    if (ballast) CK(cudaFree(ballast));
     br->ran = 1;
 }
 
@@ -513,6 +612,7 @@ static void usage(void)
         stderr,
         "usage: bench_gpu [--quick] [--rows N] [--eval-rows N] [--seed S] [--models M,M]\n"
         "       [--big-rows N | --no-big | --big-only] [--big-dim D|auto] [--big-memory BYTES]\n"
+        "       [--big-gpu-free BYTES]\n"
         "       [--no-torch] [--dir DIR] [--ember PATH] [--python PATH] [--train-arg ARG]...\n"
         "       [--layouts WxS,...|none]\n");
     exit(64);
@@ -542,6 +642,7 @@ int main(int argc, char **argv)
     uint64_t big_rows = 0;
     uint32_t big_dim = 0; /* 0: auto */
     const char *big_memory = NULL;
+    uint64_t big_gpu_free = 0; /* --big-gpu-free: 0 = the whole GPU */
     int no_big = 0, big_only = 0;
     layout layouts[MAX_LAYOUTS] = {{2, 2}};
     int n_layouts = 1;
@@ -566,7 +667,10 @@ int main(int argc, char **argv)
             if (big_dim > 1024 || (strcmp(v, "auto") && big_dim == 0)) usage();
         } else if (!strcmp(a, "--big-memory"))
             big_memory = v, i++;
-        else if (!strcmp(a, "--layouts")) {
+        else if (!strcmp(a, "--big-gpu-free")) {
+            if (cm_parse_size(v, &big_gpu_free) != 0 || big_gpu_free == 0) usage();
+            i++;
+        } else if (!strcmp(a, "--layouts")) {
             if (parse_layouts(v, layouts, &n_layouts) != 0) usage();
             i++;
         } else
@@ -633,7 +737,7 @@ int main(int argc, char **argv)
 
     big_run br;
     memset(&br, 0, sizeof br);
-    if (!no_big) run_big(&o, big_rows, big_dim, big_memory, &g, threads, &br);
+    if (!no_big) run_big(&o, big_rows, big_dim, big_memory, big_gpu_free, &g, threads, &br);
 
     printf("bench gpu: %s (%.1f GiB, %d SMs), batch %u, 1 epoch, %d host threads", g.name,
            (double)g.mem_total / 1073741824.0, g.sms, BENCH_BATCH, threads);
@@ -658,10 +762,13 @@ int main(int argc, char **argv)
     if (br.ran) {
         snprintf(buf, sizeof buf, "ember mlp big (dim %u)", br.dim);
         print_run(buf, &br.er);
-        printf("  big table: %" PRIu64 " keys x %.0f bytes = %.1f GiB on the PS, %.2fx the GPU's "
-               "%.1f GiB; pytorch %s\n",
+        printf("  big table: %" PRIu64 " keys x %.0f bytes = %.1f GiB on the PS, %.2fx the "
+               "%.2f GiB of GPU memory the run had%s; ember's run used %.2f GiB of it at its "
+               "peak\n  pytorch, the same table on the GPU: %s\n",
                br.keys, br.row_bytes, br.table_bytes / 1073741824.0, br.ratio,
-               (double)g.mem_total / 1073741824.0, br.torch_why);
+               br.gpu_bytes / 1073741824.0,
+               br.ballast_bytes > 0 ? " (the rest of the GPU held by a ballast allocation)" : "",
+               br.ember_peak_bytes / 1073741824.0, br.torch_why);
     }
     if (!big_only) {
         printf(
@@ -743,12 +850,17 @@ int main(int argc, char **argv)
         if (sp.fwd[i].dim > 0)
             printf("\"spmm_dim%u_gb_per_s\":%.1f,", sp.fwd[i].dim, sp.fwd[i].gb_per_s);
     if (br.ran)
-        printf("\"big_rows\":%" PRIu64 ",\"big_keys\":%" PRIu64 ",\"big_dim\":%u,"
-               "\"big_table_bytes\":%.0f,\"big_table_gpu_ratio\":%.3f,\"big_ok\":%s,"
-               "\"big_samples_per_s\":%.0f,\"big_auc\":%.6f,\"big_torch\":\"%s\",",
-               br.rows, br.keys, br.dim, br.table_bytes, br.ratio, br.er.ok ? "true" : "false",
-               br.er.ok ? JNUM(br.er.loop_samples_per_s) : -1, br.er.ok ? JNUM(br.er.auc) : -1,
-               jstr(br.torch_why, buf2, sizeof buf2));
+        printf(
+            "\"big_rows\":%" PRIu64 ",\"big_keys\":%" PRIu64 ",\"big_dim\":%u,"
+            "\"big_table_bytes\":%.0f,\"big_table_gpu_ratio\":%.3f,\"big_ok\":%s,"
+            "\"big_samples_per_s\":%.0f,\"big_auc\":%.6f,\"big_torch\":\"%s\","
+            "\"big_gpu_bytes\":%.0f,\"big_ballast_bytes\":%.0f,\"big_ember_gpu_peak_bytes\":%.0f,"
+            "\"big_torch_tried\":%s,\"big_torch_oom\":%s,",
+            br.rows, br.keys, br.dim, br.table_bytes, br.ratio, br.er.ok ? "true" : "false",
+            br.er.ok ? JNUM(br.er.loop_samples_per_s) : -1, br.er.ok ? JNUM(br.er.auc) : -1,
+            jstr(br.torch_why, buf2, sizeof buf2), br.gpu_bytes, br.ballast_bytes,
+            JNUM(br.ember_peak_bytes), br.torch_tried ? "true" : "false",
+            br.torch_oom ? "true" : "false");
     printf("\"best_layout\":\"%s\",\"speedup_best\":%.3f,\"goal_speedup_met\":%s,"
            "\"wall_seconds\":%.1f}\n",
            best_name, JNUM(best), mlp && tr.ran ? (met ? "true" : "false") : "null",
