@@ -29,7 +29,8 @@ static void train_usage(FILE *to)
         "                       push_codec, memory, shuffle, staleness, checkpoint_every,\n"
         "                       eval_every, tf32, bf16, expected_rows, dense_mirror,\n"
         "                       dense_optimizer, worker_timeout, keep_checkpoints,\n"
-        "                       max_message, residual_memory, admit, ttl); every\n"
+        "                       max_message, residual_memory, admit, ttl,\n"
+        "                       max_batch_keys); every\n"
         "                       key under its section's header\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
         "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
@@ -57,6 +58,8 @@ static void train_usage(FILE *to)
         "  --expected-rows N    rows each embedding table will reach (all shards): tables are\n"
         "                       created that large instead of doubling (default: the distinct-\n"
         "                       key estimate in the ingest's stats.json, +5%%; 0: start small)\n"
+        "  --max-batch-keys N   most distinct keys a batch may hold; buffers (the GPU's too) are\n"
+        "                       sized by it (default batch x fields x 8 + 1024)\n"
         "  --emb-lr X --dense-lr X --emb-optimizer NAME --push-codec fp32|fp16|bf16|int8\n"
         "  --dense-optimizer adam|adagrad|sgd   the tower's, on the PS (default adam; its\n"
         "                       --dense-lr defaults to 0.001, sgd's to 0.1)\n"
@@ -156,6 +159,7 @@ int cmd_train(int argc, char **argv)
         O_RESIDMEM,
         O_ADMIT,
         O_TTL,
+        O_MAXBKEYS,
         O_HELP
     };
     static const struct option opts[] = {{"train", 1, 0, O_TRAIN},
@@ -202,6 +206,7 @@ int cmd_train(int argc, char **argv)
                                          {"residual-memory", 1, 0, O_RESIDMEM},
                                          {"admit", 1, 0, O_ADMIT},
                                          {"ttl", 1, 0, O_TTL},
+                                         {"max-batch-keys", 1, 0, O_MAXBKEYS},
                                          {"help", 0, 0, O_HELP},
                                          {0, 0, 0, 0}};
     train_opts o;
@@ -309,6 +314,10 @@ int cmd_train(int argc, char **argv)
         case O_EXPECTED:
             bad = parse_uint(optarg, INT64_MAX, &u);
             o.expected_rows = (int64_t)u;
+            break;
+        case O_MAXBKEYS:
+            bad = parse_uint(optarg, TRAIN_MAX_BATCH_KEYS_MAX, &u) || u == 0;
+            o.max_batch_keys = (uint32_t)u;
             break;
         case O_EMBLR:
             o.emb_lr = strtof(optarg, &end);

@@ -82,6 +82,7 @@ enum {
     RK_RESID_MEMORY,
     RK_ADMIT,
     RK_TTL,
+    RK_MAX_BATCH_KEYS,
     RK_N_
 };
 static const char *const train_keys[RK_N_] = {[RK_BATCH] = "batch",
@@ -105,7 +106,8 @@ static const char *const train_keys[RK_N_] = {[RK_BATCH] = "batch",
                                               [RK_MAX_MESSAGE] = "max_message",
                                               [RK_RESID_MEMORY] = "residual_memory",
                                               [RK_ADMIT] = "admit",
-                                              [RK_TTL] = "ttl"};
+                                              [RK_TTL] = "ttl",
+                                              [RK_MAX_BATCH_KEYS] = "max_batch_keys"};
 
 static int train_entry(void *arg, int line, const char *section, const char *sarg, const char *k,
                        const char *v, char **errptr)
@@ -218,6 +220,10 @@ static int train_entry(void *arg, int line, const char *section, const char *sar
             break;
         case RK_TTL:
             bad = cm_parse_size(v, &o->ttl) || o->ttl > TRAIN_TTL_MAX;
+            break;
+        case RK_MAX_BATCH_KEYS:
+            bad = cm_parse_size(v, &u) || u > TRAIN_MAX_BATCH_KEYS_MAX,
+            o->max_batch_keys = (uint32_t)u;
             break;
         default:
             return cm_ini_unknown_key(errptr, k, "[train]", train_keys, RK_N_);
@@ -474,12 +480,26 @@ static int stage_order(stage *s, const setup *S, const model_staging *prev, char
     return CM_OK;
 }
 
+/* The most distinct keys a batch may have (train_opts.max_batch_keys): the backends size their
+ * buffers by it (the cuda backend's device memory grows with it times the dim). */
+static uint32_t batch_keys_bound(const setup *S)
+{
+    const train_opts *o = S->o;
+    return o->max_batch_keys ? o->max_batch_keys : o->batch * S->m.n_fields * 8 + 1024;
+}
+
 /* Copies a reader batch into the model layout and deduplicates its keys. */
 static int stage_keys(stage *s, const setup *S, const ds_batch *b, char **errptr)
 {
     model_input in = {b->n_rows, b->n_dense, b->n_fields, b->labels,
                       b->dense,  b->offsets, b->keys,     b->weights};
-    return model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
+    int rc = model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
+    if (rc == CM_OK && s->ms.U > batch_keys_bound(S))
+        rc = cm_err(errptr, CM_EINVAL,
+                    "a batch of %u rows has %u distinct keys, more than the bound of %u "
+                    "(--max-batch-keys / [train] max_batch_keys)",
+                    s->ms.B, s->ms.U, batch_keys_bound(S));
+    return rc;
 }
 
 /* stage_keys, then the order its keys are pulled and pushed in; prev: the batch before it
@@ -1832,8 +1852,8 @@ static int backend_open(const setup *S, bool eval, void **be, char **errptr)
 {
     const train_opts *o = S->o;
     unsigned flags = eval ? 0 : (o->tf32 ? BACKEND_TF32 : 0) | (o->bf16 ? BACKEND_BF16 : 0);
-    return S->be->create(&S->m, &S->l, o->batch, o->batch * S->m.n_fields * 8 + 1024, o->threads,
-                         flags, be, errptr);
+    return S->be->create(&S->m, &S->l, o->batch, batch_keys_bound(S), o->threads, flags, be,
+                         errptr);
 }
 
 /* The state an evaluation steps on: its own (W->eval_be, opened on first use), since the

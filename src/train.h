@@ -143,7 +143,13 @@ typedef struct train_opts {
      * arrive. -1 (default): the ingest's distinct-key estimate from the stats.json next to the
      * training shards, plus 5%, or 0 without one; 0: start small. */
     int64_t expected_rows;
+    /* The most distinct keys one batch may hold; the backends size their buffers by it (the
+     * cuda backend's device memory: about 5 buffers of this many rows x dim floats). A batch
+     * with more fails the run, naming the bound. 0 (default): batch x fields x 8 + 1024, room
+     * for multi-hot fields of 8 keys on average; a one-hot data set needs batch x fields. */
+    uint32_t max_batch_keys;
 } train_opts;
+#define TRAIN_MAX_BATCH_KEYS_MAX (1u << 30)
 
 void train_opts_init(train_opts *o);
 

@@ -75,6 +75,7 @@
 #define N_SPMM_DIMS 3
 #define BIG_RATIO 1.25 /* --big-dim auto: the table this many times the GPU's memory */
 #define MAX_LAYOUTS 6
+#define BIG_EXTRA 6 /* `ember train` arguments of the big-table run's own */
 /* "At equal AUC": ember's mlp at least PyTorch's AUC minus this (as bench train's goal). */
 #define AUC_SLACK 0.001
 
@@ -573,11 +574,16 @@ static void run_big(const bench_train_opts *base, uint64_t rows, uint32_t dim_op
                        "out-of-memory case",
                  torch_bytes / 1073741824.0, br->gpu_bytes / 1073741824.0);
     }
-    char dim_s[16];
+    char dim_s[16], keys_s[16];
     snprintf(dim_s, sizeof dim_s, "%u", dim);
-    if (o.n_extra + 4 > BENCH_MAX_EXTRA) bench_die("too many --train-arg", NULL);
+    /* The generated data is one-hot: a batch holds at most batch x fields distinct keys, and
+     * the GPU's buffers, which grow with that bound times the dim, are sized by it. */
+    snprintf(keys_s, sizeof keys_s, "%u", BENCH_BATCH * ds.F);
+    if (o.n_extra + BIG_EXTRA > BENCH_MAX_EXTRA) bench_die("too many --train-arg", NULL);
     o.extra[o.n_extra++] = "--dim";
     o.extra[o.n_extra++] = dim_s;
+    o.extra[o.n_extra++] = "--max-batch-keys";
+    o.extra[o.n_extra++] = keys_s;
     if (memory) {
         o.extra[o.n_extra++] = "--memory";
         o.extra[o.n_extra++] = memory;
@@ -648,8 +654,8 @@ int main(int argc, char **argv)
     int n_layouts = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        /* Four --train-arg places stay free for the big-table run's own arguments. */
-        int used = bench_train_opt(&o, a, v, BENCH_MAX_EXTRA - 4);
+        /* Places stay free for the big-table run's own arguments. */
+        int used = bench_train_opt(&o, a, v, BENCH_MAX_EXTRA - BIG_EXTRA);
         if (used > 0)
             i += used - 1;
         else if (used < 0)

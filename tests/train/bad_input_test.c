@@ -303,7 +303,8 @@ int main(void)
                           "tf32",
                           "bf16",
                           "dense_mirror",
-                          "expected_rows"};
+                          "expected_rows",
+                          "max_batch_keys"};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         CHECK_MSG(rc == 0 && strstr(out_text, keys[i]), "train --help lacks config key %s",
                   keys[i]);
@@ -347,6 +348,8 @@ int main(void)
         {"--checkpoint-every", "x"},
         {"--seed", "-1"},
         {"--memory", "xyz"},
+        {"--max-batch-keys", "0"},
+        {"--max-batch-keys", "2000000000"},
         /* Values the parser should refuse but (at the time of writing) does not: see the report. */
         {"--emb-lr", "inf"},
         {"--dense-lr", "inf"},
@@ -361,6 +364,15 @@ int main(void)
         CHECK_MSG(rc == 2 && err_has(blank[i]) && err_has("' -1'"), "%s ' -1': exit %d", blank[i],
                   rc);
     }
+    /* The batch key bound: a batch with more distinct keys than it ends the run naming it; the
+     * exact bound of a one-hot data set (batch x fields: 16 x 26) trains. */
+    rc = run("train --train ds/train --model lr --batch 16 --max-steps 3 --max-batch-keys 100 "
+             "--out r4k --no-progress");
+    CHECK_MSG(rc == 1 && err_has("--max-batch-keys") && err_has("distinct keys"),
+              "a batch over --max-batch-keys: exit %d, %s", rc, err_text);
+    rc = run("train --train ds/train --model mlp --batch 16 --max-steps 3 --max-batch-keys 416 "
+             "--out r4k2 --no-progress");
+    CHECK_MSG(rc == 0, "--max-batch-keys batch x fields: exit %d, %s", rc, err_text);
     rc = run("train --train ds/train --frobnicate --out r4");
     CHECK_MSG(rc == 2, "unknown flag: exit %d", rc);
     rc = run("train --train ds/train stray-argument --out r4");
