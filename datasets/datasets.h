@@ -268,6 +268,11 @@ int ds_ingest_run(const ds_ingest_opts *opts, ds_ingest_result *res, char **errp
  * CM_EIO naming the file. */
 int ds_stats_read_distinct(const char *path, uint64_t *total, uint32_t *n_fields, char **errptr);
 
+/* From an ingest's stats.json at path: the most keys any one row held (train and eval rows,
+ * all fields together), which bounds a batch's distinct keys by batch x *out. 0; CM_ENOTFOUND
+ * when there is no such file or it predates the figure; CM_ECORRUPT / CM_EIO naming the file. */
+int ds_stats_read_max_row_keys(const char *path, uint32_t *out, char **errptr);
+
 /* Writes res as one JSON object line (rows_in, rows_written, rows_rejected, seconds, ...). */
 void ds_ingest_result_json(const ds_ingest_result *res, FILE *to);
 

@@ -100,6 +100,7 @@ typedef struct ds_stats {
     double *dense_sum;
     float *dense_min, *dense_max;
     uint8_t *hll; /* n_fields << DS_HLL_BITS registers */
+    uint32_t max_row_keys; /* the most keys one row held, all its fields together */
 } ds_stats;
 int ds_stats_init(ds_stats *s, uint32_t n_dense, uint32_t n_fields);
 void ds_stats_free(ds_stats *s);

@@ -231,8 +231,9 @@ static void stats_row(ds_stats *s, const ds_rows *r, size_t row, const uint32_t 
         s->dense_min[d] = lo < s->dense_min[d] ? lo : s->dense_min[d];
         s->dense_max[d] = hi > s->dense_max[d] ? hi : s->dense_max[d];
     }
+    const uint32_t *o = r->offsets + row * r->n_fields, k = o[r->n_fields] - o[0];
+    s->max_row_keys = k > s->max_row_keys ? k : s->max_row_keys;
     if (!field_stats) return;
-    const uint32_t *o = r->offsets + row * r->n_fields;
     for (uint32_t f = 0; f < r->n_fields; f++)
         ds_stats_add_field(s, f, r->keys + o[f], o[f + 1] - o[f], o[f] == o[f + 1]);
 }

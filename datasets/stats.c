@@ -54,6 +54,7 @@ void ds_stats_merge(ds_stats *into, const ds_stats *from)
 {
     into->rows += from->rows;
     into->clicks += from->clicks;
+    if (from->max_row_keys > into->max_row_keys) into->max_row_keys = from->max_row_keys;
     for (uint32_t d = 0; d < into->n_dense; d++) {
         into->dense_missing[d] += from->dense_missing[d];
         into->dense_sum[d] += from->dense_sum[d];
@@ -103,6 +104,7 @@ int ds_stats_write_json(const ds_stats *s, const ds_schema *schema, const char *
     if (f == NULL) return cm_err(errptr, CM_ENOMEM, "out of memory");
     fprintf(f, "{\n  \"rows\": %llu,\n  \"clicks\": %llu,\n  \"ctr\": %.6f,\n",
             (unsigned long long)s->rows, (unsigned long long)s->clicks, rate(s->clicks, s->rows));
+    fprintf(f, "  \"max_row_keys\": %u,\n", s->max_row_keys);
     fprintf(f, "  \"has_label\": %s,\n  \"dense\": [", schema->has_label ? "true" : "false");
     for (uint32_t d = 0; d < s->n_dense; d++) {
         uint64_t present = s->rows - s->dense_missing[d];
@@ -154,6 +156,31 @@ int ds_stats_read_distinct(const char *path, uint64_t *total, uint32_t *n_fields
     if (rc == CM_OK) {
         *total = sum;
         *n_fields = n;
+    }
+    free(buf);
+    return rc;
+}
+
+int ds_stats_read_max_row_keys(const char *path, uint32_t *out, char **errptr)
+{
+    static const char tag[] = "\"max_row_keys\":";
+    void *buf = NULL;
+    size_t len = 0;
+    int rc = cm_read_file(path, &buf, &len, errptr);
+    if (rc != CM_OK) return rc;
+    const char *p = strstr(buf, tag);
+    if (p == NULL)
+        rc = cm_err(errptr, CM_ENOTFOUND, "%s: no max_row_keys (written by an older ingest)", path);
+    else {
+        p += sizeof tag - 1;
+        while (*p == ' ')
+            p++;
+        char *end = NULL;
+        unsigned long long v = (*p >= '0' && *p <= '9') ? strtoull(p, &end, 10) : 0;
+        if (end == NULL || end == p || v > UINT32_MAX || (*end != ',' && *end != '\n'))
+            rc = cm_err(errptr, CM_ECORRUPT, "%s: bad max_row_keys", path);
+        else
+            *out = (uint32_t)v;
     }
     free(buf);
     return rc;

@@ -253,6 +253,7 @@ typedef struct setup {
     uint64_t *steps_of; /* per worker: total steps */
     uint64_t min_steps, max_steps;
     uint64_t train_rows; /* rows of --train, all workers' parts */
+    uint32_t batch_keys; /* batch_keys_bound */
     char ckpt_root[2048];
     uint64_t resume_step;
     FILE *metrics; /* worker 0 */
@@ -480,12 +481,12 @@ static int stage_order(stage *s, const setup *S, const model_staging *prev, char
     return CM_OK;
 }
 
-/* The most distinct keys a batch may have (train_opts.max_batch_keys): the backends size their
- * buffers by it (the cuda backend's device memory grows with it times the dim). */
+/* The most distinct keys a batch may have (setup_make: train_opts.max_batch_keys, else batch x
+ * the data's most keys in a row, else a guess): the backends size their buffers by it (the
+ * cuda backend's device memory grows with it times the dim). */
 static uint32_t batch_keys_bound(const setup *S)
 {
-    const train_opts *o = S->o;
-    return o->max_batch_keys ? o->max_batch_keys : o->batch * S->m.n_fields * 8 + 1024;
+    return S->batch_keys;
 }
 
 /* Copies a reader batch into the model layout and deduplicates its keys. */
@@ -2218,31 +2219,31 @@ done:
 
 /* ---- the job ---- */
 
-/* train_opts.expected_rows resolved: the flag's value, else the sum of the ingest's per-field
- * distinct-key estimates (stats.json in the training shards' directory or its parent, as
- * `ember ingest` lays them out) plus 5% for the estimate's error, else 0. A stats.json that
- * does not parse or describes another field count is only a missing hint: warned about. */
 /* The PS messages' size limit a run needs: a batch's pull reply or push to one shard, all its
- * keys on that shard, with one key a field (multi-valued fields may need --max-message): 4 dim
- * bytes a row, up to 10 of a key's varint, 4 of a scale or weight, and a quarter more;
- * never under the PS's own default. A limit only: nothing is allocated at that size. */
-static uint64_t batch_message_bytes(uint32_t batch, const model_cfg *m, const model_layout *l)
+ * keys on that shard, with row_keys keys a row (the data's most, or 0: one a field; more in a
+ * row may then need --max-message): 4 dim bytes a row, up to 10 of a key's varint, 4 of a
+ * scale or weight, and a quarter more; never under the PS's own default. A limit only:
+ * nothing is allocated at that size. */
+static uint64_t batch_message_bytes(uint32_t batch, uint32_t row_keys, const model_cfg *m,
+                                    const model_layout *l)
 {
     uint64_t dim = 0;
     for (uint32_t t = 0; t < l->n_tables; t++)
         if (l->table_dim[t] > dim) dim = l->table_dim[t];
-    uint64_t need = (uint64_t)batch * m->n_fields * (4 * dim + 10 + 4);
+    const uint64_t per_row = row_keys > m->n_fields ? row_keys : m->n_fields;
+    uint64_t need = (uint64_t)batch * per_row * (4 * dim + 10 + 4);
     need += need / 4;
     return need > PS_MAX_MESSAGE_DEFAULT ? need : PS_MAX_MESSAGE_DEFAULT;
 }
 
-static uint64_t expected_rows(const train_opts *o, uint32_t n_fields)
+/* The stats.json `ember ingest` wrote beside the shards at path (in the shards' directory or
+ * its parent, as ingest lays them out), or NULL when there is none. The caller frees it. */
+static char *ingest_stats_path(const char *shards)
 {
-    if (o->expected_rows >= 0) return (uint64_t)o->expected_rows;
     struct stat st;
-    if (stat(o->train_path, &st) != 0) return 0;
-    char *dir = strdup(o->train_path);
-    if (dir == NULL) return 0;
+    if (shards == NULL || stat(shards, &st) != 0) return NULL;
+    char *dir = strdup(shards), *found = NULL;
+    if (dir == NULL) return NULL;
     if (!S_ISDIR(st.st_mode)) {
         char *slash = strrchr(dir, '/');
         if (slash == NULL)
@@ -2252,32 +2253,52 @@ static uint64_t expected_rows(const train_opts *o, uint32_t n_fields)
         else
             *slash = '\0';
     }
-    uint64_t rows = 0;
     static const char *const where[] = {"%s/stats.json", "%s/../stats.json"};
-    for (size_t i = 0; i < sizeof where / sizeof where[0]; i++) {
+    for (size_t i = 0; i < sizeof where / sizeof where[0] && found == NULL; i++) {
         char path[4200];
         snprintf(path, sizeof path, where[i], dir);
-        uint64_t total = 0;
-        uint32_t fields = 0;
-        char *err = NULL;
-        int rc = ds_stats_read_distinct(path, &total, &fields, &err);
-        if (rc == CM_ENOTFOUND) {
-            free(err);
-            continue;
-        }
-        if (rc != CM_OK)
-            fprintf(stderr, "ember train: ignoring %s as a size hint: %s\n", path, err);
-        else if (fields != n_fields)
-            fprintf(stderr,
-                    "ember train: ignoring %s as a size hint: %u fields, the shards have %u\n",
-                    path, fields, n_fields);
-        else
-            rows = total + total / 20;
-        free(err);
-        break;
+        if (access(path, F_OK) == 0) found = strdup(path);
     }
     free(dir);
+    return found;
+}
+
+/* train_opts.expected_rows resolved: the flag's value, else the sum of the ingest's per-field
+ * distinct-key estimates (stats.json in the training shards' directory or its parent, as
+ * `ember ingest` lays them out) plus 5% for the estimate's error, else 0. A stats.json that
+ * does not parse or describes another field count is only a missing hint: warned about. */
+static uint64_t expected_rows(const train_opts *o, uint32_t n_fields)
+{
+    if (o->expected_rows >= 0) return (uint64_t)o->expected_rows;
+    char *path = ingest_stats_path(o->train_path), *err = NULL;
+    if (path == NULL) return 0;
+    uint64_t rows = 0, total = 0;
+    uint32_t fields = 0;
+    int rc = ds_stats_read_distinct(path, &total, &fields, &err);
+    if (rc != CM_OK)
+        fprintf(stderr, "ember train: ignoring %s as a size hint: %s\n", path, err);
+    else if (fields != n_fields)
+        fprintf(stderr, "ember train: ignoring %s as a size hint: %u fields, the shards have %u\n",
+                path, fields, n_fields);
+    else
+        rows = total + total / 20;
+    free(err);
+    free(path);
     return rows;
+}
+
+/* The most keys one row of the shards at path holds, from their ingest's stats.json; 0 when
+ * it does not say (no file, an older ingest, or one that does not parse, warned about). */
+static uint32_t data_row_keys(const char *shards)
+{
+    char *path = ingest_stats_path(shards), *err = NULL;
+    uint32_t k = 0;
+    int rc = path ? ds_stats_read_max_row_keys(path, &k, &err) : CM_ENOTFOUND;
+    if (rc != CM_OK && rc != CM_ENOTFOUND)
+        fprintf(stderr, "ember train: ignoring %s for the batch key bound: %s\n", path, err);
+    free(err);
+    free(path);
+    return rc != CM_OK ? 0 : k > 0 ? k : 1;
 }
 
 /* The whole of a flag's shards, for a check before training; an error names the flag. */
@@ -2381,6 +2402,17 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
                                                   : PS_TIMEOUT_DEFAULT_MS;
     snprintf(p->spill_dir, sizeof p->spill_dir, "%s/spill", o->out_dir);
     uint64_t reserve = expected_rows(o, S->m.n_fields) / p->n_shards;
+    /* A batch's bound covers the eval shards too; the PS's message limit, which every role
+     * works out alike, only the training shards, which every role reads. */
+    const uint32_t train_row_keys = data_row_keys(o->train_path),
+                   eval_row_keys = o->eval_path ? data_row_keys(o->eval_path) : train_row_keys,
+                   row_keys = !train_row_keys || !eval_row_keys ? 0
+                              : train_row_keys > eval_row_keys  ? train_row_keys
+                                                                : eval_row_keys;
+    const uint64_t bound = o->max_batch_keys ? o->max_batch_keys
+                           : row_keys        ? (uint64_t)o->batch * row_keys
+                                             : (uint64_t)o->batch * S->m.n_fields * 8 + 1024;
+    S->batch_keys = bound < TRAIN_MAX_BATCH_KEYS_MAX ? (uint32_t)bound : TRAIN_MAX_BATCH_KEYS_MAX;
     for (uint32_t t = 0; t < S->l.n_tables; t++) {
         ps_table_spec *ts = &p->tables[p->n_tables++];
         memset(ts, 0, sizeof *ts);
@@ -2411,8 +2443,8 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
         d->beta2 = 0.999f;
         d->eps = 1e-8f;
     }
-    p->max_msg_bytes =
-        o->max_message ? o->max_message : batch_message_bytes(o->batch, &S->m, &S->l);
+    p->max_msg_bytes = o->max_message ? o->max_message
+                                      : batch_message_bytes(o->batch, train_row_keys, &S->m, &S->l);
     rc = ps_config_check(p, errptr);
     if (rc != CM_OK) return rc;
     /* Everyone's schedule, from the shard indexes. */

@@ -145,8 +145,10 @@ typedef struct train_opts {
     int64_t expected_rows;
     /* The most distinct keys one batch may hold; the backends size their buffers by it (the
      * cuda backend's device memory: about 5 buffers of this many rows x dim floats). A batch
-     * with more fails the run, naming the bound. 0 (default): batch x fields x 8 + 1024, room
-     * for multi-hot fields of 8 keys on average; a one-hot data set needs batch x fields. */
+     * with more fails the run, naming the bound. 0 (default): batch x the most keys a row of
+     * the data holds, from the train and eval shards' stats.json (ember ingest writes it);
+     * where either lacks it, batch x fields x 8 + 1024 (multi-hot fields of 8 keys on
+     * average). */
     uint32_t max_batch_keys;
 } train_opts;
 #define TRAIN_MAX_BATCH_KEYS_MAX (1u << 30)

@@ -294,6 +294,25 @@ static void test_ffm_huge_field(const char *tmp)
     ds_reader_destroy(rd);
 }
 
+/* stats.json says the most keys one row held (multi-hot: 3, 1 and 4 keys here), which the
+ * trainer bounds a batch's distinct keys by (and so the GPU's buffers). */
+static void test_max_row_keys(const char *tmp)
+{
+    const char *text = "1 0:5:1 0:6:1 1:7:1\n0 0:2:1\n1 1:3:1 1:4:1 1:8:1 2:9:1\n";
+    char *in = join(tmp, "multi.ffm");
+    write_text(in, text, strlen(text));
+    const char *inputs[1] = {in};
+    ds_ingest_result r;
+    char *err = NULL;
+    int rc = ingest_files(DS_FMT_LIBFFM, NULL, inputs, 1, join(tmp, "out_multi"), 1, &r, &err);
+    CHECK_OK(rc, err);
+    if (rc != CM_OK) return;
+    uint32_t k = 0;
+    rc = ds_stats_read_max_row_keys(join(join(tmp, "out_multi"), "stats.json"), &k, &err);
+    CHECK_OK(rc, err);
+    CHECK_MSG(k == 4, "max_row_keys %u, want 4", k);
+}
+
 /* A libffm input without --ffm-fields is read twice (once for the field count). A pipe given as
  * input (`<(zcat x.ffm.gz)`, /dev/stdin) was drained by the counting pass, and the ingest then
  * read nothing: no rows, empty shards, success. Such an input is now refused, naming it and
@@ -552,6 +571,7 @@ int main(void)
     test_header_only(tmp);
     test_same_input_twice(tmp);
     test_ffm_huge_field(tmp);
+    test_max_row_keys(tmp);
     test_ffm_pipe(tmp);
     test_avazu_hour();
     test_sparse_index_zeros();

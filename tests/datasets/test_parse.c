@@ -426,6 +426,31 @@ static void test_ingest_split(const char *tmp)
               CM_ENOTFOUND);
         free(err);
         err = NULL;
+        /* The most keys a row held: one a field here (Criteo, no field empty in some row). */
+        uint32_t k = 0;
+        CHECK_OK(ds_stats_read_max_row_keys(join(join(tmp, "split1"), "stats.json"), &k, &err),
+                 err);
+        CHECK_MSG(k == 26, "max_row_keys %u, want 26", k);
+        /* damaged: refused by name; absent from the file (an older ingest) or no file: not
+         * found, so the trainer falls back to its guess */
+        const char *bad_k[] = {"{\"max_row_keys\": x,\n}", "{\"max_row_keys\": 5000000000,\n}"};
+        for (int i = 0; i < 2; i++) {
+            const char *path = join(tmp, "stats-bad.json");
+            CHECK_OK(cm_write_file_atomic(path, bad_k[i], strlen(bad_k[i]), &err), err);
+            CHECK(ds_stats_read_max_row_keys(path, &k, &err) == CM_ECORRUPT);
+            CHECK_MSG(err && strstr(err, "stats-bad.json"), "error names the file: %s",
+                      err ? err : "(none)");
+            free(err);
+            err = NULL;
+        }
+        const char *old_file = join(tmp, "stats-old.json");
+        CHECK_OK(cm_write_file_atomic(old_file, "{\"rows\": 3}", 12, &err), err);
+        CHECK(ds_stats_read_max_row_keys(old_file, &k, &err) == CM_ENOTFOUND);
+        free(err);
+        err = NULL;
+        CHECK(ds_stats_read_max_row_keys(join(tmp, "absent.json"), &k, &err) == CM_ENOTFOUND);
+        free(err);
+        err = NULL;
     }
     free(js);
 }

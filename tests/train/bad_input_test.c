@@ -373,6 +373,33 @@ int main(void)
     rc = run("train --train ds/train --model mlp --batch 16 --max-steps 3 --max-batch-keys 416 "
              "--out r4k2 --no-progress");
     CHECK_MSG(rc == 0, "--max-batch-keys batch x fields: exit %d, %s", rc, err_text);
+    /* Without the flag the bound is batch x the most keys a row holds, from the ingest's
+     * stats.json (26 here): it trains; a copy of the shards whose stats.json says 1 has a bound
+     * of 16, under a batch's distinct keys, and the run ends naming it. */
+    rc = run("train --train ds/train --model lr --batch 16 --max-steps 3 --out r4k3 --no-progress");
+    CHECK_MSG(rc == 0, "bound from stats.json: exit %d, %s", rc, err_text);
+    {
+        char sp[8192], cp[16500];
+        snprintf(cp, sizeof cp, "cp -r '%s/ds' '%s/ds1'", dir, dir);
+        CHECK(system(cp) == 0);
+        snprintf(sp, sizeof sp, "%s/ds1/stats.json", dir);
+        void *buf = NULL;
+        size_t n = 0;
+        char *err = NULL;
+        CHECK(cm_read_file(sp, &buf, &n, &err) == CM_OK);
+        char *at = buf ? strstr(buf, "\"max_row_keys\": 26,") : NULL;
+        CHECK_MSG(at != NULL, "ds/stats.json has no max_row_keys 26");
+        if (at) {
+            memcpy(at + 16, " 1", 2); /* "max_row_keys":  1, */
+            CHECK(cm_write_file_atomic(sp, buf, n, &err) == CM_OK);
+        }
+        free(buf);
+        free(err);
+    }
+    rc =
+        run("train --train ds1/train --model lr --batch 16 --max-steps 3 --out r4k4 --no-progress");
+    CHECK_MSG(rc == 1 && err_has("more than the bound of 16"),
+              "bound 16 from a stats.json saying 1: exit %d, %s", rc, err_text);
     rc = run("train --train ds/train --frobnicate --out r4");
     CHECK_MSG(rc == 2, "unknown flag: exit %d", rc);
     rc = run("train --train ds/train stray-argument --out r4");
