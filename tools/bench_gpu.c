@@ -20,9 +20,10 @@
  *   generated rows. ember keeps its embeddings on the PS (host memory, RocksDB past
  *   --big-memory), so the table is keys x emb_row_mem_bytes (Adagrad) regardless of the GPU;
  *   --big-dim auto picks the smallest dim (multiple of 16, at most 1024) that makes it 1.25x the
- *   GPU's memory, or 1024. PyTorch is not run there: it keeps nn.Embedding and its Adagrad
- *   state on the GPU, so a table past the GPU's memory cannot be trained by the same script
- *   (the JSON says which case it was).
+ *   GPU's memory (10x the memory --big-gpu-free leaves the run), or 1024. Without
+ *   --big-gpu-free PyTorch is not run there: it keeps nn.Embedding and its Adagrad state on the
+ *   GPU, so a table past the GPU's memory cannot be trained by the same script (the JSON says
+ *   which case it was).
  *
  * - --layouts (default 2x2): the mlp again with W worker threads and S embedded PS shards
  *   sharing the GPU, each worker on its own part of the data, asynchronous (the default
@@ -74,6 +75,7 @@
 #define MAX_MODELS 4
 #define N_SPMM_DIMS 3
 #define BIG_RATIO 1.25 /* --big-dim auto: the table this many times the GPU's memory */
+#define BIG_RATIO_FREE 10.0 /* and this many times what --big-gpu-free leaves the run */
 #define MAX_LAYOUTS 6
 #define BIG_EXTRA 6 /* `ember train` arguments of the big-table run's own */
 /* "At equal AUC": ember's mlp at least PyTorch's AUC minus this (as bench train's goal). */
@@ -539,9 +541,11 @@ static void run_big(const bench_train_opts *base, uint64_t rows, uint32_t dim_op
     br->rows = ds.rows_train;
     br->keys = ds.table_rows - 1;
     uint32_t dim = dim_opt;
-    if (dim == 0) { /* auto */
+    if (dim == 0) { /* auto: past the GPU's memory, or ten times what --big-gpu-free leaves */
+        const double want =
+            gpu_free > 0 ? BIG_RATIO_FREE * (double)gpu_free : BIG_RATIO * (double)g->mem_total;
         for (dim = 16; dim < 1024; dim += 16)
-            if ((double)br->keys * row_mem_bytes(dim) >= BIG_RATIO * (double)g->mem_total) break;
+            if ((double)br->keys * row_mem_bytes(dim) >= want) break;
     }
     br->dim = dim;
     br->row_bytes = row_mem_bytes(dim);
