@@ -105,6 +105,7 @@ static int parse_layouts(const char *v, layout *out, int *n)
         if (end == p || (*end != ',' && *end != '\0')) return -1;
         if (w < 1 || w > 64 || sh < 1 || sh > 64) return -1;
         out[k].workers = (uint32_t)w, out[k].shards = (uint32_t)sh, k++;
+        if (*end == ',' && end[1] == '\0') return -1; /* a trailing comma */
         p = *end ? end + 1 : end;
     }
     if (k == 0) return -1;
