@@ -253,7 +253,10 @@ typedef struct setup {
     uint64_t *steps_of; /* per worker: total steps */
     uint64_t min_steps, max_steps;
     uint64_t train_rows; /* rows of --train, all workers' parts */
-    uint32_t batch_keys; /* batch_keys_bound */
+    /* The most distinct keys a batch may have (setup_make: train_opts.max_batch_keys, else
+     * batch x the data's most keys in a row, else a guess): the backends size their buffers by
+     * it (the cuda backend's device memory grows with it times the dim). */
+    uint32_t batch_keys;
     char ckpt_root[2048];
     uint64_t resume_step;
     FILE *metrics; /* worker 0 */
@@ -481,25 +484,17 @@ static int stage_order(stage *s, const setup *S, const model_staging *prev, char
     return CM_OK;
 }
 
-/* The most distinct keys a batch may have (setup_make: train_opts.max_batch_keys, else batch x
- * the data's most keys in a row, else a guess): the backends size their buffers by it (the
- * cuda backend's device memory grows with it times the dim). */
-static uint32_t batch_keys_bound(const setup *S)
-{
-    return S->batch_keys;
-}
-
 /* Copies a reader batch into the model layout and deduplicates its keys. */
 static int stage_keys(stage *s, const setup *S, const ds_batch *b, char **errptr)
 {
     model_input in = {b->n_rows, b->n_dense, b->n_fields, b->labels,
                       b->dense,  b->offsets, b->keys,     b->weights};
     int rc = model_staging_build(&s->ms, &S->m, &S->l, S->o->mean_pool, &in, errptr);
-    if (rc == CM_OK && s->ms.U > batch_keys_bound(S))
+    if (rc == CM_OK && s->ms.U > S->batch_keys)
         rc = cm_err(errptr, CM_EINVAL,
                     "a batch of %u rows has %u distinct keys, more than the bound of %u "
                     "(--max-batch-keys / [train] max_batch_keys)",
-                    s->ms.B, s->ms.U, batch_keys_bound(S));
+                    s->ms.B, s->ms.U, S->batch_keys);
     return rc;
 }
 
@@ -1853,8 +1848,7 @@ static int backend_open(const setup *S, bool eval, void **be, char **errptr)
 {
     const train_opts *o = S->o;
     unsigned flags = eval ? 0 : (o->tf32 ? BACKEND_TF32 : 0) | (o->bf16 ? BACKEND_BF16 : 0);
-    return S->be->create(&S->m, &S->l, o->batch, batch_keys_bound(S), o->threads, flags, be,
-                         errptr);
+    return S->be->create(&S->m, &S->l, o->batch, S->batch_keys, o->threads, flags, be, errptr);
 }
 
 /* The state an evaluation steps on: its own (W->eval_be, opened on first use), since the

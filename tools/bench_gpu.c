@@ -563,11 +563,8 @@ static void run_big(const bench_train_opts *base, uint64_t rows, uint32_t dim_op
         }
         CK(cudaMemGetInfo(&fr, &tot));
         br->gpu_bytes = (double)fr;
-    }
-    br->ratio = br->table_bytes / br->gpu_bytes;
-    if (gpu_free > 0)
         torch_big_try(&o, &ds, dim, br);
-    else {
+    } else {
         /* What PyTorch would need on the GPU: the rows and Adagrad's state, 4 bytes each. */
         double torch_bytes = (double)ds.table_rows * dim * 8.0;
         snprintf(br->torch_why, sizeof br->torch_why,
@@ -579,6 +576,7 @@ static void run_big(const bench_train_opts *base, uint64_t rows, uint32_t dim_op
                        "out-of-memory case",
                  torch_bytes / 1073741824.0, br->gpu_bytes / 1073741824.0);
     }
+    br->ratio = br->table_bytes / br->gpu_bytes;
     char dim_s[16], keys_s[16];
     snprintf(dim_s, sizeof dim_s, "%u", dim);
     /* The generated data is one-hot: a batch holds at most batch x fields distinct keys, and
