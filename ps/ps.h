@@ -379,8 +379,8 @@ void ps_client_barrier_seek(ps_client *c, uint64_t id);
  * the others. On success *at is the step the job stops at, a multiple of every that no worker
  * has passed (each one's next poll comes at or before it), or 0 while no worker has voted: the
  * first vote fixes it at the most steps any worker polled at plus every. Every worker then
- * checkpoints there together and stops. *at is 0 on failure. A backup taking shard 0 over
- * does not know a stop fixed before: a job should not be stopped while it fails over. */
+ * checkpoints there together and stops. *at is 0 on failure. A replicated shard 0 answers
+ * once its backup holds the poll, so a backup that takes over answers with the same stop. */
 int ps_client_stop_poll(ps_client *c, uint64_t step, uint32_t every, bool stop, uint64_t *at,
                         char **errptr);
 

@@ -1243,10 +1243,14 @@ static bool header_refused(const struct ps_server *s, const ps_hdr *h, char *tex
 
 /* ---- replication ---- */
 
-static bool is_update(uint16_t op)
+/* What a primary ships to its backup: whatever changes the shard's state. A stop poll does
+ * (shard 0's record of each worker's poll steps and the stop fixed from them): a backup that
+ * takes shard 0 over must answer the next poll with the stop the workers may have learnt. */
+static bool is_update(const ps_hdr *h)
 {
-    return op == PS_OP_PUSH || op == PS_OP_PUSH_DENSE || op == PS_OP_INIT_DENSE ||
-           op == PS_OP_LOAD || op == PS_OP_SHUTDOWN;
+    return h->op == PS_OP_PUSH || h->op == PS_OP_PUSH_DENSE || h->op == PS_OP_INIT_DENSE ||
+           h->op == PS_OP_LOAD || h->op == PS_OP_SHUTDOWN ||
+           (h->op == PS_OP_BARRIER && (h->flags & PS_FLAG_POLL));
 }
 
 static int16_t reply_status(nng_msg *m)
@@ -1276,6 +1280,9 @@ static nng_msg *apply_update(struct ps_server *s, const ps_hdr *h, const uint8_t
     case PS_OP_LOAD:
         r = handle_save_load(s, h, p);
         break;
+    case PS_OP_BARRIER: /* a stop poll (is_update) */
+        r = handle_poll(s, h);
+        break;
     default:
         r = reply_ok(h, 0, NULL);
         break; /* SHUTDOWN: the caller stops */
@@ -1301,6 +1308,8 @@ static const char *update_name(uint16_t op)
         return "INIT_DENSE";
     case PS_OP_LOAD:
         return "LOAD";
+    case PS_OP_BARRIER:
+        return "stop poll";
     default:
         return "SHUTDOWN";
     }
@@ -1387,7 +1396,7 @@ static nng_msg *handle_replicate(struct ps_server *s, const ps_hdr *h, const uin
     memcpy(&seq, p, 8);
     /* A primary resolves an elided push's keys before it ships it: the backup never saw the
      * pull it names. */
-    if (ps_wire_open(p + 8, h->payload_len - 8, &ih, &err) != CM_OK || !is_update(ih.op) ||
+    if (ps_wire_open(p + 8, h->payload_len - 8, &ih, &err) != CM_OK || !is_update(&ih) ||
         (ih.op == PS_OP_PUSH && (ih.flags & PS_FLAG_ELIDED)))
         goto bad;
     /* Refused before it is acknowledged and takes its sequence number: the primary checked
@@ -1777,7 +1786,7 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
             break;
         case PS_OP_BARRIER:
             if (h.flags & PS_FLAG_POLL)
-                *reply = handle_poll(s, &h);
+                parked = handle_update(s, c, &h, body, len, reply);
             else
                 parked = handle_barrier(s, c, &h, reply);
             break;

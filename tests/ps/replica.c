@@ -17,7 +17,11 @@
  *      its primary's does): the backup is diverged, refuses the REPLICATE, and the primary
  *      drops it and goes on; when the primary then dies, the client that comes over gets an
  *      error naming the failed update, not the rows from before the LOAD.
+ *   5. Stop polls: the stop step a poll fixed on the primary is the one the backup answers
+ *      with after taking shard 0 over (a worker that learnt it stops there; the others must
+ *      learn the same step, not none).
  */
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <unistd.h>
@@ -227,6 +231,24 @@ int main(void)
     ps_server_wait(p);
     ps_client_destroy(c);
     ps_server_destroy(p);
+    ps_server_destroy(b);
+
+    /* 5. Stop polls across a failover. */
+    c = start_pair(&cfg, dir, "5", &p, &b, &bu);
+    uint64_t at = 99;
+    CHECK_OK(ps_client_stop_poll(c, 100, 100, false, &at, &err), err);
+    CHECK_MSG(at == 0, "poll at step 100 without a vote: stop at %" PRIu64 ", want none", at);
+    CHECK_OK(ps_client_stop_poll(c, 200, 100, true, &at, &err), err);
+    CHECK_MSG(at == 300, "vote at step 200, interval 100: stop at %" PRIu64 ", want 300", at);
+    ps_server_destroy(p);
+    at = 99;
+    CHECK_OK(ps_client_stop_poll(c, 300, 100, false, &at, &err), err);
+    CHECK_MSG(at == 300, "after the failover: the backup answers stop at %" PRIu64 ", want 300",
+              at);
+    ps_server_stats bs5;
+    ps_server_stats_get(b, &bs5);
+    CHECK_MSG(bs5.promoted == 1, "the backup did not take over");
+    ps_client_destroy(c);
     ps_server_destroy(b);
 
     diverged_backup(&cfg, dir);
