@@ -225,6 +225,11 @@ void ps_server_stop(ps_server *s);
 void ps_server_destroy(ps_server *s);
 /* True when this primary stopped because its backup had taken over (it must not serve). */
 bool ps_server_fenced(ps_server *s);
+/* True while this is a backup that has not taken over and the connection its primary's latest
+ * update (REPLICATE) came on is open: the primary is alive, and will pass its cluster's
+ * SHUTDOWN on (or tell this backup to stop). False before the primary's first update (its
+ * connection is not known until then). */
+bool ps_server_primary_connected(ps_server *s);
 
 typedef struct ps_server_stats {
     uint64_t requests, errors, bad_messages;

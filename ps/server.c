@@ -126,6 +126,8 @@ struct ps_server {
     uint32_t repl_inflight;         /* atomic: REPLICATEs the backup has not answered yet */
     uint32_t backup_pipe;           /* atomic: the id of the open connection to the backup, 0:
                                        none (it is down, or the dialer is between attempts) */
+    uint32_t primary_pipe;          /* backup, atomic: the connection the latest REPLICATE
+                                       came on while it stays open; 0: none seen, or closed */
     uint64_t last_reply_ms;         /* atomic: when a reply was last handed to nng */
     /* atomics: requests in progress (srv_ctx.in_req), and when one last finished (or the
      * server started): ps_server_idle_ms */
@@ -306,16 +308,35 @@ static void note_pipe(struct ps_server *s, const ps_hdr *h, nng_msg *msg)
     pthread_mutex_unlock(&s->mu);
 }
 
-/* nng: a pipe closed. Its worker (if it was one's latest) is gone from now. */
+/* nng: a pipe closed. Its worker (if it was one's latest) is gone from now; a backup's
+ * primary, if it was the primary's. */
 static void pipe_closed(nng_pipe p, nng_pipe_ev ev, void *arg)
 {
     (void)ev;
     struct ps_server *s = arg;
     const uint32_t id = (uint32_t)nng_pipe_id(p);
+    uint32_t primary = id;
+    __atomic_compare_exchange_n(&s->primary_pipe, &primary, 0, false, __ATOMIC_RELAXED,
+                                __ATOMIC_RELAXED);
+    if (s->pipe_of == NULL) return;
     pthread_mutex_lock(&s->mu);
     for (uint32_t w = 0; w < s->cfg.n_workers; w++)
         if (s->pipe_of[w] == id && s->gone_ms[w] == 0) s->gone_ms[w] = now_ms();
     pthread_mutex_unlock(&s->mu);
+}
+
+/* Backup: msg, a REPLICATE taken, came on the primary's connection. Stored, then checked still
+ * open: one that closed before the store has had its pipe_closed already. */
+static void note_primary(struct ps_server *s, nng_msg *msg)
+{
+    nng_pipe p = nng_msg_get_pipe(msg);
+    uint32_t id = (uint32_t)nng_pipe_id(p);
+    __atomic_store_n(&s->primary_pipe, id, __ATOMIC_RELAXED);
+    nng_sockaddr sa;
+    const int rv = nng_pipe_get_addr(p, NNG_OPT_LOCADDR, &sa); /* looks the pipe up first */
+    if (rv == NNG_ENOENT || rv == NNG_ECLOSED)
+        __atomic_compare_exchange_n(&s->primary_pipe, &id, 0, false, __ATOMIC_RELAXED,
+                                    __ATOMIC_RELAXED);
 }
 
 /* The lost worker that parked context c (a clock or barrier wait) waits for, or -1; s->mu
@@ -1780,6 +1801,8 @@ static bool handle(struct ps_server *s, srv_ctx *c, nng_msg *msg, nng_msg **repl
             break;
         case PS_OP_REPLICATE:
             *reply = handle_replicate(s, &h, p);
+            /* Only a forward taken counts as the primary's (a misdirected one is refused). */
+            if (*reply != NULL && reply_status(*reply) == 0) note_primary(s, msg);
             break;
         case PS_OP_CLOCK:
             parked = handle_clock(s, c, &h, reply);
@@ -1972,7 +1995,7 @@ int ps_server_create(const ps_server_opts *o, ps_server **out, char **errptr)
                            (nng_duration)(s->cfg.replica_timeout_ms / 4 + 1));
         }
     }
-    if (s->gone_ms != NULL &&
+    if ((s->gone_ms != NULL || s->is_backup) &&
         (rv = nng_pipe_notify(s->sock, NNG_PIPE_EV_REM_POST, pipe_closed, s)) != 0) {
         rc = cm_err(errptr, CM_EIO, "cannot watch the workers' connections: %s", nng_strerror(rv));
         goto fail;
@@ -2025,6 +2048,12 @@ uint64_t ps_server_idle_ms(ps_server *s)
     if (__atomic_load_n(&s->busy, __ATOMIC_RELAXED) != 0) return 0;
     const uint64_t done = __atomic_load_n(&s->last_done_ms, __ATOMIC_RELAXED), now = now_ms();
     return now > done ? now - done : 0;
+}
+
+bool ps_server_primary_connected(ps_server *s)
+{
+    return s->is_backup && !__atomic_load_n(&s->promoted, __ATOMIC_RELAXED) &&
+           __atomic_load_n(&s->primary_pipe, __ATOMIC_RELAXED) != 0;
 }
 
 bool ps_server_fenced(ps_server *s)

@@ -2835,11 +2835,14 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         /* A signal with no worker there to stop (they are gone, or never came): a live worker
          * sends requests every step, and one at a checkpoint or a barrier has a request in
          * progress, so --ps-timeout without any after the signal means none is left to shut
-         * this shard down. */
+         * this shard down. Not for a backup whose primary is connected: it sees only the
+         * primary's updates, none in a phase without pushes (a long evaluation), and its
+         * primary passes the shutdown on when it comes. */
         const uint32_t lone_ms = oc.ps_timeout_ms ? oc.ps_timeout_ms : PS_TIMEOUT_DEFAULT_MS;
         while (!ps_server_wait_for(servers[first_s], 100)) {
             const uint64_t idle = ps_server_idle_ms(servers[first_s]);
-            if (__atomic_load_n(&stop_signal, __ATOMIC_RELAXED) != 0 && idle >= lone_ms) {
+            if (__atomic_load_n(&stop_signal, __ATOMIC_RELAXED) != 0 && idle >= lone_ms &&
+                !ps_server_primary_connected(servers[first_s])) {
                 fprintf(stderr,
                         "ember train: shard %u: no worker request for %" PRIu64
                         " ms with a signal pending (--ps-timeout %u): no worker is left to shut "

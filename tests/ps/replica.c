@@ -20,6 +20,9 @@
  *   5. Stop polls: the stop step a poll fixed on the primary is the one the backup answers
  *      with after taking shard 0 over (a worker that learnt it stops there; the others must
  *      learn the same step, not none).
+ *   6. A backup knows whether its primary is there (ps_server_primary_connected: what lets a
+ *      signalled backup serve on through a phase without updates): not before the primary's
+ *      first update, then while its connection is open, not once the primary is gone.
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -248,6 +251,24 @@ int main(void)
     ps_server_stats bs5;
     ps_server_stats_get(b, &bs5);
     CHECK_MSG(bs5.promoted == 1, "the backup did not take over");
+    ps_client_destroy(c);
+    ps_server_destroy(b);
+
+    /* 6. The primary's connection, seen from the backup. */
+    c = start_pair(&cfg, dir, "6", &p, &b, &bu);
+    CHECK_MSG(!ps_server_primary_connected(b), "a backup knew its primary before any update");
+    CHECK_OK(ps_client_push(c, 0, keys, N_KEYS, ones, &err), err);
+    CHECK_OK(ps_client_flush(c, &err), err);
+    CHECK_MSG(ps_server_primary_connected(b), "a backup that took an update sees no primary");
+    ps_server_destroy(p);
+    double t6 = cm_now();
+    while (ps_server_primary_connected(b) && cm_now() - t6 < 5)
+        usleep(1000);
+    ps_server_stats bs6;
+    ps_server_stats_get(b, &bs6);
+    CHECK_MSG(!ps_server_primary_connected(b) && bs6.promoted == 0,
+              "the primary gone for %.1f s: connected %d, promoted %llu (want neither)",
+              cm_now() - t6, ps_server_primary_connected(b), (unsigned long long)bs6.promoted);
     ps_client_destroy(c);
     ps_server_destroy(b);
 
