@@ -33,6 +33,7 @@ static void train_usage(FILE *to)
         "                       max_batch_keys); every\n"
         "                       key under its section's header\n"
         "  --device cpu|cuda    default: cuda when built with it and a device is present\n"
+        "                       (cpu with --bf16)\n"
         "  --tf32               cuda: TF32 tensor-core GEMMs (faster, ~1e-3 relative; default\n"
         "                       fp32; EMBER_CUDA_TF32=1 too); cpu: ignored\n"
         "  --bf16               cpu: GEMMs on AMX tiles, operands rounded to bfloat16 and\n"

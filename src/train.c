@@ -2374,6 +2374,9 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
     if (rc != CM_OK) return rc;
     if (o->device != NULL) {
         rc = backend_find(o->device, &S->be, errptr);
+    } else if (o->bf16) {
+        /* --bf16 names the CPU's AMX GEMMs: on a host with a GPU too, the run asked for the CPU. */
+        S->be = &backend_cpu_ops;
     } else {
         /* Auto: CUDA when built in and a device answers, else the CPU. */
         S->be = backend_cuda_probe(NULL) == CM_OK ? backend_cuda(NULL) : &backend_cpu_ops;

@@ -340,8 +340,9 @@ static void set_kernels(const char *name, const char *tag)
  * OpenBLAS's kernels does not. */
 static void kernels_own_tag(void)
 {
+    /* The CPU's kernels (a host with a GPU would train on it by default). */
     const char *common = "--train ds/train --model mlp --batch 512 --checkpoint-every 2 --out KT "
-                         "--no-progress";
+                         "--no-progress --device cpu";
     CHECK(run("train %s --max-steps 2", common) == 0);
     char *pos = slurp_sealed("KT/ckpt/step-2/worker-0.pos");
     bool own = pos != NULL && strstr(pos, "\nkernels cpu/ember\n") != NULL;
@@ -366,7 +367,7 @@ static void kernels_own_tag(void)
 static void kernels_warning(void)
 {
     const char *common = "--train ds/train --model mlp --batch 512 --checkpoint-every 2 --out K "
-                         "--no-progress";
+                         "--no-progress --device cpu";
     CHECK(run("train %s --max-steps 4", common) == 0);
     CHECK(run("train %s --max-steps 6 --resume", common) == 0);
     CHECK_MSG(!err_has("not bit for bit"), "a resume under the same kernels warned");
