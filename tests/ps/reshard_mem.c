@@ -19,6 +19,19 @@
 #include "ps/checkpoint.h"
 #include "ps_test_util.h"
 
+/* ThreadSanitizer's shadow memory grows the reshard's RSS with every byte it touches (several
+ * times over), so the peak RSS bound holds only without it (ASan's shadow is an eighth). */
+#if defined(__SANITIZE_THREAD__)
+#define RSS_CHECK 0
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define RSS_CHECK 0
+#endif
+#endif
+#ifndef RSS_CHECK
+#define RSS_CHECK 1
+#endif
+
 #define NR 200000u
 #define DIM 16u
 #define STEP 1000u
@@ -241,7 +254,9 @@ int main(void)
             "peak RSS: tiny %ld KiB (%.2f s), %u rows %ld KiB (%.2f s): %.1f MiB more, rows "
             "%.1f MiB\n",
             base, t1 - t0, NR, peak, t2 - t1, grew_mb, rows_mb);
-    CHECK_MSG(grew_mb < rows_mb / 4,
+    if (!RSS_CHECK)
+        fprintf(stderr, "ps_reshard_mem: ThreadSanitizer build: the peak RSS bound is skipped\n");
+    CHECK_MSG(!RSS_CHECK || grew_mb < rows_mb / 4,
               "a reshard with --memory 2M grew the peak RSS by %.1f MiB for %.1f MiB of rows",
               grew_mb, rows_mb);
 
