@@ -11,16 +11,7 @@
  */
 #include "emb_util.h"
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define RSS_CHECKS 0
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define RSS_CHECKS 0
-#endif
-#endif
-#ifndef RSS_CHECKS
-#define RSS_CHECKS 1
-#endif
+#define RSS_CHECKS (!CHECK_ASAN && !CHECK_TSAN)
 
 #define BATCH 4096u
 #define MIB (1024.0 * 1024.0)

@@ -434,7 +434,7 @@ static void test_dead_below(emb_store *s, size_t rb)
               emb_store_count(s), held);
 }
 
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !CHECK_ASAN && !CHECK_TSAN
 /* The process's address space now, in bytes (VmSize), or 0. */
 static uint64_t vm_size(void)
 {
@@ -453,7 +453,7 @@ static uint64_t vm_size(void)
  * ASan or TSan the shadow memory makes an address-space limit meaningless: skipped there. */
 static void test_dead_below_retry(const char *dir)
 {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if CHECK_ASAN || CHECK_TSAN
     (void)dir;
     fprintf(stderr, "  dead_below retry: skipped under a sanitizer (address-space limit)\n");
 #else

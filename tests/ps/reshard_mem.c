@@ -21,16 +21,7 @@
 
 /* ThreadSanitizer's shadow memory grows the reshard's RSS with every byte it touches (several
  * times over), so the peak RSS bound holds only without it (ASan's shadow is an eighth). */
-#if defined(__SANITIZE_THREAD__)
-#define RSS_CHECK 0
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define RSS_CHECK 0
-#endif
-#endif
-#ifndef RSS_CHECK
-#define RSS_CHECK 1
-#endif
+#define RSS_CHECK (!CHECK_TSAN)
 
 #define NR 200000u
 #define DIM 16u
