@@ -2258,13 +2258,13 @@ static char *ingest_stats_path(const char *shards)
 }
 
 /* train_opts.expected_rows resolved: the flag's value, else the sum of the ingest's per-field
- * distinct-key estimates (stats.json in the training shards' directory or its parent, as
- * `ember ingest` lays them out) plus 5% for the estimate's error, else 0. A stats.json that
- * does not parse or describes another field count is only a missing hint: warned about. */
-static uint64_t expected_rows(const train_opts *o, uint32_t n_fields)
+ * distinct-key estimates in the training shards' stats.json at path (ingest_stats_path; NULL:
+ * none) plus 5% for the estimate's error, else 0. A stats.json that does not parse or describes
+ * another field count is only a missing hint: warned about. */
+static uint64_t expected_rows(const train_opts *o, uint32_t n_fields, const char *path)
 {
     if (o->expected_rows >= 0) return (uint64_t)o->expected_rows;
-    char *path = ingest_stats_path(o->train_path), *err = NULL;
+    char *err = NULL;
     if (path == NULL) return 0;
     uint64_t rows = 0, total = 0;
     uint32_t fields = 0;
@@ -2277,21 +2277,20 @@ static uint64_t expected_rows(const train_opts *o, uint32_t n_fields)
     else
         rows = total + total / 20;
     free(err);
-    free(path);
     return rows;
 }
 
-/* The most keys one row of the shards at path holds, from their ingest's stats.json; 0 when
- * it does not say (no file, an older ingest, or one that does not parse, warned about). */
-static uint32_t data_row_keys(const char *shards)
+/* The most keys one row of some shards holds, from their ingest's stats.json at path
+ * (ingest_stats_path; NULL: none); 0 when it does not say (no file, an older ingest, or one
+ * that does not parse, warned about). */
+static uint32_t data_row_keys(const char *path)
 {
-    char *path = ingest_stats_path(shards), *err = NULL;
+    char *err = NULL;
     uint32_t k = 0;
     int rc = path ? ds_stats_read_max_row_keys(path, &k, &err) : CM_ENOTFOUND;
     if (rc != CM_OK && rc != CM_ENOTFOUND)
         fprintf(stderr, "ember train: ignoring %s for the batch key bound: %s\n", path, err);
     free(err);
-    free(path);
     return rc != CM_OK ? 0 : k > 0 ? k : 1;
 }
 
@@ -2398,14 +2397,19 @@ static int setup_make(setup *S, const train_opts *o, char **errptr)
                         : o->ps_timeout_ms        ? o->ps_timeout_ms
                                                   : PS_TIMEOUT_DEFAULT_MS;
     snprintf(p->spill_dir, sizeof p->spill_dir, "%s/spill", o->out_dir);
-    uint64_t reserve = expected_rows(o, S->m.n_fields) / p->n_shards;
+    /* The training shards' stats.json, found once for both hints it gives. */
+    char *train_stats = ingest_stats_path(o->train_path);
+    uint64_t reserve = expected_rows(o, S->m.n_fields, train_stats) / p->n_shards;
     /* A batch's bound covers the eval shards too; the PS's message limit, which every role
      * works out alike, only the training shards, which every role reads. */
-    const uint32_t train_row_keys = data_row_keys(o->train_path),
-                   eval_row_keys = o->eval_path ? data_row_keys(o->eval_path) : train_row_keys,
+    char *eval_stats = o->eval_path ? ingest_stats_path(o->eval_path) : NULL;
+    const uint32_t train_row_keys = data_row_keys(train_stats),
+                   eval_row_keys = o->eval_path ? data_row_keys(eval_stats) : train_row_keys,
                    row_keys = !train_row_keys || !eval_row_keys ? 0
                               : train_row_keys > eval_row_keys  ? train_row_keys
                                                                 : eval_row_keys;
+    free(train_stats);
+    free(eval_stats);
     const uint64_t bound = o->max_batch_keys ? o->max_batch_keys
                            : row_keys        ? (uint64_t)o->batch * row_keys
                                              : (uint64_t)o->batch * S->m.n_fields * 8 + 1024;
