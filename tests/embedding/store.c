@@ -339,6 +339,7 @@ static void test_random(emb_store *s, size_t rb, uint64_t seed)
     uint32_t idxs[MAXB];
     uint32_t version = 0;
     uint64_t live = 0, bad_reads = 0, bad_counts = 0;
+    const int scan_count = strcmp(emb_store_kind(s), "rocksdb") == 0;
     char *err = NULL;
     for (uint32_t it = 1; it <= RANDOM_ITERS; it++) {
         size_t m = 1 + eu_below(&seed, MAXB);
@@ -378,9 +379,13 @@ static void test_random(emb_store *s, size_t rb, uint64_t seed)
                 bad_reads += !ok;
             }
         }
-        bad_counts += emb_store_count(s) != live;
+        /* A rocksdb count is a scan of every record and tombstone (the table keeps its own
+         * count): every 8th state, which is still ~190 states a run, keeps this part at ~2 s
+         * instead of ~13 s under ASan. */
+        if (scan_count == 0 || it % 8 == 0) bad_counts += emb_store_count(s) != live;
         if (it % 250 == 0) check_walk(s, rb, model, UNIVERSE);
     }
+    bad_counts += emb_store_count(s) != live;
     CHECK_MSG(bad_reads == 0 && bad_counts == 0, "%s random ops: %" PRIu64 " bad reads, %" PRIu64
               " bad counts", emb_store_kind(s), bad_reads, bad_counts);
     check_walk(s, rb, model, UNIVERSE);
