@@ -68,11 +68,6 @@ static inline uint64_t key_hash(uint64_t key)
     return XXH3_64bits(&key, sizeof key);
 }
 
-static inline uint64_t key_slot(uint64_t key, uint64_t mask)
-{
-    return key_hash(key) & mask;
-}
-
 /* ================= writing ================= */
 
 #define MAX_FILES 16
