@@ -276,7 +276,10 @@ static inline void fz_snap_op(fz_snap *s, fz_in *in)
     case 5: { /* a record's key made another's: a duplicate */
         if (nrec < 2) break;
         size_t a = fz_u8(in) % nrec, b = fz_u8(in) % nrec;
-        fz_put(rows, FZ_ROWS_HDR + a * rb, rows->b + FZ_ROWS_HDR + b * rb, 8);
+        /* Through a copy: the two records may overlap (a row_bytes under 8, or a == b), and
+         * fz_put may move the buffer it reads from. */
+        uint64_t key = fz_get(rows, FZ_ROWS_HDR + b * rb, 8);
+        fz_put(rows, FZ_ROWS_HDR + a * rb, &key, 8);
         break;
     }
     case 6: { /* the row count in header and manifest: wrapped around 2^64, or nudged */
