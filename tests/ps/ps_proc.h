@@ -82,9 +82,15 @@ static void psp_on_alarm(int sig)
     _exit(3);
 }
 
-/* Bounds the whole run: after `seconds` the children are killed and the process exits 3.
- * Also arranges for psp_stop_all at a normal exit. Under ThreadSanitizer, which runs the code
- * 5-15x slower, the bound is 4x, as the build's ctest timeouts are (tests/CMakeLists.txt). */
+/* A time bound of `seconds` as this build needs it: under ThreadSanitizer, which runs the
+ * code 5-15x slower, 4x, as the build's ctest timeouts are (tests/CMakeLists.txt). */
+static inline unsigned psp_bound_s(unsigned seconds)
+{
+    return CHECK_TSAN ? 4 * seconds : seconds;
+}
+
+/* Bounds the whole run: after psp_bound_s(seconds) the children are killed and the process
+ * exits 3. Also arranges for psp_stop_all at a normal exit. */
 static inline void psp_watchdog(unsigned seconds)
 {
     static int registered;
@@ -95,7 +101,7 @@ static inline void psp_watchdog(unsigned seconds)
     signal(SIGALRM, psp_on_alarm);
     signal(SIGTERM, psp_on_alarm); /* a timeout from outside (ctest) cleans up the same way */
     signal(SIGINT, psp_on_alarm);
-    alarm(CHECK_TSAN ? 4 * seconds : seconds);
+    alarm(psp_bound_s(seconds));
 }
 
 static inline psp_child *psp_find(pid_t pid)

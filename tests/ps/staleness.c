@@ -49,7 +49,7 @@ static void conf_for(const char *name, int staleness)
 /* `ps_staleness worker I DIR NAME`: worker 0 is fast, 1 sleeps before each clock. */
 static int worker_main(uint32_t id, const char *dir, const char *name)
 {
-    alarm(PT_WATCHDOG_S);
+    alarm(psp_bound_s(PT_WATCHDOG_S));
     ps_config cfg;
     char *err = NULL;
     snprintf(conf_name, sizeof conf_name, "%s.conf", name);

@@ -133,7 +133,7 @@ out:
 /* `ps_sync worker I DIR`: the rows to expect come from DIR/expect.bin, which the parent wrote. */
 static int worker_main(uint32_t id, const char *dir)
 {
-    alarm(PT_WATCHDOG_S);
+    alarm(psp_bound_s(PT_WATCHDOG_S));
     char *err = NULL;
     if (ps_config_load(pt_path(dir, "ps.conf"), &cfg, &err) != CM_OK) pt_die("worker config", err);
     urls[0] = pt_ipc(dir, "s0");
