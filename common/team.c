@@ -77,9 +77,11 @@ int cm_team_create(uint32_t threads, cm_team **out, char **errptr)
     pthread_cond_init(&t->left, NULL);
     for (; t->n < threads; t->n++)
         if (pthread_create(&t->th[t->n], NULL, team_main, t) != 0) {
+            /* The message before the team goes: it names t->n, freed with t. */
+            int rc =
+                cm_err(errptr, CM_ENOMEM, "cannot start team thread %u of %u", t->n + 1, threads);
             cm_team_destroy(t);
-            return cm_err(errptr, CM_ENOMEM, "cannot start team thread %u of %u", t->n + 1,
-                          threads);
+            return rc;
         }
     *out = t;
     return CM_OK;

@@ -16,8 +16,12 @@
  *    once after creation, while its threads may still be starting);
  *  - cm_team_create with 0 or 257 threads fails with CM_EINVAL, a message and *out NULL; 256
  *    works;
- *  - a NULL team, or a single part, runs the parts in order on the caller.
+ *  - a NULL team, or a single part, runs the parts in order on the caller;
+ *  - a team whose thread cannot start fails with CM_ENOMEM, *out NULL and a message naming
+ *    that thread.
  */
+#define _GNU_SOURCE /* pthread_setattr_default_np */
+#include <malloc.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -348,6 +352,44 @@ static void test_null_team(void)
     }
 }
 
+/* ---- a thread that cannot start ---- */
+
+/* Every thread's stack made larger than the address space (the default attributes, which
+ * cm_team_create's threads take), so the first pthread_create fails. cm_team_create formatted
+ * its message after freeing the half-built team, reading its thread count from freed memory: ASan
+ * reports that; M_PERTURB (glibc) fills freed memory, so a plain build shows it in the message too.
+ * 256 threads: a team too large for the tcache, which M_PERTURB does not fill. */
+static void test_create_fails(void)
+{
+    pthread_attr_t saved, huge;
+    if (pthread_getattr_default_np(&saved) != 0) {
+        CHECK_MSG(0, "pthread_getattr_default_np failed");
+        return;
+    }
+    pthread_attr_init(&huge);
+    int set = pthread_attr_setstacksize(&huge, (size_t)1 << 50) == 0 &&
+              pthread_setattr_default_np(&huge) == 0;
+    CHECK_MSG(set, "cannot set a default stack of 2^50 bytes");
+    cm_team *t = (cm_team *)&saved; /* must be set to NULL */
+    char *err = NULL;
+    int rc = CM_OK;
+    if (set) {
+        mallopt(M_PERTURB, 0xa5);
+        rc = cm_team_create(256, &t, &err);
+        mallopt(M_PERTURB, 0);
+        CHECK_MSG(pthread_setattr_default_np(&saved) == 0, "default attributes not restored");
+    }
+    pthread_attr_destroy(&huge);
+    pthread_attr_destroy(&saved);
+    if (!set) return;
+    CHECK_MSG(rc == CM_ENOMEM, "cm_team_create with no stack to give: rc=%d", rc);
+    CHECK_MSG(t == NULL, "cm_team_create failed and left *out set");
+    CHECK_MSG(err != NULL && strstr(err, "thread 1 of 256") != NULL, "message %s",
+              err ? err : "(none)");
+    if (rc == CM_OK) cm_team_destroy(t);
+    free(err);
+}
+
 int main(void)
 {
     atomic_init(&g_thread_errors, 0);
@@ -361,6 +403,8 @@ int main(void)
     test_busy_team();
     fprintf(stderr, "create and destroy\n");
     test_create_destroy();
+    fprintf(stderr, "a thread that cannot start\n");
+    test_create_fails();
     CHECK_MSG(atomic_load(&g_thread_errors) == 0, "%u failures in threads",
               atomic_load(&g_thread_errors));
     return check_done();
