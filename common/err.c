@@ -34,7 +34,7 @@ static void err_vset(char **errptr, const char *suffix, const char *fmt, va_list
     *errptr = msg;
 }
 
-int cm_err(char **errptr, int code, const char *fmt, ...)
+int(cm_err)(char **errptr, int code, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -43,7 +43,7 @@ int cm_err(char **errptr, int code, const char *fmt, ...)
     return code;
 }
 
-int cm_err_errno(char **errptr, int code, const char *fmt, ...)
+int(cm_err_errno)(char **errptr, int code, const char *fmt, ...)
 {
     int saved = errno;
     va_list ap;

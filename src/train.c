@@ -2679,11 +2679,20 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
         S.n_urls = S.urls ? oc.shards : 0;
         for (uint32_t i = 0; S.urls && i < oc.shards; i++) {
             S.urls[i] = malloc(64);
-            if (S.urls[i]) snprintf(S.urls[i], 64, "inproc://ember-%ld-%u", (long)getpid(), i);
+            if (S.urls[i] == NULL) break;
+            snprintf(S.urls[i], 64, "inproc://ember-%ld-%u", (long)getpid(), i);
+        }
+        if (S.urls == NULL || S.urls[oc.shards - 1] == NULL) {
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory for %u shard URLs", oc.shards);
+            goto out;
         }
     }
     if (run_ps) {
         servers = calloc(oc.shards, sizeof *servers);
+        if (servers == NULL) {
+            rc = cm_err(errptr, CM_ENOMEM, "out of memory for %u shards", oc.shards);
+            goto out;
+        }
         for (uint32_t i = first_s; rc == CM_OK && i < first_s + n_s; i++) {
             /* A PS serves SAVE and LOAD for this run's checkpoints only. */
             ps_server_opts so = {.cfg = &S.ps,
