@@ -89,9 +89,10 @@ static void check_manifest_damage(const char *ckpt)
     const char *path = pt_path(pt_path(ckpt, "shard-0"), "MANIFEST");
     FILE *f = fopen(path, "rb");
     char text[4096];
-    size_t len = f ? fread(text, 1, sizeof text, f) : 0;
+    size_t len = f ? fread(text, 1, sizeof text - 1, f) : 0;
     if (f) fclose(f);
-    CHECK_MSG(len > 40 && len < sizeof text, "%s: %zu bytes", path, len);
+    text[len] = '\0'; /* strstr below: the file's bytes only */
+    CHECK_MSG(len > 40 && len < sizeof text - 1, "%s: %zu bytes", path, len);
     char tables[PS_MAX_TABLES][PS_NAME_MAX], dense[PS_MAX_DENSE][PS_NAME_MAX];
     uint32_t nt = 0, nd = 0;
     char *err = NULL;

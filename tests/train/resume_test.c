@@ -537,7 +537,7 @@ static void reshard_case(void)
               latest ? latest : "(missing)");
     free(latest);
     char *pos = slurp("S2/ckpt/step-12/worker-0.pos");
-    if (pos && pos[5] >= '0' && pos[5] <= '9') {
+    if (pos && strlen(pos) > 5 && pos[5] >= '0' && pos[5] <= '9') {
         pos[5] = pos[5] == '1' ? '2' : '1';
         char p[8300];
         snprintf(p, sizeof p, "%s/S2/ckpt/step-12/worker-0.pos", dir);
