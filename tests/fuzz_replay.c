@@ -55,7 +55,7 @@ static char crash_path[4200];
 static const uint8_t *cur_p;
 static size_t cur_n;
 
-static void __attribute__((format(printf, 1, 2))) die(const char *fmt, ...)
+static void __attribute__((noreturn, format(printf, 1, 2))) die(const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);

@@ -50,7 +50,7 @@ static inline void bench_blas_core(char **argv)
 }
 
 /* Prints "NAME: what: err" and exits 1; frees err (NULL: only what). */
-static inline void bench_die(const char *what, char *err)
+__attribute__((noreturn)) static inline void bench_die(const char *what, char *err)
 {
     fprintf(stderr, "%s: %s%s%s\n", bench_self()->name, what, err ? ": " : "", err ? err : "");
     free(err);

@@ -71,7 +71,7 @@ static struct {
     pull_note pulls[2][3]; /* the last successful training pull of each (worker, table) */
 } W;
 
-static void die(const char *fmt, ...)
+__attribute__((noreturn, format(printf, 1, 2))) static void die(const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
