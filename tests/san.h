@@ -1,7 +1,6 @@
 /*
- * Which sanitizer a test is built under, for what their shadow memory and their slowness
- * defeat. Its own header so that tests/ps/ps_proc.h (which tools/bench_ps.c includes too, without
- * the check.h harness) sees the same answer as the tests.
+ * Which sanitizer a test is built under, for what their shadow memory defeats (check.h includes
+ * it). Their slowness is the build's to scale: EMBER_TEST_TIME_SCALE (tests/CMakeLists.txt).
  */
 #ifndef EMBER_TESTS_SAN_H
 #define EMBER_TESTS_SAN_H

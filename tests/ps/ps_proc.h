@@ -26,8 +26,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../san.h"
-
 #define PSP_MAX 64
 
 typedef struct psp_child {
@@ -82,11 +80,14 @@ static void psp_on_alarm(int sig)
     _exit(3);
 }
 
-/* A time bound of `seconds` as this build needs it: under ThreadSanitizer, which runs the
- * code 5-15x slower, 4x, as the build's ctest timeouts are (tests/CMakeLists.txt). */
+/* A time bound of `seconds` as this build needs it: scaled as the build's ctest timeouts are
+ * (EMBER_TEST_TIME_SCALE, from tests/CMakeLists.txt: 4 under ThreadSanitizer). */
+#ifndef EMBER_TEST_TIME_SCALE
+#define EMBER_TEST_TIME_SCALE 1
+#endif
 static inline unsigned psp_bound_s(unsigned seconds)
 {
-    return CHECK_TSAN ? 4 * seconds : seconds;
+    return EMBER_TEST_TIME_SCALE * seconds;
 }
 
 /* Bounds the whole run: after psp_bound_s(seconds) the children are killed and the process
