@@ -259,7 +259,8 @@ typedef struct setup {
     uint32_t batch_keys;
     char ckpt_root[2048];
     uint64_t resume_step;
-    FILE *metrics; /* worker 0 */
+    FILE *metrics;       /* worker 0 */
+    bool metrics_failed; /* a write to it failed, and was reported (metrics_flush) */
     FILE *log;     /* embedded runs: logs/train.log in the run directory (train_log) */
     int lock_fd;   /* RUNDIR/lock, held while this job's worker 0 runs here (run_lock) */
     bool locked;
@@ -388,6 +389,22 @@ static void train_log(const setup *S, const char *fmt, ...)
     va_end(ap);
     fputc('\n', S->log);
     fflush(S->log);
+}
+
+/* Flushes the run's metrics lines (worker 0's thread only). One that cannot be written (a full
+ * disk, say) does not end the run, whose result and checkpoints are what a run is for, but it is
+ * said once, on stderr and in the log, rather than lost without a word: a plot of the run would
+ * otherwise just stop. */
+static void metrics_flush(setup *S)
+{
+    if (fflush(S->metrics) == 0 && !ferror(S->metrics)) return;
+    int e = errno;
+    if (S->metrics_failed) return;
+    S->metrics_failed = true;
+    fprintf(stderr,
+            "ember train: warning: cannot write %s/metrics.jsonl: %s; its later lines are lost\n",
+            S->o->out_dir, strerror(e));
+    train_log(S, "warning: cannot write metrics.jsonl: %s; its later lines are lost", strerror(e));
 }
 
 /* Whether worker w evaluates once `steps` batches are done: worker 0, every --eval-every steps
@@ -1107,7 +1124,7 @@ static int evaluate(setup *S, ps_client *c, void *be, uint64_t step, bool final,
                     "{\"step\":%" PRIu64 ",\"seconds\":%.3f,\"auc\":%s,\"logloss\":%.6f"
                     ",\"eval_rows\":%" PRIu64 ",\"eval_seconds\":%.3f,\"final\":%s}\n",
                     step, cm_now() - S->t0, auc, res->logloss, n, t, final ? "true" : "false");
-            fflush(S->metrics);
+            metrics_flush(S);
         }
     }
     return rc;
@@ -1878,7 +1895,7 @@ static int evaluate_periodic(worker *W, ps_client *c, uint64_t step, char **errp
 
 /* Worker 0's progress: a bar on a terminal (redrawn in place), a log line otherwise, and a
  * JSON line in metrics.jsonl. samples/s leaves out the time spent evaluating. */
-static void log_progress(const setup *S, uint64_t step, uint64_t samples, double loss, bool final)
+static void log_progress(setup *S, uint64_t step, uint64_t samples, double loss, bool final)
 {
     double now = cm_now(), el = now - S->t0, busy = el - S->t_eval,
            rate = busy > 0 ? (double)samples / busy : 0,
@@ -1913,7 +1930,7 @@ static void log_progress(const setup *S, uint64_t step, uint64_t samples, double
                 "{\"step\":%" PRIu64 ",\"samples\":%" PRIu64
                 ",\"seconds\":%.3f,\"loss\":%.6f,\"samples_per_s\":%.1f,\"loop_seconds\":%.3f}\n",
                 step, samples, el, loss, rate, loop);
-        fflush(S->metrics);
+        metrics_flush(S);
     }
 }
 
