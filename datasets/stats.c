@@ -124,8 +124,10 @@ int ds_stats_write_json(const ds_stats *s, const ds_schema *schema, const char *
                 rate(s->field_missing[i], s->rows), ds_stats_distinct(s, i));
     }
     fprintf(f, "%s]\n}\n", s->n_fields ? "\n  " : "");
-    fclose(f);
-    int rc = cm_write_file_atomic(path, buf, len, errptr);
+    /* A memory stream fails only for want of memory, and then holds part of the text. */
+    int rc = fclose(f) == 0 && buf != NULL
+                 ? cm_write_file_atomic(path, buf, len, errptr)
+                 : cm_err(errptr, CM_ENOMEM, "out of memory writing %s", path);
     free(buf);
     return rc;
 }
