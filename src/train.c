@@ -2699,7 +2699,7 @@ int train_run(const train_opts *o, train_result *res, char **errptr)
             if (S.urls[i] == NULL) break;
             snprintf(S.urls[i], 64, "inproc://ember-%ld-%u", (long)getpid(), i);
         }
-        if (S.urls == NULL || S.urls[oc.shards - 1] == NULL) {
+        if (S.urls == NULL || (oc.shards > 0 && S.urls[oc.shards - 1] == NULL)) {
             rc = cm_err(errptr, CM_ENOMEM, "out of memory for %u shard URLs", oc.shards);
             goto out;
         }
