@@ -76,9 +76,18 @@ typedef struct {
     long stride;
 } subject;
 
-/* The final line's figures that a run's result is (train). */
+/* *text replaced by the file name in dir ("" when unreadable). */
+static void reread(char **text, const char *name)
+{
+    free(*text);
+    *text = slurp(name);
+    if (*text == NULL) *text = calloc(1, 1);
+}
+
+/* The last run's final line's figures that its result is (train). */
 static void result_of(char *out, size_t cap)
 {
+    reread(&out_text, "oom.out");
     char auc[64] = "", ll[64] = "";
     json_raw(last_line(), "auc", auc, sizeof auc);
     json_raw(last_line(), "logloss", ll, sizeof ll);
@@ -92,20 +101,15 @@ static void sweep(const char *lib, subject *s)
     snprintf(cmd, sizeof cmd, "rm -rf '%s/OUT' '%s/%s'", dir, dir, ref);
     CHECK(system(cmd) == 0);
     int st = run_failing(lib, s->argv, 0);
-    char *err = slurp("oom.err"), *outs = slurp("oom.out");
+    reread(&err_text, "oom.err");
     long total = 0;
-    const char *t = err ? strstr(err, "failmalloc: total ") : NULL;
+    const char *t = strstr(err_text, "failmalloc: total ");
     if (t) total = atol(t + 18);
     CHECK_MSG(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0 && total >= 10,
               "%s without a failure: status %d, %ld allocations counted; stderr: %s", s->name, st,
-              total, err ? err : "");
-    free(outs);
-    free(err);
+              total, err_text);
     if (total < 10) return;
     char want[256] = "";
-    free(out_text);
-    out_text = slurp("oom.out");
-    if (out_text == NULL) out_text = calloc(1, 1);
     result_of(want, sizeof want);
     snprintf(cmd, sizeof cmd, "mv '%s/OUT' '%s/%s'", dir, dir, ref);
     if (s->same_out) CHECK(system(cmd) == 0);
@@ -114,9 +118,7 @@ static void sweep(const char *lib, subject *s)
         snprintf(cmd, sizeof cmd, "rm -rf '%s/OUT'", dir);
         CHECK(system(cmd) == 0);
         st = run_failing(lib, s->argv, n);
-        free(err_text);
-        err_text = slurp("oom.err");
-        if (err_text == NULL) err_text = calloc(1, 1);
+        reread(&err_text, "oom.err");
         size_t el = strlen(err_text);
         const char *tail = el > 300 ? err_text + el - 300 : err_text;
         if (st == -1 || WIFSIGNALED(st)) {
@@ -135,9 +137,6 @@ static void sweep(const char *lib, subject *s)
         fell_back++;
         if (!s->same_out) {
             char got[256];
-            free(out_text);
-            out_text = slurp("oom.out");
-            if (out_text == NULL) out_text = calloc(1, 1);
             result_of(got, sizeof got);
             CHECK_MSG(strcmp(got, want) == 0, "%s, allocation %ld failed: exit 0 with %s, not %s",
                       s->name, n, got, want);
